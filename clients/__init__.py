@@ -1,0 +1,1 @@
+"""The Flower ClientApp of diff2-flwr."""

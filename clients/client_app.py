@@ -1,0 +1,44 @@
+"""Flower ClientApp: one worker per SuperNode, holding shard ``partition-id`` of ``num-partitions``."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from flwr.client import Client, ClientApp
+from flwr.common import Context
+
+from diff2_flwr.fl.client import Diff2Client
+from diff2_flwr.lab.config import ExperimentConfig, load_config
+from diff2_flwr.lab.paths import resolve_config_path
+from diff2_flwr.lab.session import build_worker
+
+# One thread per worker: simulation runs several workers per core, and a fixed thread count
+# keeps the floating-point reductions (and so the results) reproducible.
+torch.set_num_threads(1)
+
+
+@functools.lru_cache(maxsize=8)
+def _config(path: str) -> ExperimentConfig:
+    return load_config(resolve_config_path(path))
+
+
+def client_fn(context: Context) -> Client:
+    cfg = _config(str(context.run_config["config"]))
+    try:
+        partition_id = int(context.node_config["partition-id"])
+        num_partitions = int(context.node_config["num-partitions"])
+    except KeyError as err:
+        raise ValueError(
+            f"Node config key {err.args[0]!r} is missing: every SuperNode needs "
+            "--node-config \"partition-id=<i> num-partitions=<P>\"."
+        ) from None
+    if num_partitions != cfg.training.clients:
+        raise ValueError(
+            f"Node config num-partitions = {num_partitions} but {cfg.source} has training.clients = "
+            f"{cfg.training.clients}; they must match (in a simulation, num-supernodes = training.clients)."
+        )
+    return Diff2Client(build_worker(cfg, partition_id)).to_client()
+
+
+app = ClientApp(client_fn=client_fn)

@@ -1,0 +1,141 @@
+"""Per-sample gradients and their clipped means, for any ``torch.nn.Module`` without batch-norm.
+
+Per-sample gradients come from ``torch.func``: ``vmap(grad(loss of one sample))`` over a
+chunk of samples, with the parameters passed through ``functional_call``. Chunks bound the
+memory to ``chunk_size × d`` numbers. A worker's contribution is ClippedMean of the
+per-sample gradients (restart rounds) or of per-sample gradient differences
+∇ℓ(x_{r-1}, z) - ∇ℓ(x_{r-2}, z) (difference rounds).
+
+References:
+    Murata & Suzuki (2023), Algorithm 1, worker lines; Algorithm 2 (ClippedMean).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.func import functional_call, grad, vmap
+
+from .clipping import clipped_sum
+from .layout import ParameterLayout
+
+__all__ = ["LossFn", "Contribution", "PerSampleGradients", "check_per_sample_safe"]
+
+#: ``loss(prediction[n, ...], target[n]) -> per-sample losses[n]``.
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+_BATCH_COUPLED = (torch.nn.modules.batchnorm._BatchNorm,)
+
+
+def check_per_sample_safe(model: torch.nn.Module) -> None:
+    """Refuse modules that couple the samples of a batch (batch-norm).
+
+    With batch-norm one sample's output depends on the others', so a "per-sample" gradient
+    is not one sample's contribution and the sensitivity analysis fails.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, _BATCH_COUPLED):
+            raise ValueError(
+                f"Module {name or type(module).__name__!r} ({type(module).__name__}) mixes samples within a "
+                "batch, so per-sample gradients and the DP guarantee would be wrong. Replace it with "
+                "GroupNorm or LayerNorm (per-sample normalisation), or remove it."
+            )
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """A worker's ClippedMean and how many of its samples were clipped (a diagnostic)."""
+
+    mean: np.ndarray
+    num_samples: int
+    num_clipped: int
+
+    @property
+    def clip_fraction(self) -> float:
+        return self.num_clipped / self.num_samples
+
+
+class PerSampleGradients:
+    """Per-sample gradients of ``loss(model(x), y)`` at given flat parameter vectors."""
+
+    def __init__(
+        self, model: torch.nn.Module, loss: LossFn, *, dtype: torch.dtype = torch.float64, chunk_size: int = 1024
+    ) -> None:
+        check_per_sample_safe(model)
+        if chunk_size < 1:
+            raise ValueError(f"`chunk_size` must be >= 1. Found {chunk_size}.")
+        self.model = model.to(dtype)
+        self.loss = loss
+        self.dtype = dtype
+        self.chunk_size = chunk_size
+        self.layout = ParameterLayout.of(model)
+        self._buffers = {n: b for n, b in model.named_buffers()}
+
+        def one_sample_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            out = functional_call(self.model, (params, self._buffers), (x.unsqueeze(0),))
+            return self.loss(out, y.unsqueeze(0)).sum()
+
+        self._per_sample = vmap(grad(one_sample_loss), in_dims=(None, 0, 0))
+
+    def _flat(self, grads: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+        return torch.cat([grads[name].reshape(n, -1) for name in self.layout.names], dim=1)
+
+    def per_sample(self, x_vec: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """All per-sample gradients at ``x_vec`` as one [n, d] tensor (for tests and small shards)."""
+        params = self.layout.to_torch(x_vec, self.dtype)
+        return torch.cat(
+            [self._flat(self._per_sample(params, xc, yc), xc.shape[0])
+             for xc, yc in _chunks(features, targets, self.chunk_size)]
+        )
+
+    def clipped_mean(
+        self,
+        x_current: np.ndarray,
+        features: torch.Tensor,
+        targets: torch.Tensor,
+        radius: float,
+        x_previous: np.ndarray | None = None,
+    ) -> Contribution:
+        """ClippedMean of per-sample gradients at ``x_current`` or, when ``x_previous`` is given,
+        of per-sample differences ∇ℓ(x_current, z) - ∇ℓ(x_previous, z)."""
+        n = int(features.shape[0])
+        if n == 0:
+            raise ValueError("The shard is empty: a worker with no samples cannot compute a ClippedMean.")
+        current = self.layout.to_torch(x_current, self.dtype)
+        previous = None if x_previous is None else self.layout.to_torch(x_previous, self.dtype)
+        total = torch.zeros(self.layout.dim, dtype=torch.float64)
+        clipped = 0
+        for xc, yc in _chunks(features, targets, self.chunk_size):
+            rows = self._flat(self._per_sample(current, xc, yc), xc.shape[0])
+            if previous is not None:
+                rows = rows - self._flat(self._per_sample(previous, xc, yc), xc.shape[0])
+            # Clip and sum in float64 whatever the compute dtype: the result's norm then exceeds
+            # the radius by float64 rounding at most, which the server's check tolerates.
+            part = clipped_sum(rows.to(torch.float64), radius)
+            total += part.total
+            clipped += part.clipped
+        mean = (total / n).numpy()
+        return Contribution(mean=mean, num_samples=n, num_clipped=clipped)
+
+    def loss_and_gradient(self, x_vec: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> tuple[float, np.ndarray]:
+        """Mean loss and its (unclipped) gradient over all samples: evaluation only."""
+        params = {k: v.requires_grad_(True) for k, v in self.layout.to_torch(x_vec, self.dtype).items()}
+        out = functional_call(self.model, (params, self._buffers), (features,))
+        loss = self.loss(out, targets).mean()
+        grads = torch.autograd.grad(loss, [params[n] for n in self.layout.names])
+        flat = torch.cat([g.reshape(-1) for g in grads]).detach().to(torch.float64).numpy()
+        return float(loss.detach()), flat
+
+    def mean_loss(self, x_vec: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> float:
+        """Mean loss over all samples (no gradient): evaluation only."""
+        with torch.no_grad():
+            out = functional_call(self.model, (self.layout.to_torch(x_vec, self.dtype), self._buffers), (features,))
+            return float(self.loss(out, targets).mean())
+
+
+def _chunks(features: torch.Tensor, targets: torch.Tensor, size: int):
+    for start in range(0, features.shape[0], size):
+        yield features[start:start + size], targets[start:start + size]

@@ -1,0 +1,105 @@
+"""DIFF2 as a Flower ``Strategy``: thin glue around :class:`~diff2_flwr.lab.session.Diff2Server`.
+
+Every round uses all P clients. ``configure_fit`` ships x_{r-1} (and x_{r-2} and the radius
+on difference rounds); ``aggregate_fit`` requires exactly P successful replies and hands them
+to the server, which checks each one (shape, dtype, finiteness, norm <= radius, n_p >= n_min)
+and releases nothing if any check fails: the run then stops with an error naming the client
+and the check.
+"""
+
+from __future__ import annotations
+
+from flwr.common import EvaluateIns, EvaluateRes, FitIns, FitRes, Parameters, Scalar
+from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import Strategy
+
+from ..core.aggregation import RoundRejected
+from ..lab.session import Diff2Server
+from . import protocol
+
+__all__ = ["Diff2Strategy"]
+
+
+class Diff2Strategy(Strategy):
+    """Runs DIFF2 rounds over Flower; the math lives in the wrapped :class:`Diff2Server`."""
+
+    def __init__(self, *, server: Diff2Server, wait_for_clients_s: int = 300) -> None:
+        super().__init__()
+        if wait_for_clients_s < 1:
+            raise ValueError(f"`wait_for_clients_s` must be >= 1. Found {wait_for_clients_s}.")
+        self.server = server
+        self.wait_for_clients_s = wait_for_clients_s
+
+    def __repr__(self) -> str:
+        return f"Diff2Strategy(clients={self.server.clients}, rounds={self.server.rounds})"
+
+    def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
+        return ndarrays_to_parameters(self.server.layout.split(self.server.state.x))
+
+    def configure_fit(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, FitIns]]:
+        plan = self.server.plan()
+        if server_round != plan.round:
+            self._stop(RuntimeError(f"Flower asked for round {server_round} but the DIFF2 server is at round {plan.round}."))
+        p = self.server.clients
+        client_manager.wait_for(p, timeout=self.wait_for_clients_s)
+        available = client_manager.all()
+        if len(available) != p:
+            self._stop(RoundRejected(
+                plan.round, "all-clients",
+                f"the config has training.clients = {p} but {len(available)} clients are connected. Every round "
+                f"needs exactly P = {p}; in a simulation pass --federation-config \"num-supernodes={p}\".",
+            ))
+        arrays, config = protocol.encode_task(plan, self.server.layout)
+        fit_ins = FitIns(parameters=ndarrays_to_parameters(arrays), config=config)
+        return [(proxy, fit_ins) for _, proxy in sorted(available.items())]
+
+    def aggregate_fit(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, FitRes]],
+        failures: list[tuple[ClientProxy, FitRes] | BaseException],
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        if failures:
+            described = []
+            for failure in failures:
+                if isinstance(failure, BaseException):
+                    described.append(f"{type(failure).__name__}: {failure}")
+                else:
+                    proxy, res = failure
+                    described.append(f"node {proxy.cid}: status {res.status.code.name} {res.status.message}")
+            self._stop(RoundRejected(server_round, "client-failure",
+                                     f"{len(failures)} client(s) failed: " + "; ".join(described)))
+        try:
+            replies = [
+                protocol.decode_reply(f"node {proxy.cid}", parameters_to_ndarrays(res.parameters),
+                                      res.num_examples, res.metrics, server_round)
+                for proxy, res in results
+            ]
+        except RoundRejected as err:
+            self._stop(err)
+        release = self.server.release(replies)  # records and raises on a failed check
+        return ndarrays_to_parameters(self.server.layout.split(release.x)), {}
+
+    def configure_evaluate(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, EvaluateIns]]:
+        return []  # evaluation happens on the server, on data it is given for evaluation
+
+    def aggregate_evaluate(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, EvaluateRes]],
+        failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
+    ) -> tuple[float | None, dict[str, Scalar]]:
+        return None, {}
+
+    def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
+        return None  # the Diff2Server evaluates each released iterate and records it in metrics.jsonl
+
+    def _stop(self, error: BaseException):
+        self.server.fail(error)
+        raise error

@@ -1,0 +1,312 @@
+"""Experiment configuration: one YAML file -> frozen, validated dataclasses.
+
+Every error names the file, the key, what was expected and what was found. Unknown keys are
+errors (a typo must not silently fall back to a default).
+
+Example (``configs/default.yaml``)::
+
+    name: default
+    method: diff2             # gd | dpgd | diff2
+    dataset: {name: synthetic}
+    privacy: {epsilon: 3.0, delta: 1.0e-5, mode: exact, u: 1.25}
+    training: {rounds: 100, restart_every: 10, clip_restart: 1.0, clip_diff: 1.0,
+               learning_rate: 0.25, clients: 10, seed: null}
+    output: {dir: outputs/default}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+
+from ..core.estimator import Mechanism
+from ..core.privacy import Calibration, calibrate
+from ..task.data import DATASETS
+from ..task.losses import LOSSES
+
+__all__ = [
+    "ConfigError",
+    "DatasetConfig",
+    "ModelConfig",
+    "PrivacyConfig",
+    "TrainingConfig",
+    "EvaluationConfig",
+    "OutputConfig",
+    "ExperimentConfig",
+    "load_config",
+    "parse_config",
+]
+
+Method = Literal["gd", "dpgd", "diff2"]
+
+
+class ConfigError(ValueError):
+    """An invalid experiment file; the message names file, key, expectation and finding."""
+
+
+class _Invalid(ValueError):
+    def __init__(self, key: str, expected: str, found: Any) -> None:
+        super().__init__(f"key `{key}`: expected {expected}. Found {found!r}.")
+        self.key, self.expected, self.found = key, expected, found
+
+
+def _require(ok: bool, key: str, expected: str, found: Any) -> None:
+    if not ok:
+        raise _Invalid(key, expected, found)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    name: Literal["synthetic", "california_housing", "gas_turbine"] = "synthetic"
+    dir: str | None = None  # data directory for real datasets; default $DIFF2_DATA_DIR
+    test_fraction: float = 0.2
+    split_seed: int = 0
+    num_samples: int = 10_000  # synthetic only
+    num_features: int = 8  # synthetic only
+    generator_seed: int = 0  # synthetic only
+
+    def __post_init__(self) -> None:
+        _require(0 < self.test_fraction < 1, "test_fraction", "a number in (0, 1)", self.test_fraction)
+        _require(self.split_seed >= 0, "split_seed", "an integer >= 0", self.split_seed)
+        _require(self.num_samples >= 2, "num_samples", "an integer >= 2", self.num_samples)
+        _require(self.num_features >= 1, "num_features", "an integer >= 1", self.num_features)
+        _require(self.generator_seed >= 0, "generator_seed", "an integer >= 0", self.generator_seed)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: Literal["paper_mlp"] = "paper_mlp"
+    hidden: int = 10
+    init_seed: int = 0
+    loss: str = "half_squared_error"
+
+    def __post_init__(self) -> None:
+        _require(self.hidden >= 1, "hidden", "an integer >= 1", self.hidden)
+        _require(self.init_seed >= 0, "init_seed", "an integer >= 0", self.init_seed)
+        _require(self.loss in LOSSES, "loss", f"one of {sorted(LOSSES)}", self.loss)
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    epsilon: float = 3.0
+    delta: float = 1e-5
+    mode: Literal["exact", "rdp"] = "exact"
+    u: float = 1.25
+    n_min: int | None = None  # samples of the smallest shard; None: computed from the dataset
+
+    def __post_init__(self) -> None:
+        _require(math.isfinite(self.epsilon) and self.epsilon > 0, "epsilon", "a finite number > 0", self.epsilon)
+        _require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
+        _require(self.n_min is None or self.n_min >= 1, "n_min", "null or an integer >= 1", self.n_min)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    rounds: int = 100
+    restart_every: int | None = None  # T; required for diff2, 1 for dpgd
+    clip_restart: float = 1.0  # C1
+    clip_diff: float = 1.0  # C2
+    learning_rate: float = 0.25
+    routine: Literal["gd"] = "gd"
+    clients: int = 10  # P
+    seed: int | None = None  # noise seed; null draws the noise key from OS entropy
+    dtype: Literal["float64", "float32"] = "float64"
+    chunk_size: int = 1024  # samples per vmap chunk (bounds memory)
+
+    def __post_init__(self) -> None:
+        _require(self.rounds >= 1, "rounds", "an integer >= 1", self.rounds)
+        _require(self.restart_every is None or self.restart_every >= 1, "restart_every", "an integer >= 1", self.restart_every)
+        for key in ("clip_restart", "clip_diff"):
+            v = getattr(self, key)
+            _require(v > 0, key, "a number > 0 (.inf only for method gd)", v)
+        lr = self.learning_rate
+        _require(math.isfinite(lr) and lr > 0, "learning_rate", "a finite number > 0", lr)
+        _require(self.clients >= 1, "clients", "an integer >= 1", self.clients)
+        _require(self.seed is None or self.seed >= 0, "seed", "null or an integer >= 0", self.seed)
+        _require(self.chunk_size >= 1, "chunk_size", "an integer >= 1", self.chunk_size)
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    every: int = 1  # evaluate x_r every this many rounds (and always at rounds 0 and R)
+    train_metrics: bool = True  # train loss and ||∇f||² on the private train split (not covered by ε)
+    test_metrics: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 1, "every", "an integer >= 1", self.every)
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: str = "outputs"  # each run writes into a new sub-folder of this
+
+    def __post_init__(self) -> None:
+        _require(bool(self.dir), "dir", "a non-empty path", self.dir)
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """One experiment: dataset, model, method, privacy budget and training schedule."""
+
+    name: str = "experiment"
+    method: Method = "diff2"
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    source: str = field(default="<memory>", compare=False)
+
+    def __post_init__(self) -> None:
+        t = self.training
+        if self.method == "diff2":
+            _require(t.restart_every is not None, "training.restart_every", "an integer T >= 1 for method diff2", None)
+        elif t.restart_every not in (None, 1):
+            raise _Invalid(
+                "training.restart_every", f"1 or null for method {self.method} (T = 1; use method diff2 for T > 1)",
+                t.restart_every,
+            )
+        _require(self.restart_every <= t.rounds, "training.restart_every",
+                 f"at most training.rounds = {t.rounds} (T > R never restarts)", t.restart_every)
+        if self.private:
+            for key in ("clip_restart", "clip_diff"):
+                v = getattr(t, key)
+                _require(math.isfinite(v), f"training.{key}", f"a finite radius for private method {self.method}", v)
+            if self.restart_every > 1:
+                u = self.privacy.u
+                _require(math.isfinite(u) and u > 1, "privacy.u", "a finite number > 1 when restart_every > 1 "
+                         "(the paper uses 1.25)", u)
+
+    @property
+    def private(self) -> bool:
+        return self.method != "gd"
+
+    @property
+    def restart_every(self) -> int:
+        """T: 1 for gd and dpgd, the configured value for diff2."""
+        return 1 if self.method != "diff2" else int(self.training.restart_every or 1)
+
+    def calibration(self, n_min: int) -> Calibration | None:
+        """The noise calibration for shards of at least ``n_min`` samples (None for gd)."""
+        if not self.private:
+            return None
+        p = self.privacy
+        return calibrate(
+            epsilon=p.epsilon, delta=p.delta, rounds=self.training.rounds, restart_every=self.restart_every,
+            u=p.u, n_min=n_min, clients=self.training.clients, mode=p.mode,
+        )
+
+    def mechanism(self, calibration: Calibration | None) -> Mechanism:
+        """T, C1, C2, σ1, σ2 for the estimator: no clipping and no noise for gd."""
+        t = self.training
+        if calibration is None:
+            return Mechanism(self.restart_every, math.inf, math.inf, 0.0, 0.0)
+        return Mechanism(self.restart_every, t.clip_restart, t.clip_diff,
+                         calibration.sigma1, calibration.sigma2 or 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("source")
+        return out
+
+
+# --------------------------------------------------------------------------- loading
+
+def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
+    """Check ``value`` against a field's type hint; return (ok, value converted)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = typing.get_args(hint)
+        if value is None:
+            return type(None) in args, None
+        for arg in args:
+            if arg is not type(None):
+                ok, conv = _type_ok(value, arg)
+                if ok:
+                    return True, conv
+        return False, value
+    if origin is Literal:
+        return value in typing.get_args(hint), value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return _is_int(value), value
+    if hint is float:
+        if _is_int(value):
+            return True, float(value)
+        return isinstance(value, float), value
+    if hint is str:
+        return isinstance(value, str), value
+    return isinstance(value, hint), value
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(hint))
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+
+
+def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
+    where = prefix.rstrip(".") or "the top level"
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: `{where}` must be a mapping of keys to values. Found {data!r}.")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "source"]
+    unknown = sorted(set(map(str, data)) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(prefix + k for k in unknown)}. "
+            f"Allowed in {where}: {', '.join(names)}."
+        )
+    kwargs: dict[str, Any] = {}
+    for name in names:
+        if name not in data:
+            continue
+        hint, value = hints[name], data[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.", source)
+            continue
+        ok, converted = _type_ok(value, hint)
+        if not ok:
+            raise ConfigError(f"{source}: key `{prefix}{name}`: expected {_describe(hint)}. Found {value!r}.")
+        kwargs[name] = converted
+    try:
+        return cls(**kwargs) if cls is not ExperimentConfig else cls(**kwargs, source=source)
+    except _Invalid as err:
+        key = err.key if "." in err.key else prefix + err.key
+        raise ConfigError(f"{source}: key `{key}`: expected {err.expected}. Found {err.found!r}.") from None
+
+
+def parse_config(data: Any, source: str = "<memory>") -> ExperimentConfig:
+    """Validate a parsed YAML mapping into an :class:`ExperimentConfig`."""
+    return _build(ExperimentConfig, data, "", source)
+
+
+def load_config(path: str | Path) -> ExperimentConfig:
+    """Read and validate an experiment YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"Cannot read experiment file {path}: {exc.strerror or exc}.") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return parse_config(data, str(path))

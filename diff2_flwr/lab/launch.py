@@ -1,0 +1,163 @@
+"""Run the Flower app as a local simulation with ``flwr run``, cleaning up after itself.
+
+``flwr run .`` alone reuses (or starts and leaves behind) a shared local SuperLink, and exits
+0 even when the run failed. This launcher instead starts a private SuperLink on free loopback
+ports with a temporary ``FLWR_HOME``, runs ``flwr run <app> <connection> --stream`` with
+``num-supernodes`` = the config's P, reads the run's final status back, and always stops the
+SuperLink it started, by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import load_config
+from .paths import APP_DIR, resolve_config_path
+
+__all__ = ["LaunchResult", "SimulationFailed", "run_simulation"]
+
+_CONNECTION = "diff2-local"
+
+
+class SimulationFailed(RuntimeError):
+    """``flwr run`` did not complete the run; the message carries Flower's status details."""
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    run_id: int
+    status: str
+    details: str
+    log: str
+    output_dir: Path | None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tool(name: str) -> str:
+    local = Path(sys.executable).with_name(name)
+    found = str(local) if local.exists() else shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"`{name}` not found next to {sys.executable} or on PATH: is flwr installed?")
+    return found
+
+
+def _wait_healthy(port: int, process: subprocess.Popen, log_path: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SimulationFailed(f"flower-superlink exited with code {process.returncode}; log: {log_path}\n"
+                                   + log_path.read_text()[-3000:])
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=0.5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SimulationFailed(f"flower-superlink did not become healthy within {timeout_s:.0f} s; log: {log_path}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=15)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(timeout=15)
+
+
+def run_simulation(
+    config: str = "configs/default.yaml",
+    *,
+    app_dir: str | os.PathLike[str] = APP_DIR,
+    cwd: str | os.PathLike[str] | None = None,
+    timeout_s: float = 3600,
+    echo: bool = True,
+    env: dict[str, str] | None = None,
+) -> LaunchResult:
+    """Run ``config`` through ``flwr run`` on a private local SuperLink; raise if the run did not complete.
+
+    Relative output paths in the config resolve against ``cwd`` (default: the current directory).
+    """
+    app_dir = Path(app_dir).resolve()
+    config_path = resolve_config_path(config, app_dir)
+    clients = load_config(config_path).training.clients
+    home = Path(tempfile.mkdtemp(prefix="diff2-flwr-home-"))
+    port, health = _free_port(), _free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{_CONNECTION}"\n\n[superlink.{_CONNECTION}]\n'
+        f'address = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
+    bin_dir = str(Path(sys.executable).parent)  # the SuperLink spawns flower-superexec from PATH
+    run_env = {**os.environ, **(env or {}), "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "FLWR_HOME": str(home),
+               "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    log_path = home / "superlink.log"
+    superlink_cmd = [_tool("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
+                     "--host", "127.0.0.1", "--port", str(port), "--health-server-address", f"127.0.0.1:{health}"]
+    run_cmd = [_tool("flwr"), "run", str(app_dir), _CONNECTION, "--stream",
+               "--federation-config", f"num-supernodes={clients}",
+               "--run-config", f"config='{config_path}'"]
+    with log_path.open("w") as log:
+        superlink = subprocess.Popen(superlink_cmd, cwd=cwd, env=run_env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+    try:
+        _wait_healthy(port, superlink, log_path)
+        if echo:
+            print(f"[diff2] {' '.join(run_cmd)}", flush=True)
+        lines: list[str] = []
+        proc = subprocess.Popen(run_cmd, cwd=cwd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                if echo:
+                    print(line, end="", flush=True)
+                if time.monotonic() > deadline:
+                    raise SimulationFailed(f"`flwr run` exceeded {timeout_s:.0f} s.")
+            proc.wait(timeout=60)
+        finally:
+            _stop(proc)
+        output = "".join(lines)
+        match = re.search(r"Successfully started run (\d+)", output)
+        if proc.returncode != 0 or not match:
+            raise SimulationFailed(f"`flwr run` exited with code {proc.returncode} before starting a run:\n{output[-3000:]}")
+        run_id = int(match.group(1))
+        listing = subprocess.run([_tool("flwr"), "ls", _CONNECTION, "--run-id", str(run_id), "--format", "json"],
+                                 env=run_env, capture_output=True, text=True, timeout=60)
+        try:
+            info = json.loads(listing.stdout)["runs"][0]
+        except (ValueError, KeyError, IndexError):
+            raise SimulationFailed(f"Cannot read the status of run {run_id}: {listing.stdout}{listing.stderr}") from None
+        found = re.search(r"writing per-round metrics and summary to (\S+)", output)
+        result = LaunchResult(run_id, info.get("status", "?"), info.get("status-details", ""), output,
+                              Path(found.group(1)) if found else None)
+        if result.status != "finished:completed":
+            raise SimulationFailed(f"Run {run_id} ended as {result.status}: {result.details}")
+        return result
+    finally:
+        _stop(superlink)
+        shutil.rmtree(home, ignore_errors=True)

@@ -1,0 +1,57 @@
+"""A run's output folder: per-round metrics (JSON lines) and a summary (JSON), written as they come."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunRecorder", "new_run_dir", "to_json"]
+
+
+def to_json(value: Any) -> Any:
+    """Plain JSON values: non-finite floats become null (JSON has no inf/NaN), numpy scalars become numbers."""
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def new_run_dir(root: str | os.PathLike[str], name: str) -> Path:
+    """A fresh folder ``root/<name>-<UTC time>-<random>`` (never reuses an existing one)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path = Path(root).expanduser().resolve() / f"{name}-{stamp}-{secrets.token_hex(3)}"
+    path.mkdir(parents=True, exist_ok=False)
+    return path
+
+
+class RunRecorder:
+    """Appends one JSON line per round to ``metrics.jsonl`` and rewrites ``summary.json`` atomically."""
+
+    METRICS = "metrics.jsonl"
+    SUMMARY = "summary.json"
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._metrics = (self.directory / self.METRICS).open("a", buffering=1)
+
+    def row(self, values: dict[str, Any]) -> None:
+        self._metrics.write(json.dumps(to_json(values), allow_nan=False) + "\n")
+
+    def summary(self, values: dict[str, Any]) -> None:
+        tmp = self.directory / (self.SUMMARY + ".tmp")
+        tmp.write_text(json.dumps(to_json(values), indent=2, allow_nan=False) + "\n")
+        os.replace(tmp, self.directory / self.SUMMARY)
+
+    def close(self) -> None:
+        self._metrics.close()

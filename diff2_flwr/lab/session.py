@@ -1,0 +1,276 @@
+"""The two sides of a DIFF2 run without any transport, and how to build them from a config.
+
+:class:`Diff2Server` is the trusted server: it plans each round, checks and averages the
+workers' replies (failing closed), adds the noise and steps the estimator, keeps the privacy
+ledger, evaluates and records. :class:`Worker` is one data owner: its shard and the
+per-sample gradient machinery. The Flower Strategy and NumPyClient are thin wrappers around
+these two; an in-process driver makes the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..core.aggregation import Reply, RoundRejected, average_contributions
+from ..core.estimator import Diff2State, Mechanism, Release, RoundPlan, init_state, plan_round, server_step
+from ..core.gradients import Contribution, PerSampleGradients
+from ..core.layout import ParameterLayout
+from ..core.privacy import Calibration, GaussianEvent, PrivacyLedger
+from ..core.routines import Routine, make_routine
+from ..task.data import PreparedData, load_raw, prepare
+from ..task.evaluation import Evaluator
+from ..task.losses import get_loss
+from ..task.models import build_model
+from .config import ExperimentConfig
+from .outputs import RunRecorder, new_run_dir
+
+__all__ = ["Diff2Server", "Worker", "Diverged", "load_data", "build_server", "build_worker"]
+
+
+class Diverged(RuntimeError):
+    """The iterate became non-finite (a training failure, not a privacy one)."""
+
+
+class Diff2Server:
+    """The trusted server's side of DIFF2 (Algorithm 1, server lines), transport-free."""
+
+    def __init__(
+        self,
+        *,
+        mechanism: Mechanism,
+        routine: Routine,
+        layout: ParameterLayout,
+        x0: np.ndarray,
+        rounds: int,
+        clients: int,
+        n_min: int,
+        calibration: Calibration | None,
+        seed: int | None,
+        evaluator: Callable[[np.ndarray], dict[str, float]] | None = None,
+        eval_every: int = 1,
+        recorder: RunRecorder | None = None,
+        run_info: dict | None = None,
+        progress: Callable[[str], None] | None = print,
+    ) -> None:
+        if layout.dim != x0.size:
+            raise ValueError(f"x0 has {x0.size} entries but the model has {layout.dim} parameters.")
+        self.mechanism, self.routine, self.layout = mechanism, routine, layout
+        self.rounds, self.clients, self.n_min = rounds, clients, n_min
+        self.calibration = calibration
+        self.state: Diff2State = init_state(x0, routine, seed)
+        self.ledger = PrivacyLedger(calibration.delta) if calibration else None
+        self.evaluator, self.eval_every = evaluator, eval_every
+        self.recorder, self.progress = recorder, progress
+        self.run_info = dict(run_info or {})
+        self.history: list[dict] = []
+        self._started = time.perf_counter()
+        self._status, self._error = "running", None
+        initial = {"round": 0, "kind": "init", **self._evaluate(self.state.x, force=True)}
+        self._record(initial)
+
+    # ---------------------------------------------------------------- rounds
+    @property
+    def done(self) -> bool:
+        return self.state.round >= self.rounds
+
+    @property
+    def epsilon_spent(self) -> float:
+        return self.ledger.epsilon if self.ledger else math.inf
+
+    def plan(self) -> RoundPlan:
+        """The next round's plan (kind, radius, iterates); derived from released values only."""
+        if self.done:
+            raise RuntimeError(f"All {self.rounds} rounds are released; there is no round {self.state.round + 1}.")
+        return plan_round(self.state, self.mechanism)
+
+    def release(self, replies: Sequence[Reply]) -> Release:
+        """Check and average the replies, add noise, step: release round r (or nothing, raising)."""
+        plan = self.plan()
+        try:
+            aggregate = average_contributions(plan, self.layout, replies, clients=self.clients, n_min=self.n_min)
+        except RoundRejected as err:
+            self.fail(err)
+            raise
+        self.state, release = server_step(self.state, self.mechanism, self.routine, aggregate.mean)
+        if self.ledger is not None and self.calibration is not None:
+            z = self.calibration.z1 if plan.restart else self.calibration.z2
+            self.ledger = self.ledger.record(GaussianEvent(float(z), plan.kind))
+        row = {
+            "round": plan.round, "kind": plan.kind, "radius": plan.radius, "noise_std": plan.noise_std,
+            "clip_fraction": aggregate.clip_fraction, "epsilon_spent": self.epsilon_spent,
+            "update_norm": float(np.linalg.norm(release.x - plan.x_current)),
+        }
+        finite = bool(np.all(np.isfinite(release.x)))
+        if finite:
+            row.update(self._evaluate(release.x, force=self.done))
+        self._record(row)
+        if not finite:
+            err = Diverged(
+                f"Round {plan.round}: the iterate is no longer finite. Lower training.learning_rate "
+                "(or training.restart_every: noise enlarges ||x_r - x_(r-1)|| and so the next noise)."
+            )
+            self.fail(err)
+            raise err
+        if self.done:
+            self._status = "completed"
+            self._write_summary()
+        return release
+
+    def fail(self, error: BaseException) -> None:
+        """Record that the run stopped with ``error`` (nothing more is released)."""
+        self._status, self._error = "failed", f"{type(error).__name__}: {error}"
+        if self.progress:
+            self.progress(f"[diff2] run failed: {self._error}")
+        self._write_summary()
+
+    # ---------------------------------------------------------------- helpers
+    def _evaluate(self, x: np.ndarray, force: bool) -> dict[str, float]:
+        if self.evaluator is None or not (force or self.state.round % self.eval_every == 0):
+            return {}
+        return self.evaluator(x)
+
+    def _record(self, row: dict) -> None:
+        row["elapsed_s"] = time.perf_counter() - self._started
+        self.history.append(row)
+        if self.recorder:
+            self.recorder.row(row)
+            if row["round"] == 0:
+                self._write_summary()
+        if self.progress:
+            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                             if k not in ("round", "kind", "elapsed_s"))
+            self.progress(f"[diff2] round {row['round']}/{self.rounds} ({row['kind']}) {shown}")
+
+    def summary(self) -> dict:
+        evaluated = [r for r in self.history if "train_loss" in r or "test_loss" in r]
+        final = evaluated[-1] if evaluated else {}
+        metric_keys = ("train_loss", "grad_norm_sq", "test_loss")
+        best = {k: min((r[k] for r in evaluated if k in r and math.isfinite(r[k])), default=None) for k in metric_keys}
+        return {
+            **self.run_info,
+            "status": self._status,
+            "error": self._error,
+            "rounds_planned": self.rounds,
+            "rounds_released": self.state.round,
+            "privacy": {
+                "private": self.calibration is not None,
+                "guarantee": "record-level (ε, δ)-DP, replace-one adjacency, central DP (trusted server adds the noise)"
+                if self.calibration else "none (method gd: no clipping, no noise)",
+                "epsilon_spent": self.epsilon_spent,
+                "delta": self.calibration.delta if self.calibration else None,
+                "epsilon_target": self.calibration.epsilon if self.calibration else None,
+                "calibration": self.calibration.as_dict() if self.calibration else None,
+                "noise_key": "seed (reproducible by anyone who knows it)" if self.state.noise_seeded else "os-entropy",
+                "n_min": self.n_min,
+            },
+            "final": {k: final.get(k) for k in metric_keys} | {"round": final.get("round")},
+            "best": best,
+            "wall_time_s": time.perf_counter() - self._started,
+        }
+
+    def _write_summary(self) -> None:
+        if self.recorder:
+            self.recorder.summary(self.summary())
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One worker (data owner): its shard and the per-sample gradient machinery."""
+
+    partition_id: int
+    gradients: PerSampleGradients
+    features: torch.Tensor
+    targets: torch.Tensor
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.features.shape[0])
+
+    def contribute(self, radius: float, x_current: np.ndarray, x_previous: np.ndarray | None) -> Contribution:
+        """ClippedMean of per-sample gradients (x_previous None) or of gradient differences."""
+        return self.gradients.clipped_mean(x_current, self.features, self.targets, radius, x_previous)
+
+
+# -------------------------------------------------------------------- builders
+
+@functools.lru_cache(maxsize=4)
+def load_data(cfg: ExperimentConfig) -> PreparedData:
+    """The dataset of ``cfg`` after the paper's preprocessing (cached per process)."""
+    d = cfg.dataset
+    x, y = load_raw(d.name, data_dir=d.dir, num_samples=d.num_samples, num_features=d.num_features, seed=d.generator_seed)
+    return prepare(d.name, x, y, clients=cfg.training.clients, test_fraction=d.test_fraction, split_seed=d.split_seed)
+
+
+def _gradients(cfg: ExperimentConfig, data: PreparedData) -> PerSampleGradients:
+    m = cfg.model
+    model = build_model(m.name, in_features=data.num_features, out_features=1, hidden=m.hidden, init_seed=m.init_seed)
+    dtype = {"float64": torch.float64, "float32": torch.float32}[cfg.training.dtype]
+    return PerSampleGradients(model, get_loss(m.loss), dtype=dtype, chunk_size=cfg.training.chunk_size)
+
+
+def initial_parameters(cfg: ExperimentConfig, data: PreparedData) -> np.ndarray:
+    """x_0: the model's initial parameters as a flat float64 vector."""
+    m = cfg.model
+    model = build_model(m.name, in_features=data.num_features, out_features=1, hidden=m.hidden, init_seed=m.init_seed)
+    return np.concatenate([p.detach().double().reshape(-1).numpy() for _, p in model.named_parameters()])
+
+
+@functools.lru_cache(maxsize=64)
+def build_worker(cfg: ExperimentConfig, partition_id: int) -> Worker:
+    """Worker ``partition_id`` of ``cfg`` (cached per process: simulation actors serve many rounds)."""
+    data = load_data(cfg)
+    features, targets = data.shard(partition_id)
+    gradients = _gradients(cfg, data)
+    as_t = lambda a: torch.as_tensor(a, dtype=gradients.dtype)  # noqa: E731
+    return Worker(partition_id, gradients, as_t(features), as_t(targets))
+
+
+def build_server(
+    cfg: ExperimentConfig, *, output_root: str | Path | None = None, record: bool = True,
+    progress: Callable[[str], None] | None = print,
+) -> Diff2Server:
+    """The server of ``cfg``: calibration from the data's n_min, x_0, evaluator, run folder."""
+    data = load_data(cfg)
+    n_min = cfg.privacy.n_min or data.n_min
+    if n_min > data.n_min:
+        raise ValueError(
+            f"{cfg.source}: key `privacy.n_min` = {n_min} but the smallest shard has {data.n_min} samples; "
+            "the noise would be calibrated for a smaller sensitivity than the real one."
+        )
+    calibration = cfg.calibration(n_min)
+    gradients = _gradients(cfg, data)
+    evaluator = None
+    if cfg.evaluation.train_metrics or cfg.evaluation.test_metrics:
+        evaluator = Evaluator(gradients, data, train_metrics=cfg.evaluation.train_metrics,
+                              test_metrics=cfg.evaluation.test_metrics)
+    recorder = None
+    run_info = {"name": cfg.name, "method": cfg.method, "config_file": cfg.source, "config": cfg.to_dict(),
+                "dataset": {"name": data.name, "train": int(data.x_train.shape[0]), "test": int(data.x_test.shape[0]),
+                            "shard_sizes": list(data.shard_sizes)}}
+    if record:
+        run_dir = new_run_dir(output_root or cfg.output.dir, cfg.name)
+        recorder = RunRecorder(run_dir)
+        run_info["output_dir"] = str(run_dir)
+        if progress:
+            progress(f"[diff2] writing per-round metrics and summary to {run_dir}")
+    if progress and cfg.training.seed is None and calibration is not None:
+        progress("[diff2] noise key drawn from OS entropy (no training.seed): the noise is not reproducible.")
+    elif progress and calibration is not None:
+        progress("[diff2] WARNING: training.seed is set, so the noise is reproducible by anyone who knows the seed; "
+                 "use seeds for research only.")
+    return Diff2Server(
+        mechanism=cfg.mechanism(calibration),
+        routine=make_routine(cfg.training.routine, learning_rate=cfg.training.learning_rate),
+        layout=gradients.layout, x0=initial_parameters(cfg, data), rounds=cfg.training.rounds,
+        clients=cfg.training.clients, n_min=n_min, calibration=calibration, seed=cfg.training.seed,
+        evaluator=evaluator, eval_every=cfg.evaluation.every, recorder=recorder, run_info=run_info,
+        progress=progress,
+    )

@@ -1,0 +1,204 @@
+"""Datasets and the paper's preprocessing.
+
+Preparation (DIFF2.md, "The paper's experiments"): a random 80/20 train/test split; features
+standardised to mean 0 and std 1 (statistics of the train split); the target divided by the
+maximum absolute target of the whole dataset; the train split cut into P IID shards whose
+sizes differ by at most one (``n_min`` is the smallest). Preprocessing uses statistics of
+the private data and is, as in the paper, outside the DP guarantee.
+
+Datasets: ``synthetic`` (in-package, deterministic by seed: the embedded default),
+``california_housing`` and ``gas_turbine`` (CSV files read from a data directory given in
+the config or by ``DIFF2_DATA_DIR``).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "DATA_DIR_ENV",
+    "DATASETS",
+    "DataError",
+    "PreparedData",
+    "load_raw",
+    "prepare",
+    "resolve_data_dir",
+    "synthetic_regression",
+]
+
+DATA_DIR_ENV = "DIFF2_DATA_DIR"
+DATASETS = ("synthetic", "california_housing", "gas_turbine")
+
+# Where each real dataset's files are looked for, relative to the data directory: first in
+# a sub-folder named like the dataset (the layout of ../shared/data), then directly in it.
+_CALIFORNIA_FILE = "cal_housing.csv"
+_CALIFORNIA_TARGET = "median_house_value"
+_GAS_TURBINE_FILES = tuple(f"gt_{year}.csv" for year in range(2011, 2016))
+_GAS_TURBINE_TARGET, _GAS_TURBINE_DROP = "CO", ("NOX",)
+
+
+class DataError(ValueError):
+    """A dataset that cannot be found, read or used; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Train/test arrays after preprocessing, and the P shards of the train split."""
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    shard_bounds: tuple[tuple[int, int], ...]
+    target_scale: float
+
+    @property
+    def num_features(self) -> int:
+        return int(self.x_train.shape[1])
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.shard_bounds)
+
+    @property
+    def n_min(self) -> int:
+        return min(self.shard_sizes)
+
+    def shard(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """Features and targets of worker ``partition_id``'s shard."""
+        if not 0 <= partition_id < len(self.shard_bounds):
+            raise DataError(f"partition-id must be in 0..{len(self.shard_bounds) - 1}. Found {partition_id}.")
+        a, b = self.shard_bounds[partition_id]
+        return self.x_train[a:b], self.y_train[a:b]
+
+
+def synthetic_regression(num_samples: int, num_features: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A smooth nonlinear regression task, deterministic by ``seed`` (needs no download).
+
+    y = tanh(w1·x) + 0.5 sin(w2·x) + 0.1 (w3·x)² + 0.1 N(0, 1), with x ~ N(0, I) and fixed
+    random directions w.
+    """
+    if num_samples < 2 or num_features < 1:
+        raise DataError(f"synthetic data needs num_samples >= 2 and num_features >= 1. Found {num_samples}, {num_features}.")
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(0x5EED,)))
+    w = rng.standard_normal((3, num_features)) / np.sqrt(num_features)
+    x = rng.standard_normal((num_samples, num_features))
+    proj = x @ w.T
+    y = np.tanh(proj[:, 0]) + 0.5 * np.sin(2 * proj[:, 1]) + 0.1 * proj[:, 2] ** 2
+    y = y + 0.1 * rng.standard_normal(num_samples)
+    return x, y
+
+
+def resolve_data_dir(configured: str | os.PathLike[str] | None) -> Path:
+    """The data directory: the configured one, else ``$DIFF2_DATA_DIR``."""
+    if configured:
+        return Path(configured).expanduser()
+    env = os.environ.get(DATA_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    raise DataError(
+        f"No data directory: set `dataset.dir` in the config or the environment variable {DATA_DIR_ENV} "
+        "to the folder holding california_housing/ and gas_turbine/ (e.g. ../shared/data)."
+    )
+
+
+def _find(data_dir: Path, sub: str, filename: str) -> Path:
+    for candidate in (data_dir / sub / filename, data_dir / filename):
+        if candidate.is_file():
+            return candidate
+    raise DataError(
+        f"Dataset file {filename!r} not found: looked for {data_dir / sub / filename} and {data_dir / filename}. "
+        f"Point `dataset.dir` or {DATA_DIR_ENV} at the folder that holds it."
+    )
+
+
+def _read_csv(path: Path) -> tuple[list[str], np.ndarray]:
+    try:
+        with path.open(newline="") as fh:
+            reader = csv.reader(fh)
+            header = [h.strip() for h in next(reader)]
+            rows = [r for r in reader if r]
+    except (OSError, StopIteration, csv.Error) as exc:
+        raise DataError(f"Cannot read {path}: {exc or 'the file is empty'}.") from exc
+    try:
+        values = np.array(rows, dtype=np.float64)
+    except ValueError as exc:
+        raise DataError(f"{path} must hold numbers only below its header: {exc}.") from exc
+    if values.ndim != 2 or values.shape[1] != len(header):
+        raise DataError(f"{path}: every row must have {len(header)} values like the header.")
+    bad = ~np.isfinite(values)
+    if bad.any():
+        row, col = map(int, np.argwhere(bad)[0])
+        raise DataError(
+            f"{path}: {int(bad.sum())} missing, NaN or infinite values (first at data row {row + 1}, "
+            f"column {header[col]!r}). Clean the file first: the model and the DP guarantee need finite data."
+        )
+    return header, values
+
+
+def _split_target(path: Path, header: list[str], values: np.ndarray, target: str, drop: tuple[str, ...] = ()):
+    if target not in header:
+        raise DataError(f"{path}: target column {target!r} not found; columns are {header}.")
+    keep = [i for i, h in enumerate(header) if h != target and h not in drop]
+    return values[:, keep], values[:, header.index(target)]
+
+
+def load_raw(
+    name: str, *, data_dir: str | os.PathLike[str] | None = None,
+    num_samples: int = 10_000, num_features: int = 8, seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Features and target of a dataset before preprocessing."""
+    if name == "synthetic":
+        return synthetic_regression(num_samples, num_features, seed)
+    if name == "california_housing":
+        path = _find(resolve_data_dir(data_dir), "california_housing", _CALIFORNIA_FILE)
+        return _split_target(path, *_read_csv(path), _CALIFORNIA_TARGET)
+    if name == "gas_turbine":
+        root = resolve_data_dir(data_dir)
+        parts = []
+        for filename in _GAS_TURBINE_FILES:
+            path = _find(root, "gas_turbine", filename)
+            parts.append(_split_target(path, *_read_csv(path), _GAS_TURBINE_TARGET, _GAS_TURBINE_DROP))
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    raise DataError(f"Unknown dataset {name!r}. Expected one of {list(DATASETS)}.")
+
+
+def prepare(
+    name: str, x: np.ndarray, y: np.ndarray, *, clients: int, test_fraction: float = 0.2, split_seed: int = 0
+) -> PreparedData:
+    """Split, standardise, scale the target and shard (the paper's preparation)."""
+    n = x.shape[0]
+    if not 0 < test_fraction < 1:
+        raise DataError(f"`test_fraction` must be in (0, 1). Found {test_fraction}.")
+    if not np.all(np.isfinite(x)) or not np.all(np.isfinite(y)):
+        raise DataError(f"Dataset {name!r} holds NaN or infinite values; clean it first.")
+    n_test = int(round(test_fraction * n))
+    n_train = n - n_test
+    if n_test < 1 or n_train < clients:
+        raise DataError(
+            f"Dataset {name!r} has {n} samples: too few for a {test_fraction:.0%} test split and "
+            f"{clients} non-empty shards."
+        )
+    target_scale = float(np.max(np.abs(y)))
+    if target_scale == 0:
+        raise DataError(f"Dataset {name!r}: every target is 0, so the target cannot be scaled by max|y|.")
+    perm = np.random.default_rng(np.random.SeedSequence(split_seed, spawn_key=(0x5B117,))).permutation(n)
+    test, train = perm[:n_test], perm[n_test:]
+    mean, std = x[train].mean(axis=0), x[train].std(axis=0)
+    std = np.where(std > 0, std, 1.0)  # a constant column stays 0 after centring
+    bounds, start = [], 0
+    for size in (len(s) for s in np.array_split(np.arange(n_train), clients)):
+        bounds.append((start, start + size))
+        start += size
+    return PreparedData(
+        name=name,
+        x_train=(x[train] - mean) / std, y_train=y[train] / target_scale,
+        x_test=(x[test] - mean) / std, y_test=y[test] / target_scale,
+        shard_bounds=tuple(bounds), target_scale=target_scale,
+    )

@@ -1,0 +1,20 @@
+"""Flower ServerApp: reads the experiment file named by run-config key ``config`` and runs DIFF2."""
+
+from __future__ import annotations
+
+from flwr.common import Context
+from flwr.server import ServerApp, ServerAppComponents, ServerConfig
+
+from diff2_flwr.fl.strategy import Diff2Strategy
+from diff2_flwr.lab.config import load_config
+from diff2_flwr.lab.paths import resolve_config_path
+from diff2_flwr.lab.session import build_server
+
+
+def server_fn(context: Context) -> ServerAppComponents:
+    cfg = load_config(resolve_config_path(str(context.run_config["config"])))
+    strategy = Diff2Strategy(server=build_server(cfg))
+    return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=cfg.training.rounds))
+
+
+app = ServerApp(server_fn=server_fn)
