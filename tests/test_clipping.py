@@ -1,0 +1,86 @@
+"""ClippedMean (Algorithm 2): norm bound, zero rows, idempotence, exactness."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from diff2_flwr.core.clipping import clip_rows, clipped_mean, clipped_sum
+
+finite = st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False)
+rows_strategy = st.integers(1, 12).flatmap(
+    lambda n: st.integers(1, 6).flatmap(lambda d: arrays("float64", (n, d), elements=finite))
+)
+radius_strategy = st.floats(1e-6, 1e3, allow_nan=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows_strategy, radius_strategy)
+def test_clipped_rows_and_mean_have_norm_at_most_radius(rows, radius):
+    t = torch.from_numpy(rows)
+    clipped, over = clip_rows(t, radius)
+    norms = torch.linalg.vector_norm(clipped, dim=1)
+    assert bool((norms <= radius * (1 + 1e-12)).all())
+    assert float(torch.linalg.vector_norm(clipped_mean(t, radius))) <= radius * (1 + 1e-12)
+    # rows inside the ball are untouched, bit for bit
+    inside = ~over
+    assert torch.equal(clipped[inside], t[inside])
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows_strategy, radius_strategy)
+def test_clipping_is_idempotent_and_keeps_direction(rows, radius):
+    t = torch.from_numpy(rows)
+    once, _ = clip_rows(t, radius)
+    twice, _ = clip_rows(once, radius)
+    torch.testing.assert_close(twice, once, rtol=1e-12, atol=0)
+    # a clipped row is a non-negative multiple of the original row
+    dots = (once * t).sum(dim=1)
+    assert bool((dots >= 0).all())
+
+
+def test_zero_rows_stay_exactly_zero_for_any_radius():
+    t = torch.zeros(3, 4, dtype=torch.float64)
+    for radius in (0.0, 1e-300, 1.0, math.inf):
+        clipped, over = clip_rows(t, radius)
+        assert torch.equal(clipped, t) and not bool(over.any())
+
+
+def test_clipped_mean_hand_worked():
+    # rows of norm 5 and 0.5; C = 1: the first is scaled to norm 1, the second kept
+    t = torch.tensor([[3.0, 4.0], [0.3, 0.4]], dtype=torch.float64)
+    expected = (torch.tensor([0.6, 0.8], dtype=torch.float64) + torch.tensor([0.3, 0.4], dtype=torch.float64)) / 2
+    torch.testing.assert_close(clipped_mean(t, 1.0), expected, rtol=0, atol=1e-15)
+    result = clipped_sum(t, 1.0)
+    assert (result.count, result.clipped) == (2, 1)
+
+
+def test_radius_zero_maps_everything_to_zero_and_inf_clips_nothing():
+    t = torch.tensor([[3.0, 4.0], [0.0, 0.0]], dtype=torch.float64)
+    assert torch.equal(clip_rows(t, 0.0)[0], torch.zeros_like(t))
+    assert torch.equal(clip_rows(t, math.inf)[0], t)
+
+
+def test_replacing_one_row_moves_the_mean_by_at_most_2c_over_n():
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(50, 7, generator=gen, dtype=torch.float64) * 10
+    b = a.clone()
+    b[17] = torch.randn(7, generator=gen, dtype=torch.float64) * 1000
+    shift = torch.linalg.vector_norm(clipped_mean(a, 2.0) - clipped_mean(b, 2.0))
+    assert float(shift) <= 2 * 2.0 / 50 * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("radius", [-1.0, math.nan])
+def test_invalid_radius_is_refused(radius):
+    with pytest.raises(ValueError, match="radius"):
+        clip_rows(torch.ones(2, 2), radius)
+
+
+def test_empty_set_is_refused():
+    with pytest.raises(ValueError, match="empty"):
+        clipped_mean(torch.zeros(0, 3), 1.0)

@@ -1,0 +1,290 @@
+"""Tests for diff2_flwr.lab.config: loading, validation and the derived mechanism."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from diff2_flwr.lab.config import ConfigError, ExperimentConfig, load_config
+
+DEFAULT_YAML = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+
+
+def _default_dict() -> dict[str, Any]:
+    return yaml.safe_load(DEFAULT_YAML.read_text())
+
+
+def _write(tmp_path: Path, data: Any, name: str = "exp.yaml") -> Path:
+    """Dump ``data`` as YAML into tmp_path and return the file's path."""
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+_DELETE = object()  # marks a key to remove in _variant
+
+
+def _variant(tmp_path: Path, top: dict[str, Any] | None = None, **sections: dict[str, Any]) -> Path:
+    """The default config with top-level and per-section overrides (value None deletes a key)."""
+    data = copy.deepcopy(_default_dict())
+    for mapping, overrides in [(data, top or {})] + [(data.setdefault(s, {}), o) for s, o in sections.items()]:
+        for key, value in overrides.items():
+            if value is _DELETE:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = value
+    return _write(tmp_path, data)
+
+
+
+def _msg(path: Path, key: str, found: str) -> str:
+    """A regex requiring the file, the key and the found value in the message, in that order."""
+    return rf"{re.escape(str(path))}.*{re.escape(key)}.*Found {found}"
+
+
+# --------------------------------------------------------------------------- the default file
+
+def test_default_yaml_loads_with_its_values() -> None:
+    """configs/default.yaml loads; values come from the file, not dataclass defaults."""
+    cfg = load_config(DEFAULT_YAML)
+    assert isinstance(cfg, ExperimentConfig)
+    assert cfg.method == "diff2"
+    assert cfg.restart_every == 10
+    assert cfg.training.rounds == 100
+    assert cfg.training.clip_diff == 3.0  # the dataclass default is 1.0
+    assert cfg.training.learning_rate == 0.2  # the dataclass default is 0.25
+    assert cfg.privacy.delta == 1e-5 and cfg.privacy.u == 1.25
+    assert cfg.dataset.name == "synthetic" and cfg.dataset.num_samples == 10000
+    assert cfg.training.seed is None
+    assert cfg.source == str(DEFAULT_YAML)
+    assert cfg.private
+
+
+def test_config_is_frozen() -> None:
+    """Assigning to the config or a section raises FrozenInstanceError."""
+    cfg = load_config(DEFAULT_YAML)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.method = "gd"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.training.rounds = 5  # type: ignore[misc]
+    assert cfg.method == "diff2" and cfg.training.rounds == 100
+
+
+def test_int_given_for_float_is_accepted_and_converted(tmp_path: Path) -> None:
+    """An integer where a number is expected is fine and becomes a float."""
+    cfg = load_config(_variant(tmp_path, privacy={"epsilon": 2}))
+    assert cfg.privacy.epsilon == 2.0 and isinstance(cfg.privacy.epsilon, float)
+
+
+# --------------------------------------------------------------------------- unknown keys and types
+
+def test_unknown_top_level_key(tmp_path: Path) -> None:
+    path = _variant(tmp_path, top={"epsilonn": 3.0})
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}.*unknown key epsilonn\b"):
+        load_config(path)
+
+
+def test_unknown_key_in_section_is_qualified(tmp_path: Path) -> None:
+    """A typo inside a section is reported as section.key."""
+    path = _variant(tmp_path, training={"roundz": 10})
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}.*training\.roundz") as info:
+        load_config(path)
+    assert "Allowed in training" in str(info.value) and "rounds" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "expected", "found"),
+    [
+        ("training", "learning_rate", "fast", "a number", "'fast'"),
+        ("training", "rounds", "10", "an integer", "'10'"),
+        ("training", "rounds", 10.0, "an integer", r"10\.0"),
+        ("training", "rounds", 2.5, "an integer", r"2\.5"),
+        ("training", "clients", True, "an integer", "True"),
+        ("privacy", "epsilon", False, "a number", "False"),
+        ("training", "seed", "abc", "an integer or null", "'abc'"),
+        ("privacy", "mode", "approx", "one of 'exact', 'rdp'", "'approx'"),
+    ],
+)
+def test_wrong_type_names_file_key_expected_and_found(
+    tmp_path: Path, section: str, key: str, value: Any, expected: str, found: str
+) -> None:
+    path = _variant(tmp_path, **{section: {key: value}})
+    pattern = rf"{re.escape(str(path))}: key `{section}\.{key}`: expected {re.escape(expected)}\. Found {found}\."
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(path)
+
+
+def test_section_that_is_not_a_mapping(tmp_path: Path) -> None:
+    path = _variant(tmp_path, top={"training": [1, 2]})
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}.*`training` must be a mapping"):
+        load_config(path)
+
+
+# --------------------------------------------------------------------------- value checks
+
+@pytest.mark.parametrize("epsilon", [0, -1.0])
+def test_epsilon_must_be_positive(tmp_path: Path, epsilon: float) -> None:
+    path = _variant(tmp_path, privacy={"epsilon": epsilon})
+    with pytest.raises(ConfigError, match=_msg(path, "privacy.epsilon", re.escape(repr(float(epsilon))))):
+        load_config(path)
+
+
+@pytest.mark.parametrize("delta", [0, 1, 1.5])
+def test_delta_must_be_in_open_unit_interval(tmp_path: Path, delta: float) -> None:
+    path = _variant(tmp_path, privacy={"delta": delta})
+    with pytest.raises(ConfigError, match=_msg(path, "privacy.delta", re.escape(repr(float(delta))))):
+        load_config(path)
+
+
+def test_delta_inside_interval_is_accepted(tmp_path: Path) -> None:
+    assert load_config(_variant(tmp_path, privacy={"delta": 0.5})).privacy.delta == 0.5
+
+
+def test_restart_every_must_be_at_least_one(tmp_path: Path) -> None:
+    path = _variant(tmp_path, training={"restart_every": 0})
+    with pytest.raises(ConfigError, match=_msg(path, "training.restart_every", "0")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("u", [1.0, 0.5])
+def test_diff2_needs_u_above_one_when_restart_every_above_one(tmp_path: Path, u: float) -> None:
+    path = _variant(tmp_path, privacy={"u": u})
+    with pytest.raises(ConfigError, match=_msg(path, "privacy.u", re.escape(repr(u)))):
+        load_config(path)
+
+
+def test_u_one_is_fine_for_dpgd(tmp_path: Path) -> None:
+    """DP-GD has no difference rounds, so u is irrelevant."""
+    path = _variant(tmp_path, top={"method": "dpgd"}, privacy={"u": 1.0}, training={"restart_every": _DELETE})
+    cfg = load_config(path)
+    assert cfg.method == "dpgd" and cfg.restart_every == 1 and cfg.privacy.u == 1.0
+
+
+def test_restart_every_may_not_exceed_rounds(tmp_path: Path) -> None:
+    path = _variant(tmp_path, training={"rounds": 20, "restart_every": 21})
+    with pytest.raises(ConfigError, match=_msg(path, "training.restart_every", "21")) as info:
+        load_config(path)
+    assert "training.rounds = 20" in str(info.value)
+
+
+def test_restart_every_equal_to_rounds_is_accepted(tmp_path: Path) -> None:
+    cfg = load_config(_variant(tmp_path, training={"rounds": 20, "restart_every": 20}))
+    assert cfg.restart_every == 20
+
+
+def test_dpgd_rejects_restart_every_above_one(tmp_path: Path) -> None:
+    path = _variant(tmp_path, top={"method": "dpgd"}, training={"restart_every": 5})
+    with pytest.raises(ConfigError, match=_msg(path, "training.restart_every", "5")) as info:
+        load_config(path)
+    assert "dpgd" in str(info.value)
+
+
+def test_dpgd_accepts_restart_every_one(tmp_path: Path) -> None:
+    cfg = load_config(_variant(tmp_path, top={"method": "dpgd"}, training={"restart_every": 1}))
+    assert cfg.restart_every == 1
+
+
+def test_diff2_requires_restart_every(tmp_path: Path) -> None:
+    path = _variant(tmp_path, training={"restart_every": _DELETE})
+    with pytest.raises(ConfigError, match=_msg(path, "training.restart_every", "None")) as info:
+        load_config(path)
+    assert "diff2" in str(info.value)
+
+
+@pytest.mark.parametrize("method", ["diff2", "dpgd"])
+@pytest.mark.parametrize("key", ["clip_restart", "clip_diff"])
+def test_private_method_rejects_infinite_clip(tmp_path: Path, method: str, key: str) -> None:
+    training: dict[str, Any] = {key: math.inf}
+    if method == "dpgd":
+        training["restart_every"] = _DELETE
+    path = _variant(tmp_path, top={"method": method}, training=training)
+    with pytest.raises(ConfigError, match=_msg(path, f"training.{key}", "inf")):
+        load_config(path)
+
+
+def test_gd_accepts_infinite_clip(tmp_path: Path) -> None:
+    """Non-private gd may disable clipping with .inf (written as a YAML literal)."""
+    path = tmp_path / "gd.yaml"
+    path.write_text("method: gd\ntraining:\n  rounds: 5\n  clip_restart: .inf\n  clip_diff: .inf\n")
+    cfg = load_config(path)
+    assert cfg.method == "gd" and not cfg.private
+    assert math.isinf(cfg.training.clip_restart) and math.isinf(cfg.training.clip_diff)
+
+
+# --------------------------------------------------------------------------- file-level errors
+
+def test_malformed_yaml_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("a: [1, 2")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}: not valid YAML"):
+        load_config(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "does_not_exist.yaml"
+    with pytest.raises(ConfigError, match=re.escape(str(path))):
+        load_config(path)
+
+
+def test_top_level_list_is_rejected(tmp_path: Path) -> None:
+    path = _write(tmp_path, [{"method": "gd"}])
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}.*top level.*mapping"):
+        load_config(path)
+
+
+# --------------------------------------------------------------------------- calibration -> mechanism
+
+N_MIN = 800
+
+
+def test_mechanism_for_gd_is_unclipped_and_noiseless(tmp_path: Path) -> None:
+    cfg = load_config(_variant(tmp_path, top={"method": "gd"}, training={"restart_every": _DELETE}))
+    cal = cfg.calibration(N_MIN)
+    assert cal is None
+    mech = cfg.mechanism(cal)
+    assert mech.restart_every == 1
+    assert math.isinf(mech.clip_restart) and math.isinf(mech.clip_diff)
+    assert mech.sigma_restart == 0.0 and mech.sigma_diff == 0.0
+
+
+def test_mechanism_for_dpgd(tmp_path: Path) -> None:
+    """DP-GD: T = 1, all R rounds are restarts, σ1 from the calibration, no σ2."""
+    cfg = load_config(_variant(tmp_path, top={"method": "dpgd"}, training={"restart_every": _DELETE}))
+    cal = cfg.calibration(N_MIN)
+    assert cal is not None
+    assert cal.restart_every == 1 and cal.restart_rounds == 100 and cal.difference_rounds == 0
+    assert cal.n_min == N_MIN and cal.clients == 10 and cal.epsilon == 3.0
+    mech = cfg.mechanism(cal)
+    assert mech.restart_every == 1
+    assert mech.sigma_restart == cal.sigma1 > 0
+    assert mech.sigma_diff == 0.0
+    assert mech.clip_restart == 1.0 and mech.clip_diff == 3.0
+
+
+def test_mechanism_for_diff2(tmp_path: Path) -> None:
+    """DIFF2: T and both σ come from the calibration; clips from the file."""
+    cfg = load_config(DEFAULT_YAML)
+    cal = cfg.calibration(N_MIN)
+    assert cal is not None
+    assert cal.restart_every == 10 and cal.restart_rounds == 10 and cal.difference_rounds == 90
+    mech = cfg.mechanism(cal)
+    assert mech.restart_every == 10
+    assert cal.sigma2 is not None and cal.sigma2 > 0
+    assert mech.sigma_restart == cal.sigma1 > 0
+    assert mech.sigma_diff == cal.sigma2
+    assert mech.clip_restart == 1.0 and mech.clip_diff == 3.0
+
+
+def test_calibration_depends_on_n_min() -> None:
+    """Larger shards need less noise per unit radius."""
+    cfg = load_config(DEFAULT_YAML)
+    small, large = cfg.calibration(N_MIN), cfg.calibration(4 * N_MIN)
+    assert small is not None and large is not None
+    assert large.sigma1 < small.sigma1 and large.sigma2 < small.sigma2
