@@ -1,0 +1,97 @@
+"""The server and workers without transport: the whole stack against plain full-batch GD, outputs, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from diff2_flwr.cli import main
+from diff2_flwr.core.aggregation import Reply
+from diff2_flwr.lab.config import parse_config
+from diff2_flwr.lab.session import build_server, build_worker, initial_parameters, load_data
+from diff2_flwr.task.losses import half_squared_error
+from diff2_flwr.task.models import PaperMLP
+
+
+def config(**training):
+    return parse_config({
+        "name": "t", "method": training.pop("method", "diff2"),
+        "dataset": {"name": "synthetic", "num_samples": 600, "num_features": 4},
+        "training": {"rounds": 8, "restart_every": 3, "learning_rate": 0.1, "clients": 4, "seed": 5, **training},
+    })
+
+
+def drive(cfg, server):
+    while not server.done:
+        plan = server.plan()
+        replies = []
+        for p in range(cfg.training.clients):
+            c = build_worker(cfg, p).contribute(plan.radius, plan.x_current, plan.x_previous)
+            replies.append(Reply(f"p{p}", p, server.layout.split(c.mean), c.num_samples, c.num_clipped))
+        server.release(replies)
+    return server
+
+
+def test_method_gd_through_the_whole_stack_is_full_batch_gd():
+    """σ = 0, no clipping, T = 1: x_r = x_{r-1} - η (1/P) Σ_p ∇f_p(x_{r-1}), checked with plain autograd."""
+    cfg = config(method="gd", restart_every=None)
+    server = drive(cfg, build_server(cfg, record=False, progress=None))
+    data = load_data(cfg)
+    model = PaperMLP(4, 10).double()
+    x = torch.tensor(initial_parameters(cfg, data))
+    shards = [tuple(torch.as_tensor(a) for a in data.shard(p)) for p in range(4)]
+    for _ in range(8):
+        torch.nn.utils.vector_to_parameters(x, model.parameters())
+        model.zero_grad()
+        loss = sum(half_squared_error(model(xs), ys).mean() for xs, ys in shards) / 4
+        loss.backward()
+        x = x - 0.1 * torch.nn.utils.parameters_to_vector(p.grad for p in model.parameters())
+    np.testing.assert_allclose(server.state.x, x.numpy(), rtol=1e-12, atol=1e-14)
+    assert server.history[-1]["noise_std"] == 0 and server.history[-1]["clip_fraction"] == 0
+
+
+def test_outputs_and_ledger(tmp_path):
+    cfg = config()
+    server = drive(cfg, build_server(cfg, output_root=tmp_path, progress=None))
+    run_dir = next(tmp_path.iterdir())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [r["round"] for r in rows] == list(range(9))
+    assert [r["kind"] for r in rows[1:]] == ["restart", "difference", "difference"] * 2 + ["restart", "difference"]
+    assert all({"train_loss", "grad_norm_sq", "test_loss", "noise_std", "clip_fraction", "epsilon_spent"} <= set(r)
+               for r in rows[1:])
+    assert summary["status"] == "completed"
+    assert summary["privacy"]["epsilon_spent"] == pytest.approx(3.0, rel=1e-9)
+    assert summary["privacy"]["n_min"] == 120  # 480 train samples over 4 shards
+    cal = summary["privacy"]["calibration"]
+    # noise std used = σ · radius, on both kinds of rounds
+    assert rows[1]["noise_std"] == pytest.approx(cal["sigma1"] * rows[1]["radius"], rel=1e-12)
+    assert rows[2]["noise_std"] == pytest.approx(cal["sigma2"] * rows[2]["radius"], rel=1e-12)
+    assert server.epsilon_spent == summary["privacy"]["epsilon_spent"]
+
+
+def test_declared_n_min_above_the_data_is_refused():
+    cfg = parse_config({"dataset": {"name": "synthetic", "num_samples": 600}, "method": "dpgd",
+                        "privacy": {"n_min": 1000}, "training": {"clients": 4}})
+    with pytest.raises(ValueError, match=r"privacy.n_min.*1000.*smallest shard has 120"):
+        build_server(cfg, record=False, progress=None)
+
+
+def test_cli_noise_prints_the_calibration(capsys):
+    assert main(["noise", "--epsilon", "3", "--delta", "1e-5", "--rounds", "2000", "--restart-every", "20",
+                 "--u", "1.25", "--clients", "10", "--n-min", "1651", "--mode", "exact"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["z1"] == pytest.approx(15.55, abs=0.005) and out["z2"] == pytest.approx(135.5, abs=0.05)
+    assert out["sigma1"] == pytest.approx(2 * out["z1"] / (1651 * 10), rel=1e-12)
+    assert main(["noise", "--epsilon", "3", "--delta", "1e-5", "--rounds", "2000", "--clients", "10",
+                 "--n-min", "1651"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["z2"] is None and out["sigma2"] is None and out["z1"] == pytest.approx(62.19, abs=0.005)
+
+
+def test_cli_noise_reports_bad_input(capsys):
+    assert main(["noise", "--epsilon", "0", "--delta", "1e-5", "--rounds", "10", "--clients", "2", "--n-min", "5"]) == 2
+    assert "`epsilon` must be a finite number > 0. Found 0.0." in capsys.readouterr().err
