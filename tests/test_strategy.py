@@ -445,10 +445,6 @@ def test_norm_rounding_excess_is_accepted_and_projected():
         average_contributions(plan, layout, [too_big], clients=1, n_min=10)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "aggregation._check_reply projects a norm in (radius, radius*(1+NORM_RTOL)] with flat * (radius / norm), "
-    "whose float64 norm can still exceed radius by ~1 ulp (about 1 in 5 random vectors), although the "
-    "module docstring promises that 'the bound holds exactly'."))
 def test_projected_contribution_norm_is_at_most_the_radius_exactly():
     rng = np.random.default_rng(1)
     dim = 101
@@ -555,3 +551,17 @@ def test_client_refuses_malformed_task(cfg, layout):
     arrays, config = _task(layout, "difference")
     with pytest.raises(ValueError, match="carries 8 arrays. Found 4"):
         client.fit(arrays[:4], config)
+
+
+def test_corrupt_reply_bytes_release_nothing_and_are_recorded(cfg, tmp_path):
+    server = make_server(cfg, tmp_path)
+    strategy = Diff2Strategy(server=server)
+    manager, _ = make_manager()
+    instructions = strategy.configure_fit(1, strategy.initialize_parameters(manager), manager)
+    results = as_results(client_replies(cfg, instructions))
+    proxy, res = results[0]
+    res.parameters.tensors[0] = b"not a numpy array"
+    with pytest.raises(RoundRejected, match=rf"check 'protocol' failed from node {proxy.cid}: cannot decode"):
+        strategy.aggregate_fit(1, results, [])
+    assert server.state.round == 0 and len(metrics_rows(server)) == 1
+    assert summary(server)["status"] == "failed"

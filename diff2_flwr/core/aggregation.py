@@ -88,8 +88,18 @@ def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: 
                 f"{plan.kind} round. A worker that does not clip breaks the privacy guarantee.",
             )
         if norm > plan.radius:
-            flat = flat * (plan.radius / norm)
+            flat = _project(flat, plan.radius, norm)
     return flat
+
+
+def _project(flat: np.ndarray, radius: float, norm: float) -> np.ndarray:
+    """Scale ``flat`` onto the ball of ``radius`` so that its float64 norm is <= radius exactly."""
+    factor = radius / norm
+    projected = flat * factor
+    while np.linalg.norm(projected) > radius:  # rounding can leave it 1 ulp outside
+        factor = np.nextafter(factor, 0.0)
+        projected = flat * factor
+    return projected
 
 
 def average_contributions(

@@ -73,14 +73,18 @@ class Diff2Strategy(Strategy):
                     described.append(f"node {proxy.cid}: status {res.status.code.name} {res.status.message}")
             self._stop(RoundRejected(server_round, "client-failure",
                                      f"{len(failures)} client(s) failed: " + "; ".join(described)))
-        try:
-            replies = [
-                protocol.decode_reply(f"node {proxy.cid}", parameters_to_ndarrays(res.parameters),
-                                      res.num_examples, res.metrics, server_round)
-                for proxy, res in results
-            ]
-        except RoundRejected as err:
-            self._stop(err)
+        replies = []
+        for proxy, res in results:
+            try:
+                arrays = parameters_to_ndarrays(res.parameters)
+            except Exception as err:  # corrupt bytes: nothing usable, nothing released
+                self._stop(RoundRejected(server_round, "protocol", f"cannot decode the reply's arrays: {err}.",
+                                         f"node {proxy.cid}"))
+            try:
+                replies.append(protocol.decode_reply(f"node {proxy.cid}", arrays, res.num_examples, res.metrics,
+                                                     server_round))
+            except RoundRejected as err:
+                self._stop(err)
         release = self.server.release(replies)  # records and raises on a failed check
         return ndarrays_to_parameters(self.server.layout.split(release.x)), {}
 

@@ -96,10 +96,10 @@ class Diff2Server:
         plan = self.plan()
         try:
             aggregate = average_contributions(plan, self.layout, replies, clients=self.clients, n_min=self.n_min)
-        except RoundRejected as err:
+            self.state, release = server_step(self.state, self.mechanism, self.routine, aggregate.mean)
+        except Exception as err:
             self.fail(err)
             raise
-        self.state, release = server_step(self.state, self.mechanism, self.routine, aggregate.mean)
         if self.ledger is not None and self.calibration is not None:
             z = self.calibration.z1 if plan.restart else self.calibration.z2
             self.ledger = self.ledger.record(GaussianEvent(float(z), plan.kind))
