@@ -288,3 +288,14 @@ def test_calibration_depends_on_n_min() -> None:
     small, large = cfg.calibration(N_MIN), cfg.calibration(4 * N_MIN)
     assert small is not None and large is not None
     assert large.sigma1 < small.sigma1 and large.sigma2 < small.sigma2
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
+    """YAML 1.1 (PyYAML) would read `1e-5` as a string; users write it that way."""
+    path = tmp_path / "exp.yaml"
+    path.write_text("method: dpgd\nprivacy: {epsilon: 3, delta: 1e-5}\ntraining: {learning_rate: 5E-1}\n")
+    cfg = load_config(path)
+    assert cfg.privacy.delta == 1e-5 and cfg.training.learning_rate == 0.5
+    path.write_text('privacy: {delta: "1e-5"}\n')  # a quoted string stays a string, and is refused
+    with pytest.raises(ConfigError, match=r"privacy.delta.*expected a number. Found '1e-5'"):
+        load_config(path)

@@ -229,12 +229,6 @@ def test_nan_cell_names_file_and_column(tmp_path: Path) -> None:
         load_raw("california_housing", data_dir=tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: _read_csv converts all rows with np.array(rows, dtype=float64) first; an empty cell "
-    "raises ValueError there and the DataError only says 'could not convert string to float: ''' "
-    "without the column. Only cells that parse as nan/inf reach the branch that names the column.",
-)
 def test_empty_cell_names_file_and_column(tmp_path: Path) -> None:
     path = _write_cal(tmp_path, ["1,2,3,4,5,6,7,8,9", "1,2,3,4,,6,7,8,9"])
     with pytest.raises(DataError, match=rf"{re.escape(str(path))}.*'total_bedrooms'"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,6 +299,17 @@ def parse_config(data: Any, source: str = "<memory>") -> ExperimentConfig:
     return _build(ExperimentConfig, data, "", source)
 
 
+class _Loader(yaml.SafeLoader):
+    """Safe YAML with YAML 1.2 floats: PyYAML (YAML 1.1) reads ``1e-5`` as a string, not a number."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def load_config(path: str | Path) -> ExperimentConfig:
     """Read and validate an experiment YAML file."""
     path = Path(path)
@@ -306,7 +318,7 @@ def load_config(path: str | Path) -> ExperimentConfig:
     except OSError as exc:
         raise ConfigError(f"Cannot read experiment file {path}: {exc.strerror or exc}.") from exc
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     return parse_config(data, str(path))

@@ -126,12 +126,22 @@ def _read_csv(path: Path) -> tuple[list[str], np.ndarray]:
             rows = [r for r in reader if r]
     except (OSError, StopIteration, csv.Error) as exc:
         raise DataError(f"Cannot read {path}: {exc or 'the file is empty'}.") from exc
+    for i, row in enumerate(rows):
+        if len(row) != len(header):
+            raise DataError(f"{path}: data row {i + 1} has {len(row)} values, the header {len(header)}.")
     try:
-        values = np.array(rows, dtype=np.float64)
-    except ValueError as exc:
-        raise DataError(f"{path} must hold numbers only below its header: {exc}.") from exc
-    if values.ndim != 2 or values.shape[1] != len(header):
-        raise DataError(f"{path}: every row must have {len(header)} values like the header.")
+        values = np.array(rows, dtype=np.float64).reshape(len(rows), len(header))
+    except ValueError:  # find the first bad cell, to say where it is
+        for i, row in enumerate(rows):
+            for name, cell in zip(header, row):
+                try:
+                    float(cell)
+                except ValueError:
+                    raise DataError(
+                        f"{path}: data row {i + 1}, column {name!r} holds {cell!r}, not a number. Fill in or "
+                        "drop missing values first: the model and the DP guarantee need finite data."
+                    ) from None
+        raise
     bad = ~np.isfinite(values)
     if bad.any():
         row, col = map(int, np.argwhere(bad)[0])
