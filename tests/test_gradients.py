@@ -129,3 +129,40 @@ def test_empty_shard_is_refused():
     psg, x, y, x0 = make()
     with pytest.raises(ValueError, match="empty"):
         psg.clipped_mean(x0, x[:0], y[:0], 1.0)
+
+
+@pytest.mark.parametrize("radius", [0.0, 1e-3, 0.05, 0.3, math.inf])
+@pytest.mark.parametrize("difference", [False, True])
+def test_closed_form_path_equals_the_generic_torch_func_path(radius, difference):
+    from diff2_flwr.core.closed_form import PaperMLPGradients
+
+    psg, x, y, x0 = make(n=301, features=8, seed=4, chunk_size=64)
+    # larger targets and a far second iterate so that some rows clip and some do not
+    y = y * 3
+    x1 = x0 + 0.2 * np.random.default_rng(5).standard_normal(x0.size)
+    fast = PaperMLPGradients(psg.layout)
+    args = (x1, x, y, radius, x0) if difference else (x0, x, y, radius)
+    slow_c, fast_c = psg.clipped_mean(*args), fast.clipped_mean(*args)
+    np.testing.assert_allclose(fast_c.mean, slow_c.mean, rtol=1e-11, atol=1e-15)
+    assert fast_c.num_clipped == slow_c.num_clipped and fast_c.num_samples == slow_c.num_samples
+    if radius < math.inf:
+        assert np.linalg.norm(fast_c.mean) <= radius * (1 + 1e-12)
+
+
+def test_closed_form_matches_softplus_in_its_linear_region():
+    """Pre-activations above torch's softplus threshold (20): both paths must use derivative 1 there."""
+    from diff2_flwr.core.closed_form import PaperMLPGradients
+
+    psg, x, y, x0 = make(n=50, features=8, seed=2)
+    x_big = x0.copy()
+    x_big[80:90] += 30.0  # hidden biases: pre-activations ~30
+    fast = PaperMLPGradients(psg.layout)
+    np.testing.assert_allclose(fast.clipped_mean(x_big, x, y, math.inf).mean,
+                               psg.clipped_mean(x_big, x, y, math.inf).mean, rtol=1e-12, atol=1e-14)
+
+
+def test_closed_form_refuses_another_layout():
+    from diff2_flwr.core.closed_form import PaperMLPGradients
+
+    with pytest.raises(ValueError, match="paper MLP layout"):
+        PaperMLPGradients(ParameterLayout(("w",), ((3, 4),)))

@@ -123,6 +123,7 @@ class TrainingConfig:
     seed: int | None = None  # noise seed; null draws the noise key from OS entropy
     dtype: Literal["float64", "float32"] = "float64"
     chunk_size: int = 1024  # samples per vmap chunk (bounds memory)
+    gradients: Literal["auto", "torch_func", "closed_form"] = "auto"  # per-sample gradient path
 
     def __post_init__(self) -> None:
         _require(self.rounds >= 1, "rounds", "an integer >= 1", self.rounds)
@@ -180,6 +181,10 @@ class ExperimentConfig:
             )
         _require(self.restart_every <= t.rounds, "training.restart_every",
                  f"at most training.rounds = {t.rounds} (T > R never restarts)", t.restart_every)
+        if t.gradients == "closed_form":
+            _require(self.model.name == "paper_mlp" and self.model.loss == "half_squared_error", "training.gradients",
+                     "'auto' or 'torch_func' unless model.name is paper_mlp with loss half_squared_error "
+                     "(the closed form is for that model)", t.gradients)
         if self.private:
             for key in ("clip_restart", "clip_diff"):
                 v = getattr(t, key)
@@ -192,6 +197,13 @@ class ExperimentConfig:
     @property
     def private(self) -> bool:
         return self.method != "gd"
+
+    @property
+    def closed_form_gradients(self) -> bool:
+        """Whether workers use the closed-form (ghost clipping) path rather than generic torch.func."""
+        if self.training.gradients == "auto":
+            return self.model.name == "paper_mlp" and self.model.loss == "half_squared_error"
+        return self.training.gradients == "closed_form"
 
     @property
     def restart_every(self) -> int:

@@ -21,6 +21,7 @@ import torch
 
 from ..core.aggregation import Reply, RoundRejected, average_contributions
 from ..core.estimator import Diff2State, Mechanism, Release, RoundPlan, init_state, plan_round, server_step
+from ..core.closed_form import PaperMLPGradients
 from ..core.gradients import Contribution, PerSampleGradients
 from ..core.layout import ParameterLayout
 from ..core.privacy import Calibration, GaussianEvent, PrivacyLedger
@@ -186,7 +187,7 @@ class Worker:
     """One worker (data owner): its shard and the per-sample gradient machinery."""
 
     partition_id: int
-    gradients: PerSampleGradients
+    gradients: PerSampleGradients | PaperMLPGradients
     features: torch.Tensor
     targets: torch.Tensor
 
@@ -228,7 +229,9 @@ def build_worker(cfg: ExperimentConfig, partition_id: int) -> Worker:
     """Worker ``partition_id`` of ``cfg`` (cached per process: simulation actors serve many rounds)."""
     data = load_data(cfg)
     features, targets = data.shard(partition_id)
-    gradients = _gradients(cfg, data)
+    gradients: PerSampleGradients | PaperMLPGradients = _gradients(cfg, data)
+    if cfg.closed_form_gradients:
+        gradients = PaperMLPGradients(gradients.layout, dtype=gradients.dtype)
     as_t = lambda a: torch.as_tensor(a, dtype=gradients.dtype)  # noqa: E731
     return Worker(partition_id, gradients, as_t(features), as_t(targets))
 

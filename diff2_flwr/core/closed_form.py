@@ -1,0 +1,112 @@
+"""Clipped means of per-sample gradients without materialising them, for the paper's MLP.
+
+For f(a) = w2 · φ(W1 a + b1) + b2 with an elementwise activation φ and the loss ½ (f(a) - y)²,
+one sample's gradient is, with h = W1 a + b1, s = φ(h), e = f(a) - y and δ = e · w2 ⊙ φ'(h):
+
+    ∂b2 = e,   ∂w2 = e s,   ∂b1 = δ,   ∂W1 = δ aᵀ   (an outer product)
+
+so its squared norm is e² + ‖e s‖² + ‖δ‖² (1 + ‖a‖²), and the clipped sum over samples is
+((c ⊙ δ)ᵀ A, Σ c δ, Σ c e s, Σ c e) with c_i = min(1, C / norm_i) — no n × d tensor ("ghost
+clipping"). The difference of two iterates' gradients keeps the same input a, so it is again
+(Δe, Δ(e s), Δδ, Δδ aᵀ) with squared norm Δe² + ‖Δ(e s)‖² + ‖Δδ‖² (1 + ‖a‖²).
+
+The result equals :class:`~diff2_flwr.core.gradients.PerSampleGradients` (the generic
+``torch.func`` path) up to float rounding; tests check both against each other.
+
+References:
+    Murata & Suzuki (2023), Algorithm 1 (worker lines), Algorithm 2 (ClippedMean).
+    Goodfellow (2015), "Efficient per-example gradient computations"; Li et al. (2022),
+    "Large language models can be strong differentially private learners" (ghost clipping).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .gradients import Contribution
+from .layout import ParameterLayout
+
+__all__ = ["MLPParts", "PaperMLPGradients", "softplus_with_derivative"]
+
+_SOFTPLUS_THRESHOLD = 20.0  # as torch.nn.functional.softplus: linear above it
+
+
+def softplus_with_derivative(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softplus(h) and its derivative, matching ``torch.nn.functional.softplus`` and its autograd."""
+    linear = h > _SOFTPLUS_THRESHOLD
+    return torch.nn.functional.softplus(h), torch.where(linear, torch.ones_like(h), torch.sigmoid(h))
+
+
+@dataclass(frozen=True)
+class MLPParts:
+    """Per-sample quantities of one iterate: s = φ(h), residual e, and δ = e · w2 ⊙ φ'(h)."""
+
+    s: torch.Tensor  # [n, hidden]
+    e: torch.Tensor  # [n]
+    delta: torch.Tensor  # [n, hidden]
+
+
+class PaperMLPGradients:
+    """Closed-form ClippedMean for :class:`~diff2_flwr.task.models.PaperMLP` with ½-squared loss.
+
+    Same interface as :meth:`PerSampleGradients.clipped_mean`.
+    """
+
+    def __init__(self, layout: ParameterLayout, *, dtype: torch.dtype = torch.float64) -> None:
+        shapes = layout.shapes
+        if len(shapes) != 4 or len(shapes[0]) != 2 or shapes[2] != (1, shapes[0][0]) or shapes[3] != (1,):
+            raise ValueError(f"The closed form needs the paper MLP layout (W1, b1, w2[1, h], b2[1]). Found {shapes}.")
+        self.layout = layout
+        self.dtype = dtype
+        self.hidden, self.in_features = shapes[0]
+
+    def unpack(self, x_vec: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        w1, b1, w2, b2 = (torch.as_tensor(a, dtype=self.dtype) for a in self.layout.split(x_vec))
+        return w1, b1, w2.reshape(-1), b2.reshape(())
+
+    def parts(self, x_vec: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> MLPParts:
+        w1, b1, w2, b2 = self.unpack(x_vec)
+        h = torch.addmm(b1, features, w1.T)
+        s, ds = softplus_with_derivative(h)
+        e = s @ w2 + b2 - targets
+        return MLPParts(s=s, e=e, delta=e.unsqueeze(1) * w2 * ds)
+
+    def clipped_sum_of(
+        self, features: torch.Tensor, sq_norm_a: torch.Tensor, ge: torch.Tensor, gs: torch.Tensor,
+        gd: torch.Tensor, radius: float,
+    ) -> tuple[torch.Tensor, int]:
+        """Clipped sum of the per-sample gradients given by (∂b2, ∂w2, ∂b1) = (ge, gs, gd), ∂W1 = gd aᵀ."""
+        sq = ge * ge + (gs * gs).sum(1) + (gd * gd).sum(1) * (1 + sq_norm_a)
+        norms = torch.sqrt(sq.to(torch.float64))
+        if math.isinf(radius):
+            c = torch.ones_like(norms)
+            clipped = 0
+        else:
+            over = norms > radius
+            c = torch.where(over, radius / torch.where(over, norms, 1.0), 1.0)
+            clipped = int(over.sum())
+        c = c.to(self.dtype)
+        cd = gd * c.unsqueeze(1)
+        total = torch.cat([(cd.T @ features).reshape(-1), cd.sum(0), (gs * c.unsqueeze(1)).sum(0), (ge * c).sum(0, keepdim=True)])
+        return total.to(torch.float64), clipped
+
+    def clipped_mean(
+        self, x_current: np.ndarray, features: torch.Tensor, targets: torch.Tensor, radius: float,
+        x_previous: np.ndarray | None = None,
+    ) -> Contribution:
+        n = int(features.shape[0])
+        if n == 0:
+            raise ValueError("The shard is empty: a worker with no samples cannot compute a ClippedMean.")
+        if math.isnan(radius) or radius < 0:
+            raise ValueError(f"`radius` must be >= 0 (or inf for no clipping). Found {radius}.")
+        cur = self.parts(x_current, features, targets)
+        ge, gs, gd = cur.e, cur.e.unsqueeze(1) * cur.s, cur.delta
+        if x_previous is not None:
+            prev = self.parts(x_previous, features, targets)
+            ge, gs, gd = ge - prev.e, gs - prev.e.unsqueeze(1) * prev.s, gd - prev.delta
+        total, clipped = self.clipped_sum_of(features, (features * features).sum(1), ge, gs, gd, radius)
+        return Contribution(mean=(total / n).numpy(), num_samples=n, num_clipped=clipped)
