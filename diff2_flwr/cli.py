@@ -29,6 +29,14 @@ def _noise(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from .lab.launch import SimulationFailed, run_simulation
 
+    if args.engine == "inprocess":
+        from .lab.config import load_config
+        from .lab.driver import run_inprocess
+        from .lab.paths import resolve_config_path
+
+        server = run_inprocess(load_config(resolve_config_path(args.config)))
+        print(f"[diff2] in-process run completed; results in {server.run_info.get('output_dir')}")
+        return 0
     try:
         result = run_simulation(args.config, timeout_s=args.timeout)
     except SimulationFailed as err:
@@ -56,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run an experiment file as a Flower simulation (`flwr run`)")
     run.add_argument("config", nargs="?", default="configs/default.yaml", help="experiment YAML (default: %(default)s)")
     run.add_argument("--timeout", type=float, default=6 * 3600, help="give up after this many seconds")
+    run.add_argument("--engine", choices=("flower", "inprocess"), default="flower",
+                     help="flower: `flwr run` simulation (default); inprocess: the same code without transport")
     run.set_defaults(func=_run)
     return parser
 

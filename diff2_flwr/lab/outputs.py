@@ -39,6 +39,7 @@ class RunRecorder:
 
     METRICS = "metrics.jsonl"
     SUMMARY = "summary.json"
+    PARAMETERS = "final_parameters.npy"
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
@@ -52,6 +53,14 @@ class RunRecorder:
         tmp = self.directory / (self.SUMMARY + ".tmp")
         tmp.write_text(json.dumps(to_json(values), indent=2, allow_nan=False) + "\n")
         os.replace(tmp, self.directory / self.SUMMARY)
+
+    def parameters(self, x) -> None:
+        """The released final iterate x_R (a flat float64 vector; public output of the run)."""
+        import numpy as np
+
+        tmp = self.directory / (self.PARAMETERS + ".tmp.npy")
+        np.save(tmp, np.asarray(x, dtype=np.float64))
+        os.replace(tmp, self.directory / self.PARAMETERS)
 
     def close(self) -> None:
         self._metrics.close()

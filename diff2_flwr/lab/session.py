@@ -122,6 +122,8 @@ class Diff2Server:
             raise err
         if self.done:
             self._status = "completed"
+            if self.recorder:
+                self.recorder.parameters(self.state.x)
             self._write_summary()
         return release
 

@@ -1,0 +1,44 @@
+"""The in-process driver: the same server and worker code as the Flower path, minus the transport.
+
+Each round makes exactly the calls the Flower Strategy and NumPyClient make, in the same order:
+``server.plan()`` -> each worker's ``contribute`` -> the reply arrays as the wire would carry
+them -> ``server.release(replies)``. With the same config and seed it reproduces a Flower
+simulation's trajectory bit for bit (both use one torch thread per worker).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..core.aggregation import Reply
+from .config import ExperimentConfig
+from .session import Diff2Server, build_server, build_worker
+
+__all__ = ["run_inprocess"]
+
+
+def run_inprocess(
+    cfg: ExperimentConfig, *, output_root: str | Path | None = None, record: bool = True,
+    progress: Callable[[str], None] | None = print,
+) -> Diff2Server:
+    """Run ``cfg`` to completion in this process; return the server (state, history, ledger)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the Flower ClientApp: reproducible reductions
+    try:
+        server = build_server(cfg, output_root=output_root, record=record, progress=progress)
+        workers = [build_worker(cfg, p) for p in range(cfg.training.clients)]
+        while not server.done:
+            plan = server.plan()
+            replies = []
+            for worker in workers:
+                c = worker.contribute(plan.radius, plan.x_current, plan.x_previous)
+                replies.append(Reply(client=f"partition {worker.partition_id}", partition_id=worker.partition_id,
+                                     arrays=server.layout.split(c.mean), num_samples=c.num_samples,
+                                     num_clipped=c.num_clipped))
+            server.release(replies)
+        return server
+    finally:
+        torch.set_num_threads(threads)
