@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .core.privacy import calibrate
 from .lab.outputs import to_json
@@ -46,6 +47,20 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _experiment(args: argparse.Namespace) -> int:
+    from .lab.study import load_study, run_study
+
+    study = load_study(args.study)
+    if args.engine:
+        import dataclasses
+
+        study = dataclasses.replace(study, engine=args.engine)
+    summary = run_study(study, output_root=args.output, fresh=args.fresh)
+    root = Path(args.output or study.output_dir).expanduser().resolve() / study.name
+    print(f"[diff2] study {study.name} done in {summary['wall_time_s']:.0f} s: {root / 'report.md'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diff2", description="DIFF2 differentially private federated training on Flower.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--engine", choices=("flower", "inprocess"), default="flower",
                      help="flower: `flwr run` simulation (default); inprocess: the same code without transport")
     run.set_defaults(func=_run)
+
+    exp = sub.add_parser("experiment", help="run a study (grid search, seeds, t-tests, report, plots) from a YAML file")
+    exp.add_argument("study", help="study YAML, e.g. configs/smoke.yaml or configs/paper/california_eps3.yaml")
+    exp.add_argument("--engine", choices=("batch", "inprocess", "flower"), default=None,
+                     help="override the study's engine (batch: batched closed forms; flower: `flwr run` per run)")
+    exp.add_argument("--output", default=None, help="output root (default: the study's output.dir)")
+    exp.add_argument("--fresh", action="store_true", help="recompute every run instead of resuming")
+    exp.set_defaults(func=_experiment)
     return parser
 
 

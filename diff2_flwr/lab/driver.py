@@ -15,16 +15,20 @@ import torch
 
 from ..core.aggregation import Reply
 from .config import ExperimentConfig
-from .session import Diff2Server, build_server, build_worker
+from .session import Diff2Server, Diverged, build_server, build_worker
 
 __all__ = ["run_inprocess"]
 
 
 def run_inprocess(
     cfg: ExperimentConfig, *, output_root: str | Path | None = None, record: bool = True,
-    progress: Callable[[str], None] | None = print,
+    progress: Callable[[str], None] | None = print, stop_on_divergence: bool = False,
 ) -> Diff2Server:
-    """Run ``cfg`` to completion in this process; return the server (state, history, ledger)."""
+    """Run ``cfg`` to completion in this process; return the server (state, history, ledger).
+
+    A diverging run raises :class:`Diverged`, or with ``stop_on_divergence`` returns the server
+    stopped at the round that diverged (its summary says so).
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the Flower ClientApp: reproducible reductions
     try:
@@ -38,7 +42,12 @@ def run_inprocess(
                 replies.append(Reply(client=f"partition {worker.partition_id}", partition_id=worker.partition_id,
                                      arrays=server.layout.split(c.mean), num_samples=c.num_samples,
                                      num_clipped=c.num_clipped))
-            server.release(replies)
+            try:
+                server.release(replies)
+            except Diverged:
+                if not stop_on_divergence:
+                    raise
+                break
         return server
     finally:
         torch.set_num_threads(threads)

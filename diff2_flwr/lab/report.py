@@ -1,0 +1,95 @@
+"""A study's report: a Markdown table of the summary, and plots in the style of the paper's Figure 2."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["write_report", "format_table"]
+
+_LABELS = {"train_loss": "train loss", "grad_norm_sq": "‖∇f‖²", "test_loss": "test loss"}
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "diverged" if value == math.inf else "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def format_table(eps_summary: dict) -> str:
+    """One Markdown table: per method and criterion, the chosen point and mean ± std of min and final."""
+    lines = ["| method | criterion | chosen hyper-parameters | min over rounds (mean ± std) | final (mean ± std) | σ₁ / σ₂ | z₁ / z₂ |",
+             "|---|---|---|---|---|---|---|"]
+    for name, entry in eps_summary["methods"].items():
+        for c, info in entry["criteria"].items():
+            point = ", ".join(f"{k}={_fmt(v)}" for k, v in info["point"].items()) or "–"
+            cal = info["calibration"]
+            sig = "–" if cal is None else f"{_fmt(cal['sigma1'])} / {_fmt(cal['sigma2'])}"
+            zs = "–" if cal is None else f"{_fmt(cal['z1'])} / {_fmt(cal['z2'])}"
+            lines.append(
+                f"| {name} | {_LABELS[c]} | {point} | {_fmt(info['min_mean'])} ± {_fmt(info['min_std'], 2)} | "
+                f"{_fmt(info['final_mean'])} ± {_fmt(info['final_std'], 2)} | {sig} | {zs} |"
+            )
+    if eps_summary["tests"]:
+        lines += ["", "One-sided paired t-test, H1: min over rounds of the DIFF2 method < that of DP-GD:", "",
+                  "| comparison | criterion | p-value | df |", "|---|---|---|---|"]
+        for pair, tests in eps_summary["tests"].items():
+            for c, t in tests.items():
+                lines.append(f"| {pair} | {_LABELS[c]} | {_fmt(t['p_value'], 3)} | {t['df']} |")
+    return "\n".join(lines)
+
+
+def write_report(study, summary: dict, root: Path, runs_dir: Path, *, make_plots: bool = True) -> None:
+    """Write ``report.md`` and one PNG per ε (three panels, one per criterion) into ``root``."""
+    parts = [f"# Study `{study.name}`", "",
+             f"Dataset `{study.dataset.get('name')}`, P = {study.clients}, R = {study.rounds}, δ = {study.delta}, "
+             f"calibration `{study.mode}`, n_min = {summary['n_min']}, tuning seeds {list(study.tune_seeds)}, "
+             f"evaluation seeds {list(study.eval_seeds)}, engine `{study.engine}` ({study.dtype}). "
+             "Criteria are evaluated every "
+             f"{study.eval_every} rounds; each is reported at its own best grid point, the test loss at the "
+             "train-loss-best point. Evaluation metrics are outside the private protocol.", ""]
+    for eps, eps_summary in summary["epsilons"].items():
+        parts += [f"## ε = {eps}", "", format_table(eps_summary), ""]
+        if make_plots:
+            png = _plot(study, float(eps), eps_summary, root, runs_dir)
+            parts += [f"![ε = {eps}]({png.name})", ""]
+    parts += [f"Wall time: {summary['wall_time_s']:.0f} s.", ""]
+    (root / "report.md").write_text("\n".join(parts))
+
+
+def _plot(study, epsilon: float, eps_summary: dict, root: Path, runs_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    tests = eps_summary["tests"]
+    for ax, c in zip(axes, ("train_loss", "grad_norm_sq", "test_loss")):
+        for name, entry in eps_summary["methods"].items():
+            info = entry["criteria"][c]
+            runs = [json.loads((runs_dir / f"{rid}.json").read_text()) for rid in info["run_ids"]]
+            rounds = np.array(runs[0]["rounds"])
+            values = np.array([[math.inf if v is None else v for v in r[c]] for r in runs], dtype=float)
+            if not np.all(np.isfinite(values)):
+                continue
+            mean, std = values.mean(0), values.std(0)
+            ax.plot(rounds, mean, label=name)
+            ax.fill_between(rounds, np.maximum(mean - std, mean * 1e-3), mean + std, alpha=0.2)
+        ax.set_yscale("log")
+        ax.set_xlabel("round")
+        ax.set_ylabel(_LABELS[c])
+        ps = [f"{pair.split(' vs ')[0]}: p={_fmt(t[c]['p_value'], 2)}" for pair, t in tests.items()]
+        ax.set_title(f"{_LABELS[c]} (ε={epsilon:g})\n" + "; ".join(ps), fontsize=8)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = root / f"figure_eps{epsilon:g}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

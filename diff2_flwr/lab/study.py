@@ -1,0 +1,495 @@
+"""Studies: the paper's protocol (grid search per method, seeds, criteria, t-tests) from one YAML file.
+
+A study names a dataset, R, δ and a list of ε; a list of methods, each a base method (gd,
+dpgd, diff2) with a grid of hyper-parameters (learning rate, C1, C2, T); tuning seeds and
+evaluation seeds. For every ε it
+
+1. runs every grid point with every tuning seed (the tuning phase);
+2. per method and criterion picks the grid point with the smallest mean (over tuning seeds)
+   of the criterion's minimum over rounds — train loss and ‖∇f‖² each at their own best,
+   test loss at the train-loss-best point (the paper's rule);
+3. runs each chosen point with every evaluation seed (the evaluation phase);
+4. summarises mean ± std over evaluation seeds of the minimum over rounds and of the final
+   value, and the one-sided paired t-test of each DIFF2 method against DP-GD
+   (H1: DIFF2's minimum < DP-GD's; pairs by seed; n - 1 degrees of freedom).
+
+Every run's per-round metrics land in ``runs/`` as JSON; an existing run file is reused, so
+an interrupted study resumes where it stopped.
+
+References:
+    Murata & Suzuki (2023), Section 6; DIFF2.md, "The paper's experiments".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import numpy as np
+import yaml
+
+from .config import ConfigError, ExperimentConfig, _Loader, parse_config
+from .outputs import to_json
+
+__all__ = [
+    "CRITERIA",
+    "MethodSpec",
+    "Study",
+    "StudyError",
+    "load_study",
+    "parse_study",
+    "run_study",
+    "select",
+    "paired_one_sided_ttest",
+]
+
+CRITERIA = ("train_loss", "grad_norm_sq", "test_loss")
+GRID_KEYS = ("learning_rate", "clip_restart", "clip_diff", "restart_every")
+Engine = Literal["batch", "inprocess", "flower"]
+
+
+class StudyError(ConfigError):
+    """An invalid study file; the message names the file, the key, and what was found."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One compared method: a base method and its hyper-parameter grid."""
+
+    name: str
+    method: Literal["gd", "dpgd", "diff2"]
+    grid: tuple[tuple[str, tuple[float, ...]], ...]
+    u: float = 1.25
+
+    def points(self) -> list[dict[str, float]]:
+        keys = [k for k, _ in self.grid]
+        return [dict(zip(keys, values)) for values in itertools.product(*(v for _, v in self.grid))]
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    dataset: Mapping[str, Any]
+    clients: int
+    rounds: int
+    delta: float
+    epsilons: tuple[float, ...]
+    mode: Literal["exact", "rdp"]
+    eval_every: int
+    tune_seeds: tuple[int, ...]
+    eval_seeds: tuple[int, ...]
+    methods: tuple[MethodSpec, ...]
+    hidden: int = 10
+    engine: Engine = "batch"
+    dtype: Literal["float64", "float32"] = "float64"
+    compile: bool = False
+    batch_size: int = 32
+    output_dir: str = "outputs/studies"
+    source: str = field(default="<memory>", compare=False)
+
+    def experiment(self, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int) -> ExperimentConfig:
+        """The single-run config of one (method, grid point, ε, seed)."""
+        training = {"rounds": self.rounds, "clients": self.clients, "seed": seed, "dtype": "float64",
+                    **{k: (int(v) if k == "restart_every" else float(v)) for k, v in point.items()}}
+        return parse_config({
+            "name": f"{self.name}-{_slug(method.name)}", "method": method.method, "dataset": dict(self.dataset),
+            "model": {"hidden": self.hidden, "init_seed": seed},
+            "privacy": {"epsilon": epsilon, "delta": self.delta, "mode": self.mode, "u": method.u},
+            "training": training, "evaluation": {"every": self.eval_every},
+        }, source=f"{self.source} (method {method.name!r}, point {dict(point)})")
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text).strip("-").lower()
+
+
+# ------------------------------------------------------------------------------- loading
+
+_TOP_KEYS = {"name", "dataset", "clients", "rounds", "delta", "epsilons", "mode", "eval_every", "seeds", "methods",
+             "hidden", "engine", "dtype", "compile", "batch_size", "output"}
+
+
+def parse_study(data: Any, source: str = "<memory>") -> Study:
+    """Validate a study mapping; every error names the file and the key."""
+    def fail(key: str, expected: str, found: Any) -> StudyError:
+        return StudyError(f"{source}: key `{key}`: expected {expected}. Found {found!r}.")
+
+    if not isinstance(data, Mapping):
+        raise StudyError(f"{source}: a study must be a mapping of keys to values. Found {data!r}.")
+    unknown = sorted(set(map(str, data)) - _TOP_KEYS)
+    if unknown:
+        raise StudyError(f"{source}: unknown key(s) {', '.join(unknown)}. Allowed: {', '.join(sorted(_TOP_KEYS))}.")
+    for key in ("name", "dataset", "rounds", "epsilons", "methods", "seeds"):
+        if key not in data:
+            raise fail(key, "a value (required)", None)
+    seeds = data["seeds"]
+    if not isinstance(seeds, Mapping) or set(seeds) - {"tune", "evaluate"}:
+        raise fail("seeds", "a mapping with keys tune and evaluate", seeds)
+    tune, evaluate = seeds.get("tune", []), seeds.get("evaluate", [])
+    for key, values in (("seeds.tune", tune), ("seeds.evaluate", evaluate)):
+        if not isinstance(values, list) or not values or not all(isinstance(v, int) and v >= 0 for v in values):
+            raise fail(key, "a non-empty list of integers >= 0", values)
+        if len(set(values)) != len(values):
+            raise fail(key, "distinct seeds", values)
+    if set(tune) & set(evaluate):
+        raise fail("seeds.evaluate", "seeds disjoint from seeds.tune (selection must not see the evaluation noise)",
+                   sorted(set(tune) & set(evaluate)))
+    epsilons = data["epsilons"]
+    if not isinstance(epsilons, list) or not epsilons or not all(isinstance(e, (int, float)) and e > 0 for e in epsilons):
+        raise fail("epsilons", "a non-empty list of numbers > 0", epsilons)
+    rounds = data["rounds"]
+    if not isinstance(rounds, int) or rounds < 1:
+        raise fail("rounds", "an integer >= 1", rounds)
+    methods_raw = data["methods"]
+    if not isinstance(methods_raw, list) or not methods_raw:
+        raise fail("methods", "a non-empty list of methods", methods_raw)
+    methods = []
+    for i, m in enumerate(methods_raw):
+        where = f"methods[{i}]"
+        if not isinstance(m, Mapping) or set(m) - {"name", "method", "grid", "u"} or "name" not in m or "method" not in m:
+            raise fail(where, "a mapping with name, method, grid (and optionally u)", m)
+        if m["method"] not in ("gd", "dpgd", "diff2"):
+            raise fail(f"{where}.method", "one of 'gd', 'dpgd', 'diff2'", m["method"])
+        grid = m.get("grid") or {}
+        if not isinstance(grid, Mapping):
+            raise fail(f"{where}.grid", "a mapping of hyper-parameter -> list of values", grid)
+        bad = sorted(set(grid) - set(GRID_KEYS))
+        if bad:
+            raise fail(f"{where}.grid", f"keys among {', '.join(GRID_KEYS)}", bad)
+        items = []
+        for key, values in grid.items():
+            if not isinstance(values, list) or not values:
+                raise fail(f"{where}.grid.{key}", "a non-empty list (an empty grid runs nothing)", values)
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+                raise fail(f"{where}.grid.{key}", "numbers > 0", values)
+            if key == "restart_every" and any(v > rounds or int(v) != v for v in values):
+                raise fail(f"{where}.grid.restart_every", f"integers T <= rounds = {rounds}", values)
+            items.append((key, tuple(values)))
+        if m["method"] == "diff2" and "restart_every" not in grid:
+            raise fail(f"{where}.grid.restart_every", "a list of T values for a diff2 method", None)
+        if m["method"] != "diff2" and "restart_every" in grid:
+            raise fail(f"{where}.grid.restart_every", f"no T for method {m['method']} (T = 1)", grid["restart_every"])
+        methods.append(MethodSpec(name=str(m["name"]), method=m["method"], grid=tuple(items), u=float(m.get("u", 1.25))))
+    names = [m.name for m in methods]
+    if len(set(names)) != len(names):
+        raise fail("methods", "distinct method names", names)
+    output = data.get("output") or {}
+    if not isinstance(output, Mapping) or set(output) - {"dir"}:
+        raise fail("output", "a mapping with key dir", output)
+    study = Study(
+        name=str(data["name"]), dataset=dict(data["dataset"]), clients=int(data.get("clients", 10)), rounds=rounds,
+        delta=float(data.get("delta", 1e-5)), epsilons=tuple(float(e) for e in epsilons),
+        mode=data.get("mode", "exact"), eval_every=int(data.get("eval_every", 1)), tune_seeds=tuple(tune),
+        eval_seeds=tuple(evaluate), methods=tuple(methods), hidden=int(data.get("hidden", 10)),
+        engine=data.get("engine", "batch"), dtype=data.get("dtype", "float64"), compile=bool(data.get("compile", False)),
+        batch_size=int(data.get("batch_size", 32)), output_dir=str(output.get("dir", "outputs/studies")), source=source,
+    )
+    if study.engine not in ("batch", "inprocess", "flower"):
+        raise fail("engine", "one of 'batch', 'inprocess', 'flower'", study.engine)
+    if study.dtype not in ("float64", "float32"):
+        raise fail("dtype", "'float64' or 'float32'", study.dtype)
+    if study.mode not in ("exact", "rdp"):
+        raise fail("mode", "'exact' or 'rdp'", study.mode)
+    # Validate every run config once, up front: bad values fail before hours of compute.
+    for method in study.methods:
+        for point in method.points():
+            try:
+                study.experiment(method, point, study.epsilons[0], study.tune_seeds[0])
+            except ConfigError as err:
+                raise StudyError(f"{source}: method {method.name!r}: {err}") from None
+    return study
+
+
+def load_study(path: str | Path) -> Study:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise StudyError(f"Cannot read study file {path}: {exc.strerror or exc}.") from exc
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as exc:
+        raise StudyError(f"{path}: not valid YAML: {exc}") from exc
+    return parse_study(data, str(path))
+
+
+# ------------------------------------------------------------------------------- statistics
+
+def paired_one_sided_ttest(treatment: Sequence[float], control: Sequence[float]) -> float:
+    """p-value of the paired t-test with H1: mean(treatment - control) < 0 (n - 1 degrees of freedom)."""
+    from scipy import stats
+
+    t = np.asarray(treatment, dtype=float)
+    c = np.asarray(control, dtype=float)
+    if t.shape != c.shape or t.size < 2:
+        raise ValueError(f"A paired t-test needs two samples of equal size >= 2. Found {t.size} and {c.size}.")
+    d = t - c
+    if not np.all(np.isfinite(d)):
+        return math.nan
+    if np.all(d == d[0]):  # no variance: the test is undefined unless every difference has one sign
+        return 0.0 if d[0] < 0 else 1.0
+    return float(stats.ttest_rel(t, c, alternative="less").pvalue)
+
+
+def _score(values: Sequence[float]) -> float:
+    arr = np.asarray(values, dtype=float)
+    return float(np.mean(arr)) if np.all(np.isfinite(arr)) else math.inf
+
+
+def select(table: Mapping[str, Mapping[str, Sequence[float]]]) -> dict[str, str]:
+    """Choose a grid point per criterion from ``table[point][criterion] = per-seed minima``.
+
+    train_loss and grad_norm_sq each pick their own best (smallest mean over seeds, diverged =
+    inf; ties go to the first point); test_loss uses the train-loss-best point.
+    """
+    if not table:
+        raise ValueError("Nothing to select from: the grid is empty.")
+    chosen = {}
+    for criterion in ("train_loss", "grad_norm_sq"):
+        chosen[criterion] = min(table, key=lambda point: _score(table[point][criterion]))
+    chosen["test_loss"] = chosen["train_loss"]
+    return chosen
+
+
+# ------------------------------------------------------------------------------- running
+
+def _run_id(phase: str, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int, study: Study) -> str:
+    key = json.dumps({"phase": phase, "method": asdict(method), "point": dict(point), "epsilon": epsilon, "seed": seed,
+                      "rounds": study.rounds, "delta": study.delta, "mode": study.mode, "dataset": dict(study.dataset),
+                      "clients": study.clients, "eval_every": study.eval_every, "hidden": study.hidden}, sort_keys=True)
+    return f"{phase}-{_slug(method.name)}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+@dataclass
+class _Job:
+    run_id: str
+    method: MethodSpec
+    point: dict
+    epsilon: float
+    seed: int
+    cfg: ExperimentConfig
+
+
+class _Progress:
+    """runs done / total with an ETA, on one line of stderr."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.started = time.perf_counter()
+
+    def show(self, fraction_of_batch: float = 0.0, batch: int = 0) -> None:
+        if not self.enabled or self.total == 0:
+            return
+        done = self.done + fraction_of_batch * batch
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / done * (self.total - done) if done > 0 else math.nan
+        bar = "#" * int(30 * done / self.total)
+        sys.stderr.write(f"\r[diff2] runs {self.done}/{self.total} [{bar:<30}] {elapsed:6.0f}s elapsed, ETA {eta:6.0f}s ")
+        sys.stderr.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress) -> None:
+    """Run the jobs whose result file is missing; write one JSON file per run."""
+    from .session import load_data
+
+    todo = [j for j in jobs if not (runs_dir / f"{j.run_id}.json").exists()]
+    progress.done += len(jobs) - len(todo)
+    progress.show()
+    if not todo:
+        return
+    engine = study.engine
+    if engine == "batch" and not all(j.cfg.closed_form_gradients for j in todo):
+        engine = "inprocess"  # the batched engine has closed forms for the paper MLP only
+    if engine == "batch":
+        import torch
+
+        from .sweep import RunSpec, run_batch
+
+        data = load_data(todo[0].cfg)
+        n_min = data.n_min
+        dtype = torch.float32 if study.dtype == "float32" else torch.float64
+        for start in range(0, len(todo), study.batch_size):
+            batch = todo[start:start + study.batch_size]
+            specs = []
+            for j in batch:
+                mech = j.cfg.mechanism(j.cfg.calibration(n_min))
+                specs.append(RunSpec(mech.restart_every, j.cfg.training.learning_rate, mech.clip_restart,
+                                     mech.clip_diff, mech.sigma_restart, mech.sigma_diff, j.seed, j.seed))
+            results = run_batch(data, specs, rounds=study.rounds, hidden=study.hidden, eval_every=study.eval_every,
+                                dtype=dtype, compile=study.compile,
+                                progress=lambda r, total, n=len(batch): progress.show(r / total, n) if r % 20 == 0 else None)
+            for j, res in zip(batch, results):
+                _write_run(runs_dir, j, {"rounds": res.rounds.tolist(), "train_loss": res.train_loss.tolist(),
+                                         "grad_norm_sq": res.grad_norm_sq.tolist(), "test_loss": res.test_loss.tolist()},
+                           res.diverged_at, "batch")
+            progress.done += len(batch)
+            progress.show()
+        return
+    for j in todo:
+        metrics, diverged = _run_single(j.cfg, engine)
+        _write_run(runs_dir, j, metrics, diverged, engine)
+        progress.done += 1
+        progress.show()
+
+
+def _run_single(cfg: ExperimentConfig, engine: str) -> tuple[dict, int | None]:
+    from .driver import run_inprocess
+
+    if engine == "flower":
+        import tempfile
+
+        from .launch import run_simulation
+
+        with tempfile.TemporaryDirectory(prefix="diff2-study-") as tmp:
+            path = Path(tmp) / "run.yaml"
+            data = cfg.to_dict()
+            data["output"] = {"dir": tmp}
+            path.write_text(yaml.safe_dump(data))
+            result = run_simulation(str(path), echo=False)
+            rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+        diverged = None
+    else:
+        server = run_inprocess(cfg, record=False, progress=None, stop_on_divergence=True)
+        rows = server.history
+        diverged = None if server.done else server.state.round
+    rows = [r for r in rows if "train_loss" in r or "test_loss" in r]
+    if diverged is not None:  # the diverged iterate has no finite metrics: its criteria are inf from then on
+        rows.append({"round": diverged, **{c: math.inf for c in CRITERIA}})
+    return {"rounds": [r["round"] for r in rows], **{c: [r.get(c, math.inf) for r in rows] for c in CRITERIA}}, diverged
+
+
+def _write_run(runs_dir: Path, job: _Job, metrics: dict, diverged: int | None, engine: str) -> None:
+    record = {"run_id": job.run_id, "method": job.method.name, "base_method": job.method.method, "point": job.point,
+              "epsilon": job.epsilon, "seed": job.seed, "engine": engine, "diverged_at": diverged, **metrics}
+    tmp = runs_dir / f"{job.run_id}.json.tmp"
+    tmp.write_text(json.dumps(to_json(record)))
+    tmp.replace(runs_dir / f"{job.run_id}.json")
+
+
+def _load_run(runs_dir: Path, run_id: str) -> dict:
+    record = json.loads((runs_dir / f"{run_id}.json").read_text())
+    for c in CRITERIA:  # null = inf/NaN (a diverged run)
+        record[c] = [math.inf if v is None else v for v in record[c]]
+    return record
+
+
+def _point_key(point: Mapping[str, float]) -> str:
+    return json.dumps(dict(point), sort_keys=True)
+
+
+def run_study(
+    study: Study, *, output_root: str | Path | None = None, fresh: bool = False, show_progress: bool = True,
+    make_plots: bool = True,
+) -> dict:
+    """Run the whole study (resumable) and write summary.json, report.md and plots; return the summary."""
+    from .session import load_data
+
+    root = Path(output_root or study.output_dir).expanduser().resolve() / study.name
+    runs_dir = root / "runs"
+    if fresh and runs_dir.exists():
+        for f in runs_dir.glob("*.json"):
+            f.unlink()
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
+    data = load_data(probe)
+    summary: dict[str, Any] = {"study": study.name, "source": study.source, "rounds": study.rounds, "delta": study.delta,
+                               "mode": study.mode, "clients": study.clients, "n_min": data.n_min,
+                               "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds),
+                               "engine": study.engine, "dtype": study.dtype, "epsilons": {}}
+    n_tune = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds) * len(study.epsilons)
+    progress = _Progress(n_tune + 2 * len(study.methods) * len(study.eval_seeds) * len(study.epsilons), show_progress)
+    for epsilon in study.epsilons:
+        # 1. tuning
+        tune_jobs = [
+            _Job(_run_id("tune", m, p, epsilon, s, study), m, p, epsilon, s, study.experiment(m, p, epsilon, s))
+            for m in study.methods for p in m.points() for s in study.tune_seeds
+        ]
+        _execute(study, tune_jobs, runs_dir, progress)
+        # 2. selection
+        chosen: dict[str, dict[str, dict]] = {}
+        for m in study.methods:
+            table: dict[str, dict[str, list[float]]] = {}
+            for p in m.points():
+                records = [_load_run(runs_dir, _run_id("tune", m, p, epsilon, s, study)) for s in study.tune_seeds]
+                table[_point_key(p)] = {c: [min(r[c]) for r in records] for c in CRITERIA}
+            picks = select(table)
+            chosen[m.name] = {c: json.loads(picks[c]) for c in CRITERIA}
+        # 3. evaluation
+        eval_jobs, seen = [], set()
+        for m in study.methods:
+            for c in CRITERIA:
+                p = chosen[m.name][c]
+                for s in study.eval_seeds:
+                    rid = _run_id("eval", m, p, epsilon, s, study)
+                    if rid not in seen:
+                        seen.add(rid)
+                        eval_jobs.append(_Job(rid, m, p, epsilon, s, study.experiment(m, p, epsilon, s)))
+        progress.total -= 2 * len(study.methods) * len(study.eval_seeds) - len(eval_jobs)
+        _execute(study, eval_jobs, runs_dir, progress)
+        # 4. summary
+        summary["epsilons"][str(epsilon)] = _summarise(study, epsilon, chosen, runs_dir, data.n_min)
+    progress.finish()
+    summary["wall_time_s"] = time.perf_counter() - started
+    (root / "summary.json").write_text(json.dumps(to_json(summary), indent=2) + "\n")
+    from .report import write_report
+
+    write_report(study, summary, root, runs_dir, make_plots=make_plots)
+    return summary
+
+
+def _summarise(study: Study, epsilon: float, chosen: dict, runs_dir: Path, n_min: int) -> dict:
+    out: dict[str, Any] = {"methods": {}, "tests": {}}
+    per_seed_min: dict[str, dict[str, list[float]]] = {}
+    for m in study.methods:
+        entry: dict[str, Any] = {"base_method": m.method, "u": m.u, "criteria": {}}
+        per_seed_min[m.name] = {}
+        for c in CRITERIA:
+            point = chosen[m.name][c]
+            runs = [_load_run(runs_dir, _run_id("eval", m, point, epsilon, s, study)) for s in study.eval_seeds]
+            mins = [min(r[c]) for r in runs]
+            finals = [r[c][-1] for r in runs]
+            per_seed_min[m.name][c] = mins
+            cfg = study.experiment(m, point, epsilon, study.eval_seeds[0])
+            cal = cfg.calibration(n_min)
+            entry["criteria"][c] = {
+                "point": point, "run_ids": [r["run_id"] for r in runs],
+                "min_mean": _mean(mins), "min_std": _std(mins), "final_mean": _mean(finals), "final_std": _std(finals),
+                "diverged": sum(r["diverged_at"] is not None for r in runs),
+                "calibration": None if cal is None else {k: cal.as_dict()[k] for k in ("sigma1", "sigma2", "z1", "z2", "mode")},
+            }
+        out["methods"][m.name] = entry
+    controls = [m for m in study.methods if m.method == "dpgd"]
+    for control in controls[:1]:
+        for m in study.methods:
+            if m.method != "diff2":
+                continue
+            out["tests"][f"{m.name} vs {control.name}"] = {
+                c: {"p_value": paired_one_sided_ttest(per_seed_min[m.name][c], per_seed_min[control.name][c]),
+                    "df": len(study.eval_seeds) - 1,
+                    "treatment_min_mean": _mean(per_seed_min[m.name][c]),
+                    "control_min_mean": _mean(per_seed_min[control.name][c])}
+                for c in CRITERIA
+            }
+    return out
+
+
+def _mean(values: Sequence[float]) -> float:
+    arr = np.asarray(values, dtype=float)
+    return float(np.mean(arr)) if np.all(np.isfinite(arr)) else math.inf
+
+
+def _std(values: Sequence[float]) -> float:
+    arr = np.asarray(values, dtype=float)
+    return float(np.std(arr, ddof=1)) if arr.size > 1 and np.all(np.isfinite(arr)) else math.nan
