@@ -61,6 +61,15 @@ def _experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .lab.bench import run_bench
+
+    result = run_bench(data_dir=args.data_dir, protocol=not args.skip_protocol, flower=not args.skip_flower,
+                       rounds=args.rounds, flower_rounds=args.flower_rounds)
+    print(json.dumps(to_json(result), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diff2", description="DIFF2 differentially private federated training on Flower.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--output", default=None, help="output root (default: the study's output.dir)")
     exp.add_argument("--fresh", action="store_true", help="recompute every run instead of resuming")
     exp.set_defaults(func=_experiment)
+
+    bench = sub.add_parser("bench", help="measure speed (rounds/s, protocol wall time, Flower vs its floor) as JSON")
+    bench.add_argument("--data-dir", default=None, help="data directory (default: $DIFF2_DATA_DIR)")
+    bench.add_argument("--rounds", type=int, default=300, help="rounds timed for diff2_rounds_per_s")
+    bench.add_argument("--flower-rounds", type=int, default=30, help="rounds of each Flower simulation")
+    bench.add_argument("--skip-protocol", action="store_true", help="do not time the full California ε = 3 study")
+    bench.add_argument("--skip-flower", action="store_true", help="do not run the two Flower simulations")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -68,15 +68,35 @@ def _is_int(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class DatasetConfig:
-    name: Literal["synthetic", "california_housing", "gas_turbine"] = "synthetic"
+    name: Literal["synthetic", "california_housing", "gas_turbine", "blogfeedback", "kddcup99", "covertype",
+                  "csv"] = "synthetic"
     dir: str | None = None  # data directory for real datasets; default $DIFF2_DATA_DIR
     test_fraction: float = 0.2
     split_seed: int = 0
     num_samples: int = 10_000  # synthetic only
     num_features: int = 8  # synthetic only
     generator_seed: int = 0  # synthetic only
+    path: str | None = None  # csv only: the file
+    target: str | None = None  # csv only: the target column
+    drop: tuple[str, ...] = ()  # csv only: columns to ignore
+    categorical: tuple[str, ...] = ()  # csv only: columns to one-hot encode
+    task: Literal["regression", "classification"] | None = None  # csv only
+
+    @property
+    def task_kind(self) -> str:
+        if self.name == "csv":
+            return self.task or "regression"
+        return "classification" if self.name in ("kddcup99", "covertype") else "regression"
 
     def __post_init__(self) -> None:
+        if self.name == "csv":
+            _require(bool(self.path), "path", "the CSV file's path for dataset csv", self.path)
+            _require(bool(self.target), "target", "the target column's name for dataset csv", self.target)
+        else:
+            for key in ("path", "target", "task"):
+                _require(getattr(self, key) is None, key, f"nothing for dataset {self.name} (csv only)", getattr(self, key))
+            for key in ("drop", "categorical"):
+                _require(not getattr(self, key), key, f"nothing for dataset {self.name} (csv only)", getattr(self, key))
         _require(0 < self.test_fraction < 1, "test_fraction", "a number in (0, 1)", self.test_fraction)
         _require(self.split_seed >= 0, "split_seed", "an integer >= 0", self.split_seed)
         _require(self.num_samples >= 2, "num_samples", "an integer >= 2", self.num_samples)
@@ -89,12 +109,12 @@ class ModelConfig:
     name: Literal["paper_mlp"] = "paper_mlp"
     hidden: int = 10
     init_seed: int = 0
-    loss: str = "half_squared_error"
+    loss: str = "auto"  # auto: half_squared_error for regression, cross_entropy for classification
 
     def __post_init__(self) -> None:
         _require(self.hidden >= 1, "hidden", "an integer >= 1", self.hidden)
         _require(self.init_seed >= 0, "init_seed", "an integer >= 0", self.init_seed)
-        _require(self.loss in LOSSES, "loss", f"one of {sorted(LOSSES)}", self.loss)
+        _require(self.loss in LOSSES or self.loss == "auto", "loss", f"'auto' or one of {sorted(LOSSES)}", self.loss)
 
 
 @dataclass(frozen=True)
@@ -181,8 +201,11 @@ class ExperimentConfig:
             )
         _require(self.restart_every <= t.rounds, "training.restart_every",
                  f"at most training.rounds = {t.rounds} (T > R never restarts)", t.restart_every)
+        if self.loss == "half_squared_error":
+            _require(self.dataset.task_kind == "regression", "model.loss",
+                     f"cross_entropy (or auto) for the classification dataset {self.dataset.name}", self.model.loss)
         if t.gradients == "closed_form":
-            _require(self.model.name == "paper_mlp" and self.model.loss == "half_squared_error", "training.gradients",
+            _require(self.model.name == "paper_mlp" and self.loss == "half_squared_error", "training.gradients",
                      "'auto' or 'torch_func' unless model.name is paper_mlp with loss half_squared_error "
                      "(the closed form is for that model)", t.gradients)
         if self.private:
@@ -199,10 +222,17 @@ class ExperimentConfig:
         return self.method != "gd"
 
     @property
+    def loss(self) -> str:
+        """The loss: the configured one, or by task (½-squared error / cross-entropy)."""
+        if self.model.loss != "auto":
+            return self.model.loss
+        return "cross_entropy" if self.dataset.task_kind == "classification" else "half_squared_error"
+
+    @property
     def closed_form_gradients(self) -> bool:
         """Whether workers use the closed-form (ghost clipping) path rather than generic torch.func."""
         if self.training.gradients == "auto":
-            return self.model.name == "paper_mlp" and self.model.loss == "half_squared_error"
+            return self.model.name == "paper_mlp" and self.loss == "half_squared_error"
         return self.training.gradients == "closed_form"
 
     @property
@@ -251,6 +281,11 @@ def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
         return False, value
     if origin is Literal:
         return value in typing.get_args(hint), value
+    if origin is tuple:
+        item = typing.get_args(hint)[0]
+        if not isinstance(value, list) or not all(_type_ok(v, item)[0] for v in value):
+            return False, value
+        return True, tuple(value)
     if hint is bool:
         return isinstance(value, bool), value
     if hint is int:
@@ -270,6 +305,8 @@ def _describe(hint: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(hint))
+    if origin is tuple:
+        return f"a list of {_describe(typing.get_args(hint)[0]).replace('a ', '')}s"
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
 
 

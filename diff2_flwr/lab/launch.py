@@ -44,6 +44,14 @@ class LaunchResult:
     output_dir: Path | None
 
 
+def _toml(value: str | int | float) -> str:
+    if isinstance(value, str):
+        if "'" in value:
+            raise ValueError(f"Run-config values cannot contain a single quote. Found {value!r}.")
+        return f"'{value}'"
+    return repr(value)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -89,21 +97,29 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def run_simulation(
-    config: str = "configs/default.yaml",
+    config: str | None = "configs/default.yaml",
     *,
     app_dir: str | os.PathLike[str] = APP_DIR,
     cwd: str | os.PathLike[str] | None = None,
     timeout_s: float = 3600,
     echo: bool = True,
     env: dict[str, str] | None = None,
+    clients: int | None = None,
+    run_config: dict[str, str | int | float] | None = None,
 ) -> LaunchResult:
     """Run ``config`` through ``flwr run`` on a private local SuperLink; raise if the run did not complete.
 
     Relative output paths in the config resolve against ``cwd`` (default: the current directory).
+    For another Flower app (``config=None``), give ``clients`` and its ``run_config`` overrides.
     """
     app_dir = Path(app_dir).resolve()
-    config_path = resolve_config_path(config, app_dir)
-    clients = load_config(config_path).training.clients
+    overrides = dict(run_config or {})
+    if config is not None:
+        config_path = resolve_config_path(config, app_dir)
+        clients = load_config(config_path).training.clients
+        overrides["config"] = str(config_path)
+    if clients is None:
+        raise ValueError("run_simulation needs `clients` when no experiment config is given.")
     home = Path(tempfile.mkdtemp(prefix="diff2-flwr-home-"))
     port, health = _free_port(), _free_port()
     (home / "config.toml").write_text(
@@ -117,8 +133,9 @@ def run_simulation(
     superlink_cmd = [_tool("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
                      "--host", "127.0.0.1", "--port", str(port), "--health-server-address", f"127.0.0.1:{health}"]
     run_cmd = [_tool("flwr"), "run", str(app_dir), _CONNECTION, "--stream",
-               "--federation-config", f"num-supernodes={clients}",
-               "--run-config", f"config='{config_path}'"]
+               "--federation-config", f"num-supernodes={clients}"]
+    if overrides:
+        run_cmd += ["--run-config", " ".join(f"{k}={_toml(v)}" for k, v in overrides.items())]
     with log_path.open("w") as log:
         superlink = subprocess.Popen(superlink_cmd, cwd=cwd, env=run_env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)

@@ -26,7 +26,7 @@ from ..core.gradients import Contribution, PerSampleGradients
 from ..core.layout import ParameterLayout
 from ..core.privacy import Calibration, GaussianEvent, PrivacyLedger
 from ..core.routines import Routine, make_routine
-from ..task.data import PreparedData, load_raw, prepare
+from ..task.data import CLASSIFICATION, PreparedData, load_classification, load_csv, load_raw, prepare
 from ..task.evaluation import Evaluator
 from ..task.losses import get_loss
 from ..task.models import build_model
@@ -208,21 +208,32 @@ class Worker:
 def load_data(cfg: ExperimentConfig) -> PreparedData:
     """The dataset of ``cfg`` after the paper's preprocessing (cached per process)."""
     d = cfg.dataset
-    x, y = load_raw(d.name, data_dir=d.dir, num_samples=d.num_samples, num_features=d.num_features, seed=d.generator_seed)
-    return prepare(d.name, x, y, clients=cfg.training.clients, test_fraction=d.test_fraction, split_seed=d.split_seed)
+    classes: tuple[str, ...] = ()
+    if d.name == "csv":
+        assert d.path is not None and d.target is not None
+        x, y, classes = load_csv(d.path, target=d.target, drop=d.drop, categorical=d.categorical, task=d.task_kind)
+    elif d.name in CLASSIFICATION:
+        x, y, classes = load_classification(d.name, data_dir=d.dir)
+    else:
+        x, y = load_raw(d.name, data_dir=d.dir, num_samples=d.num_samples, num_features=d.num_features,
+                        seed=d.generator_seed)
+    return prepare(d.name, x, y, clients=cfg.training.clients, test_fraction=d.test_fraction, split_seed=d.split_seed,
+                   classes=classes)
 
 
 def _gradients(cfg: ExperimentConfig, data: PreparedData) -> PerSampleGradients:
     m = cfg.model
-    model = build_model(m.name, in_features=data.num_features, out_features=1, hidden=m.hidden, init_seed=m.init_seed)
+    model = build_model(m.name, in_features=data.num_features, out_features=data.num_outputs, hidden=m.hidden,
+                        init_seed=m.init_seed)
     dtype = {"float64": torch.float64, "float32": torch.float32}[cfg.training.dtype]
-    return PerSampleGradients(model, get_loss(m.loss), dtype=dtype, chunk_size=cfg.training.chunk_size)
+    return PerSampleGradients(model, get_loss(cfg.loss), dtype=dtype, chunk_size=cfg.training.chunk_size)
 
 
 def initial_parameters(cfg: ExperimentConfig, data: PreparedData) -> np.ndarray:
     """x_0: the model's initial parameters as a flat float64 vector."""
     m = cfg.model
-    model = build_model(m.name, in_features=data.num_features, out_features=1, hidden=m.hidden, init_seed=m.init_seed)
+    model = build_model(m.name, in_features=data.num_features, out_features=data.num_outputs, hidden=m.hidden,
+                        init_seed=m.init_seed)
     return np.concatenate([p.detach().double().reshape(-1).numpy() for _, p in model.named_parameters()])
 
 

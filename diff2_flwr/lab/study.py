@@ -319,8 +319,16 @@ def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress
         data = load_data(todo[0].cfg)
         n_min = data.n_min
         dtype = torch.float32 if study.dtype == "float32" else torch.float64
-        for start in range(0, len(todo), study.batch_size):
-            batch = todo[start:start + study.batch_size]
+        # A batch whose runs all restart every round (T = 1) skips the previous iterate's pass,
+        # so T = 1 runs never share a batch with T > 1 runs; within a group, batches are balanced
+        # (no batch much smaller than the others) and sorted by T.
+        batches = []
+        for group in ([j for j in todo if j.cfg.restart_every == 1], [j for j in todo if j.cfg.restart_every > 1]):
+            group.sort(key=lambda j: j.cfg.restart_every)
+            if group:
+                size = -(-len(group) // -(-len(group) // study.batch_size))
+                batches += [group[i:i + size] for i in range(0, len(group), size)]
+        for batch in batches:
             specs = []
             for j in batch:
                 mech = j.cfg.mechanism(j.cfg.calibration(n_min))

@@ -79,12 +79,12 @@ class _Batch:
             a[p, : len(ys)] = torch.as_tensor(xs, dtype=dtype)
             y[p, : len(ys)] = torch.as_tensor(ys, dtype=dtype)
             mask[p, : len(ys)] = 1
-        self.a, self.y, self.mask = a, y.reshape(-1, 1), mask.reshape(-1, 1)
-        self.a_flat = a.reshape(-1, self.F)
-        self.sq_a1 = 1 + (self.a_flat * self.a_flat).sum(1, keepdim=True)  # 1 + ||a||²
+        self.a, self.y, self.mask = a, y.reshape(-1), mask.reshape(-1)
+        self.a_t = a.reshape(-1, self.F).T.contiguous()  # [F, M]: samples innermost
+        self.sq_a1 = 1 + (self.a_t * self.a_t).sum(0)  # 1 + ||a||² per sample
         self.n = torch.tensor(sizes, dtype=torch.float64)
-        self.x_test = torch.as_tensor(data.x_test, dtype=dtype)
-        self.y_test = torch.as_tensor(data.y_test, dtype=dtype).reshape(-1, 1)
+        self.x_test_t = torch.as_tensor(data.x_test, dtype=dtype).T.contiguous()
+        self.y_test = torch.as_tensor(data.y_test, dtype=dtype)
         self.dtype = dtype
 
     def unpack(self, x: torch.Tensor):
@@ -93,25 +93,9 @@ class _Batch:
         return (x[:, : H * F].reshape(-1, H, F), x[:, H * F: H * F + H], x[:, H * F + H: H * F + 2 * H],
                 x[:, H * F + 2 * H])
 
-    def forward(self, x: torch.Tensor, a: torch.Tensor, y: torch.Tensor):
-        """s = softplus(h), residual e, δ = e w2 φ'(h) for every (sample, run): [M, K, H], [M, K], [M, K, H]."""
-        w1, b1, w2, b2 = self.unpack(x.to(self.dtype))
-        K = x.shape[0]
-        h = (a @ w1.reshape(K * self.H, self.F).T).reshape(-1, K, self.H) + b1
-        s, deriv = _softplus_and_derivative(h)
-        e = (s * w2).sum(-1) + b2 - y
-        return s, e, e.unsqueeze(-1) * w2 * deriv
-
-    def client_sums(self, ge: torch.Tensor, gs: torch.Tensor, gd: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        """Σ_n c_n g_n per client, flat in the model's layout: [P, K, d] (float64)."""
-        P, N, H, F = self.P, self.N, self.H, self.F
-        K = ge.shape[1]
-        cd = gd * c.unsqueeze(-1)
-        w1 = torch.bmm(cd.reshape(P, N, K * H).transpose(1, 2), self.a).reshape(P, K, H * F)
-        b1 = cd.reshape(P, N, K, H).sum(1)
-        w2 = (gs * c.unsqueeze(-1)).reshape(P, N, K, H).sum(1)
-        b2 = (ge * c).reshape(P, N, K).sum(1, keepdim=True).transpose(1, 2)
-        return torch.cat([w1, b1, w2, b2], dim=2).to(torch.float64)
+    def forward(self, x: torch.Tensor, a_t: torch.Tensor, y: torch.Tensor):
+        """(s, e, δ) at the flat parameters ``x`` [K, d] for the samples ``a_t`` [F, M]."""
+        return _forward(a_t, y, *self.unpack(x.to(self.dtype)))
 
 
 def _softplus_and_derivative(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,29 +107,50 @@ def _softplus_and_derivative(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return s, deriv
 
 
-def _round_core(a_flat, a, y, sq_a1, mask, w1, b1, w2, b2, ps, pe, pdelta, restart, radius, P: int):
-    """One round for every run: forward at x_{r-1}, per-sample (difference) norms, clipped sums per client."""
+def _forward(a_t, y, w1, b1, w2, b2):
+    """s = softplus(h) [K, H, M], residual e [K, M] and δ = e w2 φ'(h) [K, H, M] for every (run, sample).
+
+    Samples are the innermost (contiguous) dimension, so elementwise work vectorises fully.
+    """
     K, H = b1.shape
-    F = a_flat.shape[1]
-    h = (a_flat @ w1.reshape(K * H, F).T).reshape(-1, K, H) + b1
+    h = (w1.reshape(K * H, a_t.shape[0]) @ a_t).reshape(K, H, -1) + b1.unsqueeze(-1)
     s, deriv = _softplus_and_derivative(h)
-    e = (s * w2).sum(-1) + b2 - y
-    delta = e.unsqueeze(-1) * w2 * deriv
-    r3 = restart.unsqueeze(-1)
-    ge = torch.where(restart, e, e - pe)
-    gs = torch.where(r3, e.unsqueeze(-1) * s, e.unsqueeze(-1) * s - pe.unsqueeze(-1) * ps)
-    gd = torch.where(r3, delta, delta - pdelta)
-    sq = ge * ge + (gs * gs).sum(-1) + (gd * gd).sum(-1) * sq_a1
+    e = (s * w2.unsqueeze(-1)).sum(1) + b2.unsqueeze(-1) - y
+    return s, e, e.unsqueeze(1) * w2.unsqueeze(-1) * deriv
+
+
+def _client_sums(a, ge, gs, gd, c):
+    """Σ_n c_n g_n per client for g = (gd aᵀ, gd, gs, ge), flat in the model's layout: [P, K, d]."""
+    K, H, M = gd.shape
+    P, N, F = a.shape
+    cd = gd * c.unsqueeze(1)
+    w1 = torch.bmm(cd.reshape(K * H, P, N).transpose(0, 1), a).reshape(P, K, H * F)
+    b1 = cd.reshape(K, H, P, N).sum(-1).permute(2, 0, 1)
+    w2 = (gs * c.unsqueeze(1)).reshape(K, H, P, N).sum(-1).permute(2, 0, 1)
+    b2 = (ge * c).reshape(K, P, N).sum(-1).T.unsqueeze(-1)
+    return torch.cat([w1, b1, w2, b2], dim=2)
+
+
+def _round_core(a_t, a, y, sq_a1, mask, w1, b1, w2, b2, w1p, b1p, w2p, b2p, restart, radius, with_previous: bool):
+    """One round for every run: per-sample (difference) gradient norms and clipped sums per client [P, K, d].
+
+    The previous iterate's per-sample quantities are recomputed rather than stored: writing and
+    re-reading them costs more memory traffic than the second forward pass costs arithmetic.
+    """
+    s, e, delta = _forward(a_t, y, w1, b1, w2, b2)
+    ge, gs, gd = e, e.unsqueeze(1) * s, delta
+    if with_previous:
+        ps, pe, pdelta = _forward(a_t, y, w1p, b1p, w2p, b2p)
+        r2 = restart.unsqueeze(-1)
+        ge = torch.where(r2, ge, ge - pe)
+        gs = torch.where(r2.unsqueeze(-1), gs, gs - pe.unsqueeze(1) * ps)
+        gd = torch.where(r2.unsqueeze(-1), gd, gd - pdelta)
+    sq = ge * ge + (gs * gs).sum(1) + (gd * gd).sum(1) * sq_a1
     norms = torch.sqrt(sq)
-    over = norms > radius
-    c = torch.where(over, radius / torch.where(over, norms, 1.0), 1.0) * mask
-    N = a.shape[1]
-    cd = gd * c.unsqueeze(-1)
-    w1s = torch.bmm(cd.reshape(P, N, K * H).transpose(1, 2), a).reshape(P, K, H * F)
-    b1s = cd.reshape(P, N, K, H).sum(1)
-    w2s = (gs * c.unsqueeze(-1)).reshape(P, N, K, H).sum(1)
-    b2s = (ge * c).reshape(P, N, K).sum(1, keepdim=True).transpose(1, 2)
-    return s, e, delta, torch.cat([w1s, b1s, w2s, b2s], dim=2)
+    rad = radius.unsqueeze(-1)
+    over = norms > rad
+    c = torch.where(over, rad / torch.where(over, norms, 1.0), 1.0) * mask
+    return _client_sums(a, ge, gs, gd, c)
 
 
 _COMPILED = None
@@ -154,7 +159,7 @@ _COMPILED = None
 def _compiled_core():
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = torch.compile(_round_core, dynamic=False)
+        _COMPILED = torch.compile(_round_core, dynamic=True)
     return _COMPILED
 
 
@@ -188,24 +193,21 @@ def run_batch(
     s2 = [s.sigma_diff for s in specs]
     x_prev = x.clone()
     v = torch.zeros_like(x)
-    prev = None  # forward quantities at x_{r-2}
     alive = torch.ones(K, dtype=torch.bool)
     diverged: list[int | None] = [None] * K
     evals: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
 
-    def evaluate(r: int, cur, x_now: torch.Tensor) -> None:
-        s, e, delta = cur
-        ones = b.mask
-        sums = b.client_sums(e, e.unsqueeze(-1) * s, delta, ones)  # unclipped gradient sums [P, K, d]
-        grad = (sums / b.n.reshape(P, 1, 1)).sum(0) / P
-        losses = (0.5 * e * e * ones).to(torch.float64).reshape(P, b.N, K).sum(1) / b.n.reshape(P, 1)
-        _, e_test, _ = b.forward(x_now, b.x_test, b.y_test)
-        test = (0.5 * e_test * e_test).to(torch.float64).mean(0)
-        dead = ~alive
-        train = losses.mean(0)
+    def evaluate(r: int, x_now: torch.Tensor) -> None:
+        s, e, delta = b.forward(x_now, b.a_t, b.y)
+        sums = _client_sums(b.a, e, e.unsqueeze(1) * s, delta, b.mask.expand_as(e)).to(torch.float64)
+        grad = (sums / b.n.reshape(P, 1, 1)).sum(0) / P  # ∇f = (1/P) Σ_p ∇f_p, unclipped
+        losses = (0.5 * e * e * b.mask).to(torch.float64).reshape(K, P, b.N).sum(-1) / b.n  # [K, P]
+        _, e_test, _ = b.forward(x_now, b.x_test_t, b.y_test)
+        test = (0.5 * e_test * e_test).to(torch.float64).mean(1)
+        train = losses.mean(1)
         gn = (grad * grad).sum(1)
         for t in (train, gn, test):
-            t[dead] = math.inf
+            t[~alive] = math.inf
         evals.append((r, train.numpy().copy(), gn.numpy().copy(), test.numpy().copy()))
 
     core = _compiled_core() if compile else _round_core
@@ -214,18 +216,12 @@ def run_batch(
     shrink = 1.0 if dtype == torch.float64 else 1.0 - 2.0**-20
     for r in range(1, rounds + 1):
         restart = (r - 1) % T == 0  # [K]
+        if (r - 1) % eval_every == 0 or r == 1:
+            evaluate(r - 1, x)
         step = x - x_prev
         radius = torch.where(restart, c1, torch.where(torch.isinf(c2), math.inf, c2 * step.norm(dim=1)))
-        if prev is None:  # round 1 restarts every run; the "previous" terms are masked out
-            m = b.a_flat.shape[0]
-            prev = (torch.zeros(m, K, hidden, dtype=dtype), torch.zeros(m, K, dtype=dtype),
-                    torch.zeros(m, K, hidden, dtype=dtype))
-        w1, b1, w2, b2 = b.unpack(x.to(dtype))
-        s, e, delta, sums = core(b.a_flat, b.a, b.y, b.sq_a1, b.mask, w1, b1, w2, b2, *prev, restart,
-                                 (radius * shrink).to(dtype), b.P)
-        cur = (s, e, delta)
-        if (r - 1) % eval_every == 0 or r == 1:
-            evaluate(r - 1, cur, x)
+        sums = core(b.a_t, b.a, b.y, b.sq_a1, b.mask, *b.unpack(x.to(dtype)), *b.unpack(x_prev.to(dtype)),
+                    restart, (radius * shrink).to(dtype), not bool(restart.all()))
         mean = (sums.to(torch.float64) / b.n.reshape(P, 1, 1)).sum(0) / P  # (1/P) Σ_p ClippedMean_p
         noise = np.zeros((K, d))
         rad = radius.numpy()
@@ -243,10 +239,9 @@ def run_batch(
             alive &= ~bad
             x = torch.where(alive.unsqueeze(1), x, x_prev.nan_to_num(0.0))  # park dead runs
             x_prev = torch.where(alive.unsqueeze(1), x_prev, x)
-        prev = cur
         if progress:
             progress(r, rounds)
-    evaluate(rounds, b.forward(x, b.a_flat, b.y), x)
+    evaluate(rounds, x)
     results = []
     rounds_arr = np.array([e[0] for e in evals])
     for k, spec in enumerate(specs):

@@ -6,14 +6,18 @@ maximum absolute target of the whole dataset; the train split cut into P IID sha
 sizes differ by at most one (``n_min`` is the smallest). Preprocessing uses statistics of
 the private data and is, as in the paper, outside the DP guarantee.
 
-Datasets: ``synthetic`` (in-package, deterministic by seed: the embedded default),
-``california_housing`` and ``gas_turbine`` (CSV files read from a data directory given in
-the config or by ``DIFF2_DATA_DIR``).
+Datasets: ``synthetic`` (in-package, deterministic by seed: the embedded default);
+``california_housing``, ``gas_turbine`` and ``blogfeedback`` (regression), ``kddcup99`` and
+``covertype`` (classification), read from files in a data directory given in the config or by
+``DIFF2_DATA_DIR`` (never downloaded; expected file names in :data:`EXPECTED_FILES`); and
+``csv``, any CSV file with a header (a target column, columns to drop, categorical columns).
+For classification the target is a class index and is not scaled.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +36,17 @@ __all__ = [
 ]
 
 DATA_DIR_ENV = "DIFF2_DATA_DIR"
-DATASETS = ("synthetic", "california_housing", "gas_turbine")
+DATASETS = ("synthetic", "california_housing", "gas_turbine", "blogfeedback", "kddcup99", "covertype", "csv")
+CLASSIFICATION = ("kddcup99", "covertype")
+
+#: Files each real dataset is read from (in ``<data dir>/<dataset>/`` or ``<data dir>/``).
+EXPECTED_FILES = {
+    "california_housing": ("cal_housing.csv",),
+    "gas_turbine": tuple(f"gt_{year}.csv" for year in range(2011, 2016)),
+    "blogfeedback": ("blogData_train.csv",),  # UCI BlogFeedback: 281 numbers per row, no header, target last
+    "kddcup99": ("kddcup.data_10_percent",),  # UCI KDD Cup 1999, 10 % file (or .gz / .csv): 41 features + label
+    "covertype": ("covtype.data",),  # UCI Covertype (or .gz): 54 features + cover type 1..7
+}
 
 # Where each real dataset's files are looked for, relative to the data directory: first in
 # a sub-folder named like the dataset (the layout of ../shared/data), then directly in it.
@@ -57,6 +71,13 @@ class PreparedData:
     y_test: np.ndarray
     shard_bounds: tuple[tuple[int, int], ...]
     target_scale: float
+    task: str = "regression"
+    classes: tuple[str, ...] = ()
+
+    @property
+    def num_outputs(self) -> int:
+        """Model outputs: 1 for regression, the number of classes for classification."""
+        return len(self.classes) if self.task == "classification" else 1
 
     @property
     def num_features(self) -> int:
@@ -108,24 +129,34 @@ def resolve_data_dir(configured: str | os.PathLike[str] | None) -> Path:
     )
 
 
-def _find(data_dir: Path, sub: str, filename: str) -> Path:
-    for candidate in (data_dir / sub / filename, data_dir / filename):
-        if candidate.is_file():
-            return candidate
+def _find(data_dir: Path, sub: str, filename: str, variants: tuple[str, ...] = ("",)) -> Path:
+    for suffix in variants:
+        for candidate in (data_dir / sub / (filename + suffix), data_dir / (filename + suffix)):
+            if candidate.is_file():
+                return candidate
     raise DataError(
         f"Dataset file {filename!r} not found: looked for {data_dir / sub / filename} and {data_dir / filename}. "
         f"Point `dataset.dir` or {DATA_DIR_ENV} at the folder that holds it."
     )
 
 
-def _read_csv(path: Path) -> tuple[list[str], np.ndarray]:
+def _read_rows(path: Path, header: bool = True) -> tuple[list[str], list[list[str]]]:
+    """Header (or column_0.. names) and rows of strings of a CSV file, gzip-compressed or not."""
     try:
-        with path.open(newline="") as fh:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", newline="") as fh:
             reader = csv.reader(fh)
-            header = [h.strip() for h in next(reader)]
-            rows = [r for r in reader if r]
-    except (OSError, StopIteration, csv.Error) as exc:
+            first = next(reader)
+            rows = [[c.strip() for c in r] for r in reader if r]
+    except (OSError, StopIteration, csv.Error, EOFError) as exc:
         raise DataError(f"Cannot read {path}: {exc or 'the file is empty'}.") from exc
+    if header:
+        return [h.strip() for h in first], rows
+    return [f"column_{i}" for i in range(len(first))], [[c.strip() for c in first]] + rows
+
+
+def _read_csv(path: Path) -> tuple[list[str], np.ndarray]:
+    header, rows = _read_rows(path)
     for i, row in enumerate(rows):
         if len(row) != len(header):
             raise DataError(f"{path}: data row {i + 1} has {len(row)} values, the header {len(header)}.")
@@ -176,13 +207,107 @@ def load_raw(
             path = _find(root, "gas_turbine", filename)
             parts.append(_split_target(path, *_read_csv(path), _GAS_TURBINE_TARGET, _GAS_TURBINE_DROP))
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    if name == "blogfeedback":
+        path = _find(resolve_data_dir(data_dir), "blogfeedback", "blogData_train.csv", ("", ".gz"))
+        header, rows = _read_rows(path, header=False)
+        values = _numbers(path, header, rows)
+        return values[:, :-1], values[:, -1]
     raise DataError(f"Unknown dataset {name!r}. Expected one of {list(DATASETS)}.")
 
 
+def _numbers(path: Path, header: list[str], rows: list[list[str]]) -> np.ndarray:
+    """Rows of strings -> float matrix; a bad cell is named by row and column."""
+    width = len(header)
+    for i, row in enumerate(rows):
+        if len(row) != width:
+            raise DataError(f"{path}: data row {i + 1} has {len(row)} values, the first row {width}.")
+    try:
+        values = np.array(rows, dtype=np.float64).reshape(len(rows), width)
+    except ValueError:
+        for i, row in enumerate(rows):
+            for name, cell in zip(header, row):
+                try:
+                    float(cell)
+                except ValueError:
+                    raise DataError(f"{path}: data row {i + 1}, column {name!r} holds {cell!r}, not a number.") from None
+        raise
+    if not np.all(np.isfinite(values)):
+        row, col = map(int, np.argwhere(~np.isfinite(values))[0])
+        raise DataError(f"{path}: NaN or infinite value at data row {row + 1}, column {header[col]!r}.")
+    return values
+
+
+def _encode(path: Path, header: list[str], rows: list[list[str]], target: int, categorical: set[int],
+            drop: set[int], classification: bool) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+    """Features (categorical columns one-hot, in order of first appearance) and target."""
+    keep = [j for j in range(len(header)) if j != target and j not in drop]
+    numeric = [j for j in keep if j not in categorical]
+    x_num = _numbers(path, [header[j] for j in numeric], [[r[j] for j in numeric] for r in rows]) if numeric \
+        else np.zeros((len(rows), 0))
+    blocks = [x_num]
+    for j in sorted(categorical):
+        levels = {v: k for k, v in enumerate(dict.fromkeys(r[j] for r in rows))}
+        one_hot = np.zeros((len(rows), len(levels)))
+        one_hot[np.arange(len(rows)), [levels[r[j]] for r in rows]] = 1.0
+        blocks.append(one_hot)
+    x = np.concatenate(blocks, axis=1)
+    if classification:
+        classes = tuple(sorted({r[target] for r in rows}))
+        if len(classes) < 2:
+            raise DataError(f"{path}: the target column {header[target]!r} has a single class {classes}.")
+        index = {c: k for k, c in enumerate(classes)}
+        return x, np.array([index[r[target]] for r in rows], dtype=np.float64), classes
+    y = _numbers(path, [header[target]], [[r[target]] for r in rows])[:, 0]
+    return x, y, ()
+
+
+def load_classification(name: str, *, data_dir: str | os.PathLike[str] | None = None):
+    """KDD Cup 99 (normal vs attack) or Covertype (7 cover types): features, class index, class names."""
+    root = resolve_data_dir(data_dir)
+    if name == "kddcup99":
+        path = _find(root, "kddcup99", "kddcup.data_10_percent", ("", ".gz", ".csv"))
+        header, rows = _read_rows(path, header=False)
+        if len(header) != 42:
+            raise DataError(f"{path}: KDD Cup 99 rows have 42 values (41 features and a label). Found {len(header)}.")
+        for r in rows:  # binary task: normal traffic vs any attack
+            r[41] = "normal" if r[41].rstrip(".") == "normal" else "attack"
+        return _encode(path, header, rows, target=41, categorical={1, 2, 3}, drop=set(), classification=True)
+    if name == "covertype":
+        path = _find(root, "covertype", "covtype.data", ("", ".gz"))
+        header, rows = _read_rows(path, header=False)
+        if len(header) != 55:
+            raise DataError(f"{path}: Covertype rows have 55 values (54 features and the cover type). Found {len(header)}.")
+        return _encode(path, header, rows, target=54, categorical=set(), drop=set(), classification=True)
+    raise DataError(f"Unknown classification dataset {name!r}. Expected one of {list(CLASSIFICATION)}.")
+
+
+def load_csv(path: str | os.PathLike[str], *, target: str, drop: tuple[str, ...] = (),
+             categorical: tuple[str, ...] = (), task: str = "regression"):
+    """Any CSV file with a header: the named target column, minus dropped columns."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataError(f"CSV dataset {path} not found: set `dataset.path` to an existing file.")
+    header, rows = _read_rows(path)
+    for key, names in (("target", (target,)), ("drop", drop), ("categorical", categorical)):
+        missing = [n for n in names if n not in header]
+        if missing:
+            raise DataError(f"{path}: `dataset.{key}` names column(s) {missing} that the header lacks; columns: {header}.")
+    if target in drop or target in categorical:
+        raise DataError(f"{path}: the target column {target!r} cannot also be dropped or categorical.")
+    if task not in ("regression", "classification"):
+        raise DataError(f"`dataset.task` must be 'regression' or 'classification'. Found {task!r}.")
+    return _encode(path, header, rows, target=header.index(target), categorical={header.index(c) for c in categorical},
+                   drop={header.index(c) for c in drop}, classification=task == "classification")
+
+
 def prepare(
-    name: str, x: np.ndarray, y: np.ndarray, *, clients: int, test_fraction: float = 0.2, split_seed: int = 0
+    name: str, x: np.ndarray, y: np.ndarray, *, clients: int, test_fraction: float = 0.2, split_seed: int = 0,
+    classes: tuple[str, ...] = (),
 ) -> PreparedData:
-    """Split, standardise, scale the target and shard (the paper's preparation)."""
+    """Split, standardise, scale the target (regression only) and shard (the paper's preparation).
+
+    With ``classes`` the task is classification: ``y`` holds class indices and is not scaled.
+    """
     n = x.shape[0]
     if not 0 < test_fraction < 1:
         raise DataError(f"`test_fraction` must be in (0, 1). Found {test_fraction}.")
@@ -195,7 +320,7 @@ def prepare(
             f"Dataset {name!r} has {n} samples: too few for a {test_fraction:.0%} test split and "
             f"{clients} non-empty shards."
         )
-    target_scale = float(np.max(np.abs(y)))
+    target_scale = 1.0 if classes else float(np.max(np.abs(y)))
     if target_scale == 0:
         raise DataError(f"Dataset {name!r}: every target is 0, so the target cannot be scaled by max|y|.")
     perm = np.random.default_rng(np.random.SeedSequence(split_seed, spawn_key=(0x5B117,))).permutation(n)
@@ -211,4 +336,5 @@ def prepare(
         x_train=(x[train] - mean) / std, y_train=y[train] / target_scale,
         x_test=(x[test] - mean) / std, y_test=y[test] / target_scale,
         shard_bounds=tuple(bounds), target_scale=target_scale,
+        task="classification" if classes else "regression", classes=tuple(classes),
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["half_squared_error", "get_loss", "LOSSES"]
+__all__ = ["half_squared_error", "cross_entropy", "get_loss", "LOSSES"]
 
 
 def half_squared_error(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -12,7 +12,12 @@ def half_squared_error(prediction: torch.Tensor, target: torch.Tensor) -> torch.
     return 0.5 * (prediction.reshape(target.shape) - target) ** 2
 
 
-LOSSES = {"half_squared_error": half_squared_error}
+def cross_entropy(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """ℓ = -log softmax(f(x))_y for class index y (stored as a float tensor)."""
+    return torch.nn.functional.cross_entropy(prediction, target.long(), reduction="none")
+
+
+LOSSES = {"half_squared_error": half_squared_error, "cross_entropy": cross_entropy}
 
 
 def get_loss(name: str):

@@ -1,0 +1,1 @@
+"""A do-nothing Flower app: measures the framework's per-round floor."""

@@ -1,0 +1,12 @@
+"""A client that returns the parameters it was sent: no computation at all."""
+
+from flwr.client import ClientApp, NumPyClient
+from flwr.common import Context
+
+
+class Echo(NumPyClient):
+    def fit(self, parameters, config):
+        return parameters, 1, {}
+
+
+app = ClientApp(client_fn=lambda context: Echo().to_client())

@@ -1,0 +1,127 @@
+"""``diff2 bench``: where the time goes, as one JSON object (a benchmark, not a test).
+
+- ``diff2_rounds_per_s``: DIFF2-GD on California Housing, 10 clients, T = 20, one configuration,
+  one thread, rounds per second of the fast in-process engine (and of the reference driver,
+  which runs exactly the Flower path's code, for comparison);
+- ``protocol_wall_s``: wall seconds of the full California ε = 3 study of ``configs/paper/``;
+- ``flower_round_s`` / ``flower_floor_round_s``: median seconds per round (rounds 2..N) of a
+  10-client ``flwr run`` simulation of DIFF2-GD, and of a do-nothing NumPyClient app
+  (``benchmarks/floor_app``) measured in the same run: the framework's own floor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from .paths import APP_DIR
+
+__all__ = ["run_bench"]
+
+FLOOR_APP = APP_DIR / "benchmarks" / "floor_app"
+PAPER_STUDY = APP_DIR / "configs" / "paper" / "california_eps3.yaml"
+
+
+def _machine() -> dict[str, Any]:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def _california(data_dir: str | None) -> dict:
+    return {"name": "california_housing", **({"dir": data_dir} if data_dir else {})}
+
+
+def _diff2_config(data_dir: str | None, rounds: int, out: str) -> dict:
+    return {"name": "bench", "method": "diff2", "dataset": _california(data_dir),
+            "training": {"rounds": rounds, "restart_every": 20, "clip_restart": 1.0, "clip_diff": 1.0,
+                         "learning_rate": 0.25, "clients": 10, "seed": 0},
+            "evaluation": {"every": 50}, "output": {"dir": out}}
+
+
+def _rounds_per_s(data_dir: str | None, rounds: int) -> dict[str, float]:
+    from .config import parse_config
+    from .driver import run_inprocess
+    from .session import load_data
+    from .sweep import RunSpec, run_batch
+
+    cfg = parse_config(_diff2_config(data_dir, rounds, "unused"))
+    data = load_data(cfg)
+    cal = cfg.calibration(data.n_min)
+    mech = cfg.mechanism(cal)
+    spec = RunSpec(20, 0.25, 1.0, 1.0, mech.sigma_restart, mech.sigma_diff, 0, 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_batch(data, [spec], rounds=5, eval_every=rounds)  # warm-up
+        t = time.perf_counter()
+        run_batch(data, [spec], rounds=rounds, eval_every=rounds)
+        fast = rounds / (time.perf_counter() - t)
+        t = time.perf_counter()
+        run_inprocess(cfg, record=False, progress=None)
+        reference = rounds / (time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    return {"diff2_rounds_per_s": fast, "reference_driver_rounds_per_s": reference}
+
+
+def _flower(data_dir: str | None, rounds: int) -> dict[str, float]:
+    from .launch import run_simulation
+
+    with tempfile.TemporaryDirectory(prefix="diff2-bench-") as tmp:
+        path = Path(tmp) / "bench.yaml"
+        path.write_text(yaml.safe_dump(_diff2_config(data_dir, rounds, tmp)))
+        result = run_simulation(str(path), echo=False)
+        rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+    elapsed = [r["elapsed_s"] for r in rows[1:]]  # rows[i] is round i
+    diff2 = statistics.median(b - a for a, b in zip(elapsed, elapsed[1:]))  # rounds 2..N
+    floor = run_simulation(None, app_dir=FLOOR_APP, clients=10, run_config={"num-server-rounds": rounds}, echo=False)
+    stamps = [float(t) for t in re.findall(r"\[floor\] round \d+ t=([0-9.]+)", floor.log)]
+    if len(stamps) != rounds:
+        raise RuntimeError(f"The floor app logged {len(stamps)} of {rounds} rounds.")
+    floor_s = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+    return {"flower_round_s": diff2, "flower_floor_round_s": floor_s, "flower_ratio": diff2 / floor_s,
+            "flower_rounds": rounds}
+
+
+def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: bool = True, rounds: int = 300,
+              flower_rounds: int = 30) -> dict[str, Any]:
+    """Measure and return the figures (see the module docstring)."""
+    out: dict[str, Any] = {"machine": _machine()}
+    out.update(_rounds_per_s(data_dir, rounds))
+    if protocol:
+        from .study import load_study, run_study
+
+        study = load_study(PAPER_STUDY)
+        if data_dir:
+            import dataclasses
+
+            study = dataclasses.replace(study, dataset={**study.dataset, "dir": data_dir})
+        with tempfile.TemporaryDirectory(prefix="diff2-bench-study-") as tmp:
+            t = time.perf_counter()
+            run_study(study, output_root=tmp, fresh=True, make_plots=False)
+            out["protocol_wall_s"] = time.perf_counter() - t
+        out["protocol_tuning_configurations"] = sum(len(m.points()) for m in study.methods)
+        out["protocol_target_s"] = 300
+    if flower:
+        out.update(_flower(data_dir, flower_rounds))
+        out["flower_target_ratio"] = 1.5
+    return {k: (float(np.round(v, 4)) if isinstance(v, float) else v) for k, v in out.items()}

@@ -1,0 +1,175 @@
+"""Studies: the smoke study end to end, selection rules, the t-test, resumability, bad study files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from scipy import stats
+
+from diff2_flwr.lab import study as study_mod
+from diff2_flwr.lab.study import (
+    CRITERIA,
+    StudyError,
+    load_study,
+    paired_one_sided_ttest,
+    parse_study,
+    run_study,
+    select,
+)
+from diff2_flwr.task.data import DataError
+
+SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("studies")
+    study = load_study(SMOKE)
+    summary = run_study(study, output_root=out, show_progress=False)
+    return study, summary, out / study.name
+
+
+def test_smoke_study_writes_runs_summary_report_and_plots(smoke_run):
+    study, summary, root = smoke_run
+    assert (root / "summary.json").is_file() and (root / "report.md").is_file() and (root / "figure_eps3.png").is_file()
+    on_disk = json.loads((root / "summary.json").read_text())
+    assert on_disk["study"] == "smoke" and on_disk["eval_seeds"] == [1, 2, 3]
+    eps = on_disk["epsilons"]["3.0"]
+    assert set(eps["methods"]) == {"GD", "DP-GD", "DIFF2-GD (T=4)"}
+    for entry in eps["methods"].values():
+        for c in CRITERIA:
+            info = entry["criteria"][c]
+            assert {"point", "min_mean", "min_std", "final_mean", "final_std", "run_ids"} <= set(info)
+            assert len(info["run_ids"]) == 3 and info["min_mean"] <= info["final_mean"] + 1e-15
+        # the test loss is reported at the train-loss-best point
+        assert entry["criteria"]["test_loss"]["point"] == entry["criteria"]["train_loss"]["point"]
+    test = eps["tests"]["DIFF2-GD (T=4) vs DP-GD"]
+    assert set(test) == set(CRITERIA) and all(0 <= t["p_value"] <= 1 and t["df"] == 2 for t in test.values())
+    runs = list((root / "runs").glob("*.json"))
+    assert len(runs) == 10 + len({rid for e in eps["methods"].values() for c in CRITERIA
+                                  for rid in e["criteria"][c]["run_ids"]})
+    record = json.loads(runs[0].read_text())
+    assert record["rounds"] == list(range(0, 41, 5)) and len(record["train_loss"]) == 9
+    report = (root / "report.md").read_text()
+    assert "| DIFF2-GD (T=4) vs DP-GD | train loss |" in report and "z₁ / z₂" in report
+
+
+def test_summary_statistics_follow_from_the_run_files(smoke_run):
+    _, summary, root = smoke_run
+    info = summary["epsilons"]["3.0"]["methods"]["DP-GD"]["criteria"]["grad_norm_sq"]
+    runs = [json.loads((root / "runs" / f"{rid}.json").read_text()) for rid in info["run_ids"]]
+    mins = [min(r["grad_norm_sq"]) for r in runs]
+    assert info["min_mean"] == pytest.approx(np.mean(mins), rel=1e-12)
+    assert info["min_std"] == pytest.approx(np.std(mins, ddof=1), rel=1e-12)
+    assert info["final_mean"] == pytest.approx(np.mean([r["grad_norm_sq"][-1] for r in runs]), rel=1e-12)
+
+
+def test_rerun_resumes_without_computing(smoke_run, monkeypatch):
+    study, summary, root = smoke_run
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a finished run was computed again")
+
+    monkeypatch.setattr("diff2_flwr.lab.sweep.run_batch", boom)
+    again = run_study(study, output_root=root.parent, show_progress=False, make_plots=False)
+    assert again["epsilons"] == json.loads(json.dumps(summary["epsilons"]))
+
+
+def test_inprocess_engine_gives_the_same_study(tmp_path):
+    """The batched engine and the reference driver agree on a small study."""
+    data = yaml.safe_load(SMOKE.read_text())
+    data.update(rounds=12, eval_every=4, seeds={"tune": [7], "evaluate": [1, 2]})
+    data["methods"] = data["methods"][1:]
+    a = run_study(parse_study({**data, "engine": "batch"}, "a.yaml"), output_root=tmp_path / "a", show_progress=False,
+                  make_plots=False)
+    b = run_study(parse_study({**data, "engine": "inprocess"}, "b.yaml"), output_root=tmp_path / "b",
+                  show_progress=False, make_plots=False)
+    for name, entry in a["epsilons"]["3.0"]["methods"].items():
+        for c in CRITERIA:
+            x, y = entry["criteria"][c], b["epsilons"]["3.0"]["methods"][name]["criteria"][c]
+            assert x["point"] == y["point"]
+            assert x["min_mean"] == pytest.approx(y["min_mean"], rel=1e-9)
+
+
+def test_paired_t_test_against_scipy_and_the_formula():
+    treatment = [0.0093, 0.0091, 0.0095, 0.0092, 0.0094]
+    control = [0.0099, 0.0097, 0.0096, 0.0101, 0.0098]
+    d = np.subtract(treatment, control)
+    t_stat = d.mean() / (d.std(ddof=1) / math.sqrt(len(d)))
+    expected = stats.t.cdf(t_stat, df=4)  # one-sided, H1: mean difference < 0
+    assert paired_one_sided_ttest(treatment, control) == pytest.approx(expected, rel=1e-12)
+    assert paired_one_sided_ttest(treatment, control) < 0.01
+    assert paired_one_sided_ttest(control, treatment) == pytest.approx(1 - expected, rel=1e-9)
+    assert math.isnan(paired_one_sided_ttest([1.0, math.inf], [1.0, 2.0]))
+    with pytest.raises(ValueError, match="equal size"):
+        paired_one_sided_ttest([1.0, 2.0], [1.0])
+
+
+def test_selection_rules_on_a_hand_made_table():
+    table = {
+        "a": {"train_loss": [0.30, 0.10], "grad_norm_sq": [1e-3, 1e-3], "test_loss": [0.01, 0.01]},  # mean 0.20
+        "b": {"train_loss": [0.15, 0.15], "grad_norm_sq": [5e-4, math.inf], "test_loss": [0.99, 0.99]},  # diverged once
+        "c": {"train_loss": [0.16, 0.16], "grad_norm_sq": [2e-4, 3e-4], "test_loss": [0.00, 0.00]},
+    }
+    chosen = select(table)
+    assert chosen["train_loss"] == "b"  # smallest mean train loss
+    assert chosen["grad_norm_sq"] == "c"  # "b" diverged on one seed: inf
+    assert chosen["test_loss"] == "b"  # reported at the train-loss-best point, not its own best ("c")
+    with pytest.raises(ValueError, match="empty"):
+        select({})
+
+
+def base_study(**changes):
+    data = yaml.safe_load(SMOKE.read_text())
+    data.update(changes)
+    return data
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"methods": [{"name": "X", "method": "adam", "grid": {"learning_rate": [0.1]}}]}, r"methods\[0\]\.method.*'adam'"),
+        ({"methods": [{"name": "X", "method": "dpgd", "grid": {"learning_rate": []}}]}, r"grid\.learning_rate.*empty"),
+        ({"methods": [{"name": "X", "method": "diff2", "grid": {"restart_every": [4, 50], "learning_rate": [0.1]}}]},
+         r"restart_every.*T <= rounds = 40.*50"),
+        ({"methods": [{"name": "X", "method": "diff2", "grid": {"learning_rate": [0.1]}}]}, r"restart_every.*diff2"),
+        ({"methods": [{"name": "X", "method": "dpgd", "grid": {"momentum": [0.9]}}]}, r"grid.*momentum"),
+        ({"seeds": {"tune": [1], "evaluate": [1, 2]}}, r"seeds\.evaluate.*disjoint"),
+        ({"epsilons": [0]}, r"`epsilons`"),
+        ({"rounds": "many"}, r"`rounds`"),
+        ({"colour": "blue"}, r"unknown key.*colour"),
+        ({"methods": [{"name": "X", "method": "dpgd", "grid": {"learning_rate": [0.1]}, "u": 0.5},
+                      {"name": "X", "method": "gd", "grid": {"learning_rate": [0.1]}}]}, r"distinct method names"),
+    ],
+)
+def test_bad_study_files_are_refused_with_the_key(changes, match):
+    with pytest.raises(StudyError, match=match):
+        parse_study(base_study(**changes), "bad.yaml")
+
+
+def test_missing_dataset_file_is_reported(tmp_path):
+    study = parse_study(base_study(dataset={"name": "california_housing", "dir": str(tmp_path)}), "s.yaml")
+    with pytest.raises(DataError, match="cal_housing.csv"):
+        run_study(study, output_root=tmp_path, show_progress=False)
+
+
+def test_unreadable_or_malformed_study_file(tmp_path):
+    with pytest.raises(StudyError, match="Cannot read study file"):
+        load_study(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed")
+    with pytest.raises(StudyError, match="not valid YAML"):
+        load_study(bad)
+
+
+def test_paper_studies_are_valid_and_large_enough():
+    for path in sorted((SMOKE.parent / "paper").glob("*.yaml")):
+        study = load_study(path)
+        assert sum(len(m.points()) for m in study.methods) >= 50
+        assert study.rounds == 2000 and len(study.eval_seeds) == 5 and len(study.methods) == 6
+        assert [m.grid[0][1] for m in study.methods if m.method == "diff2"] == [(6,), (20,), (60,), (200,)]
