@@ -299,3 +299,13 @@ def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
     path.write_text('privacy: {delta: "1e-5"}\n')  # a quoted string stays a string, and is refused
     with pytest.raises(ConfigError, match=r"privacy.delta.*expected a number. Found '1e-5'"):
         load_config(path)
+
+
+def test_to_dict_round_trips_through_yaml():
+    import yaml
+
+    from diff2_flwr.lab.config import parse_config
+
+    cfg = parse_config({"method": "dpgd", "dataset": {"name": "csv", "path": "d.csv", "target": "y", "drop": ["a", "b"]}})
+    again = parse_config(yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
+    assert again == cfg

@@ -86,3 +86,21 @@ def test_a_run_that_cannot_start_is_reported_as_failed(tmp_path):
     config = write_config(tmp_path, "bad", privacy={"n_min": 10_000})
     with pytest.raises(SimulationFailed, match=r"n_min"):
         run_simulation(str(config), echo=False)
+
+
+def test_a_study_through_the_flower_engine_equals_the_batch_engine(tmp_path):
+    from diff2_flwr.lab.study import parse_study, run_study
+
+    data = {"name": "tiny", "dataset": {"name": "synthetic", "num_samples": 600}, "clients": 3, "rounds": 4,
+            "epsilons": [3.0], "eval_every": 2, "seeds": {"tune": [5], "evaluate": [1, 2]},
+            "methods": [{"name": "DIFF2-GD", "method": "diff2", "grid": {"restart_every": [2], "learning_rate": [0.2],
+                                                                         "clip_diff": [3.0]}}]}
+    flower = run_study(parse_study({**data, "engine": "flower"}, "f.yaml"), output_root=tmp_path / "f",
+                       show_progress=False, make_plots=False)
+    batch = run_study(parse_study({**data, "engine": "batch"}, "b.yaml"), output_root=tmp_path / "b",
+                      show_progress=False, make_plots=False)
+    a = flower["epsilons"]["3.0"]["methods"]["DIFF2-GD"]["criteria"]
+    b = batch["epsilons"]["3.0"]["methods"]["DIFF2-GD"]["criteria"]
+    for c in ("train_loss", "grad_norm_sq", "test_loss"):
+        assert a[c]["min_mean"] == pytest.approx(b[c]["min_mean"], rel=1e-9)
+        assert a[c]["final_mean"] == pytest.approx(b[c]["final_mean"], rel=1e-9)

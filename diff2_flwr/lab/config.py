@@ -259,7 +259,15 @@ class ExperimentConfig:
                          calibration.sigma1, calibration.sigma2 or 0.0)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        """Plain YAML/JSON data (lists, not tuples) that :func:`parse_config` turns back into this config."""
+        def plain(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: plain(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [plain(v) for v in value]
+            return value
+
+        out = plain(dataclasses.asdict(self))
         out.pop("source")
         return out
 
