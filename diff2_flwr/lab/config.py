@@ -42,6 +42,7 @@ __all__ = [
     "ExperimentConfig",
     "load_config",
     "parse_config",
+    "read_yaml",
 ]
 
 Method = Literal["gd", "dpgd", "diff2"]
@@ -367,15 +368,19 @@ _Loader.add_implicit_resolver(
 )
 
 
-def load_config(path: str | Path) -> ExperimentConfig:
-    """Read and validate an experiment YAML file."""
+def read_yaml(path: str | Path, what: str = "experiment", error: type[ConfigError] = ConfigError) -> Any:
+    """Parse a YAML file (YAML 1.2 floats); an unreadable or malformed file raises ``error`` naming it."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError(f"Cannot read experiment file {path}: {exc.strerror or exc}.") from exc
+        raise error(f"Cannot read {what} file {path}: {exc.strerror or exc}.") from exc
     try:
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    return parse_config(data, str(path))
+        raise error(f"{path}: not valid YAML: {exc}") from exc
+
+
+def load_config(path: str | Path) -> ExperimentConfig:
+    """Read and validate an experiment YAML file."""
+    return parse_config(read_yaml(path), str(path))

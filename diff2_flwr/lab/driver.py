@@ -13,7 +13,6 @@ from typing import Callable
 
 import torch
 
-from ..core.aggregation import Reply
 from .config import ExperimentConfig
 from .session import Diff2Server, Diverged, build_server, build_worker
 
@@ -36,14 +35,8 @@ def run_inprocess(
         workers = [build_worker(cfg, p) for p in range(cfg.training.clients)]
         while not server.done:
             plan = server.plan()
-            replies = []
-            for worker in workers:
-                c = worker.contribute(plan.radius, plan.x_current, plan.x_previous)
-                replies.append(Reply(client=f"partition {worker.partition_id}", partition_id=worker.partition_id,
-                                     arrays=server.layout.split(c.mean), num_samples=c.num_samples,
-                                     num_clipped=c.num_clipped))
             try:
-                server.release(replies)
+                server.release([worker.reply(plan) for worker in workers])
             except Diverged:
                 if not stop_on_divergence:
                     raise

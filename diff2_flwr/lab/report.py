@@ -69,7 +69,7 @@ def _plot(study, epsilon: float, eps_summary: dict, root: Path, runs_dir: Path) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     tests = eps_summary["tests"]
     for ax, c in zip(axes, ("train_loss", "grad_norm_sq", "test_loss")):
         for name, entry in eps_summary["methods"].items():
@@ -81,12 +81,14 @@ def _plot(study, epsilon: float, eps_summary: dict, root: Path, runs_dir: Path) 
                 continue
             mean, std = values.mean(0), values.std(0)
             ax.plot(rounds, mean, label=name)
-            ax.fill_between(rounds, np.maximum(mean - std, mean * 1e-3), mean + std, alpha=0.2)
+            ax.fill_between(rounds, np.maximum(mean - std, mean / 10), mean + std, alpha=0.2)
         ax.set_yscale("log")
         ax.set_xlabel("round")
         ax.set_ylabel(_LABELS[c])
-        ps = [f"{pair.split(' vs ')[0]}: p={_fmt(t[c]['p_value'], 2)}" for pair, t in tests.items()]
-        ax.set_title(f"{_LABELS[c]} (ε={epsilon:g})\n" + "; ".join(ps), fontsize=8)
+        ps = [f"{pair.split(' vs ')[0].replace('DIFF2-GD ', '')}: p={_fmt(t[c]['p_value'], 2)}"
+              for pair, t in tests.items()]
+        lines = ["; ".join(ps[i:i + 2]) for i in range(0, len(ps), 2)]
+        ax.set_title("\n".join([f"{_LABELS[c]} (ε={epsilon:g}), one-sided p vs DP-GD"] + lines), fontsize=8)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     path = root / f"figure_eps{epsilon:g}.png"

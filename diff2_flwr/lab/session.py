@@ -201,6 +201,12 @@ class Worker:
         """ClippedMean of per-sample gradients (x_previous None) or of gradient differences."""
         return self.gradients.clipped_mean(x_current, self.features, self.targets, radius, x_previous)
 
+    def reply(self, plan: RoundPlan) -> Reply:
+        """This worker's reply to ``plan`` exactly as the wire carries it (one float64 array per tensor)."""
+        c = self.contribute(plan.radius, plan.x_current, plan.x_previous)
+        return Reply(client=f"partition {self.partition_id}", partition_id=self.partition_id,
+                     arrays=self.gradients.layout.split(c.mean), num_samples=c.num_samples, num_clipped=c.num_clipped)
+
 
 # -------------------------------------------------------------------- builders
 

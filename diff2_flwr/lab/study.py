@@ -35,7 +35,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import numpy as np
 import yaml
 
-from .config import ConfigError, ExperimentConfig, _Loader, parse_config
+from .config import ConfigError, ExperimentConfig, parse_config, read_yaml
 from .outputs import to_json
 
 __all__ = [
@@ -208,16 +208,8 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
 
 
 def load_study(path: str | Path) -> Study:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise StudyError(f"Cannot read study file {path}: {exc.strerror or exc}.") from exc
-    try:
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
-    except yaml.YAMLError as exc:
-        raise StudyError(f"{path}: not valid YAML: {exc}") from exc
-    return parse_study(data, str(path))
+    """Read and validate a study YAML file."""
+    return parse_study(read_yaml(path, "study", StudyError), str(path))
 
 
 # ------------------------------------------------------------------------------- statistics

@@ -24,13 +24,13 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..core.closed_form import softplus_with_derivative
 from ..core.estimator import round_noise
 from ..task.data import PreparedData
 from ..task.models import PaperMLP
 
 __all__ = ["RunSpec", "RunResult", "run_batch"]
 
-_THRESHOLD = 20.0  # torch's softplus threshold
 
 
 @dataclass(frozen=True)
@@ -98,15 +98,6 @@ class _Batch:
         return _forward(a_t, y, *self.unpack(x.to(self.dtype)))
 
 
-def _softplus_and_derivative(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """softplus and sigmoid from one exp(-|h|) (two transcendentals, not three); torch's threshold."""
-    t = torch.exp(-h.abs())
-    linear = h > _THRESHOLD
-    s = torch.where(linear, h, h.clamp(min=0) + torch.log1p(t))
-    deriv = torch.where(linear, 1.0, torch.where(h >= 0, 1 / (1 + t), t / (1 + t)))
-    return s, deriv
-
-
 def _forward(a_t, y, w1, b1, w2, b2):
     """s = softplus(h) [K, H, M], residual e [K, M] and δ = e w2 φ'(h) [K, H, M] for every (run, sample).
 
@@ -114,7 +105,7 @@ def _forward(a_t, y, w1, b1, w2, b2):
     """
     K, H = b1.shape
     h = (w1.reshape(K * H, a_t.shape[0]) @ a_t).reshape(K, H, -1) + b1.unsqueeze(-1)
-    s, deriv = _softplus_and_derivative(h)
+    s, deriv = softplus_with_derivative(h)
     e = (s * w2.unsqueeze(-1)).sum(1) + b2.unsqueeze(-1) - y
     return s, e, e.unsqueeze(1) * w2.unsqueeze(-1) * deriv
 

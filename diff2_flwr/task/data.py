@@ -157,30 +157,7 @@ def _read_rows(path: Path, header: bool = True) -> tuple[list[str], list[list[st
 
 def _read_csv(path: Path) -> tuple[list[str], np.ndarray]:
     header, rows = _read_rows(path)
-    for i, row in enumerate(rows):
-        if len(row) != len(header):
-            raise DataError(f"{path}: data row {i + 1} has {len(row)} values, the header {len(header)}.")
-    try:
-        values = np.array(rows, dtype=np.float64).reshape(len(rows), len(header))
-    except ValueError:  # find the first bad cell, to say where it is
-        for i, row in enumerate(rows):
-            for name, cell in zip(header, row):
-                try:
-                    float(cell)
-                except ValueError:
-                    raise DataError(
-                        f"{path}: data row {i + 1}, column {name!r} holds {cell!r}, not a number. Fill in or "
-                        "drop missing values first: the model and the DP guarantee need finite data."
-                    ) from None
-        raise
-    bad = ~np.isfinite(values)
-    if bad.any():
-        row, col = map(int, np.argwhere(bad)[0])
-        raise DataError(
-            f"{path}: {int(bad.sum())} missing, NaN or infinite values (first at data row {row + 1}, "
-            f"column {header[col]!r}). Clean the file first: the model and the DP guarantee need finite data."
-        )
-    return header, values
+    return header, _numbers(path, header, rows)
 
 
 def _split_target(path: Path, header: list[str], values: np.ndarray, target: str, drop: tuple[str, ...] = ()):
@@ -216,24 +193,31 @@ def load_raw(
 
 
 def _numbers(path: Path, header: list[str], rows: list[list[str]]) -> np.ndarray:
-    """Rows of strings -> float matrix; a bad cell is named by row and column."""
+    """Rows of strings -> a finite float matrix; a bad cell is named by data row and column."""
     width = len(header)
     for i, row in enumerate(rows):
         if len(row) != width:
-            raise DataError(f"{path}: data row {i + 1} has {len(row)} values, the first row {width}.")
+            raise DataError(f"{path}: data row {i + 1} has {len(row)} values, the header (or first row) {width}.")
     try:
         values = np.array(rows, dtype=np.float64).reshape(len(rows), width)
-    except ValueError:
+    except ValueError:  # find the first bad cell, to say where it is
         for i, row in enumerate(rows):
             for name, cell in zip(header, row):
                 try:
                     float(cell)
                 except ValueError:
-                    raise DataError(f"{path}: data row {i + 1}, column {name!r} holds {cell!r}, not a number.") from None
+                    raise DataError(
+                        f"{path}: data row {i + 1}, column {name!r} holds {cell!r}, not a number. Fill in or "
+                        "drop missing values first: the model and the DP guarantee need finite data."
+                    ) from None
         raise
-    if not np.all(np.isfinite(values)):
-        row, col = map(int, np.argwhere(~np.isfinite(values))[0])
-        raise DataError(f"{path}: NaN or infinite value at data row {row + 1}, column {header[col]!r}.")
+    bad = ~np.isfinite(values)
+    if bad.any():
+        row, col = map(int, np.argwhere(bad)[0])
+        raise DataError(
+            f"{path}: {int(bad.sum())} missing, NaN or infinite values (first at data row {row + 1}, "
+            f"column {header[col]!r}). Clean the file first: the model and the DP guarantee need finite data."
+        )
     return values
 
 
