@@ -13,8 +13,9 @@ from diff2_flwr.lab.session import build_server
 
 def server_fn(context: Context) -> ServerAppComponents:
     cfg = load_config(resolve_config_path(str(context.run_config["config"])))
-    strategy = Diff2Strategy(server=build_server(cfg))
-    return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=cfg.training.rounds))
+    server = build_server(cfg)  # resumes from output.checkpoint when it exists
+    strategy = Diff2Strategy(server=server)
+    return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=cfg.training.rounds - server.state.round))
 
 
 app = ServerApp(server_fn=server_fn)

@@ -31,6 +31,8 @@ class Diff2Strategy(Strategy):
             raise ValueError(f"`wait_for_clients_s` must be >= 1. Found {wait_for_clients_s}.")
         self.server = server
         self.wait_for_clients_s = wait_for_clients_s
+        # A resumed server continues at its next round; Flower numbers this run's rounds from 1.
+        self.offset = server.state.round
 
     def __repr__(self) -> str:
         return f"Diff2Strategy(clients={self.server.clients}, rounds={self.server.rounds})"
@@ -42,8 +44,10 @@ class Diff2Strategy(Strategy):
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
         plan = self.server.plan()
-        if server_round != plan.round:
-            self._stop(RuntimeError(f"Flower asked for round {server_round} but the DIFF2 server is at round {plan.round}."))
+        if server_round + self.offset != plan.round:
+            resumed = f" (+{self.offset} resumed)" if self.offset else ""
+            self._stop(RuntimeError(f"Flower asked for round {server_round}{resumed} but the DIFF2 server is at "
+                                    f"round {plan.round}."))
         p = self.server.clients
         client_manager.wait_for(p, timeout=self.wait_for_clients_s)
         available = client_manager.all()
@@ -71,18 +75,18 @@ class Diff2Strategy(Strategy):
                 else:
                     proxy, res = failure
                     described.append(f"node {proxy.cid}: status {res.status.code.name} {res.status.message}")
-            self._stop(RoundRejected(server_round, "client-failure",
+            self._stop(RoundRejected(server_round + self.offset, "client-failure",
                                      f"{len(failures)} client(s) failed: " + "; ".join(described)))
         replies = []
         for proxy, res in results:
             try:
                 arrays = parameters_to_ndarrays(res.parameters)
             except Exception as err:  # corrupt bytes: nothing usable, nothing released
-                self._stop(RoundRejected(server_round, "protocol", f"cannot decode the reply's arrays: {err}.",
+                self._stop(RoundRejected(server_round + self.offset, "protocol", f"cannot decode the reply's arrays: {err}.",
                                          f"node {proxy.cid}"))
             try:
                 replies.append(protocol.decode_reply(f"node {proxy.cid}", arrays, res.num_examples, res.metrics,
-                                                     server_round))
+                                                     server_round + self.offset))
             except RoundRejected as err:
                 self._stop(err)
         release = self.server.release(replies)  # records and raises on a failed check

@@ -172,9 +172,11 @@ class EvaluationConfig:
 @dataclass(frozen=True)
 class OutputConfig:
     dir: str = "outputs"  # each run writes into a new sub-folder of this
+    checkpoint: str | None = None  # file of the server's durable state; an existing one is resumed
 
     def __post_init__(self) -> None:
         _require(bool(self.dir), "dir", "a non-empty path", self.dir)
+        _require(self.checkpoint is None or bool(self.checkpoint), "checkpoint", "null or a file path", self.checkpoint)
 
 
 @dataclass(frozen=True)

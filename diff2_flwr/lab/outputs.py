@@ -41,10 +41,19 @@ class RunRecorder:
     SUMMARY = "summary.json"
     PARAMETERS = "final_parameters.npy"
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, keep_through_round: int | None = None) -> None:
+        """Open (or create) a run folder; with ``keep_through_round`` (a resumed run) drop later rows."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._metrics = (self.directory / self.METRICS).open("a", buffering=1)
+        self.kept: list[dict[str, Any]] = []
+        metrics = self.directory / self.METRICS
+        if keep_through_round is not None and metrics.exists():
+            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            self.kept = [r for r in rows if r["round"] <= keep_through_round]
+            tmp = metrics.with_name(metrics.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in self.kept))
+            os.replace(tmp, metrics)
+        self._metrics = metrics.open("a", buffering=1)
 
     def row(self, values: dict[str, Any]) -> None:
         self._metrics.write(json.dumps(to_json(values), allow_nan=False) + "\n")

@@ -30,6 +30,7 @@ from ..task.data import CLASSIFICATION, PreparedData, load_classification, load_
 from ..task.evaluation import Evaluator
 from ..task.losses import get_loss
 from ..task.models import build_model
+from .checkpoint import Checkpoint, CheckpointError, config_fingerprint, load_checkpoint, save_checkpoint
 from .config import ExperimentConfig
 from .outputs import RunRecorder, new_run_dir
 
@@ -60,22 +61,36 @@ class Diff2Server:
         recorder: RunRecorder | None = None,
         run_info: dict | None = None,
         progress: Callable[[str], None] | None = print,
+        checkpoint_path: Path | None = None,
+        fingerprint: str = "",
+        resume: Checkpoint | None = None,
     ) -> None:
         if layout.dim != x0.size:
             raise ValueError(f"x0 has {x0.size} entries but the model has {layout.dim} parameters.")
         self.mechanism, self.routine, self.layout = mechanism, routine, layout
         self.rounds, self.clients, self.n_min = rounds, clients, n_min
         self.calibration = calibration
-        self.state: Diff2State = init_state(x0, routine, seed)
-        self.ledger = PrivacyLedger(calibration.delta) if calibration else None
         self.evaluator, self.eval_every = evaluator, eval_every
         self.recorder, self.progress = recorder, progress
         self.run_info = dict(run_info or {})
-        self.history: list[dict] = []
+        self.checkpoint_path, self.fingerprint = checkpoint_path, fingerprint
         self._started = time.perf_counter()
         self._status, self._error = "running", None
+        if resume is not None:
+            if resume.state.x.shape != x0.shape:
+                raise CheckpointError(f"The checkpoint's iterate has shape {resume.state.x.shape}, the model {x0.shape}.")
+            self.state, self.ledger = resume.state, resume.ledger
+            self.history = list(recorder.kept) if recorder else []
+            if progress:
+                progress(f"[diff2] resumed from {checkpoint_path} after round {self.state.round} "
+                         f"(ε spent so far {self.epsilon_spent:.4g})")
+            return
+        self.state = init_state(x0, routine, seed)
+        self.ledger = PrivacyLedger(calibration.delta) if calibration else None
+        self.history = []
         initial = {"round": 0, "kind": "init", **self._evaluate(self.state.x, force=True)}
         self._record(initial)
+        self._checkpoint()  # the noise key is durable before anything is released
 
     # ---------------------------------------------------------------- rounds
     @property
@@ -113,6 +128,7 @@ class Diff2Server:
         if finite:
             row.update(self._evaluate(release.x, force=self.done))
         self._record(row)
+        self._checkpoint()
         if not finite:
             err = Diverged(
                 f"Round {plan.round}: the iterate is no longer finite. Lower training.learning_rate "
@@ -126,6 +142,11 @@ class Diff2Server:
                 self.recorder.parameters(self.state.x)
             self._write_summary()
         return release
+
+    def _checkpoint(self) -> None:
+        if self.checkpoint_path is not None:
+            run_dir = str(self.recorder.directory) if self.recorder else None
+            save_checkpoint(self.checkpoint_path, Checkpoint(self.fingerprint, self.state, self.ledger, run_dir))
 
     def fail(self, error: BaseException) -> None:
         """Record that the run stopped with ``error`` (nothing more is released)."""
@@ -277,7 +298,16 @@ def build_server(
     run_info = {"name": cfg.name, "method": cfg.method, "config_file": cfg.source, "config": cfg.to_dict(),
                 "dataset": {"name": data.name, "train": int(data.x_train.shape[0]), "test": int(data.x_test.shape[0]),
                             "shard_sizes": list(data.shard_sizes)}}
-    if record:
+    fingerprint = config_fingerprint(cfg.to_dict(), n_min)
+    checkpoint_path = Path(cfg.output.checkpoint).expanduser().resolve() if cfg.output.checkpoint else None
+    resume = None
+    if checkpoint_path is not None and checkpoint_path.exists():
+        resume = load_checkpoint(checkpoint_path, fingerprint)
+    if record and resume is not None and resume.run_dir:
+        run_dir = Path(resume.run_dir)
+        recorder = RunRecorder(run_dir, keep_through_round=resume.state.round)
+        run_info["output_dir"] = str(run_dir)
+    elif record:
         run_dir = new_run_dir(output_root or cfg.output.dir, cfg.name)
         recorder = RunRecorder(run_dir)
         run_info["output_dir"] = str(run_dir)
@@ -294,5 +324,5 @@ def build_server(
         layout=gradients.layout, x0=initial_parameters(cfg, data), rounds=cfg.training.rounds,
         clients=cfg.training.clients, n_min=n_min, calibration=calibration, seed=cfg.training.seed,
         evaluator=evaluator, eval_every=cfg.evaluation.every, recorder=recorder, run_info=run_info,
-        progress=progress,
+        progress=progress, checkpoint_path=checkpoint_path, fingerprint=fingerprint, resume=resume,
     )
