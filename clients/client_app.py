@@ -38,7 +38,8 @@ def client_fn(context: Context) -> Client:
             f"Node config num-partitions = {num_partitions} but {cfg.source} has training.clients = "
             f"{cfg.training.clients}; they must match (in a simulation, num-supernodes = training.clients)."
         )
-    return Diff2Client(build_worker(cfg, partition_id)).to_client()
+    data_path = context.node_config.get("data-path")  # a deployment: this node's own shard file only
+    return Diff2Client(build_worker(cfg, partition_id, None if data_path is None else str(data_path))).to_client()
 
 
 app = ClientApp(client_fn=client_fn)

@@ -70,6 +70,16 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shard(args: argparse.Namespace) -> int:
+    from .lab.config import load_config
+    from .lab.shards import write_shards
+
+    paths = write_shards(load_config(args.config), args.out)
+    for path in paths:
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diff2", description="DIFF2 differentially private federated training on Flower.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--output", default=None, help="output root (default: the study's output.dir)")
     exp.add_argument("--fresh", action="store_true", help="recompute every run instead of resuming")
     exp.set_defaults(func=_experiment)
+
+    shard = sub.add_parser("shard", help="write one shard file per data owner (and the server's) for a deployment")
+    shard.add_argument("config", help="experiment YAML whose dataset and training.clients define the shards")
+    shard.add_argument("--out", required=True, help="output folder")
+    shard.set_defaults(func=_shard)
 
     bench = sub.add_parser("bench", help="measure speed (rounds/s, protocol wall time, Flower vs its floor) as JSON")
     bench.add_argument("--data-dir", default=None, help="data directory (default: $DIFF2_DATA_DIR)")

@@ -82,6 +82,7 @@ class DatasetConfig:
     drop: tuple[str, ...] = ()  # csv only: columns to ignore
     categorical: tuple[str, ...] = ()  # csv only: columns to one-hot encode
     task: Literal["regression", "classification"] | None = None  # csv only
+    shards: str | None = None  # deployment: folder of `diff2 shard` files (the server reads server.npz there)
 
     @property
     def task_kind(self) -> str:
@@ -204,6 +205,10 @@ class ExperimentConfig:
             )
         _require(self.restart_every <= t.rounds, "training.restart_every",
                  f"at most training.rounds = {t.rounds} (T > R never restarts)", t.restart_every)
+        if self.dataset.shards:
+            _require(not self.evaluation.train_metrics, "evaluation.train_metrics",
+                     "false with dataset.shards (in a deployment the server holds no training data)",
+                     self.evaluation.train_metrics)
         if self.loss == "half_squared_error":
             _require(self.dataset.task_kind == "regression", "model.loss",
                      f"cross_entropy (or auto) for the classification dataset {self.dataset.name}", self.model.loss)

@@ -248,28 +248,48 @@ def load_data(cfg: ExperimentConfig) -> PreparedData:
                    classes=classes)
 
 
-def _gradients(cfg: ExperimentConfig, data: PreparedData) -> PerSampleGradients:
+def _model(cfg: ExperimentConfig, num_features: int, num_outputs: int) -> torch.nn.Module:
     m = cfg.model
-    model = build_model(m.name, in_features=data.num_features, out_features=data.num_outputs, hidden=m.hidden,
-                        init_seed=m.init_seed)
+    return build_model(m.name, in_features=num_features, out_features=num_outputs, hidden=m.hidden,
+                       init_seed=m.init_seed)
+
+
+def _gradients(cfg: ExperimentConfig, num_features: int, num_outputs: int) -> PerSampleGradients:
     dtype = {"float64": torch.float64, "float32": torch.float32}[cfg.training.dtype]
-    return PerSampleGradients(model, get_loss(cfg.loss), dtype=dtype, chunk_size=cfg.training.chunk_size)
+    return PerSampleGradients(_model(cfg, num_features, num_outputs), get_loss(cfg.loss), dtype=dtype,
+                              chunk_size=cfg.training.chunk_size)
 
 
 def initial_parameters(cfg: ExperimentConfig, data: PreparedData) -> np.ndarray:
     """x_0: the model's initial parameters as a flat float64 vector."""
-    m = cfg.model
-    model = build_model(m.name, in_features=data.num_features, out_features=data.num_outputs, hidden=m.hidden,
-                        init_seed=m.init_seed)
+    model = _model(cfg, data.num_features, data.num_outputs)
     return np.concatenate([p.detach().double().reshape(-1).numpy() for _, p in model.named_parameters()])
 
 
+def _num_outputs(cfg: ExperimentConfig, classes: tuple[str, ...]) -> int:
+    return len(classes) if cfg.dataset.task_kind == "classification" else 1
+
+
 @functools.lru_cache(maxsize=64)
-def build_worker(cfg: ExperimentConfig, partition_id: int) -> Worker:
-    """Worker ``partition_id`` of ``cfg`` (cached per process: simulation actors serve many rounds)."""
-    data = load_data(cfg)
-    features, targets = data.shard(partition_id)
-    gradients: PerSampleGradients | PaperMLPGradients = _gradients(cfg, data)
+def build_worker(cfg: ExperimentConfig, partition_id: int, data_path: str | None = None) -> Worker:
+    """Worker ``partition_id`` of ``cfg`` (cached per process: simulation actors serve many rounds).
+
+    With ``data_path`` (a deployment) the worker reads only its own shard file (see
+    :mod:`diff2_flwr.lab.shards`); otherwise it prepares the whole dataset and takes its shard.
+    """
+    if data_path is not None:
+        from .shards import read_shard
+
+        shard = read_shard(data_path, cfg, partition_id, cfg.training.clients)
+        features, targets = shard.features, shard.targets
+        num_outputs = _num_outputs(cfg, shard.classes)
+    else:
+        data = load_data(cfg)
+        features, targets = data.shard(partition_id)
+        num_outputs = data.num_outputs
+    if len(targets) == 0:
+        raise ValueError(f"Partition {partition_id} holds no samples: an empty shard cannot contribute a ClippedMean.")
+    gradients: PerSampleGradients | PaperMLPGradients = _gradients(cfg, features.shape[1], num_outputs)
     if cfg.closed_form_gradients:
         gradients = PaperMLPGradients(gradients.layout, dtype=gradients.dtype)
     as_t = lambda a: torch.as_tensor(a, dtype=gradients.dtype)  # noqa: E731
@@ -280,8 +300,24 @@ def build_server(
     cfg: ExperimentConfig, *, output_root: str | Path | None = None, record: bool = True,
     progress: Callable[[str], None] | None = print,
 ) -> Diff2Server:
-    """The server of ``cfg``: calibration from the data's n_min, x_0, evaluator, run folder."""
-    data = load_data(cfg)
+    """The server of ``cfg``: calibration from the data's n_min, x_0, evaluator, run folder.
+
+    With ``dataset.shards`` (a deployment) the server reads only ``server.npz`` there: the test
+    split and the shard sizes, no training sample (so no train metrics).
+    """
+    if cfg.dataset.shards:
+        from .shards import SERVER_FILE, read_server_data
+
+        sdata = read_server_data(Path(cfg.dataset.shards).expanduser() / SERVER_FILE, cfg)
+        if len(sdata.shard_sizes) != cfg.training.clients:
+            raise ValueError(f"{cfg.source}: the shards are for {len(sdata.shard_sizes)} workers, "
+                             f"training.clients = {cfg.training.clients}.")
+        data = PreparedData(name=cfg.dataset.name, x_train=np.zeros((0, sdata.x_test.shape[1])), y_train=np.zeros(0),
+                            x_test=sdata.x_test, y_test=sdata.y_test,
+                            shard_bounds=tuple((0, n) for n in sdata.shard_sizes), target_scale=sdata.target_scale,
+                            task=sdata.task, classes=sdata.classes)
+    else:
+        data = load_data(cfg)
     n_min = cfg.privacy.n_min or data.n_min
     if n_min > data.n_min:
         raise ValueError(
@@ -289,14 +325,14 @@ def build_server(
             "the noise would be calibrated for a smaller sensitivity than the real one."
         )
     calibration = cfg.calibration(n_min)
-    gradients = _gradients(cfg, data)
+    gradients = _gradients(cfg, data.num_features, data.num_outputs)
     evaluator = None
     if cfg.evaluation.train_metrics or cfg.evaluation.test_metrics:
-        evaluator = Evaluator(gradients, data, train_metrics=cfg.evaluation.train_metrics,
-                              test_metrics=cfg.evaluation.test_metrics)
+        evaluator = Evaluator.of(gradients, data, train_metrics=cfg.evaluation.train_metrics,
+                                 test_metrics=cfg.evaluation.test_metrics)
     recorder = None
     run_info = {"name": cfg.name, "method": cfg.method, "config_file": cfg.source, "config": cfg.to_dict(),
-                "dataset": {"name": data.name, "train": int(data.x_train.shape[0]), "test": int(data.x_test.shape[0]),
+                "dataset": {"name": data.name, "train": sum(data.shard_sizes), "test": int(data.x_test.shape[0]),
                             "shard_sizes": list(data.shard_sizes)}}
     fingerprint = config_fingerprint(cfg.to_dict(), n_min)
     checkpoint_path = Path(cfg.output.checkpoint).expanduser().resolve() if cfg.output.checkpoint else None

@@ -73,6 +73,8 @@ class PreparedData:
     target_scale: float
     task: str = "regression"
     classes: tuple[str, ...] = ()
+    feature_mean: np.ndarray | None = None  # the standardisation statistics (train split)
+    feature_std: np.ndarray | None = None
 
     @property
     def num_outputs(self) -> int:
@@ -321,4 +323,5 @@ def prepare(
         x_test=(x[test] - mean) / std, y_test=y[test] / target_scale,
         shard_bounds=tuple(bounds), target_scale=target_scale,
         task="classification" if classes else "regression", classes=tuple(classes),
+        feature_mean=mean, feature_std=std,
     )

@@ -10,6 +10,8 @@ f(x) = (1/P) Σ_p f_p(x), the objective of DIFF2.md "Setting", with f_p the mean
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 
@@ -22,11 +24,21 @@ __all__ = ["Evaluator"]
 class Evaluator:
     """Computes the evaluation metrics of a flat parameter vector."""
 
-    def __init__(self, gradients: PerSampleGradients, data: PreparedData, *, train_metrics: bool = True, test_metrics: bool = True) -> None:
+    def __init__(
+        self, gradients: PerSampleGradients, *, shards: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+        test: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
+        """``shards``: the train shards for train loss and ‖∇f‖² (none: not computed); ``test``: the test split."""
         self.gradients = gradients
         as_t = lambda a: torch.as_tensor(a, dtype=gradients.dtype)  # noqa: E731
-        self._shards = [tuple(map(as_t, data.shard(p))) for p in range(len(data.shard_bounds))] if train_metrics else []
-        self._test = (as_t(data.x_test), as_t(data.y_test)) if test_metrics else None
+        self._shards = [(as_t(x), as_t(y)) for x, y in shards]
+        self._test = None if test is None else (as_t(test[0]), as_t(test[1]))
+
+    @classmethod
+    def of(cls, gradients: PerSampleGradients, data: PreparedData, *, train_metrics: bool = True,
+           test_metrics: bool = True) -> "Evaluator":
+        shards = [data.shard(p) for p in range(len(data.shard_bounds))] if train_metrics else []
+        return cls(gradients, shards=shards, test=(data.x_test, data.y_test) if test_metrics else None)
 
     def __call__(self, x: np.ndarray) -> dict[str, float]:
         out: dict[str, float] = {}
