@@ -80,6 +80,31 @@ def _shard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deploy_local(args: argparse.Namespace) -> int:
+    from .lab.deploy import run_local_deployment
+    from .lab.launch import SimulationFailed
+
+    try:
+        result = run_local_deployment(args.config, tls=args.tls, rounds=args.rounds, clients=args.clients,
+                                      workdir=args.workdir)
+    except SimulationFailed as err:
+        print(f"[diff2] deployment FAILED: {err}", file=sys.stderr)
+        return 1
+    per_round = sorted(result.round_seconds)[len(result.round_seconds) // 2] if result.round_seconds else float("nan")
+    print(f"[diff2] deployment run {result.launch.run_id} {result.launch.status} "
+          f"({'TLS' if args.tls else 'insecure, loopback only'}); median {per_round:.1f} s/round; "
+          f"results in {result.launch.output_dir}")
+    return 0
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from .lab.deploy import make_certificates
+
+    certs = make_certificates(args.out, tuple(args.host))
+    print(f"CA: {certs.ca}\nserver certificate: {certs.cert}\nserver key: {certs.key}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diff2", description="DIFF2 differentially private federated training on Flower.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("config", help="experiment YAML whose dataset and training.clients define the shards")
     shard.add_argument("--out", required=True, help="output folder")
     shard.set_defaults(func=_shard)
+
+    dep = sub.add_parser("deploy-local", help="run a native loopback deployment (SuperLink + P SuperNodes) of a config")
+    dep.add_argument("config", nargs="?", default="configs/default.yaml", help="experiment YAML")
+    dep.add_argument("--tls", action="store_true", help="TLS with a generated local CA (the default beyond a laptop)")
+    dep.add_argument("--rounds", type=int, default=None, help="override training.rounds (~10 s per round)")
+    dep.add_argument("--clients", type=int, default=None, help="override training.clients (one SuperNode each)")
+    dep.add_argument("--workdir", default=None, help="keep shards, logs and certificates here (default: a temp dir)")
+    dep.set_defaults(func=_deploy_local)
+
+    certs = sub.add_parser("certs", help="generate a CA and a SuperLink certificate for a TLS deployment")
+    certs.add_argument("--out", required=True, help="output folder")
+    certs.add_argument("--host", action="append", default=None, help="host name or IP of the SuperLink (repeatable)")
+    certs.set_defaults(func=lambda a: _certs(argparse.Namespace(out=a.out, host=a.host or ["127.0.0.1", "localhost"])))
 
     bench = sub.add_parser("bench", help="measure speed (rounds/s, protocol wall time, Flower vs its floor) as JSON")
     bench.add_argument("--data-dir", default=None, help="data directory (default: $DIFF2_DATA_DIR)")

@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -66,14 +67,17 @@ def _tool(name: str) -> str:
     return found
 
 
-def _wait_healthy(port: int, process: subprocess.Popen, log_path: Path, timeout_s: float = 60) -> None:
+def _wait_healthy(port: int, process: subprocess.Popen, log_path: Path, timeout_s: float = 60,
+                  ca_file: Path | None = None) -> None:
     deadline = time.monotonic() + timeout_s
+    scheme = "https" if ca_file else "http"
+    context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SimulationFailed(f"flower-superlink exited with code {process.returncode}; log: {log_path}\n"
                                    + log_path.read_text()[-3000:])
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=0.5) as resp:
+            with urllib.request.urlopen(f"{scheme}://127.0.0.1:{port}/health", timeout=0.5, context=context) as resp:
                 if resp.status == 200:
                     return
         except OSError:
@@ -94,6 +98,67 @@ def _stop(process: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         process.wait(timeout=15)
+
+
+def flwr_env(home: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for Flower commands: our venv first on PATH, FLWR_HOME, no runtime installs."""
+    bin_dir = str(Path(sys.executable).parent)  # the SuperLink spawns flower-superexec from PATH
+    return {**os.environ, **(env or {}), "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+            "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+
+
+def write_connection(home: Path, port: int, root_certificates: Path | None = None) -> None:
+    """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default."""
+    tls = f'root-certificates = "{root_certificates}"\n' if root_certificates else "insecure = true\n"
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{_CONNECTION}"\n\n[superlink.{_CONNECTION}]\naddress = "127.0.0.1:{port}"\n{tls}'
+    )
+
+
+def start(cmd: list[str], log_path: Path, env: dict[str, str], cwd: str | os.PathLike[str] | None = None) -> subprocess.Popen:
+    """Start a long-running Flower component in its own process group, logging to ``log_path``."""
+    with log_path.open("w") as log:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def flwr_run(app_dir: Path, run_env: dict[str, str], extra: list[str], *, cwd=None, timeout_s: float = 3600,
+             echo: bool = True) -> LaunchResult:
+    """``flwr run <app> <connection> --stream ...``, then the run's final status from ``flwr ls``."""
+    run_cmd = [_tool("flwr"), "run", str(app_dir), _CONNECTION, "--stream", *extra]
+    if echo:
+        print(f"[diff2] {' '.join(run_cmd)}", flush=True)
+    lines: list[str] = []
+    proc = subprocess.Popen(run_cmd, cwd=cwd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if echo:
+                print(line, end="", flush=True)
+            if time.monotonic() > deadline:
+                raise SimulationFailed(f"`flwr run` exceeded {timeout_s:.0f} s.")
+        proc.wait(timeout=60)
+    finally:
+        _stop(proc)
+    output = "".join(lines)
+    match = re.search(r"Successfully started run (\d+)", output)
+    if proc.returncode != 0 or not match:
+        raise SimulationFailed(f"`flwr run` exited with code {proc.returncode} before starting a run:\n{output[-3000:]}")
+    run_id = int(match.group(1))
+    listing = subprocess.run([_tool("flwr"), "ls", _CONNECTION, "--run-id", str(run_id), "--format", "json"],
+                             env=run_env, capture_output=True, text=True, timeout=60)
+    try:
+        info = json.loads(listing.stdout)["runs"][0]
+    except (ValueError, KeyError, IndexError):
+        raise SimulationFailed(f"Cannot read the status of run {run_id}: {listing.stdout}{listing.stderr}") from None
+    found = re.search(r"writing per-round metrics and summary to (\S+)", output)
+    result = LaunchResult(run_id, info.get("status", "?"), info.get("status-details", ""), output,
+                          Path(found.group(1)) if found else None)
+    if result.status != "finished:completed":
+        raise SimulationFailed(f"Run {run_id} ended as {result.status}: {result.details}")
+    return result
 
 
 def run_simulation(
@@ -122,59 +187,22 @@ def run_simulation(
         raise ValueError("run_simulation needs `clients` when no experiment config is given.")
     home = Path(tempfile.mkdtemp(prefix="diff2-flwr-home-"))
     port, health = _free_port(), _free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{_CONNECTION}"\n\n[superlink.{_CONNECTION}]\n'
-        f'address = "127.0.0.1:{port}"\ninsecure = true\n'
-    )
-    bin_dir = str(Path(sys.executable).parent)  # the SuperLink spawns flower-superexec from PATH
-    run_env = {**os.environ, **(env or {}), "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "FLWR_HOME": str(home),
-               "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    write_connection(home, port)
+    run_env = flwr_env(home, env)
     log_path = home / "superlink.log"
-    superlink_cmd = [_tool("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
-                     "--host", "127.0.0.1", "--port", str(port), "--health-server-address", f"127.0.0.1:{health}"]
-    run_cmd = [_tool("flwr"), "run", str(app_dir), _CONNECTION, "--stream",
-               "--federation-config", f"num-supernodes={clients}"]
-    if overrides:
-        run_cmd += ["--run-config", " ".join(f"{k}={_toml(v)}" for k, v in overrides.items())]
-    with log_path.open("w") as log:
-        superlink = subprocess.Popen(superlink_cmd, cwd=cwd, env=run_env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+    superlink = start([_tool("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
+                       "--host", "127.0.0.1", "--port", str(port), "--health-server-address", f"127.0.0.1:{health}"],
+                      log_path, run_env, cwd)
     try:
         _wait_healthy(port, superlink, log_path)
-        if echo:
-            print(f"[diff2] {' '.join(run_cmd)}", flush=True)
-        lines: list[str] = []
-        proc = subprocess.Popen(run_cmd, cwd=cwd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line)
-                if echo:
-                    print(line, end="", flush=True)
-                if time.monotonic() > deadline:
-                    raise SimulationFailed(f"`flwr run` exceeded {timeout_s:.0f} s.")
-            proc.wait(timeout=60)
-        finally:
-            _stop(proc)
-        output = "".join(lines)
-        match = re.search(r"Successfully started run (\d+)", output)
-        if proc.returncode != 0 or not match:
-            raise SimulationFailed(f"`flwr run` exited with code {proc.returncode} before starting a run:\n{output[-3000:]}")
-        run_id = int(match.group(1))
-        listing = subprocess.run([_tool("flwr"), "ls", _CONNECTION, "--run-id", str(run_id), "--format", "json"],
-                                 env=run_env, capture_output=True, text=True, timeout=60)
-        try:
-            info = json.loads(listing.stdout)["runs"][0]
-        except (ValueError, KeyError, IndexError):
-            raise SimulationFailed(f"Cannot read the status of run {run_id}: {listing.stdout}{listing.stderr}") from None
-        found = re.search(r"writing per-round metrics and summary to (\S+)", output)
-        result = LaunchResult(run_id, info.get("status", "?"), info.get("status-details", ""), output,
-                              Path(found.group(1)) if found else None)
-        if result.status != "finished:completed":
-            raise SimulationFailed(f"Run {run_id} ended as {result.status}: {result.details}")
-        return result
+        extra = ["--federation-config", f"num-supernodes={clients}"]
+        if overrides:
+            extra += ["--run-config", run_config_arg(overrides)]
+        return flwr_run(app_dir, run_env, extra, cwd=cwd, timeout_s=timeout_s, echo=echo)
     finally:
         _stop(superlink)
         shutil.rmtree(home, ignore_errors=True)
+
+
+def run_config_arg(overrides: dict[str, str | int | float]) -> str:
+    return " ".join(f"{k}={_toml(v)}" for k, v in overrides.items())

@@ -1,0 +1,176 @@
+"""A real multi-process deployment on this machine: SuperLink, one SuperNode per data owner, `flwr run`.
+
+This is the topology of ``docker-compose.yml`` as native processes on 127.0.0.1 (no Docker
+needed): ``flower-superlink`` (deployment mode, subprocess isolation: it runs the ServerApp),
+P ``flower-supernode`` processes, each given ``partition-id``, ``num-partitions`` and the path
+of its own shard file (written by ``diff2 shard``), and ``flwr run`` submitting the app. With
+``tls=True`` a throw-away CA and a server certificate for 127.0.0.1 are generated; the
+SuperLink serves TLS and every SuperNode and the CLI verify it. Every process started is
+stopped by PID (its process group), also when the run fails.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .config import load_config, parse_config
+from .launch import (
+    LaunchResult,
+    SimulationFailed,
+    _free_port,
+    _stop,
+    _tool,
+    _wait_healthy,
+    flwr_env,
+    flwr_run,
+    run_config_arg,
+    start,
+    write_connection,
+)
+from .paths import APP_DIR, resolve_config_path
+from .shards import shard_name, write_shards
+
+__all__ = ["Certificates", "make_certificates", "DeploymentResult", "run_local_deployment"]
+
+
+@dataclass(frozen=True)
+class Certificates:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_certificates(folder: str | os.PathLike[str], hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> Certificates:
+    """A self-signed CA and a server certificate for ``hosts`` (for tests and local deployments only)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "diff2-flwr local CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=30))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    names = [x509.IPAddress(ipaddress.ip_address(h)) if h.replace(".", "").isdigit() else x509.DNSName(h) for h in hosts]
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])])).issuer_name(ca_name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .sign(ca_key, hashes.SHA256()))
+    out = Certificates(folder / "ca.crt", folder / "server.pem", folder / "server.key")
+    out.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    out.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    out.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    os.chmod(out.key, 0o600)
+    return out
+
+
+@dataclass(frozen=True)
+class DeploymentResult:
+    launch: LaunchResult
+    config: Path  # the deployment config actually run (shards set, train metrics off)
+    round_seconds: list[float]
+
+
+def deployment_config(config: str | os.PathLike[str], workdir: Path, rounds: int | None = None,
+                      clients: int | None = None) -> Path:
+    """Write the shards of ``config`` into ``workdir`` and a config that reads them (server: no train data)."""
+    cfg = load_config(resolve_config_path(config))
+    data = cfg.to_dict()
+    if clients is not None:
+        data["training"]["clients"] = clients
+        cfg = parse_config(data, str(config))
+    shards = workdir / "shards"
+    write_shards(cfg, shards)
+    data["dataset"]["shards"] = str(shards)
+    data["evaluation"]["train_metrics"] = False
+    if rounds is not None:
+        data["training"]["rounds"] = rounds
+        if data["training"]["restart_every"] and data["training"]["restart_every"] > rounds:
+            data["training"]["restart_every"] = rounds
+    if not Path(data["output"]["dir"]).is_absolute():
+        data["output"]["dir"] = str(Path.cwd() / data["output"]["dir"])
+    path = workdir / "deployment.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run_local_deployment(
+    config: str | os.PathLike[str],
+    *,
+    tls: bool = False,
+    rounds: int | None = None,
+    clients: int | None = None,
+    app_dir: str | os.PathLike[str] = APP_DIR,
+    workdir: str | os.PathLike[str] | None = None,
+    timeout_s: float = 1800,
+    echo: bool = True,
+) -> DeploymentResult:
+    """Run ``config`` as a native loopback deployment; raise :class:`SimulationFailed` unless it completes."""
+    own_dir = workdir is None
+    work = Path(workdir or tempfile.mkdtemp(prefix="diff2-deploy-"))
+    work.mkdir(parents=True, exist_ok=True)
+    processes = []
+    try:
+        dep_config = deployment_config(config, work, rounds, clients)
+        cfg = load_config(dep_config)
+        clients = cfg.training.clients
+        home = work / "flwr-home"
+        home.mkdir(exist_ok=True)
+        port, health = _free_port(), _free_port()
+        certs = make_certificates(work / "certs") if tls else None
+        write_connection(home, port, certs.ca if certs else None)
+        env = flwr_env(home)
+        security = (["--ssl-certfile", str(certs.cert), "--ssl-keyfile", str(certs.key), "--ssl-ca-certfile",
+                     str(certs.ca)] if certs else ["--insecure"])
+        superlink = start([_tool("flower-superlink"), *security, "--isolation", "subprocess", "--host", "127.0.0.1",
+                           "--port", str(port), "--health-server-address", f"127.0.0.1:{health}"],
+                          work / "superlink.log", env)
+        processes.append(superlink)
+        _wait_healthy(port, superlink, work / "superlink.log", ca_file=certs.ca if certs else None)
+        client_security = ["--root-certificates", str(certs.ca)] if certs else ["--insecure"]
+        shards = Path(cfg.dataset.shards or "")
+        for p in range(clients):
+            node_config = (f'partition-id={p} num-partitions={clients} '
+                           f'data-path="{shards / shard_name(p, clients)}"')
+            processes.append(start([_tool("flower-supernode"), *client_security, "--superlink", f"127.0.0.1:{port}",
+                                    "--isolation", "subprocess", "--host", "127.0.0.1", "--port", str(_free_port()),
+                                    "--node-config", node_config], work / f"supernode-{p}.log", env))
+        time.sleep(2)
+        for p, proc in enumerate(processes[1:]):
+            if proc.poll() is not None:
+                raise SimulationFailed(f"supernode {p} exited with code {proc.returncode}; log: "
+                                       f"{work / f'supernode-{p}.log'}\n" + (work / f"supernode-{p}.log").read_text()[-2000:])
+        result = flwr_run(Path(app_dir).resolve(), env, ["--run-config", run_config_arg({"config": str(dep_config)})],
+                          timeout_s=timeout_s, echo=echo)
+        rows = []
+        if result.output_dir is not None:
+            import json
+
+            rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+        elapsed = [r["elapsed_s"] for r in rows]
+        return DeploymentResult(result, dep_config, [b - a for a, b in zip(elapsed, elapsed[1:])])
+    finally:
+        for proc in reversed(processes):
+            _stop(proc)
+        if own_dir and not os.environ.get("DIFF2_KEEP_DEPLOY_DIR"):
+            shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,55 @@
+"""A real deployment as native processes on 127.0.0.1 (plain and TLS), against a simulation of the same config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from diff2_flwr.lab.config import load_config
+from diff2_flwr.lab.deploy import run_local_deployment
+from diff2_flwr.lab.driver import run_inprocess
+from diff2_flwr.lab.launch import run_simulation
+
+pytestmark = [pytest.mark.flower, pytest.mark.deployment]
+
+
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "dep.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "dep", "method": "diff2", "dataset": {"name": "synthetic", "num_samples": 900},
+        "training": {"rounds": 3, "restart_every": 2, "clip_diff": 3.0, "clients": 3, "seed": 4},
+        "output": {"dir": str(tmp_path / "out")},
+    }))
+    return path
+
+
+def rows(output_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
+            for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_native_deployment_equals_a_simulation(tmp_path):
+    result = run_local_deployment(config(tmp_path), workdir=tmp_path / "work", echo=False)
+    assert result.launch.status == "finished:completed"
+    deployed = rows(result.launch.output_dir)
+    assert [r["round"] for r in deployed] == [0, 1, 2, 3] and "train_loss" not in deployed[-1]
+    # the same deployment config (shards, no train metrics) as a Flower simulation
+    simulated = run_simulation(str(result.config), echo=False)
+    assert rows(simulated.output_dir) == deployed
+    np.testing.assert_array_equal(np.load(simulated.output_dir / "final_parameters.npy"),
+                                  np.load(result.launch.output_dir / "final_parameters.npy"))
+    print(f"deployment seconds per round: {result.round_seconds}")
+
+
+def test_native_deployment_with_tls(tmp_path):
+    result = run_local_deployment(config(tmp_path), tls=True, workdir=tmp_path / "work", echo=False)
+    assert result.launch.status == "finished:completed"
+    assert (tmp_path / "work" / "certs" / "ca.crt").is_file()
+    reference = run_inprocess(load_config(result.config), record=False, progress=None)
+    np.testing.assert_array_equal(np.load(result.launch.output_dir / "final_parameters.npy"), reference.state.x)
+    assert rows(result.launch.output_dir) == [{k: v for k, v in r.items() if k != "elapsed_s"}
+                                              for r in reference.history]
