@@ -105,6 +105,13 @@ def _certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compose(args: argparse.Namespace) -> int:
+    from .lab.compose import render_compose
+
+    print(render_compose(args.clients, args.tls), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diff2", description="DIFF2 differentially private federated training on Flower.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument("--out", required=True, help="output folder")
     certs.add_argument("--host", action="append", default=None, help="host name or IP of the SuperLink (repeatable)")
     certs.set_defaults(func=lambda a: _certs(argparse.Namespace(out=a.out, host=a.host or ["127.0.0.1", "localhost"])))
+
+    comp = sub.add_parser("compose", help="print docker-compose.yml for P data owners (default 3)")
+    comp.add_argument("--clients", type=int, default=3, help="P: one SuperNode and one ClientApp per data owner")
+    comp.add_argument("--tls", action="store_true", help="TLS between SuperLink and every other component")
+    comp.set_defaults(func=_compose)
 
     bench = sub.add_parser("bench", help="measure speed (rounds/s, protocol wall time, Flower vs its floor) as JSON")
     bench.add_argument("--data-dir", default=None, help="data directory (default: $DIFF2_DATA_DIR)")
