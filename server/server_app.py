@@ -14,8 +14,11 @@ from diff2_flwr.lab.session import build_server
 def server_fn(context: Context) -> ServerAppComponents:
     cfg = load_config(resolve_config_path(str(context.run_config["config"])))
     server = build_server(cfg)  # resumes from output.checkpoint when it exists
-    strategy = Diff2Strategy(server=server)
-    return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=cfg.training.rounds - server.state.round))
+    t = cfg.training
+    strategy = Diff2Strategy(server=server, round_retries=t.round_retries)
+    # Flower numbers this run's rounds from 1; retried rounds need extra Flower rounds.
+    rounds = t.rounds - server.state.round + t.round_retries
+    return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=rounds, round_timeout=t.round_timeout_s))
 
 
 app = ServerApp(server_fn=server_fn)

@@ -565,3 +565,39 @@ def test_corrupt_reply_bytes_release_nothing_and_are_recorded(cfg, tmp_path):
         strategy.aggregate_fit(1, results, [])
     assert server.state.round == 0 and len(metrics_rows(server)) == 1
     assert summary(server)["status"] == "failed"
+
+
+# ------------------------------------------------------------------------------ dead nodes and retries
+
+def test_a_silent_node_is_named_and_nothing_is_released(cfg, tmp_path):
+    server = make_server(cfg, tmp_path)
+    strategy = Diff2Strategy(server=server)
+    manager, proxies = make_manager()
+    instructions = strategy.configure_fit(1, strategy.initialize_parameters(manager), manager)
+    results = as_results(client_replies(cfg, instructions))
+    dead = results.pop(1)[0].cid  # its reply never came: Flower reports a bare exception
+    with pytest.raises(RoundRejected, match=rf"no reply from node\(s\) {dead} \(died or timed out\)"):
+        strategy.aggregate_fit(1, results, [ValueError("Expected one Message but got: 0")])
+    assert server.state.round == 0 and summary(server)["status"] == "failed"
+
+
+def test_a_failed_round_is_retried_without_release_then_the_run_continues(cfg, tmp_path):
+    server = make_server(cfg, tmp_path)
+    strategy = Diff2Strategy(server=server, round_retries=1)
+    manager, _ = make_manager()
+    one_round(strategy, manager, cfg, 1)
+    instructions = strategy.configure_fit(2, strategy.initialize_parameters(manager), manager)
+    results = as_results(client_replies(cfg, instructions))
+    results.pop(0)
+    params, _ = strategy.aggregate_fit(2, results, [TimeoutError("node timed out")])
+    assert params is None and server.state.round == 1 and len(metrics_rows(server)) == 2  # nothing released
+    # Flower's next round (3) retries DIFF2 round 2 with the same plan
+    instructions = strategy.configure_fit(3, strategy.initialize_parameters(manager), manager)
+    assert instructions[0][1].config["diff2.round"] == 2
+    strategy.aggregate_fit(3, as_results(client_replies(cfg, instructions)), [])
+    assert server.state.round == 2
+    # no retries left: the next failure stops the run
+    instructions = strategy.configure_fit(4, strategy.initialize_parameters(manager), manager)
+    with pytest.raises(RoundRejected, match="client-failure"):
+        strategy.aggregate_fit(4, [], [TimeoutError("node timed out")])
+    assert summary(server)["status"] == "failed" and server.state.round == 2

@@ -25,12 +25,18 @@ __all__ = ["Diff2Strategy"]
 class Diff2Strategy(Strategy):
     """Runs DIFF2 rounds over Flower; the math lives in the wrapped :class:`Diff2Server`."""
 
-    def __init__(self, *, server: Diff2Server, wait_for_clients_s: int = 300) -> None:
+    def __init__(self, *, server: Diff2Server, wait_for_clients_s: int = 300, round_retries: int = 0) -> None:
+        """``round_retries``: how many times in the whole run a round whose clients failed or timed out
+        is retried (releasing nothing) once all P clients are connected again, before the run stops."""
         super().__init__()
         if wait_for_clients_s < 1:
             raise ValueError(f"`wait_for_clients_s` must be >= 1. Found {wait_for_clients_s}.")
+        if round_retries < 0:
+            raise ValueError(f"`round_retries` must be >= 0. Found {round_retries}.")
         self.server = server
         self.wait_for_clients_s = wait_for_clients_s
+        self.retries_left = round_retries
+        self._asked: set[str] = set()
         # A resumed server continues at its next round; Flower numbers this run's rounds from 1.
         self.offset = server.state.round
 
@@ -43,6 +49,8 @@ class Diff2Strategy(Strategy):
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
+        if self.server.done:  # Flower rounds reserved for retries that were not needed
+            return []
         plan = self.server.plan()
         if server_round + self.offset != plan.round:
             resumed = f" (+{self.offset} resumed)" if self.offset else ""
@@ -59,6 +67,7 @@ class Diff2Strategy(Strategy):
             ))
         arrays, config = protocol.encode_task(plan, self.server.layout)
         fit_ins = FitIns(parameters=ndarrays_to_parameters(arrays), config=config)
+        self._asked = set(available)
         return [(proxy, fit_ins) for _, proxy in sorted(available.items())]
 
     def aggregate_fit(
@@ -68,15 +77,26 @@ class Diff2Strategy(Strategy):
         failures: list[tuple[ClientProxy, FitRes] | BaseException],
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
         if failures:
-            described = []
+            described, named = [], set()
             for failure in failures:
                 if isinstance(failure, BaseException):
                     described.append(f"{type(failure).__name__}: {failure}")
                 else:
                     proxy, res = failure
+                    named.add(proxy.cid)
                     described.append(f"node {proxy.cid}: status {res.status.code.name} {res.status.message}")
-            self._stop(RoundRejected(server_round + self.offset, "client-failure",
-                                     f"{len(failures)} client(s) failed: " + "; ".join(described)))
+            silent = sorted(self._asked - {proxy.cid for proxy, _ in results} - named)
+            if silent:  # a dead or timed-out node leaves no reply at all: name it from what was asked
+                described.insert(0, f"no reply from node(s) {', '.join(silent)} (died or timed out)")
+            error = RoundRejected(server_round + self.offset, "client-failure",
+                                  f"{len(failures)} client(s) failed: " + "; ".join(described))
+            if self.retries_left > 0:
+                self.retries_left -= 1
+                self.offset -= 1  # the next Flower round retries this DIFF2 round; nothing was released
+                if self.server.progress:
+                    self.server.progress(f"[diff2] {error} Retrying the round ({self.retries_left} retries left).")
+                return None, {}
+            self._stop(error)
         replies = []
         for proxy, res in results:
             try:

@@ -146,6 +146,8 @@ class TrainingConfig:
     dtype: Literal["float64", "float32"] = "float64"
     chunk_size: int = 1024  # samples per vmap chunk (bounds memory)
     gradients: Literal["auto", "torch_func", "closed_form"] = "auto"  # per-sample gradient path
+    round_timeout_s: float | None = None  # Flower: a client silent this long fails the round
+    round_retries: int = 0  # Flower: failed rounds retried (releasing nothing) before the run stops
 
     def __post_init__(self) -> None:
         _require(self.rounds >= 1, "rounds", "an integer >= 1", self.rounds)
@@ -158,6 +160,9 @@ class TrainingConfig:
         _require(self.clients >= 1, "clients", "an integer >= 1", self.clients)
         _require(self.seed is None or self.seed >= 0, "seed", "null or an integer >= 0", self.seed)
         _require(self.chunk_size >= 1, "chunk_size", "an integer >= 1", self.chunk_size)
+        _require(self.round_timeout_s is None or self.round_timeout_s > 0, "round_timeout_s", "null or a number > 0",
+                 self.round_timeout_s)
+        _require(self.round_retries >= 0, "round_retries", "an integer >= 0", self.round_retries)
 
 
 @dataclass(frozen=True)
