@@ -53,3 +53,20 @@ def test_native_deployment_with_tls(tmp_path):
     np.testing.assert_array_equal(np.load(result.launch.output_dir / "final_parameters.npy"), reference.state.x)
     assert rows(result.launch.output_dir) == [{k: v for k, v in r.items() if k != "elapsed_s"}
                                               for r in reference.history]
+
+
+def test_a_supernode_killed_mid_run_releases_nothing_and_names_the_failure(tmp_path):
+    from diff2_flwr.lab.launch import SimulationFailed
+
+    path = config(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["training"].update(rounds=4, round_timeout_s=20)
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SimulationFailed, match=r"client-failure.*(no reply from node|failed)") as info:
+        run_local_deployment(path, workdir=tmp_path / "work", echo=False, kill_node_after_round=(1, 1))
+    (run_dir,) = (tmp_path / "out").iterdir()
+    released = [json.loads(line)["round"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert released == [0, 1]  # round 2 released nothing
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "Round 2 released nothing" in summary["error"]
+    print(f"fault error: {info.value}")

@@ -124,8 +124,12 @@ def run_local_deployment(
     workdir: str | os.PathLike[str] | None = None,
     timeout_s: float = 1800,
     echo: bool = True,
+    kill_node_after_round: tuple[int, int] | None = None,
 ) -> DeploymentResult:
-    """Run ``config`` as a native loopback deployment; raise :class:`SimulationFailed` unless it completes."""
+    """Run ``config`` as a native loopback deployment; raise :class:`SimulationFailed` unless it completes.
+
+    ``kill_node_after_round=(i, k)`` is fault injection: SuperNode i is killed once round k is released.
+    """
     own_dir = workdir is None
     work = Path(workdir or tempfile.mkdtemp(prefix="diff2-deploy-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -160,8 +164,17 @@ def run_local_deployment(
             if proc.poll() is not None:
                 raise SimulationFailed(f"supernode {p} exited with code {proc.returncode}; log: "
                                        f"{work / f'supernode-{p}.log'}\n" + (work / f"supernode-{p}.log").read_text()[-2000:])
+        on_line = None
+        if kill_node_after_round is not None:
+            victim, after = kill_node_after_round
+            marker = f"[diff2] round {after}/"
+
+            def on_line(line: str) -> None:
+                if marker in line:
+                    _stop(processes[1 + victim])
+
         result = flwr_run(Path(app_dir).resolve(), env, ["--run-config", run_config_arg({"config": str(dep_config)})],
-                          timeout_s=timeout_s, echo=echo)
+                          timeout_s=timeout_s, echo=echo, on_line=on_line)
         rows = []
         if result.output_dir is not None:
             import json

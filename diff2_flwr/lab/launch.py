@@ -122,7 +122,7 @@ def start(cmd: list[str], log_path: Path, env: dict[str, str], cwd: str | os.Pat
 
 
 def flwr_run(app_dir: Path, run_env: dict[str, str], extra: list[str], *, cwd=None, timeout_s: float = 3600,
-             echo: bool = True) -> LaunchResult:
+             echo: bool = True, on_line=None) -> LaunchResult:
     """``flwr run <app> <connection> --stream ...``, then the run's final status from ``flwr ls``."""
     run_cmd = [_tool("flwr"), "run", str(app_dir), _CONNECTION, "--stream", *extra]
     if echo:
@@ -137,6 +137,8 @@ def flwr_run(app_dir: Path, run_env: dict[str, str], extra: list[str], *, cwd=No
             lines.append(line)
             if echo:
                 print(line, end="", flush=True)
+            if on_line is not None:
+                on_line(line)
             if time.monotonic() > deadline:
                 raise SimulationFailed(f"`flwr run` exceeded {timeout_s:.0f} s.")
         proc.wait(timeout=60)
