@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from flwr.common import Context
 from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 
@@ -15,7 +17,10 @@ def server_fn(context: Context) -> ServerAppComponents:
     cfg = load_config(resolve_config_path(str(context.run_config["config"])))
     server = build_server(cfg)  # resumes from output.checkpoint when it exists
     t = cfg.training
-    strategy = Diff2Strategy(server=server, round_retries=t.round_retries)
+    # Fault injection for crash/resume tests: the server dies right after releasing (and checkpointing) round k.
+    crash = os.environ.get("DIFF2_FAULT_CRASH_AFTER_ROUND")
+    strategy = Diff2Strategy(server=server, round_retries=t.round_retries,
+                             crash_after_round=int(crash) if crash else None)
     # Flower numbers this run's rounds from 1; retried rounds need extra Flower rounds.
     rounds = t.rounds - server.state.round + t.round_retries
     return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=rounds, round_timeout=t.round_timeout_s))

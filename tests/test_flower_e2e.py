@@ -104,3 +104,21 @@ def test_a_study_through_the_flower_engine_equals_the_batch_engine(tmp_path):
     for c in ("train_loss", "grad_norm_sq", "test_loss"):
         assert a[c]["min_mean"] == pytest.approx(b[c]["min_mean"], rel=1e-9)
         assert a[c]["final_mean"] == pytest.approx(b[c]["final_mean"], rel=1e-9)
+
+
+def test_server_crash_and_restart_resumes_the_same_trajectory(tmp_path):
+    """Kill the ServerApp after round 4 (fault injection), run again: it resumes from the checkpoint."""
+    config = write_config(tmp_path, "crash", output={"dir": str(tmp_path / "out"),
+                                                     "checkpoint": str(tmp_path / "state.npz")})
+    with pytest.raises(SimulationFailed, match="fault injection"):
+        run_simulation(str(config), echo=False, env={"DIFF2_FAULT_CRASH_AFTER_ROUND": "4"})
+    resumed = run_simulation(str(config), echo=False)
+    assert "resumed from" in resumed.log and "after round 4" in resumed.log
+    rows, summary = read_run(resumed)
+    check_completed_run(rows, summary, 3.0)
+    (tmp_path / "ref").mkdir()
+    reference = run_inprocess(load_config(write_config(tmp_path / "ref", "crash")), record=False, progress=None)
+    np.testing.assert_array_equal(np.load(resumed.output_dir / "final_parameters.npy"), reference.state.x)
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rs]  # noqa: E731
+    assert strip(rows) == strip(reference.history)
+    assert summary["privacy"]["epsilon_spent"] == reference.epsilon_spent

@@ -25,7 +25,8 @@ __all__ = ["Diff2Strategy"]
 class Diff2Strategy(Strategy):
     """Runs DIFF2 rounds over Flower; the math lives in the wrapped :class:`Diff2Server`."""
 
-    def __init__(self, *, server: Diff2Server, wait_for_clients_s: int = 300, round_retries: int = 0) -> None:
+    def __init__(self, *, server: Diff2Server, wait_for_clients_s: int = 300, round_retries: int = 0,
+                 crash_after_round: int | None = None) -> None:
         """``round_retries``: how many times in the whole run a round whose clients failed or timed out
         is retried (releasing nothing) once all P clients are connected again, before the run stops."""
         super().__init__()
@@ -36,6 +37,7 @@ class Diff2Strategy(Strategy):
         self.server = server
         self.wait_for_clients_s = wait_for_clients_s
         self.retries_left = round_retries
+        self.crash_after_round = crash_after_round  # fault injection (tests): die after releasing this round
         self._asked: set[str] = set()
         # A resumed server continues at its next round; Flower numbers this run's rounds from 1.
         self.offset = server.state.round
@@ -110,6 +112,8 @@ class Diff2Strategy(Strategy):
             except RoundRejected as err:
                 self._stop(err)
         release = self.server.release(replies)  # records and raises on a failed check
+        if release.plan.round == self.crash_after_round:
+            raise RuntimeError(f"fault injection: the server crashes after releasing round {release.plan.round}")
         return ndarrays_to_parameters(self.server.layout.split(release.x)), {}
 
     def configure_evaluate(

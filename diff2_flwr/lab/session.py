@@ -339,13 +339,13 @@ def build_server(
     resume = None
     if checkpoint_path is not None and checkpoint_path.exists():
         resume = load_checkpoint(checkpoint_path, fingerprint)
-    if record and resume is not None and resume.run_dir:
-        run_dir = Path(resume.run_dir)
-        recorder = RunRecorder(run_dir, keep_through_round=resume.state.round)
-        run_info["output_dir"] = str(run_dir)
-    elif record:
-        run_dir = new_run_dir(output_root or cfg.output.dir, cfg.name)
-        recorder = RunRecorder(run_dir)
+    if record:
+        if resume is not None and resume.run_dir:  # a resumed run continues in its own folder
+            run_dir = Path(resume.run_dir)
+            recorder = RunRecorder(run_dir, keep_through_round=resume.state.round)
+        else:
+            run_dir = new_run_dir(output_root or cfg.output.dir, cfg.name)
+            recorder = RunRecorder(run_dir)
         run_info["output_dir"] = str(run_dir)
         if progress:
             progress(f"[diff2] writing per-round metrics and summary to {run_dir}")
