@@ -452,15 +452,16 @@ def run_study(
 def _summarise(study: Study, epsilon: float, chosen: dict, runs_dir: Path, n_min: int) -> dict:
     out: dict[str, Any] = {"methods": {}, "tests": {}}
     per_seed_min: dict[str, dict[str, list[float]]] = {}
+    per_seed_final: dict[str, dict[str, list[float]]] = {}
     for m in study.methods:
         entry: dict[str, Any] = {"base_method": m.method, "u": m.u, "criteria": {}}
-        per_seed_min[m.name] = {}
+        per_seed_min[m.name], per_seed_final[m.name] = {}, {}
         for c in CRITERIA:
             point = chosen[m.name][c]
             runs = [_load_run(runs_dir, _run_id("eval", m, point, epsilon, s, study)) for s in study.eval_seeds]
             mins = [min(r[c]) for r in runs]
             finals = [r[c][-1] for r in runs]
-            per_seed_min[m.name][c] = mins
+            per_seed_min[m.name][c], per_seed_final[m.name][c] = mins, finals
             cfg = study.experiment(m, point, epsilon, study.eval_seeds[0])
             cal = cfg.calibration(n_min)
             entry["criteria"][c] = {
@@ -479,7 +480,9 @@ def _summarise(study: Study, epsilon: float, chosen: dict, runs_dir: Path, n_min
                 c: {"p_value": paired_one_sided_ttest(per_seed_min[m.name][c], per_seed_min[control.name][c]),
                     "df": len(study.eval_seeds) - 1,
                     "treatment_min_mean": _mean(per_seed_min[m.name][c]),
-                    "control_min_mean": _mean(per_seed_min[control.name][c])}
+                    "control_min_mean": _mean(per_seed_min[control.name][c]),
+                    # the same test on the final values (the paper's "at the final rounds")
+                    "p_value_final": paired_one_sided_ttest(per_seed_final[m.name][c], per_seed_final[control.name][c])}
                 for c in CRITERIA
             }
     return out
