@@ -64,7 +64,12 @@ def test_outputs_and_ledger(tmp_path):
     assert all({"train_loss", "grad_norm_sq", "test_loss", "noise_std", "clip_fraction", "epsilon_spent"} <= set(r)
                for r in rows[1:])
     assert summary["status"] == "completed"
-    assert summary["privacy"]["epsilon_spent"] == pytest.approx(3.0, rel=1e-9)
+    # the ledger reports ε through dp-accounting's PLD; our exact μ-GDP composition agrees (within 1 %: in fact ~1e-8)
+    assert summary["privacy"]["epsilon_spent"] == pytest.approx(3.0, rel=1e-6)
+    assert summary["privacy"]["epsilon_gdp"] == pytest.approx(3.0, rel=1e-9)
+    for r in rows[1:]:
+        assert r["epsilon_spent"] == pytest.approx(r["epsilon_gdp"], rel=0.01)
+    assert summary["privacy"]["epsilon_rdp"] >= summary["privacy"]["epsilon_spent"]  # RDP is looser
     assert summary["privacy"]["n_min"] == 120  # 480 train samples over 4 shards
     cal = summary["privacy"]["calibration"]
     # noise std used = σ · radius, on both kinds of rounds
@@ -95,3 +100,26 @@ def test_cli_noise_prints_the_calibration(capsys):
 def test_cli_noise_reports_bad_input(capsys):
     assert main(["noise", "--epsilon", "0", "--delta", "1e-5", "--rounds", "10", "--clients", "2", "--n-min", "5"]) == 2
     assert "`epsilon` must be a finite number > 0. Found 0.0." in capsys.readouterr().err
+
+
+def test_budget_guard_refuses_a_round_past_the_target():
+    """A server asked to run more rounds than its calibration covers stops before exceeding ε."""
+    from diff2_flwr.core.aggregation import RoundRejected
+
+    cfg = config(rounds=6)
+    server = build_server(cfg, record=False, progress=None)
+    # as if the noise had been calibrated for a 4-round schedule: each round costs more, 4 rounds spend all of ε
+    server.calibration = config(rounds=4).calibration(server.n_min)
+    with pytest.raises(RoundRejected, match=r"Round 5 released nothing: check 'budget' failed.*above the target ε = 3 by"):
+        drive(cfg, server)
+    assert server.state.round == 4 and server.epsilon_gdp == pytest.approx(3.0, rel=1e-9)
+
+
+def test_a_schedule_planned_past_the_target_does_not_start(monkeypatch):
+    from diff2_flwr.core import privacy
+
+    cfg = config(rounds=6)
+    real = privacy.Calibration.epsilon_spent
+    monkeypatch.setattr(privacy.Calibration, "epsilon_spent", lambda self, m1, m2: real(self, m1, m2) * 1.01)
+    with pytest.raises(ValueError, match=r"planned schedule would spend ε = 3.03, above the target privacy.epsilon = 3 by 0.03"):
+        build_server(cfg, record=False, progress=None)

@@ -247,3 +247,34 @@ class PrivacyLedger:
     def epsilon(self) -> float:
         """ε spent at the ledger's δ (exact for full-batch Gaussian composition)."""
         return gdp_epsilon(self.mu, self.delta)
+
+    def _counts(self) -> dict[float, int]:
+        counts: dict[float, int] = {}
+        for e in self.events:
+            counts[e.noise_multiplier] = counts.get(e.noise_multiplier, 0) + 1
+        return counts
+
+    @property
+    def epsilon_pld(self) -> float:
+        """ε spent per Google's dp-accounting PLD accountant (an independent, slightly pessimistic bound)."""
+        return self._accountant_epsilon("pld")
+
+    @property
+    def epsilon_rdp(self) -> float:
+        """ε spent per dp-accounting's RDP accountant (looser; for comparison)."""
+        return self._accountant_epsilon("rdp")
+
+    def _accountant_epsilon(self, kind: str) -> float:
+        from dp_accounting import dp_event
+        from dp_accounting.pld import pld_privacy_accountant
+        from dp_accounting.rdp import rdp_privacy_accountant
+
+        if not self.events:
+            return 0.0
+        if any(e.noise_multiplier == 0 for e in self.events):
+            return math.inf
+        accountant = (pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4) if kind == "pld"
+                      else rdp_privacy_accountant.RdpAccountant())
+        for z, count in sorted(self._counts().items()):
+            accountant.compose(dp_event.GaussianDpEvent(z), count)
+        return float(accountant.get_epsilon(self.delta))

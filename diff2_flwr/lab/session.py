@@ -37,6 +37,10 @@ from .outputs import RunRecorder, new_run_dir
 __all__ = ["Diff2Server", "Worker", "Diverged", "load_data", "build_server", "build_worker"]
 
 
+#: Relative slack of the budget guard: the exact composition may exceed the target by float rounding only.
+BUDGET_RTOL = 1e-9
+
+
 class Diverged(RuntimeError):
     """The iterate became non-finite (a training failure, not a privacy one)."""
 
@@ -99,7 +103,26 @@ class Diff2Server:
 
     @property
     def epsilon_spent(self) -> float:
+        """ε spent so far, per dp-accounting's PLD accountant over the ledger's Gaussian events."""
+        return self.ledger.epsilon_pld if self.ledger else math.inf
+
+    @property
+    def epsilon_gdp(self) -> float:
+        """ε spent so far by the exact μ-GDP composition (our closed form; cross-checks the PLD figure)."""
         return self.ledger.epsilon if self.ledger else math.inf
+
+    def _guard(self, plan: RoundPlan) -> GaussianEvent | None:
+        """The round's privacy event; refuse it (release nothing) if it would exceed the target ε."""
+        if self.ledger is None or self.calibration is None:
+            return None
+        z = self.calibration.z1 if plan.restart else self.calibration.z2
+        event = GaussianEvent(float(z), plan.kind)
+        after = self.ledger.record(event).epsilon
+        target = self.calibration.epsilon
+        if after > target * (1 + BUDGET_RTOL):
+            raise RoundRejected(plan.round, "budget", f"releasing it would bring ε spent to {after:.6g}, above the "
+                                f"target ε = {target:g} by {after - target:.3g}; the run stops here.")
+        return event
 
     def plan(self) -> RoundPlan:
         """The next round's plan (kind, radius, iterates); derived from released values only."""
@@ -111,17 +134,18 @@ class Diff2Server:
         """Check and average the replies, add noise, step: release round r (or nothing, raising)."""
         plan = self.plan()
         try:
+            event = self._guard(plan)
             aggregate = average_contributions(plan, self.layout, replies, clients=self.clients, n_min=self.n_min)
             self.state, release = server_step(self.state, self.mechanism, self.routine, aggregate.mean)
         except Exception as err:
             self.fail(err)
             raise
-        if self.ledger is not None and self.calibration is not None:
-            z = self.calibration.z1 if plan.restart else self.calibration.z2
-            self.ledger = self.ledger.record(GaussianEvent(float(z), plan.kind))
+        if self.ledger is not None and event is not None:
+            self.ledger = self.ledger.record(event)
         row = {
             "round": plan.round, "kind": plan.kind, "radius": plan.radius, "noise_std": plan.noise_std,
             "clip_fraction": aggregate.clip_fraction, "epsilon_spent": self.epsilon_spent,
+            "epsilon_gdp": self.epsilon_gdp,
             "update_norm": float(np.linalg.norm(release.x - plan.x_current)),
         }
         finite = bool(np.all(np.isfinite(release.x)))
@@ -189,6 +213,9 @@ class Diff2Server:
                 "guarantee": "record-level (ε, δ)-DP, replace-one adjacency, central DP (trusted server adds the noise)"
                 if self.calibration else "none (method gd: no clipping, no noise)",
                 "epsilon_spent": self.epsilon_spent,
+                "epsilon_accountant": "dp-accounting PLD (value_discretization_interval 1e-4)",
+                "epsilon_gdp": self.epsilon_gdp,
+                "epsilon_rdp": self.ledger.epsilon_rdp if self.ledger else None,
                 "delta": self.calibration.delta if self.calibration else None,
                 "epsilon_target": self.calibration.epsilon if self.calibration else None,
                 "calibration": self.calibration.as_dict() if self.calibration else None,
@@ -325,6 +352,12 @@ def build_server(
             "the noise would be calibrated for a smaller sensitivity than the real one."
         )
     calibration = cfg.calibration(n_min)
+    if calibration is not None:
+        planned = calibration.epsilon_spent(calibration.restart_rounds, calibration.difference_rounds)
+        if planned > calibration.epsilon * (1 + BUDGET_RTOL):
+            raise ValueError(f"{cfg.source}: the planned schedule would spend ε = {planned:.6g}, above the target "
+                             f"privacy.epsilon = {calibration.epsilon:g} by {planned - calibration.epsilon:.3g}; "
+                             "the run does not start.")
     gradients = _gradients(cfg, data.num_features, data.num_outputs)
     evaluator = None
     if cfg.evaluation.train_metrics or cfg.evaluation.test_metrics:
