@@ -11,7 +11,6 @@ import pytest
 import yaml
 from scipy import stats
 
-from diff2_flwr.lab import study as study_mod
 from diff2_flwr.lab.study import (
     CRITERIA,
     StudyError,

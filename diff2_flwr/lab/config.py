@@ -28,7 +28,6 @@ import yaml
 
 from ..core.estimator import Mechanism
 from ..core.privacy import Calibration, calibrate
-from ..task.data import DATASETS
 from ..task.losses import LOSSES
 
 __all__ = [

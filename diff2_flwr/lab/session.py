@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..core.aggregation import Reply, RoundRejected, average_contributions
-from ..core.estimator import Diff2State, Mechanism, Release, RoundPlan, init_state, plan_round, server_step
+from ..core.estimator import Mechanism, Release, RoundPlan, init_state, plan_round, server_step
 from ..core.closed_form import PaperMLPGradients
 from ..core.gradients import Contribution, PerSampleGradients
 from ..core.layout import ParameterLayout

@@ -1,7 +1,6 @@
 """A client that returns the parameters it was sent: no computation at all."""
 
 from flwr.client import ClientApp, NumPyClient
-from flwr.common import Context
 
 
 class Echo(NumPyClient):
