@@ -121,3 +121,19 @@ def test_a_schedule_planned_past_the_target_does_not_start(monkeypatch):
     monkeypatch.setattr(privacy.Calibration, "epsilon_spent", lambda self, m1, m2: real(self, m1, m2) * 1.01)
     with pytest.raises(ValueError, match=r"planned schedule would spend ε = 3.03, above the target privacy.epsilon = 3 by 0.03"):
         build_server(cfg, record=False, progress=None)
+
+
+def test_train_metrics_and_a_large_delta_are_announced_loudly():
+    messages = []
+    build_server(config(), record=False, progress=messages.append)
+    assert any("train_loss and grad_norm_sq" in m and "NOT covered by ε" in m for m in messages)
+    assert not any("privacy.delta" in m for m in messages)
+    quiet = parse_config({**config().to_dict(), "evaluation": {"train_metrics": False}})
+    messages.clear()
+    build_server(quiet, record=False, progress=messages.append)
+    assert not any("train_metrics" in m for m in messages)
+    loose = parse_config({**config().to_dict(), "privacy": {"delta": 0.01}})  # 480 training records: 1/n ≈ 0.0021
+    messages.clear()
+    server = build_server(loose, record=False, progress=messages.append)
+    assert any("privacy.delta = 0.01 is not below 1/n = 0.00208" in m for m in messages)
+    assert any("privacy.delta" in w for w in server.run_info["warnings"])

@@ -257,6 +257,19 @@ class Worker:
 
 # -------------------------------------------------------------------- builders
 
+def privacy_warnings(cfg: ExperimentConfig, n_train: int) -> list[str]:
+    """What the run releases or assumes outside its (ε, δ) guarantee, said loudly."""
+    out = []
+    if cfg.evaluation.train_metrics:
+        out.append("evaluation.train_metrics is on: train_loss and grad_norm_sq are computed on the private training "
+                   "data without clipping or noise; they leak and are NOT covered by ε. Research only: set "
+                   "evaluation.train_metrics: false for anything deployed.")
+    if cfg.private and cfg.privacy.delta >= 1 / n_train:
+        out.append(f"privacy.delta = {cfg.privacy.delta:g} is not below 1/n = {1 / n_train:.3g} (n = {n_train} training "
+                   "records): a mechanism that publishes a random record in full would meet such a δ. Choose δ ≪ 1/n.")
+    return out
+
+
 @functools.lru_cache(maxsize=4)
 def load_data(cfg: ExperimentConfig) -> PreparedData:
     """The dataset of ``cfg`` after the paper's preprocessing (cached per process)."""
@@ -381,6 +394,10 @@ def build_server(
         run_info["output_dir"] = str(run_dir)
         if progress:
             progress(f"[diff2] writing per-round metrics and summary to {run_dir}")
+    for warning in privacy_warnings(cfg, n_train=sum(data.shard_sizes)):
+        run_info.setdefault("warnings", []).append(warning)
+        if progress:
+            progress(f"[diff2] WARNING: {warning}")
     if progress and cfg.training.seed is None and calibration is not None:
         progress("[diff2] noise key drawn from OS entropy (no training.seed): the noise is not reproducible.")
     elif progress and calibration is not None:
