@@ -68,6 +68,10 @@ def test_outputs_and_ledger(tmp_path):
     assert summary["privacy"]["epsilon_spent"] == pytest.approx(3.0, rel=1e-9)
     assert summary["privacy"]["epsilon_pld"] == pytest.approx(summary["privacy"]["epsilon_spent"], rel=0.01)
     assert summary["privacy"]["epsilon_rdp"] >= summary["privacy"]["epsilon_pld"]  # RDP is looser
+    for row in rows[1:]:  # every round's output carries the independent accountants too
+        assert row["epsilon_pld"] == pytest.approx(row["epsilon_spent"], rel=0.01)
+        assert row["epsilon_rdp"] >= row["epsilon_spent"]
+    assert rows[-1]["epsilon_pld"] == summary["privacy"]["epsilon_pld"]
     assert summary["privacy"]["n_min"] == 120  # 480 train samples over 4 shards
     cal = summary["privacy"]["calibration"]
     # noise std used = σ · radius, on both kinds of rounds
@@ -111,6 +115,23 @@ def test_budget_guard_refuses_a_round_past_the_target():
     with pytest.raises(RoundRejected, match=r"Round 5 released nothing: check 'budget' failed.*above the target ε = 3 by"):
         drive(cfg, server)
     assert server.state.round == 4 and server.epsilon_spent == pytest.approx(3.0, rel=1e-9)
+
+
+def test_budget_guard_also_listens_to_the_pld_accountant(monkeypatch):
+    """If the independent PLD accountant says a round would exceed the target (beyond its 1 % discretisation),
+    the round is refused even though the closed form says it fits."""
+    from diff2_flwr.core import privacy
+    from diff2_flwr.core.aggregation import RoundRejected
+
+    cfg = config(rounds=6)
+    server = build_server(cfg, record=False, progress=None)
+    real = privacy.PrivacyLedger.epsilon_pld.fget
+    monkeypatch.setattr(privacy.PrivacyLedger, "epsilon_pld",
+                        property(lambda self: real(self) * (1.5 if len(self.events) >= 3 else 1.0)))
+    with pytest.raises(RoundRejected, match=r"Round 3 released nothing: check 'budget' failed.*dp-accounting PLD "
+                                            r"accountant\) to [0-9.]+, above the target ε = 3"):
+        drive(cfg, server)
+    assert server.state.round == 2 and len(server.ledger.events) == 2
 
 
 def test_a_schedule_planned_past_the_target_does_not_start(monkeypatch):

@@ -23,9 +23,11 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
-from typing import Literal
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from scipy.optimize import brentq
 from scipy.special import log_ndtr, ndtr
@@ -75,6 +77,11 @@ def gdp_mu(epsilon: float, delta: float) -> float:
 
 def gdp_epsilon(mu: float, delta: float) -> float:
     """Smallest ε with δ(ε; μ) <= δ: the (ε, δ)-DP guarantee implied by μ-GDP."""
+    return _gdp_epsilon(float(mu), float(delta))
+
+
+@functools.lru_cache(maxsize=65536)  # pure; every run of one schedule asks for the same values
+def _gdp_epsilon(mu: float, delta: float) -> float:
     if not 0 < delta < 1:
         raise ValueError(f"`delta` must be in (0, 1). Found {delta}.")
     if mu == 0:
@@ -224,18 +231,79 @@ class GaussianEvent:
     kind: str  # "restart" or "difference"
 
 
+#: Discretisation of dp-accounting's privacy-loss distributions (pessimistic: an upper bound on ε).
+PLD_DISCRETIZATION = 1e-4
+
+
+@functools.lru_cache(maxsize=64)
+def _gaussian_pld(noise_multiplier: float) -> Any:
+    from dp_accounting.pld import privacy_loss_distribution
+
+    return privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier, sensitivity=1.0, value_discretization_interval=PLD_DISCRETIZATION)
+
+
+class _PldChain:
+    """The PLD composed along one ledger lineage so far: each new round costs one composition.
+
+    Shared (mutable) by the successive ledgers of one run; a ledger whose events do not extend
+    the chain's (a branch, a ledger read back from a checkpoint) composes from its first event.
+    Composition is a left fold in release order, so a resumed run reproduces the same values.
+    """
+
+    __slots__ = ("multipliers", "pld")
+
+    def __init__(self) -> None:
+        self.multipliers: tuple[float, ...] = ()
+        self.pld: Any = None
+
+
+class _BoundedCache(OrderedDict):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def put(self, key: Any, value: float) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
+
+
+# ε by (δ, multipliers in order): the runs of one schedule (a study's seeds, an audit's trials)
+# release the same events, so the PLD of each prefix is composed once per process.
+_PLD_EPSILONS = _BoundedCache(16384)
+
+
+@functools.lru_cache(maxsize=16384)
+def _rdp_epsilon(delta: float, counts: tuple[tuple[float, int], ...]) -> float:
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    for z, count in counts:
+        accountant.compose(dp_event.GaussianDpEvent(z), count)
+    return float(accountant.get_epsilon(delta))
+
+
 @dataclass(frozen=True)
 class PrivacyLedger:
-    """The Gaussian events released so far; composes them exactly as μ-GDP.
+    """The Gaussian events released so far, and ε spent by three accountants.
 
-    ``noise_multiplier = 0`` (a non-private round) makes the spent ε infinite.
+    ``epsilon``: the exact μ-GDP composition (closed form; the budget guard's number).
+    ``epsilon_pld``: Google's dp-accounting privacy-loss-distribution accountant, composed
+    incrementally (one FFT convolution per released round), pessimistic by its discretisation.
+    ``epsilon_rdp``: dp-accounting's Rényi accountant (looser; for comparison).
+    ``noise_multiplier = 0`` (a non-private round) makes every ε infinite.
     """
 
     delta: float
     events: tuple[GaussianEvent, ...] = ()
+    _chain: _PldChain | None = field(default=None, compare=False, repr=False)
 
     def record(self, event: GaussianEvent) -> "PrivacyLedger":
-        return PrivacyLedger(self.delta, self.events + (event,))
+        chain = self._chain if self._chain is not None else _PldChain()
+        return PrivacyLedger(self.delta, self.events + (event,), chain)
 
     @property
     def mu(self) -> float:
@@ -248,33 +316,40 @@ class PrivacyLedger:
         """ε spent at the ledger's δ (exact for full-batch Gaussian composition)."""
         return gdp_epsilon(self.mu, self.delta)
 
-    def _counts(self) -> dict[float, int]:
+    def _counts(self) -> tuple[tuple[float, int], ...]:
         counts: dict[float, int] = {}
         for e in self.events:
             counts[e.noise_multiplier] = counts.get(e.noise_multiplier, 0) + 1
-        return counts
+        return tuple(sorted(counts.items()))
 
     @property
     def epsilon_pld(self) -> float:
-        """ε spent per Google's dp-accounting PLD accountant (an independent, slightly pessimistic bound)."""
-        return self._accountant_epsilon("pld")
-
-    @property
-    def epsilon_rdp(self) -> float:
-        """ε spent per dp-accounting's RDP accountant (looser; for comparison)."""
-        return self._accountant_epsilon("rdp")
-
-    def _accountant_epsilon(self, kind: str) -> float:
-        from dp_accounting import dp_event
-        from dp_accounting.pld import pld_privacy_accountant
-        from dp_accounting.rdp import rdp_privacy_accountant
-
+        """ε spent per dp-accounting's PLD accountant (an independent, slightly pessimistic bound)."""
         if not self.events:
             return 0.0
         if any(e.noise_multiplier == 0 for e in self.events):
             return math.inf
-        accountant = (pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4) if kind == "pld"
-                      else rdp_privacy_accountant.RdpAccountant())
-        for z, count in sorted(self._counts().items()):
-            accountant.compose(dp_event.GaussianDpEvent(z), count)
-        return float(accountant.get_epsilon(self.delta))
+        zs = tuple(e.noise_multiplier for e in self.events)
+        key = (self.delta, zs)
+        if key in _PLD_EPSILONS:
+            return _PLD_EPSILONS[key]
+        chain = self._chain
+        pld, start = None, 0
+        if chain is not None and chain.pld is not None and zs[:len(chain.multipliers)] == chain.multipliers:
+            pld, start = chain.pld, len(chain.multipliers)
+        for z in zs[start:]:
+            pld = _gaussian_pld(z) if pld is None else pld.compose(_gaussian_pld(z))
+        if chain is not None:
+            chain.multipliers, chain.pld = zs, pld
+        epsilon = float(pld.get_epsilon_for_delta(self.delta))
+        _PLD_EPSILONS.put(key, epsilon)
+        return epsilon
+
+    @property
+    def epsilon_rdp(self) -> float:
+        """ε spent per dp-accounting's RDP accountant (looser; for comparison)."""
+        if not self.events:
+            return 0.0
+        if any(e.noise_multiplier == 0 for e in self.events):
+            return math.inf
+        return _rdp_epsilon(self.delta, self._counts())
