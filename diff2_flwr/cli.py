@@ -70,6 +70,27 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(args: argparse.Namespace) -> int:
+    from .lab.audit import AuditSpec, run_audit, stderr_progress
+
+    spec = AuditSpec(
+        method=args.method, epsilon=args.epsilon, delta=args.delta, rounds=args.rounds,
+        restart_every=args.restart_every, u=args.u, clients=args.clients, samples=args.samples,
+        noise_scale=args.noise_scale, trials=args.trials, alpha=args.alpha, seed=args.seed, workers=args.workers,
+    )
+    result = run_audit(spec, progress=None if args.quiet else stderr_progress)
+    text = json.dumps(to_json(result), indent=2)
+    if args.out:
+        Path(args.out).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).expanduser().write_text(text + "\n")
+    print(text)
+    if result["violation"]:
+        print(f"diff2 audit: VIOLATION: ε̂ = {result['epsilon_lower_bound']:.4g} > claimed ε = "
+              f"{result['epsilon_claimed']:.4g} (confidence {result['confidence']:.0%})", file=sys.stderr)
+        return 3
+    return 0
+
+
 def _shard(args: argparse.Namespace) -> int:
     from .lab.config import load_config
     from .lab.shards import write_shards
@@ -164,6 +185,30 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--clients", type=int, default=3, help="P: one SuperNode and one ClientApp per data owner")
     comp.add_argument("--tls", action="store_true", help="TLS between SuperLink and every other component")
     comp.set_defaults(func=_compose)
+
+    from .lab.audit import AuditSpec, default_workers
+
+    d = AuditSpec()
+    aud = sub.add_parser("audit", help="empirically audit the (ε, δ) guarantee of the real server path (JSON; exit 3 "
+                                       "if the audit proves it false)")
+    aud.add_argument("--method", choices=("dpgd", "diff2"), default=d.method, help="mechanism (default %(default)s)")
+    aud.add_argument("--epsilon", type=float, default=d.epsilon, help="claimed ε (default %(default)s)")
+    aud.add_argument("--delta", type=float, default=d.delta, help="δ (default %(default)s)")
+    aud.add_argument("--rounds", type=int, default=d.rounds, help="R, rounds per run (default %(default)s)")
+    aud.add_argument("--restart-every", type=int, default=d.restart_every,
+                     help="T for diff2 (default %(default)s; dpgd is T = 1)")
+    aud.add_argument("--u", type=float, default=d.u, help="budget split u (default %(default)s)")
+    aud.add_argument("--clients", type=int, default=d.clients, help="P, workers (default %(default)s)")
+    aud.add_argument("--samples", type=int, default=d.samples, help="records per worker (default %(default)s)")
+    aud.add_argument("--trials", type=int, default=d.trials, help="runs on each of D and D' (default %(default)s)")
+    aud.add_argument("--alpha", type=float, default=d.alpha, help="1 - confidence (default %(default)s)")
+    aud.add_argument("--noise-scale", type=float, default=d.noise_scale,
+                     help="multiply the calibrated noise (< 1 breaks the mechanism on purpose; default 1)")
+    aud.add_argument("--seed", type=int, default=None, help="reproducible noise (default: OS entropy per run)")
+    aud.add_argument("--workers", type=int, default=default_workers(), help="processes (default %(default)s)")
+    aud.add_argument("--out", default=None, help="also write the JSON here")
+    aud.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    aud.set_defaults(func=_audit)
 
     bench = sub.add_parser("bench", help="measure speed (rounds/s, protocol wall time, Flower vs its floor) as JSON")
     bench.add_argument("--data-dir", default=None, help="data directory (default: $DIFF2_DATA_DIR)")

@@ -7,6 +7,7 @@ dict. A layout converts between the three in one fixed order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -28,11 +29,11 @@ class ParameterLayout:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         return cls(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named))
 
-    @property
+    @functools.cached_property  # immutable: computed once (the wire path asks every message)
     def sizes(self) -> tuple[int, ...]:
         return tuple(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
 
-    @property
+    @functools.cached_property
     def dim(self) -> int:
         return sum(self.sizes)
 
