@@ -98,7 +98,7 @@ class AuditSpec:
 
     def __post_init__(self) -> None:
         def bad(key: str, expected: str) -> ValueError:
-            return ValueError(f"audit: `--{key.replace('_', '-')}` must be {expected}. Found {getattr(self, key)!r}.")
+            return ValueError(f"`--{key.replace('_', '-')}` must be {expected}. Found {getattr(self, key)!r}.")
 
         if self.method not in _METHODS:
             raise bad("method", f"one of {_METHODS}")
@@ -109,7 +109,7 @@ class AuditSpec:
         if self.dim < 2:
             raise bad("dim", "at least 2 (one canary axis and at least one benign coordinate)")
         if not isinstance(self.trials, int) or self.trials < 20:
-            raise bad("trials", "an integer >= 20 (half chooses the threshold, half measures)")
+            raise bad("trials", "an integer >= 20")
         if not (math.isfinite(self.noise_scale) and self.noise_scale > 0):
             raise bad("noise_scale", "a finite number > 0 (1 = the calibrated noise)")
         if not 0 < self.alpha < 1:
