@@ -158,3 +158,29 @@ def test_train_metrics_and_a_large_delta_are_announced_loudly():
     server = build_server(loose, record=False, progress=messages.append)
     assert any("privacy.delta = 0.01 is not below 1/n = 0.00208" in m for m in messages)
     assert any("privacy.delta" in w for w in server.run_info["warnings"])
+
+
+def test_noise_key_comes_from_os_entropy_per_run_and_a_seed_is_flagged(tmp_path):
+    """No seed: a fresh 128-bit key per run from OS entropy, said on the console and in the summary, and never
+    written to the outputs. A seed: a warning that the noise is reproducible by anyone who knows it."""
+    lines: list[str] = []
+    unseeded = config(seed=None)
+    servers = [build_server(unseeded, output_root=tmp_path / str(i), progress=lines.append) for i in range(2)]
+    assert servers[0].state.noise_key != servers[1].state.noise_key  # re-seeded per run
+    assert not servers[0].state.noise_seeded and servers[0].state.noise_key.bit_length() > 64
+    assert any("noise key drawn from OS entropy" in line for line in lines)
+    assert not any("WARNING: training.seed" in line for line in lines)
+    for server in servers:
+        drive(unseeded, server)
+        run_dir = next((tmp_path / str(servers.index(server))).iterdir())
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["privacy"]["noise_key"] == "os-entropy"
+        for f in run_dir.iterdir():  # the key is a secret: no output file holds it
+            assert str(server.state.noise_key) not in f.read_bytes().decode("latin-1")
+    assert not np.array_equal(servers[0].state.x, servers[1].state.x)
+
+    lines.clear()
+    seeded = build_server(config(seed=5), record=False, progress=lines.append)
+    assert seeded.state.noise_seeded and seeded.summary()["privacy"]["noise_key"].startswith("seed (reproducible")
+    assert any("WARNING: training.seed is set, so the noise is reproducible by anyone who knows the seed" in line
+               for line in lines)

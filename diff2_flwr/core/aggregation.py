@@ -22,7 +22,7 @@ import numpy as np
 from .estimator import RoundPlan
 from .layout import ParameterLayout
 
-__all__ = ["NORM_RTOL", "RoundRejected", "Reply", "Aggregate", "average_contributions"]
+__all__ = ["NORM_RTOL", "RoundRejected", "Reply", "Aggregate", "average_contributions", "robust_norm"]
 
 #: Relative float tolerance on ``norm <= radius`` (float64 rounding of a clipped mean);
 #: a norm inside the tolerance is projected back onto the ball, so the bound holds exactly.
@@ -80,7 +80,7 @@ def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: 
     if not 0 <= reply.num_clipped <= reply.num_samples:
         raise reject("clip-count", f"reported {reply.num_clipped} clipped of {reply.num_samples} samples.")
     if not math.isinf(plan.radius):
-        norm = float(np.linalg.norm(flat))
+        norm = robust_norm(flat)
         if norm > plan.radius * (1 + NORM_RTOL):
             raise reject(
                 "norm",
@@ -92,11 +92,21 @@ def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: 
     return flat
 
 
+def robust_norm(flat: np.ndarray) -> float:
+    """Euclidean norm without underflow or overflow: ``np.linalg.norm`` squares the entries, so a
+    contribution of 1e-300 would read as norm 0 and pass a zero radius. Scaled by the largest entry."""
+    scale = float(np.max(np.abs(flat))) if flat.size else 0.0
+    if scale == 0.0 or not math.isfinite(scale):
+        return scale
+    return scale * float(np.linalg.norm(flat / scale))
+
+
 def _project(flat: np.ndarray, radius: float, norm: float) -> np.ndarray:
     """Scale ``flat`` onto the ball of ``radius`` so that its float64 norm is <= radius exactly."""
     factor = radius / norm
     projected = flat * factor
-    while np.linalg.norm(projected) > radius:  # rounding can leave it 1 ulp outside
+    # rounding can leave it 1 ulp outside (by either way of computing the norm)
+    while max(robust_norm(projected), float(np.linalg.norm(projected))) > radius:
         factor = np.nextafter(factor, 0.0)
         projected = flat * factor
     return projected
