@@ -3,6 +3,7 @@
     diff2 noise --epsilon 3 --delta 1e-5 --rounds 2000 --restart-every 20 --u 1.25 \\
                 --clients 10 --n-min 1651 --mode exact
     diff2 run [configs/default.yaml]        # a Flower simulation via `flwr run`
+    diff2 audit --method diff2 --epsilon 3 --rounds 10 --trials 10000   # try to break the guarantee
 """
 
 from __future__ import annotations
