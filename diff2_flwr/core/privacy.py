@@ -24,7 +24,9 @@ References:
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -270,7 +272,7 @@ class _BoundedCache(OrderedDict):
             self.popitem(last=False)
 
 
-# ε by (δ, multipliers in order): the runs of one schedule (a study's seeds, an audit's trials)
+# ε by (δ, digest of the multipliers in order): the runs of one schedule (a study's seeds, an audit's trials)
 # release the same events, so the PLD of each prefix is composed once per process.
 _PLD_EPSILONS = _BoundedCache(16384)
 
@@ -330,7 +332,7 @@ class PrivacyLedger:
         if any(e.noise_multiplier == 0 for e in self.events):
             return math.inf
         zs = tuple(e.noise_multiplier for e in self.events)
-        key = (self.delta, zs)
+        key = (self.delta, len(zs), hashlib.blake2b(struct.pack(f"{len(zs)}d", *zs), digest_size=32).digest())
         if key in _PLD_EPSILONS:
             return _PLD_EPSILONS[key]
         chain = self._chain
