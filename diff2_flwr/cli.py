@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from .core.privacy import calibrate
+from .core.privacy import calibrate, schedule_cross_check
 from .lab.outputs import to_json
 
 __all__ = ["main"]
@@ -24,7 +24,7 @@ def _noise(args: argparse.Namespace) -> int:
         epsilon=args.epsilon, delta=args.delta, rounds=args.rounds, restart_every=args.restart_every,
         u=args.u, n_min=args.n_min, clients=args.clients, mode=args.mode,
     )
-    print(json.dumps(to_json(cal.as_dict()), indent=2))
+    print(json.dumps(to_json({**cal.as_dict(), "accountants": schedule_cross_check(cal)}), indent=2))
     return 0
 
 

@@ -93,6 +93,9 @@ def test_cli_noise_prints_the_calibration(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["z1"] == pytest.approx(15.55, abs=0.005) and out["z2"] == pytest.approx(135.5, abs=0.05)
     assert out["sigma1"] == pytest.approx(2 * out["z1"] / (1651 * 10), rel=1e-12)
+    acc = out["accountants"]  # the independent accountants agree with the closed form on the whole schedule
+    assert acc["epsilon_exact_gdp"] == pytest.approx(3.0, rel=1e-9)
+    assert acc["epsilon_pld"] == pytest.approx(3.0, rel=0.01) and acc["epsilon_rdp"] > acc["epsilon_pld"]
     assert main(["noise", "--epsilon", "3", "--delta", "1e-5", "--rounds", "2000", "--clients", "10",
                  "--n-min", "1651"]) == 0
     out = json.loads(capsys.readouterr().out)

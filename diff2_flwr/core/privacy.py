@@ -46,6 +46,7 @@ __all__ = [
     "gdp_mu",
     "gdp_mu_of_multipliers",
     "noise_multiplier",
+    "schedule_cross_check",
     "sigma_from_multiplier",
     "zcdp_rho",
 ]
@@ -275,6 +276,24 @@ class _BoundedCache(OrderedDict):
 # ε by (δ, digest of the multipliers in order): the runs of one schedule (a study's seeds, an audit's trials)
 # release the same events, so the PLD of each prefix is composed once per process.
 _PLD_EPSILONS = _BoundedCache(16384)
+
+
+def schedule_cross_check(cal: Calibration) -> dict[str, float]:
+    """ε of a whole calibrated schedule by dp-accounting's PLD and RDP accountants (composed by counts),
+    next to the closed form: what ``diff2 noise`` prints to cross-check a calibration."""
+    from dp_accounting import dp_event
+    from dp_accounting.pld import pld_privacy_accountant
+
+    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    counts = [(cal.z1, cal.restart_rounds), (cal.z2, cal.difference_rounds)]
+    for z, m in counts:
+        if m:
+            pld.compose(dp_event.GaussianDpEvent(z), m)
+    exact = cal.epsilon_spent(cal.restart_rounds, cal.difference_rounds)
+    epsilon_pld = float(pld.get_epsilon(cal.delta))
+    return {"epsilon_exact_gdp": exact, "epsilon_pld": epsilon_pld,
+            "epsilon_rdp": _rdp_epsilon(cal.delta, tuple((z, m) for z, m in counts if m)),
+            "pld_vs_exact_relative": epsilon_pld / exact - 1}
 
 
 @functools.lru_cache(maxsize=16384)
