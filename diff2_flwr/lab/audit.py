@@ -45,7 +45,7 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
@@ -296,7 +296,8 @@ def audit_scores(spec: AuditSpec, progress: Callable[[str], None] | None = None)
 
         with ProcessPoolExecutor(spec.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = {pool.submit(_chunk, spec, fed, s, e): (fed, s, e) for fed, s, e in jobs}
-            for future, (fed, s, e) in futures.items():
+            for future in as_completed(futures):  # progress as chunks finish; results re-ordered below
+                fed, s, e = futures[future]
                 out[fed].append((s, future.result()))
                 report(e - s)
     d, d_prime = (np.concatenate([a for _, a in sorted(out[f], key=lambda t: t[0])]) for f in (1, 0))
