@@ -337,6 +337,14 @@ class PrivacyLedger:
         """ε spent at the ledger's δ (exact for full-batch Gaussian composition)."""
         return gdp_epsilon(self.mu, self.delta)
 
+    def _degenerate(self) -> float | None:
+        """ε when no accountant is needed: 0 with no events, inf with a noise-free event."""
+        if not self.events:
+            return 0.0
+        if any(e.noise_multiplier == 0 for e in self.events):
+            return math.inf
+        return None
+
     def _counts(self) -> tuple[tuple[float, int], ...]:
         counts: dict[float, int] = {}
         for e in self.events:
@@ -346,10 +354,8 @@ class PrivacyLedger:
     @property
     def epsilon_pld(self) -> float:
         """ε spent per dp-accounting's PLD accountant (an independent, slightly pessimistic bound)."""
-        if not self.events:
-            return 0.0
-        if any(e.noise_multiplier == 0 for e in self.events):
-            return math.inf
+        if (trivial := self._degenerate()) is not None:
+            return trivial
         zs = tuple(e.noise_multiplier for e in self.events)
         key = (self.delta, len(zs), hashlib.blake2b(struct.pack(f"{len(zs)}d", *zs), digest_size=32).digest())
         if key in _PLD_EPSILONS:
@@ -369,8 +375,6 @@ class PrivacyLedger:
     @property
     def epsilon_rdp(self) -> float:
         """ε spent per dp-accounting's RDP accountant (looser; for comparison)."""
-        if not self.events:
-            return 0.0
-        if any(e.noise_multiplier == 0 for e in self.events):
-            return math.inf
+        if (trivial := self._degenerate()) is not None:
+            return trivial
         return _rdp_epsilon(self.delta, self._counts())

@@ -51,6 +51,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from scipy.special import ndtri
 from scipy.stats import beta
 
@@ -60,6 +61,9 @@ from ..core.gradients import Contribution
 from ..core.layout import ParameterLayout
 from ..core.privacy import Calibration, calibrate, gdp_epsilon
 from ..core.routines import make_routine
+from ..fl import protocol
+from ..fl.client import Diff2Client
+from ..fl.strategy import Diff2Strategy
 from .session import Diff2Server, Worker
 
 __all__ = ["AuditSpec", "GradientCanaryShard", "audit_scores", "clopper_pearson_upper", "epsilon_lower_bound",
@@ -159,7 +163,6 @@ class GradientCanaryShard:
         else:
             rows = self.a * (x_current - x_previous)
         if self.canary:
-            rows = rows.copy()
             rows[0] = 0.0
             rows[0, 0] = self.canary * CANARY_MARGIN * max(radius, 1.0)
         return rows
@@ -213,12 +216,6 @@ class _Manager:
 
 def _trial(spec: AuditSpec, calibration: Calibration, workers: Sequence[Worker], seed: int | None) -> float:
     """One run of the schedule through the real Strategy; the LR score of what it released."""
-    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
-
-    from ..fl import protocol
-    from ..fl.client import Diff2Client
-    from ..fl.strategy import Diff2Strategy
-
     mechanism = Mechanism(
         restart_every=spec.period, clip_restart=spec.clip_restart, clip_diff=spec.clip_diff,
         sigma_restart=calibration.sigma1 * spec.noise_scale,
@@ -274,7 +271,7 @@ def _chunk(spec: AuditSpec, federation: int, start: int, stop: int) -> np.ndarra
 
 def audit_scores(spec: AuditSpec, progress: Callable[[str], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """LR scores of ``spec.trials`` runs on D (canary +) and on D′ (canary −)."""
-    chunk = max(1, min(500, spec.trials // (4 * spec.workers) or 1))
+    chunk = max(1, min(500, spec.trials // (4 * spec.workers)))
     jobs = [(fed, s, min(s + chunk, spec.trials)) for s in range(0, spec.trials, chunk) for fed in (1, 0)]
     out: dict[int, list[tuple[int, np.ndarray]]] = {1: [], 0: []}
     started, done = time.perf_counter(), 0
@@ -319,11 +316,17 @@ def _bounds(d: np.ndarray, d_prime: np.ndarray, thresholds: np.ndarray, alpha: f
     fp = len(p_sorted) - np.searchsorted(p_sorted, thresholds, side="right")  # D′ scored > t
     fnr_hi = clopper_pearson_upper(fn, len(d), alpha / 2)
     fpr_hi = clopper_pearson_upper(fp, len(d_prime), alpha / 2)
+    return {"epsilon": _epsilon_of_rates(fpr_hi, fnr_hi, delta), "fn": fn, "fp": fp, "fnr_hi": fnr_hi, "fpr_hi": fpr_hi}
+
+
+def _epsilon_of_rates(fpr: np.ndarray | float, fnr: np.ndarray | float, delta: float) -> np.ndarray:
+    """The smallest ε that (ε, δ)-DP allows for a test with these error rates (0 if none is implied):
+    max(ln((1 − δ − FPR)/FNR), ln((1 − δ − FNR)/FPR), 0)."""
+    fpr, fnr = np.asarray(fpr, dtype=float), np.asarray(fnr, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
-        one = np.log(np.clip(1 - delta - fpr_hi, 0, None) / fnr_hi)
-        two = np.log(np.clip(1 - delta - fnr_hi, 0, None) / fpr_hi)
-    eps = np.maximum(np.nan_to_num(np.maximum(one, two), nan=0.0, neginf=0.0, posinf=np.inf), 0.0)
-    return {"epsilon": eps, "fn": fn, "fp": fp, "fnr_hi": fnr_hi, "fpr_hi": fpr_hi}
+        one = np.log(np.clip(1 - delta - fpr, 0, None) / fnr)
+        two = np.log(np.clip(1 - delta - fnr, 0, None) / fpr)
+    return np.maximum(np.nan_to_num(np.maximum(one, two), nan=0.0, neginf=0.0, posinf=np.inf), 0.0)
 
 
 def threshold_grid(mu_claimed: float, points: int = 65) -> np.ndarray:
@@ -347,10 +350,7 @@ def epsilon_lower_bound(d: np.ndarray, d_prime: np.ndarray, *, delta: float, thr
     k = int(np.argmax(bounds["epsilon"]))
     fn, fp = int(bounds["fn"][k]), int(bounds["fp"][k])
     fnr, fpr = fn / len(d), fp / len(d_prime)
-    with np.errstate(divide="ignore"):
-        candidates = [np.log((1 - delta - fpr) / fnr) if fnr > 0 else np.inf,
-                      np.log((1 - delta - fnr) / fpr) if fpr > 0 else np.inf]
-    point = max(0.0, float(max(candidates)))
+    point = float(_epsilon_of_rates(fpr, fnr, delta))
     # Assuming a Gaussian trade-off curve (μ-GDP, as Nasr et al. 2023): μ ≥ Φ⁻¹(1 − FPR⁺) − Φ⁻¹(FNR⁺).
     fpr_hi, fnr_hi = float(bounds["fpr_hi"][k]), float(bounds["fnr_hi"][k])
     mu_lower = max(0.0, float(ndtri(1 - fpr_hi) - ndtri(fnr_hi))) if fpr_hi < 1 and fnr_hi < 1 else 0.0
