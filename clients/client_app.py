@@ -9,9 +9,9 @@ from flwr.client import Client, ClientApp
 from flwr.common import Context
 
 from diff2_flwr.fl.client import Diff2Client
-from diff2_flwr.lab.config import ExperimentConfig, load_config
-from diff2_flwr.lab.paths import resolve_config_path
-from diff2_flwr.lab.session import build_worker
+from diff2_flwr.runtime.config import ExperimentConfig, load_config
+from diff2_flwr.runtime.paths import resolve_config_path
+from diff2_flwr.runtime.session import build_worker
 
 # One thread per worker: simulation runs several workers per core, and a fixed thread count
 # keeps the floating-point reductions (and so the results) reproducible.

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from .core.privacy import calibrate, schedule_cross_check
-from .lab.outputs import to_json
+from .runtime.outputs import to_json
 
 __all__ = ["main"]
 
@@ -29,12 +29,12 @@ def _noise(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .lab.launch import SimulationFailed, run_simulation
+    from .runtime.launch import SimulationFailed, run_simulation
 
     if args.engine == "inprocess":
-        from .lab.config import load_config
-        from .lab.driver import run_inprocess
-        from .lab.paths import resolve_config_path
+        from .runtime.config import load_config
+        from .runtime.driver import run_inprocess
+        from .runtime.paths import resolve_config_path
 
         server = run_inprocess(load_config(resolve_config_path(args.config)))
         print(f"[diff2] in-process run completed; results in {server.run_info.get('output_dir')}")
@@ -93,8 +93,8 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _shard(args: argparse.Namespace) -> int:
-    from .lab.config import load_config
-    from .lab.shards import write_shards
+    from .runtime.config import load_config
+    from .deploy.shards import write_shards
 
     paths = write_shards(load_config(args.config), args.out)
     for path in paths:
@@ -103,8 +103,8 @@ def _shard(args: argparse.Namespace) -> int:
 
 
 def _deploy_local(args: argparse.Namespace) -> int:
-    from .lab.deploy import run_local_deployment
-    from .lab.launch import SimulationFailed
+    from .deploy.native import run_local_deployment
+    from .runtime.launch import SimulationFailed
 
     try:
         result = run_local_deployment(args.config, tls=args.tls, rounds=args.rounds, clients=args.clients,
@@ -120,7 +120,7 @@ def _deploy_local(args: argparse.Namespace) -> int:
 
 
 def _certs(args: argparse.Namespace) -> int:
-    from .lab.deploy import make_certificates
+    from .deploy.certs import make_certificates
 
     certs = make_certificates(args.out, tuple(args.host))
     print(f"CA: {certs.ca}\nserver certificate: {certs.cert}\nserver key: {certs.key}")
@@ -128,7 +128,7 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def _compose(args: argparse.Namespace) -> int:
-    from .lab.compose import render_compose
+    from .deploy.compose import render_compose
 
     print(render_compose(args.clients, args.tls), end="")
     return 0

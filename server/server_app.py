@@ -8,9 +8,9 @@ from flwr.common import Context
 from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 
 from diff2_flwr.fl.strategy import Diff2Strategy
-from diff2_flwr.lab.config import load_config
-from diff2_flwr.lab.paths import resolve_config_path
-from diff2_flwr.lab.session import build_server
+from diff2_flwr.runtime.config import load_config
+from diff2_flwr.runtime.paths import resolve_config_path
+from diff2_flwr.runtime.session import build_server
 
 
 def server_fn(context: Context) -> ServerAppComponents:

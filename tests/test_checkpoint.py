@@ -8,9 +8,9 @@ import shutil
 import numpy as np
 import pytest
 
-from diff2_flwr.lab.checkpoint import CheckpointError
-from diff2_flwr.lab.config import parse_config
-from diff2_flwr.lab.session import build_server, build_worker
+from diff2_flwr.runtime.checkpoint import CheckpointError
+from diff2_flwr.runtime.config import parse_config
+from diff2_flwr.runtime.session import build_server, build_worker
 
 ROUNDS = 7
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from diff2_flwr.lab.compose import render_compose
-from diff2_flwr.lab.config import load_config
+from diff2_flwr.deploy.compose import render_compose
+from diff2_flwr.runtime.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Tests for diff2_flwr.lab.config: loading, validation and the derived mechanism."""
+"""Tests for diff2_flwr.runtime.config: loading, validation and the derived mechanism."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from diff2_flwr.lab.config import ConfigError, ExperimentConfig, load_config
+from diff2_flwr.runtime.config import ConfigError, ExperimentConfig, load_config
 
 DEFAULT_YAML = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
@@ -304,7 +304,7 @@ def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
 def test_to_dict_round_trips_through_yaml():
     import yaml
 
-    from diff2_flwr.lab.config import parse_config
+    from diff2_flwr.runtime.config import parse_config
 
     cfg = parse_config({"method": "dpgd", "dataset": {"name": "csv", "path": "d.csv", "target": "y", "drop": ["a", "b"]}})
     again = parse_config(yaml.safe_load(yaml.safe_dump(cfg.to_dict())))

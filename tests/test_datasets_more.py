@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diff2_flwr.lab.config import ConfigError, parse_config
-from diff2_flwr.lab.driver import run_inprocess
-from diff2_flwr.lab.session import load_data
+from diff2_flwr.runtime.config import ConfigError, parse_config
+from diff2_flwr.runtime.driver import run_inprocess
+from diff2_flwr.runtime.session import load_data
 from diff2_flwr.task.data import EXPECTED_FILES, DataError, load_classification, load_csv, load_raw
 
 RNG = np.random.default_rng(0)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import yaml
 
-from diff2_flwr.lab.config import load_config
-from diff2_flwr.lab.deploy import run_local_deployment
-from diff2_flwr.lab.driver import run_inprocess
-from diff2_flwr.lab.launch import run_simulation
+from diff2_flwr.runtime.config import load_config
+from diff2_flwr.deploy.native import run_local_deployment
+from diff2_flwr.runtime.driver import run_inprocess
+from diff2_flwr.runtime.launch import run_simulation
 
 pytestmark = [pytest.mark.flower, pytest.mark.deployment]
 
@@ -56,7 +56,7 @@ def test_native_deployment_with_tls(tmp_path):
 
 
 def test_a_supernode_killed_mid_run_releases_nothing_and_names_the_failure(tmp_path):
-    from diff2_flwr.lab.launch import SimulationFailed
+    from diff2_flwr.runtime.launch import SimulationFailed
 
     path = config(tmp_path)
     data = yaml.safe_load(path.read_text())

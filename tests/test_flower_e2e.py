@@ -10,9 +10,9 @@ import yaml
 
 import numpy as np
 
-from diff2_flwr.lab.config import load_config
-from diff2_flwr.lab.driver import run_inprocess
-from diff2_flwr.lab.launch import SimulationFailed, run_simulation
+from diff2_flwr.runtime.config import load_config
+from diff2_flwr.runtime.driver import run_inprocess
+from diff2_flwr.runtime.launch import SimulationFailed, run_simulation
 
 pytestmark = pytest.mark.flower
 

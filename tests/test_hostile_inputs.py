@@ -18,8 +18,8 @@ from diff2_flwr.core.aggregation import Reply, RoundRejected, average_contributi
 from diff2_flwr.core.clipping import clip_rows
 from diff2_flwr.core.estimator import RoundPlan
 from diff2_flwr.core.layout import ParameterLayout
-from diff2_flwr.lab.config import parse_config
-from diff2_flwr.lab.session import build_server, build_worker, load_data
+from diff2_flwr.runtime.config import parse_config
+from diff2_flwr.runtime.session import build_server, build_worker, load_data
 from diff2_flwr.task.data import DataError, prepare
 
 import torch
@@ -116,7 +116,7 @@ def test_unequal_shards_calibrate_on_n_min_and_average_over_their_own_size():
     worker = build_worker(cfg, 0)
     plan = server.plan()
     # per-sample gradients by torch.func (independent of the closed form the worker uses)
-    from diff2_flwr.lab.session import _gradients
+    from diff2_flwr.runtime.session import _gradients
 
     torch_grads = _gradients(cfg, 4, 1)
     rows = torch_grads.per_sample(plan.x_current, worker.features, worker.targets)

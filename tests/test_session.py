@@ -10,8 +10,8 @@ import torch
 
 from diff2_flwr.cli import main
 from diff2_flwr.core.aggregation import Reply
-from diff2_flwr.lab.config import parse_config
-from diff2_flwr.lab.session import build_server, build_worker, initial_parameters, load_data
+from diff2_flwr.runtime.config import parse_config
+from diff2_flwr.runtime.session import build_server, build_worker, initial_parameters, load_data
 from diff2_flwr.task.losses import half_squared_error
 from diff2_flwr.task.models import PaperMLP
 

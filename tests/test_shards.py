@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from diff2_flwr.cli import main
-from diff2_flwr.lab.config import ConfigError, parse_config
-from diff2_flwr.lab.driver import run_inprocess
-from diff2_flwr.lab.session import build_server, build_worker, load_data
-from diff2_flwr.lab.shards import SERVER_FILE, ShardError, read_shard, shard_name, write_shards
+from diff2_flwr.runtime.config import ConfigError, parse_config
+from diff2_flwr.runtime.driver import run_inprocess
+from diff2_flwr.runtime.session import build_server, build_worker, load_data
+from diff2_flwr.deploy.shards import write_shards
+from diff2_flwr.runtime.shard_files import SERVER_FILE, ShardError, read_shard, shard_name
 
 BASE = {"name": "sh", "method": "diff2", "dataset": {"name": "synthetic", "num_samples": 700},
         "training": {"rounds": 5, "restart_every": 2, "clip_diff": 3.0, "clients": 3, "seed": 1}}

@@ -23,8 +23,8 @@ from diff2_flwr.core.layout import ParameterLayout
 from diff2_flwr.fl import protocol
 from diff2_flwr.fl.client import Diff2Client
 from diff2_flwr.fl.strategy import Diff2Strategy
-from diff2_flwr.lab.config import parse_config
-from diff2_flwr.lab.session import Diff2Server, build_server, build_worker
+from diff2_flwr.runtime.config import parse_config
+from diff2_flwr.runtime.session import Diff2Server, build_server, build_worker
 
 P = 3
 ROUNDS = 4

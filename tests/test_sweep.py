@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from diff2_flwr.lab.config import parse_config
-from diff2_flwr.lab.driver import run_inprocess
-from diff2_flwr.lab.session import load_data
+from diff2_flwr.runtime.config import parse_config
+from diff2_flwr.runtime.driver import run_inprocess
+from diff2_flwr.runtime.session import load_data
 from diff2_flwr.lab.sweep import RunSpec, run_batch
 
 ROUNDS = 12

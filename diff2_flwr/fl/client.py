@@ -1,11 +1,11 @@
-"""The DIFF2 worker as a Flower ``NumPyClient``: thin glue around :class:`~diff2_flwr.lab.session.Worker`."""
+"""The DIFF2 worker as a Flower ``NumPyClient``: thin glue around :class:`~diff2_flwr.runtime.session.Worker`."""
 
 from __future__ import annotations
 
 import numpy as np
 from flwr.client import NumPyClient
 
-from ..lab.session import Worker
+from ..runtime.session import Worker
 from . import protocol
 
 __all__ = ["Diff2Client"]

@@ -1,4 +1,4 @@
-"""DIFF2 as a Flower ``Strategy``: thin glue around :class:`~diff2_flwr.lab.session.Diff2Server`.
+"""DIFF2 as a Flower ``Strategy``: thin glue around :class:`~diff2_flwr.runtime.session.Diff2Server`.
 
 Every round uses all P clients. ``configure_fit`` ships x_{r-1} (and x_{r-2} and the radius
 on difference rounds); ``aggregate_fit`` requires exactly P successful replies and hands them
@@ -16,7 +16,7 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from ..core.aggregation import RoundRejected
-from ..lab.session import Diff2Server
+from ..runtime.session import Diff2Server
 from . import protocol
 
 __all__ = ["Diff2Strategy"]

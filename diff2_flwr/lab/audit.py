@@ -64,7 +64,7 @@ from ..core.routines import make_routine
 from ..fl import protocol
 from ..fl.client import Diff2Client
 from ..fl.strategy import Diff2Strategy
-from .session import Diff2Server, Worker
+from ..runtime.session import Diff2Server, Worker
 
 __all__ = ["AuditSpec", "GradientCanaryShard", "audit_scores", "clopper_pearson_upper", "epsilon_lower_bound",
            "run_audit", "threshold_grid"]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import yaml
 
-from .paths import APP_DIR
+from ..runtime.paths import APP_DIR
 
 __all__ = ["run_bench"]
 
@@ -58,9 +58,9 @@ def _diff2_config(data_dir: str | None, rounds: int, out: str) -> dict:
 
 
 def _rounds_per_s(data_dir: str | None, rounds: int) -> dict[str, float]:
-    from .config import parse_config
-    from .driver import run_inprocess
-    from .session import load_data
+    from ..runtime.config import parse_config
+    from ..runtime.driver import run_inprocess
+    from ..runtime.session import load_data
     from .sweep import RunSpec, run_batch
 
     cfg = parse_config(_diff2_config(data_dir, rounds, "unused"))
@@ -84,7 +84,7 @@ def _rounds_per_s(data_dir: str | None, rounds: int) -> dict[str, float]:
 
 
 def _flower(data_dir: str | None, rounds: int) -> dict[str, float]:
-    from .launch import run_simulation
+    from ..runtime.launch import run_simulation
 
     with tempfile.TemporaryDirectory(prefix="diff2-bench-") as tmp:
         path = Path(tmp) / "bench.yaml"

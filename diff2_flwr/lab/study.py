@@ -35,8 +35,8 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 import yaml
 
-from .config import ConfigError, ExperimentConfig, parse_config, read_yaml
-from .outputs import to_json
+from ..runtime.config import ConfigError, ExperimentConfig, parse_config, read_yaml
+from ..runtime.outputs import to_json
 
 __all__ = [
     "CRITERIA",
@@ -293,7 +293,7 @@ class _Progress:
 
 def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress) -> None:
     """Run the jobs whose result file is missing; write one JSON file per run."""
-    from .session import load_data
+    from ..runtime.session import load_data
 
     todo = [j for j in jobs if not (runs_dir / f"{j.run_id}.json").exists()]
     progress.done += len(jobs) - len(todo)
@@ -344,12 +344,12 @@ def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress
 
 
 def _run_single(cfg: ExperimentConfig, engine: str) -> tuple[dict, int | None]:
-    from .driver import run_inprocess
+    from ..runtime.driver import run_inprocess
 
     if engine == "flower":
         import tempfile
 
-        from .launch import run_simulation
+        from ..runtime.launch import run_simulation
 
         with tempfile.TemporaryDirectory(prefix="diff2-study-") as tmp:
             path = Path(tmp) / "run.yaml"
@@ -393,7 +393,7 @@ def run_study(
     make_plots: bool = True,
 ) -> dict:
     """Run the whole study (resumable) and write summary.json, report.md and plots; return the summary."""
-    from .session import load_data
+    from ..runtime.session import load_data
 
     root = Path(output_root or study.output_dir).expanduser().resolve() / study.name
     runs_dir = root / "runs"

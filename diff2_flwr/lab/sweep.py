@@ -7,7 +7,7 @@ product, per-sample gradient norms and clipped sums use the closed forms of
 :mod:`diff2_flwr.core.closed_form`, and the quantities of the previous iterate are cached
 so a difference round costs one forward pass, not two.
 
-The maths is the reference's (:class:`~diff2_flwr.lab.session.Diff2Server` with
+The maths is the reference's (:class:`~diff2_flwr.runtime.session.Diff2Server` with
 :class:`~diff2_flwr.core.closed_form.PaperMLPGradients` workers): the same noise
 (:func:`~diff2_flwr.core.estimator.round_noise` of the run's seed and the round), the same
 schedule, clipping and averaging order. Tests check it against the reference driver.

@@ -1,4 +1,4 @@
-"""Shard files for deployment: one file per data owner, and one for the server's evaluation.
+"""Reading shard files: one file per data owner, and one for the server's evaluation.
 
 ``diff2 shard CONFIG --out DIR`` prepares the dataset of CONFIG exactly as a simulation would
 and writes ``DIR/shard-<i>-of-<P>.npz`` (worker i's train samples only) and ``DIR/server.npz``
@@ -20,11 +20,11 @@ import numpy as np
 
 from .config import ExperimentConfig
 
-__all__ = ["ShardError", "Shard", "ServerData", "data_fingerprint", "write_shards", "read_shard", "read_server_data",
-           "shard_name", "SERVER_FILE"]
+__all__ = ["ShardError", "Shard", "ServerData", "data_fingerprint", "save_npz", "read_shard", "read_server_data",
+           "shard_name", "SERVER_FILE", "FORMAT"]
 
 SERVER_FILE = "server.npz"
-_FORMAT = "diff2-shard/1"
+FORMAT = "diff2-shard/1"
 
 
 class ShardError(ValueError):
@@ -68,36 +68,11 @@ class ServerData:
         return min(self.shard_sizes)
 
 
-def _save(path: Path, meta: dict, **arrays: np.ndarray) -> None:
+def save_npz(path: Path, meta: dict, **arrays: np.ndarray) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as fh:
         np.savez(fh, meta=np.array(json.dumps(meta)), **arrays)
     os.replace(tmp, path)
-
-
-def write_shards(cfg: ExperimentConfig, out: str | os.PathLike[str]) -> list[Path]:
-    """Write the P worker files and the server file; return their paths."""
-    from .session import load_data
-
-    data = load_data(cfg)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    fp, p_total = data_fingerprint(cfg), len(data.shard_bounds)
-    paths = []
-    for p in range(p_total):
-        x, y = data.shard(p)
-        path = out / shard_name(p, p_total)
-        _save(path, {"format": _FORMAT, "kind": "worker", "partition_id": p, "num_partitions": p_total,
-                     "fingerprint": fp, "num_samples": int(len(y)), "classes": list(data.classes)},
-              features=x, targets=y)
-        paths.append(path)
-    path = out / SERVER_FILE
-    _save(path, {"format": _FORMAT, "kind": "server", "num_partitions": p_total, "fingerprint": fp,
-                 "shard_sizes": list(data.shard_sizes), "target_scale": data.target_scale, "task": data.task,
-                 "classes": list(data.classes)},
-          x_test=data.x_test, y_test=data.y_test, feature_mean=data.feature_mean, feature_std=data.feature_std)
-    paths.append(path)
-    return paths
 
 
 def _load(path: Path, kind: str) -> tuple[dict, dict[str, np.ndarray]]:
@@ -110,7 +85,7 @@ def _load(path: Path, kind: str) -> tuple[dict, dict[str, np.ndarray]]:
             arrays = {k: np.array(npz[k]) for k in npz.files if k != "meta"}
     except (OSError, ValueError, KeyError, EOFError, json.JSONDecodeError) as exc:
         raise ShardError(f"{kind.capitalize()} data file {path} is unreadable ({type(exc).__name__}: {exc}).") from None
-    if meta.get("format") != _FORMAT or meta.get("kind") != kind:
+    if meta.get("format") != FORMAT or meta.get("kind") != kind:
         raise ShardError(f"{path} is not a {kind} data file of diff2-flwr (found {meta.get('format')}, {meta.get('kind')}).")
     return meta, arrays
 

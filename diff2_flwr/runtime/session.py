@@ -328,10 +328,10 @@ def build_worker(cfg: ExperimentConfig, partition_id: int, data_path: str | None
     """Worker ``partition_id`` of ``cfg`` (cached per process: simulation actors serve many rounds).
 
     With ``data_path`` (a deployment) the worker reads only its own shard file (see
-    :mod:`diff2_flwr.lab.shards`); otherwise it prepares the whole dataset and takes its shard.
+    :mod:`diff2_flwr.runtime.shard_files`); otherwise it prepares the whole dataset and takes its shard.
     """
     if data_path is not None:
-        from .shards import read_shard
+        from .shard_files import read_shard
 
         shard = read_shard(data_path, cfg, partition_id, cfg.training.clients)
         features, targets = shard.features, shard.targets
@@ -359,7 +359,7 @@ def build_server(
     split and the shard sizes, no training sample (so no train metrics).
     """
     if cfg.dataset.shards:
-        from .shards import SERVER_FILE, read_server_data
+        from .shard_files import SERVER_FILE, read_server_data
 
         sdata = read_server_data(Path(cfg.dataset.shards).expanduser() / SERVER_FILE, cfg)
         if len(sdata.shard_sizes) != cfg.training.clients:

@@ -11,8 +11,6 @@ stopped by PID (its process group), also when the run fails.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import shutil
 import tempfile
@@ -22,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from .config import load_config, parse_config
-from .launch import (
+from ..runtime.config import load_config, parse_config
+from ..runtime.launch import (
     LaunchResult,
     SimulationFailed,
     _free_port,
@@ -36,52 +34,12 @@ from .launch import (
     start,
     write_connection,
 )
-from .paths import APP_DIR, resolve_config_path
-from .shards import shard_name, write_shards
+from ..runtime.paths import APP_DIR, resolve_config_path
+from ..runtime.shard_files import shard_name
+from .certs import make_certificates
+from .shards import write_shards
 
-__all__ = ["Certificates", "make_certificates", "DeploymentResult", "run_local_deployment"]
-
-
-@dataclass(frozen=True)
-class Certificates:
-    ca: Path
-    cert: Path
-    key: Path
-
-
-def make_certificates(folder: str | os.PathLike[str], hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> Certificates:
-    """A self-signed CA and a server certificate for ``hosts`` (for tests and local deployments only)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "diff2-flwr local CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=30))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    names = [x509.IPAddress(ipaddress.ip_address(h)) if h.replace(".", "").isdigit() else x509.DNSName(h) for h in hosts]
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])])).issuer_name(ca_name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=30))
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(ca_key, hashes.SHA256()))
-    out = Certificates(folder / "ca.crt", folder / "server.pem", folder / "server.key")
-    out.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    out.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    out.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    os.chmod(out.key, 0o600)
-    return out
+__all__ = ["DeploymentResult", "run_local_deployment"]
 
 
 @dataclass(frozen=True)

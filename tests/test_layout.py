@@ -1,0 +1,137 @@
+"""The rooms of the package and the direction of their imports (ARCHITECTURE: math ← task ← runtime ←
+Flower glue / deployment / experiments ← CLI), checked on the source: a new upward import or a circle
+between files fails here."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "diff2_flwr"
+
+#: room -> rooms it may import (besides itself).
+ALLOWED = {
+    "core": set(),
+    "task": {"core"},
+    "runtime": {"core", "task"},
+    "fl": {"core", "task", "runtime"},
+    "deploy": {"core", "task", "runtime"},
+    # The audit drives the Flower glue on purpose (it audits the production path).
+    "lab": {"core", "task", "runtime", "fl"},
+    "cli": {"core", "task", "runtime", "fl", "deploy", "lab"},
+}
+#: third-party packages a room must not import.
+FORBIDDEN_THIRD_PARTY = {"core": {"flwr", "yaml"}, "task": {"flwr", "yaml"}, "runtime": {"flwr"}}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """Absolute names of every module imported by ``path`` (top level and inside functions)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    me = _module_name(path).split(".")
+    package = me if path.name == "__init__.py" else me[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if node.module is None or (node.level and not node.module):
+                found += [(f"{mod}.{alias.name}", node.lineno) for alias in node.names]
+            else:
+                found.append((mod, node.lineno))
+    return found
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "diff2_flwr" or len(parts) < 2:
+        return None
+    return "cli" if parts[1] == "cli" else parts[1]
+
+
+FILES = sorted(PKG.rglob("*.py"))
+
+
+def test_every_module_lives_in_a_known_room():
+    rooms = {_room(_module_name(f)) for f in FILES if f != PKG / "__init__.py"}
+    assert rooms == set(ALLOWED), rooms
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(PKG)))
+def test_imports_run_one_way(path):
+    mine = _room(_module_name(path))
+    if mine is None:
+        return
+    bad = []
+    for mod, line in _imports(path):
+        other = _room(mod)
+        if other is not None and other != mine and other not in ALLOWED[mine]:
+            bad.append(f"line {line}: {mod} ({other} is above or beside {mine})")
+        if mod.split(".")[0] in FORBIDDEN_THIRD_PARTY.get(mine, ()):
+            bad.append(f"line {line}: {mod} (not allowed in {mine})")
+    assert not bad, f"{path.relative_to(PKG)}: " + "; ".join(bad)
+
+
+def test_no_circle_between_files():
+    known = {_module_name(f) for f in FILES}
+    graph: dict[str, set[str]] = {}
+    for f in FILES:
+        deps = set()
+        for mod, _ in _imports(f):
+            while mod and mod not in known:
+                mod = mod.rpartition(".")[0]
+            if mod and mod != _module_name(f) and not mod.count(".") == 0:
+                deps.add(mod)
+        # A package's __init__ is not an edge of its own modules' imports.
+        graph[_module_name(f)] = {d for d in deps if not _module_name(f).startswith(d + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError("circle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The checker itself: a runtime module importing the Flower glue is caught."""
+    fake = PKG / "runtime" / "_layout_probe.py"
+    fake.write_text("from ..fl import protocol\n")
+    try:
+        with pytest.raises(AssertionError, match="fl is above or beside runtime"):
+            test_imports_run_one_way(fake)
+    finally:
+        fake.unlink()
+
+
+def test_importing_the_package_and_its_rooms_stays_light():
+    """`import diff2_flwr` pulls in neither torch nor Flower."""
+    code = "import sys, diff2_flwr; print(sorted(m for m in ('torch', 'flwr', 'scipy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
