@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from flwr.client import Client, ClientApp
 from flwr.common import Context
 
 from diff2_flwr.fl.client import Diff2Client
+from diff2_flwr.runtime.compute import pin_threads
 from diff2_flwr.runtime.config import ExperimentConfig, load_config
 from diff2_flwr.runtime.paths import resolve_config_path
 from diff2_flwr.runtime.session import build_worker
 
-# One thread per worker: simulation runs several workers per core, and a fixed thread count
-# keeps the floating-point reductions (and so the results) reproducible.
-torch.set_num_threads(1)
 
 
 @functools.lru_cache(maxsize=8)
@@ -25,6 +22,9 @@ def _config(path: str) -> ExperimentConfig:
 
 def client_fn(context: Context) -> Client:
     cfg = _config(str(context.run_config["config"]))
+    # A fixed thread count (default 1: simulation runs several workers per core) keeps the
+    # floating-point reductions, and so the replies, equal to the in-process driver's.
+    pin_threads(cfg.training.threads)
     try:
         partition_id = int(context.node_config["partition-id"])
         num_partitions = int(context.node_config["num-partitions"])

@@ -147,6 +147,7 @@ class TrainingConfig:
     gradients: Literal["auto", "torch_func", "closed_form"] = "auto"  # per-sample gradient path
     round_timeout_s: float | None = None  # Flower: a client silent this long fails the round
     round_retries: int = 0  # Flower: failed rounds retried (releasing nothing) before the run stops
+    threads: int = 1  # torch/BLAS threads of every computing process (the bit-for-bit claims need equal counts)
 
     def __post_init__(self) -> None:
         _require(self.rounds >= 1, "rounds", "an integer >= 1", self.rounds)
@@ -162,6 +163,7 @@ class TrainingConfig:
         _require(self.round_timeout_s is None or self.round_timeout_s > 0, "round_timeout_s", "null or a number > 0",
                  self.round_timeout_s)
         _require(self.round_retries >= 0, "round_retries", "an integer >= 0", self.round_retries)
+        _require(self.threads >= 1, "threads", "an integer >= 1", self.threads)
 
 
 @dataclass(frozen=True)

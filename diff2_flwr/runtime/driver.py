@@ -3,7 +3,8 @@
 Each round makes exactly the calls the Flower Strategy and NumPyClient make, in the same order:
 ``server.plan()`` -> each worker's ``contribute`` -> the reply arrays as the wire would carry
 them -> ``server.release(replies)``. With the same config and seed it reproduces a Flower
-simulation's trajectory bit for bit (both use one torch thread per worker).
+simulation's trajectory bit for bit: both pin every thread pool to ``training.threads``
+(:mod:`~diff2_flwr.runtime.compute`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-import torch
-
+from .compute import pinned_threads
 from .config import ExperimentConfig
 from .session import Diff2Server, Diverged, build_server, build_worker
 
@@ -28,9 +28,7 @@ def run_inprocess(
     A diverging run raises :class:`Diverged`, or with ``stop_on_divergence`` returns the server
     stopped at the round that diverged (its summary says so).
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in the Flower ClientApp: reproducible reductions
-    try:
+    with pinned_threads(cfg.training.threads):  # as the ServerApp and every ClientApp
         server = build_server(cfg, output_root=output_root, record=record, progress=progress)
         workers = [build_worker(cfg, p) for p in range(cfg.training.clients)]
         while not server.done:
@@ -42,5 +40,3 @@ def run_inprocess(
                     raise
                 break
         return server
-    finally:
-        torch.set_num_threads(threads)
