@@ -227,6 +227,26 @@ def test_malformed_yaml_names_the_file(tmp_path: Path) -> None:
         load_config(path)
 
 
+@pytest.mark.parametrize("text, key, first, second", [
+    ("privacy:\n  epsilon: 3\n  delta: 1.0e-5\n  epsilon: 8\ntraining:\n  restart_every: 2\n", "epsilon", 2, 4),
+    ("training: {rounds: 3, rounds: 5, restart_every: 2}\n", "rounds", 1, 1),
+    ("name: a\nmethod: dpgd\nname: b\n", "name", 1, 3),
+])
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path: Path, text: str, key: str, first: int, second: int) -> None:
+    """PyYAML would keep the last value silently: which ε was spent would be a guess."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}: not valid YAML: key '{key}' is given twice "
+                       rf"in one mapping \(line {first} and line {second}\)"):
+        load_config(path)
+
+
+def test_the_same_key_in_two_mappings_is_fine(tmp_path: Path) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text("name: a\ndataset: {name: synthetic}\ntraining: {restart_every: 2}\n")
+    assert load_config(path).dataset.name == "synthetic"
+
+
 def test_missing_file(tmp_path: Path) -> None:
     path = tmp_path / "does_not_exist.yaml"
     with pytest.raises(ConfigError, match=re.escape(str(path))):

@@ -164,6 +164,10 @@ def test_unreadable_or_malformed_study_file(tmp_path):
     bad.write_text("name: [unclosed")
     with pytest.raises(StudyError, match="not valid YAML"):
         load_study(bad)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(SMOKE.read_text() + "epsilons: [8.0]\n")
+    with pytest.raises(StudyError, match=r"key 'epsilons' is given twice in one mapping \(line \d+ and line \d+\)"):
+        load_study(twice)
 
 
 def test_paper_studies_are_valid_and_large_enough():

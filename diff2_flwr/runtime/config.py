@@ -371,7 +371,27 @@ def parse_config(data: Any, source: str = "<memory>") -> ExperimentConfig:
 
 
 class _Loader(yaml.SafeLoader):
-    """Safe YAML with YAML 1.2 floats: PyYAML (YAML 1.1) reads ``1e-5`` as a string, not a number."""
+    """Safe YAML with YAML 1.2 floats (PyYAML, YAML 1.1, reads ``1e-5`` as a string, not a number) that
+    refuses a key given twice in one mapping (PyYAML keeps the last one without a word: a file that says
+    ``epsilon`` twice would leave the reader guessing which budget was spent)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    first = lines.get(key)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice in one mapping (line {first} and line {line}); "
+                        "keep one of them", key_node.start_mark)
+                lines[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
