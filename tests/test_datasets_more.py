@@ -106,6 +106,27 @@ def test_generic_csv_regression_and_classification(tmp_path):
         load_csv(path, target="price", drop=("id", "kind"))
 
 
+@pytest.mark.parametrize("gz", [False, True])
+def test_csv_saved_with_a_byte_order_mark_loads(tmp_path, gz):
+    """Spreadsheet programs save UTF-8 CSV with a BOM: the first column's name must not carry it."""
+    import gzip
+
+    text = "y,a,b,c\n" + "".join(f"{i},{i * 0.5},{i % 3},{-i}\n" for i in range(20))
+    path = tmp_path / ("bom.csv.gz" if gz else "bom.csv")
+    raw = text.encode("utf-8-sig")
+    assert raw.startswith(b"\xef\xbb\xbf")
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+    x, y, _ = load_csv(path, target="y")
+    assert x.shape == (20, 3) and list(y[:3]) == [0, 1, 2]
+
+
+def test_csv_that_is_not_utf8_says_so(tmp_path):
+    path = tmp_path / "latin.csv"
+    path.write_bytes("prix,café\n1,2\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin.csv: it is not UTF-8 text.*Save it as UTF-8 CSV"):
+        load_csv(path, target="prix")
+
+
 def test_classification_run_end_to_end_with_cross_entropy(tmp_path):
     write_covtype(tmp_path, n=200)
     cfg = parse_config({"method": "dpgd", "dataset": {"name": "covertype", "dir": str(tmp_path)},

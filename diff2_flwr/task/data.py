@@ -143,13 +143,20 @@ def _find(data_dir: Path, sub: str, filename: str, variants: tuple[str, ...] = (
 
 
 def _read_rows(path: Path, header: bool = True) -> tuple[list[str], list[list[str]]]:
-    """Header (or column_0.. names) and rows of strings of a CSV file, gzip-compressed or not."""
+    """Header (or column_0.. names) and rows of strings of a CSV file, gzip-compressed or not.
+
+    UTF-8, with or without the byte-order mark that spreadsheet programs write ("utf-8-sig"
+    drops it; read as plain UTF-8 it would stick to the first column's name).
+    """
     try:
         opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", newline="") as fh:
+        with opener(path, "rt", newline="", encoding="utf-8-sig") as fh:
             reader = csv.reader(fh)
             first = next(reader)
             rows = [[c.strip() for c in r] for r in reader if r]
+    except UnicodeDecodeError as exc:
+        raise DataError(f"Cannot read {path}: it is not UTF-8 text (byte {exc.start}: {exc.reason}). Save it as "
+                        "UTF-8 CSV (with or without a byte-order mark).") from exc
     except (OSError, StopIteration, csv.Error, EOFError) as exc:
         raise DataError(f"Cannot read {path}: {exc or 'the file is empty'}.") from exc
     if header:
