@@ -130,3 +130,43 @@ def test_a_shard_below_the_calibrated_n_min_is_refused():
                                                       "samples but the noise was calibrated for at least n_min = 10")):
         average_contributions(plan(1.0), LAYOUT, [reply(0, np.zeros(LAYOUT.dim), n=9), reply(1, np.zeros(LAYOUT.dim))],
                               clients=2, n_min=10)
+
+
+# --------------------------------------------------------------------------- mechanism vs calibration
+
+def _server_parts():
+    cfg = parse_config({"dataset": {"name": "synthetic", "num_samples": 400},
+                        "training": {"rounds": 6, "restart_every": 3, "clients": 2, "seed": 1}}, "m.yaml")
+    server = build_server(cfg, record=False, progress=None)
+    return server, dict(routine=server.routine, layout=server.layout, x0=server.state.x, rounds=server.rounds,
+                        clients=server.clients, n_min=server.n_min, calibration=server.calibration, seed=1,
+                        progress=None)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"mechanism": {"sigma_restart": 0.5}}, r"sigma_restart \(σ1\) is 0.5, the calibration's 0\.01"),
+    ({"mechanism": {"sigma_diff": 1e-9}}, r"sigma_diff \(σ2\) is 1e-09, the calibration's"),
+    ({"mechanism": {"restart_every": 2}}, r"restart_every \(T\) is 2, the calibration's 3"),
+    ({"mechanism": {"clip_diff": float("inf"), "sigma_diff": 0.0}}, r"sigma_diff.*a clipping radius is infinite"),
+    ({"rounds": 7}, r"rounds is 7, the calibration's 6"),
+    ({"clients": 3}, r"clients \(P\) is 3, the calibration's 2"),
+    ({"n_min": 100}, r"n_min is 100, the calibration's 160"),
+])
+def test_a_server_refuses_a_mechanism_that_disagrees_with_its_calibration(change, match):
+    """The ledger charges the calibration's z: any other noise, schedule, P or n_min would make ε a fiction."""
+    from diff2_flwr.runtime.session import Diff2Server
+
+    server, kwargs = _server_parts()
+    change = dict(change)
+    mechanism = dataclasses.replace(server.mechanism, **change.pop("mechanism", {}))
+    kwargs.update(change)
+    with pytest.raises(ValueError, match=r"The mechanism disagrees with the calibration the ledger accounts for: "
+                       + match):
+        Diff2Server(mechanism=mechanism, **kwargs)
+
+
+def test_the_calibrated_mechanism_is_accepted():
+    from diff2_flwr.runtime.session import Diff2Server
+
+    server, kwargs = _server_parts()
+    assert Diff2Server(mechanism=server.mechanism, **kwargs).state.round == 0

@@ -34,7 +34,7 @@ from .checkpoint import Checkpoint, CheckpointError, config_fingerprint, load_ch
 from .config import ExperimentConfig
 from .outputs import RunRecorder, new_run_dir
 
-__all__ = ["Diff2Server", "Worker", "Diverged", "load_data", "build_server", "build_worker"]
+__all__ = ["Diff2Server", "Worker", "Diverged", "check_mechanism", "load_data", "build_server", "build_worker"]
 
 
 #: Relative slack of the budget guard: the exact composition may exceed the target by float rounding only.
@@ -45,6 +45,29 @@ PLD_RTOL = 0.01
 
 class Diverged(RuntimeError):
     """The iterate became non-finite (a training failure, not a privacy one)."""
+
+
+def check_mechanism(mechanism: Mechanism, calibration: Calibration, *, rounds: int, clients: int, n_min: int) -> None:
+    """Refuse a server whose mechanism is not the one its calibration (and so its ledger) describes.
+
+    The ledger charges each round the calibration's multiplier z; that is the truth only if the noise
+    actually added is σ·radius with the calibration's σ, for the schedule, P and n_min it was computed for.
+    """
+    problems = []
+    for what, have, want in (("rounds", rounds, calibration.rounds), ("clients (P)", clients, calibration.clients),
+                             ("n_min", n_min, calibration.n_min),
+                             ("restart_every (T)", mechanism.restart_every, calibration.restart_every),
+                             ("sigma_restart (σ1)", mechanism.sigma_restart, calibration.sigma1)):
+        if have != want:
+            problems.append(f"{what} is {have!r}, the calibration's {want!r}")
+    if calibration.difference_rounds and mechanism.sigma_diff != calibration.sigma2:
+        problems.append(f"sigma_diff (σ2) is {mechanism.sigma_diff!r}, the calibration's {calibration.sigma2!r}")
+    if not math.isfinite(mechanism.clip_restart) or (calibration.difference_rounds and not math.isfinite(mechanism.clip_diff)):
+        problems.append("a clipping radius is infinite (the sensitivity would be unbounded)")
+    if problems:
+        raise ValueError("The mechanism disagrees with the calibration the ledger accounts for: " + "; ".join(problems)
+                         + ". The ε reported would not be the ε spent: build the mechanism from this calibration "
+                         "(ExperimentConfig.mechanism) or calibrate for this mechanism.")
 
 
 class Diff2Server:
@@ -73,6 +96,8 @@ class Diff2Server:
     ) -> None:
         if layout.dim != x0.size:
             raise ValueError(f"x0 has {x0.size} entries but the model has {layout.dim} parameters.")
+        if calibration is not None:
+            check_mechanism(mechanism, calibration, rounds=rounds, clients=clients, n_min=n_min)
         self.mechanism, self.routine, self.layout = mechanism, routine, layout
         self.rounds, self.clients, self.n_min = rounds, clients, n_min
         self.calibration = calibration
