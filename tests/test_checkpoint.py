@@ -122,3 +122,64 @@ def test_the_flower_strategy_continues_at_the_resumed_round(tmp_path):
     fit_ins = instructions[0][1]
     assert fit_ins.config[protocol.ROUND] == 3 and fit_ins.config[protocol.KIND] == "difference"
     assert len(parameters_to_ndarrays(fit_ins.parameters)) == 8  # x_2 and x_1
+
+
+def test_the_checkpoint_is_durable_before_anything_of_the_round_is_written(tmp_path, monkeypatch):
+    """When round r's metrics row or a summary is written, the checkpoint on disk already holds round r."""
+    from diff2_flwr.runtime import outputs
+
+    cfg = config(tmp_path)
+    seen = []
+    original_row, original_summary = outputs.RunRecorder.row, outputs.RunRecorder.summary
+
+    def on_disk() -> int:
+        with np.load(tmp_path / "state.npz") as data:
+            return json.loads(str(data["meta"]))["round"]
+
+    def row(self, values):
+        seen.append(("row", values["round"], on_disk()))
+        original_row(self, values)
+
+    def summary(self, values):
+        seen.append(("summary", values["rounds_released"], on_disk()))
+        original_summary(self, values)
+
+    monkeypatch.setattr(outputs.RunRecorder, "row", row)
+    monkeypatch.setattr(outputs.RunRecorder, "summary", summary)
+    drive(cfg, build_server(cfg, progress=None), ROUNDS)
+    assert [r for kind, r, _ in seen if kind == "row"] == list(range(ROUNDS + 1))
+    assert all(written == durable for _, written, durable in seen), seen
+
+
+def test_a_crash_between_checkpoint_and_row_resumes_without_recomputing_the_round(tmp_path, monkeypatch):
+    """The server dies after round 4's checkpoint, before its row: the resumed run writes round 4's row once,
+    equal to an uninterrupted run's, and goes on with round 5 (round 4 is not computed again)."""
+    from diff2_flwr.runtime import outputs
+
+    ref_cfg = config(tmp_path / "ref")
+    reference = drive(ref_cfg, build_server(ref_cfg, progress=None), ROUNDS)
+
+    class Crash(BaseException):
+        pass
+
+    cfg = config(tmp_path / "run")
+    original_row = outputs.RunRecorder.row
+
+    def dying_row(self, values):
+        if values["round"] == 4:
+            raise Crash()
+        original_row(self, values)
+
+    monkeypatch.setattr(outputs.RunRecorder, "row", dying_row)
+    first = build_server(cfg, progress=None)
+    with pytest.raises(Crash):
+        drive(cfg, first, ROUNDS)
+    monkeypatch.setattr(outputs.RunRecorder, "row", original_row)
+    assert [r["round"] for r in rows(first)] == [0, 1, 2, 3]
+    second = build_server(cfg, progress=None)
+    assert second.state.round == 4  # round 4 was released and checkpointed: it is not replayed
+    drive(cfg, second, ROUNDS)
+    assert [r["round"] for r in rows(second)] == list(range(ROUNDS + 1))
+    assert strip(rows(second)) == strip(rows(reference))
+    np.testing.assert_array_equal(second.state.x, reference.state.x)
+    assert len(second.ledger.events) == ROUNDS and second.epsilon_spent == reference.epsilon_spent

@@ -8,6 +8,12 @@ server with the same config resumes from it. Because the noise of round r depend
 recomputed with the same noise from the same inputs: it releases the same values again, so
 the ledger (which counts it once) stays exact.
 
+The checkpoint of round r is durable before anything of round r is written elsewhere (its
+metrics row, the summary, the parameters sent to the workers): it also carries round r's release
+row (kind, radius, noise std, clip fraction, ε, update norm), so a server that died after the
+checkpoint but before the row was written rewrites that row on resume (re-evaluating x_r, which is
+deterministic) instead of recomputing round r.
+
 The file holds the secret noise key: protect it like the data (anyone with the key and the
 released iterates can subtract the noise).
 """
@@ -28,7 +34,7 @@ from ..core.privacy import GaussianEvent, PrivacyLedger
 
 __all__ = ["CheckpointError", "Checkpoint", "config_fingerprint", "save_checkpoint", "load_checkpoint"]
 
-_FORMAT = "diff2-checkpoint/1"
+_FORMAT = "diff2-checkpoint/2"
 
 
 class CheckpointError(RuntimeError):
@@ -48,6 +54,8 @@ class Checkpoint:
     state: Diff2State
     ledger: PrivacyLedger | None
     run_dir: str | None
+    #: Round ``state.round``'s metrics row without the evaluation (None before format 2).
+    release_row: dict[str, Any] | None = None
 
 
 def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
@@ -57,7 +65,7 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
         raise CheckpointError("Only routines without state (gd) can be checkpointed so far.")
     meta = {
         "format": _FORMAT, "fingerprint": checkpoint.fingerprint, "round": s.round, "noise_key": str(s.noise_key),
-        "noise_seeded": s.noise_seeded, "run_dir": checkpoint.run_dir,
+        "noise_seeded": s.noise_seeded, "run_dir": checkpoint.run_dir, "release_row": checkpoint.release_row,
         "ledger": None if checkpoint.ledger is None else {
             "delta": checkpoint.ledger.delta,
             "events": [[e.noise_multiplier, e.kind] for e in checkpoint.ledger.events]},
@@ -105,4 +113,8 @@ def load_checkpoint(path: Path, fingerprint: str) -> Checkpoint:
                                   f"{len(ledger.events)} ledger events.")
     state = Diff2State(round=int(meta["round"]), x=arrays["x"], x_prev=arrays.get("x_prev"), v=arrays.get("v"),
                        routine_state=None, noise_key=int(meta["noise_key"]), noise_seeded=bool(meta["noise_seeded"]))
-    return Checkpoint(fingerprint=fingerprint, state=state, ledger=ledger, run_dir=meta["run_dir"])
+    row = meta.get("release_row")
+    if row is not None and row.get("round") != state.round:
+        raise CheckpointError(f"Checkpoint {path} is inconsistent: round {state.round} but its release row is for "
+                              f"round {row.get('round')}.")
+    return Checkpoint(fingerprint=fingerprint, state=state, ledger=ledger, run_dir=meta["run_dir"], release_row=row)

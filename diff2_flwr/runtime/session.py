@@ -32,7 +32,7 @@ from ..task.losses import get_loss
 from ..task.models import build_model
 from .checkpoint import Checkpoint, CheckpointError, config_fingerprint, load_checkpoint, save_checkpoint
 from .config import ExperimentConfig
-from .outputs import RunRecorder, new_run_dir
+from .outputs import RunRecorder, new_run_dir, to_json
 
 __all__ = ["Diff2Server", "Worker", "Diverged", "check_mechanism", "load_data", "build_server", "build_worker"]
 
@@ -115,13 +115,17 @@ class Diff2Server:
             if progress:
                 progress(f"[diff2] resumed from {checkpoint_path} after round {self.state.round} "
                          f"(ε spent so far {self.epsilon_spent:.4g})")
+            recorded = {r["round"] for r in self.history}
+            if recorder is not None and resume.release_row is not None and self.state.round not in recorded:
+                # Died after round r's checkpoint, before its row: write the row now (x_r is released already).
+                self._record_release(dict(resume.release_row), bool(np.all(np.isfinite(self.state.x))))
             return
         self.state = init_state(x0, routine, seed)
         self.ledger = PrivacyLedger(calibration.delta) if calibration else None
         self.history = []
-        initial = {"round": 0, "kind": "init", **self._evaluate(self.state.x, force=True)}
-        self._record(initial)
-        self._checkpoint()  # the noise key is durable before anything is released
+        initial = {"round": 0, "kind": "init"}
+        self._checkpoint(initial)  # the noise key is durable before anything is written or released
+        self._record_release(initial, True)
 
     # ---------------------------------------------------------------- rounds
     @property
@@ -185,11 +189,9 @@ class Diff2Server:
             "epsilon_pld": self.epsilon_pld, "epsilon_rdp": self.epsilon_rdp,
             "update_norm": float(np.linalg.norm(release.x - plan.x_current)),
         }
+        self._checkpoint(row)  # durable before anything of round r is written elsewhere
         finite = bool(np.all(np.isfinite(release.x)))
-        if finite:
-            row.update(self._evaluate(release.x, force=self.done))
-        self._record(row)
-        self._checkpoint()
+        self._record_release(row, finite)
         if not finite:
             err = Diverged(
                 f"Round {plan.round}: the iterate is no longer finite. Lower training.learning_rate "
@@ -204,10 +206,17 @@ class Diff2Server:
             self._write_summary()
         return release
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, release_row: dict) -> None:
         if self.checkpoint_path is not None:
             run_dir = str(self.recorder.directory) if self.recorder else None
-            save_checkpoint(self.checkpoint_path, Checkpoint(self.fingerprint, self.state, self.ledger, run_dir))
+            save_checkpoint(self.checkpoint_path, Checkpoint(self.fingerprint, self.state, self.ledger, run_dir,
+                                                             to_json(release_row)))
+
+    def _record_release(self, row: dict, finite: bool) -> None:
+        """Evaluate x_r (when due and finite) and record round r's row."""
+        if finite:
+            row.update(self._evaluate(self.state.x, force=self.done or self.state.round == 0))
+        self._record(row)
 
     def fail(self, error: BaseException) -> None:
         """Record that the run stopped with ``error`` (nothing more is released)."""
