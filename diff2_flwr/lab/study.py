@@ -26,7 +26,6 @@ import hashlib
 import itertools
 import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ import yaml
 
 from ..runtime.config import ConfigError, ExperimentConfig, parse_config, read_yaml
 from ..runtime.outputs import to_json
+from ..runtime.progress import ProgressReporter
 
 __all__ = [
     "CRITERIA",
@@ -270,25 +270,19 @@ class _Job:
 
 
 class _Progress:
-    """runs done / total with an ETA, on one line of stderr."""
+    """Runs done / total with an ETA on stderr: a live bar on a terminal, plain periodic lines otherwise."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
-        self.started = time.perf_counter()
+        self.total, self.done = total, 0
+        self._reporter = ProgressReporter(total, label="runs", enabled=enabled)
 
     def show(self, fraction_of_batch: float = 0.0, batch: int = 0) -> None:
-        if not self.enabled or self.total == 0:
-            return
-        done = self.done + fraction_of_batch * batch
-        elapsed = time.perf_counter() - self.started
-        eta = elapsed / done * (self.total - done) if done > 0 else math.nan
-        bar = "#" * int(30 * done / self.total)
-        sys.stderr.write(f"\r[diff2] runs {self.done}/{self.total} [{bar:<30}] {elapsed:6.0f}s elapsed, ETA {eta:6.0f}s ")
-        sys.stderr.flush()
+        if self._reporter.total != self.total:
+            self._reporter.set_total(self.total)
+        self._reporter.update(self.done + fraction_of_batch * batch)
 
     def finish(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
+        self._reporter.finish()
 
 
 def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress) -> None:

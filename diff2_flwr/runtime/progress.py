@@ -1,0 +1,86 @@
+"""Progress of long jobs on stderr: a live bar on a terminal, plain periodic lines in a log.
+
+A bar redrawn with carriage returns turns a CI or ``nohup`` log into one endless line, so the bar
+(``rich``) is drawn only when the stream is a terminal; otherwise a plain line is written at
+start, at most every ``interval_s`` seconds, and at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import TextIO
+
+__all__ = ["ProgressReporter"]
+
+
+class ProgressReporter:
+    """``done`` of ``total`` units (fractions allowed), with elapsed time and an ETA."""
+
+    def __init__(self, total: float, *, label: str = "runs", stream: TextIO | None = None,
+                 enabled: bool = True, interval_s: float = 10.0) -> None:
+        self.total, self.label, self.enabled, self.interval_s = total, label, enabled, interval_s
+        self.stream = sys.stderr if stream is None else stream
+        self.done = 0.0
+        self.started = time.perf_counter()
+        self._last_line = -math.inf
+        self._bar = None
+        self._task = None
+        if enabled and _is_terminal(self.stream):
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+                TimeRemainingColumn
+
+            console = Console(file=self.stream, force_terminal=True)
+            self._bar = Progress(TextColumn(f"[diff2] {label}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
+            self._task = self._bar.add_task(label, total=total)
+            self._bar.start()
+
+    @property
+    def is_live(self) -> bool:
+        return self._bar is not None
+
+    def set_total(self, total: float) -> None:
+        """The job turned out smaller or larger than announced."""
+        self.total = total
+        if self._bar is not None:
+            self._bar.update(self._task, total=total)
+
+    def update(self, done: float) -> None:
+        """Set the units done so far (monotone)."""
+        self.done = done
+        if not self.enabled or self.total <= 0:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done)
+            return
+        now = time.perf_counter()
+        if now - self._last_line >= self.interval_s or done >= self.total:
+            self._last_line = now
+            self.stream.write(self._line(now) + "\n")
+            self.stream.flush()
+
+    def _line(self, now: float) -> str:
+        elapsed = now - self.started
+        eta = elapsed / self.done * (self.total - self.done) if self.done > 0 else math.nan
+        eta_text = f"{eta:.0f} s" if math.isfinite(eta) else "?"
+        shown = int(self.done) if float(self.done).is_integer() else round(self.done, 1)
+        return (f"[diff2] {self.label} {shown}/{self.total:g} ({100 * self.done / self.total:.0f} %), "
+                f"{elapsed:.0f} s elapsed, ETA {eta_text}")
+
+    def finish(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        elif self.enabled and self.total > 0 and self.done < self.total:
+            self.stream.write(self._line(time.perf_counter()) + "\n")
+            self.stream.flush()
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
