@@ -13,13 +13,26 @@ import json
 import sys
 from pathlib import Path
 
-from .core.privacy import calibrate, schedule_cross_check
 from .runtime.outputs import to_json
 
 __all__ = ["main"]
 
+# Only the standard library and light modules load before a command runs: `diff2 --help` must not pay
+# for torch, scipy or Flower (each command imports what it needs).
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("diff2-flwr")
+    except PackageNotFoundError:  # a source tree that is not installed
+        return "unknown (not installed)"
+
 
 def _noise(args: argparse.Namespace) -> int:
+    from .core.privacy import calibrate, schedule_cross_check
+
     cal = calibrate(
         epsilon=args.epsilon, delta=args.delta, rounds=args.rounds, restart_every=args.restart_every,
         u=args.u, n_min=args.n_min, clients=args.clients, mode=args.mode,
@@ -136,6 +149,7 @@ def _compose(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diff2", description="DIFF2 differentially private federated training on Flower.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     noise = sub.add_parser("noise", help="print the noise calibration (σ1, σ2, z1, z2) as JSON")
@@ -187,9 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--tls", action="store_true", help="TLS between SuperLink and every other component")
     comp.set_defaults(func=_compose)
 
-    from .lab.audit import AuditSpec, default_workers
+    import dataclasses
 
-    d = AuditSpec()
+    from .lab.audit_spec import AuditSpec, default_workers
+
+    # The defaults without building an AuditSpec (that would calibrate, i.e. import scipy, for --help).
+    d = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(AuditSpec)})
     aud = sub.add_parser("audit", help="empirically audit the (ε, δ) guarantee of the real server path (JSON; exit 3 "
                                        "if the audit proves it false)")
     aud.add_argument("--method", choices=("dpgd", "diff2"), default=d.method, help="mechanism (default %(default)s)")

@@ -135,3 +135,19 @@ def test_importing_the_package_and_its_rooms_stays_light():
     code = "import sys, diff2_flwr; print(sorted(m for m in ('torch', 'flwr', 'scipy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_cli_parser_stays_light():
+    """`diff2 --help` (and every sub-command's --help) builds its parser without torch, scipy, numpy or Flower."""
+    code = ("import sys; from diff2_flwr.cli import build_parser; p = build_parser(); p.format_help(); "
+            "[a.choices[c].format_help() for a in p._subparsers._group_actions for c in a.choices]; "
+            "print(sorted(m for m in ('torch', 'flwr', 'scipy', 'numpy', 'matplotlib', 'yaml') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_version():
+    from importlib.metadata import version
+
+    out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"diff2 {version('diff2-flwr')}"

@@ -65,75 +65,10 @@ from ..fl import protocol
 from ..fl.client import Diff2Client
 from ..fl.strategy import Diff2Strategy
 from ..runtime.session import Diff2Server, Worker
+from .audit_spec import AuditSpec, default_workers
 
 __all__ = ["AuditSpec", "GradientCanaryShard", "audit_scores", "clopper_pearson_upper", "epsilon_lower_bound",
            "run_audit", "threshold_grid"]
-
-_METHODS = ("dpgd", "diff2")
-
-
-@dataclass(frozen=True)
-class AuditSpec:
-    """One audit: the mechanism under test, its schedule, the federation, the number of trials.
-
-    ``trials`` runs are made on each of D and D′. ``noise_scale`` multiplies the calibrated noise
-    (values < 1 deliberately break the mechanism: the audit must then report ε̂ > ε).
-    ``seed`` makes the trials' noise reproducible; ``None`` draws every trial's noise key from OS
-    entropy, as a production run does.
-    """
-
-    method: str = "diff2"
-    epsilon: float = 3.0
-    delta: float = 1e-5
-    rounds: int = 10
-    restart_every: int = 5
-    u: float = 1.25
-    clients: int = 2
-    samples: int = 16
-    dim: int = 4
-    learning_rate: float = 0.5
-    clip_restart: float = 1.0
-    clip_diff: float = 1.0
-    noise_scale: float = 1.0
-    trials: int = 10_000
-    alpha: float = 0.05
-    seed: int | None = None
-    workers: int = 1
-
-    def __post_init__(self) -> None:
-        def bad(key: str, expected: str) -> ValueError:
-            return ValueError(f"`--{key.replace('_', '-')}` must be {expected}. Found {getattr(self, key)!r}.")
-
-        if self.method not in _METHODS:
-            raise bad("method", f"one of {_METHODS}")
-        for key in ("rounds", "restart_every", "clients", "samples", "dim", "workers"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise bad(key, "an integer >= 1")
-        if self.dim < 2:
-            raise bad("dim", "at least 2 (one canary axis and at least one benign coordinate)")
-        if not isinstance(self.trials, int) or self.trials < 20:
-            raise bad("trials", "an integer >= 20")
-        if not (math.isfinite(self.noise_scale) and self.noise_scale > 0):
-            raise bad("noise_scale", "a finite number > 0 (1 = the calibrated noise)")
-        if not 0 < self.alpha < 1:
-            raise bad("alpha", "in (0, 1)")
-        for key in ("clip_restart", "clip_diff", "learning_rate"):
-            if not (math.isfinite(getattr(self, key)) and getattr(self, key) > 0):
-                raise bad(key, "a finite number > 0")
-        if self.method == "diff2" and (self.restart_every < 2 or self.restart_every >= self.rounds):
-            raise bad("restart_every", f"between 2 and rounds - 1 = {self.rounds - 1} for diff2 (restarts and "
-                                       "difference rounds both audited)")
-        self.calibration()  # ε, δ, u: the calibration's own checks, with their messages
-
-    @property
-    def period(self) -> int:
-        return 1 if self.method == "dpgd" else self.restart_every
-
-    def calibration(self) -> Calibration:
-        return calibrate(epsilon=self.epsilon, delta=self.delta, rounds=self.rounds, restart_every=self.period,
-                         u=self.u, n_min=self.samples, clients=self.clients)
-
 
 # ------------------------------------------------------------------------- the federation
 
@@ -405,10 +340,6 @@ def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) ->
     result["ratio"] = result["epsilon_lower_bound"] / eps_claimed
     result["violation"] = result["epsilon_lower_bound"] > eps_claimed
     return result
-
-
-def default_workers() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
 
 
 def stderr_progress(message: str) -> None:
