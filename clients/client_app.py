@@ -9,19 +9,21 @@ from flwr.common import Context
 
 from diff2_flwr.fl.client import Diff2Client
 from diff2_flwr.runtime.compute import pin_threads
-from diff2_flwr.runtime.config import ExperimentConfig, load_config
+from diff2_flwr.runtime.config import ExperimentConfig, load_config, run_config_overrides
 from diff2_flwr.runtime.paths import resolve_config_path
 from diff2_flwr.runtime.session import build_worker
 
 
 
 @functools.lru_cache(maxsize=8)
-def _config(path: str) -> ExperimentConfig:
-    return load_config(resolve_config_path(path))
+def _config(run_config: tuple[tuple[str, bool | int | float | str], ...]) -> ExperimentConfig:
+    values = dict(run_config)
+    return load_config(resolve_config_path(str(values["config"])), run_config_overrides(values))
 
 
 def client_fn(context: Context) -> Client:
-    cfg = _config(str(context.run_config["config"]))
+    # The ServerApp's run config: the same file with the same overridden keys.
+    cfg = _config(tuple(sorted(context.run_config.items())))
     # A fixed thread count (default 1: simulation runs several workers per core) keeps the
     # floating-point reductions, and so the replies, equal to the in-process driver's.
     pin_threads(cfg.training.threads)

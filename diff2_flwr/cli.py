@@ -42,18 +42,20 @@ def _noise(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .runtime.config import parse_assignment
     from .runtime.launch import SimulationFailed, run_simulation
 
+    overrides = dict(parse_assignment(text) for text in args.set or ())
     if args.engine == "inprocess":
         from .runtime.config import load_config
         from .runtime.driver import run_inprocess
         from .runtime.paths import resolve_config_path
 
-        server = run_inprocess(load_config(resolve_config_path(args.config)))
+        server = run_inprocess(load_config(resolve_config_path(args.config), overrides))
         print(f"[diff2] in-process run completed; results in {server.run_info.get('output_dir')}")
         return 0
     try:
-        result = run_simulation(args.config, timeout_s=args.timeout)
+        result = run_simulation(args.config, timeout_s=args.timeout, set_keys=overrides)
     except SimulationFailed as err:
         print(f"[diff2] FAILED: {err}", file=sys.stderr)
         return 1
@@ -168,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=6 * 3600, help="give up after this many seconds")
     run.add_argument("--engine", choices=("flower", "inprocess"), default="flower",
                      help="flower: `flwr run` simulation (default); inprocess: the same code without transport")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="override one key of the experiment file, e.g. --set training.rounds=200 --set "
+                          "privacy.epsilon=8 (the value is read as YAML; validated like the file)")
     run.set_defaults(func=_run)
 
     exp = sub.add_parser("experiment", help="run a study (grid search, seeds, t-tests, report, plots) from a YAML file")

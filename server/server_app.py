@@ -9,13 +9,13 @@ from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 
 from diff2_flwr.fl.strategy import Diff2Strategy
 from diff2_flwr.runtime.compute import pin_threads
-from diff2_flwr.runtime.config import load_config
+from diff2_flwr.runtime.config import load_config, run_config_overrides
 from diff2_flwr.runtime.paths import resolve_config_path
 from diff2_flwr.runtime.session import build_server
 
 
 def server_fn(context: Context) -> ServerAppComponents:
-    cfg = load_config(resolve_config_path(str(context.run_config["config"])))
+    cfg = load_config(resolve_config_path(str(context.run_config["config"])), run_config_overrides(context.run_config))
     pin_threads(cfg.training.threads)  # the evaluation's reductions add in the same order as the in-process driver's
     server = build_server(cfg)  # resumes from output.checkpoint when it exists
     t = cfg.training

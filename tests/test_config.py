@@ -329,3 +329,69 @@ def test_to_dict_round_trips_through_yaml():
     cfg = parse_config({"method": "dpgd", "dataset": {"name": "csv", "path": "d.csv", "target": "y", "drop": ["a", "b"]}})
     again = parse_config(yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
     assert again == cfg
+
+
+# --------------------------------------------------------------------------- overrides (--set, --run-config)
+
+def test_every_config_key_is_a_declared_flower_run_config_key() -> None:
+    """Flower refuses run-config keys the app does not declare: the declared list must follow the config."""
+    import tomllib
+
+    from diff2_flwr.runtime.config import config_keys
+
+    declared = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    app_config = declared["tool"]["flwr"]["app"]["config"]
+    assert [k for k in app_config if k != "config"] == config_keys()
+    assert all(app_config[k] == "" for k in config_keys())
+
+
+def test_overrides_change_single_keys_and_are_validated_like_the_file(tmp_path: Path) -> None:
+    from diff2_flwr.runtime.config import parse_assignment
+
+    path = tmp_path / "base.yaml"
+    path.write_text("name: base\ntraining: {rounds: 10, restart_every: 5, seed: 3}\nprivacy: {epsilon: 3.0}\n")
+    cfg = load_config(path, dict(map(parse_assignment, ["training.rounds=20", "privacy.epsilon=8",
+                                                        "training.seed=null", "privacy.delta=1e-6"])))
+    assert (cfg.training.rounds, cfg.privacy.epsilon, cfg.training.seed, cfg.privacy.delta) == (20, 8.0, None, 1e-6)
+    assert cfg.training.restart_every == 5 and cfg.name == "base"  # the rest as in the file
+    assert "with overrides training.rounds=20" in cfg.source
+    with pytest.raises(ConfigError, match=r"unknown key rounds in the overrides. Did you mean training.rounds\?"):
+        load_config(path, {"rounds": 3})
+    with pytest.raises(ConfigError, match=r"unknown key training.roundz in the overrides. Did you mean training.rounds"):
+        load_config(path, {"training.roundz": 3})
+    with pytest.raises(ConfigError, match=r"with overrides training.rounds=4\): key `training.restart_every`: "
+                                          r"expected at most training.rounds = 4"):
+        load_config(path, {"training.rounds": 4})
+    with pytest.raises(ConfigError, match=r"key `privacy.epsilon`: expected a finite number > 0. Found -1"):
+        load_config(path, {"privacy.epsilon": -1})
+    with pytest.raises(ConfigError, match=r"--set: expected KEY=VALUE \(e.g. training.rounds=200\). Found 'rounds'"):
+        parse_assignment("rounds")
+
+
+def test_run_config_overrides_read_flower_values() -> None:
+    from diff2_flwr.runtime.config import run_config_overrides, yaml_text
+
+    got = run_config_overrides({"config": "configs/default.yaml", "training.rounds": "", "training.seed": "null",
+                                "privacy.epsilon": 8.0, "dataset.drop": "[a, b]", "name": "mine",
+                                "training.clip_diff": ".inf"})
+    assert got == {"training.seed": None, "privacy.epsilon": 8.0, "dataset.drop": ["a", "b"], "name": "mine",
+                   "training.clip_diff": math.inf}
+    for value in (200, 1e-6, None, ["a", "b"], "abc", True, math.inf, "null"):
+        assert run_config_overrides({"k": yaml_text(value)}) == {"k": value}
+
+
+def test_diff2_run_set_overrides_the_file(tmp_path: Path, capsys) -> None:
+    from diff2_flwr.cli import main
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(f"name: tiny\ndataset: {{name: synthetic, num_samples: 300}}\ntraining: {{rounds: 9, "
+                    f"restart_every: 3, clients: 2, seed: 1}}\noutput: {{dir: {tmp_path / 'out'}}}\n")
+    assert main(["run", str(path), "--engine", "inprocess", "--set", "training.rounds=4", "--set", "name=over"]) == 0
+    (run_dir,) = (tmp_path / "out").iterdir()
+    import json
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert run_dir.name.startswith("over-") and summary["rounds_released"] == 4
+    assert summary["config"]["training"]["rounds"] == 4
+    assert main(["run", str(path), "--engine", "inprocess", "--set", "training.rounds=0"]) == 2
+    assert "key `training.rounds`: expected an integer >= 1. Found 0" in capsys.readouterr().err

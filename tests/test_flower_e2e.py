@@ -122,3 +122,17 @@ def test_server_crash_and_restart_resumes_the_same_trajectory(tmp_path):
     strip = lambda rs: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rs]  # noqa: E731
     assert strip(rows) == strip(reference.history)
     assert summary["privacy"]["epsilon_spent"] == reference.epsilon_spent
+
+
+def test_overridden_keys_reach_the_server_app_and_every_client_app(tmp_path):
+    """`--set` keys travel as Flower run-config keys: P, R and the seed change on both sides alike."""
+    config = write_config(tmp_path, "over")
+    result = run_simulation(str(config), echo=False,
+                            set_keys={"training.clients": 2, "training.rounds": 4, "training.seed": 5})
+    rows, summary = read_run(result)
+    assert summary["status"] == "completed" and summary["rounds_released"] == 4
+    assert len(summary["dataset"]["shard_sizes"]) == 2 and summary["config"]["training"]["seed"] == 5
+    reference = run_inprocess(load_config(config, {"training.clients": 2, "training.rounds": 4, "training.seed": 5}),
+                              record=False, progress=None)
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rs]  # noqa: E731
+    assert strip(rows) == strip(reference.history)

@@ -42,6 +42,11 @@ __all__ = [
     "load_config",
     "parse_config",
     "read_yaml",
+    "config_keys",
+    "parse_assignment",
+    "apply_overrides",
+    "run_config_overrides",
+    "yaml_text",
 ]
 
 Method = Literal["gd", "dpgd", "diff2"]
@@ -414,6 +419,104 @@ def read_yaml(path: str | Path, what: str = "experiment", error: type[ConfigErro
         raise error(f"{path}: not valid YAML: {exc}") from exc
 
 
-def load_config(path: str | Path) -> ExperimentConfig:
-    """Read and validate an experiment YAML file."""
-    return parse_config(read_yaml(path), str(path))
+def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> ExperimentConfig:
+    """Read and validate an experiment YAML file, with single keys overridden (``{"training.rounds": 200}``).
+
+    The overrides are validated like the file (unknown keys, types, ranges); errors name them.
+    """
+    data = read_yaml(path)
+    if not overrides:
+        return parse_config(data, str(path))
+    shown = " ".join(f"{k}={_show(v)}" for k, v in overrides.items())
+    source = f"{path} (with overrides {shown})"
+    return parse_config(apply_overrides(data, overrides, source), source)
+
+
+# --------------------------------------------------------------------------- overrides
+
+def config_keys() -> list[str]:
+    """Every settable key of an experiment file, dotted (``training.rounds``), in declaration order."""
+    def walk(cls: type, prefix: str) -> list[str]:
+        hints, out = typing.get_type_hints(cls), []
+        for f in dataclasses.fields(cls):
+            if f.name == "source":
+                continue
+            if dataclasses.is_dataclass(hints[f.name]):
+                out += walk(hints[f.name], f"{prefix}{f.name}.")
+            else:
+                out.append(prefix + f.name)
+        return out
+
+    return walk(ExperimentConfig, "")
+
+
+def yaml_text(value: Any) -> str:
+    """A value as the YAML text that reads back as it (``200``, ``1.0e-06``, ``null``, ``[a, b]``)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**9).strip().removesuffix("...").strip()
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else yaml_text(value)
+
+
+def _yaml_value(text: str, key: str, source: str) -> Any:
+    """A value written as YAML (``200``, ``1e-5``, ``null``, ``[a, b]``, ``{k: v}``, ``text``)."""
+    try:
+        return yaml.load(text, Loader=_Loader) if text.strip() else ""  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: override {key}={text!r} is not a valid YAML value: {exc}") from None
+
+
+def parse_assignment(text: str, source: str = "--set") -> tuple[str, Any]:
+    """``"training.rounds=200"`` -> ``("training.rounds", 200)``; the value is read as YAML."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"{source}: expected KEY=VALUE (e.g. training.rounds=200). Found {text!r}.")
+    return key, _yaml_value(value, key, source)
+
+
+def apply_overrides(data: Any, overrides: Mapping[str, Any], source: str = "<overrides>") -> dict:
+    """A copy of the parsed file with each dotted key set; a key that does not exist is refused here."""
+    import copy
+
+    known = config_keys()
+    out = copy.deepcopy(data) if isinstance(data, Mapping) else ({} if data is None else data)
+    if not isinstance(out, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys to values. Found {out!r}.")
+    for key, value in overrides.items():
+        if key not in known:
+            import difflib
+
+            close = [k for k in known if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
+            close = close or difflib.get_close_matches(key, known, n=3, cutoff=0.75)
+            hint = f" Did you mean {', '.join(close)}?" if close else f" Settable keys: {', '.join(known)}."
+            raise ConfigError(f"{source}: unknown key {key} in the overrides.{hint}")
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                raise ConfigError(f"{source}: `{part}` must be a mapping of keys to values. Found {node[part]!r}.")
+            node = node[part]
+        node[parts[-1]] = value
+    return out
+
+
+#: A run-config value that leaves the file's value alone (Flower needs every key declared with a default).
+UNSET = ""
+
+
+def run_config_overrides(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The experiment-file overrides among a Flower run config's keys (all but ``config``).
+
+    Strings are read as YAML (so ``training.seed='null'`` or ``dataset.drop='[a, b]'`` work); numbers
+    and booleans are taken as Flower typed them; ``""`` (the declared default) means "as in the file".
+    """
+    out: dict[str, Any] = {}
+    for key, value in run_config.items():
+        if key == "config" or value == UNSET:
+            continue
+        out[key] = _yaml_value(value, key, "--run-config") if isinstance(value, str) else value
+    return out

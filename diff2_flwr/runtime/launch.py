@@ -23,8 +23,9 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
-from .config import load_config
+from .config import load_config, yaml_text
 from .paths import APP_DIR, resolve_config_path
 
 __all__ = ["LaunchResult", "SimulationFailed", "run_simulation"]
@@ -173,18 +174,22 @@ def run_simulation(
     env: dict[str, str] | None = None,
     clients: int | None = None,
     run_config: dict[str, str | int | float] | None = None,
+    set_keys: Mapping[str, Any] | None = None,
 ) -> LaunchResult:
     """Run ``config`` through ``flwr run`` on a private local SuperLink; raise if the run did not complete.
 
     Relative output paths in the config resolve against ``cwd`` (default: the current directory).
+    ``set_keys`` overrides single keys of the experiment file (``{"training.rounds": 200}``): they travel
+    as Flower run-config keys, so the ServerApp and every ClientApp apply the same ones.
     For another Flower app (``config=None``), give ``clients`` and its ``run_config`` overrides.
     """
     app_dir = Path(app_dir).resolve()
     overrides = dict(run_config or {})
     if config is not None:
         config_path = resolve_config_path(config, app_dir)
-        clients = load_config(config_path).training.clients
+        clients = load_config(config_path, set_keys).training.clients  # validated here, before anything starts
         overrides["config"] = str(config_path)
+        overrides.update({k: yaml_text(v) for k, v in (set_keys or {}).items()})
     if clients is None:
         raise ValueError("run_simulation needs `clients` when no experiment config is given.")
     home = Path(tempfile.mkdtemp(prefix="diff2-flwr-home-"))
