@@ -67,7 +67,7 @@ def _forged_activation(live) -> int:
     claimed = load_ssh_private_key(live.node_keys[0].private.read_bytes(), None).public_key()
     wrong_private, _ = generate_key_pairs()
     with FleetHttpClient.from_server_address(
-        f"127.0.0.1:{live.port}", False, str(live.certificates.ca),
+        f"127.0.0.1:{live.port}", False, live.certificates.ca.read_bytes(),
         interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperNode"),
                       NodeAuthHttpInterceptor(wrong_private, claimed)],
     ) as client:
