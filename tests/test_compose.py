@@ -96,6 +96,7 @@ def test_multi_host_variant_publishes_one_address_and_says_who_must_reach_it():
     assert services["superlink"]["ports"] == ["10.0.0.5:8000:8000"]
     assert ipaddress.ip_address(_published(services["superlink"]["ports"][0])[0]).is_private
     assert all("link.example.org:8000" in services[f"supernode-{i}"]["command"] for i in range(2))
+    assert not any("depends_on" in services[f"supernode-{i}"] for i in range(2))  # owners start no SuperLink
     assert "allow-list" in text and "data owners' SuperNode hosts and the\n# operator's address only" in text
 
 

@@ -99,7 +99,8 @@ def render_compose(clients: int = 3, tls: bool = False, *, node_auth: bool | Non
             node["volumes"] = [_CA, *([f"./deploy/certs/supernode-{i}.key:/keys/supernode.key:ro"] if node_auth else [])]
         if node_auth:
             node["restart"] = "on-failure"  # refused until the operator has registered its public key
-        node["depends_on"] = ["superlink"]
+        if superlink == f"superlink:{SUPERLINK_PORT}":  # multi-host: `up supernode-i` must not start a SuperLink
+            node["depends_on"] = ["superlink"]
         services[f"supernode-{i}"] = node
         services[f"clientapp-{i}"] = {
             "build": {"context": ".", "dockerfile": "clients/Dockerfile"},
@@ -137,6 +138,8 @@ def render_compose(clients: int = 3, tls: bool = False, *, node_auth: bool | Non
         lines += [
             f"Multi-host: allow-list (firewall) {_publish_address(publish)}:{SUPERLINK_PORT} to the data owners' SuperNode hosts and the",
             "operator's address only; nothing else needs to be reachable (SuperNodes and ClientApps dial out).",
+            "The SuperLink host runs `up -d superlink serverapp`; data owner i runs `up -d supernode-i clientapp-i` with",
+            "only its shard, ca.crt and supernode-i.key.",
         ]
     lines += [
         f"Then submit the app: `flwr run . <connection to {_publish_address(publish) if publish != '127.0.0.1' else '127.0.0.1'}:{SUPERLINK_PORT}> --run-config \"config='configs/deploy.yaml'\"`.",
