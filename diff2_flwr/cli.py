@@ -122,30 +122,36 @@ def _deploy_local(args: argparse.Namespace) -> int:
     from .runtime.launch import SimulationFailed
 
     try:
-        result = run_local_deployment(args.config, tls=args.tls, rounds=args.rounds, clients=args.clients,
-                                      workdir=args.workdir)
+        result = run_local_deployment(args.config, tls=args.tls, node_auth=args.node_auth, resume=args.resume,
+                                      rounds=args.rounds, clients=args.clients, workdir=args.workdir)
     except SimulationFailed as err:
         print(f"[diff2] deployment FAILED: {err}", file=sys.stderr)
         return 1
     per_round = sorted(result.round_seconds)[len(result.round_seconds) // 2] if result.round_seconds else float("nan")
-    print(f"[diff2] deployment run {result.launch.run_id} {result.launch.status} "
-          f"({'TLS' if args.tls else 'insecure, loopback only'}); median {per_round:.1f} s/round; "
-          f"results in {result.launch.output_dir}")
+    security = ("TLS, SuperNode authentication" if result.node_auth else "TLS, no SuperNode authentication") \
+        if args.tls else "insecure, loopback only"
+    print(f"[diff2] deployment run {result.launch.run_id} {result.launch.status} ({security}); "
+          f"median {per_round:.1f} s/round; results in {result.launch.output_dir}; run folder (shards, keys, "
+          f"logs) {result.workdir}")
     return 0
 
 
 def _certs(args: argparse.Namespace) -> int:
-    from .deploy.certs import make_certificates
+    from .deploy.certs import make_certificates, make_node_keys
 
     certs = make_certificates(args.out, tuple(args.host))
     print(f"CA: {certs.ca}\nserver certificate: {certs.cert}\nserver key: {certs.key}")
+    for i, key in enumerate(make_node_keys(args.out, args.clients) if args.clients else []):
+        print(f"data owner {i}: SuperNode private key {key.private} (give it to data owner {i} only), "
+              f"public key {key.public} (register: flwr supernode register {key.public} <connection>)")
     return 0
 
 
 def _compose(args: argparse.Namespace) -> int:
     from .deploy.compose import render_compose
 
-    print(render_compose(args.clients, args.tls), end="")
+    print(render_compose(args.clients, args.tls, node_auth=args.node_auth, publish=args.publish,
+                         superlink=args.superlink), end="")
     return 0
 
 
@@ -190,20 +196,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     dep = sub.add_parser("deploy-local", help="run a native loopback deployment (SuperLink + P SuperNodes) of a config")
     dep.add_argument("config", nargs="?", default="configs/default.yaml", help="experiment YAML")
-    dep.add_argument("--tls", action="store_true", help="TLS with a generated local CA (the default beyond a laptop)")
+    dep.add_argument("--tls", action="store_true", help="TLS with a generated local CA (the default beyond a laptop); "
+                     "turns on SuperNode authentication")
+    dep.add_argument("--no-node-auth", dest="node_auth", action="store_false", default=None,
+                     help="with --tls: accept any SuperNode instead of only the P registered keys")
+    dep.add_argument("--resume", action="store_true",
+                     help="continue from the checkpoint a previous run left in the run folder (default: start fresh)")
     dep.add_argument("--rounds", type=int, default=None, help="override training.rounds (~10 s per round)")
     dep.add_argument("--clients", type=int, default=None, help="override training.clients (one SuperNode each)")
-    dep.add_argument("--workdir", default=None, help="keep shards, logs and certificates here (default: a temp dir)")
+    dep.add_argument("--workdir", default=None, help="run folder: shards, keys, logs and outputs "
+                     "(default: ./deploy-local/<config name>); container paths such as /outputs map into it")
     dep.set_defaults(func=_deploy_local)
 
-    certs = sub.add_parser("certs", help="generate a CA and a SuperLink certificate for a TLS deployment")
+    certs = sub.add_parser("certs", help="generate a CA, a SuperLink certificate and SuperNode keys for a TLS deployment")
     certs.add_argument("--out", required=True, help="output folder")
     certs.add_argument("--host", action="append", default=None, help="host name or IP of the SuperLink (repeatable)")
-    certs.set_defaults(func=lambda a: _certs(argparse.Namespace(out=a.out, host=a.host or ["127.0.0.1", "localhost"])))
+    certs.add_argument("--clients", type=int, default=3,
+                       help="P: also write one SuperNode key pair per data owner, supernode-<i>.key/.pub, for "
+                            "SuperNode authentication (default %(default)s; 0: none)")
+    certs.set_defaults(func=lambda a: _certs(argparse.Namespace(out=a.out, host=a.host or ["127.0.0.1", "localhost"],
+                                                                clients=a.clients)))
 
     comp = sub.add_parser("compose", help="print docker-compose.yml for P data owners (default 3)")
     comp.add_argument("--clients", type=int, default=3, help="P: one SuperNode and one ClientApp per data owner")
-    comp.add_argument("--tls", action="store_true", help="TLS between SuperLink and every other component")
+    comp.add_argument("--tls", action="store_true", help="TLS between SuperLink and every other component, with "
+                      "SuperNode authentication")
+    comp.add_argument("--no-node-auth", dest="node_auth", action="store_false", default=None,
+                      help="with --tls: accept any SuperNode (default: only registered keys)")
+    comp.add_argument("--publish", default="127.0.0.1",
+                      help="the one host address the SuperLink port is published on (default %(default)s; "
+                           "multi-host: the SuperLink host's address on the data owners' network; never 0.0.0.0)")
+    comp.add_argument("--superlink", default="superlink:8000",
+                      help="address the SuperNodes dial (default %(default)s; multi-host: <SuperLink host>:8000)")
     comp.set_defaults(func=_compose)
 
     import dataclasses

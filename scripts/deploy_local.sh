@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
 # A native loopback deployment for a newcomer without Docker: one SuperLink, one SuperNode per
 # data owner (each reading only its own shard file), `flwr run` of the app; then everything is
-# stopped. Exits 0 only if the run completed.
-# Usage: scripts/deploy_local.sh [--tls] [--rounds N] [--clients P] [CONFIG.yaml]
+# stopped. Exits 0 only if the run completed. Everything binds to 127.0.0.1 only.
+# Usage: scripts/deploy_local.sh [--tls] [--no-node-auth] [--resume] [--rounds N] [--clients P]
+#                                [--workdir DIR] [CONFIG.yaml]
+#   --tls           TLS with a throw-away CA, and SuperNode authentication: one key pair per data
+#                   owner, the SuperLink accepts only the P registered public keys
+#   --no-node-auth  with --tls: accept any SuperNode (not recommended)
+#   --resume        continue from the checkpoint a previous run left in the run folder; without
+#                   it a repeated run starts fresh
+#   --workdir DIR   run folder (default ./deploy-local/<config name>): shards, certificates and
+#                   keys, logs, outputs; container paths in the config (/outputs/...) map into it
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$root/scripts/setup.sh"
 config="configs/default.yaml"
 args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --tls) args+=(--tls); shift ;;
-    --rounds|--clients) args+=("$1" "$2"); shift 2 ;;
-    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    --tls|--no-node-auth|--resume) args+=("$1"); shift ;;
+    --rounds|--clients|--workdir) args+=("$1" "$2"); shift 2 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) config="$1"; shift ;;
   esac
 done
+"$root/scripts/setup.sh"
 cd "$root"
-exec "$root/.venv/bin/diff2" deploy-local "$config" --rounds "${DIFF2_DEPLOY_ROUNDS:-3}" "${args[@]}"
+has_rounds=0
+for a in "${args[@]+"${args[@]}"}"; do [[ "$a" == "--rounds" ]] && has_rounds=1; done
+if [[ $has_rounds -eq 0 ]]; then args+=(--rounds "${DIFF2_DEPLOY_ROUNDS:-3}"); fi
+exec "$root/.venv/bin/diff2" deploy-local "$config" "${args[@]}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 
@@ -46,6 +47,85 @@ def test_topology_one_shard_per_node(clients, tls):
         assert "--root-certificates" in server["command"]
     else:
         assert "--insecure" in link
+
+
+def _published(port_entry) -> tuple[str | None, str]:
+    """(host address or None for every interface, container port) of a compose `ports` entry, short or long form."""
+    if isinstance(port_entry, dict):
+        return port_entry.get("host_ip"), str(port_entry["target"])
+    text = str(port_entry)
+    if text.startswith("["):  # [::1]:8000:8000
+        address, rest = text[1:].split("]:", 1)
+        return address, rest.split(":")[-1]
+    parts = text.split(":")
+    return (parts[0] if len(parts) == 3 else None), parts[-1]
+
+
+def _compose_files() -> list[Path]:
+    return sorted(ROOT.glob("docker-compose*.yml")) + sorted(ROOT.glob("docker-compose*.yaml"))
+
+
+def test_no_compose_file_publishes_a_port_on_all_interfaces():
+    files = _compose_files()
+    assert {f.name for f in files} >= {"docker-compose.yml", "docker-compose.tls.yml"}
+    for path in files:
+        services = yaml.safe_load(path.read_text())["services"]
+        published = {name: [_published(p) for p in s.get("ports", [])] for name, s in services.items()}
+        assert published.pop("superlink") == [("127.0.0.1", "8000")], path.name  # the operator's `flwr` only
+        assert not any(published.values()), f"{path.name} publishes more than the SuperLink: {published}"
+        for name, service in services.items():
+            assert "expose" not in service and service.get("network_mode") != "host", (path.name, name)
+
+
+def test_the_all_interfaces_check_catches_what_it_should():
+    assert _published("8000:8000") == (None, "8000")
+    assert _published("0.0.0.0:8000:8000") == ("0.0.0.0", "8000")
+    assert _published({"target": 8000, "published": 8000}) == (None, "8000")
+    assert _published("[::1]:8000:8000") == ("::1", "8000")
+
+
+@pytest.mark.parametrize("publish", ["0.0.0.0", "::", "[::]", "", "*", "superlink.example.org"])
+def test_the_generator_refuses_to_publish_on_all_interfaces(publish):
+    with pytest.raises(ValueError, match="publish"):
+        render_compose(3, True, publish=publish)
+
+
+def test_multi_host_variant_publishes_one_address_and_says_who_must_reach_it():
+    text = render_compose(2, True, publish="10.0.0.5", superlink="link.example.org:8000")
+    services = yaml.safe_load(text)["services"]
+    assert services["superlink"]["ports"] == ["10.0.0.5:8000:8000"]
+    assert ipaddress.ip_address(_published(services["superlink"]["ports"][0])[0]).is_private
+    assert all("link.example.org:8000" in services[f"supernode-{i}"]["command"] for i in range(2))
+    assert not any("depends_on" in services[f"supernode-{i}"] for i in range(2))  # owners start no SuperLink
+    assert "allow-list" in text and "data owners' SuperNode hosts and the\n# operator's address only" in text
+
+
+@pytest.mark.parametrize("clients", [1, 3])
+def test_tls_compose_authenticates_supernodes_each_with_only_its_own_key(clients):
+    services = yaml.safe_load(render_compose(clients, True))["services"]
+    assert "--enable-supernode-auth" in services["superlink"]["command"]
+    assert "./deploy/certs/server.key:/certs/server.key:ro" in services["superlink"]["volumes"]
+    for i in range(clients):
+        node = services[f"supernode-{i}"]
+        keys = [v for v in node["volumes"] if v.endswith(".key:ro") or "/keys/" in v]
+        assert keys == [f"./deploy/certs/supernode-{i}.key:/keys/supernode.key:ro"]  # its own, and nothing else
+        command = node["command"]
+        assert command[command.index("--auth-supernode-private-key") + 1] == "/keys/supernode.key"
+        assert node["restart"] == "on-failure"  # refused (exit) until the operator registers its public key
+    others = [v for name, s in services.items() if name != "superlink" for v in s.get("volumes", [])]
+    assert not any("server.key" in v or "server.pem" in v or v.startswith("./deploy/certs:") for v in others)
+    assert not any("supernode" in v and ".key" in v for name, s in services.items() if not name.startswith("supernode")
+                   for v in s.get("volumes", []))
+
+
+def test_node_auth_needs_tls_and_can_be_turned_off():
+    with pytest.raises(ValueError, match="needs TLS"):
+        render_compose(3, False, node_auth=True)
+    services = yaml.safe_load(render_compose(3, True, node_auth=False))["services"]
+    assert "--enable-supernode-auth" not in services["superlink"]["command"]
+    assert not any("--auth-supernode-private-key" in services[f"supernode-{i}"]["command"] for i in range(3))
+    plain = yaml.safe_load(render_compose(3))["services"]
+    assert "--enable-supernode-auth" not in plain["superlink"]["command"]
 
 
 def test_dockerfiles_and_the_deploy_config_fit_the_compose_file():

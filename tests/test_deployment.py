@@ -49,6 +49,9 @@ def test_native_deployment_with_tls(tmp_path):
     result = run_local_deployment(config(tmp_path), tls=True, workdir=tmp_path / "work", echo=False)
     assert result.launch.status == "finished:completed"
     assert (tmp_path / "work" / "certs" / "ca.crt").is_file()
+    # TLS turns SuperNode authentication on: exactly the P registered keys are the nodes the SuperLink knows
+    assert result.node_auth and sorted(int(n["node-id"]) for n in result.nodes) == sorted(result.node_ids)
+    assert len(set(result.node_ids)) == 3
     reference = run_inprocess(load_config(result.config), record=False, progress=None)
     np.testing.assert_array_equal(np.load(result.launch.output_dir / "final_parameters.npy"), reference.state.x)
     assert rows(result.launch.output_dir) == [{k: v for k, v in r.items() if k != "elapsed_s"}
@@ -70,3 +73,36 @@ def test_a_supernode_killed_mid_run_releases_nothing_and_names_the_failure(tmp_p
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "Round 2 released nothing" in summary["error"]
     print(f"fault error: {info.value}")
+
+
+def test_deploy_yaml_runs_natively_twice_in_its_run_folder_and_resumes_only_when_asked(tmp_path, monkeypatch, capsys):
+    """configs/deploy.yaml names container paths (/outputs/...): natively they map into the run folder."""
+    from diff2_flwr.runtime.paths import APP_DIR
+
+    monkeypatch.chdir(tmp_path)
+    root_outputs = Path("/outputs")
+    had_root_outputs = root_outputs.exists()
+    config = APP_DIR / "configs" / "deploy.yaml"
+    first = run_local_deployment(config, rounds=1, clients=2, echo=False)
+    run_folder = tmp_path / "deploy-local" / "deploy"
+    assert first.workdir == run_folder and first.launch.output_dir.parent == run_folder / "outputs"
+    checkpoint = run_folder / "outputs" / "checkpoint.npz"
+    assert checkpoint.is_file()
+    dep = yaml.safe_load(first.config.read_text())
+    assert dep["output"] == {"dir": str(run_folder / "outputs"), "checkpoint": str(checkpoint)}
+    # the same command again: a fresh run (not a fingerprint error, not a silent resume)
+    second = run_local_deployment(config, rounds=1, clients=2, echo=True)
+    assert "starting fresh: removed" in capsys.readouterr().out
+    assert second.launch.output_dir != first.launch.output_dir
+    for result in (first, second):
+        assert [r["round"] for r in rows(result.launch.output_dir)] == [0, 1]
+    # asked to resume: it continues the second run in its own folder, counting no round twice
+    third = run_local_deployment(config, rounds=1, clients=2, resume=True, echo=False)
+    assert third.launch.output_dir == second.launch.output_dir
+    assert [r["round"] for r in rows(third.launch.output_dir)] == [0, 1]
+    assert sorted(p.name for p in (run_folder / "outputs").iterdir()) == sorted(
+        ["checkpoint.npz", first.launch.output_dir.name, second.launch.output_dir.name])
+    assert root_outputs.exists() == had_root_outputs  # nothing written at the file-system root
+    checkpoint.unlink()
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        run_local_deployment(config, rounds=1, clients=2, resume=True, echo=False)

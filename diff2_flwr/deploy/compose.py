@@ -5,70 +5,144 @@ image) that runs the ServerApp against the SuperLink's runtime API; per data own
 ``supernode-i`` and a ``clientapp-i`` SuperExec (our image) that runs the ClientApp against that
 SuperNode. Each ``clientapp-i`` mounts only its own shard, read-only; the ``serverapp`` mounts
 only ``server.npz`` (test split, shard sizes) and the outputs folder. Containers run as UID 49999.
+
+Exposure. Flower 1.42's SuperLink serves the Fleet API (SuperNodes), the Control API (``flwr run``,
+``flwr supernode register``) and the runtime API on one port, and the open-source SuperLink
+authenticates no one on the Control API: whoever reaches that port can submit an app whose
+ClientApp runs next to every shard. So the port is published on one address only (default
+127.0.0.1: the operator's ``flwr`` on this host; the SuperNodes reach the SuperLink over the
+compose network), never on all interfaces. With TLS, SuperNode authentication is on by default:
+the SuperLink runs with ``--enable-supernode-auth`` and supernode-i mounts only its own private
+key (``diff2 certs --clients P``); the operator registers the P public keys with
+``flwr supernode register``. The SuperLink's TLS key is mounted into the superlink only; the
+others get the CA certificate only.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 import yaml
 
-__all__ = ["render_compose", "FLWR_VERSION"]
+__all__ = ["render_compose", "FLWR_VERSION", "CONTAINER_OUTPUTS", "SUPERLINK_PORT"]
 
 FLWR_VERSION = "1.42.0"
 SUPERLINK_PORT = 8000
 SUPERNODE_PORT = 9094
+#: Where the serverapp container sees ``./deploy/outputs`` (configs/deploy.yaml writes there).
+CONTAINER_OUTPUTS = "/outputs"
+_CA = "./deploy/certs/ca.crt:/certs/ca.crt:ro"
 
 
-def _tls(certs: bool, server: bool = False) -> list[str]:
-    if not certs:
-        return ["--insecure"]
-    if server:
-        return ["--ssl-ca-certfile", "/certs/ca.crt", "--ssl-certfile", "/certs/server.pem", "--ssl-keyfile",
-                "/certs/server.key"]
-    return ["--root-certificates", "/certs/ca.crt"]
+def _publish_address(publish: str) -> str:
+    """The one host address the SuperLink port is published on; never all interfaces."""
+    try:
+        address = ipaddress.ip_address(publish.strip("[]"))
+    except ValueError:
+        raise ValueError(f"`publish`: expected the IP address of one host interface (127.0.0.1 on a single host, "
+                         f"the SuperLink host's address on the data owners' network otherwise). Found {publish!r}."
+                         ) from None
+    if address.is_unspecified:
+        raise ValueError(f"`publish` {publish!r} would publish the SuperLink on every interface: anyone who reaches "
+                         "it could submit code that runs next to the data owners' shards. Give the address of the "
+                         "one interface the data owners and the operator use (and allow-list their addresses).")
+    return f"[{address}]" if address.version == 6 else str(address)
 
 
-def render_compose(clients: int = 3, tls: bool = False) -> str:
-    """The compose file for ``clients`` data owners, plain or TLS."""
+def _tls(certs: bool) -> list[str]:
+    return ["--root-certificates", "/certs/ca.crt"] if certs else ["--insecure"]
+
+
+def render_compose(clients: int = 3, tls: bool = False, *, node_auth: bool | None = None,
+                   publish: str = "127.0.0.1", superlink: str = f"superlink:{SUPERLINK_PORT}") -> str:
+    """The compose file for ``clients`` data owners, plain or TLS (with SuperNode authentication by default).
+
+    ``publish``: the host address the SuperLink's port is published on. ``superlink``: the address the
+    SuperNodes dial (on one host the compose service; in a multi-host deployment the SuperLink host's name).
+    """
     if clients < 1:
         raise ValueError(f"`clients` must be >= 1. Found {clients}.")
-    certs = ["./deploy/certs:/certs:ro"] if tls else []
+    node_auth = tls if node_auth is None else node_auth
+    if node_auth and not tls:
+        raise ValueError("SuperNode authentication needs TLS (Flower refuses `--enable-supernode-auth` on an "
+                         "insecure SuperLink): add --tls or pass --no-node-auth.")
+    published = f"{_publish_address(publish)}:{SUPERLINK_PORT}:{SUPERLINK_PORT}"
+    link_tls = (["--ssl-ca-certfile", "/certs/ca.crt", "--ssl-certfile", "/certs/server.pem", "--ssl-keyfile",
+                 "/certs/server.key"] if tls else ["--insecure"])
     services: dict[str, Any] = {
         "superlink": {
             "image": f"flwr/superlink:{FLWR_VERSION}",
-            "command": [*_tls(tls, server=True), "--isolation", "process", "--host", "0.0.0.0",
-                        "--port", str(SUPERLINK_PORT)],
-            "ports": [f"{SUPERLINK_PORT}:{SUPERLINK_PORT}"],
-            **({"volumes": certs} if certs else {}),
+            "command": [*link_tls, *(["--enable-supernode-auth"] if node_auth else []), "--isolation", "process",
+                        "--host", "0.0.0.0", "--port", str(SUPERLINK_PORT)],
+            "ports": [published],
+            **({"volumes": [_CA, "./deploy/certs/server.pem:/certs/server.pem:ro",
+                            "./deploy/certs/server.key:/certs/server.key:ro"]} if tls else {}),
         },
         "serverapp": {
             "build": {"context": ".", "dockerfile": "server/Dockerfile"},
             "command": [*_tls(tls), "--runtime-api-address", f"superlink:{SUPERLINK_PORT}"],
-            "volumes": ["./deploy/shards/server.npz:/data/shards/server.npz:ro", "./deploy/outputs:/outputs", *certs],
+            "volumes": ["./deploy/shards/server.npz:/data/shards/server.npz:ro",
+                        f"./deploy/outputs:{CONTAINER_OUTPUTS}", *([_CA] if tls else [])],
             "depends_on": ["superlink"],
         },
     }
     for i in range(clients):
-        services[f"supernode-{i}"] = {
+        node: dict[str, Any] = {
             "image": f"flwr/supernode:{FLWR_VERSION}",
-            "command": [*_tls(tls), "--superlink", f"superlink:{SUPERLINK_PORT}", "--isolation", "process",
+            "command": [*_tls(tls), *(["--auth-supernode-private-key", "/keys/supernode.key"] if node_auth else []),
+                        "--superlink", superlink, "--isolation", "process",
                         "--host", "0.0.0.0", "--port", str(SUPERNODE_PORT), "--node-config",
                         f'partition-id={i} num-partitions={clients} data-path="/data/shard.npz"'],
-            **({"volumes": certs} if certs else {}),
-            "depends_on": ["superlink"],
         }
+        if tls:
+            node["volumes"] = [_CA, *([f"./deploy/certs/supernode-{i}.key:/keys/supernode.key:ro"] if node_auth else [])]
+        if node_auth:
+            node["restart"] = "on-failure"  # refused until the operator has registered its public key
+        if superlink == f"superlink:{SUPERLINK_PORT}":  # multi-host: `up supernode-i` must not start a SuperLink
+            node["depends_on"] = ["superlink"]
+        services[f"supernode-{i}"] = node
         services[f"clientapp-{i}"] = {
             "build": {"context": ".", "dockerfile": "clients/Dockerfile"},
             "command": ["--insecure", "--runtime-api-address", f"supernode-{i}:{SUPERNODE_PORT}"],
             "volumes": [f"./deploy/shards/shard-{i}-of-{clients}.npz:/data/shard.npz:ro"],
             "depends_on": [f"supernode-{i}"],
         }
-    header = (
-        f"# Generated by `diff2 compose --clients {clients}{' --tls' if tls else ''}`; regenerate rather than edit.\n"
-        "# Before `docker compose up`: `diff2 shard configs/deploy.yaml --out deploy/shards` (one file per data\n"
-        "# owner), `mkdir -p deploy/outputs && chown 49999 deploy/outputs` (containers run as UID 49999)"
-        + (", and `diff2 certs --out deploy/certs --host superlink --host 127.0.0.1`" if tls else "") + ".\n"
-        "# Then submit the app: `flwr run . <connection to 127.0.0.1:8000> --run-config \"config='configs/deploy.yaml'\"`.\n"
-    )
+    flags = "".join([f" --clients {clients}", " --tls" if tls else "", " --no-node-auth" if tls and not node_auth else "",
+                     f" --publish {publish}" if publish != "127.0.0.1" else "",
+                     f" --superlink {superlink}" if superlink != f"superlink:{SUPERLINK_PORT}" else ""])
+    lines = [
+        f"Generated by `diff2 compose{flags}`; regenerate rather than edit.",
+        "Before `docker compose up`: `diff2 shard configs/deploy.yaml --out deploy/shards` (one file per data",
+        "owner), `mkdir -p deploy/outputs && chown 49999 deploy/outputs` (containers run as UID 49999).",
+    ]
+    if tls:
+        lines += [
+            f"TLS: `diff2 certs --out deploy/certs --host superlink --host 127.0.0.1{f' --clients {clients}' if node_auth else ' --clients 0'}`,",
+            "then `chown 49999 deploy/certs/*.key` (private keys are 0600: the containers' user must own them).",
+        ]
+    if node_auth:
+        lines += [
+            "SuperNode authentication: the SuperLink accepts only registered keys. After `up`, register each",
+            f"data owner's public key: `flwr supernode register deploy/certs/supernode-<i>.pub <connection>` for i < {clients};",
+            "supernode-i mounts only its own private key and restarts until it is registered.",
+        ]
+    lines += [
+        f"Exposure: the SuperLink port {SUPERLINK_PORT} (SuperNodes, `flwr run`, `flwr supernode register`: one port, and",
+        "Flower's open-source SuperLink authenticates no one who submits a run) is published on "
+        f"{_publish_address(publish)} only.",
+    ]
+    if publish == "127.0.0.1":
+        lines += ["Only this host's operator reaches it; the SuperNodes use the compose network."]
+    else:
+        lines += [
+            f"Multi-host: allow-list (firewall) {_publish_address(publish)}:{SUPERLINK_PORT} to the data owners' SuperNode hosts and the",
+            "operator's address only; nothing else needs to be reachable (SuperNodes and ClientApps dial out).",
+            "The SuperLink host runs `up -d superlink serverapp`; data owner i runs `up -d supernode-i clientapp-i` with",
+            "only its shard, ca.crt and supernode-i.key.",
+        ]
+    lines += [
+        f"Then submit the app: `flwr run . <connection to {_publish_address(publish) if publish != '127.0.0.1' else '127.0.0.1'}:{SUPERLINK_PORT}> --run-config \"config='configs/deploy.yaml'\"`.",
+    ]
+    header = "".join(f"# {line}\n" for line in lines)
     return header + yaml.safe_dump({"services": services}, sort_keys=False, width=120)

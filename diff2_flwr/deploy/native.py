@@ -5,23 +5,35 @@ needed): ``flower-superlink`` (deployment mode, subprocess isolation: it runs th
 P ``flower-supernode`` processes, each given ``partition-id``, ``num-partitions`` and the path
 of its own shard file (written by ``diff2 shard``), and ``flwr run`` submitting the app. With
 ``tls=True`` a throw-away CA and a server certificate for 127.0.0.1 are generated; the
-SuperLink serves TLS and every SuperNode and the CLI verify it. Every process started is
-stopped by PID (its process group), also when the run fails.
+SuperLink serves TLS and every SuperNode and the CLI verify it. With ``node_auth`` (the default
+with TLS; Flower refuses it without) each data owner gets a key pair, the SuperLink runs with
+``--enable-supernode-auth``, the P public keys are registered through ``flwr supernode register``
+and SuperNode i starts with ``--auth-supernode-private-key`` = its own key: any other SuperNode is
+refused. Every process started is stopped by PID (its process group), also when the run fails.
+
+Everything of a run lives in one run folder (default ``./deploy-local/<config name>``): shards,
+certificates and keys, logs, the deployment config and the outputs. A config's container paths
+(``/outputs``, where ``docker-compose.yml`` mounts ``./deploy/outputs``) are mapped to
+``<run folder>/outputs``. A repeated run starts fresh (a checkpoint left in the run folder by a
+previous run is removed, and said so) unless ``resume=True``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import tempfile
+import subprocess
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 
 import yaml
 
 from ..runtime.config import load_config, parse_config
 from ..runtime.launch import (
+    _CONNECTION,
     LaunchResult,
     SimulationFailed,
     _free_port,
@@ -36,10 +48,34 @@ from ..runtime.launch import (
 )
 from ..runtime.paths import APP_DIR, resolve_config_path
 from ..runtime.shard_files import shard_name
-from .certs import make_certificates
+from .certs import Certificates, NodeKey, make_certificates, make_node_keys
+from .compose import CONTAINER_OUTPUTS
 from .shards import write_shards
 
-__all__ = ["DeploymentResult", "run_local_deployment"]
+__all__ = ["DeploymentResult", "Intruder", "LiveDeployment", "run_local_deployment", "default_run_folder",
+           "INTRUDER_KINDS"]
+
+#: Fault injection for tests (``intruders=``): a SuperNode posing as data owner 0 with no key of its own
+#: (Flower then self-registers an ephemeral one) or with a key pair the operator never registered.
+INTRUDER_KINDS = ("no-key", "unregistered-key")
+
+
+@dataclass(frozen=True)
+class Intruder:
+    kind: str
+    returncode: int | None  # None: still running when the run started (it was not refused)
+    log: Path
+
+
+@dataclass(frozen=True)
+class LiveDeployment:
+    """What a running deployment looks like from outside (given to ``on_ready`` before ``flwr run``)."""
+    port: int
+    workdir: Path
+    env: dict[str, str]
+    certificates: Certificates | None
+    node_keys: list[NodeKey]
+    node_ids: list[int]  # registered node id of data owner i (node authentication only)
 
 
 @dataclass(frozen=True)
@@ -47,10 +83,32 @@ class DeploymentResult:
     launch: LaunchResult
     config: Path  # the deployment config actually run (shards set, train metrics off)
     round_seconds: list[float]
+    workdir: Path = Path(".")
+    node_auth: bool = False
+    node_ids: list[int] = field(default_factory=list)  # registered node id of data owner i (node auth only)
+    nodes: list[dict] = field(default_factory=list)  # `flwr supernode ls` at the end of the run
+    intruders: list[Intruder] = field(default_factory=list)
+
+
+def default_run_folder(config: str | os.PathLike[str]) -> Path:
+    """``./deploy-local/<config name>``: where a native deployment keeps its shards, logs, keys and outputs."""
+    return Path.cwd() / "deploy-local" / load_config(resolve_config_path(config)).name
+
+
+def _map_container_path(value: str | None, workdir: Path) -> str | None:
+    """``/outputs/...`` (the compose file's mount point) → ``<workdir>/outputs/...``; relative → absolute."""
+    if value is None:
+        return None
+    path = PurePosixPath(value)
+    if path == PurePosixPath(CONTAINER_OUTPUTS) or PurePosixPath(CONTAINER_OUTPUTS) in path.parents:
+        return str(workdir / "outputs" / path.relative_to(CONTAINER_OUTPUTS))
+    if not Path(value).expanduser().is_absolute():
+        return str(Path.cwd() / value)
+    return value
 
 
 def deployment_config(config: str | os.PathLike[str], workdir: Path, rounds: int | None = None,
-                      clients: int | None = None) -> Path:
+                      clients: int | None = None, echo: bool = False) -> Path:
     """Write the shards of ``config`` into ``workdir`` and a config that reads them (server: no train data)."""
     cfg = load_config(resolve_config_path(config))
     data = cfg.to_dict()
@@ -65,17 +123,72 @@ def deployment_config(config: str | os.PathLike[str], workdir: Path, rounds: int
         data["training"]["rounds"] = rounds
         if data["training"]["restart_every"] and data["training"]["restart_every"] > rounds:
             data["training"]["restart_every"] = rounds
-    if not Path(data["output"]["dir"]).is_absolute():
-        data["output"]["dir"] = str(Path.cwd() / data["output"]["dir"])
+    for key in ("dir", "checkpoint"):
+        given = data["output"][key]
+        data["output"][key] = _map_container_path(given, workdir)
+        if echo and given is not None and data["output"][key] != given and Path(given).is_absolute():
+            print(f"[diff2] output.{key} {given} is a container path (docker-compose.yml mounts ./deploy/outputs at "
+                  f"{CONTAINER_OUTPUTS}); this native run uses {data['output'][key]}", flush=True)
     path = workdir / "deployment.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def _fresh_or_resume(checkpoint: str | None, workdir: Path, resume: bool, echo: bool) -> None:
+    """A repeated run starts fresh unless asked to resume; never silently continue or delete a user's file."""
+    if checkpoint is None:
+        if resume:
+            raise ValueError("--resume: the config sets no output.checkpoint, so there is nothing to resume. "
+                             "Set output.checkpoint (e.g. /outputs/checkpoint.npz) or run without --resume.")
+        return
+    path = Path(checkpoint)
+    if resume:
+        if not path.exists():
+            raise ValueError(f"--resume: no checkpoint at {path} (output.checkpoint) from a previous run in "
+                             f"{workdir}. Run without --resume to start fresh, or pass the --workdir of that run.")
+        if echo:
+            print(f"[diff2] resuming from {path}", flush=True)
+        return
+    if not path.exists():
+        return
+    if workdir.resolve() in path.resolve().parents:
+        path.unlink()
+        if echo:
+            print(f"[diff2] starting fresh: removed {path} left by a previous run (pass --resume to continue it)",
+                  flush=True)
+        return
+    raise ValueError(f"output.checkpoint {path} exists (a previous run's state, outside the run folder {workdir}). "
+                     "Pass --resume to continue that run, or delete the file to start fresh.")
+
+
+def _register(public_key: Path, env: dict[str, str], partition: int) -> int:
+    """``flwr supernode register`` through the SuperLink's Control API; the new node id."""
+    done = subprocess.run([_tool("flwr"), "supernode", "register", str(public_key), _CONNECTION, "--name",
+                           f"data-owner-{partition}", "--format", "json"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    try:
+        answer = json.loads(done.stdout[done.stdout.index("{"):])
+        return int(answer["node-id"])
+    except (ValueError, KeyError):
+        raise SimulationFailed(f"`flwr supernode register {public_key}` (data owner {partition}) failed with code "
+                               f"{done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}") from None
+
+
+def _list_nodes(env: dict[str, str]) -> list[dict]:
+    done = subprocess.run([_tool("flwr"), "supernode", "ls", _CONNECTION, "--format", "json"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    try:
+        return list(json.loads(done.stdout[done.stdout.index("{"):])["nodes"])
+    except (ValueError, KeyError):
+        return []
 
 
 def run_local_deployment(
     config: str | os.PathLike[str],
     *,
     tls: bool = False,
+    node_auth: bool | None = None,
+    resume: bool = False,
     rounds: int | None = None,
     clients: int | None = None,
     app_dir: str | os.PathLike[str] = APP_DIR,
@@ -83,45 +196,84 @@ def run_local_deployment(
     timeout_s: float = 1800,
     echo: bool = True,
     kill_node_after_round: tuple[int, int] | None = None,
+    intruders: tuple[str, ...] = (),
+    on_ready: Callable[[LiveDeployment], None] | None = None,
 ) -> DeploymentResult:
     """Run ``config`` as a native loopback deployment; raise :class:`SimulationFailed` unless it completes.
 
-    ``kill_node_after_round=(i, k)`` is fault injection: SuperNode i is killed once round k is released.
+    ``node_auth`` (default: on with ``tls``) registers one key pair per data owner and refuses every other
+    SuperNode; it needs TLS. ``workdir`` is the run folder (default :func:`default_run_folder`); a
+    checkpoint a previous run left there is removed unless ``resume``. Fault injection for tests:
+    ``kill_node_after_round=(i, k)`` kills SuperNode i once round k is released; ``intruders`` starts extra
+    SuperNodes posing as data owner 0 (kinds in :data:`INTRUDER_KINDS`) before the run is submitted;
+    ``on_ready`` is called with the live deployment just before ``flwr run``.
     """
-    own_dir = workdir is None
-    work = Path(workdir or tempfile.mkdtemp(prefix="diff2-deploy-"))
+    node_auth = tls if node_auth is None else node_auth
+    if node_auth and not tls:
+        raise ValueError("SuperNode authentication needs TLS: Flower refuses `--enable-supernode-auth` on an "
+                         "insecure SuperLink (the keys would prove nothing over plain text). Add --tls, or pass "
+                         "--no-node-auth.")
+    unknown = [k for k in intruders if k not in INTRUDER_KINDS]
+    if unknown:
+        raise ValueError(f"`intruders`: unknown kind(s) {unknown}; expected some of {list(INTRUDER_KINDS)}.")
+    work = Path(workdir) if workdir is not None else default_run_folder(config)
+    work = work.expanduser().resolve()
     work.mkdir(parents=True, exist_ok=True)
     processes = []
     try:
-        dep_config = deployment_config(config, work, rounds, clients)
+        dep_config = deployment_config(config, work, rounds, clients, echo=echo)
         cfg = load_config(dep_config)
+        _fresh_or_resume(cfg.output.checkpoint, work, resume, echo)
         clients = cfg.training.clients
         home = work / "flwr-home"
-        home.mkdir(exist_ok=True)
+        shutil.rmtree(home, ignore_errors=True)
+        home.mkdir()
         port, health = _free_port(), _free_port()
         certs = make_certificates(work / "certs") if tls else None
+        keys = make_node_keys(work / "certs", clients) if node_auth else []
         write_connection(home, port, certs.ca if certs else None)
         env = flwr_env(home)
         security = (["--ssl-certfile", str(certs.cert), "--ssl-keyfile", str(certs.key), "--ssl-ca-certfile",
                      str(certs.ca)] if certs else ["--insecure"])
-        superlink = start([_tool("flower-superlink"), *security, "--isolation", "subprocess", "--host", "127.0.0.1",
+        superlink_log = work / "superlink.log"
+        superlink = start([_tool("flower-superlink"), *security, *(["--enable-supernode-auth"] if node_auth else []),
+                           "--isolation", "subprocess", "--host", "127.0.0.1",
                            "--port", str(port), "--health-server-address", f"127.0.0.1:{health}"],
-                          work / "superlink.log", env)
+                          superlink_log, env)
         processes.append(superlink)
-        _wait_healthy(port, superlink, work / "superlink.log", ca_file=certs.ca if certs else None)
+        _wait_healthy(port, superlink, superlink_log, ca_file=certs.ca if certs else None)
+        node_ids = [_register(key.public, env, p) for p, key in enumerate(keys)]
         client_security = ["--root-certificates", str(certs.ca)] if certs else ["--insecure"]
         shards = Path(cfg.dataset.shards or "")
-        for p in range(clients):
+
+        def supernode(p: int, log: Path, key: Path | None) -> subprocess.Popen:
             node_config = (f'partition-id={p} num-partitions={clients} '
                            f'data-path="{shards / shard_name(p, clients)}"')
-            processes.append(start([_tool("flower-supernode"), *client_security, "--superlink", f"127.0.0.1:{port}",
-                                    "--isolation", "subprocess", "--host", "127.0.0.1", "--port", str(_free_port()),
-                                    "--node-config", node_config], work / f"supernode-{p}.log", env))
+            auth = ["--auth-supernode-private-key", str(key)] if key is not None else []
+            proc = start([_tool("flower-supernode"), *client_security, *auth, "--superlink", f"127.0.0.1:{port}",
+                          "--isolation", "subprocess", "--host", "127.0.0.1", "--port", str(_free_port()),
+                          "--node-config", node_config], log, env)
+            processes.append(proc)
+            return proc
+
+        nodes = [supernode(p, work / f"supernode-{p}.log", keys[p].private if keys else None) for p in range(clients)]
         time.sleep(2)
-        for p, proc in enumerate(processes[1:]):
+        for p, proc in enumerate(nodes):
             if proc.poll() is not None:
-                raise SimulationFailed(f"supernode {p} exited with code {proc.returncode}; log: "
-                                       f"{work / f'supernode-{p}.log'}\n" + (work / f"supernode-{p}.log").read_text()[-2000:])
+                log = work / f"supernode-{p}.log"
+                raise SimulationFailed(f"supernode {p} exited with code {proc.returncode}; log: {log}\n"
+                                       + log.read_text()[-2000:])
+        intruder_runs = []
+        for n, kind in enumerate(intruders):
+            key = make_node_keys(work / "intruders" / f"{n}-{kind}", 1)[0].private if kind == "unregistered-key" else None
+            log = work / f"intruder-{n}-{kind}.log"
+            intruder_runs.append((kind, supernode(0, log, key), log))
+        deadline = time.monotonic() + 30
+        while intruder_runs and time.monotonic() < deadline and any(p.poll() is None for _, p, _ in intruder_runs):
+            time.sleep(0.2)
+        intruder_outcomes = [Intruder(kind, proc.poll(), log) for kind, proc, log in intruder_runs]
+        if on_ready is not None:
+            on_ready(LiveDeployment(port, work, env, certs, keys, node_ids))
         on_line = None
         if kill_node_after_round is not None:
             victim, after = kill_node_after_round
@@ -135,13 +287,10 @@ def run_local_deployment(
                           timeout_s=timeout_s, echo=echo, on_line=on_line)
         rows = []
         if result.output_dir is not None:
-            import json
-
             rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
         elapsed = [r["elapsed_s"] for r in rows]
-        return DeploymentResult(result, dep_config, [b - a for a, b in zip(elapsed, elapsed[1:])])
+        return DeploymentResult(result, dep_config, [b - a for a, b in zip(elapsed, elapsed[1:])], work, node_auth,
+                                node_ids, _list_nodes(env), intruder_outcomes)
     finally:
         for proc in reversed(processes):
             _stop(proc)
-        if own_dir and not os.environ.get("DIFF2_KEEP_DEPLOY_DIR"):
-            shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,113 @@
+"""SuperNode authentication (Flower 1.42: `--enable-supernode-auth` + `flwr supernode register`) and key files."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+
+from diff2_flwr.cli import main
+from diff2_flwr.deploy.certs import make_node_keys
+from diff2_flwr.deploy.native import run_local_deployment
+
+
+def test_node_keys_are_what_flower_loads_and_private_keys_are_0600(tmp_path):
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+    from flwr.cli.supernode.register import try_load_public_key
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes
+
+    keys = make_node_keys(tmp_path / "k", 3)
+    assert [k.private.name for k in keys] == ["supernode-0.key", "supernode-1.key", "supernode-2.key"]
+    publics = set()
+    for key in keys:
+        assert stat.S_IMODE(key.private.stat().st_mode) == 0o600
+        private = load_ssh_private_key(key.private.read_bytes(), None)  # what flower-supernode does
+        assert private.curve.name == "secp384r1"
+        registered = try_load_public_key(key.public)  # what `flwr supernode register` does
+        assert registered == public_key_to_bytes(private.public_key())
+        publics.add(registered)
+    assert len(publics) == 3
+    again = make_node_keys(tmp_path / "k", 1)[0]  # replaced, still 0600
+    assert stat.S_IMODE(again.private.stat().st_mode) == 0o600 and try_load_public_key(again.public) not in publics
+
+
+def test_diff2_certs_writes_one_key_pair_per_data_owner(tmp_path, capsys):
+    assert main(["certs", "--out", str(tmp_path / "c"), "--clients", "2"]) == 0
+    names = sorted(p.name for p in (tmp_path / "c").iterdir())
+    assert names == ["ca.crt", "server.key", "server.pem", "supernode-0.key", "supernode-0.pub", "supernode-1.key",
+                     "supernode-1.pub"]
+    assert stat.S_IMODE((tmp_path / "c" / "server.key").stat().st_mode) == 0o600
+    assert "flwr supernode register" in capsys.readouterr().out
+    assert main(["certs", "--out", str(tmp_path / "d"), "--clients", "0"]) == 0
+    assert not list((tmp_path / "d").glob("supernode-*"))
+
+
+def test_node_auth_without_tls_is_refused_before_anything_starts(tmp_path, capsys):
+    with pytest.raises(ValueError, match="needs TLS"):
+        run_local_deployment("configs/deploy.yaml", node_auth=True, workdir=tmp_path / "w", echo=False)
+    assert not (tmp_path / "w").exists()
+    assert main(["compose", "--no-node-auth"]) == 0  # plain compose has none anyway
+    assert main(["compose", "--tls", "--publish", "0.0.0.0"]) == 2
+    assert "every interface" in capsys.readouterr().err
+
+
+def _forged_activation(live) -> int:
+    """Claim data owner 0's registered public key but sign with another key: the HTTP status of ActivateNode."""
+    import httpx
+    from flwr.proto.fleet_pb2 import ActivateNodeRequest
+    from flwr.supercore.interceptors.http.runtime_version import RuntimeVersionHttpInterceptor
+    from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes
+    from flwr.supernode.fleet_http_client import FleetHttpClient
+    from flwr.supernode.node_auth_http_interceptor import NodeAuthHttpInterceptor
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+
+    claimed = load_ssh_private_key(live.node_keys[0].private.read_bytes(), None).public_key()
+    wrong_private, _ = generate_key_pairs()
+    with FleetHttpClient.from_server_address(
+        f"127.0.0.1:{live.port}", False, live.certificates.ca.read_bytes(),
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperNode"),
+                      NodeAuthHttpInterceptor(wrong_private, claimed)],
+    ) as client:
+        try:
+            client.ActivateNode(ActivateNodeRequest(public_key=public_key_to_bytes(claimed), heartbeat_interval=30))
+        except httpx.HTTPStatusError as err:
+            return err.response.status_code
+    return 200
+
+
+@pytest.mark.flower
+@pytest.mark.deployment
+def test_only_registered_supernodes_join_and_the_run_completes_with_them(tmp_path):
+    path = tmp_path / "dep.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "auth", "method": "diff2", "dataset": {"name": "synthetic", "num_samples": 600},
+        "training": {"rounds": 2, "restart_every": 2, "clip_diff": 3.0, "clients": 2, "seed": 4},
+        "output": {"dir": str(tmp_path / "out")},
+    }))
+    forged: list[int] = []
+    result = run_local_deployment(path, tls=True, workdir=tmp_path / "work", echo=False,
+                                  intruders=("no-key", "unregistered-key"),
+                                  on_ready=lambda live: forged.append(_forged_activation(live)))
+    assert result.node_auth and result.launch.status == "finished:completed"
+    rows = [json.loads(line) for line in (result.launch.output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    # exactly the P registered nodes took part: the SuperLink knows no other node
+    assert len(set(result.node_ids)) == 2
+    assert sorted(int(n["node-id"]) for n in result.nodes) == sorted(result.node_ids)
+    assert all(n["status"] == "online" for n in result.nodes)
+    # an unregistered SuperNode (no key: Flower self-registers an ephemeral one) is refused and exits
+    no_key, unregistered = result.intruders
+    assert no_key.kind == "no-key" and no_key.returncode not in (None, 0)
+    assert "[code: 2001] SuperNode authentication is enabled. All SuperNodes must be registered" in no_key.log.read_text()
+    # a SuperNode with a key pair nobody registered is refused and exits
+    assert unregistered.returncode not in (None, 0)
+    assert "[code: 2004] Failed to activate SuperNode." in unregistered.log.read_text()
+    # claiming a registered node's public key without its private key: the signature check refuses it
+    assert forged == [401]
+    link_log = (tmp_path / "work" / "superlink.log").read_text()
+    assert "[/v1/fleet/register-node][ApiError:2001]" in link_log
+    assert "No SuperNode found with the given public key" in link_log
+    assert link_log.count("[Fleet.ActivateNode] Activated node_id=") == 2
