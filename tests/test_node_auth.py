@@ -111,3 +111,20 @@ def test_only_registered_supernodes_join_and_the_run_completes_with_them(tmp_pat
     assert "[/v1/fleet/register-node][ApiError:2001]" in link_log
     assert "No SuperNode found with the given public key" in link_log
     assert link_log.count("[Fleet.ActivateNode] Activated node_id=") == 2
+
+
+def test_certificate_names_ipv4_ipv6_and_dns_hosts_correctly(tmp_path):
+    """An IPv6 address is an IP entry of the certificate, not a DNS name (which no client would match)."""
+    import ipaddress
+
+    from cryptography import x509
+
+    from diff2_flwr.deploy.certs import make_certificates
+
+    hosts = ("superlink", "127.0.0.1", "::1", "[2001:db8::7]", "fl.example.org")
+    certs = make_certificates(tmp_path, hosts)
+    cert = x509.load_pem_x509_certificate(certs.cert.read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["superlink", "fl.example.org"]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"),
+                                                       ipaddress.ip_address("2001:db8::7")]

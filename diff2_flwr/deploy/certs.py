@@ -24,6 +24,16 @@ class Certificates:
     key: Path
 
 
+def _subject_alt_name(host: str):
+    """An IP address (IPv4 or IPv6, brackets allowed) as an IPAddress entry, anything else as a DNS name."""
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        return x509.DNSName(host)
+
+
 def make_certificates(folder: str | os.PathLike[str], hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> Certificates:
     """A self-signed CA and a server certificate for ``hosts`` (for tests and local deployments only)."""
     from cryptography import x509
@@ -42,7 +52,7 @@ def make_certificates(folder: str | os.PathLike[str], hosts: tuple[str, ...] = (
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
-    names = [x509.IPAddress(ipaddress.ip_address(h)) if h.replace(".", "").isdigit() else x509.DNSName(h) for h in hosts]
+    names = [_subject_alt_name(h) for h in hosts]
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])])).issuer_name(ca_name)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
