@@ -107,6 +107,20 @@ def _audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from .runtime.curves import CURVES_FILE, plot_runs, read_rows, run_label
+
+    dirs = [Path(d).expanduser() for d in args.run_dirs]
+    labels = [run_label(d) for d in dirs]
+    if len(set(labels)) < len(labels):  # two runs of one config: tell them apart by folder
+        labels = [f"{label} {d.name.rsplit('-', 1)[-1]}" for label, d in zip(labels, dirs)]
+    runs = [(label, read_rows(d)) for label, d in zip(labels, dirs)]
+    out = Path(args.out).expanduser() if args.out else (dirs[0] / CURVES_FILE if len(dirs) == 1 else
+                                                           Path("curves-comparison.png"))
+    print(plot_runs(runs, out, title=args.title))
+    return 0
+
+
 def _shard(args: argparse.Namespace) -> int:
     from .runtime.config import load_config
     from .deploy.shards import write_shards
@@ -188,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--output", default=None, help="output root (default: the study's output.dir)")
     exp.add_argument("--fresh", action="store_true", help="recompute every run instead of resuming")
     exp.set_defaults(func=_experiment)
+
+    plot = sub.add_parser("plot", help="draw the per-round curves of one or several runs side by side (PNG)")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders (each holds metrics.jsonl)")
+    plot.add_argument("--out", default=None, help="PNG to write (default: RUN_DIR/curves.png for one run, "
+                                                  "./curves-comparison.png for several)")
+    plot.add_argument("--title", default=None, help="figure title")
+    plot.set_defaults(func=_plot)
 
     shard = sub.add_parser("shard", help="write one shard file per data owner (and the server's) for a deployment")
     shard.add_argument("config", help="experiment YAML whose dataset and training.clients define the shards")

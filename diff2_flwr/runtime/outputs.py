@@ -71,5 +71,11 @@ class RunRecorder:
         np.save(tmp, np.asarray(x, dtype=np.float64))
         os.replace(tmp, self.directory / self.PARAMETERS)
 
+    def curves(self, rows: list[dict[str, Any]], title: str) -> Path:
+        """``curves.png``: the run's per-round metrics against the round (see :mod:`.curves`)."""
+        from .curves import CURVES_FILE, plot_runs
+
+        return plot_runs([(title, rows)], self.directory / CURVES_FILE, title=title)
+
     def close(self) -> None:
         self._metrics.close()

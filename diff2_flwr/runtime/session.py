@@ -204,6 +204,7 @@ class Diff2Server:
             if self.recorder:
                 self.recorder.parameters(self.state.x)
             self._write_summary()
+            self._draw_curves()
         return release
 
     def _checkpoint(self, release_row: dict) -> None:
@@ -224,6 +225,19 @@ class Diff2Server:
         if self.progress:
             self.progress(f"[diff2] run failed: {self._error}")
         self._write_summary()
+        self._draw_curves()
+
+    def _draw_curves(self) -> None:
+        """``curves.png`` at the end of a run (completed or failed); a drawing failure never fails the run."""
+        if self.recorder is None or not self.history:
+            return
+        name = self.run_info.get("name", "run")
+        title = f"{name}: {self.run_info.get('method', '')}, {self._status}, round {self.state.round}/{self.rounds}"
+        try:
+            self.recorder.curves(self.history, title)
+        except Exception as err:  # noqa: BLE001 (a picture must not fail a private run)
+            if self.progress:
+                self.progress(f"[diff2] WARNING: curves.png not drawn ({type(err).__name__}: {err})")
 
     # ---------------------------------------------------------------- helpers
     def _evaluate(self, x: np.ndarray, force: bool) -> dict[str, float]:
