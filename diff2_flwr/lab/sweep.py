@@ -262,7 +262,6 @@ def run_batch(
         evals.append((r, train.numpy().copy(), gn.numpy().copy(), test.numpy().copy()))
 
     core = _compiled_core() if compile else _round_core
-    n_np = b.n.numpy()
     for r in range(1, rounds + 1):
         restart = (r - 1) % T == 0  # [K]
         if (r - 1) % eval_every == 0 or r == 1:
