@@ -34,7 +34,7 @@ def test_a_diverging_run_still_draws_what_it_has(tmp_path):
     with pytest.raises(Diverged):
         run_inprocess(_cfg(tmp_path, learning_rate=1e200, clip_restart=1e200, clip_diff=1e200), progress=None)
     (run_dir,) = (tmp_path / "out").iterdir()
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "diverged"
     assert (run_dir / CURVES_FILE).read_bytes().startswith(PNG)
 
 

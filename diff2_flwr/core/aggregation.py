@@ -5,7 +5,10 @@ ClippedMean with the model's layout, finite, with norm at most the round's clipp
 each worker holds at least n_min samples (the calibration used n_min). If any of these fails
 the round releases nothing: :func:`average_contributions` raises :class:`RoundRejected`
 naming the worker and the check. A worker's per-sample clipping cannot be verified by the
-server; the norm check catches a worker that did not clip its mean.
+server; the norm check catches a worker that did not clip its mean. A well-formed reply that
+says its per-sample gradients overflow (an honest worker at a diverging iterate) stops the
+round as :class:`Diverged` instead: nothing is released either way, and a NaN or inf the
+worker does not explain stays a rejection.
 
 References:
     Murata & Suzuki (2023), Algorithm 1 (server aggregation) and the sensitivity 2C/(n_min P).
@@ -19,14 +22,11 @@ from typing import Sequence
 
 import numpy as np
 
-from .estimator import RoundPlan
+from .clipping import NORM_RTOL, project_onto_ball, robust_norm
+from .estimator import Diverged, RoundPlan
 from .layout import ParameterLayout
 
-__all__ = ["NORM_RTOL", "RoundRejected", "Reply", "Aggregate", "average_contributions", "robust_norm"]
-
-#: Relative float tolerance on ``norm <= radius`` (float64 rounding of a clipped mean);
-#: a norm inside the tolerance is projected back onto the ball, so the bound holds exactly.
-NORM_RTOL = 1e-9
+__all__ = ["NORM_RTOL", "Diverged", "RoundRejected", "Reply", "Aggregate", "average_contributions", "robust_norm"]
 
 
 class RoundRejected(RuntimeError):
@@ -47,6 +47,7 @@ class Reply:
     arrays: Sequence[np.ndarray]
     num_samples: int
     num_clipped: int
+    overflow: bool = False  # the worker reports that its per-sample gradients overflow at this iterate
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,9 @@ class Aggregate:
     clip_fraction: float
 
 
-def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: int) -> np.ndarray:
+def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: int) -> np.ndarray | None:
+    """The reply's flat contribution after the checks (projected onto the ball if it exceeds the
+    radius by float rounding), or None for a well-formed reply that reports an overflow."""
     def reject(check: str, detail: str) -> RoundRejected:
         return RoundRejected(plan.round, check, detail, reply.client)
 
@@ -69,7 +72,7 @@ def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: 
         if a.shape != shape:
             raise reject("shape", f"array {name!r} must have shape {shape}, found {a.shape}.")
     flat = layout.flatten(reply.arrays)
-    if not np.all(np.isfinite(flat)):
+    if not reply.overflow and not np.all(np.isfinite(flat)):
         raise reject("finite", f"the contribution holds {int(np.sum(~np.isfinite(flat)))} NaN or inf values.")
     if reply.num_samples < n_min:
         raise reject(
@@ -79,6 +82,8 @@ def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: 
         )
     if not 0 <= reply.num_clipped <= reply.num_samples:
         raise reject("clip-count", f"reported {reply.num_clipped} clipped of {reply.num_samples} samples.")
+    if reply.overflow:
+        return None
     if not math.isinf(plan.radius):
         norm = robust_norm(flat)
         if norm > plan.radius * (1 + NORM_RTOL):
@@ -88,28 +93,8 @@ def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: 
                 f"{plan.kind} round. A worker that does not clip breaks the privacy guarantee.",
             )
         if norm > plan.radius:
-            flat = _project(flat, plan.radius, norm)
+            flat = project_onto_ball(flat, plan.radius, norm)
     return flat
-
-
-def robust_norm(flat: np.ndarray) -> float:
-    """Euclidean norm without underflow or overflow: ``np.linalg.norm`` squares the entries, so a
-    contribution of 1e-300 would read as norm 0 and pass a zero radius. Scaled by the largest entry."""
-    scale = float(np.max(np.abs(flat))) if flat.size else 0.0
-    if scale == 0.0 or not math.isfinite(scale):
-        return scale
-    return scale * float(np.linalg.norm(flat / scale))
-
-
-def _project(flat: np.ndarray, radius: float, norm: float) -> np.ndarray:
-    """Scale ``flat`` onto the ball of ``radius`` so that its float64 norm is <= radius exactly."""
-    factor = radius / norm
-    projected = flat * factor
-    # rounding can leave it 1 ulp outside (by either way of computing the norm)
-    while max(robust_norm(projected), float(np.linalg.norm(projected))) > radius:
-        factor = np.nextafter(factor, 0.0)
-        projected = flat * factor
-    return projected
 
 
 def average_contributions(
@@ -134,6 +119,12 @@ def average_contributions(
             "The calibration assumes every worker contributes every round.",
         )
     flats = [_check_reply(plan, layout, seen[p], n_min) for p in range(clients)]
+    overflowed = [seen[p].client for p in range(clients) if flats[p] is None]
+    if overflowed:  # every reply is well formed, and a worker explains why it has no finite mean
+        raise Diverged(plan.round, "gradients",
+                       f"{', '.join(overflowed)} report(s) that per-sample gradients overflow at x_{plan.round - 1}: "
+                       "the optimisation diverged (the iterate is finite, its gradients are not). Lower "
+                       "training.learning_rate.")
     mean = np.sum(flats, axis=0) / clients
     clipped = sum(r.num_clipped for r in seen.values())
     samples = sum(r.num_samples for r in seen.values())

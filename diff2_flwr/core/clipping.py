@@ -15,17 +15,31 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-__all__ = ["ClippedSum", "clip_rows", "clipped_sum", "clipped_mean"]
+__all__ = [
+    "NORM_RTOL", "ClippedSum", "clip_rows", "clipped_sum", "clipped_mean", "robust_norm", "radius_norm",
+    "project_onto_ball", "onto_ball",
+]
+
+#: Relative float tolerance on ``norm <= radius`` (float64 rounding of a clipped mean);
+#: a norm inside the tolerance is projected back onto the ball, so the bound holds exactly.
+NORM_RTOL = 1e-9
+
+# np.linalg.norm squares the entries: its result is exact to float64 rounding when it is finite
+# and at least this (no square of a relevant entry underflowed); otherwise scale first.
+_SQUARES_SAFE_BELOW = 2.0**-500
 
 
 class ClippedSum(NamedTuple):
-    """Sum of clipped rows, how many rows there were, and how many were scaled down."""
+    """Sum of clipped rows, how many rows there were, how many were scaled down, and how many had
+    a non-finite norm (an overflowing per-sample gradient: the sum then means nothing)."""
 
     total: torch.Tensor
     count: int
     clipped: int
+    nonfinite: int = 0
 
 
 def _check_radius(radius: float) -> None:
@@ -39,22 +53,28 @@ def clip_rows(rows: torch.Tensor, radius: float) -> tuple[torch.Tensor, torch.Te
     Returns:
         The clipped rows and a boolean mask of the rows that were scaled down.
     """
+    clipped, over, _ = _clip_rows(rows, radius)
+    return clipped, over
+
+
+def _clip_rows(rows: torch.Tensor, radius: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_radius(radius)
     if rows.ndim != 2:
         raise ValueError(f"`rows` must have shape [n, d]. Found shape {tuple(rows.shape)}.")
     norms = torch.linalg.vector_norm(rows, dim=1)
     over = norms > radius
     if math.isinf(radius) or not bool(over.any()):
-        return rows, over
+        return rows, over, norms
     # Only rows with norm > radius >= 0 are divided, so no division by zero can be selected.
     factor = torch.where(over, radius / torch.where(over, norms, 1.0), 1.0)
-    return rows * factor.unsqueeze(1), over
+    return rows * factor.unsqueeze(1), over, norms
 
 
 def clipped_sum(rows: torch.Tensor, radius: float) -> ClippedSum:
     """Sum of the clipped rows; the building block of ClippedMean over chunks."""
-    clipped, over = clip_rows(rows, radius)
-    return ClippedSum(clipped.sum(dim=0), int(rows.shape[0]), int(over.sum()))
+    clipped, over, norms = _clip_rows(rows, radius)
+    nonfinite = int((~torch.isfinite(norms)).sum())
+    return ClippedSum(clipped.sum(dim=0), int(rows.shape[0]), int(over.sum()), nonfinite)
 
 
 def clipped_mean(rows: torch.Tensor, radius: float) -> torch.Tensor:
@@ -67,3 +87,56 @@ def clipped_mean(rows: torch.Tensor, radius: float) -> torch.Tensor:
         raise ValueError("ClippedMean of an empty set is undefined: the shard has no samples.")
     result = clipped_sum(rows, radius)
     return result.total / result.count
+
+
+def robust_norm(flat: np.ndarray) -> float:
+    """Euclidean norm without underflow or overflow: ``np.linalg.norm`` squares the entries, so a
+    contribution of 1e-300 would read as norm 0 and pass a zero radius. Scaled by the largest entry."""
+    scale = float(np.max(np.abs(flat))) if flat.size else 0.0
+    if scale == 0.0 or not math.isfinite(scale):
+        return scale
+    return scale * float(np.linalg.norm(flat / scale))
+
+
+def radius_norm(flat: np.ndarray) -> float:
+    """The norm that sets a difference round's radius, ‖x_{r-1} - x_{r-2}‖, on every engine.
+
+    ``np.linalg.norm`` wherever it is exact to float64 rounding (finite, and no relevant square
+    underflowed), else :func:`robust_norm`: finite for every finite vector (≈ 1e154 would overflow
+    the squares), and not 0 for a tiny non-zero one.
+    """
+    with np.errstate(over="ignore", under="ignore"):
+        norm = float(np.linalg.norm(flat))
+    if math.isfinite(norm) and (norm >= _SQUARES_SAFE_BELOW or norm == 0.0 and not np.any(flat)):
+        return norm
+    return robust_norm(flat)
+
+
+def project_onto_ball(flat: np.ndarray, radius: float, norm: float) -> np.ndarray:
+    """Scale ``flat`` (of norm ``norm`` > ``radius``) onto the ball of ``radius`` so that its float64
+    norm is <= radius exactly, by either way of computing it."""
+    factor = radius / norm
+    projected = flat * factor
+    # rounding can leave it 1 ulp outside (by either way of computing the norm)
+    while max(robust_norm(projected), float(np.linalg.norm(projected))) > radius:
+        factor = np.nextafter(factor, 0.0)
+        projected = flat * factor
+    return projected
+
+
+def onto_ball(mean: np.ndarray, radius: float) -> np.ndarray:
+    """A worker's last step: a ClippedMean whose norm exceeds ``radius`` by float rounding only
+    (at most :data:`NORM_RTOL` relative) is projected onto the ball, exactly as the server would,
+    so that the contribution's norm is <= radius with no tolerance. Projection onto a ball is
+    1-Lipschitz, so it cannot raise the sensitivity. A larger excess is a clipping bug: it is left
+    for the server's norm check to name."""
+    if math.isinf(radius):
+        return mean
+    # The server's norm is robust_norm; np.linalg.norm may read 1 ulp higher. Both must be <= radius.
+    # (When robust_norm exceeds, this is bit for bit the projection the server would make.)
+    norm = robust_norm(mean)
+    if norm <= radius:
+        norm = float(np.linalg.norm(mean))
+    if radius < norm <= radius * (1 + NORM_RTOL):
+        return project_onto_ball(mean, radius, norm)
+    return mean

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .gradients import Contribution
+from .gradients import Contribution, finish_contribution
 from .layout import ParameterLayout
 
 __all__ = ["MLPParts", "PaperMLPGradients", "softplus_with_derivative"]
@@ -73,19 +73,28 @@ class PaperMLPGradients:
         return w1, b1, w2.reshape(-1), b2.reshape(())
 
     def parts(self, x_vec: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> MLPParts:
+        """Per-sample quantities at ``x_vec``, computed in the compute dtype and returned in float64."""
         w1, b1, w2, b2 = self.unpack(x_vec)
         h = torch.addmm(b1, features, w1.T)
         s, ds = softplus_with_derivative(h)
         e = s @ w2 + b2 - targets
-        return MLPParts(s=s, e=e, delta=e.unsqueeze(1) * w2 * ds)
+        f64 = torch.float64
+        return MLPParts(s=s.to(f64), e=e.to(f64), delta=(e.unsqueeze(1) * w2 * ds).to(f64))
 
     def clipped_sum_of(
         self, features: torch.Tensor, sq_norm_a: torch.Tensor, ge: torch.Tensor, gs: torch.Tensor,
         gd: torch.Tensor, radius: float,
-    ) -> tuple[torch.Tensor, int]:
-        """Clipped sum of the per-sample gradients given by (∂b2, ∂w2, ∂b1) = (ge, gs, gd), ∂W1 = gd aᵀ."""
+    ) -> tuple[torch.Tensor, int, int]:
+        """Clipped sum of the per-sample gradients given by (∂b2, ∂w2, ∂b1) = (ge, gs, gd), ∂W1 = gd aᵀ,
+        how many were clipped, and how many had a non-finite norm.
+
+        All of it in float64 (inputs are float64): norms, clip factors and sums keep float64
+        rounding whatever the compute dtype, so a clipped mean exceeds the radius by float64
+        rounding at most (float32 sums and factors exceeded it by ~1e-6).
+        """
         sq = ge * ge + (gs * gs).sum(1) + (gd * gd).sum(1) * (1 + sq_norm_a)
-        norms = torch.sqrt(sq.to(torch.float64))
+        norms = torch.sqrt(sq)
+        nonfinite = int((~torch.isfinite(norms)).sum())
         if math.isinf(radius):
             c = torch.ones_like(norms)
             clipped = 0
@@ -93,10 +102,9 @@ class PaperMLPGradients:
             over = norms > radius
             c = torch.where(over, radius / torch.where(over, norms, 1.0), 1.0)
             clipped = int(over.sum())
-        c = c.to(self.dtype)
         cd = gd * c.unsqueeze(1)
         total = torch.cat([(cd.T @ features).reshape(-1), cd.sum(0), (gs * c.unsqueeze(1)).sum(0), (ge * c).sum(0, keepdim=True)])
-        return total.to(torch.float64), clipped
+        return total, clipped, nonfinite
 
     def clipped_mean(
         self, x_current: np.ndarray, features: torch.Tensor, targets: torch.Tensor, radius: float,
@@ -112,5 +120,6 @@ class PaperMLPGradients:
         if x_previous is not None:
             prev = self.parts(x_previous, features, targets)
             ge, gs, gd = ge - prev.e, gs - prev.e.unsqueeze(1) * prev.s, gd - prev.delta
-        total, clipped = self.clipped_sum_of(features, (features * features).sum(1), ge, gs, gd, radius)
-        return Contribution(mean=(total / n).numpy(), num_samples=n, num_clipped=clipped)
+        a = features.to(torch.float64)  # float32 -> float64 is exact
+        total, clipped, nonfinite = self.clipped_sum_of(a, (a * a).sum(1), ge, gs, gd, radius)
+        return finish_contribution((total / n).numpy(), n, clipped, nonfinite, radius)

@@ -29,9 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from .clipping import radius_norm
 from .routines import Routine
 
 __all__ = [
+    "Diverged",
     "Mechanism",
     "RoundPlan",
     "Diff2State",
@@ -41,12 +43,34 @@ __all__ = [
     "init_state",
     "plan_round",
     "round_noise",
+    "round_scale",
     "server_step",
 ]
 
 # Domain tag mixed into the noise generator's seed, so that a seed shared with other
 # consumers (data split, initialisation) never yields the same stream.
 _NOISE_DOMAIN = 0xD1FF2
+
+
+class Diverged(RuntimeError):
+    """The optimisation diverged: a training failure, not a privacy one.
+
+    ``check`` names what is no longer finite: ``iterate`` (x_r overflowed in the update; the
+    round was recorded), ``radius`` (a difference round's radius or noise std, from released
+    iterates that ran away) or ``gradients`` (a worker reports that its per-sample gradients
+    overflow at a finite iterate). For ``radius`` and ``gradients`` the round releases nothing.
+    """
+
+    def __init__(self, round: int, check: str, detail: str, client: str | None = None) -> None:
+        self.round, self.check, self.client = round, check, client
+        who = f" from {client}" if client else ""
+        prefix = f"Round {round}:" if check == "iterate" else f"Round {round} released nothing: check '{check}' failed{who}:"
+        super().__init__(f"{prefix} {detail}")
+
+
+#: What a diverging run should change, for the messages of :class:`Diverged`.
+DIVERGENCE_ADVICE = ("Lower training.learning_rate (or training.restart_every: noise enlarges ||x_r - x_(r-1)|| "
+                     "and so the next noise).")
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -136,10 +160,36 @@ def is_restart(r: int, restart_every: int) -> bool:
 
 
 def difference_radius(clip_diff: float, x_current: np.ndarray, x_previous: np.ndarray) -> float:
-    """C_{2,r} = C2 * ||x_{r-1} - x_{r-2}||; inf when C2 = inf (no clipping), 0 when x_{r-1} = x_{r-2}."""
+    """C_{2,r} = C2 * ||x_{r-1} - x_{r-2}||; inf when C2 = inf (no clipping), 0 when x_{r-1} = x_{r-2}.
+
+    The norm is :func:`~diff2_flwr.core.clipping.radius_norm` (no overflow of the squares); the
+    result is still inf when the product overflows, which :func:`round_scale` refuses.
+    """
     if math.isinf(clip_diff):
         return math.inf
-    return float(clip_diff * np.linalg.norm(x_current - x_previous))
+    with np.errstate(over="ignore"):  # x_{r-1} - x_{r-2} may overflow: inf, refused by round_scale
+        step = x_current - x_previous
+    return float(clip_diff * radius_norm(step))
+
+
+def round_scale(
+    r: int, restart: bool, clip: float, sigma: float, x_current: np.ndarray, x_previous: np.ndarray | None
+) -> tuple[float, float]:
+    """Round r's clipping radius and noise std (σ · radius), or :class:`Diverged` ('radius').
+
+    A round with a finite clipping parameter needs a finite radius and a finite noise std: an
+    infinite radius would skip the clipping and the norm check, and an infinite std releases
+    nothing meaningful; such a round releases nothing.
+    """
+    radius = clip if restart else difference_radius(clip, x_current, x_previous)
+    noise_std = 0.0 if sigma == 0 or radius == 0 else sigma * radius
+    if not math.isinf(clip) and not (math.isfinite(radius) and math.isfinite(noise_std)):
+        what = "restart round's" if restart else "difference round's"
+        step = "" if restart else f" (C2 = {clip:g}, ||x_(r-1) - x_(r-2)|| = {radius / clip:.3g})"
+        raise Diverged(r, "radius", f"the {what} clipping radius {radius:.3g} or noise std {noise_std:.3g} is not "
+                       f"finite{step}; a private round needs both finite, so the iterates have run away. "
+                       + DIVERGENCE_ADVICE)
+    return radius, noise_std
 
 
 def init_state(x0: np.ndarray, routine: Routine, seed: int | None = None) -> Diff2State:
@@ -163,12 +213,11 @@ def plan_round(state: Diff2State, mechanism: Mechanism) -> RoundPlan:
     """Plan round r = state.round + 1: its kind, radius and noise std, and the iterates to ship."""
     r = state.round + 1
     if is_restart(r, mechanism.restart_every):
-        radius, sigma, x_previous = mechanism.clip_restart, mechanism.sigma_restart, None
+        clip, sigma, x_previous = mechanism.clip_restart, mechanism.sigma_restart, None
     else:
         assert state.x_prev is not None and state.v is not None  # r >= 2 here
-        radius = difference_radius(mechanism.clip_diff, state.x, state.x_prev)
-        sigma, x_previous = mechanism.sigma_diff, state.x_prev
-    noise_std = 0.0 if sigma == 0 or radius == 0 else sigma * radius
+        clip, sigma, x_previous = mechanism.clip_diff, mechanism.sigma_diff, state.x_prev
+    radius, noise_std = round_scale(r, x_previous is None, clip, sigma, state.x, x_previous)
     return RoundPlan(
         round=r, restart=x_previous is None, radius=radius, noise_std=noise_std,
         x_current=state.x, x_previous=x_previous,

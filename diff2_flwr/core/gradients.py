@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
-from .clipping import clipped_sum
+from .clipping import clipped_sum, onto_ball
 from .layout import ParameterLayout
 
-__all__ = ["LossFn", "Contribution", "PerSampleGradients", "check_per_sample_safe"]
+__all__ = ["LossFn", "Contribution", "PerSampleGradients", "check_per_sample_safe", "finish_contribution"]
 
 #: ``loss(prediction[n, ...], target[n]) -> per-sample losses[n]``.
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -47,11 +47,16 @@ def check_per_sample_safe(model: torch.nn.Module) -> None:
 
 @dataclass(frozen=True)
 class Contribution:
-    """A worker's ClippedMean and how many of its samples were clipped (a diagnostic)."""
+    """A worker's ClippedMean and how many of its samples were clipped (a diagnostic).
+
+    ``overflow``: a per-sample gradient (difference) or the sum was not finite at this iterate.
+    The mean then carries nothing (zeros) and the server reports the round as diverged.
+    """
 
     mean: np.ndarray
     num_samples: int
     num_clipped: int
+    overflow: bool = False
 
     @property
     def clip_fraction(self) -> float:
@@ -107,18 +112,18 @@ class PerSampleGradients:
         current = self.layout.to_torch(x_current, self.dtype)
         previous = None if x_previous is None else self.layout.to_torch(x_previous, self.dtype)
         total = torch.zeros(self.layout.dim, dtype=torch.float64)
-        clipped = 0
+        clipped = nonfinite = 0
         for xc, yc in _chunks(features, targets, self.chunk_size):
             rows = self._flat(self._per_sample(current, xc, yc), xc.shape[0])
             if previous is not None:
                 rows = rows - self._flat(self._per_sample(previous, xc, yc), xc.shape[0])
             # Clip and sum in float64 whatever the compute dtype: the result's norm then exceeds
-            # the radius by float64 rounding at most, which the server's check tolerates.
+            # the radius by float64 rounding at most, which `finish_contribution` projects away.
             part = clipped_sum(rows.to(torch.float64), radius)
             total += part.total
             clipped += part.clipped
-        mean = (total / n).numpy()
-        return Contribution(mean=mean, num_samples=n, num_clipped=clipped)
+            nonfinite += part.nonfinite
+        return finish_contribution((total / n).numpy(), n, clipped, nonfinite, radius)
 
     def loss_and_gradient(self, x_vec: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> tuple[float, np.ndarray]:
         """Mean loss and its (unclipped) gradient over all samples: evaluation only."""
@@ -134,6 +139,15 @@ class PerSampleGradients:
         with torch.no_grad():
             out = functional_call(self.model, (self.layout.to_torch(x_vec, self.dtype), self._buffers), (features,))
             return float(self.loss(out, targets).mean())
+
+
+def finish_contribution(mean: np.ndarray, n: int, clipped: int, nonfinite: int, radius: float) -> Contribution:
+    """A worker's reply from its ClippedMean: projected onto the ball when it exceeds the radius by
+    float rounding (so its norm is <= radius exactly), or an explicit overflow report (zeros) when a
+    per-sample gradient or the mean is not finite."""
+    if nonfinite or not np.all(np.isfinite(mean)):
+        return Contribution(mean=np.zeros_like(mean), num_samples=n, num_clipped=clipped, overflow=True)
+    return Contribution(mean=onto_ball(mean, radius), num_samples=n, num_clipped=clipped)
 
 
 def _chunks(features: torch.Tensor, targets: torch.Tensor, size: int):

@@ -5,7 +5,9 @@ difference rounds by x_{r-2}; config = round, kind, radius. Workers keep no stat
 messages (a deployment may start a fresh worker process per message).
 
 Worker -> server (``FitRes``): parameters = the ClippedMean (float64, one array per tensor);
-num_examples = n_p; metrics = partition id, echoed round, number of clipped samples.
+num_examples = n_p; metrics = partition id, echoed round, number of clipped samples, and an
+overflow flag (1: the worker's per-sample gradients overflow at this iterate; the arrays are then
+zeros; absent = 0).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..core.gradients import Contribution
 from ..core.layout import ParameterLayout
 
 __all__ = [
-    "ROUND", "KIND", "RADIUS", "PARTITION_ID", "NUM_CLIPPED", "ECHO_ROUND",
+    "ROUND", "KIND", "RADIUS", "PARTITION_ID", "NUM_CLIPPED", "ECHO_ROUND", "OVERFLOW",
     "WorkerTask", "encode_task", "decode_task", "encode_reply", "decode_reply",
 ]
 
@@ -34,6 +36,7 @@ RADIUS = "diff2.radius"
 PARTITION_ID = "diff2.partition-id"
 ECHO_ROUND = "diff2.round"
 NUM_CLIPPED = "diff2.num-clipped"
+OVERFLOW = "diff2.overflow"
 
 _KINDS = ("restart", "difference")
 
@@ -77,7 +80,8 @@ def decode_task(arrays: Sequence[np.ndarray], config: Mapping, layout: Parameter
 def encode_reply(
     task: WorkerTask, contribution: Contribution, partition_id: int, layout: ParameterLayout
 ) -> tuple[list[np.ndarray], int, dict[str, int]]:
-    metrics = {PARTITION_ID: partition_id, ECHO_ROUND: task.round, NUM_CLIPPED: contribution.num_clipped}
+    metrics = {PARTITION_ID: partition_id, ECHO_ROUND: task.round, NUM_CLIPPED: contribution.num_clipped,
+               OVERFLOW: int(contribution.overflow)}
     return layout.split(contribution.mean), contribution.num_samples, metrics
 
 
@@ -88,7 +92,11 @@ def decode_reply(
     for key in (PARTITION_ID, ECHO_ROUND, NUM_CLIPPED):
         if not isinstance(metrics.get(key), int) or isinstance(metrics.get(key), bool):
             raise RoundRejected(expected_round, "protocol", f"metric {key!r} must be an integer; found {metrics.get(key)!r}.", client)
+    overflow = metrics.get(OVERFLOW, 0)
+    if overflow not in (0, 1) or isinstance(overflow, bool) or not isinstance(overflow, int):
+        raise RoundRejected(expected_round, "protocol", f"metric {OVERFLOW!r} must be 0 or 1; found {overflow!r}.", client)
     if metrics[ECHO_ROUND] != expected_round:
         raise RoundRejected(expected_round, "round", f"the reply is for round {metrics[ECHO_ROUND]}.", client)
     return Reply(client=f"partition {metrics[PARTITION_ID]} ({client})", partition_id=metrics[PARTITION_ID],
-                 arrays=list(arrays), num_samples=int(num_examples), num_clipped=metrics[NUM_CLIPPED])
+                 arrays=list(arrays), num_samples=int(num_examples), num_clipped=metrics[NUM_CLIPPED],
+                 overflow=bool(overflow))

@@ -343,20 +343,22 @@ def _run_single(cfg: ExperimentConfig, engine: str) -> tuple[dict, int | None]:
     if engine == "flower":
         import tempfile
 
-        from ..runtime.launch import run_simulation
+        from ..runtime.launch import SimulationDiverged, run_simulation
 
         with tempfile.TemporaryDirectory(prefix="diff2-study-") as tmp:
             path = Path(tmp) / "run.yaml"
             data = cfg.to_dict()
             data["output"] = {"dir": tmp}
             path.write_text(yaml.safe_dump(data))
-            result = run_simulation(str(path), echo=False)
+            try:
+                result, diverged = run_simulation(str(path), echo=False), None
+            except SimulationDiverged as err:  # a training failure: the study records it and goes on
+                result, diverged = err.result, err.diverged_at
             rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
-        diverged = None
     else:
         server = run_inprocess(cfg, record=False, progress=None, stop_on_divergence=True)
         rows = server.history
-        diverged = None if server.done else server.state.round
+        diverged = server.diverged_at
     rows = [r for r in rows if "train_loss" in r or "test_loss" in r]
     if diverged is not None:  # the diverged iterate has no finite metrics: its criteria are inf from then on
         rows.append({"round": diverged, **{c: math.inf for c in CRITERIA}})

@@ -10,7 +10,12 @@ so a difference round costs one forward pass, not two.
 The maths is the reference's (:class:`~diff2_flwr.runtime.session.Diff2Server` with
 :class:`~diff2_flwr.core.closed_form.PaperMLPGradients` workers): the same noise
 (:func:`~diff2_flwr.core.estimator.round_noise` of the run's seed and the round), the same
-schedule, clipping and averaging order. Tests check it against the reference driver.
+schedule, radius (:func:`~diff2_flwr.core.estimator.round_scale`, bit for bit), clipping, the
+workers' projection onto the ball (:func:`~diff2_flwr.core.clipping.onto_ball`) and averaging
+order. As there, only the forward pass runs in the compute dtype: norms, clip factors and sums
+are float64. A run whose radius, gradients or iterate stop being finite is recorded as diverged
+at that round (as the reference driver's ``Diverged``) and parked. Tests check it against the
+reference driver.
 Evaluation metrics come from the same forward pass (train loss and ‖∇f‖² at x_{r-1} are
 by-products of round r).
 """
@@ -24,8 +29,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..core.clipping import onto_ball, robust_norm
 from ..core.closed_form import softplus_with_derivative
-from ..core.estimator import round_noise
+from ..core.estimator import Diverged, round_noise, round_scale
 from ..task.data import PreparedData
 from ..task.models import PaperMLP
 
@@ -57,7 +63,7 @@ class RunResult:
     grad_norm_sq: np.ndarray
     test_loss: np.ndarray
     final_x: np.ndarray
-    diverged_at: int | None  # first round whose iterate was not finite
+    diverged_at: int | None  # first round whose radius, gradients or iterate were not finite
 
 
 def _initial(spec: RunSpec, features: int, hidden: int) -> np.ndarray:
@@ -79,9 +85,11 @@ class _Batch:
             a[p, : len(ys)] = torch.as_tensor(xs, dtype=dtype)
             y[p, : len(ys)] = torch.as_tensor(ys, dtype=dtype)
             mask[p, : len(ys)] = 1
-        self.a, self.y, self.mask = a, y.reshape(-1), mask.reshape(-1)
+        self.a, self.y, self.mask = a, y.reshape(-1), mask.reshape(-1).to(torch.float64)
+        self.a64 = a.to(torch.float64)  # for the float64 clipped sums (exact from float32)
         self.a_t = a.reshape(-1, self.F).T.contiguous()  # [F, M]: samples innermost
-        self.sq_a1 = 1 + (self.a_t * self.a_t).sum(0)  # 1 + ||a||² per sample
+        a64_t = self.a64.reshape(-1, self.F).T
+        self.sq_a1 = 1 + (a64_t * a64_t).sum(0)  # 1 + ||a||² per sample, float64
         self.n = torch.tensor(sizes, dtype=torch.float64)
         self.x_test_t = torch.as_tensor(data.x_test, dtype=dtype).T.contiguous()
         self.y_test = torch.as_tensor(data.y_test, dtype=dtype)
@@ -122,16 +130,23 @@ def _client_sums(a, ge, gs, gd, c):
     return torch.cat([w1, b1, w2, b2], dim=2)
 
 
-def _round_core(a_t, a, y, sq_a1, mask, w1, b1, w2, b2, w1p, b1p, w2p, b2p, restart, radius, with_previous: bool):
-    """One round for every run: per-sample (difference) gradient norms and clipped sums per client [P, K, d].
+def _forward64(a_t, y, w1, b1, w2, b2):
+    return tuple(t.to(torch.float64) for t in _forward(a_t, y, w1, b1, w2, b2))
 
-    The previous iterate's per-sample quantities are recomputed rather than stored: writing and
-    re-reading them costs more memory traffic than the second forward pass costs arithmetic.
+
+def _round_core(a_t, a, y, sq_a1, mask, w1, b1, w2, b2, w1p, b1p, w2p, b2p, restart, radius, with_previous: bool):
+    """One round for every run: clipped sums per client [P, K, d] (float64) and, per client and
+    run [P, K], whether a per-sample (difference) gradient's norm was not finite (an overflow).
+
+    Only the forward pass runs in the compute dtype; norms, clip factors and sums are float64,
+    as in :class:`~diff2_flwr.core.closed_form.PaperMLPGradients`. The previous iterate's
+    per-sample quantities are recomputed rather than stored: writing and re-reading them costs
+    more memory traffic than the second forward pass costs arithmetic.
     """
-    s, e, delta = _forward(a_t, y, w1, b1, w2, b2)
+    s, e, delta = _forward64(a_t, y, w1, b1, w2, b2)
     ge, gs, gd = e, e.unsqueeze(1) * s, delta
     if with_previous:
-        ps, pe, pdelta = _forward(a_t, y, w1p, b1p, w2p, b2p)
+        ps, pe, pdelta = _forward64(a_t, y, w1p, b1p, w2p, b2p)
         r2 = restart.unsqueeze(-1)
         ge = torch.where(r2, ge, ge - pe)
         gs = torch.where(r2.unsqueeze(-1), gs, gs - pe.unsqueeze(1) * ps)
@@ -141,7 +156,56 @@ def _round_core(a_t, a, y, sq_a1, mask, w1, b1, w2, b2, w1p, b1p, w2p, b2p, rest
     rad = radius.unsqueeze(-1)
     over = norms > rad
     c = torch.where(over, rad / torch.where(over, norms, 1.0), 1.0) * mask
-    return _client_sums(a, ge, gs, gd, c)
+    P, N = a.shape[0], a.shape[1]
+    overflow = ((~torch.isfinite(norms)) & (mask > 0)).reshape(-1, P, N).any(-1).T
+    return _client_sums(a, ge, gs, gd, c), overflow
+
+
+def _plan_radii(r: int, specs: Sequence[RunSpec], restart: torch.Tensor, x: torch.Tensor, x_prev: torch.Tensor,
+                alive: torch.Tensor, diverged: list[int | None]) -> tuple[np.ndarray, np.ndarray]:
+    """Round r's radius and noise std of every run [K], exactly as the server plans them (the same
+    :func:`~diff2_flwr.core.estimator.round_scale` on the same float64 iterates, so bit for bit).
+    A run whose radius or noise std is not finite diverges at r, in place, and releases nothing;
+    parked (dead) runs get radius 0 and no noise."""
+    K = len(specs)
+    radius, std = np.zeros(K), np.zeros(K)
+    x_np, x_prev_np = x.numpy(), x_prev.numpy()
+    for k, spec in enumerate(specs):
+        if not alive[k]:
+            continue
+        first = bool(restart[k])
+        try:
+            radius[k], std[k] = round_scale(r, first, spec.clip_restart if first else spec.clip_diff,
+                                            spec.sigma_restart if first else spec.sigma_diff,
+                                            x_np[k], None if first else x_prev_np[k])
+        except Diverged:
+            diverged[k] = r
+            alive[k] = False
+    return radius, std
+
+
+def _workers_finish(client_means: torch.Tensor, overflow: torch.Tensor, radius: np.ndarray, alive: torch.Tensor,
+                    diverged: list[int | None], r: int) -> None:
+    """What each worker does with its ClippedMean before replying, in place: a run with a client
+    whose gradients overflowed (or whose mean is not finite) diverges at round r (the reference's
+    ``Diverged('gradients')``); a mean that exceeds the radius by float rounding is projected onto
+    the ball by :func:`~diff2_flwr.core.clipping.onto_ball`, bit for bit as the worker does."""
+    P, K, _ = client_means.shape
+    finite = torch.isfinite(client_means).all(-1)  # [P, K]
+    for k in torch.nonzero(alive & (overflow | ~finite).any(0)).flatten().tolist():
+        diverged[k] = r
+        alive[k] = False
+    # Only means within 1e-12 of the radius can need a projection (the two exact norms differ from
+    # this one by a few ulps): the rest skip the scalar check.
+    near = torch.linalg.vector_norm(client_means, dim=-1) >= torch.as_tensor(radius) * (1 - 1e-12)
+    for p, k in torch.nonzero(near & alive.unsqueeze(0) & torch.isfinite(torch.as_tensor(radius))).tolist():
+        row = client_means[p, k].numpy()
+        projected = onto_ball(row, float(radius[k]))
+        if max(robust_norm(projected), float(np.linalg.norm(projected))) > radius[k]:
+            raise RuntimeError(f"Batched engine, round {r}, run {k}, client {p}: the clipped mean's norm "
+                               f"{robust_norm(row):.17g} exceeds the radius {radius[k]:.17g} beyond float rounding "
+                               "(a clipping bug).")
+        client_means[p, k] = torch.as_tensor(projected)
 
 
 _COMPILED = None
@@ -178,10 +242,6 @@ def run_batch(
     d = x.shape[1]
     T = torch.tensor([s.restart_every for s in specs])
     lr = torch.tensor([s.learning_rate for s in specs], dtype=torch.float64).unsqueeze(1)
-    c1 = torch.tensor([s.clip_restart for s in specs], dtype=torch.float64)
-    c2 = torch.tensor([s.clip_diff for s in specs], dtype=torch.float64)
-    s1 = [s.sigma_restart for s in specs]
-    s2 = [s.sigma_diff for s in specs]
     x_prev = x.clone()
     v = torch.zeros_like(x)
     alive = torch.ones(K, dtype=torch.bool)
@@ -189,8 +249,8 @@ def run_batch(
     evals: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
 
     def evaluate(r: int, x_now: torch.Tensor) -> None:
-        s, e, delta = b.forward(x_now, b.a_t, b.y)
-        sums = _client_sums(b.a, e, e.unsqueeze(1) * s, delta, b.mask.expand_as(e)).to(torch.float64)
+        s, e, delta = (t.to(torch.float64) for t in b.forward(x_now, b.a_t, b.y))
+        sums = _client_sums(b.a64, e, e.unsqueeze(1) * s, delta, b.mask.expand_as(e))
         grad = (sums / b.n.reshape(P, 1, 1)).sum(0) / P  # ∇f = (1/P) Σ_p ∇f_p, unclipped
         losses = (0.5 * e * e * b.mask).to(torch.float64).reshape(K, P, b.N).sum(-1) / b.n  # [K, P]
         _, e_test, _ = b.forward(x_now, b.x_test_t, b.y_test)
@@ -202,34 +262,30 @@ def run_batch(
         evals.append((r, train.numpy().copy(), gn.numpy().copy(), test.numpy().copy()))
 
     core = _compiled_core() if compile else _round_core
-    # In float32 the computed per-sample norms carry ~1e-7 relative error: clip to a radius
-    # shrunk by 2^-20 so every clipped norm stays <= the radius the noise is calibrated for.
-    shrink = 1.0 if dtype == torch.float64 else 1.0 - 2.0**-20
     for r in range(1, rounds + 1):
         restart = (r - 1) % T == 0  # [K]
         if (r - 1) % eval_every == 0 or r == 1:
             evaluate(r - 1, x)
-        step = x - x_prev
-        radius = torch.where(restart, c1, torch.where(torch.isinf(c2), math.inf, c2 * step.norm(dim=1)))
-        sums = core(b.a_t, b.a, b.y, b.sq_a1, b.mask, *b.unpack(x.to(dtype)), *b.unpack(x_prev.to(dtype)),
-                    restart, (radius * shrink).to(dtype), not bool(restart.all()))
-        mean = (sums.to(torch.float64) / b.n.reshape(P, 1, 1)).sum(0) / P  # (1/P) Σ_p ClippedMean_p
+        radius_np, std_np = _plan_radii(r, specs, restart, x, x_prev, alive, diverged)
+        radius = torch.as_tensor(radius_np)
+        sums, overflow = core(b.a_t, b.a64, b.y, b.sq_a1, b.mask, *b.unpack(x.to(dtype)), *b.unpack(x_prev.to(dtype)),
+                              restart, radius, not bool(restart.all()))
+        client_means = sums / b.n.reshape(P, 1, 1)  # ClippedMean_p of every run [P, K, d]
+        _workers_finish(client_means, overflow, radius_np, alive, diverged, r)
+        mean = client_means.sum(0) / P  # (1/P) Σ_p ClippedMean_p
         noise = np.zeros((K, d))
-        rad = radius.numpy()
         for k in range(K):
-            sigma = s1[k] if restart[k] else s2[k]
-            std = 0.0 if sigma == 0 or rad[k] == 0 else sigma * rad[k]
-            if std and alive[k]:
-                noise[k] = round_noise(specs[k].noise_seed, r, d, std)
+            if std_np[k] and alive[k]:
+                noise[k] = round_noise(specs[k].noise_seed, r, d, std_np[k])
         v = torch.where(restart.unsqueeze(1), mean, v + mean) + torch.as_tensor(noise)
         x_prev, x = x, x - lr * v
-        bad = alive & ~torch.isfinite(x).all(1)
-        if bool(bad.any()):
-            for k in torch.nonzero(bad).flatten().tolist():
-                diverged[k] = r
-            alive &= ~bad
+        for k in torch.nonzero(alive & ~torch.isfinite(x).all(1)).flatten().tolist():
+            diverged[k] = r
+            alive[k] = False
+        if not bool(alive.all()):
             x = torch.where(alive.unsqueeze(1), x, x_prev.nan_to_num(0.0))  # park dead runs
             x_prev = torch.where(alive.unsqueeze(1), x_prev, x)
+            v = torch.where(alive.unsqueeze(1), v, 0.0)
         if progress:
             progress(r, rounds)
     evaluate(rounds, x)

@@ -25,15 +25,16 @@ def run_inprocess(
 ) -> Diff2Server:
     """Run ``cfg`` to completion in this process; return the server (state, history, ledger).
 
-    A diverging run raises :class:`Diverged`, or with ``stop_on_divergence`` returns the server
-    stopped at the round that diverged (its summary says so).
+    A diverging run (the iterate, the radius or the workers' gradients no longer finite) raises
+    :class:`Diverged`, or with ``stop_on_divergence`` returns the server stopped at the round that
+    diverged (``server.diverged_at``; its summary says so). Privacy rejections always raise.
     """
     with pinned_threads(cfg.training.threads):  # as the ServerApp and every ClientApp
         server = build_server(cfg, output_root=output_root, record=record, progress=progress)
         workers = [build_worker(cfg, p) for p in range(cfg.training.clients)]
         while not server.done:
-            plan = server.plan()
             try:
+                plan = server.plan()
                 server.release([worker.reply(plan) for worker in workers])
             except Diverged:
                 if not stop_on_divergence:

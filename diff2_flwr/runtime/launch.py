@@ -28,7 +28,7 @@ from typing import Any, Mapping
 from .config import load_config, yaml_text
 from .paths import APP_DIR, resolve_config_path
 
-__all__ = ["LaunchResult", "SimulationFailed", "run_simulation"]
+__all__ = ["LaunchResult", "SimulationDiverged", "SimulationFailed", "run_simulation"]
 
 _CONNECTION = "diff2-local"
 
@@ -44,6 +44,24 @@ class LaunchResult:
     details: str
     log: str
     output_dir: Path | None
+
+
+class SimulationDiverged(SimulationFailed):
+    """The run stopped because the optimisation diverged (its summary says ``status: diverged``):
+    a training failure, not a privacy one. ``result`` locates its metrics; ``diverged_at`` is the round."""
+
+    def __init__(self, message: str, result: LaunchResult, diverged_at: int) -> None:
+        super().__init__(message)
+        self.result, self.diverged_at = result, diverged_at
+
+
+def _diverged_at(output_dir: Path | None) -> int | None:
+    """The round at which the run in ``output_dir`` diverged, per its summary.json, else None."""
+    try:
+        summary = json.loads((output_dir / "summary.json").read_text()) if output_dir else {}
+    except (OSError, ValueError):
+        return None
+    return summary.get("diverged_at") if summary.get("status") == "diverged" else None
 
 
 def _toml(value: str | int | float) -> str:
@@ -160,6 +178,10 @@ def flwr_run(app_dir: Path, run_env: dict[str, str], extra: list[str], *, cwd=No
     result = LaunchResult(run_id, info.get("status", "?"), info.get("status-details", ""), output,
                           Path(found.group(1)) if found else None)
     if result.status != "finished:completed":
+        diverged_at = _diverged_at(result.output_dir)
+        if diverged_at is not None:
+            raise SimulationDiverged(f"Run {run_id} diverged at round {diverged_at} (ended as {result.status}); "
+                                     f"metrics in {result.output_dir}.", result, diverged_at)
         raise SimulationFailed(f"Run {run_id} ended as {result.status}: {result.details}")
     return result
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..core.aggregation import Reply, RoundRejected, average_contributions
-from ..core.estimator import Mechanism, Release, RoundPlan, init_state, plan_round, server_step
+from ..core.estimator import DIVERGENCE_ADVICE, Diverged, Mechanism, Release, RoundPlan, init_state, plan_round, server_step
 from ..core.closed_form import PaperMLPGradients
 from ..core.gradients import Contribution, PerSampleGradients
 from ..core.layout import ParameterLayout
@@ -41,10 +41,6 @@ __all__ = ["Diff2Server", "Worker", "Diverged", "check_mechanism", "load_data", 
 BUDGET_RTOL = 1e-9
 #: ... and the PLD accountant by its (pessimistic) discretisation only.
 PLD_RTOL = 0.01
-
-
-class Diverged(RuntimeError):
-    """The iterate became non-finite (a training failure, not a privacy one)."""
 
 
 def check_mechanism(mechanism: Mechanism, calibration: Calibration, *, rounds: int, clients: int, n_min: int) -> None:
@@ -107,6 +103,7 @@ class Diff2Server:
         self.checkpoint_path, self.fingerprint = checkpoint_path, fingerprint
         self._started = time.perf_counter()
         self._status, self._error = "running", None
+        self.diverged_at: int | None = None  # the round at which the optimisation diverged, if it did
         if resume is not None:
             if resume.state.x.shape != x0.shape:
                 raise CheckpointError(f"The checkpoint's iterate has shape {resume.state.x.shape}, the model {x0.shape}.")
@@ -169,7 +166,11 @@ class Diff2Server:
         """The next round's plan (kind, radius, iterates); derived from released values only."""
         if self.done:
             raise RuntimeError(f"All {self.rounds} rounds are released; there is no round {self.state.round + 1}.")
-        return plan_round(self.state, self.mechanism)
+        try:
+            return plan_round(self.state, self.mechanism)
+        except Diverged as err:  # a radius or noise std that is not finite: nothing to ask the workers
+            self.fail(err)
+            raise
 
     def release(self, replies: Sequence[Reply]) -> Release:
         """Check and average the replies, add noise, step: release round r (or nothing, raising)."""
@@ -193,10 +194,7 @@ class Diff2Server:
         finite = bool(np.all(np.isfinite(release.x)))
         self._record_release(row, finite)
         if not finite:
-            err = Diverged(
-                f"Round {plan.round}: the iterate is no longer finite. Lower training.learning_rate "
-                "(or training.restart_every: noise enlarges ||x_r - x_(r-1)|| and so the next noise)."
-            )
+            err = Diverged(plan.round, "iterate", "the iterate is no longer finite. " + DIVERGENCE_ADVICE)
             self.fail(err)
             raise err
         if self.done:
@@ -222,6 +220,8 @@ class Diff2Server:
     def fail(self, error: BaseException) -> None:
         """Record that the run stopped with ``error`` (nothing more is released)."""
         self._status, self._error = "failed", f"{type(error).__name__}: {error}"
+        if isinstance(error, Diverged):
+            self._status, self.diverged_at = "diverged", error.round
         if self.progress:
             self.progress(f"[diff2] run failed: {self._error}")
         self._write_summary()
@@ -268,6 +268,7 @@ class Diff2Server:
             "error": self._error,
             "rounds_planned": self.rounds,
             "rounds_released": self.state.round,
+            "diverged_at": self.diverged_at,
             "privacy": {
                 "private": self.calibration is not None,
                 "guarantee": "record-level (ε, δ)-DP, replace-one adjacency, central DP (trusted server adds the noise)"
@@ -314,7 +315,8 @@ class Worker:
         """This worker's reply to ``plan`` exactly as the wire carries it (one float64 array per tensor)."""
         c = self.contribute(plan.radius, plan.x_current, plan.x_previous)
         return Reply(client=f"partition {self.partition_id}", partition_id=self.partition_id,
-                     arrays=self.gradients.layout.split(c.mean), num_samples=c.num_samples, num_clipped=c.num_clipped)
+                     arrays=self.gradients.layout.split(c.mean), num_samples=c.num_samples, num_clipped=c.num_clipped,
+                     overflow=c.overflow)
 
 
 # -------------------------------------------------------------------- builders
