@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from ..runtime.config import ExperimentConfig
+from ..runtime.shard_report import check_shards
 from ..runtime.shard_files import FORMAT, SERVER_FILE, data_fingerprint, save_npz, shard_name
 
 __all__ = ["write_shards"]
@@ -21,6 +22,7 @@ def write_shards(cfg: ExperimentConfig, out: str | os.PathLike[str]) -> list[Pat
     from ..runtime.session import load_data
 
     data = load_data(cfg)
+    check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min) if data.n_min else None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     fp, p_total = data_fingerprint(cfg), len(data.shard_bounds)

@@ -33,6 +33,7 @@ from ..task.losses import LOSSES
 __all__ = [
     "ConfigError",
     "DatasetConfig",
+    "PartitionerConfig",
     "ModelConfig",
     "PrivacyConfig",
     "TrainingConfig",
@@ -72,6 +73,86 @@ def _is_int(v: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class PartitionerConfig:
+    """How the train split is cut into the P shards (``dataset.partitioner``); see task/partitions.py."""
+
+    name: Literal["iid", "dirichlet", "pathological", "size", "linear", "square", "exponential"] = "iid"
+    seed: int | None = None  # null: dataset.split_seed
+    alpha: float | None = None  # dirichlet: concentration (small = skewed)
+    min_partition_size: int = 10  # dirichlet: Flower resamples (<= 10 times) until every shard has this many
+    self_balancing: bool = False  # dirichlet: Flower's balancing
+    classes_per_client: int | None = None  # pathological: k
+    class_assignment: Literal["first-deterministic", "deterministic", "random"] = "first-deterministic"
+    bins: int | None = None  # dirichlet/pathological on a regression target: quantile bins (null: training.clients)
+    sizes: tuple[int, ...] = ()  # size: the P shard sizes
+    min_samples: int = 1  # refuse a partition with a shard below this many samples
+    max_sigma: float | None = 1.0  # refuse a calibration whose σ1 or σ2 exceeds this (null: no limit)
+
+    def __post_init__(self) -> None:
+        name = self.name
+        _require(self.seed is None or self.seed >= 0, "seed", "null or an integer >= 0", self.seed)
+        only = {"alpha": ("dirichlet",), "classes_per_client": ("pathological",), "sizes": ("size",),
+                "bins": ("dirichlet", "pathological")}
+        for key, names in only.items():
+            value = getattr(self, key)
+            if name not in names:
+                _require(value is None or value == (), f"{key}",
+                         f"nothing for partitioner {name} ({' or '.join(names)} only)", value)
+        if name == "dirichlet":
+            a = self.alpha
+            _require(a is not None and math.isfinite(a) and a > 0, "alpha",
+                     "a finite number > 0 for partitioner dirichlet (small = skewed, e.g. 0.1; large -> IID)", a)
+        if name == "pathological":
+            _require(self.classes_per_client is not None and self.classes_per_client >= 1,
+                     "classes_per_client", "an integer >= 1 for partitioner pathological",
+                     self.classes_per_client)
+        if name == "size":
+            _require(bool(self.sizes) and min(self.sizes) >= 1, "sizes",
+                     "a list of training.clients shard sizes, each >= 1, summing to the train split", list(self.sizes))
+        _require(self.bins is None or self.bins >= 2, "bins", "null or an integer >= 2", self.bins)
+        _require(self.min_partition_size >= 0, "min_partition_size", "an integer >= 0",
+                 self.min_partition_size)
+        _require(self.min_samples >= 1, "min_samples", "an integer >= 1", self.min_samples)
+        m = self.max_sigma
+        _require(m is None or (math.isfinite(m) and m > 0), "max_sigma", "null or a finite number > 0", m)
+
+    def num_bins(self, clients: int) -> int:
+        """Quantile bins of a regression target: ``bins``, or one per client (at least 2), so that
+        pathological's first-deterministic assignment gives every bin a client."""
+        return self.bins or max(clients, 2)
+
+    def arguments(self, split_seed: int, task: str, clients: int) -> dict[str, Any]:
+        """Keyword arguments of :func:`diff2_flwr.task.partitions.partition` (seed and bins resolved)."""
+        args: dict[str, Any] = {"name": self.name}
+        if self.name in ("dirichlet", "pathological"):  # the others draw nothing at random beyond the split
+            args["seed"] = split_seed if self.seed is None else self.seed
+        if self.name == "dirichlet":
+            args.update(alpha=self.alpha, min_partition_size=self.min_partition_size,
+                        self_balancing=self.self_balancing)
+        if self.name == "pathological":
+            args.update(classes_per_client=self.classes_per_client, class_assignment=self.class_assignment)
+        if self.name in ("dirichlet", "pathological") and task == "regression":
+            args["bins"] = self.num_bins(clients)
+        if self.name == "size":
+            args["sizes"] = self.sizes
+        return args
+
+    def describe(self, split_seed: int, task: str, clients: int) -> str:
+        """One line: the partitioner and its parameters, e.g. ``dirichlet(seed=0, alpha=0.1, ..., by=class)``."""
+        args = self.arguments(split_seed, task, clients)
+        name = args.pop("name")
+        if name == "iid":
+            return "iid (the paper's: shuffled, sizes differ by at most one)"
+        if name in ("dirichlet", "pathological"):
+            args["by"] = "class" if task == "classification" else f"target in {args.pop('bins')} quantile bins"
+        if "sizes" in args:
+            args["sizes"] = list(args["sizes"])
+        if name in ("linear", "square", "exponential"):
+            return f"{name} (shard p = 1..P gets a share ∝ {dict(linear='p', square='p²', exponential='e^p')[name]})"
+        return f"{name}(" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")"
+
+
+@dataclass(frozen=True)
 class DatasetConfig:
     name: Literal["synthetic", "california_housing", "gas_turbine", "blogfeedback", "kddcup99", "covertype",
                   "csv"] = "synthetic"
@@ -87,6 +168,7 @@ class DatasetConfig:
     categorical: tuple[str, ...] = ()  # csv only: columns to one-hot encode
     task: Literal["regression", "classification"] | None = None  # csv only
     shards: str | None = None  # deployment: folder of `diff2 shard` files (the server reads server.npz there)
+    partitioner: PartitionerConfig = field(default_factory=PartitionerConfig)  # how the train split is sharded
 
     @property
     def task_kind(self) -> str:
@@ -108,6 +190,14 @@ class DatasetConfig:
         _require(self.num_samples >= 2, "num_samples", "an integer >= 2", self.num_samples)
         _require(self.num_features >= 1, "num_features", "an integer >= 1", self.num_features)
         _require(self.generator_seed >= 0, "generator_seed", "an integer >= 0", self.generator_seed)
+        part = self.partitioner
+        if part.name in ("dirichlet", "pathological") and self.task_kind == "classification":
+            _require(part.bins is None, "dataset.partitioner.bins",
+                     f"nothing for the classification dataset {self.name} (bins cut a regression target)", part.bins)
+        known = {"kddcup99": 2, "covertype": 7}.get(self.name)
+        if part.name == "pathological" and known is not None:
+            _require(part.classes_per_client <= known, "dataset.partitioner.classes_per_client",
+                     f"at most the {known} classes of dataset {self.name}", part.classes_per_client)
 
 
 @dataclass(frozen=True)
@@ -216,6 +306,15 @@ class ExperimentConfig:
             )
         _require(self.restart_every <= t.rounds, "training.restart_every",
                  f"at most training.rounds = {t.rounds} (T > R never restarts)", t.restart_every)
+        part, sizes = self.dataset.partitioner, self.dataset.partitioner.sizes
+        if part.name == "pathological" and self.dataset.task_kind == "regression":
+            bins = part.num_bins(t.clients)
+            _require(part.classes_per_client <= bins, "dataset.partitioner.classes_per_client",
+                     f"at most the {bins} target bins of dataset {self.dataset.name} (dataset.partitioner.bins"
+                     f"{'' if part.bins else ', null: one per client'})", part.classes_per_client)
+        if part.name == "size":
+            _require(len(sizes) == t.clients, "dataset.partitioner.sizes",
+                     f"one size per client: training.clients = {t.clients} sizes", list(sizes))
         if self.dataset.shards:
             _require(not self.evaluation.train_metrics, "evaluation.train_metrics",
                      "false with dataset.shards (in a deployment the server holds no training data)",

@@ -33,6 +33,7 @@ from ..task.models import build_model
 from .checkpoint import Checkpoint, CheckpointError, config_fingerprint, load_checkpoint, save_checkpoint
 from .config import ExperimentConfig
 from .outputs import RunRecorder, new_run_dir, to_json
+from .shard_report import check_shards, shard_lines
 
 __all__ = ["Diff2Server", "Worker", "Diverged", "check_mechanism", "load_data", "build_server", "build_worker"]
 
@@ -348,7 +349,7 @@ def load_data(cfg: ExperimentConfig) -> PreparedData:
         x, y = load_raw(d.name, data_dir=d.dir, num_samples=d.num_samples, num_features=d.num_features,
                         seed=d.generator_seed)
     return prepare(d.name, x, y, clients=cfg.training.clients, test_fraction=d.test_fraction, split_seed=d.split_seed,
-                   classes=classes)
+                   classes=classes, partitioner=d.partitioner.arguments(d.split_seed, d.task_kind, cfg.training.clients))
 
 
 def _model(cfg: ExperimentConfig, num_features: int, num_outputs: int) -> torch.nn.Module:
@@ -421,6 +422,7 @@ def build_server(
                             task=sdata.task, classes=sdata.classes)
     else:
         data = load_data(cfg)
+    check_shards(cfg, data.shard_sizes)  # an empty (or too small) shard: refused before any calibration
     n_min = cfg.privacy.n_min or data.n_min
     if n_min > data.n_min:
         raise ValueError(
@@ -434,6 +436,10 @@ def build_server(
             raise ValueError(f"{cfg.source}: the planned schedule would spend ε = {planned:.6g}, above the target "
                              f"privacy.epsilon = {calibration.epsilon:g} by {planned - calibration.epsilon:.3g}; "
                              "the run does not start.")
+    check_shards(cfg, data.shard_sizes, calibration)
+    if progress:
+        for line in shard_lines(cfg, data.shard_sizes, n_min, calibration):
+            progress(line)
     gradients = _gradients(cfg, data.num_features, data.num_outputs)
     evaluator = None
     if cfg.evaluation.train_metrics or cfg.evaluation.test_metrics:
@@ -442,7 +448,9 @@ def build_server(
     recorder = None
     run_info = {"name": cfg.name, "method": cfg.method, "config_file": cfg.source, "config": cfg.to_dict(),
                 "dataset": {"name": data.name, "train": sum(data.shard_sizes), "test": int(data.x_test.shape[0]),
-                            "shard_sizes": list(data.shard_sizes)}}
+                            "shard_sizes": list(data.shard_sizes),
+                            "partitioner": cfg.dataset.partitioner.describe(
+                                cfg.dataset.split_seed, cfg.dataset.task_kind, cfg.training.clients)}}
     fingerprint = config_fingerprint(cfg.to_dict(), n_min)
     checkpoint_path = Path(cfg.output.checkpoint).expanduser().resolve() if cfg.output.checkpoint else None
     resume = None

@@ -11,7 +11,8 @@ Datasets: ``synthetic`` (in-package, deterministic by seed: the embedded default
 ``covertype`` (classification), read from files in a data directory given in the config or by
 ``DIFF2_DATA_DIR`` (never downloaded; expected file names in :data:`EXPECTED_FILES`); and
 ``csv``, any CSV file with a header (a target column, columns to drop, categorical columns).
-For classification the target is a class index and is not scaled.
+For classification the target is a class index and is not scaled. Non-IID shards (Dirichlet,
+pathological, size-skewed) come from :mod:`diff2_flwr.task.partitions`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import gzip
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 import numpy as np
+
+from .partitions import PartitionError, partition
 
 __all__ = [
     "DATA_DIR_ENV",
@@ -295,11 +299,15 @@ def load_csv(path: str | os.PathLike[str], *, target: str, drop: tuple[str, ...]
 
 def prepare(
     name: str, x: np.ndarray, y: np.ndarray, *, clients: int, test_fraction: float = 0.2, split_seed: int = 0,
-    classes: tuple[str, ...] = (),
+    classes: tuple[str, ...] = (), partitioner: Mapping[str, Any] | None = None,
 ) -> PreparedData:
     """Split, standardise, scale the target (regression only) and shard (the paper's preparation).
 
     With ``classes`` the task is classification: ``y`` holds class indices and is not scaled.
+    ``partitioner`` holds the keyword arguments of :func:`~diff2_flwr.task.partitions.partition`
+    (``name``, ``seed``, ``alpha``, ...); ``None`` or ``{"name": "iid"}`` is the paper's IID cut. The
+    train split is then reordered so that shard p is the contiguous block ``shard_bounds[p]``; the
+    test split and the standardisation statistics do not depend on the partition.
     """
     n = x.shape[0]
     if not 0 < test_fraction < 1:
@@ -320,8 +328,17 @@ def prepare(
     test, train = perm[:n_test], perm[n_test:]
     mean, std = x[train].mean(axis=0), x[train].std(axis=0)
     std = np.where(std > 0, std, 1.0)  # a constant column stays 0 after centring
+    spec = dict(partitioner or {})
+    if spec.get("name", "iid") != "iid":  # shard p becomes the contiguous block of its rows
+        try:
+            parts = partition(y[train], clients, task="classification" if classes else "regression", **spec)
+        except PartitionError as exc:
+            raise DataError(f"Dataset {name!r}: {exc}") from None
+        train = train[np.concatenate(parts)]
+    else:
+        parts = partition(y[train], clients)
     bounds, start = [], 0
-    for size in (len(s) for s in np.array_split(np.arange(n_train), clients)):
+    for size in (len(s) for s in parts):
         bounds.append((start, start + size))
         start += size
     return PreparedData(

@@ -1,0 +1,95 @@
+"""What the partition does to the noise: shard sizes, n_min and σ said before training, and the refusal.
+
+DIFF2 calibrates its noise to the smallest shard: one sample replaced at worker p moves the
+averaged ClippedMean by at most 2C/(n_p P), so the round's noise std σC needs σ = 2z/(n_min P)
+for the multiplier z that (ε, δ, R, T, u) fix. A skewed partition that leaves one client with few
+samples raises everyone's noise by the factor n_min(IID)/n_min. The guarantee holds for any
+n_min >= 1 (σ grows to match); what is refused is a partition useless at the configured ε:
+
+- a shard with fewer than ``dataset.partitioner.min_samples`` samples (default 1: an empty shard,
+  for which no finite σ exists);
+- a calibration with σ1 or σ2 above ``dataset.partitioner.max_sigma`` (default 1): the per-
+  coordinate noise std σC would exceed the clipping radius C, the bound on the norm of the whole
+  averaged signal, so every coordinate of every release is dominated by noise. ``null`` lifts it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..core.privacy import Calibration
+from .config import ExperimentConfig
+
+__all__ = ["PartitionRefused", "shard_lines", "check_shards"]
+
+
+class PartitionRefused(ValueError):
+    """A partition whose smallest shard is too small for the configured privacy budget; the message has the numbers."""
+
+
+def _sigmas(cal: Calibration) -> str:
+    s2 = f", σ2 = {cal.sigma2:.4g}" if cal.sigma2 is not None else ""
+    z2 = f", z2 = {cal.z2:.4g}" if cal.z2 is not None else ""
+    return f"σ1 = {cal.sigma1:.4g}{s2} (z1 = {cal.z1:.4g}{z2}; σ = 2z/(n_min·P))"
+
+
+def _smallest(sizes: Sequence[int]) -> int:
+    return min(range(len(sizes)), key=lambda p: sizes[p])
+
+
+def shard_lines(cfg: ExperimentConfig, sizes: Sequence[int], n_min: int, calibration: Calibration | None) -> list[str]:
+    """The pre-training lines: the partition and its shard sizes, n_min and the σ it forces."""
+    d, p = cfg.dataset, len(sizes)
+    lines = [f"[diff2] shards: {d.partitioner.describe(d.split_seed, d.task_kind, p)}; P = {p}, "
+             f"{sum(sizes)} train samples, sizes {list(sizes)}"]
+    where = f"client {_smallest(sizes)}" + (", privacy.n_min" if cfg.privacy.n_min else "")
+    if calibration is None:
+        lines.append(f"[diff2] n_min = {n_min} ({where}); method {cfg.method}: no noise")
+        return lines
+    lines.append(f"[diff2] n_min = {n_min} ({where}): {_sigmas(calibration)} for ε = {calibration.epsilon:g}, "
+                 f"δ = {calibration.delta:g}, R = {calibration.rounds}, T = {calibration.restart_every}")
+    iid_min = sum(sizes) // p
+    if iid_min > n_min:
+        iid = cfg.calibration(iid_min)
+        assert iid is not None
+        lines.append(f"[diff2] an IID split of the same {sum(sizes)} samples would give n_min = {iid_min} and "
+                     f"σ1 = {iid.sigma1:.4g}" + (f", σ2 = {iid.sigma2:.4g}" if iid.sigma2 is not None else "")
+                     + f": this partition adds {iid_min / n_min:.3g}× the noise")
+    return lines
+
+
+def check_shards(cfg: ExperimentConfig, sizes: Sequence[int], calibration: Calibration | None = None) -> None:
+    """Refuse shards below ``min_samples`` or a σ above ``max_sigma``, naming client, size, n_min and σ.
+
+    Without ``calibration`` only the sizes are checked (σ of the smallest shard is computed for the message).
+    """
+    part = cfg.dataset.partitioner
+    what = f"partition {part.describe(cfg.dataset.split_seed, cfg.dataset.task_kind, len(sizes))}"
+    small = [q for q, n in enumerate(sizes) if n < part.min_samples]
+    if small:
+        q = _smallest(sizes)
+        n_min = sizes[q]
+        sigma = "no finite σ exists (σ = 2z/(n_min·P))"
+        if n_min >= 1 and cfg.private:
+            cal = cfg.calibration(n_min)
+            assert cal is not None
+            sigma = _sigmas(cal)
+        raise PartitionRefused(
+            f"{cfg.source}: the {what} leaves client(s) {small} with fewer than dataset.partitioner.min_samples = "
+            f"{part.min_samples} samples: client {q} holds {n_min}, so n_min = {n_min} and {sigma}. Shard sizes: "
+            f"{list(sizes)}. Use a milder skew (a larger alpha, dirichlet min_partition_size), fewer clients or "
+            "more data.")
+    if calibration is None or part.max_sigma is None:
+        return
+    worst = max(calibration.sigma1, calibration.sigma2 or 0.0)
+    if worst > part.max_sigma:
+        q = _smallest(sizes)
+        declared = f" (privacy.n_min = {calibration.n_min})" if cfg.privacy.n_min else ""
+        raise PartitionRefused(
+            f"{cfg.source}: with the {what}, client {q} holds only {sizes[q]} samples; n_min = {calibration.n_min}"
+            f"{declared} gives {_sigmas(calibration)} at ε = {calibration.epsilon:g}, δ = {calibration.delta:g}, "
+            f"R = {calibration.rounds}, T = {calibration.restart_every}, P = {calibration.clients}. σ = {worst:.4g} is "
+            f"above dataset.partitioner.max_sigma = {part.max_sigma:g}: each coordinate's noise would exceed the "
+            "clipping radius, the bound on the whole averaged signal. Shard sizes: "
+            f"{list(sizes)}. Use a milder skew or fewer clients, a larger ε or fewer rounds, or set "
+            "dataset.partitioner.max_sigma (null: no limit) to run anyway.")
