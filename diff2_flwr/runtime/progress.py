@@ -16,7 +16,7 @@ __all__ = ["ProgressReporter"]
 
 
 class ProgressReporter:
-    """``done`` of ``total`` units (fractions allowed), with elapsed time and an ETA."""
+    """``done`` of ``total`` units (fractions allowed), with elapsed time, an ETA and an optional status text."""
 
     def __init__(self, total: float, *, label: str = "runs", stream: TextIO | None = None,
                  enabled: bool = True, interval_s: float = 10.0) -> None:
@@ -25,6 +25,7 @@ class ProgressReporter:
         self.done = 0.0
         self.started = time.perf_counter()
         self._last_line = -math.inf
+        self.status = ""
         self._bar = None
         self._task = None
         if enabled and _is_terminal(self.stream):
@@ -34,8 +35,9 @@ class ProgressReporter:
 
             console = Console(file=self.stream, force_terminal=True)
             self._bar = Progress(TextColumn(f"[diff2] {label}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
-            self._task = self._bar.add_task(label, total=total)
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                 TextColumn("{task.fields[status]}", markup=False), console=console)
+            self._task = self._bar.add_task(label, total=total, status="")
             self._bar.start()
 
     @property
@@ -48,13 +50,15 @@ class ProgressReporter:
         if self._bar is not None:
             self._bar.update(self._task, total=total)
 
-    def update(self, done: float) -> None:
-        """Set the units done so far (monotone)."""
+    def update(self, done: float, status: str | None = None) -> None:
+        """Set the units done so far (monotone) and, optionally, a short status (e.g. the latest metrics)."""
         self.done = done
+        if status is not None:
+            self.status = status
         if not self.enabled or self.total <= 0:
             return
         if self._bar is not None:
-            self._bar.update(self._task, completed=done)
+            self._bar.update(self._task, completed=done, status=self.status)
             return
         now = time.perf_counter()
         if now - self._last_line >= self.interval_s or done >= self.total:
@@ -67,8 +71,17 @@ class ProgressReporter:
         eta = elapsed / self.done * (self.total - self.done) if self.done > 0 else math.nan
         eta_text = f"{eta:.0f} s" if math.isfinite(eta) else "?"
         shown = int(self.done) if float(self.done).is_integer() else round(self.done, 1)
-        return (f"[diff2] {self.label} {shown}/{self.total:g} ({100 * self.done / self.total:.0f} %), "
+        status = f", {self.status}" if self.status else ""
+        return (f"[diff2] {self.label} {shown}/{self.total:g} ({100 * self.done / self.total:.0f} %){status}, "
                 f"{elapsed:.0f} s elapsed, ETA {eta_text}")
+
+    def write(self, line: str) -> None:
+        """Print a line of text without breaking the bar (above it while it is live)."""
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            self.stream.write(line + "\n")
+            self.stream.flush()
 
     def finish(self) -> None:
         if self._bar is not None:
