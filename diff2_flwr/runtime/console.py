@@ -140,7 +140,8 @@ class RunConsole:
 
     def _finish_progress(self) -> None:
         if self._progress is not None:
-            self._progress.finish()
+            if self._progress.is_live:  # plain mode wrote a line per round already: no closing line
+                self._progress.finish()
             self._progress = None
 
     def close(self) -> None:
