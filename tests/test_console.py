@@ -132,7 +132,7 @@ def test_a_terminal_gets_a_live_round_bar_and_lines_above_it(monkeypatch):
     feed(console, RECORDED)
     console.close()
     text = tty.getvalue()
-    assert "\x1b" in text and "2/100" in text and "ε 0.7502" in text  # the bar with its status
+    assert "\x1b" in text and "[diff2] round" in text and "2/100" in text and "ε 0.7502" in text  # bar + status
     assert "No fit_metrics_aggregation_fn provided" in text and "INFO" not in text
 
 

@@ -34,7 +34,7 @@ class ProgressReporter:
                 TimeRemainingColumn
 
             console = Console(file=self.stream, force_terminal=True)
-            self._bar = Progress(TextColumn(f"[diff2] {label}"), BarColumn(), MofNCompleteColumn(),
+            self._bar = Progress(TextColumn(f"[diff2] {label}", markup=False), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                                  TextColumn("{task.fields[status]}", markup=False), console=console)
             self._task = self._bar.add_task(label, total=total, status="")
