@@ -59,6 +59,9 @@ Successfully installed diff2-flwr to /tmp/diff2-flwr-home-h3nifuez/apps/diff2.di
 {G}INFO {Z}:      
 {G}INFO {Z}:      [SUMMARY]
 {G}INFO {Z}:      Run finished 2 round(s) in 39.30s
+[36m(ClientAppActor pid=11327)[0m {Y}WARNING {Z}:   Manually terminating ClientAppActor
+[36m(ClientAppActor pid=11328)[0m {G}INFO {Z}:      an actor's info line
+[36m(ClientAppActor pid=11329)[0m {Y}WARNING {Z}:   an actor's real warning
 {R}ERROR {Z}:     ServerApp thread raised an exception: boom
 {R}ERROR {Z}:     Traceback (most recent call last):
   File "/work/diff2_flwr/fl/strategy.py", line 71, in configure_fit
@@ -92,12 +95,14 @@ def test_flower_info_noise_is_dropped_ours_and_warnings_are_kept():
     assert "elapsed" in rounds[1] and "radius" not in rounds[1]
     # Flower's warnings and errors (with the traceback) are kept, colours and all
     assert f"{Y}WARNING {Z}:   No fit_metrics_aggregation_fn provided" in lines
+    assert "Manually terminating" not in text and "an actor's info line" not in text  # Ray actor lines, too
+    assert f"\x1b[36m(ClientAppActor pid=11329)\x1b[0m {Y}WARNING {Z}:   an actor's real warning" in lines
     assert f"{R}ERROR {Z}:     ServerApp thread raised an exception: boom" in lines
     assert '  File "/work/diff2_flwr/fl/strategy.py", line 71, in configure_fit' in lines
     assert lines[-1] == "RuntimeError: boom"
     assert "\r" not in text
-    assert console.dropped == 30
-    assert len(lines) == 2 + 3 + 1 + 2 + 3  # ours, rounds, a warning, two error records, the traceback
+    assert console.dropped == 32
+    assert len(lines) == 2 + 3 + 2 + 2 + 3  # ours, rounds, two warnings, two error records, the traceback
 
 
 def test_verbose_keeps_every_line_verbatim():

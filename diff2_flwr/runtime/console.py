@@ -30,6 +30,7 @@ VERBOSE_ENV = "DIFF2_VERBOSE"
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _RECORD = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:")
+_RAY_ACTOR = re.compile(r"^\(\w+ pid=\d+(?:, ip=[^)]*)?\)\s*")  # Ray prefixes what its actors print
 _ROUND = re.compile(r"^\[diff2\] round (\d+)/(\d+) \((\w+)\)\s*(.*)$")
 _PAIR = re.compile(r"(\w+)=(\S+)")
 _RUN_DIR = re.compile(r"^\[diff2\] writing per-round metrics and summary to (\S+)")
@@ -38,6 +39,8 @@ _RUN_DIR = re.compile(r"^\[diff2\] writing per-round metrics and summary to (\S+
 KNOWN_NOISE: tuple[re.Pattern[str], ...] = (
     # Flower 1.42 logs this in every simulation, even when num-supernodes is given (our launcher always gives it).
     re.compile(r"^WARNING\s*:\s*Since flwr 1\.32, default simulated SuperNodes changed from 10 to 2\.$"),
+    # Flower's Ray backend logs this for every ClientApp actor it stops at the normal end of a simulation.
+    re.compile(r"^WARNING\s*:\s*Manually terminating ClientAppActor$"),
     # Ray's FutureWarning about a future default on GPU visibility (this app uses no GPU); its source line follows.
     re.compile(r"ray/_private/worker\.py:\d+: FutureWarning: Tip: In future versions of Ray, Ray will no longer "
                r"override accelerator visible devices"),
@@ -112,6 +115,7 @@ class RunConsole:
 
     def keep(self, plain: str) -> bool:
         """Whether a line that is not ours is shown (colours stripped). Updates the continuation state."""
+        plain = _RAY_ACTOR.sub("", plain)
         if any(pattern.search(plain) for pattern in KNOWN_NOISE):
             self._keep_continuation = False
             return False
