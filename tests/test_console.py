@@ -105,6 +105,23 @@ def test_flower_info_noise_is_dropped_ours_and_warnings_are_kept():
     assert len(lines) == 2 + 3 + 2 + 2 + 3  # ours, rounds, two warnings, two error records, the traceback
 
 
+def test_the_eta_ignores_the_start_up_paid_by_the_first_round(monkeypatch):
+    import diff2_flwr.runtime.progress as progress
+
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    out = io.StringIO()
+    console = RunConsole(stream=out)
+    rounds = [line for line in RECORDED.splitlines() if line.startswith("[diff2] round ")]
+    for at, line in zip((0.0, 20.0, 21.0), rounds):  # round 1 comes after 20 s of start-up, round 2 1 s later
+        now[0] = at
+        console.feed(line)
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith(", 0 s elapsed, ETA ?")
+    assert lines[1].endswith(", 20 s elapsed, ETA ?")
+    assert lines[2].endswith(", 21 s elapsed, ETA 98 s")  # 1 s a round, 98 rounds to go
+
+
 def test_verbose_keeps_every_line_verbatim():
     out = io.StringIO()
     console = RunConsole(stream=out, verbose=True)
@@ -223,7 +240,8 @@ def test_diff2_run_console_through_flower_is_short_and_ends_with_the_summary(tmp
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    assert report["status"] == "completed" and report["run_id"] and report["epsilon_spent"] == pytest.approx(3.0)
+    assert report["status"] == "completed" and report["epsilon_spent"] == pytest.approx(3.0)
+    assert report["run_id"].isdigit()  # a string: Flower's run ids exceed JSON readers' exact integers
     lines = done.stderr.splitlines()
     assert not [line for line in lines if "INFO" in line], lines
     assert len([line for line in lines if line.startswith("[diff2] round ")]) == 7

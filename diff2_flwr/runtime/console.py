@@ -87,6 +87,7 @@ class RunConsole:
         self.dropped = 0
         self._keep_continuation = True
         self._progress: ProgressReporter | None = None
+        self._rounds_seen = 0
 
     # ---------------------------------------------------------------- input
     def feed(self, line: str) -> None:
@@ -133,7 +134,11 @@ class RunConsole:
         if self._progress is None or self._progress.total != rounds:
             self._finish_progress()
             self._progress = ProgressReporter(rounds, label="round", stream=self.stream, interval_s=0.0)
+            self._rounds_seen = 0
+        if self._rounds_seen == 1:  # the first round released paid for starting Ray and the workers: pace from it
+            self._progress.pace_from_here(done=r)
         self._progress.update(r, status=_round_status(kind, values))
+        self._rounds_seen += 1
 
     def _write(self, text: str) -> None:
         if self._progress is not None:
@@ -175,7 +180,8 @@ _LABELS = {"train_loss": "train_loss", "test_loss": "test_loss", "grad_norm_sq":
 def run_report(output_dir: str | os.PathLike[str] | None, *, run_id: int | None = None, engine: str = "flower",
                wall_time_s: float | None = None) -> dict:
     """The key figures of a run from its ``summary.json`` (machine-readable; see :func:`summary_block`)."""
-    report: dict = {"engine": engine, "run_id": run_id, "output_dir": None if output_dir is None else str(output_dir),
+    # Flower's run ids exceed 2**53 (and JSON readers' exact integers): a string, as `flwr ls --format json` has it.
+    report: dict = {"engine": engine, "run_id": None if run_id is None else str(run_id), "output_dir": None if output_dir is None else str(output_dir),
                     "wall_time_s": wall_time_s}
     path = None if output_dir is None else Path(output_dir) / "summary.json"
     if path is None or not path.is_file():

@@ -24,6 +24,7 @@ class ProgressReporter:
         self.stream = sys.stderr if stream is None else stream
         self.done = 0.0
         self.started = time.perf_counter()
+        self._eta_from = (self.started, 0.0)  # the ETA extrapolates the pace since this (time, done)
         self._last_line = -math.inf
         self.status = ""
         self._bar = None
@@ -66,9 +67,17 @@ class ProgressReporter:
             self.stream.write(self._line(now) + "\n")
             self.stream.flush()
 
+    def pace_from_here(self, done: float | None = None) -> None:
+        """Base the ETA on the pace from now and ``done`` units (default: those done so far) on.
+
+        For jobs whose first unit pays for start-up: its pace would make the ETA far too long.
+        """
+        self._eta_from = (time.perf_counter(), self.done if done is None else done)
+
     def _line(self, now: float) -> str:
         elapsed = now - self.started
-        eta = elapsed / self.done * (self.total - self.done) if self.done > 0 else math.nan
+        since, base = self._eta_from
+        eta = (now - since) / (self.done - base) * (self.total - self.done) if self.done > base else math.nan
         eta_text = f"{eta:.0f} s" if math.isfinite(eta) else "?"
         shown = int(self.done) if float(self.done).is_integer() else round(self.done, 1)
         status = f", {self.status}" if self.status else ""
