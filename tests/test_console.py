@@ -113,13 +113,21 @@ def test_the_eta_ignores_the_start_up_paid_by_the_first_round(monkeypatch):
     out = io.StringIO()
     console = RunConsole(stream=out)
     rounds = [line for line in RECORDED.splitlines() if line.startswith("[diff2] round ")]
-    for at, line in zip((0.0, 20.0, 21.0), rounds):  # round 1 comes after 20 s of start-up, round 2 1 s later
+    rounds.append(rounds[-1].replace("round 2/100", "round 3/100"))
+    # round 1 comes after 20 s of start-up; rounds 2 and 3 arrive together (Flower relays logs in batches), 4 s later
+    for at, line in zip((0.0, 20.0, 24.0, 24.0), rounds):
         now[0] = at
         console.feed(line)
     lines = out.getvalue().splitlines()
     assert lines[0].endswith(", 0 s elapsed, ETA ?")
     assert lines[1].endswith(", 20 s elapsed, ETA ?")
-    assert lines[2].endswith(", 21 s elapsed, ETA 98 s")  # 1 s a round, 98 rounds to go
+    assert lines[2].endswith(", 24 s elapsed, ETA 392 s")  # 4 s a round, 98 rounds to go
+    assert lines[3].endswith(", 24 s elapsed, ETA 194 s")  # 2 s a round, 97 rounds to go
+    console = RunConsole(stream=io.StringIO())
+    for at, line in zip((0.0, 20.0, 21.0), rounds):  # less than ETA_MEASURE_S of pace: no estimate yet
+        now[0] = at
+        console.feed(line)
+    assert console.stream.getvalue().splitlines()[2].endswith(", 21 s elapsed, ETA ?")
 
 
 def test_verbose_keeps_every_line_verbatim():

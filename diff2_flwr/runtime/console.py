@@ -27,6 +27,8 @@ __all__ = ["VERBOSE_ENV", "KNOWN_NOISE", "RunConsole", "verbose_from_env", "pars
            "summary_block"]
 
 VERBOSE_ENV = "DIFF2_VERBOSE"
+#: The ETA of the rounds is extrapolated from at least this many seconds of them.
+ETA_MEASURE_S = 3.0
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _RECORD = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:")
@@ -135,8 +137,9 @@ class RunConsole:
             self._finish_progress()
             self._progress = ProgressReporter(rounds, label="round", stream=self.stream, interval_s=0.0)
             self._rounds_seen = 0
-        if self._rounds_seen == 1:  # the first round released paid for starting Ray and the workers: pace from it
-            self._progress.pace_from_here(done=r)
+        if self._rounds_seen == 1:  # the first round released paid for starting Ray and the workers: pace from it,
+            # over a few seconds: Flower relays the log in batches, so lines arrive in bursts
+            self._progress.pace_from_here(done=r, measure_s=ETA_MEASURE_S)
         self._progress.update(r, status=_round_status(kind, values))
         self._rounds_seen += 1
 

@@ -24,7 +24,8 @@ class ProgressReporter:
         self.stream = sys.stderr if stream is None else stream
         self.done = 0.0
         self.started = time.perf_counter()
-        self._eta_from = (self.started, 0.0)  # the ETA extrapolates the pace since this (time, done)
+        self._eta_from = (self.started, 0.0)  # the ETA extrapolates the pace since this (time, done) ...
+        self._eta_after_s = 0.0  # ... once it has been measured for this long
         self._last_line = -math.inf
         self.status = ""
         self._bar = None
@@ -67,17 +68,21 @@ class ProgressReporter:
             self.stream.write(self._line(now) + "\n")
             self.stream.flush()
 
-    def pace_from_here(self, done: float | None = None) -> None:
-        """Base the ETA on the pace from now and ``done`` units (default: those done so far) on.
+    def pace_from_here(self, done: float | None = None, *, measure_s: float = 0.0) -> None:
+        """Base the ETA on the pace from now and ``done`` units (default: those done so far) on,
+        and show none until it has been measured for ``measure_s`` seconds.
 
-        For jobs whose first unit pays for start-up: its pace would make the ETA far too long.
+        For jobs whose first unit pays for start-up (its pace would make the ETA far too long), or
+        whose updates arrive in bursts.
         """
         self._eta_from = (time.perf_counter(), self.done if done is None else done)
+        self._eta_after_s = measure_s
 
     def _line(self, now: float) -> str:
         elapsed = now - self.started
         since, base = self._eta_from
-        eta = (now - since) / (self.done - base) * (self.total - self.done) if self.done > base else math.nan
+        measured = self.done > base and now - since >= self._eta_after_s
+        eta = (now - since) / (self.done - base) * (self.total - self.done) if measured else math.nan
         eta_text = f"{eta:.0f} s" if math.isfinite(eta) else "?"
         shown = int(self.done) if float(self.done).is_integer() else round(self.done, 1)
         status = f", {self.status}" if self.status else ""
