@@ -42,25 +42,50 @@ def _noise(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Progress and the end-of-run summary on stderr; one JSON object (the run's key figures) on stdout."""
+    import time
+
     from .runtime.config import parse_assignment
+    from .runtime.console import RunConsole, run_report, summary_block, verbose_from_env
     from .runtime.launch import SimulationFailed, run_simulation
 
     overrides = dict(parse_assignment(text) for text in args.set or ())
-    if args.engine == "inprocess":
-        from .runtime.config import load_config
-        from .runtime.driver import run_inprocess
-        from .runtime.paths import resolve_config_path
 
-        server = run_inprocess(load_config(resolve_config_path(args.config), overrides))
-        print(f"[diff2] in-process run completed; results in {server.run_info.get('output_dir')}")
-        return 0
+    console = RunConsole(verbose=args.verbose or verbose_from_env())
+    started = time.perf_counter()
+    run_id, failure = None, None
     try:
-        result = run_simulation(args.config, timeout_s=args.timeout, set_keys=overrides)
-    except SimulationFailed as err:
-        print(f"[diff2] FAILED: {err}", file=sys.stderr)
-        return 1
-    print(f"[diff2] run {result.run_id} {result.status}; results in {result.output_dir}")
-    return 0
+        if args.engine == "inprocess":
+            from .runtime.config import load_config
+            from .runtime.driver import run_inprocess
+            from .runtime.paths import resolve_config_path
+
+            try:
+                server = run_inprocess(load_config(resolve_config_path(args.config), overrides),
+                                       progress=console.message)
+            except RuntimeError as err:  # a refused round or a diverged iterate: the run folder says so
+                failure = f"{type(err).__name__}: {err}"
+            else:
+                console.output_dir = Path(server.run_info["output_dir"]) if server.run_info.get("output_dir") else None
+        else:
+            try:
+                result = run_simulation(args.config, timeout_s=args.timeout, console=console, set_keys=overrides)
+            except SimulationFailed as err:
+                failure = str(err)
+            else:
+                run_id, console.output_dir = result.run_id, result.output_dir or console.output_dir
+    finally:
+        console.close()
+    if failure:
+        print(f"[diff2] FAILED: {failure}", file=sys.stderr)
+    report = run_report(console.output_dir, run_id=run_id, engine=args.engine,
+                        wall_time_s=time.perf_counter() - started)
+    if console.output_dir is not None:
+        print(summary_block(report), file=sys.stderr)
+    if failure:
+        report["status"], report["error"] = "failed", report.get("error") or failure
+    print(json.dumps(to_json(report)))
+    return 1 if failure else 0
 
 
 def _experiment(args: argparse.Namespace) -> int:
@@ -193,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", metavar="KEY=VALUE",
                      help="override one key of the experiment file, e.g. --set training.rounds=200 --set "
                           "privacy.epsilon=8 (the value is read as YAML; validated like the file)")
+    run.add_argument("--verbose", action="store_true",
+                     help="show every line of Flower's log (also: DIFF2_VERBOSE=1); default: ours and warnings only")
     run.set_defaults(func=_run)
 
     exp = sub.add_parser("experiment", help="run a study (grid search, seeds, t-tests, report, plots) from a YAML file")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -480,6 +482,53 @@ def test_configure_fit_with_too_many_clients_is_rejected(cfg, tmp_path):
     with pytest.raises(RoundRejected, match=r"but 4 clients are connected.*num-supernodes=3"):
         strategy.configure_fit(1, strategy.initialize_parameters(manager), manager)
     assert summary(server)["status"] == "failed"
+
+
+class SimulatedProxy(FakeProxy):
+    """A proxy of a simulation's virtual SuperNode: it talks to Flower's in-memory grid (as GridClientProxy does)."""
+
+    def __init__(self, cid: str) -> None:
+        super().__init__(cid)
+        from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+        self.grid = object.__new__(InMemoryGrid)  # only its type is read
+
+
+def test_a_simulation_with_the_wrong_number_of_supernodes_fails_at_once_naming_the_command(cfg, tmp_path):
+    server = make_server(cfg, tmp_path)
+    strategy = Diff2Strategy(server=server, wait_for_clients_s=120)
+    manager = SimpleClientManager()
+    for p in range(2):  # `flwr run .` simulates 2 SuperNodes by default
+        assert manager.register(SimulatedProxy(cid_of(p)))
+    started = time.monotonic()
+    with pytest.raises(RoundRejected, match=r"training.clients = 3 but this simulation has 2 SuperNodes") as err:
+        strategy.configure_fit(1, strategy.initialize_parameters(manager), manager)
+    assert time.monotonic() - started < 10  # not the 120 s a deployment may wait for slow SuperNodes
+    assert 'flwr run . --federation-config "num-supernodes=3"' in str(err.value)
+    assert summary(server)["status"] == "failed" and "num-supernodes=3" in summary(server)["error"]
+
+
+def test_a_simulation_with_p_supernodes_starts_the_round(cfg, tmp_path):
+    server = make_server(cfg, tmp_path)
+    strategy = Diff2Strategy(server=server, wait_for_clients_s=120)
+    manager = SimpleClientManager()
+    for p in range(P):
+        assert manager.register(SimulatedProxy(cid_of(p)))
+    instructions = strategy.configure_fit(1, strategy.initialize_parameters(manager), manager)
+    assert len(instructions) == P
+
+
+def test_a_deployment_still_waits_for_slowly_starting_supernodes(cfg, tmp_path):
+    server = make_server(cfg, tmp_path)
+    strategy = Diff2Strategy(server=server, wait_for_clients_s=60)
+    manager, _ = make_manager(P - 1)
+    late = threading.Timer(3.0, lambda: manager.register(FakeProxy(cid_of(P - 1))))  # longer than the settle time
+    late.start()
+    try:
+        instructions = strategy.configure_fit(1, strategy.initialize_parameters(manager), manager)
+    finally:
+        late.cancel()
+    assert sorted(proxy.cid for proxy, _ in instructions) == [cid_of(p) for p in range(P)]
 
 
 def test_wait_for_clients_must_be_positive(cfg, tmp_path):

@@ -9,6 +9,8 @@ and the check.
 
 from __future__ import annotations
 
+import time
+
 from flwr.common import EvaluateIns, EvaluateRes, FitIns, FitRes, Parameters, Scalar
 from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import ClientManager
@@ -19,7 +21,12 @@ from ..core.aggregation import RoundRejected
 from ..runtime.session import Diff2Server
 from . import protocol
 
-__all__ = ["Diff2Strategy"]
+__all__ = ["Diff2Strategy", "SIMULATION_SETTLE_S"]
+
+#: A simulation registers all its virtual SuperNodes at once, before the first round: once their
+#: number has held for this long it is final, and a wrong number fails the run at once.
+SIMULATION_SETTLE_S = 1.0
+_POLL_S = 0.25
 
 
 class Diff2Strategy(Strategy):
@@ -59,14 +66,9 @@ class Diff2Strategy(Strategy):
             self._stop(RuntimeError(f"Flower asked for round {server_round}{resumed} but the DIFF2 server is at "
                                     f"round {plan.round}."))
         p = self.server.clients
-        client_manager.wait_for(p, timeout=self.wait_for_clients_s)
-        available = client_manager.all()
+        available = self._await_clients(client_manager, p)
         if len(available) != p:
-            self._stop(RoundRejected(
-                plan.round, "all-clients",
-                f"the config has training.clients = {p} but {len(available)} clients are connected. Every round "
-                f"needs exactly P = {p}; in a simulation pass --federation-config \"num-supernodes={p}\".",
-            ))
+            self._stop(RoundRejected(plan.round, "all-clients", _client_count_problem(p, available)))
         arrays, config = protocol.encode_task(plan, self.server.layout)
         fit_ins = FitIns(parameters=ndarrays_to_parameters(arrays), config=config)
         self._asked = set(available)
@@ -132,6 +134,52 @@ class Diff2Strategy(Strategy):
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
         return None  # the Diff2Server evaluates each released iterate and records it in metrics.jsonl
 
+    def _await_clients(self, client_manager: ClientManager, p: int) -> dict[str, ClientProxy]:
+        """The connected clients once P are, or once waiting cannot help.
+
+        A deployment's SuperNodes may start slowly: wait up to ``wait_for_clients_s``. A simulation's
+        virtual SuperNodes (Flower's in-memory grid) all register at once, so when their number has
+        held for ``SIMULATION_SETTLE_S`` it is final: return at once instead of waiting in silence.
+        """
+        deadline = time.monotonic() + self.wait_for_clients_s
+        count, since = -1, time.monotonic()
+        while True:
+            available = client_manager.all()  # Flower's compat layer refreshes the node list on this call
+            now = time.monotonic()
+            if len(available) != count:
+                count, since = len(available), now
+            if count >= p or now >= deadline:
+                return available
+            if count and _simulated(available) and now - since >= SIMULATION_SETTLE_S:
+                return available
+            client_manager.wait_for(p, timeout=max(0.0, min(_POLL_S, deadline - now)))  # type: ignore[arg-type]
+
     def _stop(self, error: BaseException):
         self.server.fail(error)
         raise error
+
+
+def _simulated(available: dict[str, ClientProxy]) -> bool:
+    """Whether the nodes are a simulation's virtual SuperNodes: their proxies talk to Flower's in-memory grid.
+
+    ``flwr run`` runs a simulation's ServerApp on an ``InMemoryGrid`` and a deployment's on an
+    ``HttpGrid`` (Flower 1.42); the class is matched by name so that no private module is imported.
+    """
+    for proxy in available.values():
+        grid = getattr(proxy, "grid", None)
+        if grid is not None and any(cls.__name__ == "InMemoryGrid" for cls in type(grid).__mro__):
+            return True
+    return False
+
+
+def _client_count_problem(p: int, available: dict[str, ClientProxy]) -> str:
+    """Why the round cannot start with ``len(available)`` clients, and the command that fixes it."""
+    n = len(available)
+    if _simulated(available):
+        return (f"the config has training.clients = {p} but this simulation has {n} SuperNodes (`flwr run` "
+                f"simulates 2 unless told otherwise). Every round needs exactly P = {p} workers. Run it again with\n"
+                f"    flwr run . --federation-config \"num-supernodes={p}\"\n"
+                "(keep any other options you gave), or use ./scripts/run.sh / `diff2 run CONFIG`, which set it.")
+    return (f"the config has training.clients = {p} but {n} clients are connected. Every round needs exactly "
+            f"P = {p}; in a simulation pass --federation-config \"num-supernodes={p}\", in a deployment start "
+            f"one SuperNode per data owner ({p}).")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .config import load_config, yaml_text
+from .console import RunConsole, verbose_from_env
 from .paths import APP_DIR, resolve_config_path
 
 __all__ = ["LaunchResult", "SimulationDiverged", "SimulationFailed", "run_simulation"]
@@ -141,11 +142,20 @@ def start(cmd: list[str], log_path: Path, env: dict[str, str], cwd: str | os.Pat
 
 
 def flwr_run(app_dir: Path, run_env: dict[str, str], extra: list[str], *, cwd=None, timeout_s: float = 3600,
-             echo: bool = True, on_line=None) -> LaunchResult:
-    """``flwr run <app> <connection> --stream ...``, then the run's final status from ``flwr ls``."""
+             echo: bool = True, on_line=None, console: RunConsole | None = None) -> LaunchResult:
+    """``flwr run <app> <connection> --stream ...``, then the run's final status from ``flwr ls``.
+
+    With ``echo`` the stream goes to ``console`` (default: a :class:`RunConsole` on stderr that drops
+    Flower's INFO chatter unless ``DIFF2_VERBOSE=1``); ``on_line`` sees every raw line.
+    """
     run_cmd = [_tool("flwr"), "run", str(app_dir), _CONNECTION, "--stream", *extra]
-    if echo:
-        print(f"[diff2] {' '.join(run_cmd)}", flush=True)
+    own_console = echo and console is None
+    if own_console:
+        console = RunConsole(verbose=verbose_from_env())
+    if not echo:
+        console = None
+    if console is not None:
+        console.feed(f"[diff2] {' '.join(run_cmd)}")
     lines: list[str] = []
     proc = subprocess.Popen(run_cmd, cwd=cwd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -154,8 +164,8 @@ def flwr_run(app_dir: Path, run_env: dict[str, str], extra: list[str], *, cwd=No
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            if echo:
-                print(line, end="", flush=True)
+            if console is not None:
+                console.feed(line)
             if on_line is not None:
                 on_line(line)
             if time.monotonic() > deadline:
@@ -163,6 +173,8 @@ def flwr_run(app_dir: Path, run_env: dict[str, str], extra: list[str], *, cwd=No
         proc.wait(timeout=60)
     finally:
         _stop(proc)
+        if own_console:
+            console.close()
     output = "".join(lines)
     match = re.search(r"Successfully started run (\d+)", output)
     if proc.returncode != 0 or not match:
@@ -197,6 +209,7 @@ def run_simulation(
     clients: int | None = None,
     run_config: dict[str, str | int | float] | None = None,
     set_keys: Mapping[str, Any] | None = None,
+    console: RunConsole | None = None,
 ) -> LaunchResult:
     """Run ``config`` through ``flwr run`` on a private local SuperLink; raise if the run did not complete.
 
@@ -204,6 +217,7 @@ def run_simulation(
     ``set_keys`` overrides single keys of the experiment file (``{"training.rounds": 200}``): they travel
     as Flower run-config keys, so the ServerApp and every ClientApp apply the same ones.
     For another Flower app (``config=None``), give ``clients`` and its ``run_config`` overrides.
+    With ``echo``, the run's log goes to ``console`` (default: a filtering :class:`RunConsole` on stderr).
     """
     app_dir = Path(app_dir).resolve()
     overrides = dict(run_config or {})
@@ -227,7 +241,7 @@ def run_simulation(
         extra = ["--federation-config", f"num-supernodes={clients}"]
         if overrides:
             extra += ["--run-config", run_config_arg(overrides)]
-        return flwr_run(app_dir, run_env, extra, cwd=cwd, timeout_s=timeout_s, echo=echo)
+        return flwr_run(app_dir, run_env, extra, cwd=cwd, timeout_s=timeout_s, echo=echo, console=console)
     finally:
         _stop(superlink)
         shutil.rmtree(home, ignore_errors=True)

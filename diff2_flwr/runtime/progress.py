@@ -16,7 +16,7 @@ __all__ = ["ProgressReporter"]
 
 
 class ProgressReporter:
-    """``done`` of ``total`` units (fractions allowed), with elapsed time and an ETA."""
+    """``done`` of ``total`` units (fractions allowed), with elapsed time, an ETA and an optional status text."""
 
     def __init__(self, total: float, *, label: str = "runs", stream: TextIO | None = None,
                  enabled: bool = True, interval_s: float = 10.0) -> None:
@@ -24,7 +24,10 @@ class ProgressReporter:
         self.stream = sys.stderr if stream is None else stream
         self.done = 0.0
         self.started = time.perf_counter()
+        self._eta_from = (self.started, 0.0)  # the ETA extrapolates the pace since this (time, done) ...
+        self._eta_after_s = 0.0  # ... once it has been measured for this long
         self._last_line = -math.inf
+        self.status = ""
         self._bar = None
         self._task = None
         if enabled and _is_terminal(self.stream):
@@ -33,9 +36,10 @@ class ProgressReporter:
                 TimeRemainingColumn
 
             console = Console(file=self.stream, force_terminal=True)
-            self._bar = Progress(TextColumn(f"[diff2] {label}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
-            self._task = self._bar.add_task(label, total=total)
+            self._bar = Progress(TextColumn(f"[diff2] {label}", markup=False), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                 TextColumn("{task.fields[status]}", markup=False), console=console)
+            self._task = self._bar.add_task(label, total=total, status="")
             self._bar.start()
 
     @property
@@ -48,13 +52,15 @@ class ProgressReporter:
         if self._bar is not None:
             self._bar.update(self._task, total=total)
 
-    def update(self, done: float) -> None:
-        """Set the units done so far (monotone)."""
+    def update(self, done: float, status: str | None = None) -> None:
+        """Set the units done so far (monotone) and, optionally, a short status (e.g. the latest metrics)."""
         self.done = done
+        if status is not None:
+            self.status = status
         if not self.enabled or self.total <= 0:
             return
         if self._bar is not None:
-            self._bar.update(self._task, completed=done)
+            self._bar.update(self._task, completed=done, status=self.status)
             return
         now = time.perf_counter()
         if now - self._last_line >= self.interval_s or done >= self.total:
@@ -62,13 +68,34 @@ class ProgressReporter:
             self.stream.write(self._line(now) + "\n")
             self.stream.flush()
 
+    def pace_from_here(self, done: float | None = None, *, measure_s: float = 0.0) -> None:
+        """Base the ETA on the pace from now and ``done`` units (default: those done so far) on,
+        and show none until it has been measured for ``measure_s`` seconds.
+
+        For jobs whose first unit pays for start-up (its pace would make the ETA far too long), or
+        whose updates arrive in bursts.
+        """
+        self._eta_from = (time.perf_counter(), self.done if done is None else done)
+        self._eta_after_s = measure_s
+
     def _line(self, now: float) -> str:
         elapsed = now - self.started
-        eta = elapsed / self.done * (self.total - self.done) if self.done > 0 else math.nan
+        since, base = self._eta_from
+        measured = self.done > base and now - since >= self._eta_after_s
+        eta = (now - since) / (self.done - base) * (self.total - self.done) if measured else math.nan
         eta_text = f"{eta:.0f} s" if math.isfinite(eta) else "?"
         shown = int(self.done) if float(self.done).is_integer() else round(self.done, 1)
-        return (f"[diff2] {self.label} {shown}/{self.total:g} ({100 * self.done / self.total:.0f} %), "
+        status = f", {self.status}" if self.status else ""
+        return (f"[diff2] {self.label} {shown}/{self.total:g} ({100 * self.done / self.total:.0f} %){status}, "
                 f"{elapsed:.0f} s elapsed, ETA {eta_text}")
+
+    def write(self, line: str) -> None:
+        """Print a line of text without breaking the bar (above it while it is live)."""
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            self.stream.write(line + "\n")
+            self.stream.flush()
 
     def finish(self) -> None:
         if self._bar is not None:
