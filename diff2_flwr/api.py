@@ -31,6 +31,7 @@ from flwr.common import Parameters, parameters_to_ndarrays
 from .core.gradients import LossFn
 from .fl.client import Diff2Client
 from .fl.strategy import Diff2Strategy
+from .runtime.config import TrainingConfig, from_arguments
 from .runtime.session import make_server, make_worker
 
 __all__ = ["make_strategy", "make_client"]
@@ -93,6 +94,8 @@ def make_strategy(
         ConfigError: an argument is invalid (the message names it, what was expected and what was found),
             or the schedule cannot meet the budget.
     """
+    function = "diff2_flwr.make_strategy"
+    from_arguments(function, {"round_retries": round_retries}, TrainingConfig)  # the YAML key's check and message
     if isinstance(initial_parameters, Parameters):
         initial_parameters = parameters_to_ndarrays(initial_parameters)
     server = make_server(
@@ -100,7 +103,7 @@ def make_strategy(
         clip_restart=clip_restart, clip_diff=clip_diff, learning_rate=learning_rate, model=model,
         initial_parameters=initial_parameters, u=u, mode=mode, seed=seed, evaluate_fn=evaluate_fn,
         eval_every=eval_every, output_dir=output_dir, name=name, checkpoint=checkpoint, progress=progress,
-        _function="diff2_flwr.make_strategy",
+        _function=function,
     )
     return Diff2Strategy(server=server, round_retries=round_retries, wait_for_clients_s=wait_for_clients_s)
 

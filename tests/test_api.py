@@ -188,6 +188,21 @@ def test_bad_arguments_fail_at_once_with_the_yaml_message(section, key, value):
     assert api_message.split("`: ", 1)[1] == yaml_message.split("`: ", 1)[1]  # expected ... Found ...
 
 
+def test_arguments_named_apart_from_their_yaml_key_are_named_as_the_caller_wrote_them():
+    model = TanhMLP(in_features=2, out_features=1)
+    with pytest.raises(ConfigError) as yaml_error:
+        parse_config({"evaluation": {"every": 0}, "training": {"restart_every": 2}}, "exp.yaml")
+    with pytest.raises(ConfigError) as api_error:
+        diff2_flwr.make_strategy(**ARGS, n_min=10, model=model, eval_every=0, progress=None)
+    assert str(yaml_error.value) == "exp.yaml: key `evaluation.every`: expected an integer >= 1. Found 0."
+    assert str(api_error.value) == "diff2_flwr.make_strategy: argument `eval_every`: expected an integer >= 1. Found 0."
+    with pytest.raises(ConfigError, match=r"^diff2_flwr.make_strategy: argument `round_retries`: expected an integer "
+                                          r">= 0. Found -1.$"):
+        diff2_flwr.make_strategy(**ARGS, n_min=10, model=model, round_retries=-1, progress=None)
+    with pytest.raises(ConfigError, match=r"argument `name`: expected a non-empty string without path separators"):
+        diff2_flwr.make_strategy(**ARGS, n_min=10, model=model, name="../x", progress=None)
+
+
 def test_strategy_needs_exactly_one_initial_point_and_n_min():
     with pytest.raises(ConfigError, match=r"exactly one of `model` .* and `initial_parameters` .*Found neither"):
         diff2_flwr.make_strategy(**ARGS, n_min=10, progress=None)

@@ -454,20 +454,21 @@ def parse_config(data: Any, source: str = "<memory>") -> ExperimentConfig:
     return _build(ExperimentConfig, data, "", source)
 
 
-def from_arguments(function: str, data: Mapping[str, Any], cls: type = ExperimentConfig) -> Any:
+def from_arguments(function: str, data: Mapping[str, Any], cls: type = ExperimentConfig,
+                   renamed: Mapping[str, str] | None = None) -> Any:
     """Validate a Python API call's keyword arguments with the YAML path's checks and messages.
 
     ``data`` is shaped like the YAML for ``cls`` (for an experiment, ``{"method": ..., "privacy": {...},
     "training": {...}}``); a bad value is reported by its argument's name (the config key without its
-    section: the API's keyword arguments are named as the keys), e.g. "diff2_flwr.make_strategy: argument
-    `rounds`: expected an integer >= 1. Found 0."
+    section: the API's keyword arguments are named as the keys, or as ``renamed`` says), e.g.
+    "diff2_flwr.make_strategy: argument `rounds`: expected an integer >= 1. Found 0."
     """
     try:
         return _build(cls, data, "", function)
     except ConfigError as err:
         if err.key is None:
             raise
-        argument = err.key.rpartition(".")[2]
+        argument = (renamed or {}).get(err.key, err.key.rpartition(".")[2])
         raise ConfigError(f"{function}: argument `{argument}`: expected {err.expected}. Found {err.found!r}.",
                           key=argument, expected=err.expected, found=err.found) from None
 

@@ -429,7 +429,11 @@ def make_server(
                 "clip_diff": clip_diff, "learning_rate": learning_rate, "routine": routine, "clients": clients,
                 "seed": seed}
     spec: ExperimentConfig = from_arguments(_function, {"method": method, "privacy": privacy, "training": training,
-                                                        "evaluation": {"every": eval_every}})
+                                                        "evaluation": {"every": eval_every}},
+                                            renamed={"evaluation.every": "eval_every"})
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name:
+        raise _argument_error(_function, "name", "a non-empty string without path separators (the run folder's "
+                              "prefix)", name)
     if spec.privacy.n_min is None:
         raise _argument_error(_function, "n_min", "an integer >= 1 (the fewest records any client holds; the noise "
                               "is calibrated for it)", n_min)
