@@ -7,6 +7,7 @@ is read in chunks with the same result as tensors; the README's example is the f
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
 import subprocess
@@ -28,6 +29,7 @@ from diff2_flwr.core.closed_form import PaperMLPGradients
 from diff2_flwr.core.gradients import PerSampleGradients
 from diff2_flwr.fl.client import Diff2Client
 from diff2_flwr.fl.strategy import Diff2Strategy
+from diff2_flwr.runtime.checkpoint import CheckpointError
 from diff2_flwr.runtime.compute import pinned_threads
 from diff2_flwr.runtime.config import ConfigError, parse_config
 from diff2_flwr.runtime.driver import run_inprocess
@@ -62,15 +64,15 @@ class Proxy(ClientProxy):
         raise NotImplementedError
 
 
-def drive(strategy: Diff2Strategy, clients) -> list[np.ndarray]:
-    """Run every Flower round: configure_fit -> each client's Flower ``Client.fit`` -> aggregate_fit.
-
-    ``clients[p]`` is a NumPyClient or a Client; returns the released iterates as flat vectors."""
+def drive(strategy: Diff2Strategy, clients, rounds: int | None = None) -> list[np.ndarray]:
+    """Run the Flower rounds (all, or the first ``rounds``): configure_fit -> each client's Flower
+    ``Client.fit`` -> aggregate_fit. ``clients[p]`` is a NumPyClient or a Client; returns the released
+    iterates as flat vectors."""
     manager = SimpleClientManager()
     for p in range(len(clients)):
         manager.register(Proxy(f"cid-{p}"))
     released = []
-    for r in range(1, strategy.num_rounds + 1):
+    for r in range(1, (rounds or strategy.num_rounds) + 1):
         instructions = strategy.configure_fit(r, strategy.initialize_parameters(manager), manager)
         results = []
         for proxy, fit_ins in instructions:
@@ -143,6 +145,33 @@ def test_initial_parameters_as_flower_parameters_and_num_rounds():
     np.testing.assert_array_equal(strategy.server.state.x, np.concatenate([a.ravel() for a in arrays]))
     assert strategy.num_rounds == ARGS["rounds"] + 2
     assert strategy.server.layout.shapes == tuple(a.shape for a in arrays)
+
+
+def test_a_strategy_with_a_checkpoint_resumes_the_same_trajectory(tmp_path):
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(90, 4, generator=g, dtype=torch.float64), torch.randn(90, generator=g, dtype=torch.float64)
+    model = TanhMLP(in_features=4, out_features=1)
+    clients = [diff2_flwr.make_client(model=model, loss=half_squared_error, data=(x[30 * p:30 * p + 30],
+                                      y[30 * p:30 * p + 30]), partition_id=p) for p in range(3)]
+    args = dict(ARGS, rounds=6, n_min=30, model=model, seed=5, progress=None)
+    reference = diff2_flwr.make_strategy(**args)
+    drive(reference, clients)
+    checkpoint, out = tmp_path / "server.ckpt", tmp_path / "runs"
+    first = diff2_flwr.make_strategy(**args, checkpoint=checkpoint, output_dir=out)
+    drive(first, clients, rounds=2)  # the server process dies here
+    second = diff2_flwr.make_strategy(**args, checkpoint=checkpoint, output_dir=out)
+    assert second.server.state.round == 2 and second.num_rounds == 4
+    assert second.server.run_info["output_dir"] == first.server.run_info["output_dir"]
+    drive(second, clients)
+    np.testing.assert_array_equal(second.server.state.x, reference.server.state.x)
+    assert second.server.epsilon_spent == reference.server.epsilon_spent
+    with pytest.raises(CheckpointError):  # another run's checkpoint is refused, not continued
+        diff2_flwr.make_strategy(**{**args, "learning_rate": 0.1}, checkpoint=checkpoint)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        next(other.parameters())[0, 0] += 1.0  # another x_0, the same arguments
+    with pytest.raises(CheckpointError):
+        diff2_flwr.make_strategy(**{**args, "model": other}, checkpoint=checkpoint)
 
 
 def test_a_client_below_n_min_fails_the_round_and_nothing_is_released():
