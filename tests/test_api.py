@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
