@@ -24,8 +24,8 @@ def server_fn(context: Context) -> ServerAppComponents:
     strategy = Diff2Strategy(server=server, round_retries=t.round_retries,
                              crash_after_round=int(crash) if crash else None)
     # Flower numbers this run's rounds from 1; retried rounds need extra Flower rounds.
-    rounds = t.rounds - server.state.round + t.round_retries
-    return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=rounds, round_timeout=t.round_timeout_s))
+    return ServerAppComponents(strategy=strategy,
+                               config=ServerConfig(num_rounds=strategy.num_rounds, round_timeout=t.round_timeout_s))
 
 
 app = ServerApp(server_fn=server_fn)

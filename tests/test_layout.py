@@ -23,6 +23,8 @@ ALLOWED = {
     # The audit drives the Flower glue on purpose (it audits the production path).
     "lab": {"core", "task", "runtime", "fl"},
     "cli": {"core", "task", "runtime", "fl", "deploy", "lab"},
+    # The Python API facade at the package top: the Flower glue built on the runtime.
+    "api": {"core", "task", "runtime", "fl"},
 }
 #: third-party packages a room must not import.
 FORBIDDEN_THIRD_PARTY = {"core": {"flwr", "yaml"}, "task": {"flwr", "yaml"}, "runtime": {"flwr"}}

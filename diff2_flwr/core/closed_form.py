@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -106,6 +107,18 @@ class PaperMLPGradients:
         total = torch.cat([(cd.T @ features).reshape(-1), cd.sum(0), (gs * c.unsqueeze(1)).sum(0), (ge * c).sum(0, keepdim=True)])
         return total, clipped, nonfinite
 
+    def _clipped_sum(self, x_current: np.ndarray, features: torch.Tensor, targets: torch.Tensor, radius: float,
+                     x_previous: np.ndarray | None) -> tuple[torch.Tensor, int, int]:
+        """Clipped sum over these samples of the gradients at ``x_current`` (or of the differences with
+        ``x_previous``), how many were clipped, how many had a non-finite norm."""
+        cur = self.parts(x_current, features, targets)
+        ge, gs, gd = cur.e, cur.e.unsqueeze(1) * cur.s, cur.delta
+        if x_previous is not None:
+            prev = self.parts(x_previous, features, targets)
+            ge, gs, gd = ge - prev.e, gs - prev.e.unsqueeze(1) * prev.s, gd - prev.delta
+        a = features.to(torch.float64)  # float32 -> float64 is exact
+        return self.clipped_sum_of(a, (a * a).sum(1), ge, gs, gd, radius)
+
     def clipped_mean(
         self, x_current: np.ndarray, features: torch.Tensor, targets: torch.Tensor, radius: float,
         x_previous: np.ndarray | None = None,
@@ -115,11 +128,27 @@ class PaperMLPGradients:
             raise ValueError("The shard is empty: a worker with no samples cannot compute a ClippedMean.")
         if math.isnan(radius) or radius < 0:
             raise ValueError(f"`radius` must be >= 0 (or inf for no clipping). Found {radius}.")
-        cur = self.parts(x_current, features, targets)
-        ge, gs, gd = cur.e, cur.e.unsqueeze(1) * cur.s, cur.delta
-        if x_previous is not None:
-            prev = self.parts(x_previous, features, targets)
-            ge, gs, gd = ge - prev.e, gs - prev.e.unsqueeze(1) * prev.s, gd - prev.delta
-        a = features.to(torch.float64)  # float32 -> float64 is exact
-        total, clipped, nonfinite = self.clipped_sum_of(a, (a * a).sum(1), ge, gs, gd, radius)
+        total, clipped, nonfinite = self._clipped_sum(x_current, features, targets, radius, x_previous)
+        return finish_contribution((total / n).numpy(), n, clipped, nonfinite, radius)
+
+    def clipped_mean_of(
+        self, x_current: np.ndarray, chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], radius: float,
+        x_previous: np.ndarray | None = None,
+    ) -> Contribution:
+        """:meth:`clipped_mean` over a shard given as chunks of (features, targets), read once, in order
+        (equal to it up to the order of the sums' rounding); n is the number of samples read."""
+        if math.isnan(radius) or radius < 0:
+            raise ValueError(f"`radius` must be >= 0 (or inf for no clipping). Found {radius}.")
+        total = torch.zeros(self.layout.dim, dtype=torch.float64)
+        n = clipped = nonfinite = 0
+        for xc, yc in chunks:
+            if xc.shape[0] == 0:
+                continue
+            part, c, bad = self._clipped_sum(x_current, xc, yc, radius, x_previous)
+            total += part
+            clipped += c
+            nonfinite += bad
+            n += int(xc.shape[0])
+        if n == 0:
+            raise ValueError("The shard is empty: a worker with no samples cannot compute a ClippedMean.")
         return finish_contribution((total / n).numpy(), n, clipped, nonfinite, radius)

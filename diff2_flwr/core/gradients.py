@@ -13,7 +13,7 @@ References:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -106,14 +106,27 @@ class PerSampleGradients:
     ) -> Contribution:
         """ClippedMean of per-sample gradients at ``x_current`` or, when ``x_previous`` is given,
         of per-sample differences ∇ℓ(x_current, z) - ∇ℓ(x_previous, z)."""
-        n = int(features.shape[0])
-        if n == 0:
-            raise ValueError("The shard is empty: a worker with no samples cannot compute a ClippedMean.")
+        return self.clipped_mean_of(x_current, _chunks(features, targets, self.chunk_size), radius, x_previous)
+
+    def clipped_mean_of(
+        self,
+        x_current: np.ndarray,
+        chunks: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        radius: float,
+        x_previous: np.ndarray | None = None,
+    ) -> Contribution:
+        """:meth:`clipped_mean` over a shard given as chunks of (features, targets), read once, in order.
+
+        n is the number of samples read. Chunks of ``chunk_size`` give the same floating-point sums,
+        and so the same result bit for bit, as :meth:`clipped_mean` on the concatenated tensors.
+        """
         current = self.layout.to_torch(x_current, self.dtype)
         previous = None if x_previous is None else self.layout.to_torch(x_previous, self.dtype)
         total = torch.zeros(self.layout.dim, dtype=torch.float64)
-        clipped = nonfinite = 0
-        for xc, yc in _chunks(features, targets, self.chunk_size):
+        n = clipped = nonfinite = 0
+        for xc, yc in chunks:
+            if xc.shape[0] == 0:
+                continue
             rows = self._flat(self._per_sample(current, xc, yc), xc.shape[0])
             if previous is not None:
                 rows = rows - self._flat(self._per_sample(previous, xc, yc), xc.shape[0])
@@ -123,6 +136,9 @@ class PerSampleGradients:
             total += part.total
             clipped += part.clipped
             nonfinite += part.nonfinite
+            n += int(xc.shape[0])
+        if n == 0:
+            raise ValueError("The shard is empty: a worker with no samples cannot compute a ClippedMean.")
         return finish_contribution((total / n).numpy(), n, clipped, nonfinite, radius)
 
     def loss_and_gradient(self, x_vec: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> tuple[float, np.ndarray]:

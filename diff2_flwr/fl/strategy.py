@@ -49,6 +49,12 @@ class Diff2Strategy(Strategy):
         # A resumed server continues at its next round; Flower numbers this run's rounds from 1.
         self.offset = server.state.round
 
+    @property
+    def num_rounds(self) -> int:
+        """The Flower rounds to run (``ServerConfig(num_rounds=...)``): the DIFF2 rounds still to release
+        (fewer after a resume) plus the retries a failed round may take."""
+        return self.server.rounds - self.server.state.round + self.retries_left
+
     def __repr__(self) -> str:
         return f"Diff2Strategy(clients={self.server.clients}, rounds={self.server.rounds})"
 

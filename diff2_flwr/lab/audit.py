@@ -65,6 +65,7 @@ from ..fl import protocol
 from ..fl.client import Diff2Client
 from ..fl.strategy import Diff2Strategy
 from ..runtime.session import Diff2Server, Worker
+from ..task.records import TensorRecords
 from .audit_spec import AuditSpec, default_workers
 
 __all__ = ["AuditSpec", "GradientCanaryShard", "audit_scores", "clopper_pearson_upper", "epsilon_lower_bound",
@@ -123,7 +124,7 @@ def _benign(spec: AuditSpec) -> list[tuple[np.ndarray, np.ndarray]]:
 
 def _workers(spec: AuditSpec, canary: int) -> list[Worker]:
     dummy = torch.zeros(spec.samples, 1, dtype=torch.float64)  # a Worker counts its records by its features
-    return [Worker(p, GradientCanaryShard(a, b, canary if p == 0 else 0), dummy, dummy[:, 0])
+    return [Worker(p, GradientCanaryShard(a, b, canary if p == 0 else 0), TensorRecords(dummy, dummy[:, 0]))
             for p, (a, b) in enumerate(_benign(spec))]
 
 

@@ -32,6 +32,7 @@ from ..task.losses import LOSSES
 
 __all__ = [
     "ConfigError",
+    "Kwargs",
     "DatasetConfig",
     "PartitionerConfig",
     "ModelConfig",
@@ -48,13 +49,27 @@ __all__ = [
     "apply_overrides",
     "run_config_overrides",
     "yaml_text",
+    "from_arguments",
 ]
 
 Method = Literal["gd", "dpgd", "diff2"]
 
 
 class ConfigError(ValueError):
-    """An invalid experiment file; the message names file, key, expectation and finding."""
+    """An invalid experiment file; the message names file, key, expectation and finding.
+
+    For one key's bad value, ``key``, ``expected`` and ``found`` hold the parts of the message.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, expected: str | None = None,
+                 found: Any = None) -> None:
+        super().__init__(message)
+        self.key, self.expected, self.found = key, expected, found
+
+
+def _key_error(source: str, key: str, expected: str, found: Any) -> ConfigError:
+    return ConfigError(f"{source}: key `{key}`: expected {expected}. Found {found!r}.", key=key, expected=expected,
+                       found=found)
 
 
 class _Invalid(ValueError):
@@ -200,15 +215,72 @@ class DatasetConfig:
                      f"at most the {known} classes of dataset {self.name}", part.classes_per_client)
 
 
+class Kwargs(tuple):
+    """Keyword arguments from YAML as a hashable value: ``(name, value)`` pairs, sorted by name; nested
+    mappings become :class:`Kwargs` and lists tuples (a config is frozen and hashable)."""
+
+    def __new__(cls, pairs: Any = ()) -> "Kwargs":
+        items = pairs.items() if isinstance(pairs, Mapping) else pairs
+        return super().__new__(cls, sorted((str(k), _frozen(v)) for k, v in items))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain Python values (mappings as dicts, sequences as lists), as YAML gave them."""
+        return {k: _thawed(v) for k, v in self}
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, Kwargs):
+        return value
+    if isinstance(value, Mapping):
+        return Kwargs(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def _thawed(value: Any) -> Any:
+    if isinstance(value, Kwargs):
+        return value.as_dict()
+    if isinstance(value, tuple):
+        return [_thawed(v) for v in value]
+    return value
+
+
+#: The paper's model (the default); any other ``model.name`` is a factory "package.module:callable".
+PAPER_MLP = "paper_mlp"
+_FACTORY = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    name: Literal["paper_mlp"] = "paper_mlp"
-    hidden: int = 10
-    init_seed: int = 0
+    name: str = PAPER_MLP  # paper_mlp, or a factory "package.module:callable" that returns a torch.nn.Module
+    hidden: int | None = None  # paper_mlp only: hidden units (null: the paper's 10)
+    kwargs: Kwargs = field(default_factory=Kwargs)  # factory only: its keyword arguments
+    init_seed: int = 0  # seeds x_0 (the paper MLP's generator; torch's generator around a factory's call)
     loss: str = "auto"  # auto: half_squared_error for regression, cross_entropy for classification
 
+    @property
+    def is_paper_mlp(self) -> bool:
+        return self.name == PAPER_MLP
+
+    @property
+    def hidden_units(self) -> int:
+        """The paper MLP's hidden width (10 unless configured)."""
+        return 10 if self.hidden is None else self.hidden
+
     def __post_init__(self) -> None:
-        _require(self.hidden >= 1, "hidden", "an integer >= 1", self.hidden)
+        _require(self.is_paper_mlp or bool(_FACTORY.match(self.name)), "name",
+                 "'paper_mlp' or a model factory as an import path 'package.module:callable'", self.name)
+        if self.is_paper_mlp:
+            _require(self.hidden is None or self.hidden >= 1, "hidden", "null or an integer >= 1", self.hidden)
+            _require(not self.kwargs, "kwargs", "nothing for model paper_mlp (its width is model.hidden)",
+                     self.kwargs.as_dict())
+        else:
+            _require(self.hidden is None, "hidden", f"nothing for a model factory ({self.name}): pass its sizes "
+                     "in model.kwargs", self.hidden)
+            reserved = sorted({"in_features", "out_features"} & {k for k, _ in self.kwargs})
+            _require(not reserved, "kwargs", "no in_features or out_features (the data sets them: the factory is "
+                     "called as factory(in_features=..., out_features=..., **model.kwargs))", self.kwargs.as_dict())
         _require(self.init_seed >= 0, "init_seed", "an integer >= 0", self.init_seed)
         _require(self.loss in LOSSES or self.loss == "auto", "loss", f"'auto' or one of {sorted(LOSSES)}", self.loss)
 
@@ -323,7 +395,7 @@ class ExperimentConfig:
             _require(self.dataset.task_kind == "regression", "model.loss",
                      f"cross_entropy (or auto) for the classification dataset {self.dataset.name}", self.model.loss)
         if t.gradients == "closed_form":
-            _require(self.model.name == "paper_mlp" and self.loss == "half_squared_error", "training.gradients",
+            _require(self.model.is_paper_mlp and self.loss == "half_squared_error", "training.gradients",
                      "'auto' or 'torch_func' unless model.name is paper_mlp with loss half_squared_error "
                      "(the closed form is for that model)", t.gradients)
         if self.private:
@@ -350,7 +422,7 @@ class ExperimentConfig:
     def closed_form_gradients(self) -> bool:
         """Whether workers use the closed-form (ghost clipping) path rather than generic torch.func."""
         if self.training.gradients == "auto":
-            return self.model.name == "paper_mlp" and self.loss == "half_squared_error"
+            return self.model.is_paper_mlp and self.loss == "half_squared_error"
         return self.training.gradients == "closed_form"
 
     @property
@@ -379,6 +451,8 @@ class ExperimentConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML/JSON data (lists, not tuples) that :func:`parse_config` turns back into this config."""
         def plain(value: Any) -> Any:
+            if isinstance(value, Kwargs):
+                return value.as_dict()
             if isinstance(value, dict):
                 return {k: plain(v) for k, v in value.items()}
             if isinstance(value, (list, tuple)):
@@ -407,6 +481,10 @@ def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
         return False, value
     if origin is Literal:
         return value in typing.get_args(hint), value
+    if hint is Kwargs:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            return False, value
+        return True, Kwargs(value)
     if origin is tuple:
         item = typing.get_args(hint)[0]
         if not isinstance(value, list) or not all(_type_ok(v, item)[0] for v in value):
@@ -433,7 +511,8 @@ def _describe(hint: Any) -> str:
         return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(hint))
     if origin is tuple:
         return f"a list of {_describe(typing.get_args(hint)[0]).replace('a ', '')}s"
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+            Kwargs: "a mapping of names to values"}.get(hint, str(hint))
 
 
 def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
@@ -460,18 +539,37 @@ def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
             continue
         ok, converted = _type_ok(value, hint)
         if not ok:
-            raise ConfigError(f"{source}: key `{prefix}{name}`: expected {_describe(hint)}. Found {value!r}.")
+            raise _key_error(source, f"{prefix}{name}", _describe(hint), value)
         kwargs[name] = converted
     try:
         return cls(**kwargs) if cls is not ExperimentConfig else cls(**kwargs, source=source)
     except _Invalid as err:
         key = err.key if "." in err.key else prefix + err.key
-        raise ConfigError(f"{source}: key `{key}`: expected {err.expected}. Found {err.found!r}.") from None
+        raise _key_error(source, key, err.expected, err.found) from None
 
 
 def parse_config(data: Any, source: str = "<memory>") -> ExperimentConfig:
     """Validate a parsed YAML mapping into an :class:`ExperimentConfig`."""
     return _build(ExperimentConfig, data, "", source)
+
+
+def from_arguments(function: str, data: Mapping[str, Any], cls: type = ExperimentConfig,
+                   renamed: Mapping[str, str] | None = None) -> Any:
+    """Validate a Python API call's keyword arguments with the YAML path's checks and messages.
+
+    ``data`` is shaped like the YAML for ``cls`` (for an experiment, ``{"method": ..., "privacy": {...},
+    "training": {...}}``); a bad value is reported by its argument's name (the config key without its
+    section: the API's keyword arguments are named as the keys, or as ``renamed`` says), e.g.
+    "diff2_flwr.make_strategy: argument `rounds`: expected an integer >= 1. Found 0."
+    """
+    try:
+        return _build(cls, data, "", function)
+    except ConfigError as err:
+        if err.key is None:
+            raise
+        argument = (renamed or {}).get(err.key, err.key.rpartition(".")[2])
+        raise ConfigError(f"{function}: argument `{argument}`: expected {err.expected}. Found {err.found!r}.",
+                          key=argument, expected=err.expected, found=err.found) from None
 
 
 class _Loader(yaml.SafeLoader):

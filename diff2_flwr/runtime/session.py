@@ -9,12 +9,14 @@ these two; an in-process driver makes the same calls in the same order.
 
 from __future__ import annotations
 
+import copy
 import functools
+import hashlib
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -22,20 +24,22 @@ import torch
 from ..core.aggregation import Reply, RoundRejected, average_contributions
 from ..core.estimator import DIVERGENCE_ADVICE, Diverged, Mechanism, Release, RoundPlan, init_state, plan_round, server_step
 from ..core.closed_form import PaperMLPGradients
-from ..core.gradients import Contribution, PerSampleGradients
+from ..core.gradients import Contribution, LossFn, PerSampleGradients
 from ..core.layout import ParameterLayout
 from ..core.privacy import PLD_DISCRETIZATION, Calibration, GaussianEvent, PrivacyLedger
 from ..core.routines import Routine, make_routine
 from ..task.data import CLASSIFICATION, PreparedData, load_classification, load_csv, load_raw, prepare
 from ..task.evaluation import Evaluator
-from ..task.losses import get_loss
-from ..task.models import build_model
+from ..task.losses import LOSSES, get_loss, half_squared_error
+from ..task.models import PaperMLP, build_model
+from ..task.records import DatasetRecords, TensorRecords, as_records
 from .checkpoint import Checkpoint, CheckpointError, config_fingerprint, load_checkpoint, save_checkpoint
-from .config import ExperimentConfig
+from .config import ConfigError, ExperimentConfig, TrainingConfig, from_arguments
 from .outputs import RunRecorder, new_run_dir, to_json
 from .shard_report import check_shards, shard_lines
 
-__all__ = ["Diff2Server", "Worker", "Diverged", "check_mechanism", "load_data", "build_server", "build_worker"]
+__all__ = ["Diff2Server", "Worker", "Diverged", "check_mechanism", "load_data", "make_server", "make_worker",
+           "build_server", "build_worker"]
 
 
 #: Relative slack of the budget guard: the exact composition may exceed the target by float rounding only.
@@ -297,20 +301,36 @@ class Diff2Server:
 
 @dataclass(frozen=True)
 class Worker:
-    """One worker (data owner): its shard and the per-sample gradient machinery."""
+    """One worker (data owner): its records and the per-sample gradient machinery."""
 
     partition_id: int
     gradients: PerSampleGradients | PaperMLPGradients
-    features: torch.Tensor
-    targets: torch.Tensor
+    records: TensorRecords | DatasetRecords
 
     @property
     def num_samples(self) -> int:
-        return int(self.features.shape[0])
+        return self.records.num_samples
+
+    @property
+    def features(self) -> torch.Tensor:
+        """The features of in-memory records (a Dataset is only ever read in chunks)."""
+        if not isinstance(self.records, TensorRecords):
+            raise AttributeError("This worker reads a Dataset in chunks; it holds no features tensor.")
+        return self.records.features
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """The targets of in-memory records."""
+        if not isinstance(self.records, TensorRecords):
+            raise AttributeError("This worker reads a Dataset in chunks; it holds no targets tensor.")
+        return self.records.targets
 
     def contribute(self, radius: float, x_current: np.ndarray, x_previous: np.ndarray | None) -> Contribution:
         """ClippedMean of per-sample gradients (x_previous None) or of gradient differences."""
-        return self.gradients.clipped_mean(x_current, self.features, self.targets, radius, x_previous)
+        if isinstance(self.records, TensorRecords):
+            return self.gradients.clipped_mean(x_current, self.records.features, self.records.targets, radius,
+                                               x_previous)
+        return self.gradients.clipped_mean_of(x_current, self.records.chunks(), radius, x_previous)
 
     def reply(self, plan: RoundPlan) -> Reply:
         """This worker's reply to ``plan`` exactly as the wire carries it (one float64 array per tensor)."""
@@ -318,6 +338,215 @@ class Worker:
         return Reply(client=f"partition {self.partition_id}", partition_id=self.partition_id,
                      arrays=self.gradients.layout.split(c.mean), num_samples=c.num_samples, num_clipped=c.num_clipped,
                      overflow=c.overflow)
+
+
+# -------------------------------------------------------------------- from plain arguments (the Python API)
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def _argument_error(function: str, argument: str, expected: str, found: Any) -> ConfigError:
+    return ConfigError(f"{function}: argument `{argument}`: expected {expected}. Found {found!r}.", key=argument,
+                       expected=expected, found=found)
+
+
+def _initial_point(function: str, model: torch.nn.Module | None,
+                   initial_parameters: Sequence[np.ndarray] | None) -> tuple[ParameterLayout, np.ndarray]:
+    """x_0 and its layout from a model (its trainable parameters) or from per-tensor arrays."""
+    if (model is None) == (initial_parameters is None):
+        raise ConfigError(f"{function}: give exactly one of `model` (a torch.nn.Module: x_0 is its parameters) and "
+                          "`initial_parameters` (x_0 as a list of arrays, one per model tensor). Found "
+                          f"{'both' if model is not None else 'neither'}.")
+    if model is not None:
+        if not isinstance(model, torch.nn.Module):
+            raise _argument_error(function, "model", "a torch.nn.Module", type(model).__name__)
+        layout = ParameterLayout.of(model)
+        tensors = [p for _, p in model.named_parameters() if p.requires_grad]
+        x0 = np.concatenate([p.detach().to(torch.float64).reshape(-1).numpy() for p in tensors]) if tensors else np.zeros(0)
+    else:
+        try:
+            arrays = [np.asarray(a) for a in initial_parameters]  # type: ignore[union-attr]
+        except TypeError:
+            raise _argument_error(function, "initial_parameters", "a list of numpy arrays (one per model tensor)",
+                                  type(initial_parameters).__name__) from None
+        if not all(np.issubdtype(a.dtype, np.floating) for a in arrays):
+            raise _argument_error(function, "initial_parameters", "floating-point arrays",
+                                  [str(a.dtype) for a in arrays])
+        layout = ParameterLayout(tuple(f"parameter_{i}" for i in range(len(arrays))), tuple(a.shape for a in arrays))
+        x0 = layout.flatten(arrays)
+    if layout.dim == 0:
+        raise ConfigError(f"{function}: the model has no trainable parameters: there is nothing to train.")
+    if not np.all(np.isfinite(x0)):
+        raise ConfigError(f"{function}: x_0 (the initial parameters) has non-finite entries; initialise the model "
+                          "with finite values.")
+    return layout, x0
+
+
+def make_server(
+    *,
+    epsilon: float,
+    delta: float,
+    rounds: int,
+    restart_every: int | None,
+    clients: int,
+    n_min: int,
+    clip_restart: float,
+    clip_diff: float,
+    learning_rate: float,
+    model: torch.nn.Module | None = None,
+    initial_parameters: Sequence[np.ndarray] | None = None,
+    u: float = 1.25,
+    mode: str = "exact",
+    method: str = "diff2",
+    routine: str = "gd",
+    seed: int | None = None,
+    evaluate_fn: Callable[[list[np.ndarray]], Mapping[str, float]] | None = None,
+    eval_every: int = 1,
+    output_dir: str | Path | None = None,
+    name: str = "diff2",
+    checkpoint: str | Path | None = None,
+    progress: Callable[[str], None] | None = print,
+    run_info: Mapping[str, Any] | None = None,
+    _function: str = "diff2_flwr.make_server",
+    _section: str = "",
+) -> Diff2Server:
+    """The trusted server of a DIFF2 run from plain arguments, validated at once; the YAML path calls it too.
+
+    Arguments are named as the experiment file's keys (``privacy.*``, ``training.*``) and checked by the same
+    dataclasses, with the same messages. ``n_min`` is the fewest records any of the ``clients`` holds: the noise
+    is calibrated for it and every reply with fewer is refused. x_0 is ``model``'s trainable parameters or
+    ``initial_parameters`` (one array per tensor). ``evaluate_fn(arrays) -> {metric: value}`` evaluates each
+    released iterate (every ``eval_every`` rounds, and always rounds 0 and R). With ``output_dir`` each round's
+    row and a summary go into a new folder ``output_dir/<name>-<time>-<random>``. With ``checkpoint`` the
+    server's state is durable after every round, and an existing checkpoint of the same run is resumed.
+    ``run_info``: extra fields of the summary; its ``"config"`` (the experiment file, on the YAML path) also
+    identifies the run for a checkpoint.
+
+    References:
+        Murata & Suzuki (2023), Algorithm 1 (server lines); Theorem 4.1 (the noise for (ε, δ)).
+    """
+    privacy = {"epsilon": epsilon, "delta": delta, "mode": mode, "u": u, "n_min": n_min}
+    training = {"rounds": rounds, "restart_every": restart_every, "clip_restart": clip_restart,
+                "clip_diff": clip_diff, "learning_rate": learning_rate, "routine": routine, "clients": clients,
+                "seed": seed}
+    spec: ExperimentConfig = from_arguments(_function, {"method": method, "privacy": privacy, "training": training,
+                                                        "evaluation": {"every": eval_every}},
+                                            renamed={"evaluation.every": "eval_every"})
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name:
+        raise _argument_error(_function, "name", "a non-empty string without path separators (the run folder's "
+                              "prefix)", name)
+    if spec.privacy.n_min is None:
+        raise _argument_error(_function, "n_min", "an integer >= 1 (the fewest records any client holds; the noise "
+                              "is calibrated for it)", n_min)
+    if evaluate_fn is not None and not callable(evaluate_fn):
+        raise _argument_error(_function, "evaluate_fn", "None or a callable evaluate_fn(arrays) -> {metric: value}",
+                              type(evaluate_fn).__name__)
+    layout, x0 = _initial_point(_function, model, initial_parameters)
+    n_min = spec.privacy.n_min
+    calibration = spec.calibration(n_min)
+    if calibration is not None:
+        planned = calibration.epsilon_spent(calibration.restart_rounds, calibration.difference_rounds)
+        if planned > calibration.epsilon * (1 + BUDGET_RTOL):
+            raise ValueError(f"{_function}: the planned schedule would spend ε = {planned:.6g}, above the target "
+                             f"{_section}epsilon = {calibration.epsilon:g} by {planned - calibration.epsilon:.3g}; the run "
+                             "does not start.")
+    evaluator = None
+    if evaluate_fn is not None:
+        def evaluator(x: np.ndarray) -> dict[str, float]:
+            return {str(k): float(v) for k, v in evaluate_fn(layout.split(x)).items()}
+
+    info = dict(run_info or {})
+    info.setdefault("name", name)
+    info.setdefault("method", spec.method)
+    described = info.get("config") or spec.to_dict()
+    fingerprint = hashlib.sha256((config_fingerprint(described, n_min) + hashlib.sha256(x0.tobytes()).hexdigest())
+                                 .encode()).hexdigest()
+    checkpoint_path = Path(checkpoint).expanduser().resolve() if checkpoint else None
+    resume = None
+    if checkpoint_path is not None and checkpoint_path.exists():
+        resume = load_checkpoint(checkpoint_path, fingerprint)
+    recorder = None
+    if output_dir is not None:
+        if resume is not None and resume.run_dir:  # a resumed run continues in its own folder
+            run_dir = Path(resume.run_dir)
+            recorder = RunRecorder(run_dir, keep_through_round=resume.state.round)
+        else:
+            run_dir = new_run_dir(output_dir, name)
+            recorder = RunRecorder(run_dir)
+        info["output_dir"] = str(run_dir)
+        if progress:
+            progress(f"[diff2] writing per-round metrics and summary to {run_dir}")
+    if progress and seed is None and calibration is not None:
+        progress("[diff2] noise key drawn from OS entropy (no training.seed): the noise is not reproducible.")
+    elif progress and calibration is not None:
+        progress("[diff2] WARNING: training.seed is set, so the noise is reproducible by anyone who knows the seed; "
+                 "use seeds for research only.")
+    return Diff2Server(
+        mechanism=spec.mechanism(calibration),
+        routine=make_routine(spec.training.routine, learning_rate=spec.training.learning_rate),
+        layout=layout, x0=x0, rounds=spec.training.rounds, clients=spec.training.clients, n_min=n_min,
+        calibration=calibration, seed=spec.training.seed, evaluator=evaluator, eval_every=spec.evaluation.every,
+        recorder=recorder, run_info=info, progress=progress, checkpoint_path=checkpoint_path,
+        fingerprint=fingerprint, resume=resume,
+    )
+
+
+def _closed_form_applies(model: torch.nn.Module, loss: LossFn) -> bool:
+    """The closed form is for the paper MLP (one softplus hidden layer, one output) with ½-squared error."""
+    return type(model) is PaperMLP and loss is half_squared_error and model.out.out_features == 1
+
+
+def make_worker(
+    *,
+    model: torch.nn.Module,
+    loss: LossFn | str,
+    data: Any,
+    partition_id: int,
+    dtype: str = "float64",
+    chunk_size: int = 1024,
+    gradients: str = "auto",
+    _function: str = "diff2_flwr.make_worker",
+) -> Worker:
+    """One worker from a model, a per-sample loss and its records; the YAML path calls it too.
+
+    ``loss(output[n, ...], target[n]) -> losses[n]`` (one loss per record, no reduction), or the name of one
+    of ours. ``data``: ``(features, targets)`` tensors or arrays, or a map-style ``Dataset`` of
+    ``(features, target)`` pairs, read ``chunk_size`` records at a time. ``model`` is copied (its parameters
+    come from the server each round; the caller's module is left as it is). ``gradients``: "auto" takes the
+    closed form for the paper MLP with ½-squared error, ``torch.func`` otherwise. Models that mix the samples
+    of a batch (batch-norm) are refused.
+
+    References:
+        Murata & Suzuki (2023), Algorithm 1 (worker lines), Algorithm 2 (ClippedMean).
+    """
+    options: TrainingConfig = from_arguments(_function, {"dtype": dtype, "chunk_size": chunk_size,
+                                                         "gradients": gradients}, TrainingConfig)
+    if not isinstance(partition_id, int) or isinstance(partition_id, bool) or partition_id < 0:
+        raise _argument_error(_function, "partition_id", "an integer >= 0", partition_id)
+    if not isinstance(model, torch.nn.Module):
+        raise _argument_error(_function, "model", "a torch.nn.Module", type(model).__name__)
+    if isinstance(loss, str):
+        if loss not in LOSSES:
+            raise _argument_error(_function, "loss", f"a callable loss(output, target) -> per-sample losses, or one "
+                                  f"of {sorted(LOSSES)}", loss)
+        loss = get_loss(loss)
+    if not callable(loss):
+        raise _argument_error(_function, "loss", "a callable loss(output, target) -> per-sample losses",
+                              type(loss).__name__)
+    torch_dtype = _DTYPES[options.dtype]
+    generic = PerSampleGradients(copy.deepcopy(model), loss, dtype=torch_dtype, chunk_size=options.chunk_size)
+    closed_form = _closed_form_applies(model, loss)
+    if options.gradients == "closed_form" and not closed_form:
+        raise _argument_error(_function, "gradients", "'auto' or 'torch_func' unless the model is the paper MLP "
+                              "(PaperMLP, one output) with loss half_squared_error (the closed form is for that model)",
+                              options.gradients)
+    grads: PerSampleGradients | PaperMLPGradients = generic
+    if closed_form and options.gradients != "torch_func":
+        grads = PaperMLPGradients(generic.layout, dtype=torch_dtype)
+    records = as_records(data, dtype=torch_dtype, chunk_size=options.chunk_size)
+    if records.num_samples == 0:
+        raise ValueError(f"Partition {partition_id} holds no samples: an empty shard cannot contribute a ClippedMean.")
+    return Worker(partition_id, grads, records)
 
 
 # -------------------------------------------------------------------- builders
@@ -354,20 +583,18 @@ def load_data(cfg: ExperimentConfig) -> PreparedData:
 
 def _model(cfg: ExperimentConfig, num_features: int, num_outputs: int) -> torch.nn.Module:
     m = cfg.model
-    return build_model(m.name, in_features=num_features, out_features=num_outputs, hidden=m.hidden,
-                       init_seed=m.init_seed)
+    return build_model(m.name, in_features=num_features, out_features=num_outputs, hidden=m.hidden_units,
+                       init_seed=m.init_seed, kwargs=m.kwargs.as_dict())
 
 
 def _gradients(cfg: ExperimentConfig, num_features: int, num_outputs: int) -> PerSampleGradients:
-    dtype = {"float64": torch.float64, "float32": torch.float32}[cfg.training.dtype]
-    return PerSampleGradients(_model(cfg, num_features, num_outputs), get_loss(cfg.loss), dtype=dtype,
-                              chunk_size=cfg.training.chunk_size)
+    return PerSampleGradients(_model(cfg, num_features, num_outputs), get_loss(cfg.loss),
+                              dtype=_DTYPES[cfg.training.dtype], chunk_size=cfg.training.chunk_size)
 
 
 def initial_parameters(cfg: ExperimentConfig, data: PreparedData) -> np.ndarray:
     """x_0: the model's initial parameters as a flat float64 vector."""
-    model = _model(cfg, data.num_features, data.num_outputs)
-    return np.concatenate([p.detach().double().reshape(-1).numpy() for _, p in model.named_parameters()])
+    return _initial_point(cfg.source, _model(cfg, data.num_features, data.num_outputs), None)[1]
 
 
 def _num_outputs(cfg: ExperimentConfig, classes: tuple[str, ...]) -> int:
@@ -391,13 +618,9 @@ def build_worker(cfg: ExperimentConfig, partition_id: int, data_path: str | None
         data = load_data(cfg)
         features, targets = data.shard(partition_id)
         num_outputs = data.num_outputs
-    if len(targets) == 0:
-        raise ValueError(f"Partition {partition_id} holds no samples: an empty shard cannot contribute a ClippedMean.")
-    gradients: PerSampleGradients | PaperMLPGradients = _gradients(cfg, features.shape[1], num_outputs)
-    if cfg.closed_form_gradients:
-        gradients = PaperMLPGradients(gradients.layout, dtype=gradients.dtype)
-    as_t = lambda a: torch.as_tensor(a, dtype=gradients.dtype)  # noqa: E731
-    return Worker(partition_id, gradients, as_t(features), as_t(targets))
+    return make_worker(model=_model(cfg, features.shape[1], num_outputs), loss=get_loss(cfg.loss),
+                       data=(features, targets), partition_id=partition_id, dtype=cfg.training.dtype,
+                       chunk_size=cfg.training.chunk_size, gradients=cfg.training.gradients, _function=cfg.source)
 
 
 def build_server(
@@ -429,57 +652,36 @@ def build_server(
             f"{cfg.source}: key `privacy.n_min` = {n_min} but the smallest shard has {data.n_min} samples; "
             "the noise would be calibrated for a smaller sensitivity than the real one."
         )
-    calibration = cfg.calibration(n_min)
-    if calibration is not None:
-        planned = calibration.epsilon_spent(calibration.restart_rounds, calibration.difference_rounds)
-        if planned > calibration.epsilon * (1 + BUDGET_RTOL):
-            raise ValueError(f"{cfg.source}: the planned schedule would spend ε = {planned:.6g}, above the target "
-                             f"privacy.epsilon = {calibration.epsilon:g} by {planned - calibration.epsilon:.3g}; "
-                             "the run does not start.")
+    calibration = cfg.calibration(n_min)  # make_server calibrates the same way; here for the shard report
     check_shards(cfg, data.shard_sizes, calibration)
     if progress:
         for line in shard_lines(cfg, data.shard_sizes, n_min, calibration):
             progress(line)
     gradients = _gradients(cfg, data.num_features, data.num_outputs)
-    evaluator = None
+    evaluate_fn = None
     if cfg.evaluation.train_metrics or cfg.evaluation.test_metrics:
         evaluator = Evaluator.of(gradients, data, train_metrics=cfg.evaluation.train_metrics,
                                  test_metrics=cfg.evaluation.test_metrics)
-    recorder = None
-    run_info = {"name": cfg.name, "method": cfg.method, "config_file": cfg.source, "config": cfg.to_dict(),
-                "dataset": {"name": data.name, "train": sum(data.shard_sizes), "test": int(data.x_test.shape[0]),
-                            "shard_sizes": list(data.shard_sizes),
-                            "partitioner": cfg.dataset.partitioner.describe(
-                                cfg.dataset.split_seed, cfg.dataset.task_kind, cfg.training.clients)}}
-    fingerprint = config_fingerprint(cfg.to_dict(), n_min)
-    checkpoint_path = Path(cfg.output.checkpoint).expanduser().resolve() if cfg.output.checkpoint else None
-    resume = None
-    if checkpoint_path is not None and checkpoint_path.exists():
-        resume = load_checkpoint(checkpoint_path, fingerprint)
-    if record:
-        if resume is not None and resume.run_dir:  # a resumed run continues in its own folder
-            run_dir = Path(resume.run_dir)
-            recorder = RunRecorder(run_dir, keep_through_round=resume.state.round)
-        else:
-            run_dir = new_run_dir(output_root or cfg.output.dir, cfg.name)
-            recorder = RunRecorder(run_dir)
-        run_info["output_dir"] = str(run_dir)
-        if progress:
-            progress(f"[diff2] writing per-round metrics and summary to {run_dir}")
-    for warning in privacy_warnings(cfg, n_train=sum(data.shard_sizes)):
-        run_info.setdefault("warnings", []).append(warning)
+        evaluate_fn = lambda arrays: evaluator(gradients.layout.flatten(arrays))  # noqa: E731
+    run_info: dict[str, Any] = {
+        "name": cfg.name, "method": cfg.method, "config_file": cfg.source, "config": cfg.to_dict(),
+        "dataset": {"name": data.name, "train": sum(data.shard_sizes), "test": int(data.x_test.shape[0]),
+                    "shard_sizes": list(data.shard_sizes),
+                    "partitioner": cfg.dataset.partitioner.describe(
+                        cfg.dataset.split_seed, cfg.dataset.task_kind, cfg.training.clients)}}
+    warnings = privacy_warnings(cfg, n_train=sum(data.shard_sizes))
+    if warnings:
+        run_info["warnings"] = warnings
+    for warning in warnings:
         if progress:
             progress(f"[diff2] WARNING: {warning}")
-    if progress and cfg.training.seed is None and calibration is not None:
-        progress("[diff2] noise key drawn from OS entropy (no training.seed): the noise is not reproducible.")
-    elif progress and calibration is not None:
-        progress("[diff2] WARNING: training.seed is set, so the noise is reproducible by anyone who knows the seed; "
-                 "use seeds for research only.")
-    return Diff2Server(
-        mechanism=cfg.mechanism(calibration),
-        routine=make_routine(cfg.training.routine, learning_rate=cfg.training.learning_rate),
-        layout=gradients.layout, x0=initial_parameters(cfg, data), rounds=cfg.training.rounds,
-        clients=cfg.training.clients, n_min=n_min, calibration=calibration, seed=cfg.training.seed,
-        evaluator=evaluator, eval_every=cfg.evaluation.every, recorder=recorder, run_info=run_info,
-        progress=progress, checkpoint_path=checkpoint_path, fingerprint=fingerprint, resume=resume,
+    p, t = cfg.privacy, cfg.training
+    return make_server(
+        epsilon=p.epsilon, delta=p.delta, rounds=t.rounds, restart_every=cfg.restart_every, clients=t.clients,
+        n_min=n_min, clip_restart=t.clip_restart, clip_diff=t.clip_diff, learning_rate=t.learning_rate,
+        model=_model(cfg, data.num_features, data.num_outputs), u=p.u, mode=p.mode, method=cfg.method, routine=t.routine, seed=t.seed,
+        evaluate_fn=evaluate_fn, eval_every=cfg.evaluation.every,
+        output_dir=(output_root or cfg.output.dir) if record else None, name=cfg.name,
+        checkpoint=cfg.output.checkpoint, progress=progress, run_info=run_info, _function=cfg.source,
+        _section="privacy.",
     )

@@ -1,7 +1,11 @@
-"""Models. The paper's MLP: one hidden layer of 10 softplus units.
+"""Models. The paper's MLP: one hidden layer of 10 softplus units; or any ``torch.nn.Module``
+from a factory named by import path.
 
-Every parameter (weights and biases) of a layer with fan-in w_in is initialised uniformly
-in [-1/sqrt(w_in), 1/sqrt(w_in)], from an explicit generator so that x_0 is reproducible.
+Every parameter (weights and biases) of the paper MLP's layer with fan-in w_in is initialised
+uniformly in [-1/sqrt(w_in), 1/sqrt(w_in)], from an explicit generator so that x_0 is
+reproducible. A factory's model is initialised by the factory itself, under torch's generator
+seeded with ``init_seed`` (and restored afterwards), with float64 as torch's default dtype:
+x_0 is then reproducible too.
 
 References:
     Murata & Suzuki (2023), Section 6 (experimental setting); DIFF2.md, "Model".
@@ -9,12 +13,15 @@ References:
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
-__all__ = ["PaperMLP", "build_model"]
+__all__ = ["PaperMLP", "TanhMLP", "build_model", "load_factory"]
 
 
 class PaperMLP(nn.Module):
@@ -35,8 +42,69 @@ class PaperMLP(nn.Module):
         return self.out(nn.functional.softplus(self.hidden(x)))
 
 
-def build_model(name: str, *, in_features: int, out_features: int, hidden: int, init_seed: int) -> nn.Module:
-    """Build a model by name; float64 parameters."""
+class TanhMLP(nn.Module):
+    """in_features -> hidden -> hidden (tanh) -> out_features: a model beyond the paper's, for
+    ``model: {name: "diff2_flwr.task.models:TanhMLP", kwargs: {hidden: 16}}``. Torch's default
+    initialisation (seeded by ``model.init_seed``)."""
+
+    def __init__(self, *, in_features: int, out_features: int, hidden: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(in_features, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                    nn.Linear(hidden, out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def load_factory(path: str, *, key: str = "model.name") -> Callable[..., Any]:
+    """The callable named by ``"package.module:attribute"``; an error naming ``key`` if it cannot be found."""
+    module_name, _, attribute = path.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"key `{key}`: cannot import module {module_name!r} of the model factory {path!r} "
+                         f"({type(err).__name__}: {err}). Make the module importable (install its package, or put "
+                         "it on PYTHONPATH; in a Flower app, inside the app's directory), or fix the path.") from err
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"key `{key}`: module {module_name!r} has no attribute {attribute!r} (the model factory "
+                             f"{path!r}). Name a function or class defined there.")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"key `{key}`: {path!r} is a {type(target).__name__}, not a callable that builds a model.")
+    return target
+
+
+def _call_factory(path: str, factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> nn.Module:
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as err:
+        raise ValueError(f"key `model.kwargs`: the model factory {path!r} is called as factory(in_features=..., "
+                         f"out_features=..., **model.kwargs) with {sorted(kwargs)}, which it does not accept ({err}). "
+                         "Give it these keyword parameters, or change model.kwargs.") from None
+    except ValueError:  # no signature (a builtin): let the call itself tell
+        pass
+    model = factory(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"key `model.name`: the model factory {path!r} returned a {type(model).__name__}, not a "
+                         "torch.nn.Module.")
+    return model
+
+
+def build_model(name: str, *, in_features: int, out_features: int, hidden: int = 10, init_seed: int = 0,
+                kwargs: Mapping[str, Any] | None = None) -> nn.Module:
+    """The paper MLP (``name`` "paper_mlp") or the model of the factory ``name`` ("package.module:callable"),
+    called as ``factory(in_features=..., out_features=..., **kwargs)``; float64 parameters (x_0)."""
     if name == "paper_mlp":
         return PaperMLP(in_features, hidden, out_features, init_seed=init_seed).double()
-    raise ValueError(f"Unknown model {name!r}. Expected one of ['paper_mlp'].")
+    factory = load_factory(name)
+    arguments = {"in_features": in_features, "out_features": out_features, **dict(kwargs or {})}
+    default_dtype = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[]):  # x_0 from init_seed; the caller's global generator untouched
+        torch.manual_seed(init_seed)
+        torch.set_default_dtype(torch.float64)  # initial values drawn in float64, whatever the compute dtype
+        try:
+            model = _call_factory(name, factory, arguments)
+        finally:
+            torch.set_default_dtype(default_dtype)
+    return model.double()

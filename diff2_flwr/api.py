@@ -1,0 +1,144 @@
+"""The Python API: DIFF2 in your own Flower app, as one strategy and one client.
+
+:func:`make_strategy` builds the Flower ``Strategy`` from the privacy budget, the schedule and
+x_0 (a model or its arrays); :func:`make_client` builds the Flower ``NumPyClient`` of one data
+owner from a model, a per-sample loss and its records. Both validate every argument at once with
+the experiment file's checks and messages (the keyword arguments are named as its keys), and
+both are thin: the YAML path builds the same server and worker with the same runtime functions
+(:func:`~diff2_flwr.runtime.session.make_server`, :func:`~diff2_flwr.runtime.session.make_worker`).
+
+Example (a ServerApp and a ClientApp; see the README, "Python API")::
+
+    strategy = diff2_flwr.make_strategy(epsilon=3.0, delta=1e-5, rounds=20, restart_every=5, clients=3,
+                                        n_min=200, clip_restart=1.0, clip_diff=3.0, learning_rate=0.2,
+                                        model=make_model(), seed=None)
+    client = diff2_flwr.make_client(model=make_model(), loss=per_sample_loss, data=dataset, partition_id=0)
+
+References:
+    Murata & Suzuki (2023), "DIFF2: Differential Private Optimization via Gradient Differences for
+    Nonconvex Distributed Learning", Algorithm 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from flwr.common import Parameters, parameters_to_ndarrays
+
+from .core.gradients import LossFn
+from .fl.client import Diff2Client
+from .fl.strategy import Diff2Strategy
+from .runtime.config import TrainingConfig, from_arguments
+from .runtime.session import make_server, make_worker
+
+__all__ = ["make_strategy", "make_client"]
+
+
+def make_strategy(
+    *,
+    epsilon: float,
+    delta: float,
+    rounds: int,
+    restart_every: int,
+    clients: int,
+    n_min: int,
+    clip_restart: float,
+    clip_diff: float,
+    learning_rate: float,
+    model: torch.nn.Module | None = None,
+    initial_parameters: Sequence[np.ndarray] | Parameters | None = None,
+    u: float = 1.25,
+    mode: str = "exact",
+    seed: int | None = None,
+    evaluate_fn: Callable[[list[np.ndarray]], Mapping[str, float]] | None = None,
+    eval_every: int = 1,
+    output_dir: str | Path | None = None,
+    name: str = "diff2",
+    checkpoint: str | Path | None = None,
+    round_retries: int = 0,
+    wait_for_clients_s: int = 300,
+    progress: Callable[[str], None] | None = print,
+) -> Diff2Strategy:
+    """A Flower ``Strategy`` that runs DIFF2 with (ε, δ)-DP for ``rounds`` rounds over all ``clients``.
+
+    Args:
+        epsilon, delta: the privacy budget of the whole run (record-level, replace-one, central DP).
+        rounds: R, the number of rounds; the ServerApp runs ``strategy.num_rounds`` Flower rounds.
+        restart_every: T; a restart round every T rounds, difference rounds between (1: DP-GD).
+        clients: P; every round needs exactly P clients, each replying once (else nothing is released).
+        n_min: the fewest records any client holds; the noise is calibrated for it, and a reply with
+            fewer records is refused.
+        clip_restart, clip_diff: C₁ and C₂, the clipping radii of restart and difference rounds.
+        learning_rate: η of the gradient step.
+        model, initial_parameters: x₀, exactly one of them: a ``torch.nn.Module`` (its trainable
+            parameters) or one array per tensor (a list, or Flower ``Parameters``).
+        u: the paper's u > 1 (noise split between restart and difference rounds; 1.25 in the paper).
+        mode: "exact" (GDP composition, the paper's Theorem) or "rdp".
+        seed: an integer makes the noise reproducible (research only); None draws it from the OS.
+        evaluate_fn: ``evaluate_fn(arrays) -> {metric: value}`` on each released iterate (every
+            ``eval_every`` rounds and always rounds 0 and R), on data the server may see.
+        output_dir: if given, per-round metrics and a summary go to a new folder under it (``name``-…).
+        checkpoint: if given, a file of the server's state, durable after every round; an existing
+            checkpoint of the same run is resumed.
+        round_retries: rounds whose clients failed are retried (releasing nothing) this many times in all.
+        wait_for_clients_s: how long each round waits for all P clients to connect.
+        progress: where progress lines go (None: silent).
+
+    Returns:
+        A :class:`~diff2_flwr.fl.strategy.Diff2Strategy`; give ``ServerConfig(num_rounds=strategy.num_rounds)``.
+
+    Raises:
+        ConfigError: an argument is invalid (the message names it, what was expected and what was found),
+            or the schedule cannot meet the budget.
+    """
+    function = "diff2_flwr.make_strategy"
+    from_arguments(function, {"round_retries": round_retries}, TrainingConfig)  # the YAML key's check and message
+    if isinstance(initial_parameters, Parameters):
+        initial_parameters = parameters_to_ndarrays(initial_parameters)
+    server = make_server(
+        epsilon=epsilon, delta=delta, rounds=rounds, restart_every=restart_every, clients=clients, n_min=n_min,
+        clip_restart=clip_restart, clip_diff=clip_diff, learning_rate=learning_rate, model=model,
+        initial_parameters=initial_parameters, u=u, mode=mode, seed=seed, evaluate_fn=evaluate_fn,
+        eval_every=eval_every, output_dir=output_dir, name=name, checkpoint=checkpoint, progress=progress,
+        _function=function,
+    )
+    return Diff2Strategy(server=server, round_retries=round_retries, wait_for_clients_s=wait_for_clients_s)
+
+
+def make_client(
+    *,
+    model: torch.nn.Module,
+    loss: LossFn | str,
+    data: Any,
+    partition_id: int,
+    dtype: str = "float64",
+    chunk_size: int = 1024,
+    gradients: str = "auto",
+) -> Diff2Client:
+    """A Flower ``NumPyClient`` for one data owner: ClippedMean of its per-sample gradients (differences).
+
+    Args:
+        model: the same architecture as the server's x₀ (copied; its values come from the server each round).
+            Modules that mix the samples of a batch (batch-norm) are refused.
+        loss: ``loss(output[n, ...], target[n]) -> losses[n]``, one loss per record (no reduction), or
+            "half_squared_error" / "cross_entropy".
+        data: this client's records: ``(features, targets)`` tensors or arrays, or a map-style torch
+            ``Dataset`` of ``(features, target)`` pairs (read ``chunk_size`` records at a time, every
+            record once per round; pass ``loader.dataset``, not a DataLoader).
+        partition_id: this client's number (in replies and error messages).
+        dtype: "float64" (default) or "float32", the compute dtype of the per-sample gradients.
+        chunk_size: records per ``torch.func`` batch (bounds memory).
+        gradients: "auto" (closed form for the paper MLP with ½-squared error, ``torch.func`` otherwise),
+            "torch_func", or "closed_form".
+
+    Returns:
+        A :class:`~diff2_flwr.fl.client.Diff2Client`; a ClientApp's ``client_fn`` returns ``.to_client()`` of it.
+
+    Raises:
+        ConfigError, ValueError: an argument is invalid (the message names it and says what to do).
+    """
+    return Diff2Client(make_worker(model=model, loss=loss, data=data, partition_id=partition_id, dtype=dtype,
+                                   chunk_size=chunk_size, gradients=gradients, _function="diff2_flwr.make_client"))
