@@ -83,7 +83,8 @@ def _run(args: argparse.Namespace) -> int:
     if console.output_dir is not None:
         print(summary_block(report), file=sys.stderr)
     if failure:
-        report["status"], report["error"] = "failed", report.get("error") or failure
+        status = report.get("status") if report.get("status") in ("failed", "diverged") else "failed"
+        report["status"], report["error"] = status, report.get("error") or failure
     print(json.dumps(to_json(report)))
     return 1 if failure else 0
 

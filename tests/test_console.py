@@ -210,7 +210,7 @@ def test_end_of_run_summary_has_the_runs_numbers(tmp_path, capsys):
     assert f"‖∇f‖²        final {rows[-1]['grad_norm_sq']:.4g}" in block
     assert f"ε spent      {rows[-1]['epsilon_spent']:.4g} exact μ-GDP, {rows[-1]['epsilon_pld']:.4g} PLD" in block
     assert "accuracy" not in block
-    assert f"files        {run_dir}: final_parameters.npy, metrics.jsonl, summary.json" in block
+    assert f"files        {run_dir}: curves.png, final_parameters.npy, metrics.jsonl, summary.json" in block
     assert "wall time" in block
     assert len([line for line in err.splitlines() if line.startswith("[diff2] round ")]) == 7
 
@@ -221,9 +221,10 @@ def test_a_run_that_fails_says_so_in_its_summary(tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 1
     report = json.loads(captured.out)
-    assert report["status"] == "failed" and "finite" in report["error"]
-    assert "[diff2] FAILED: RoundRejected: Round 2 released nothing: check 'finite' failed" in captured.err
-    assert "[diff2] run failed: tiny (diff2, P = 3, " in captured.err
+    # gradients that overflow at a finite iterate: divergence, not a privacy rejection (nothing released)
+    assert report["status"] == "diverged" and "check 'gradients' failed" in report["error"]
+    assert "[diff2] FAILED: Diverged: Round 2 released nothing: check 'gradients' failed" in captured.err
+    assert "[diff2] run diverged: tiny (diff2, P = 3, 1/6 rounds)" in captured.err
 
 
 def test_the_summary_shows_accuracy_when_the_run_has_it(tmp_path):
