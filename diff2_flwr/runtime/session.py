@@ -266,7 +266,11 @@ class Diff2Server:
         evaluated = [r for r in self.history if "train_loss" in r or "test_loss" in r]
         final = evaluated[-1] if evaluated else {}
         metric_keys = ("train_loss", "grad_norm_sq", "test_loss")
+        accuracy_keys = tuple(k for k in ("train_accuracy", "test_accuracy") if any(k in r for r in evaluated))
+        # Losses and ‖∇f‖²: best = smallest; accuracies: best = largest (each over the evaluated rounds).
         best = {k: min((r[k] for r in evaluated if k in r and math.isfinite(r[k])), default=None) for k in metric_keys}
+        best |= {k: max((r[k] for r in evaluated if k in r and math.isfinite(r[k])), default=None) for k in accuracy_keys}
+        metric_keys += accuracy_keys
         return {
             **self.run_info,
             "status": self._status,
