@@ -560,7 +560,7 @@ def privacy_warnings(cfg: ExperimentConfig, n_train: int) -> list[str]:
     out = []
     if cfg.evaluation.train_metrics:
         out.append("evaluation.train_metrics is on: train_loss and grad_norm_sq are computed on the private training "
-                   "data without clipping or noise; they leak and are NOT covered by ε. Research only: set "
+                   "data without clipping or noise (train_accuracy too, for classification); they leak and are NOT covered by ε. Research only: set "
                    "evaluation.train_metrics: false for anything deployed.")
     if cfg.private and cfg.privacy.delta >= 1 / n_train:
         out.append(f"privacy.delta = {cfg.privacy.delta:g} is not below 1/n = {1 / n_train:.3g} (n = {n_train} training "
