@@ -150,6 +150,11 @@ class PerSampleGradients:
         flat = torch.cat([g.reshape(-1) for g in grads]).detach().to(torch.float64).numpy()
         return float(loss.detach()), flat
 
+    def outputs(self, x_vec: np.ndarray, features: torch.Tensor) -> torch.Tensor:
+        """The model's outputs at ``x_vec`` for all samples (no gradient): evaluation only."""
+        with torch.no_grad():
+            return functional_call(self.model, (self.layout.to_torch(x_vec, self.dtype), self._buffers), (features,))
+
     def mean_loss(self, x_vec: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss over all samples (no gradient): evaluation only."""
         with torch.no_grad():

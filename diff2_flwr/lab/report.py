@@ -11,7 +11,8 @@ import numpy as np
 
 __all__ = ["write_report", "format_table"]
 
-_LABELS = {"train_loss": "train loss", "grad_norm_sq": "‖∇f‖²", "test_loss": "test loss"}
+_LABELS = {"train_loss": "train loss", "grad_norm_sq": "‖∇f‖²", "test_loss": "test loss",
+           "test_accuracy": "test accuracy"}
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -36,10 +37,20 @@ def format_table(eps_summary: dict) -> str:
                 f"| {name} | {_LABELS[c]} | {point} | {_fmt(info['min_mean'])} ± {_fmt(info['min_std'], 2)} | "
                 f"{_fmt(info['final_mean'])} ± {_fmt(info['final_std'], 2)} | {sig} | {zs} |"
             )
+    accuracy = {name: e["accuracy"] for name, e in eps_summary["methods"].items() if "accuracy" in e}
+    if accuracy:
+        lines += ["", "Test accuracy at the train-loss-best point (reported, not selected on):", "",
+                  "| method | chosen hyper-parameters | best over rounds (mean ± std) | final (mean ± std) |",
+                  "|---|---|---|---|"]
+        for name, info in accuracy.items():
+            point = ", ".join(f"{k}={_fmt(v)}" for k, v in info["point"].items()) or "–"
+            lines.append(f"| {name} | {point} | {_fmt(info['best_mean'])} ± {_fmt(info['best_std'], 2)} | "
+                         f"{_fmt(info['final_mean'])} ± {_fmt(info['final_std'], 2)} |")
     if eps_summary["tests"]:
         lines += ["", "One-sided paired t-tests, H1: the DIFF2 method's value < DP-GD's (min over rounds: the "
-                  "protocol's test; final value: for comparison):", "",
-                  "| comparison | criterion | p (min over rounds) | p (final) | df |", "|---|---|---|---|---|"]
+                  "protocol's test; final value: for comparison); for test accuracy H1: > DP-GD's (best over "
+                  "rounds):", "",
+                  "| comparison | criterion | p (min/best over rounds) | p (final) | df |", "|---|---|---|---|---|"]
         for pair, tests in eps_summary["tests"].items():
             for c, t in tests.items():
                 lines.append(f"| {pair} | {_LABELS[c]} | {_fmt(t['p_value'], 3)} | "

@@ -13,6 +13,12 @@ evaluation seeds. For every ε it
    value, and the one-sided paired t-test of each DIFF2 method against DP-GD
    (H1: DIFF2's minimum < DP-GD's; pairs by seed; n - 1 degrees of freedom).
 
+For a classification dataset the runs also record the test accuracy, and the summary reports it
+at the train-loss-best point (as the paper reports the test loss): mean ± std over evaluation
+seeds of the best (largest) accuracy over rounds and of the final one, and the same one-sided
+paired t-test with the direction reversed (H1: DIFF2's accuracy > DP-GD's). Accuracy never takes
+part in the selection.
+
 Every run's per-round metrics land in ``runs/`` as JSON; an existing run file is reused, so
 an interrupted study resumes where it stopped.
 
@@ -39,6 +45,7 @@ from ..runtime.outputs import to_json
 from ..runtime.progress import ProgressReporter
 
 __all__ = [
+    "ACCURACY",
     "CRITERIA",
     "MethodSpec",
     "Study",
@@ -51,6 +58,8 @@ __all__ = [
 ]
 
 CRITERIA = ("train_loss", "grad_norm_sq", "test_loss")
+#: Reported, never selected on: larger is better, taken at the train-loss-best point (classification only).
+ACCURACY = "test_accuracy"
 GRID_KEYS = ("learning_rate", "clip_restart", "clip_diff", "restart_every")
 Engine = Literal["batch", "inprocess", "flower"]
 
@@ -87,6 +96,8 @@ class Study:
     eval_seeds: tuple[int, ...]
     methods: tuple[MethodSpec, ...]
     hidden: int = 10
+    model: str = "paper_mlp"  # or a factory "package.module:callable" (then model_kwargs, not hidden)
+    model_kwargs: Mapping[str, Any] = field(default_factory=dict)
     engine: Engine = "batch"
     dtype: Literal["float64", "float32"] = "float64"
     compile: bool = False
@@ -100,7 +111,8 @@ class Study:
                     **{k: (int(v) if k == "restart_every" else float(v)) for k, v in point.items()}}
         return parse_config({
             "name": f"{self.name}-{_slug(method.name)}", "method": method.method, "dataset": dict(self.dataset),
-            "model": {"hidden": self.hidden, "init_seed": seed},
+            "model": ({"hidden": self.hidden} if self.model == "paper_mlp" else
+                      {"name": self.model, "kwargs": dict(self.model_kwargs)}) | {"init_seed": seed},
             "privacy": {"epsilon": epsilon, "delta": self.delta, "mode": self.mode, "u": method.u},
             "training": training, "evaluation": {"every": self.eval_every},
         }, source=f"{self.source} (method {method.name!r}, point {dict(point)})")
@@ -113,7 +125,7 @@ def _slug(text: str) -> str:
 # ------------------------------------------------------------------------------- loading
 
 _TOP_KEYS = {"name", "dataset", "clients", "rounds", "delta", "epsilons", "mode", "eval_every", "seeds", "methods",
-             "hidden", "engine", "dtype", "compile", "batch_size", "output"}
+             "hidden", "model", "engine", "dtype", "compile", "batch_size", "output"}
 
 
 def parse_study(data: Any, source: str = "<memory>") -> Study:
@@ -180,6 +192,11 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise fail("methods", "distinct method names", names)
+    model = data.get("model") or {}
+    if not isinstance(model, Mapping) or set(model) - {"name", "kwargs"} or not isinstance(model.get("kwargs") or {}, Mapping):
+        raise fail("model", "a mapping with name (a factory 'package.module:callable') and optionally kwargs", model)
+    if "hidden" in data and model.get("name", "paper_mlp") != "paper_mlp":
+        raise fail("hidden", f"nothing with model {model.get('name')!r} (pass its sizes in model.kwargs)", data["hidden"])
     output = data.get("output") or {}
     if not isinstance(output, Mapping) or set(output) - {"dir"}:
         raise fail("output", "a mapping with key dir", output)
@@ -188,6 +205,7 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
         delta=float(data.get("delta", 1e-5)), epsilons=tuple(float(e) for e in epsilons),
         mode=data.get("mode", "exact"), eval_every=int(data.get("eval_every", 1)), tune_seeds=tuple(tune),
         eval_seeds=tuple(evaluate), methods=tuple(methods), hidden=int(data.get("hidden", 10)),
+        model=str(model.get("name", "paper_mlp")), model_kwargs=dict(model.get("kwargs") or {}),
         engine=data.get("engine", "batch"), dtype=data.get("dtype", "float64"), compile=bool(data.get("compile", False)),
         batch_size=int(data.get("batch_size", 32)), output_dir=str(output.get("dir", "outputs/studies")), source=source,
     )
@@ -360,9 +378,13 @@ def _run_single(cfg: ExperimentConfig, engine: str) -> tuple[dict, int | None]:
         rows = server.history
         diverged = server.diverged_at
     rows = [r for r in rows if "train_loss" in r or "test_loss" in r]
+    accuracy = any(ACCURACY in r for r in rows)
     if diverged is not None:  # the diverged iterate has no finite metrics: its criteria are inf from then on
-        rows.append({"round": diverged, **{c: math.inf for c in CRITERIA}})
-    return {"rounds": [r["round"] for r in rows], **{c: [r.get(c, math.inf) for r in rows] for c in CRITERIA}}, diverged
+        rows.append({"round": diverged, **{c: math.inf for c in CRITERIA}, ACCURACY: math.nan})
+    metrics = {"rounds": [r["round"] for r in rows], **{c: [r.get(c, math.inf) for r in rows] for c in CRITERIA}}
+    if accuracy:  # a diverged iterate's accuracy is unknown (NaN), never counted as a best
+        metrics[ACCURACY] = [r.get(ACCURACY, math.nan) for r in rows]
+    return metrics, diverged
 
 
 def _write_run(runs_dir: Path, job: _Job, metrics: dict, diverged: int | None, engine: str) -> None:
@@ -377,7 +399,15 @@ def _load_run(runs_dir: Path, run_id: str) -> dict:
     record = json.loads((runs_dir / f"{run_id}.json").read_text())
     for c in CRITERIA:  # null = inf/NaN (a diverged run)
         record[c] = [math.inf if v is None else v for v in record[c]]
+    if ACCURACY in record:
+        record[ACCURACY] = [math.nan if v is None else v for v in record[ACCURACY]]
     return record
+
+
+def _best_accuracy(values: Sequence[float]) -> float:
+    """The largest finite accuracy over rounds (NaN if none: the run diverged before any evaluation)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return max(finite) if finite else math.nan
 
 
 def _point_key(point: Mapping[str, float]) -> str:
@@ -466,6 +496,15 @@ def _summarise(study: Study, epsilon: float, chosen: dict, runs_dir: Path, n_min
                 "diverged": sum(r["diverged_at"] is not None for r in runs),
                 "calibration": None if cal is None else {k: cal.as_dict()[k] for k in ("sigma1", "sigma2", "z1", "z2", "mode")},
             }
+        point = chosen[m.name]["train_loss"]
+        runs = [_load_run(runs_dir, _run_id("eval", m, point, epsilon, s, study)) for s in study.eval_seeds]
+        if all(ACCURACY in r for r in runs):
+            best, finals = [_best_accuracy(r[ACCURACY]) for r in runs], [r[ACCURACY][-1] for r in runs]
+            per_seed_min[m.name][ACCURACY], per_seed_final[m.name][ACCURACY] = best, finals
+            entry["accuracy"] = {"at": "train_loss", "point": point, "run_ids": [r["run_id"] for r in runs],
+                                 "best_mean": _mean(best), "best_std": _std(best),
+                                 "final_mean": _mean(finals), "final_std": _std(finals),
+                                 "best_per_seed": best, "final_per_seed": finals}
         out["methods"][m.name] = entry
     controls = [m for m in study.methods if m.method == "dpgd"]
     for control in controls[:1]:
@@ -481,6 +520,14 @@ def _summarise(study: Study, epsilon: float, chosen: dict, runs_dir: Path, n_min
                     "p_value_final": paired_one_sided_ttest(per_seed_final[m.name][c], per_seed_final[control.name][c])}
                 for c in CRITERIA
             }
+            if ACCURACY in per_seed_min[m.name] and ACCURACY in per_seed_min[control.name]:
+                treat, ctrl = per_seed_min[m.name][ACCURACY], per_seed_min[control.name][ACCURACY]
+                # larger is better: H1 is DIFF2's accuracy > DP-GD's, i.e. the control's < the treatment's
+                out["tests"][f"{m.name} vs {control.name}"][ACCURACY] = {
+                    "p_value": paired_one_sided_ttest(ctrl, treat), "df": len(study.eval_seeds) - 1,
+                    "treatment_best_mean": _mean(treat), "control_best_mean": _mean(ctrl),
+                    "p_value_final": paired_one_sided_ttest(per_seed_final[control.name][ACCURACY],
+                                                            per_seed_final[m.name][ACCURACY])}
     return out
 
 

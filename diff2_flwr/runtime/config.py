@@ -169,7 +169,7 @@ class PartitionerConfig:
 
 @dataclass(frozen=True)
 class DatasetConfig:
-    name: Literal["synthetic", "california_housing", "gas_turbine", "blogfeedback", "kddcup99", "covertype",
+    name: Literal["synthetic", "california_housing", "gas_turbine", "blogfeedback", "kddcup99", "covertype", "digits",
                   "csv"] = "synthetic"
     dir: str | None = None  # data directory for real datasets; default $DIFF2_DATA_DIR
     test_fraction: float = 0.2
@@ -189,7 +189,7 @@ class DatasetConfig:
     def task_kind(self) -> str:
         if self.name == "csv":
             return self.task or "regression"
-        return "classification" if self.name in ("kddcup99", "covertype") else "regression"
+        return "classification" if self.name in ("kddcup99", "covertype", "digits") else "regression"
 
     def __post_init__(self) -> None:
         if self.name == "csv":
@@ -209,7 +209,7 @@ class DatasetConfig:
         if part.name in ("dirichlet", "pathological") and self.task_kind == "classification":
             _require(part.bins is None, "dataset.partitioner.bins",
                      f"nothing for the classification dataset {self.name} (bins cut a regression target)", part.bins)
-        known = {"kddcup99": 2, "covertype": 7}.get(self.name)
+        known = {"kddcup99": 2, "covertype": 7, "digits": 10}.get(self.name)
         if part.name == "pathological" and known is not None:
             _require(part.classes_per_client <= known, "dataset.partitioner.classes_per_client",
                      f"at most the {known} classes of dataset {self.name}", part.classes_per_client)

@@ -177,7 +177,8 @@ def _seconds(value: float | None) -> str:
     return f"{value:.1f} s" if value < 120 else f"{value / 60:.1f} min"
 
 
-_LABELS = {"train_loss": "train_loss", "test_loss": "test_loss", "grad_norm_sq": "‖∇f‖²"}
+_LABELS = {"train_loss": "train_loss", "test_loss": "test_loss", "grad_norm_sq": "‖∇f‖²", "test_accuracy": "test acc",
+           "train_accuracy": "train acc"}
 
 
 def run_report(output_dir: str | os.PathLike[str] | None, *, run_id: int | None = None, engine: str = "flower",

@@ -266,7 +266,11 @@ class Diff2Server:
         evaluated = [r for r in self.history if "train_loss" in r or "test_loss" in r]
         final = evaluated[-1] if evaluated else {}
         metric_keys = ("train_loss", "grad_norm_sq", "test_loss")
+        accuracy_keys = tuple(k for k in ("train_accuracy", "test_accuracy") if any(k in r for r in evaluated))
+        # Losses and ‖∇f‖²: best = smallest; accuracies: best = largest (each over the evaluated rounds).
         best = {k: min((r[k] for r in evaluated if k in r and math.isfinite(r[k])), default=None) for k in metric_keys}
+        best |= {k: max((r[k] for r in evaluated if k in r and math.isfinite(r[k])), default=None) for k in accuracy_keys}
+        metric_keys += accuracy_keys
         return {
             **self.run_info,
             "status": self._status,
@@ -556,7 +560,7 @@ def privacy_warnings(cfg: ExperimentConfig, n_train: int) -> list[str]:
     out = []
     if cfg.evaluation.train_metrics:
         out.append("evaluation.train_metrics is on: train_loss and grad_norm_sq are computed on the private training "
-                   "data without clipping or noise; they leak and are NOT covered by ε. Research only: set "
+                   "data without clipping or noise (train_accuracy too, for classification); they leak and are NOT covered by ε. Research only: set "
                    "evaluation.train_metrics: false for anything deployed.")
     if cfg.private and cfg.privacy.delta >= 1 / n_train:
         out.append(f"privacy.delta = {cfg.privacy.delta:g} is not below 1/n = {1 / n_train:.3g} (n = {n_train} training "

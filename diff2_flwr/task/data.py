@@ -10,7 +10,11 @@ Datasets: ``synthetic`` (in-package, deterministic by seed: the embedded default
 ``california_housing``, ``gas_turbine`` and ``blogfeedback`` (regression), ``kddcup99`` and
 ``covertype`` (classification), read from files in a data directory given in the config or by
 ``DIFF2_DATA_DIR`` (never downloaded; expected file names in :data:`EXPECTED_FILES`); and
-``csv``, any CSV file with a header (a target column, columns to drop, categorical columns).
+``csv``, any CSV file with a header (a target column, columns to drop, categorical columns); and
+``digits``, scikit-learn's bundled 8×8 handwritten digits (1,797 images, 10 classes, no download; the
+``examples`` extra), whose 64 pixel intensities 0..16 are divided by 16 into [0, 1] and not
+standardised (a CNN reads them as a 1×8×8 image; per-pixel standardisation would blow up the
+nearly always blank border pixels).
 For classification the target is a class index and is not scaled. Non-IID shards (Dirichlet,
 pathological, size-skewed) come from :mod:`diff2_flwr.task.partitions`.
 """
@@ -33,6 +37,7 @@ __all__ = [
     "DATASETS",
     "DataError",
     "PreparedData",
+    "load_digits",
     "load_raw",
     "prepare",
     "resolve_data_dir",
@@ -40,8 +45,10 @@ __all__ = [
 ]
 
 DATA_DIR_ENV = "DIFF2_DATA_DIR"
-DATASETS = ("synthetic", "california_housing", "gas_turbine", "blogfeedback", "kddcup99", "covertype", "csv")
-CLASSIFICATION = ("kddcup99", "covertype")
+DATASETS = ("synthetic", "california_housing", "gas_turbine", "blogfeedback", "kddcup99", "covertype", "digits", "csv")
+CLASSIFICATION = ("kddcup99", "covertype", "digits")
+#: Datasets whose features arrive on a fixed, known scale and are not standardised (digits: pixels / 16 in [0, 1]).
+PRESCALED = ("digits",)
 
 #: Files each real dataset is read from (in ``<data dir>/<dataset>/`` or ``<data dir>/``).
 EXPECTED_FILES = {
@@ -258,8 +265,26 @@ def _encode(path: Path, header: list[str], rows: list[list[str]], target: int, c
     return x, y, ()
 
 
+def load_digits() -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+    """scikit-learn's bundled handwritten digits: 1,797 rows of 64 pixels / 16 (in [0, 1]), class 0..9, names."""
+    try:
+        from sklearn.datasets import load_digits as _sklearn_load_digits
+    except ImportError as exc:
+        raise DataError(
+            "dataset `digits` reads scikit-learn's bundled handwritten digits, but scikit-learn is not installed "
+            f"({exc}). Install the examples extra: pip install 'diff2-flwr[examples]' (scripts/setup.sh does)."
+        ) from None
+    bunch = _sklearn_load_digits()
+    x = np.asarray(bunch.data, dtype=np.float64) / 16.0  # intensities 0..16 -> [0, 1]
+    y = np.asarray(bunch.target, dtype=np.float64)
+    return x, y, tuple(str(c) for c in range(10))
+
+
 def load_classification(name: str, *, data_dir: str | os.PathLike[str] | None = None):
-    """KDD Cup 99 (normal vs attack) or Covertype (7 cover types): features, class index, class names."""
+    """KDD Cup 99 (normal vs attack), Covertype (7 cover types) or digits (10 digits): features, class index,
+    class names."""
+    if name == "digits":
+        return load_digits()
     root = resolve_data_dir(data_dir)
     if name == "kddcup99":
         path = _find(root, "kddcup99", "kddcup.data_10_percent", ("", ".gz", ".csv"))
@@ -299,7 +324,7 @@ def load_csv(path: str | os.PathLike[str], *, target: str, drop: tuple[str, ...]
 
 def prepare(
     name: str, x: np.ndarray, y: np.ndarray, *, clients: int, test_fraction: float = 0.2, split_seed: int = 0,
-    classes: tuple[str, ...] = (), partitioner: Mapping[str, Any] | None = None,
+    classes: tuple[str, ...] = (), partitioner: Mapping[str, Any] | None = None, standardise: bool | None = None,
 ) -> PreparedData:
     """Split, standardise, scale the target (regression only) and shard (the paper's preparation).
 
@@ -307,7 +332,9 @@ def prepare(
     ``partitioner`` holds the keyword arguments of :func:`~diff2_flwr.task.partitions.partition`
     (``name``, ``seed``, ``alpha``, ...); ``None`` or ``{"name": "iid"}`` is the paper's IID cut. The
     train split is then reordered so that shard p is the contiguous block ``shard_bounds[p]``; the
-    test split and the standardisation statistics do not depend on the partition.
+    test split and the standardisation statistics do not depend on the partition. ``standardise``
+    (default: unless ``name`` is in :data:`PRESCALED`) False keeps the features as they are (mean 0, std 1
+    are recorded as the statistics).
     """
     n = x.shape[0]
     if not 0 < test_fraction < 1:
@@ -326,8 +353,13 @@ def prepare(
         raise DataError(f"Dataset {name!r}: every target is 0, so the target cannot be scaled by max|y|.")
     perm = np.random.default_rng(np.random.SeedSequence(split_seed, spawn_key=(0x5B117,))).permutation(n)
     test, train = perm[:n_test], perm[n_test:]
-    mean, std = x[train].mean(axis=0), x[train].std(axis=0)
-    std = np.where(std > 0, std, 1.0)  # a constant column stays 0 after centring
+    if standardise is None:
+        standardise = name not in PRESCALED
+    if standardise:
+        mean, std = x[train].mean(axis=0), x[train].std(axis=0)
+        std = np.where(std > 0, std, 1.0)
+    else:
+        mean, std = np.zeros(x.shape[1]), np.ones(x.shape[1])  # a constant column stays 0 after centring
     spec = dict(partitioner or {})
     if spec.get("name", "iid") != "iid":  # shard p becomes the contiguous block of its rows
         try:

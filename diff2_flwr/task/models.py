@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-__all__ = ["PaperMLP", "TanhMLP", "build_model", "load_factory"]
+__all__ = ["DigitsCNN", "PaperMLP", "TanhMLP", "build_model", "load_factory"]
 
 
 class PaperMLP(nn.Module):
@@ -54,6 +54,35 @@ class TanhMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
+
+
+class DigitsCNN(nn.Module):
+    """A small CNN for 8×8 grey images given as flat rows of 64 pixels (``dataset.name: digits``):
+    conv 3×3 (``channels`` maps, padding 1) -> tanh -> 2×2 average pool -> linear to ``out_features``.
+
+    No batch-norm (it would mix the samples of a batch, which per-sample clipping forbids). With the
+    default 8 channels it has 8·9 + 8 + 8·16·10 + 10 = 1,370 parameters. Torch's default initialisation
+    (seeded by ``model.init_seed``). Use as ``model: {name: "diff2_flwr.task.models:DigitsCNN",
+    kwargs: {channels: 8}}``.
+    """
+
+    def __init__(self, *, in_features: int = 64, out_features: int = 10, channels: int = 8, side: int = 8) -> None:
+        super().__init__()
+        if in_features != side * side:
+            raise ValueError(f"DigitsCNN reads {side}×{side} images as rows of {side * side} pixels, but the data has "
+                             f"{in_features} features. Use it with dataset.name: digits (or set kwargs.side).")
+        if side % 2:
+            raise ValueError(f"DigitsCNN pools 2×2: the image side must be even. Found side = {side}.")
+        if channels < 1:
+            raise ValueError(f"DigitsCNN needs channels >= 1. Found {channels}.")
+        self.side = side
+        self.conv = nn.Conv2d(1, channels, kernel_size=3, padding=1)
+        self.pool = nn.AvgPool2d(2)
+        self.out = nn.Linear(channels * (side // 2) ** 2, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pool(torch.tanh(self.conv(x.reshape(-1, 1, self.side, self.side))))
+        return self.out(h.flatten(1))
 
 
 def load_factory(path: str, *, key: str = "model.name") -> Callable[..., Any]:
