@@ -360,3 +360,16 @@ def test_a_flwr_run_on_a_skewed_partition_equals_the_in_process_run_bit_for_bit(
     assert data.n_min < 600  # the IID cut of these 2400 samples gives 600
     server = run_inprocess(cfg, record=False, progress=None)
     np.testing.assert_array_equal(server.state.x, np.load(result.output_dir / "final_parameters.npy"))
+
+
+def test_a_study_refuses_a_grid_point_whose_sigma_is_above_max_sigma_before_any_run(tmp_path):
+    """The batched engine builds no server: the study itself applies the partition's refusal rule up front."""
+    from diff2_flwr.lab.study import parse_study, run_study
+
+    data = {"name": "skewed", "dataset": {**BASE["dataset"], "partitioner": {"name": "square"}},
+            "clients": BASE["training"]["clients"], "rounds": 40, "epsilons": [3.0, 0.05], "eval_every": 10,
+            "seeds": {"tune": [9], "evaluate": [1, 2]}, "engine": "batch",
+            "methods": [{"name": "DIFF2-GD", "method": "diff2", "grid": {"restart_every": [4], "learning_rate": [0.2]}}]}
+    with pytest.raises(PartitionRefused, match=r"above dataset.partitioner.max_sigma = 1"):
+        run_study(parse_study(data, "skewed.yaml"), output_root=tmp_path, show_progress=False, make_plots=False)
+    assert not list((tmp_path / "skewed" / "runs").glob("*.json"))  # refused before the ε = 3 runs too

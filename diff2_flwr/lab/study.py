@@ -420,6 +420,7 @@ def run_study(
 ) -> dict:
     """Run the whole study (resumable) and write summary.json, report.md and plots; return the summary."""
     from ..runtime.session import load_data
+    from ..runtime.shard_report import check_shards
 
     root = Path(output_root or study.output_dir).expanduser().resolve() / study.name
     runs_dir = root / "runs"
@@ -430,6 +431,13 @@ def run_study(
     started = time.perf_counter()
     probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
     data = load_data(probe)
+    # Every configuration of the grid passes the partition's refusal rule (min_samples, max_sigma) before any
+    # run starts, on every engine: the batched one never builds a server that would check it.
+    for epsilon in study.epsilons:
+        for m in study.methods:
+            for p in m.points():
+                cfg = study.experiment(m, p, epsilon, study.tune_seeds[0])
+                check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
     summary: dict[str, Any] = {"study": study.name, "source": study.source, "rounds": study.rounds, "delta": study.delta,
                                "mode": study.mode, "clients": study.clients, "n_min": data.n_min,
                                "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds),
