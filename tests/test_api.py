@@ -20,7 +20,6 @@ import pytest
 import torch
 from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import SimpleClientManager
-from flwr.server.client_proxy import ClientProxy
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import diff2_flwr
@@ -37,31 +36,13 @@ from diff2_flwr.runtime.session import load_data
 from diff2_flwr.task.losses import cross_entropy, half_squared_error
 from diff2_flwr.task.models import PaperMLP, TanhMLP, build_model
 from diff2_flwr.task.records import DatasetRecords
+from test_strategy import FakeProxy as Proxy  # the never-called ClientProxy of the strategy tests
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "python_api.py"
 
 ARGS = dict(epsilon=3.0, delta=1e-5, rounds=4, restart_every=2, clients=3, clip_restart=1.0, clip_diff=3.0,
             learning_rate=0.2)
-
-
-class Proxy(ClientProxy):
-    """A ClientProxy that is never called: the strategy only reads ``cid``."""
-
-    def get_properties(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def get_parameters(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def fit(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def evaluate(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def reconnect(self, ins, timeout, group_id):
-        raise NotImplementedError
 
 
 def drive(strategy: Diff2Strategy, clients, rounds: int | None = None) -> list[np.ndarray]:
