@@ -90,6 +90,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _experiment(args: argparse.Namespace) -> int:
+    from .lab.cluster import ClusterError
     from .lab.study import load_study, run_study
 
     study = load_study(args.study)
@@ -97,7 +98,14 @@ def _experiment(args: argparse.Namespace) -> int:
         import dataclasses
 
         study = dataclasses.replace(study, engine=args.engine)
-    summary = run_study(study, output_root=args.output, fresh=args.fresh)
+    if not args.stale_after > 0:
+        raise ValueError(f"`--stale-after`: expected a number of seconds > 0. Found {args.stale_after}.")
+    try:
+        summary = run_study(study, output_root=args.output, fresh=args.fresh, ray_address=args.ray,
+                            stale_after_s=args.stale_after)
+    except ClusterError as err:
+        print(f"diff2 experiment: error: {err}", file=sys.stderr)
+        return 2
     root = Path(args.output or study.output_dir).expanduser().resolve() / study.name
     print(f"[diff2] study {study.name} done in {summary['wall_time_s']:.0f} s: {root / 'report.md'}")
     return 0
@@ -229,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override the study's engine (batch: batched closed forms; flower: `flwr run` per run)")
     exp.add_argument("--output", default=None, help="output root (default: the study's output.dir)")
     exp.add_argument("--fresh", action="store_true", help="recompute every run instead of resuming")
+    exp.add_argument("--ray", metavar="ADDRESS", default=None,
+                     help="run the study's runs as tasks of the Ray cluster at ADDRESS (host:port of its head, or "
+                          "'auto' for RAY_ADDRESS / the cluster started on this machine); same files and summary")
+    from .lab.claims import STALE_AFTER_S  # standard library only
+
+    exp.add_argument("--stale-after", type=float, default=STALE_AFTER_S, metavar="SECONDS",
+                     help="take over a run another driver claimed once its heartbeat has been silent this long "
+                          "(default %(default)s; a driver on this machine that died is noticed at once)")
     exp.set_defaults(func=_experiment)
 
     plot = sub.add_parser("plot", help="draw the per-round curves of one or several runs side by side (PNG)")

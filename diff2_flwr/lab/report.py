@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .claims import atomic_write_bytes, atomic_write_text
 
 __all__ = ["write_report", "format_table"]
 
@@ -73,7 +76,7 @@ def write_report(study, summary: dict, root: Path, runs_dir: Path, *, make_plots
             png = _plot(study, float(eps), eps_summary, root, runs_dir)
             parts += [f"![ε = {eps}]({png.name})", ""]
     parts += [f"Wall time: {summary['wall_time_s']:.0f} s.", ""]
-    (root / "report.md").write_text("\n".join(parts))
+    atomic_write_text(root / "report.md", "\n".join(parts))  # drivers sharing a folder each write it whole
 
 
 def _plot(study, epsilon: float, eps_summary: dict, root: Path, runs_dir: Path) -> Path:
@@ -105,6 +108,8 @@ def _plot(study, epsilon: float, eps_summary: dict, root: Path, runs_dir: Path) 
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     path = root / f"figure_eps{epsilon:g}.png"
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    atomic_write_bytes(path, png.getvalue())
     return path

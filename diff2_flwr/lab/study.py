@@ -28,14 +28,16 @@ References:
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 import yaml
@@ -43,6 +45,7 @@ import yaml
 from ..runtime.config import ConfigError, ExperimentConfig, parse_config, read_yaml
 from ..runtime.outputs import to_json
 from ..runtime.progress import ProgressReporter
+from .claims import STALE_AFTER_S, ClaimBook, Owner, atomic_write_text
 
 __all__ = [
     "ACCURACY",
@@ -102,12 +105,14 @@ class Study:
     dtype: Literal["float64", "float32"] = "float64"
     compile: bool = False
     batch_size: int = 32
+    threads: int = 1  # torch/BLAS threads of every unit (training.threads of every run): results depend on it
     output_dir: str = "outputs/studies"
     source: str = field(default="<memory>", compare=False)
 
     def experiment(self, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int) -> ExperimentConfig:
         """The single-run config of one (method, grid point, ε, seed)."""
         training = {"rounds": self.rounds, "clients": self.clients, "seed": seed, "dtype": "float64",
+                    "threads": self.threads,
                     **{k: (int(v) if k == "restart_every" else float(v)) for k, v in point.items()}}
         return parse_config({
             "name": f"{self.name}-{_slug(method.name)}", "method": method.method, "dataset": dict(self.dataset),
@@ -125,7 +130,8 @@ def _slug(text: str) -> str:
 # ------------------------------------------------------------------------------- loading
 
 _TOP_KEYS = {"name", "dataset", "clients", "rounds", "delta", "epsilons", "mode", "eval_every", "seeds", "methods",
-             "hidden", "model", "engine", "dtype", "compile", "batch_size", "output"}
+             "hidden", "model", "engine", "dtype", "compile", "batch_size", "threads",
+             "output"}
 
 
 def parse_study(data: Any, source: str = "<memory>") -> Study:
@@ -207,10 +213,13 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
         eval_seeds=tuple(evaluate), methods=tuple(methods), hidden=int(data.get("hidden", 10)),
         model=str(model.get("name", "paper_mlp")), model_kwargs=dict(model.get("kwargs") or {}),
         engine=data.get("engine", "batch"), dtype=data.get("dtype", "float64"), compile=bool(data.get("compile", False)),
-        batch_size=int(data.get("batch_size", 32)), output_dir=str(output.get("dir", "outputs/studies")), source=source,
+        batch_size=int(data.get("batch_size", 32)), threads=data.get("threads", 1), output_dir=str(output.get("dir", "outputs/studies")), source=source,
     )
     if study.engine not in ("batch", "inprocess", "flower"):
         raise fail("engine", "one of 'batch', 'inprocess', 'flower'", study.engine)
+    if not isinstance(study.threads, int) or isinstance(study.threads, bool) or study.threads < 1:
+        raise fail("threads", "an integer >= 1 (threads of each computing process; results depend on it)",
+                   study.threads)
     if study.dtype not in ("float64", "float32"):
         raise fail("dtype", "'float64' or 'float32'", study.dtype)
     if study.mode not in ("exact", "rdp"):
@@ -303,56 +312,141 @@ class _Progress:
         self._reporter.finish()
 
 
-def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress) -> None:
-    """Run the jobs whose result file is missing; write one JSON file per run."""
+@dataclass(frozen=True)
+class Unit:
+    """Runs computed together, in one process: one batch of the batched engine, or one run of another engine."""
+
+    engine: str
+    jobs: tuple[_Job, ...]
+
+
+def plan_units(study: Study, jobs: Sequence[_Job]) -> list[Unit]:
+    """Split ``jobs`` into units, deterministically (the same jobs always give the same units).
+
+    The batched engine takes batches of at most ``study.batch_size`` runs: a batch whose runs all
+    restart every round (T = 1) skips the previous iterate's pass, so T = 1 runs never share a
+    batch with T > 1 runs; within a group, batches are balanced (no batch much smaller than the
+    others) and sorted by T. Models or losses without closed forms fall back to ``inprocess``.
+    """
+    engine = study.engine
+    if engine == "batch" and not all(j.cfg.closed_form_gradients for j in jobs):
+        engine = "inprocess"  # the batched engine has closed forms for the paper MLP only
+    if engine != "batch":
+        return [Unit(engine, (j,)) for j in jobs]
+    units = []
+    for group in ([j for j in jobs if j.cfg.restart_every == 1], [j for j in jobs if j.cfg.restart_every > 1]):
+        group.sort(key=lambda j: j.cfg.restart_every)
+        if group:
+            size = -(-len(group) // -(-len(group) // study.batch_size))
+            units += [Unit(engine, tuple(group[i:i + size])) for i in range(0, len(group), size)]
+    return units
+
+
+def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None] | None = None) -> list[dict]:
+    """Compute the runs of ``unit`` in this process; one ``{"metrics", "diverged_at", "engine"}`` per run.
+
+    Every thread pool is pinned to ``study.threads`` while it computes (the inprocess and flower
+    engines pin ``training.threads``, which the study sets to the same): on one machine a unit
+    gives the same bits wherever it runs, in the driver or in a task on a cluster node.
+    """
+    from ..runtime.compute import pinned_threads
     from ..runtime.session import load_data
 
-    todo = [j for j in jobs if not (runs_dir / f"{j.run_id}.json").exists()]
-    progress.done += len(jobs) - len(todo)
-    progress.show()
-    if not todo:
-        return
-    engine = study.engine
-    if engine == "batch" and not all(j.cfg.closed_form_gradients for j in todo):
-        engine = "inprocess"  # the batched engine has closed forms for the paper MLP only
-    if engine == "batch":
-        import torch
+    if unit.engine != "batch":
+        out = []
+        for j in unit.jobs:
+            metrics, diverged = _run_single(j.cfg, unit.engine)
+            out.append({"metrics": metrics, "diverged_at": diverged, "engine": unit.engine})
+        return out
+    import torch
 
-        from .sweep import RunSpec, run_batch
+    from .sweep import RunSpec, run_batch
 
-        data = load_data(todo[0].cfg)
+    batch = unit.jobs
+    with pinned_threads(study.threads):
+        data = load_data(batch[0].cfg)
         n_min = data.n_min
         dtype = torch.float32 if study.dtype == "float32" else torch.float64
-        # A batch whose runs all restart every round (T = 1) skips the previous iterate's pass,
-        # so T = 1 runs never share a batch with T > 1 runs; within a group, batches are balanced
-        # (no batch much smaller than the others) and sorted by T.
-        batches = []
-        for group in ([j for j in todo if j.cfg.restart_every == 1], [j for j in todo if j.cfg.restart_every > 1]):
-            group.sort(key=lambda j: j.cfg.restart_every)
-            if group:
-                size = -(-len(group) // -(-len(group) // study.batch_size))
-                batches += [group[i:i + size] for i in range(0, len(group), size)]
-        for batch in batches:
-            specs = []
-            for j in batch:
-                mech = j.cfg.mechanism(j.cfg.calibration(n_min))
-                specs.append(RunSpec(mech.restart_every, j.cfg.training.learning_rate, mech.clip_restart,
-                                     mech.clip_diff, mech.sigma_restart, mech.sigma_diff, j.seed, j.seed))
-            results = run_batch(data, specs, rounds=study.rounds, hidden=study.hidden, eval_every=study.eval_every,
-                                dtype=dtype, compile=study.compile,
-                                progress=lambda r, total, n=len(batch): progress.show(r / total, n) if r % 20 == 0 else None)
-            for j, res in zip(batch, results):
-                _write_run(runs_dir, j, {"rounds": res.rounds.tolist(), "train_loss": res.train_loss.tolist(),
-                                         "grad_norm_sq": res.grad_norm_sq.tolist(), "test_loss": res.test_loss.tolist()},
-                           res.diverged_at, "batch")
-            progress.done += len(batch)
-            progress.show()
-        return
-    for j in todo:
-        metrics, diverged = _run_single(j.cfg, engine)
-        _write_run(runs_dir, j, metrics, diverged, engine)
-        progress.done += 1
-        progress.show()
+        specs = []
+        for j in batch:
+            mech = j.cfg.mechanism(j.cfg.calibration(n_min))
+            specs.append(RunSpec(mech.restart_every, j.cfg.training.learning_rate, mech.clip_restart,
+                                 mech.clip_diff, mech.sigma_restart, mech.sigma_diff, j.seed, j.seed))
+        results = run_batch(data, specs, rounds=study.rounds, hidden=study.hidden, eval_every=study.eval_every,
+                            dtype=dtype, compile=study.compile, progress=progress)
+    return [{"metrics": {"rounds": res.rounds.tolist(), "train_loss": res.train_loss.tolist(),
+                         "grad_norm_sq": res.grad_norm_sq.tolist(), "test_loss": res.test_loss.tolist()},
+             "diverged_at": res.diverged_at, "engine": "batch"} for res in results]
+
+
+#: Seconds between two looks at runs that other drivers are computing.
+POLL_S = 1.0
+
+
+def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress, executor: Any,
+             book: ClaimBook, tally: dict[str, int]) -> None:
+    """Compute every job whose result file is missing, each exactly once across the drivers sharing ``runs_dir``.
+
+    Units are planned from the missing runs and claimed run by run (:class:`ClaimBook`); a unit is
+    computed (by ``executor``: here, or as tasks of a Ray cluster) for the runs this driver won,
+    and each result is written atomically. Runs held by other drivers are waited for; when their
+    claims turn stale (the driver died) they are planned again and taken over.
+    """
+    todo = [j for j in jobs if not book.done(j.run_id)]
+    tally["reused"] += len(jobs) - len(todo)
+    progress.done += len(jobs) - len(todo)
+    progress.show()
+    queue = collections.deque(plan_units(study, todo))
+    waiting: list[_Job] = []  # held by other drivers
+    announced = False
+    while queue or executor.in_flight or waiting:
+        while queue and executor.has_capacity():
+            unit = queue.popleft()
+            mine = set(book.claim([j.run_id for j in unit.jobs]))
+            others = [j for j in unit.jobs if j.run_id not in mine]
+            waiting += [j for j in others if not book.done(j.run_id)]
+            tally["by_others"] += len(others) - sum(1 for j in others if j in waiting)
+            progress.done += len(others) - sum(1 for j in others if j in waiting)
+            if mine:
+                got = Unit(unit.engine, tuple(j for j in unit.jobs if j.run_id in mine))
+                executor.submit(study, got, lambda r, total, n=len(got.jobs): (
+                    progress.show(r / total, n) if r % 20 == 0 else None))
+        if executor.in_flight:
+            for unit, outcomes in executor.completed(timeout=POLL_S):
+                for j, outcome in zip(unit.jobs, outcomes):
+                    _write_run(runs_dir, j, outcome["metrics"], outcome["diverged_at"], outcome["engine"],
+                               {"driver": book.owner.driver, "host": outcome.get("host", book.owner.host)})
+                    book.finish(j.run_id)
+                tally["computed"] += len(unit.jobs)
+                progress.done += len(unit.jobs)
+                progress.show()
+        if waiting:
+            finished = [j for j in waiting if book.done(j.run_id)]
+            tally["by_others"] += len(finished)
+            progress.done += len(finished)
+            if finished:
+                progress.show()
+            waiting = [j for j in waiting if not book.done(j.run_id)]
+            if not waiting or executor.in_flight or queue:
+                continue
+            if not announced:
+                holders = {_describe(book.held_by_other(j.run_id)) for j in waiting}
+                print(f"[diff2] study {study.name}: waiting for {len(waiting)} run(s) held by other driver(s) "
+                      f"({', '.join(sorted(holders))})", file=sys.stderr)
+                announced = True
+            book.refresh()
+            stale = [j for j in waiting if not book.held_by_other(j.run_id)]
+            if stale:  # their driver is gone: take them over
+                waiting = [j for j in waiting if j not in stale]
+                queue.extend(plan_units(study, stale))
+            else:
+                time.sleep(POLL_S)
+
+
+def _describe(owner: Any) -> str:
+    if isinstance(owner, Owner):
+        return f"{owner.host} pid {owner.pid}"
+    return "a driver whose claim is being written" if owner else "released"
 
 
 def _run_single(cfg: ExperimentConfig, engine: str) -> tuple[dict, int | None]:
@@ -387,12 +481,12 @@ def _run_single(cfg: ExperimentConfig, engine: str) -> tuple[dict, int | None]:
     return metrics, diverged
 
 
-def _write_run(runs_dir: Path, job: _Job, metrics: dict, diverged: int | None, engine: str) -> None:
+def _write_run(runs_dir: Path, job: _Job, metrics: dict, diverged: int | None, engine: str,
+               computed_by: Mapping[str, str] | None = None) -> None:
     record = {"run_id": job.run_id, "method": job.method.name, "base_method": job.method.method, "point": job.point,
-              "epsilon": job.epsilon, "seed": job.seed, "engine": engine, "diverged_at": diverged, **metrics}
-    tmp = runs_dir / f"{job.run_id}.json.tmp"
-    tmp.write_text(json.dumps(to_json(record)))
-    tmp.replace(runs_dir / f"{job.run_id}.json")
+              "epsilon": job.epsilon, "seed": job.seed, "engine": engine, "diverged_at": diverged, **metrics,
+              "computed_by": dict(computed_by or {})}
+    atomic_write_text(runs_dir / f"{job.run_id}.json", json.dumps(to_json(record)))
 
 
 def _load_run(runs_dir: Path, run_id: str) -> dict:
@@ -416,67 +510,105 @@ def _point_key(point: Mapping[str, float]) -> str:
 
 def run_study(
     study: Study, *, output_root: str | Path | None = None, fresh: bool = False, show_progress: bool = True,
-    make_plots: bool = True,
+    make_plots: bool = True, ray_address: str | None = None, stale_after_s: float = STALE_AFTER_S,
 ) -> dict:
-    """Run the whole study (resumable) and write summary.json, report.md and plots; return the summary."""
+    """Run the whole study (resumable) and write summary.json, report.md and plots; return the summary.
+
+    With ``ray_address`` the units run as tasks of that Ray cluster (:class:`~.cluster.RayExecutor`),
+    else in this process. Any number of drivers (processes, machines) may share one output folder:
+    each run is claimed before it is computed (:mod:`~.claims`), so none is computed twice, every
+    file is written whole, and a run claimed by a driver that died is taken over (at once if that
+    driver ran on this machine, else after ``stale_after_s`` seconds without its heartbeat).
+    """
     from ..runtime.session import load_data
     from ..runtime.shard_report import check_shards
+    from .cluster import LocalExecutor, RayExecutor, code_fingerprint, data_digest
 
+    if ray_address is not None and study.engine == "flower":
+        raise StudyError(f"{study.source}: key `engine`: expected 'batch' or 'inprocess' on a Ray cluster (each "
+                         "`flower` run is a Flower simulation that starts its own Ray). Found 'flower'.")
     root = Path(output_root or study.output_dir).expanduser().resolve() / study.name
     runs_dir = root / "runs"
-    if fresh and runs_dir.exists():
-        for f in runs_dir.glob("*.json"):
-            f.unlink()
     runs_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
-    data = load_data(probe)
-    # Every configuration of the grid passes the partition's refusal rule (min_samples, max_sigma) before any
-    # run starts, on every engine: the batched one never builds a server that would check it.
-    for epsilon in study.epsilons:
-        for m in study.methods:
-            for p in m.points():
-                cfg = study.experiment(m, p, epsilon, study.tune_seeds[0])
-                check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
-    summary: dict[str, Any] = {"study": study.name, "source": study.source, "rounds": study.rounds, "delta": study.delta,
-                               "mode": study.mode, "clients": study.clients, "n_min": data.n_min,
-                               "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds),
-                               "engine": study.engine, "dtype": study.dtype, "epsilons": {}}
-    n_tune = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds) * len(study.epsilons)
-    progress = _Progress(n_tune + 2 * len(study.methods) * len(study.eval_seeds) * len(study.epsilons), show_progress)
-    for epsilon in study.epsilons:
-        # 1. tuning
-        tune_jobs = [
-            _Job(_run_id("tune", m, p, epsilon, s, study), m, p, epsilon, s, study.experiment(m, p, epsilon, s))
-            for m in study.methods for p in m.points() for s in study.tune_seeds
-        ]
-        _execute(study, tune_jobs, runs_dir, progress)
-        # 2. selection
-        chosen: dict[str, dict[str, dict]] = {}
-        for m in study.methods:
-            table: dict[str, dict[str, list[float]]] = {}
-            for p in m.points():
-                records = [_load_run(runs_dir, _run_id("tune", m, p, epsilon, s, study)) for s in study.tune_seeds]
-                table[_point_key(p)] = {c: [min(r[c]) for r in records] for c in CRITERIA}
-            picks = select(table)
-            chosen[m.name] = {c: json.loads(picks[c]) for c in CRITERIA}
-        # 3. evaluation
-        eval_jobs, seen = [], set()
-        for m in study.methods:
-            for c in CRITERIA:
-                p = chosen[m.name][c]
-                for s in study.eval_seeds:
-                    rid = _run_id("eval", m, p, epsilon, s, study)
-                    if rid not in seen:
-                        seen.add(rid)
-                        eval_jobs.append(_Job(rid, m, p, epsilon, s, study.experiment(m, p, epsilon, s)))
-        progress.total -= 2 * len(study.methods) * len(study.eval_seeds) - len(eval_jobs)
-        _execute(study, eval_jobs, runs_dir, progress)
-        # 4. summary
-        summary["epsilons"][str(epsilon)] = _summarise(study, epsilon, chosen, runs_dir, data.n_min)
-    progress.finish()
+    with ClaimBook(runs_dir, stale_after_s=stale_after_s) as book:
+        if fresh:
+            live = book.live_foreign_claims()
+            if live:
+                path, owner = live[0]
+                who = f"driver on {owner.host} (pid {owner.pid})" if owner else "another driver"
+                raise StudyError(
+                    f"{study.source}: --fresh would delete the runs of {runs_dir}, but {len(live)} run(s) there are "
+                    f"claimed by a live {who}, e.g. {path.name}. Stop that driver first (or, if it is gone and "
+                    "ran on another machine, delete runs/*.claim-*), or run without --fresh to share its work.")
+            for f in runs_dir.glob("*.json"):
+                f.unlink()
+            book.clear()
+        started = time.perf_counter()
+        probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
+        data = load_data(probe)
+        # Every configuration of the grid passes the partition's refusal rule (min_samples, max_sigma) before any
+        # run starts, on every engine: the batched one never builds a server that would check it.
+        for epsilon in study.epsilons:
+            for m in study.methods:
+                for p in m.points():
+                    cfg = study.experiment(m, p, epsilon, study.tune_seeds[0])
+                    check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
+        summary: dict[str, Any] = {"study": study.name, "source": study.source, "rounds": study.rounds,
+                                   "delta": study.delta, "mode": study.mode, "clients": study.clients,
+                                   "n_min": data.n_min, "tune_seeds": list(study.tune_seeds),
+                                   "eval_seeds": list(study.eval_seeds), "engine": study.engine, "dtype": study.dtype,
+                                   "threads": study.threads, "epsilons": {}}
+        n_tune = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds) * len(study.epsilons)
+        progress = _Progress(n_tune + 2 * len(study.methods) * len(study.eval_seeds) * len(study.epsilons),
+                             show_progress)
+        tally = {"computed": 0, "by_others": 0, "reused": 0}
+        executor = (LocalExecutor(compute_unit) if ray_address is None else
+                    RayExecutor(ray_address, compute_unit, threads=study.threads,
+                                expect={"code": code_fingerprint(), "data": data_digest(data)}))
+        try:
+            for epsilon in study.epsilons:
+                # 1. tuning
+                tune_jobs = [
+                    _Job(_run_id("tune", m, p, epsilon, s, study), m, p, epsilon, s, study.experiment(m, p, epsilon, s))
+                    for m in study.methods for p in m.points() for s in study.tune_seeds
+                ]
+                _execute(study, tune_jobs, runs_dir, progress, executor, book, tally)
+                # 2. selection
+                chosen: dict[str, dict[str, dict]] = {}
+                for m in study.methods:
+                    table: dict[str, dict[str, list[float]]] = {}
+                    for p in m.points():
+                        records = [_load_run(runs_dir, _run_id("tune", m, p, epsilon, s, study))
+                                   for s in study.tune_seeds]
+                        table[_point_key(p)] = {c: [min(r[c]) for r in records] for c in CRITERIA}
+                    picks = select(table)
+                    chosen[m.name] = {c: json.loads(picks[c]) for c in CRITERIA}
+                # 3. evaluation
+                eval_jobs, seen = [], set()
+                for m in study.methods:
+                    for c in CRITERIA:
+                        p = chosen[m.name][c]
+                        for s in study.eval_seeds:
+                            rid = _run_id("eval", m, p, epsilon, s, study)
+                            if rid not in seen:
+                                seen.add(rid)
+                                eval_jobs.append(_Job(rid, m, p, epsilon, s, study.experiment(m, p, epsilon, s)))
+                progress.total -= 2 * len(study.methods) * len(study.eval_seeds) - len(eval_jobs)
+                _execute(study, eval_jobs, runs_dir, progress, executor, book, tally)
+                # 4. summary
+                summary["epsilons"][str(epsilon)] = _summarise(study, epsilon, chosen, runs_dir, data.n_min)
+        finally:
+            executor.close()
+        progress.finish()
     summary["wall_time_s"] = time.perf_counter() - started
-    (root / "summary.json").write_text(json.dumps(to_json(summary), indent=2) + "\n")
+    # Who computed what (this driver's view; several drivers sharing the folder each rewrite the summary whole).
+    summary["execution"] = {**executor.describe(), "driver": book.owner.driver, "host": book.owner.host,
+                            "runs_computed_here": tally["computed"], "runs_by_other_drivers": tally["by_others"],
+                            "runs_reused": tally["reused"]}
+    print(f"[diff2] study {study.name}: {tally['computed']} run(s) computed by this driver "
+          f"({summary['execution']['executor']}), {tally['by_others']} by other drivers, {tally['reused']} reused",
+          file=sys.stderr)
+    atomic_write_text(root / "summary.json", json.dumps(to_json(summary), indent=2) + "\n")
     from .report import write_report
 
     write_report(study, summary, root, runs_dir, make_plots=make_plots)

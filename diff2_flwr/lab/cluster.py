@@ -1,0 +1,203 @@
+"""Where a study's units run: in the driver's process, or as tasks of a Ray cluster.
+
+A *unit* (:class:`~diff2_flwr.lab.study.Unit`) is a batch of runs of the batched engine or one
+run of another engine; :func:`~diff2_flwr.lab.study.compute_unit` computes it in whatever process
+calls it, with every thread pool pinned to the study's ``threads``. The driver claims the runs of a
+unit (:mod:`~diff2_flwr.lab.claims`), hands the unit to an executor, and writes the results it
+gets back. Two executors share one small interface (``has_capacity``, ``submit``, ``completed``,
+``in_flight``, ``close``):
+
+* :class:`LocalExecutor` computes each unit at once, in this process;
+* :class:`RayExecutor` submits units as tasks of a running Ray cluster (``ray.init(address=...)``),
+  as many at a time as the cluster has CPUs for (``num_cpus = threads`` per task), and checks that
+  every node that answers runs the same diff2-flwr source and read the same data as the driver:
+  a node with other code or other data would silently mix results.
+
+The nodes read the data themselves (``dataset.dir`` of the study or their own ``DIFF2_DATA_DIR``,
+as the process that ran ``ray start`` there saw it); nothing but the unit's description and the
+per-round metrics crosses the network.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["ClusterError", "LocalExecutor", "RayExecutor", "code_fingerprint", "data_digest", "node_report"]
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot run the study as the driver would (unreachable, other code, other data)."""
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """A hash of the installed diff2_flwr source (every ``.py`` file, by relative path)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def data_digest(data: Any) -> str:
+    """A hash of a prepared dataset's arrays and shard bounds: equal digests, equal data."""
+    import numpy as np
+
+    h = hashlib.sha256()
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        array = np.ascontiguousarray(getattr(data, name))
+        h.update(name.encode() + str(array.dtype).encode() + str(array.shape).encode() + array.tobytes())
+    h.update(repr(tuple(data.shard_bounds)).encode())
+    return h.hexdigest()[:16]
+
+
+_DIGESTS: dict[str, str] = {}
+
+
+def node_report(cfg: Any) -> dict[str, str]:
+    """What a node tells the driver with each result: its host, its code and its data (cached per process)."""
+    from ..runtime.session import load_data
+    from ..runtime.shard_files import data_fingerprint
+
+    key = data_fingerprint(cfg)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = data_digest(load_data(cfg))
+    return {"host": socket.gethostname(), "code": code_fingerprint(), "data": _DIGESTS[key]}
+
+
+Compute = Callable[..., list]  # compute(study, unit, progress=None) -> one outcome per run
+
+
+def _run_unit_task(compute: Compute, study: Any, unit: Any) -> tuple[list[dict], dict[str, str]]:
+    """The body of a Ray task: compute one unit on the node, and say which code and data did it."""
+    import ray
+
+    report = {**node_report(unit.jobs[0].cfg), "node": ray.get_runtime_context().get_node_id()}
+    outcomes = compute(study, unit)
+    for outcome in outcomes:
+        outcome["host"] = report["host"]
+    return outcomes, report
+
+
+class LocalExecutor:
+    """Computes each unit in the driver's own process, one at a time."""
+
+    name = "local"
+
+    def __init__(self, compute: Compute) -> None:
+        self._compute = compute
+        self._done: list[tuple[Any, list[dict]]] = []
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._done)
+
+    def has_capacity(self) -> bool:
+        return not self._done
+
+    def submit(self, study: Any, unit: Any, progress: Callable[[int, int], None] | None = None) -> None:
+        self._done.append((unit, self._compute(study, unit, progress)))
+
+    def completed(self, timeout: float) -> list[tuple[Any, list[dict]]]:
+        done, self._done = self._done, []
+        return done
+
+    def close(self) -> None:
+        self._done = []
+
+    def describe(self) -> dict[str, Any]:
+        return {"executor": self.name}
+
+
+class RayExecutor:
+    """Runs units as tasks of the Ray cluster at ``address`` (e.g. ``10.0.0.5:6379``, or ``auto``).
+
+    Args:
+        address: what ``ray.init(address=...)`` takes; ``auto`` is the cluster of ``RAY_ADDRESS`` or
+            the one started on this machine.
+        compute: ``compute(study, unit)``, a module-level function every node imports (by reference).
+        threads: CPUs each task asks for and threads it pins (the study's ``threads``).
+        expect: the driver's ``{"code": ..., "data": ...}``; a node that answers with other values
+            stops the study.
+    """
+
+    name = "ray"
+
+    def __init__(self, address: str, compute: Compute, *, threads: int, expect: dict[str, str]) -> None:
+        if not address:
+            raise ClusterError("`--ray`: expected a Ray cluster address such as 10.0.0.5:6379 or 'auto'. Found ''.")
+        os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # no GPU here: silences a FutureWarning
+        try:
+            import ray
+        except ImportError as err:  # pragma: no cover - Ray comes with flwr[simulation]
+            raise ClusterError(f"`--ray {address}` needs Ray on the driver (pip install 'flwr[simulation]'): {err}")
+        self._ray = ray
+        self.address, self.threads, self.expect, self._compute = address, int(threads), dict(expect), compute
+        self._owns_connection = not ray.is_initialized()
+        if self._owns_connection:
+            try:
+                ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
+            except (ConnectionError, RuntimeError, ValueError) as err:
+                raise ClusterError(
+                    f"Cannot connect to the Ray cluster at {address!r}: {err}. Start one with `ray start --head "
+                    "--port 6379` on the head node and `ray start --address <head>:6379` on each other node (with "
+                    "diff2-flwr installed), then pass `--ray <head>:6379`.") from None
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        if cpus < self.threads:
+            self.close()
+            raise ClusterError(f"The Ray cluster at {address!r} has {cpus} CPU(s); each unit needs threads = "
+                               f"{self.threads}. Add nodes, or lower the study's `threads`.")
+        self.capacity = cpus // self.threads
+        self._task = ray.remote(num_cpus=self.threads, max_retries=2)(_run_unit_task)
+        self._refs: dict[Any, Any] = {}
+        self.nodes: dict[str, int] = {}  # Ray node id -> units computed there
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._refs)
+
+    def has_capacity(self) -> bool:
+        return len(self._refs) < self.capacity
+
+    def submit(self, study: Any, unit: Any, progress: Callable[[int, int], None] | None = None) -> None:
+        self._refs[self._task.remote(self._compute, study, unit)] = unit
+
+    def completed(self, timeout: float) -> list[tuple[Any, list[dict]]]:
+        ray = self._ray
+        ready, _ = ray.wait(list(self._refs), num_returns=1, timeout=timeout)
+        out = []
+        for ref in ready:
+            unit = self._refs.pop(ref)
+            try:
+                outcomes, report = ray.get(ref)
+            except ray.exceptions.RayTaskError as err:  # the unit's own error (e.g. a privacy rejection), as raised
+                raise err.as_instanceof_cause() from None
+            for key, what, fix in (("code", "diff2-flwr source", "install the driver's version on every node"),
+                                   ("data", "data", "give every node the same data files (dataset.dir or its "
+                                                    "DIFF2_DATA_DIR when `ray start` ran)")):
+                if report[key] != self.expect[key]:
+                    raise ClusterError(
+                        f"Ray node {report['host']} computed with other {what} than the driver (fingerprint "
+                        f"{report[key]}, driver {self.expect[key]}): {fix}, restart its `ray start`, and run the "
+                        "study again (finished runs are kept).")
+            self.nodes[report["node"]] = self.nodes.get(report["node"], 0) + 1
+            out.append((unit, outcomes))
+        return out
+
+    def close(self) -> None:
+        ray = self._ray
+        for ref in list(getattr(self, "_refs", {})):
+            ray.cancel(ref, force=True)
+        self._refs = {}
+        if self._owns_connection and ray.is_initialized():
+            ray.shutdown()
+
+    def describe(self) -> dict[str, Any]:
+        return {"executor": self.name, "ray_address": self.address, "ray_capacity": self.capacity,
+                "ray_nodes": dict(self.nodes)}
