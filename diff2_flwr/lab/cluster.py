@@ -28,7 +28,8 @@ import socket
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["ClusterError", "LocalExecutor", "RayExecutor", "code_fingerprint", "data_digest", "node_report"]
+__all__ = ["ClusterError", "LocalExecutor", "RayExecutor", "code_fingerprint", "data_digest", "node_report",
+           "unit_data"]
 
 
 class ClusterError(RuntimeError):
@@ -57,18 +58,36 @@ def data_digest(data: Any) -> str:
     return h.hexdigest()[:16]
 
 
-_DIGESTS: dict[str, str] = {}
+_DATA: dict[str, tuple[Any, str]] = {}  # dataset settings -> (prepared data, digest), this process's
+
+
+def unit_data(cfg: Any) -> Any:
+    """The prepared dataset of ``cfg``, loaded once per process for all runs that share it.
+
+    (``load_data`` caches by the whole config, which differs from run to run; the data depend only on
+    the dataset settings, P and the folder the files are read from.)
+    """
+    return _unit_data(cfg)[0]
+
+
+def _unit_data(cfg: Any) -> tuple[Any, str]:
+    import json
+
+    from ..runtime.session import load_data
+
+    key = json.dumps({"dataset": cfg.to_dict()["dataset"], "clients": cfg.training.clients}, sort_keys=True,
+                     default=str)
+    if key not in _DATA:
+        if len(_DATA) >= 2:  # a study uses one dataset; keep memory bounded all the same
+            _DATA.pop(next(iter(_DATA)))
+        data = load_data(cfg)
+        _DATA[key] = (data, data_digest(data))
+    return _DATA[key]
 
 
 def node_report(cfg: Any) -> dict[str, str]:
     """What a node tells the driver with each result: its host, its code and its data (cached per process)."""
-    from ..runtime.session import load_data
-    from ..runtime.shard_files import data_fingerprint
-
-    key = data_fingerprint(cfg)
-    if key not in _DIGESTS:
-        _DIGESTS[key] = data_digest(load_data(cfg))
-    return {"host": socket.gethostname(), "code": code_fingerprint(), "data": _DIGESTS[key]}
+    return {"host": socket.gethostname(), "code": code_fingerprint(), "data": _unit_data(cfg)[1]}
 
 
 Compute = Callable[..., list]  # compute(study, unit, progress=None) -> one outcome per run

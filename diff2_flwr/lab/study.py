@@ -20,7 +20,9 @@ paired t-test with the direction reversed (H1: DIFF2's accuracy > DP-GD's). Accu
 part in the selection.
 
 Every run's per-round metrics land in ``runs/`` as JSON; an existing run file is reused, so
-an interrupted study resumes where it stopped.
+an interrupted study resumes where it stopped. Runs are computed in units (:func:`plan_units`,
+:func:`compute_unit`) here or on a Ray cluster (:mod:`.cluster`), each run claimed first
+(:mod:`.claims`), so several drivers may share one output folder without computing a run twice.
 
 References:
     Murata & Suzuki (2023), Section 6; DIFF2.md, "The paper's experiments".
@@ -350,7 +352,7 @@ def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None] 
     gives the same bits wherever it runs, in the driver or in a task on a cluster node.
     """
     from ..runtime.compute import pinned_threads
-    from ..runtime.session import load_data
+    from .cluster import unit_data
 
     if unit.engine != "batch":
         out = []
@@ -364,7 +366,7 @@ def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None] 
 
     batch = unit.jobs
     with pinned_threads(study.threads):
-        data = load_data(batch[0].cfg)
+        data = unit_data(batch[0].cfg)
         n_min = data.n_min
         dtype = torch.float32 if study.dtype == "float32" else torch.float64
         specs = []
@@ -520,9 +522,8 @@ def run_study(
     file is written whole, and a run claimed by a driver that died is taken over (at once if that
     driver ran on this machine, else after ``stale_after_s`` seconds without its heartbeat).
     """
-    from ..runtime.session import load_data
     from ..runtime.shard_report import check_shards
-    from .cluster import LocalExecutor, RayExecutor, code_fingerprint, data_digest
+    from .cluster import LocalExecutor, RayExecutor, code_fingerprint, node_report, unit_data
 
     if ray_address is not None and study.engine == "flower":
         raise StudyError(f"{study.source}: key `engine`: expected 'batch' or 'inprocess' on a Ray cluster (each "
@@ -545,7 +546,7 @@ def run_study(
             book.clear()
         started = time.perf_counter()
         probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
-        data = load_data(probe)
+        data = unit_data(probe)
         # Every configuration of the grid passes the partition's refusal rule (min_samples, max_sigma) before any
         # run starts, on every engine: the batched one never builds a server that would check it.
         for epsilon in study.epsilons:
@@ -564,7 +565,7 @@ def run_study(
         tally = {"computed": 0, "by_others": 0, "reused": 0}
         executor = (LocalExecutor(compute_unit) if ray_address is None else
                     RayExecutor(ray_address, compute_unit, threads=study.threads,
-                                expect={"code": code_fingerprint(), "data": data_digest(data)}))
+                                expect={"code": code_fingerprint(), "data": node_report(probe)["data"]}))
         try:
             for epsilon in study.epsilons:
                 # 1. tuning
