@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -125,3 +126,18 @@ def test_threads_is_validated_and_reaches_every_run(tmp_path):
     assert study.experiment(m, m.points()[0], 3.0, 7).training.threads == 2
     with pytest.raises(StudyError, match=r"key `threads`: expected an integer >= 1.*Found 0"):
         load_study(_write(tmp_path, {**SHARED, "name": "t0", "threads": 0}))
+
+
+def test_an_unreachable_cluster_fails_at_once_and_names_the_address(tmp_path, capsys):
+    from diff2_flwr.cli import main
+
+    s = socket.socket()
+    s.bind(("127.0.0.2", 0))
+    address = f"127.0.0.2:{s.getsockname()[1]}"
+    s.close()  # nothing listens there now
+    started = time.monotonic()
+    path = _write(tmp_path, {**SHARED, "name": "nowhere", "engine": "batch"})
+    assert main(["experiment", str(path), "--output", str(tmp_path / "out"), "--ray", address]) == 2
+    err = capsys.readouterr().err
+    assert f"No Ray cluster answers at '{address}'" in err and "ray start --head" in err
+    assert time.monotonic() - started < 60 and not list((tmp_path / "out" / "nowhere" / "runs").iterdir())

@@ -104,6 +104,22 @@ def _run_unit_task(compute: Compute, study: Any, unit: Any) -> tuple[list[dict],
     return outcomes, report
 
 
+_HOW_TO_START = ("Start one with `ray start --head --port 6379` on the head node and `ray start --address "
+                 "<head>:6379` on each other node (with diff2-flwr installed), then pass `--ray <head>:6379`.")
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Fail at once if ``host:port`` takes no TCP connection (``auto``, ``local`` and ``ray://`` are Ray's to resolve)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as err:
+        raise ClusterError(f"No Ray cluster answers at {address!r} ({err}). {_HOW_TO_START}") from None
+
+
 class LocalExecutor:
     """Computes each unit in the driver's own process, one at a time."""
 
@@ -160,13 +176,11 @@ class RayExecutor:
         self.address, self.threads, self.expect, self._compute = address, int(threads), dict(expect), compute
         self._owns_connection = not ray.is_initialized()
         if self._owns_connection:
+            _check_reachable(address)  # ray.init retries an unreachable head for minutes, silently
             try:
                 ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
             except (ConnectionError, RuntimeError, ValueError) as err:
-                raise ClusterError(
-                    f"Cannot connect to the Ray cluster at {address!r}: {err}. Start one with `ray start --head "
-                    "--port 6379` on the head node and `ray start --address <head>:6379` on each other node (with "
-                    "diff2-flwr installed), then pass `--ray <head>:6379`.") from None
+                raise ClusterError(f"Cannot connect to the Ray cluster at {address!r}: {err}. {_HOW_TO_START}") from None
         cpus = int(ray.cluster_resources().get("CPU", 0))
         if cpus < self.threads:
             self.close()
