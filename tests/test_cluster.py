@@ -62,8 +62,8 @@ class LocalRayCluster:
         self.tmp = Path(tempfile.mkdtemp(prefix="d2ray-", dir="/tmp"))  # short: Ray's socket paths must fit
         self.env = {**env, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
         self.procs: list[subprocess.Popen] = []
-        self.port, *head_ports = _free_ports(8)
-        worker_ports = _free_ports(6)
+        self.port, *ports = _free_ports(14)  # all at once: distinct
+        head_ports, worker_ports = ports[:7], ports[7:]
         self.address = f"{LOOPBACK}:{self.port}"
         common = ["--node-ip-address", LOOPBACK, "--num-cpus", "1", "--temp-dir", str(self.tmp), "--block",
                   "--disable-usage-stats"]
