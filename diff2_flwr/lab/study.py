@@ -31,6 +31,7 @@ References:
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import itertools
 import json
@@ -132,8 +133,7 @@ def _slug(text: str) -> str:
 # ------------------------------------------------------------------------------- loading
 
 _TOP_KEYS = {"name", "dataset", "clients", "rounds", "delta", "epsilons", "mode", "eval_every", "seeds", "methods",
-             "hidden", "model", "engine", "dtype", "compile", "batch_size", "threads",
-             "output"}
+             "hidden", "model", "engine", "dtype", "compile", "batch_size", "output", "threads"}
 
 
 def parse_study(data: Any, source: str = "<memory>") -> Study:
@@ -215,7 +215,8 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
         eval_seeds=tuple(evaluate), methods=tuple(methods), hidden=int(data.get("hidden", 10)),
         model=str(model.get("name", "paper_mlp")), model_kwargs=dict(model.get("kwargs") or {}),
         engine=data.get("engine", "batch"), dtype=data.get("dtype", "float64"), compile=bool(data.get("compile", False)),
-        batch_size=int(data.get("batch_size", 32)), threads=data.get("threads", 1), output_dir=str(output.get("dir", "outputs/studies")), source=source,
+        batch_size=int(data.get("batch_size", 32)), output_dir=str(output.get("dir", "outputs/studies")), source=source,
+        threads=data.get("threads", 1),
     )
     if study.engine not in ("batch", "inprocess", "flower"):
         raise fail("engine", "one of 'batch', 'inprocess', 'flower'", study.engine)
@@ -522,16 +523,14 @@ def run_study(
     file is written whole, and a run claimed by a driver that died is taken over (at once if that
     driver ran on this machine, else after ``stale_after_s`` seconds without its heartbeat).
     """
-    from ..runtime.shard_report import check_shards
-    from .cluster import LocalExecutor, RayExecutor, code_fingerprint, node_report, unit_data
-
     if ray_address is not None and study.engine == "flower":
         raise StudyError(f"{study.source}: key `engine`: expected 'batch' or 'inprocess' on a Ray cluster (each "
                          "`flower` run is a Flower simulation that starts its own Ray). Found 'flower'.")
     root = Path(output_root or study.output_dir).expanduser().resolve() / study.name
     runs_dir = root / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
-    with ClaimBook(runs_dir, stale_after_s=stale_after_s) as book:
+    # On the way out (done, error, Ctrl-C): the executor stops first, then every claim still held is released.
+    with ClaimBook(runs_dir, stale_after_s=stale_after_s) as book, contextlib.ExitStack() as cleanup:
         if fresh:
             live = book.live_foreign_claims()
             if live:
@@ -544,65 +543,69 @@ def run_study(
             for f in runs_dir.glob("*.json"):
                 f.unlink()
             book.clear()
-        started = time.perf_counter()
-        probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
-        data = unit_data(probe)
-        # Every configuration of the grid passes the partition's refusal rule (min_samples, max_sigma) before any
-        # run starts, on every engine: the batched one never builds a server that would check it.
-        for epsilon in study.epsilons:
-            for m in study.methods:
-                for p in m.points():
-                    cfg = study.experiment(m, p, epsilon, study.tune_seeds[0])
-                    check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
-        summary: dict[str, Any] = {"study": study.name, "source": study.source, "rounds": study.rounds,
-                                   "delta": study.delta, "mode": study.mode, "clients": study.clients,
-                                   "n_min": data.n_min, "tune_seeds": list(study.tune_seeds),
-                                   "eval_seeds": list(study.eval_seeds), "engine": study.engine, "dtype": study.dtype,
-                                   "threads": study.threads, "epsilons": {}}
-        n_tune = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds) * len(study.epsilons)
-        progress = _Progress(n_tune + 2 * len(study.methods) * len(study.eval_seeds) * len(study.epsilons),
-                             show_progress)
-        tally = {"computed": 0, "by_others": 0, "reused": 0}
-        executor = (LocalExecutor(compute_unit) if ray_address is None else
-                    RayExecutor(ray_address, compute_unit, threads=study.threads,
-                                expect={"code": code_fingerprint(), "data": node_report(probe)["data"]}))
-        try:
-            for epsilon in study.epsilons:
-                # 1. tuning
-                tune_jobs = [
-                    _Job(_run_id("tune", m, p, epsilon, s, study), m, p, epsilon, s, study.experiment(m, p, epsilon, s))
-                    for m in study.methods for p in m.points() for s in study.tune_seeds
-                ]
-                _execute(study, tune_jobs, runs_dir, progress, executor, book, tally)
-                # 2. selection
-                chosen: dict[str, dict[str, dict]] = {}
-                for m in study.methods:
-                    table: dict[str, dict[str, list[float]]] = {}
-                    for p in m.points():
-                        records = [_load_run(runs_dir, _run_id("tune", m, p, epsilon, s, study))
-                                   for s in study.tune_seeds]
-                        table[_point_key(p)] = {c: [min(r[c]) for r in records] for c in CRITERIA}
-                    picks = select(table)
-                    chosen[m.name] = {c: json.loads(picks[c]) for c in CRITERIA}
-                # 3. evaluation
-                eval_jobs, seen = [], set()
-                for m in study.methods:
-                    for c in CRITERIA:
-                        p = chosen[m.name][c]
-                        for s in study.eval_seeds:
-                            rid = _run_id("eval", m, p, epsilon, s, study)
-                            if rid not in seen:
-                                seen.add(rid)
-                                eval_jobs.append(_Job(rid, m, p, epsilon, s, study.experiment(m, p, epsilon, s)))
-                progress.total -= 2 * len(study.methods) * len(study.eval_seeds) - len(eval_jobs)
-                _execute(study, eval_jobs, runs_dir, progress, executor, book, tally)
-                # 4. summary
-                summary["epsilons"][str(epsilon)] = _summarise(study, epsilon, chosen, runs_dir, data.n_min)
-        finally:
-            executor.close()
-        progress.finish()
+        return _run_study(study, root, runs_dir, book, cleanup, ray_address=ray_address, show_progress=show_progress,
+                          make_plots=make_plots)
+
+
+def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanup: contextlib.ExitStack, *,
+               ray_address: str | None, show_progress: bool, make_plots: bool) -> dict:
+    from ..runtime.shard_report import check_shards
+    from .cluster import LocalExecutor, RayExecutor, code_fingerprint, node_report, unit_data
+
+    started = time.perf_counter()
+    probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
+    data = unit_data(probe)
+    # Every configuration of the grid passes the partition's refusal rule (min_samples, max_sigma) before any
+    # run starts, on every engine: the batched one never builds a server that would check it.
+    for epsilon in study.epsilons:
+        for m in study.methods:
+            for p in m.points():
+                cfg = study.experiment(m, p, epsilon, study.tune_seeds[0])
+                check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
+    summary: dict[str, Any] = {"study": study.name, "source": study.source, "rounds": study.rounds, "delta": study.delta,
+                               "mode": study.mode, "clients": study.clients, "n_min": data.n_min,
+                               "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds),
+                               "engine": study.engine, "dtype": study.dtype, "threads": study.threads, "epsilons": {}}
+    n_tune = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds) * len(study.epsilons)
+    progress = _Progress(n_tune + 2 * len(study.methods) * len(study.eval_seeds) * len(study.epsilons), show_progress)
+    tally = {"computed": 0, "by_others": 0, "reused": 0}
+    executor = (LocalExecutor(compute_unit) if ray_address is None else
+                RayExecutor(ray_address, compute_unit, threads=study.threads,
+                            expect={"code": code_fingerprint(), "data": node_report(probe)["data"]}))
+    cleanup.callback(executor.close)
+    for epsilon in study.epsilons:
+        # 1. tuning
+        tune_jobs = [
+            _Job(_run_id("tune", m, p, epsilon, s, study), m, p, epsilon, s, study.experiment(m, p, epsilon, s))
+            for m in study.methods for p in m.points() for s in study.tune_seeds
+        ]
+        _execute(study, tune_jobs, runs_dir, progress, executor, book, tally)
+        # 2. selection
+        chosen: dict[str, dict[str, dict]] = {}
+        for m in study.methods:
+            table: dict[str, dict[str, list[float]]] = {}
+            for p in m.points():
+                records = [_load_run(runs_dir, _run_id("tune", m, p, epsilon, s, study)) for s in study.tune_seeds]
+                table[_point_key(p)] = {c: [min(r[c]) for r in records] for c in CRITERIA}
+            picks = select(table)
+            chosen[m.name] = {c: json.loads(picks[c]) for c in CRITERIA}
+        # 3. evaluation
+        eval_jobs, seen = [], set()
+        for m in study.methods:
+            for c in CRITERIA:
+                p = chosen[m.name][c]
+                for s in study.eval_seeds:
+                    rid = _run_id("eval", m, p, epsilon, s, study)
+                    if rid not in seen:
+                        seen.add(rid)
+                        eval_jobs.append(_Job(rid, m, p, epsilon, s, study.experiment(m, p, epsilon, s)))
+        progress.total -= 2 * len(study.methods) * len(study.eval_seeds) - len(eval_jobs)
+        _execute(study, eval_jobs, runs_dir, progress, executor, book, tally)
+        # 4. summary
+        summary["epsilons"][str(epsilon)] = _summarise(study, epsilon, chosen, runs_dir, data.n_min)
+    progress.finish()
     summary["wall_time_s"] = time.perf_counter() - started
-    # Who computed what (this driver's view; several drivers sharing the folder each rewrite the summary whole).
+    # Who computed what, as this driver saw it (drivers sharing the folder each rewrite the summary, whole).
     summary["execution"] = {**executor.describe(), "driver": book.owner.driver, "host": book.owner.host,
                             "runs_computed_here": tally["computed"], "runs_by_other_drivers": tally["by_others"],
                             "runs_reused": tally["reused"]}
