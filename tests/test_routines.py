@@ -199,3 +199,74 @@ def test_parameters_and_defaults_are_torchs():
 def test_invalid_parameters_are_refused_naming_them(name, kwargs, match):
     with pytest.raises(RoutineError, match=match):
         make_routine(name, **kwargs)
+
+
+# ------------------------------------------------------------------------------ through the server (runtime)
+
+def _cfg(method: str, routine, restart_every=None, lr=0.2, rounds=8):
+    from diff2_flwr.runtime.config import parse_config
+
+    return parse_config({
+        "method": method, "dataset": {"name": "synthetic", "num_samples": 600},
+        "training": {"rounds": rounds, "restart_every": restart_every, "learning_rate": lr, "clip_diff": 3.0,
+                     "clients": 3, "seed": 4, "routine": routine},
+        "evaluation": {"every": 1},
+    })
+
+
+def _drive(cfg):
+    """The in-process driver's calls, keeping every release (ṽ_r, x_r)."""
+    from diff2_flwr.runtime.session import build_server, build_worker
+
+    server = build_server(cfg, record=False, progress=None)
+    workers = [build_worker(cfg, p) for p in range(cfg.training.clients)]
+    releases = []
+    while not server.done:
+        plan = server.plan()
+        releases.append(server.release([w.reply(plan) for w in workers]))
+    return server, releases
+
+
+def _strip(history):
+    return [{k: v for k, v in row.items() if k != "elapsed_s"} for row in history]
+
+
+def test_diff2_with_T1_and_momentum_is_dpgd_with_momentum():
+    """T = 1 with momentum is DP-GD with momentum: the same iterates, noise, ledger and ε, round by round."""
+    momentum = {"name": "momentum", "momentum": 0.7}
+    dpgd, dpgd_releases = _drive(_cfg("dpgd", momentum))
+    diff2, diff2_releases = _drive(_cfg("diff2", momentum, restart_every=1))
+    assert _strip(diff2.history) == _strip(dpgd.history)
+    for a, b in zip(dpgd_releases, diff2_releases):
+        np.testing.assert_array_equal(a.x, b.x)
+        np.testing.assert_array_equal(a.v, b.v)
+    assert diff2.epsilon_spent == dpgd.epsilon_spent and diff2.ledger == dpgd.ledger
+    # ... and it is momentum on the released ṽ_r (torch's SGD fed the same ṽ's), not GD
+    p = torch.nn.Parameter(torch.tensor(dpgd_releases[0].plan.x_current.copy()))  # x_0
+    sgd = torch.optim.SGD([p], lr=0.2, momentum=0.7)
+    for release in dpgd_releases:
+        p.grad = torch.tensor(release.v.copy())
+        sgd.step()
+        np.testing.assert_allclose(p.detach().numpy(), release.x, rtol=0, atol=1e-13)
+    gd, _ = _drive(_cfg("dpgd", "gd"))
+    assert np.abs(gd.state.x - dpgd.state.x).max() > 1e-3
+
+
+@pytest.mark.parametrize("routine", ["momentum", "nesterov", {"name": "adam", "beta1": 0.8}, "adamw"],
+                         ids=["momentum", "nesterov", "adam", "adamw"])
+def test_a_routine_costs_no_privacy(routine):
+    """Post-processing: the same calibration, ledger events and ε as GD; only the iterates differ."""
+    lr = 0.02 if isinstance(routine, dict) or routine == "adamw" else 0.2
+    gd, _ = _drive(_cfg("diff2", "gd", restart_every=3, lr=lr))
+    other, _ = _drive(_cfg("diff2", routine, restart_every=3, lr=lr))
+    assert other.calibration == gd.calibration and other.ledger == gd.ledger
+    assert [r.get("epsilon_spent") for r in other.history] == [r.get("epsilon_spent") for r in gd.history]
+    assert np.abs(other.state.x - gd.state.x).max() > 1e-4
+    assert other.summary()["routine"]["name"] == (routine["name"] if isinstance(routine, dict) else routine)
+
+
+def test_momentum_zero_through_the_server_is_gd_bit_for_bit():
+    gd, _ = _drive(_cfg("diff2", "gd", restart_every=3))
+    zero, _ = _drive(_cfg("diff2", {"name": "momentum", "momentum": 0.0}, restart_every=3))
+    np.testing.assert_array_equal(zero.state.x, gd.state.x)
+    assert [r["train_loss"] for r in zero.history] == [r["train_loss"] for r in gd.history]
