@@ -270,3 +270,24 @@ def test_momentum_zero_through_the_server_is_gd_bit_for_bit():
     zero, _ = _drive(_cfg("diff2", {"name": "momentum", "momentum": 0.0}, restart_every=3))
     np.testing.assert_array_equal(zero.state.x, gd.state.x)
     assert [r["train_loss"] for r in zero.history] == [r["train_loss"] for r in gd.history]
+
+
+def test_the_adam_example_is_the_default_run_with_adam():
+    """configs/adam.yaml differs from configs/default.yaml only by its name, η and routine: the same calibration."""
+    from pathlib import Path
+
+    from diff2_flwr.runtime.config import load_config
+    from diff2_flwr.runtime.driver import run_inprocess
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    adam, default = load_config(configs / "adam.yaml"), load_config(configs / "default.yaml")
+    a, d = adam.to_dict(), default.to_dict()
+    assert a["training"].pop("routine") == {"name": "adam", "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+                                            "weight_decay": 0.0}
+    assert d["training"].pop("routine") == "gd"
+    for c in (a, d):
+        c.pop("name"), c["training"].pop("learning_rate")
+    assert a == d and adam.calibration(900) == default.calibration(900)
+    server = run_inprocess(load_config(configs / "adam.yaml", {"training.rounds": 12, "training.seed": 1}),
+                           record=False, progress=None)
+    assert server.done and server.history[-1]["train_loss"] < server.history[0]["train_loss"]
