@@ -80,3 +80,22 @@ def test_a_diverging_run_is_parked_and_reported(reference):
     results = run_batch(data, [specs[0], wild], rounds=ROUNDS, eval_every=1)
     assert results[1].diverged_at is not None and np.isinf(results[1].train_loss[-1])
     assert results[0].diverged_at is None and np.isfinite(results[0].train_loss).all()
+
+
+def test_a_routine_that_is_not_post_processing_is_refused(reference, monkeypatch):
+    """A routine that computes on private data (a local phase) cannot be a row update of the batch."""
+    import dataclasses
+    from typing import ClassVar
+
+    from diff2_flwr.core import routines
+    from diff2_flwr.core.routines import GD
+
+    @dataclasses.dataclass(frozen=True)
+    class Local(GD):
+        name: ClassVar[str] = "local"
+        post_processing: ClassVar[bool] = False
+
+    monkeypatch.setitem(routines.ROUTINES, "local", Local)
+    data, _, specs = reference
+    with pytest.raises(ValueError, match=r"Run 1: routine 'local' is not post-processing.*Use the inprocess engine"):
+        run_batch(data, [specs[0], dataclasses.replace(specs[0], routine="local")], rounds=2)

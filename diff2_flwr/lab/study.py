@@ -362,8 +362,9 @@ def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress
     if not todo:
         return
     engine = study.engine
-    if engine == "batch" and not all(j.cfg.closed_form_gradients for j in todo):
-        engine = "inprocess"  # the batched engine has closed forms for the paper MLP only
+    if engine == "batch" and not all(j.cfg.closed_form_gradients and ROUTINES[j.cfg.training.routine.name].post_processing
+                                     for j in todo):
+        engine = "inprocess"  # the batched engine: closed forms of the paper MLP, post-processing routines only
     if engine == "batch":
         import torch
 

@@ -225,7 +225,11 @@ class _Routines:
     def __init__(self, specs: Sequence[RunSpec], x: np.ndarray) -> None:
         groups: dict[Routine, list[int]] = {}
         for k, spec in enumerate(specs):
-            groups.setdefault(spec.make_routine(), []).append(k)
+            routine = spec.make_routine()
+            if not routine.post_processing:
+                raise ValueError(f"Run {k}: routine {routine.name!r} is not post-processing (it computes on private "
+                                 "data); the batched engine runs post-processing routines only. Use the inprocess engine.")
+            groups.setdefault(routine, []).append(k)
         self.groups = [(routine, np.array(idx)) for routine, idx in groups.items()]
         self.states = [routine.init(x[idx]) for routine, idx in self.groups]
 
