@@ -48,6 +48,7 @@ def make_strategy(
     clip_restart: float,
     clip_diff: float,
     learning_rate: float,
+    routine: str | Mapping[str, Any] = "gd",
     model: torch.nn.Module | None = None,
     initial_parameters: Sequence[np.ndarray] | Parameters | None = None,
     u: float = 1.25,
@@ -72,7 +73,10 @@ def make_strategy(
         n_min: the fewest records any client holds; the noise is calibrated for it, and a reply with
             fewer records is refused.
         clip_restart, clip_diff: C₁ and C₂, the clipping radii of restart and difference rounds.
-        learning_rate: η of the gradient step.
+        learning_rate: η of the routine's step.
+        routine: how x_r is computed from the released ṽ_r: "gd" (x_r = x_{r-1} - η ṽ_r), or a name or
+            mapping as the experiment file's ``training.routine`` ("momentum", "nesterov", "adam",
+            "adamw", e.g. ``{"name": "adam", "beta1": 0.9}``). Post-processing: no privacy cost.
         model, initial_parameters: x₀, exactly one of them: a ``torch.nn.Module`` (its trainable
             parameters) or one array per tensor (a list, or Flower ``Parameters``).
         u: the paper's u > 1 (noise split between restart and difference rounds; 1.25 in the paper).
@@ -100,7 +104,7 @@ def make_strategy(
         initial_parameters = parameters_to_ndarrays(initial_parameters)
     server = make_server(
         epsilon=epsilon, delta=delta, rounds=rounds, restart_every=restart_every, clients=clients, n_min=n_min,
-        clip_restart=clip_restart, clip_diff=clip_diff, learning_rate=learning_rate, model=model,
+        clip_restart=clip_restart, clip_diff=clip_diff, learning_rate=learning_rate, routine=routine, model=model,
         initial_parameters=initial_parameters, u=u, mode=mode, seed=seed, evaluate_fn=evaluate_fn,
         eval_every=eval_every, output_dir=output_dir, name=name, checkpoint=checkpoint, progress=progress,
         _function=function,

@@ -128,13 +128,14 @@ def test_initial_parameters_as_flower_parameters_and_num_rounds():
     assert strategy.server.layout.shapes == tuple(a.shape for a in arrays)
 
 
-def test_a_strategy_with_a_checkpoint_resumes_the_same_trajectory(tmp_path):
+@pytest.mark.parametrize("routine", ["gd", {"name": "adam", "beta1": 0.8}], ids=["gd", "adam"])
+def test_a_strategy_with_a_checkpoint_resumes_the_same_trajectory(tmp_path, routine):
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(90, 4, generator=g, dtype=torch.float64), torch.randn(90, generator=g, dtype=torch.float64)
     model = TanhMLP(in_features=4, out_features=1)
     clients = [diff2_flwr.make_client(model=model, loss=half_squared_error, data=(x[30 * p:30 * p + 30],
                                       y[30 * p:30 * p + 30]), partition_id=p) for p in range(3)]
-    args = dict(ARGS, rounds=6, n_min=30, model=model, seed=5, progress=None)
+    args = dict(ARGS, rounds=6, n_min=30, model=model, seed=5, progress=None, routine=routine)
     reference = diff2_flwr.make_strategy(**args)
     drive(reference, clients)
     checkpoint, out = tmp_path / "server.ckpt", tmp_path / "runs"
@@ -148,6 +149,8 @@ def test_a_strategy_with_a_checkpoint_resumes_the_same_trajectory(tmp_path):
     assert second.server.epsilon_spent == reference.server.epsilon_spent
     with pytest.raises(CheckpointError):  # another run's checkpoint is refused, not continued
         diff2_flwr.make_strategy(**{**args, "learning_rate": 0.1}, checkpoint=checkpoint)
+    with pytest.raises(CheckpointError, match=r"another configuration .*Its routine is \{'name': "):
+        diff2_flwr.make_strategy(**{**args, "routine": "momentum" if routine == "gd" else "gd"}, checkpoint=checkpoint)
     other = copy.deepcopy(model)
     with torch.no_grad():
         next(other.parameters())[0, 0] += 1.0  # another x_0, the same arguments
@@ -209,6 +212,11 @@ def test_arguments_named_apart_from_their_yaml_key_are_named_as_the_caller_wrote
     with pytest.raises(ConfigError, match=r"^diff2_flwr.make_strategy: argument `round_retries`: expected an integer "
                                           r">= 0. Found -1.$"):
         diff2_flwr.make_strategy(**ARGS, n_min=10, model=model, round_retries=-1, progress=None)
+    with pytest.raises(ConfigError, match=r"^diff2_flwr.make_strategy: argument `routine.beta1`: expected a number "
+                                          r"in \[0, 1\). Found 1.5.$"):
+        diff2_flwr.make_strategy(**ARGS, n_min=10, model=model, routine={"name": "adam", "beta1": 1.5}, progress=None)
+    with pytest.raises(ConfigError, match=r"argument `routine.name`: expected one of 'gd', 'momentum'"):
+        diff2_flwr.make_strategy(**ARGS, n_min=10, model=model, routine="lion", progress=None)
     with pytest.raises(ConfigError, match=r"argument `name`: expected a non-empty string without path separators"):
         diff2_flwr.make_strategy(**ARGS, n_min=10, model=model, name="../x", progress=None)
 

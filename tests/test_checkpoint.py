@@ -39,19 +39,27 @@ def strip(history):
     return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in history]
 
 
-@pytest.mark.parametrize("seed", [3, None])
-def test_resumed_run_equals_an_uninterrupted_one(tmp_path, seed):
+ROUTINES = {"gd": "gd", "momentum": {"name": "momentum", "momentum": 0.8}, "nesterov": "nesterov",
+            "adam": {"name": "adam", "beta1": 0.8}, "adamw": {"name": "adamw", "weight_decay": 0.1}}
+CASES = [(3, name) for name in ROUTINES] + [(None, "gd"), (None, "adam")]
+
+
+@pytest.mark.parametrize("seed,routine", CASES, ids=[f"{r}-seed{s}" for s, r in CASES])
+def test_resumed_run_equals_an_uninterrupted_one(tmp_path, seed, routine):
+    """For every routine: its state (momentum buffer, Adam's moments and count) is in the checkpoint."""
+    lr = {"adam": 0.02, "adamw": 0.02}.get(routine, 0.2)
     # the uninterrupted reference (its own checkpoint file)
-    ref_cfg = config(tmp_path / "ref", seed=seed)
+    ref_cfg = config(tmp_path / "ref", seed=seed, routine=ROUTINES[routine], learning_rate=lr)
     reference = drive(ref_cfg, build_server(ref_cfg, progress=None), ROUNDS)
     # the interrupted run: 3 rounds, "crash", restart the server from the checkpoint
-    cfg = config(tmp_path / "run", seed=seed)
+    cfg = config(tmp_path / "run", seed=seed, routine=ROUTINES[routine], learning_rate=lr)
     first = drive(cfg, build_server(cfg, progress=None), 3)
     if seed is None:  # OS-entropy noise: the resumed part must reuse the checkpointed key
         saved = tmp_path / "copy.npz"
         shutil.copy(tmp_path / "run" / "state.npz", saved)
     second = build_server(cfg, progress=None)
     assert second.state.round == 3 and second.recorder.directory == first.recorder.directory
+    assert repr(second.state.routine_state) == repr(first.state.routine_state)  # the same buffers, not fresh ones
     drive(cfg, second, ROUNDS)
     assert [r["round"] for r in rows(second)] == list(range(ROUNDS + 1))  # each round recorded once
     assert len(second.ledger.events) == ROUNDS
@@ -105,6 +113,43 @@ def test_checkpoint_of_another_config_is_refused(tmp_path):
     # the output folder and evaluation settings do not change the trajectory: still accepted
     same = parse_config({**cfg.to_dict(), "evaluation": {"every": 2}})
     assert build_server(same, progress=None).state.round == 1
+
+
+def test_a_checkpoint_of_another_routine_is_refused_naming_both(tmp_path):
+    cfg = config(tmp_path, routine={"name": "adam", "beta1": 0.8})
+    drive(cfg, build_server(cfg, progress=None), 2)
+    for other in ("gd", {"name": "adam", "beta1": 0.9}, "adamw"):
+        with pytest.raises(CheckpointError, match=r"another configuration .*Its routine is \{'name': 'adam', "
+                                                  r"'learning_rate': 0.2, 'beta1': 0.8, "):
+            build_server(config(tmp_path, routine=other), progress=None)
+
+
+def test_a_format_2_checkpoint_is_still_read(tmp_path):
+    """Format 2 (before routine state) had the same fields but no routine: it is GD's and resumes as before."""
+    import io
+
+    cfg = config(tmp_path)
+    reference = drive(cfg, build_server(cfg, progress=None), ROUNDS).state.x.copy()
+    for f in (tmp_path / "state.npz", *(tmp_path / "out").iterdir()):
+        shutil.rmtree(f) if f.is_dir() else f.unlink()
+    drive(cfg, build_server(cfg, progress=None), 3)
+    path = tmp_path / "state.npz"
+    with np.load(path) as data:
+        arrays = {k: data[k] for k in data.files}
+    meta = json.loads(str(arrays["meta"]))
+    assert meta["format"] == "diff2-checkpoint/3" and meta["routine"] == {"name": "gd", "learning_rate": 0.2,
+                                                                           "state": {}, "arrays": []}
+    meta["format"] = "diff2-checkpoint/2"
+    del meta["routine"]
+    buffer = io.BytesIO()
+    np.savez(buffer, **{**arrays, "meta": np.array(json.dumps(meta))})
+    path.write_bytes(buffer.getvalue())
+    # a GD checkpoint cannot seed a routine with state: the config differs, and the routine is named
+    with pytest.raises(CheckpointError, match=r"another configuration .*Its routine is \{'name': 'gd'\}"):
+        build_server(config(tmp_path, routine="momentum"), progress=None)
+    resumed = build_server(cfg, progress=None)
+    assert resumed.state.round == 3
+    np.testing.assert_array_equal(drive(cfg, resumed, ROUNDS).state.x, reference)
 
 
 def test_the_flower_strategy_continues_at_the_resumed_round(tmp_path):

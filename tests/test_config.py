@@ -395,3 +395,96 @@ def test_diff2_run_set_overrides_the_file(tmp_path: Path, capsys) -> None:
     assert summary["config"]["training"]["rounds"] == 4
     assert main(["run", str(path), "--engine", "inprocess", "--set", "training.rounds=0"]) == 2
     assert "key `training.rounds`: expected an integer >= 1. Found 0" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- training.routine
+
+def test_routine_is_a_name_or_a_mapping_and_builds_the_core_routine(tmp_path: Path) -> None:
+    from diff2_flwr.core.routines import GD, Adam, Momentum
+
+    cfg = load_config(_variant(tmp_path, training={"routine": "gd"}))
+    assert cfg.training.routine.build(cfg.training.learning_rate) == GD(cfg.training.learning_rate)
+    assert cfg.to_dict()["training"]["routine"] == "gd"  # as files have always said it (checkpoint fingerprints)
+    cfg = load_config(_variant(tmp_path, training={"routine": {"name": "adam", "beta1": 0.8, "eps": 1e-6},
+                                                   "learning_rate": 0.01}))
+    assert cfg.training.routine.build(0.01) == Adam(0.01, beta1=0.8, eps=1e-6)  # beta2, weight_decay: defaults
+    assert cfg.to_dict()["training"]["routine"] == {"name": "adam", "beta1": 0.8, "eps": 1e-6}
+    cfg = load_config(_variant(tmp_path, training={"routine": {"name": "momentum", "momentum": 0}}))
+    assert cfg.training.routine.build(0.5) == Momentum(0.5, momentum=0.0)
+    assert load_config(_variant(tmp_path, training=_default_dict()["training"])).training.routine.name == "gd"
+
+
+def test_routine_round_trips_through_yaml() -> None:
+    from diff2_flwr.runtime.config import parse_config
+
+    for routine in ("gd", "nesterov", {"name": "adamw", "weight_decay": 0.0, "beta2": 0.99}):
+        cfg = parse_config({"training": {"restart_every": 2, "routine": routine}})
+        assert parse_config(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize("routine, key, expected, found", [
+    ("sgd", "training.routine.name", "one of 'gd', 'momentum', 'nesterov', 'adam', 'adamw'", "'sgd'"),
+    ({"name": "momentum", "beta1": 0.9}, "training.routine.beta1",
+     r"nothing for routine momentum \(its keys: momentum\)", "0.9"),
+    ({"name": "gd", "momentum": 0.9}, "training.routine.momentum",
+     r"nothing for routine gd \(its keys: none \(its step is training.learning_rate\)\)", "0.9"),
+    ({"name": "adam", "beta1": 1.0}, "training.routine.beta1", r"a number in \[0, 1\)", "1.0"),
+    ({"name": "adam", "eps": 0}, "training.routine.eps", "a finite number > 0", "0.0"),
+    ({"name": "adamw", "weight_decay": -0.1}, "training.routine.weight_decay", "a finite number >= 0", "-0.1"),
+    ({"name": "nesterov", "momentum": "high"}, "training.routine.momentum", "a number or null", "'high'"),
+    (3, "training.routine", "must be a mapping of keys to values", "3"),
+])
+def test_bad_routines_are_refused_naming_key_expectation_and_finding(tmp_path: Path, routine, key, expected,
+                                                                     found) -> None:
+    path = _variant(tmp_path, training={"routine": routine})
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert str(path) in message and key.rpartition(".")[2] in message and f"Found {found}" in message
+    assert re.search(expected, message), message
+    if routine != 3:
+        assert f"key `{key}`: expected" in message
+
+
+def test_an_unknown_routine_key_names_the_allowed_ones(tmp_path: Path) -> None:
+    path = _variant(tmp_path, training={"routine": {"name": "adam", "beta3": 0.5}})
+    with pytest.raises(ConfigError, match=r"unknown key training.routine.beta3. Allowed in training.routine: name, "
+                                          r"momentum, beta1, beta2, eps, weight_decay"):
+        load_config(path)
+
+
+def test_routine_keys_can_be_overridden_one_by_one(tmp_path: Path) -> None:
+    from diff2_flwr.runtime.config import config_keys, run_config_overrides
+
+    assert {"training.routine", "training.routine.name", "training.routine.beta1"} <= set(config_keys())
+    path = _variant(tmp_path)  # routine absent from the file: gd
+    cfg = load_config(path, {"training.routine.name": "adam", "training.routine.beta2": 0.99})
+    assert cfg.training.routine.params() == {"beta2": 0.99} and cfg.training.routine.name == "adam"
+    path = _variant(tmp_path, training={"routine": "momentum"})  # the shorthand, then one of its keys
+    assert load_config(path, {"training.routine.momentum": 0.5}).training.routine.params() == {"momentum": 0.5}
+    # the whole routine and one key: the whole first, whatever the order given
+    cfg = load_config(path, {"training.routine.beta1": 0.7, "training.routine": "adamw"})
+    assert (cfg.training.routine.name, cfg.training.routine.params()) == ("adamw", {"beta1": 0.7})
+    with pytest.raises(ConfigError, match=r"key `training.routine.beta1`: expected nothing for routine momentum"):
+        load_config(path, {"training.routine.beta1": 0.7})
+    # as Flower hands them over (strings read as YAML)
+    got = run_config_overrides({"training.routine.name": "nesterov", "training.routine.momentum": 0.8,
+                                "training.routine.beta1": ""})
+    assert load_config(path, got).training.routine.build(0.1).momentum == 0.8
+
+
+def test_diff2_run_set_routine(tmp_path: Path) -> None:
+    import json
+
+    from diff2_flwr.cli import main
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(f"name: tiny\ndataset: {{name: synthetic, num_samples: 300}}\ntraining: {{rounds: 3, "
+                    f"restart_every: 3, clients: 2, seed: 1}}\noutput: {{dir: {tmp_path / 'out'}}}\n")
+    assert main(["run", str(path), "--engine", "inprocess", "--set", "training.routine.name=adam",
+                 "--set", "training.routine.beta1=0.5", "--set", "training.learning_rate=0.01"]) == 0
+    (run_dir,) = (tmp_path / "out").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["config"]["training"]["routine"] == {"name": "adam", "beta1": 0.5}
+    assert summary["routine"] == {"name": "adam", "learning_rate": 0.01, "beta1": 0.5, "beta2": 0.999, "eps": 1e-8,
+                                  "weight_decay": 0.0}

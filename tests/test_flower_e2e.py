@@ -93,8 +93,9 @@ def test_a_study_through_the_flower_engine_equals_the_batch_engine(tmp_path):
 
     data = {"name": "tiny", "dataset": {"name": "synthetic", "num_samples": 600}, "clients": 3, "rounds": 4,
             "epsilons": [3.0], "eval_every": 2, "seeds": {"tune": [5], "evaluate": [1, 2]},
-            "methods": [{"name": "DIFF2-GD", "method": "diff2", "grid": {"restart_every": [2], "learning_rate": [0.2],
-                                                                         "clip_diff": [3.0]}}]}
+            # a routine, and a grid point on one of its parameters: the flower engine must honour both
+            "methods": [{"name": "DIFF2-GD", "method": "diff2", "routine": "adam",
+                         "grid": {"restart_every": [2], "learning_rate": [0.02], "clip_diff": [3.0], "beta1": [0.8]}}]}
     flower = run_study(parse_study({**data, "engine": "flower"}, "f.yaml"), output_root=tmp_path / "f",
                        show_progress=False, make_plots=False)
     batch = run_study(parse_study({**data, "engine": "batch"}, "b.yaml"), output_root=tmp_path / "b",
@@ -125,14 +126,18 @@ def test_server_crash_and_restart_resumes_the_same_trajectory(tmp_path):
 
 
 def test_overridden_keys_reach_the_server_app_and_every_client_app(tmp_path):
-    """`--set` keys travel as Flower run-config keys: P, R and the seed change on both sides alike."""
+    """`--set` keys travel as Flower run-config keys: P, R, the seed and the routine (Adam) change on both sides
+    alike, and `flwr run` with Adam equals the in-process driver bit for bit."""
     config = write_config(tmp_path, "over")
-    result = run_simulation(str(config), echo=False,
-                            set_keys={"training.clients": 2, "training.rounds": 4, "training.seed": 5})
+    keys = {"training.clients": 2, "training.rounds": 4, "training.seed": 5, "training.routine.name": "adam",
+            "training.routine.beta1": 0.8, "training.learning_rate": 0.02}
+    result = run_simulation(str(config), echo=False, set_keys=keys)
     rows, summary = read_run(result)
     assert summary["status"] == "completed" and summary["rounds_released"] == 4
     assert len(summary["dataset"]["shard_sizes"]) == 2 and summary["config"]["training"]["seed"] == 5
-    reference = run_inprocess(load_config(config, {"training.clients": 2, "training.rounds": 4, "training.seed": 5}),
-                              record=False, progress=None)
+    assert summary["routine"] == {"name": "adam", "learning_rate": 0.02, "beta1": 0.8, "beta2": 0.999, "eps": 1e-8,
+                                  "weight_decay": 0.0}
+    reference = run_inprocess(load_config(config, keys), record=False, progress=None)
+    np.testing.assert_array_equal(np.load(result.output_dir / "final_parameters.npy"), reference.state.x)
     strip = lambda rs: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rs]  # noqa: E731
     assert strip(rows) == strip(reference.history)

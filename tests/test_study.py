@@ -79,11 +79,19 @@ def test_rerun_resumes_without_computing(smoke_run, monkeypatch):
     assert again["epsilons"] == json.loads(json.dumps(summary["epsilons"]))
 
 
+ROUTINE_METHODS = [  # a routine fixed, and a grid over a routine parameter
+    {"name": "DP-GD + momentum", "method": "dpgd", "routine": {"name": "momentum", "momentum": 0.5},
+     "grid": {"learning_rate": [0.2], "clip_restart": [1.0]}},
+    {"name": "DIFF2-Adam", "method": "diff2", "routine": "adam",
+     "grid": {"restart_every": [4], "learning_rate": [0.02], "clip_diff": [3.0], "beta1": [0.5, 0.9]}},
+]
+
+
 def test_inprocess_engine_gives_the_same_study(tmp_path):
-    """The batched engine and the reference driver agree on a small study."""
+    """The batched engine and the reference driver agree on a small study, routines included."""
     data = yaml.safe_load(SMOKE.read_text())
     data.update(rounds=12, eval_every=4, seeds={"tune": [7], "evaluate": [1, 2]})
-    data["methods"] = data["methods"][1:]
+    data["methods"] = data["methods"][1:] + ROUTINE_METHODS
     a = run_study(parse_study({**data, "engine": "batch"}, "a.yaml"), output_root=tmp_path / "a", show_progress=False,
                   make_plots=False)
     b = run_study(parse_study({**data, "engine": "inprocess"}, "b.yaml"), output_root=tmp_path / "b",
@@ -93,6 +101,44 @@ def test_inprocess_engine_gives_the_same_study(tmp_path):
             x, y = entry["criteria"][c], b["epsilons"]["3.0"]["methods"][name]["criteria"][c]
             assert x["point"] == y["point"]
             assert x["min_mean"] == pytest.approx(y["min_mean"], rel=1e-9)
+
+
+def test_a_method_sets_a_routine_and_its_grid_ranges_over_the_routines_parameters(tmp_path):
+    data = base_study(rounds=8, eval_every=4, seeds={"tune": [7], "evaluate": [1, 2]},
+                      methods=[data_method for data_method in yaml.safe_load(SMOKE.read_text())["methods"][1:2]]
+                      + ROUTINE_METHODS)
+    study = parse_study(data, "r.yaml")
+    adam = study.methods[2]
+    assert (adam.routine, adam.routine_params, adam.points()[1]["beta1"]) == ("adam", (), 0.9)
+    cfg = study.experiment(adam, adam.points()[1], 3.0, 7)
+    assert cfg.training.routine.name == "adam" and cfg.training.routine.params() == {"beta1": 0.9}
+    momentum = study.methods[1]
+    assert study.experiment(momentum, momentum.points()[0], 3.0, 7).training.routine.params() == {"momentum": 0.5}
+    summary = run_study(study, output_root=tmp_path, show_progress=False)
+    methods = summary["epsilons"]["3.0"]["methods"]
+    assert methods["DP-GD + momentum"]["routine"] == {"name": "momentum", "momentum": 0.5}
+    assert methods["DIFF2-Adam"]["routine"] == {"name": "adam"} and "beta1" in methods["DIFF2-Adam"]["criteria"][
+        "train_loss"]["point"]
+    assert methods["DP-GD"]["routine"] == {"name": "gd"}
+    record = json.loads(next((tmp_path / "smoke" / "runs").glob("tune-diff2-adam-*.json")).read_text())
+    assert record["routine"]["name"] == "adam" and record["routine"]["beta1"] == record["point"]["beta1"]
+    report = (tmp_path / "smoke" / "report.md").read_text()
+    assert "| DP-GD + momentum | momentum(momentum=0.5) | train loss |" in report
+    assert "| DIFF2-Adam | adam | train loss | " in report and "beta1=" in report
+    assert "| DIFF2-Adam vs DP-GD | train loss |" in report
+
+
+def test_a_plain_gd_methods_run_ids_are_unchanged_by_routines():
+    """Run files of studies run before routines existed are reused (ids pinned from that version)."""
+    from diff2_flwr.lab.study import _run_id
+
+    study = load_study(SMOKE)
+    diff2, gd = study.methods[2], study.methods[0]
+    assert _run_id("tune", diff2, diff2.points()[0], 3.0, 100, study) == "tune-diff2-gd--t-4-4666ced630cb"
+    assert _run_id("eval", gd, gd.points()[1], 3.0, 1, study) == "eval-gd-74c13cf1ddc6"
+    with_routine = parse_study(base_study(methods=[{**yaml.safe_load(SMOKE.read_text())["methods"][0],
+                                                    "routine": "momentum"}]), "m.yaml").methods[0]
+    assert _run_id("eval", with_routine, gd.points()[1], 3.0, 1, study) != "eval-gd-74c13cf1ddc6"
 
 
 def test_paired_t_test_against_scipy_and_the_formula():
@@ -137,7 +183,19 @@ def base_study(**changes):
         ({"methods": [{"name": "X", "method": "diff2", "grid": {"restart_every": [4, 50], "learning_rate": [0.1]}}]},
          r"restart_every.*T <= rounds = 40.*50"),
         ({"methods": [{"name": "X", "method": "diff2", "grid": {"learning_rate": [0.1]}}]}, r"restart_every.*diff2"),
-        ({"methods": [{"name": "X", "method": "dpgd", "grid": {"momentum": [0.9]}}]}, r"grid.*momentum"),
+        ({"methods": [{"name": "X", "method": "dpgd", "grid": {"momentum": [0.9]}}]},
+         r"methods\[0\]\.grid.*parameters of its routine gd: none; momentum belong to another routine: set routine"),
+        ({"methods": [{"name": "X", "method": "dpgd", "routine": "adam", "grid": {"momentum": [0.9]}}]},
+         r"grid.*its routine adam: beta1, beta2, eps, weight_decay.*Found \['momentum'\]"),
+        ({"methods": [{"name": "X", "method": "dpgd", "routine": "lion", "grid": {"learning_rate": [0.1]}}]},
+         r"methods\[0\]\.routine.*name one of 'gd', 'momentum', 'nesterov', 'adam', 'adamw'. Found 'lion'"),
+        ({"methods": [{"name": "X", "method": "dpgd", "routine": {"name": "adam", "momentum": 0.9},
+                       "grid": {"learning_rate": [0.1]}}]}, r"methods\[0\]\.routine.*parameters of routine adam"),
+        ({"methods": [{"name": "X", "method": "dpgd", "routine": {"name": "adam", "beta1": 0.9},
+                       "grid": {"learning_rate": [0.1], "beta1": [0.5]}}]}, r"grid.*no key that.*routine already fixes"),
+        ({"methods": [{"name": "X", "method": "dpgd", "routine": "adam", "grid": {"learning_rate": [0.1],
+                                                                                 "beta1": [1.0]}}]},
+         r"method 'X'.*key `training.routine.beta1`: expected a number in \[0, 1\). Found 1.0"),
         ({"seeds": {"tune": [1], "evaluate": [1, 2]}}, r"seeds\.evaluate.*disjoint"),
         ({"epsilons": [0]}, r"`epsilons`"),
         ({"rounds": "many"}, r"`rounds`"),

@@ -16,19 +16,25 @@ BASE = {"dataset": {"name": "synthetic", "num_samples": 1001}, "training": {"cli
 # (method, T, lr, C1, C2, seed): a mixed batch of GD, DP-GD and DIFF2 with different periods
 VARIANTS = [("diff2", 3, 0.2, 1.0, 3.0, 5), ("dpgd", None, 0.3, 0.5, 1.0, 6), ("gd", None, 0.2, 1.0, 1.0, 7),
             ("diff2", 5, 0.1, 0.3, 0.5, 8), ("diff2", 2, 0.4, 0.05, 0.2, 9)]
+# ... and every routine (a 7th element; the runs above use gd), mixed into the same batch
+VARIANTS += [("diff2", 3, 0.1, 1.0, 3.0, 10, {"name": "momentum", "momentum": 0.8}),
+             ("dpgd", None, 0.1, 0.5, 1.0, 11, "nesterov"), ("diff2", 4, 0.02, 1.0, 3.0, 12, {"name": "adam", "beta1": 0.8}),
+             ("gd", None, 0.02, 1.0, 1.0, 13, "adamw"), ("diff2", 2, 0.03, 0.3, 0.5, 14, {"name": "adam", "weight_decay": 0.01})]
 
 
 @pytest.fixture(scope="module")
 def reference():
     servers, specs = [], []
-    for method, T, lr, c1, c2, seed in VARIANTS:
+    for method, T, lr, c1, c2, seed, *routine in VARIANTS:
         cfg = parse_config({**BASE, "method": method, "model": {"init_seed": seed},
                             "training": {**BASE["training"], "restart_every": T, "learning_rate": lr,
-                                         "clip_restart": c1, "clip_diff": c2, "seed": seed}})
+                                         "clip_restart": c1, "clip_diff": c2, "seed": seed,
+                                         "routine": routine[0] if routine else "gd"}})
         server = run_inprocess(cfg, record=False, progress=None)
-        m = cfg.mechanism(server.calibration)
+        m, r = cfg.mechanism(server.calibration), cfg.training.routine
         servers.append(server)
-        specs.append(RunSpec(m.restart_every, lr, m.clip_restart, m.clip_diff, m.sigma_restart, m.sigma_diff, seed, seed))
+        specs.append(RunSpec(m.restart_every, lr, m.clip_restart, m.clip_diff, m.sigma_restart, m.sigma_diff, seed, seed,
+                             routine=r.name, routine_params=tuple(sorted(r.params().items()))))
     return load_data(cfg), servers, specs
 
 
@@ -51,6 +57,16 @@ def test_batch_composition_does_not_change_a_run(reference):
     assert list(alone.rounds) == [0, 4, 8, 12]
 
 
+def test_every_routine_runs_alone_as_in_a_mixed_batch(reference):
+    data, _, specs = reference
+    together = run_batch(data, specs, rounds=ROUNDS, eval_every=ROUNDS)
+    assert {s.routine for s in specs} == {"gd", "momentum", "nesterov", "adam", "adamw"}
+    for k, spec in enumerate(specs):
+        if spec.routine != "gd":
+            alone = run_batch(data, [spec], rounds=ROUNDS, eval_every=ROUNDS)[0]
+            np.testing.assert_allclose(alone.final_x, together[k].final_x, rtol=0, atol=1e-13)
+
+
 def test_float32_engine_stays_close(reference):
     data, servers, specs = reference
     results = run_batch(data, specs, rounds=ROUNDS, eval_every=ROUNDS, dtype=torch.float32)
@@ -64,3 +80,22 @@ def test_a_diverging_run_is_parked_and_reported(reference):
     results = run_batch(data, [specs[0], wild], rounds=ROUNDS, eval_every=1)
     assert results[1].diverged_at is not None and np.isinf(results[1].train_loss[-1])
     assert results[0].diverged_at is None and np.isfinite(results[0].train_loss).all()
+
+
+def test_a_routine_that_is_not_post_processing_is_refused(reference, monkeypatch):
+    """A routine that computes on private data (a local phase) cannot be a row update of the batch."""
+    import dataclasses
+    from typing import ClassVar
+
+    from diff2_flwr.core import routines
+    from diff2_flwr.core.routines import GD
+
+    @dataclasses.dataclass(frozen=True)
+    class Local(GD):
+        name: ClassVar[str] = "local"
+        post_processing: ClassVar[bool] = False
+
+    monkeypatch.setitem(routines.ROUTINES, "local", Local)
+    data, _, specs = reference
+    with pytest.raises(ValueError, match=r"Run 1: routine 'local' is not post-processing.*Use the inprocess engine"):
+        run_batch(data, [specs[0], dataclasses.replace(specs[0], routine="local")], rounds=2)

@@ -26,10 +26,17 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def _routine(entry: dict) -> str:
+    """``adam(beta1=0.9)`` for a method's routine (its fixed parameters; grid ones are in the point), or ``gd``."""
+    routine = dict(entry.get("routine") or {"name": "gd"})
+    name = routine.pop("name")
+    return f"{name}({', '.join(f'{k}={_fmt(v)}' for k, v in routine.items())})" if routine else name
+
+
 def format_table(eps_summary: dict) -> str:
-    """One Markdown table: per method and criterion, the chosen point and mean ± std of min and final."""
-    lines = ["| method | criterion | chosen hyper-parameters | min over rounds (mean ± std) | final (mean ± std) | σ₁ / σ₂ | z₁ / z₂ |",
-             "|---|---|---|---|---|---|---|"]
+    """One Markdown table: per method and criterion, the routine, the chosen point and mean ± std of min and final."""
+    lines = ["| method | routine | criterion | chosen hyper-parameters | min over rounds (mean ± std) | final (mean ± std) | σ₁ / σ₂ | z₁ / z₂ |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, entry in eps_summary["methods"].items():
         for c, info in entry["criteria"].items():
             point = ", ".join(f"{k}={_fmt(v)}" for k, v in info["point"].items()) or "–"
@@ -37,7 +44,7 @@ def format_table(eps_summary: dict) -> str:
             sig = "–" if cal is None else f"{_fmt(cal['sigma1'])} / {_fmt(cal['sigma2'])}"
             zs = "–" if cal is None else f"{_fmt(cal['z1'])} / {_fmt(cal['z2'])}"
             lines.append(
-                f"| {name} | {_LABELS[c]} | {point} | {_fmt(info['min_mean'])} ± {_fmt(info['min_std'], 2)} | "
+                f"| {name} | {_routine(entry)} | {_LABELS[c]} | {point} | {_fmt(info['min_mean'])} ± {_fmt(info['min_std'], 2)} | "
                 f"{_fmt(info['final_mean'])} ± {_fmt(info['final_std'], 2)} | {sig} | {zs} |"
             )
     accuracy = {name: e["accuracy"] for name, e in eps_summary["methods"].items() if "accuracy" in e}

@@ -1,8 +1,9 @@
 """Studies: the paper's protocol (grid search per method, seeds, criteria, t-tests) from one YAML file.
 
 A study names a dataset, R, δ and a list of ε; a list of methods, each a base method (gd,
-dpgd, diff2) with a grid of hyper-parameters (learning rate, C1, C2, T); tuning seeds and
-evaluation seeds. For every ε it
+dpgd, diff2) with a routine (gd by default; momentum, nesterov, adam, adamw: post-processing of
+ṽ_r, no privacy cost) and a grid of hyper-parameters (learning rate, C1, C2, T, and the routine's
+own parameters, e.g. beta1); tuning seeds and evaluation seeds. For every ε it
 
 1. runs every grid point with every tuning seed (the tuning phase);
 2. per method and criterion picks the grid point with the smallest mean (over tuning seeds)
@@ -45,6 +46,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import numpy as np
 import yaml
 
+from ..core.routines import ROUTINES, routine_parameters
 from ..runtime.config import ConfigError, ExperimentConfig, parse_config, read_yaml
 from ..runtime.outputs import to_json
 from ..runtime.progress import ProgressReporter
@@ -67,6 +69,8 @@ CRITERIA = ("train_loss", "grad_norm_sq", "test_loss")
 #: Reported, never selected on: larger is better, taken at the train-loss-best point (classification only).
 ACCURACY = "test_accuracy"
 GRID_KEYS = ("learning_rate", "clip_restart", "clip_diff", "restart_every")
+#: Grid keys that are a routine's parameters (``training.routine.<key>``); each routine takes some of them.
+ROUTINE_GRID_KEYS = tuple(dict.fromkeys(k for name in ROUTINES for k in routine_parameters(name)))
 Engine = Literal["batch", "inprocess", "flower"]
 
 
@@ -76,12 +80,28 @@ class StudyError(ConfigError):
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One compared method: a base method and its hyper-parameter grid."""
+    """One compared method: a base method, its routine and its hyper-parameter grid.
+
+    ``routine`` names the routine and ``routine_params`` fixes some of its parameters; the grid may
+    range over the others (``grid: {beta1: [0.8, 0.9]}``).
+    """
 
     name: str
     method: Literal["gd", "dpgd", "diff2"]
     grid: tuple[tuple[str, tuple[float, ...]], ...]
     u: float = 1.25
+    routine: str = "gd"
+    routine_params: tuple[tuple[str, float], ...] = ()
+
+    def routine_of(self, point: Mapping[str, float]) -> dict[str, Any]:
+        """The routine of one grid point, as ``training.routine`` (fixed parameters, then the point's)."""
+        params = dict(self.routine_params) | {k: float(v) for k, v in point.items() if k not in GRID_KEYS}
+        return {"name": self.routine, **params}
+
+    def describe_routine(self) -> str:
+        """``adam(beta1=0.9)``, or ``gd``."""
+        params = ", ".join(f"{k}={v:g}" for k, v in self.routine_params)
+        return f"{self.routine}({params})" if params else self.routine
 
     def points(self) -> list[dict[str, float]]:
         keys = [k for k, _ in self.grid]
@@ -116,7 +136,8 @@ class Study:
         """The single-run config of one (method, grid point, ε, seed)."""
         training = {"rounds": self.rounds, "clients": self.clients, "seed": seed, "dtype": "float64",
                     "threads": self.threads,
-                    **{k: (int(v) if k == "restart_every" else float(v)) for k, v in point.items()}}
+                    **{k: (int(v) if k == "restart_every" else float(v)) for k, v in point.items() if k in GRID_KEYS},
+                    "routine": method.routine_of(point)}
         return parse_config({
             "name": f"{self.name}-{_slug(method.name)}", "method": method.method, "dataset": dict(self.dataset),
             "model": ({"hidden": self.hidden} if self.model == "paper_mlp" else
@@ -173,22 +194,41 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
     methods = []
     for i, m in enumerate(methods_raw):
         where = f"methods[{i}]"
-        if not isinstance(m, Mapping) or set(m) - {"name", "method", "grid", "u"} or "name" not in m or "method" not in m:
-            raise fail(where, "a mapping with name, method, grid (and optionally u)", m)
+        if (not isinstance(m, Mapping) or set(m) - {"name", "method", "grid", "u", "routine"} or "name" not in m
+                or "method" not in m):
+            raise fail(where, "a mapping with name, method, grid (and optionally u, routine)", m)
         if m["method"] not in ("gd", "dpgd", "diff2"):
             raise fail(f"{where}.method", "one of 'gd', 'dpgd', 'diff2'", m["method"])
+        routine = m.get("routine", "gd")
+        routine = {"name": routine} if isinstance(routine, str) else routine
+        if not isinstance(routine, Mapping) or routine.get("name") not in ROUTINES:
+            raise fail(f"{where}.routine", "a routine name or a mapping with name and its parameters, name one of "
+                       + ", ".join(repr(n) for n in ROUTINES), m.get("routine"))
+        own = routine_parameters(routine["name"])
+        fixed = {str(k): v for k, v in routine.items() if k != "name"}
+        if set(fixed) - set(own):
+            raise fail(f"{where}.routine", f"parameters of routine {routine['name']} among "
+                       f"{', '.join(own) or 'none (its step is the learning rate)'}", sorted(set(fixed) - set(own)))
         grid = m.get("grid") or {}
         if not isinstance(grid, Mapping):
             raise fail(f"{where}.grid", "a mapping of hyper-parameter -> list of values", grid)
-        bad = sorted(set(grid) - set(GRID_KEYS))
+        bad = sorted(set(grid) - set(GRID_KEYS) - set(own))
         if bad:
-            raise fail(f"{where}.grid", f"keys among {', '.join(GRID_KEYS)}", bad)
+            ranged = [k for k in bad if k in ROUTINE_GRID_KEYS]
+            extra = (f" (and the parameters of its routine {routine['name']}: {', '.join(own) or 'none'}; "
+                     f"{', '.join(ranged)} belong to another routine: set routine)") if ranged else \
+                (f" and the parameters of its routine {routine['name']}: {', '.join(own)}" if own else "")
+            raise fail(f"{where}.grid", f"keys among {', '.join(GRID_KEYS)}{extra}", bad)
+        twice = sorted(set(grid) & set(fixed))
+        if twice:
+            raise fail(f"{where}.grid", f"no key that {where}.routine already fixes", twice)
         items = []
         for key, values in grid.items():
             if not isinstance(values, list) or not values:
                 raise fail(f"{where}.grid.{key}", "a non-empty list (an empty grid runs nothing)", values)
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
-                raise fail(f"{where}.grid.{key}", "numbers > 0", values)
+            low, what = (0, ">= 0") if key in own else (None, "> 0")  # momentum 0 is GD, weight decay 0 none
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and (v > 0 or v == low) for v in values):
+                raise fail(f"{where}.grid.{key}", f"numbers {what}", values)
             if key == "restart_every" and any(v > rounds or int(v) != v for v in values):
                 raise fail(f"{where}.grid.restart_every", f"integers T <= rounds = {rounds}", values)
             items.append((key, tuple(values)))
@@ -196,7 +236,8 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
             raise fail(f"{where}.grid.restart_every", "a list of T values for a diff2 method", None)
         if m["method"] != "diff2" and "restart_every" in grid:
             raise fail(f"{where}.grid.restart_every", f"no T for method {m['method']} (T = 1)", grid["restart_every"])
-        methods.append(MethodSpec(name=str(m["name"]), method=m["method"], grid=tuple(items), u=float(m.get("u", 1.25))))
+        methods.append(MethodSpec(name=str(m["name"]), method=m["method"], grid=tuple(items), u=float(m.get("u", 1.25)),
+                                  routine=str(routine["name"]), routine_params=tuple(sorted(fixed.items()))))
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise fail("methods", "distinct method names", names)
@@ -282,8 +323,16 @@ def select(table: Mapping[str, Mapping[str, Sequence[float]]]) -> dict[str, str]
 
 # ------------------------------------------------------------------------------- running
 
+def _method_key(method: MethodSpec) -> dict:
+    """What identifies a method's runs; a plain-GD method's is as before routines existed (its run files are reused)."""
+    key = asdict(method)
+    if method.routine == "gd" and not method.routine_params:
+        del key["routine"], key["routine_params"]
+    return key
+
+
 def _run_id(phase: str, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int, study: Study) -> str:
-    key = json.dumps({"phase": phase, "method": asdict(method), "point": dict(point), "epsilon": epsilon, "seed": seed,
+    key = json.dumps({"phase": phase, "method": _method_key(method), "point": dict(point), "epsilon": epsilon, "seed": seed,
                       "rounds": study.rounds, "delta": study.delta, "mode": study.mode, "dataset": dict(study.dataset),
                       "clients": study.clients, "eval_every": study.eval_every, "hidden": study.hidden}, sort_keys=True)
     return f"{phase}-{_slug(method.name)}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -332,12 +381,12 @@ def plan_units(study: Study, jobs: Sequence[_Job]) -> list[Unit]:
     others) and sorted by T. Models or losses without closed forms fall back to ``inprocess``.
     """
     engine = study.engine
-    if engine == "batch" and not all(j.cfg.closed_form_gradients for j in jobs):
-        engine = "inprocess"  # the batched engine has closed forms for the paper MLP only
     if engine != "batch":
         return [Unit(engine, (j,)) for j in jobs]
-    units = []
-    for group in ([j for j in jobs if j.cfg.restart_every == 1], [j for j in jobs if j.cfg.restart_every > 1]):
+    # The batched engine: closed forms of the paper MLP and post-processing routines only; the rest runs one by one.
+    batchable = [j for j in jobs if j.cfg.closed_form_gradients and ROUTINES[j.cfg.training.routine.name].post_processing]
+    units = [Unit("inprocess", (j,)) for j in jobs if j not in batchable]
+    for group in ([j for j in batchable if j.cfg.restart_every == 1], [j for j in batchable if j.cfg.restart_every > 1]):
         group.sort(key=lambda j: j.cfg.restart_every)
         if group:
             size = -(-len(group) // -(-len(group) // study.batch_size))
@@ -373,8 +422,10 @@ def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None] 
         specs = []
         for j in batch:
             mech = j.cfg.mechanism(j.cfg.calibration(n_min))
+            routine = j.cfg.training.routine
             specs.append(RunSpec(mech.restart_every, j.cfg.training.learning_rate, mech.clip_restart,
-                                 mech.clip_diff, mech.sigma_restart, mech.sigma_diff, j.seed, j.seed))
+                                 mech.clip_diff, mech.sigma_restart, mech.sigma_diff, j.seed, j.seed,
+                                 routine=routine.name, routine_params=tuple(sorted(routine.params().items()))))
         results = run_batch(data, specs, rounds=study.rounds, hidden=study.hidden, eval_every=study.eval_every,
                             dtype=dtype, compile=study.compile, progress=progress)
     return [{"metrics": {"rounds": res.rounds.tolist(), "train_loss": res.train_loss.tolist(),
@@ -486,7 +537,8 @@ def _run_single(cfg: ExperimentConfig, engine: str) -> tuple[dict, int | None]:
 
 def _write_run(runs_dir: Path, job: _Job, metrics: dict, diverged: int | None, engine: str,
                computed_by: Mapping[str, str] | None = None) -> None:
-    record = {"run_id": job.run_id, "method": job.method.name, "base_method": job.method.method, "point": job.point,
+    record = {"run_id": job.run_id, "method": job.method.name, "base_method": job.method.method,
+              "routine": job.method.routine_of(job.point), "point": job.point,
               "epsilon": job.epsilon, "seed": job.seed, "engine": engine, "diverged_at": diverged, **metrics,
               "computed_by": dict(computed_by or {})}
     atomic_write_text(runs_dir / f"{job.run_id}.json", json.dumps(to_json(record)))
@@ -624,7 +676,7 @@ def _summarise(study: Study, epsilon: float, chosen: dict, runs_dir: Path, n_min
     per_seed_min: dict[str, dict[str, list[float]]] = {}
     per_seed_final: dict[str, dict[str, list[float]]] = {}
     for m in study.methods:
-        entry: dict[str, Any] = {"base_method": m.method, "u": m.u, "criteria": {}}
+        entry: dict[str, Any] = {"base_method": m.method, "u": m.u, "routine": m.routine_of({}), "criteria": {}}
         per_seed_min[m.name], per_seed_final[m.name] = {}, {}
         for c in CRITERIA:
             point = chosen[m.name][c]

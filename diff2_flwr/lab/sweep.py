@@ -16,6 +16,9 @@ order. As there, only the forward pass runs in the compute dtype: norms, clip fa
 are float64. A run whose radius, gradients or iterate stop being finite is recorded as diverged
 at that round (as the reference driver's ``Diverged``) and parked. Tests check it against the
 reference driver.
+The routine (GD, momentum, Adam, ...) is the core's own ``update``, applied to the stacked
+iterates of all runs that share a routine and its parameters: every routine is elementwise, so
+each row steps exactly as the reference's one run does.
 Evaluation metrics come from the same forward pass (train loss and ‖∇f‖² at x_{r-1} are
 by-products of round r).
 """
@@ -32,6 +35,7 @@ import torch
 from ..core.clipping import onto_ball, robust_norm
 from ..core.closed_form import softplus_with_derivative
 from ..core.estimator import Diverged, round_noise, round_scale
+from ..core.routines import Routine, make_routine
 from ..task.data import PreparedData
 from ..task.models import PaperMLP
 
@@ -51,6 +55,11 @@ class RunSpec:
     sigma_diff: float
     noise_seed: int
     init_seed: int
+    routine: str = "gd"  # x_r = Routine(x_{r-1}, ṽ_r): a name of core.routines.ROUTINES
+    routine_params: tuple[tuple[str, float], ...] = ()  # its parameters beyond the learning rate
+
+    def make_routine(self) -> Routine:
+        return make_routine(self.routine, self.learning_rate, **dict(self.routine_params))
 
 
 @dataclass(frozen=True)
@@ -208,6 +217,32 @@ def _workers_finish(client_means: torch.Tensor, overflow: torch.Tensor, radius: 
         client_means[p, k] = torch.as_tensor(projected)
 
 
+class _Routines:
+    """The routine step of every run: runs with equal routines (same kind and parameters) step together,
+    through the core routine's own ``update`` on their stacked rows (routines are elementwise, so each
+    row is what the reference computes for that run alone)."""
+
+    def __init__(self, specs: Sequence[RunSpec], x: np.ndarray) -> None:
+        groups: dict[Routine, list[int]] = {}
+        for k, spec in enumerate(specs):
+            routine = spec.make_routine()
+            if not routine.post_processing:
+                raise ValueError(f"Run {k}: routine {routine.name!r} is not post-processing (it computes on private "
+                                 "data); the batched engine runs post-processing routines only. Use the inprocess engine.")
+            groups.setdefault(routine, []).append(k)
+        self.groups = [(routine, np.array(idx)) for routine, idx in groups.items()]
+        self.states = [routine.init(x[idx]) for routine, idx in self.groups]
+
+    def step(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """x_r = Routine(x_{r-1}, ṽ_r) for every run [K, d]."""
+        x_np, v_np = x.numpy(), v.numpy()
+        out = np.empty_like(x_np)
+        with np.errstate(all="ignore"):  # parked (diverged) runs may hold inf; their rows are discarded
+            for i, (routine, idx) in enumerate(self.groups):
+                out[idx], self.states[i] = routine.update(x_np[idx], v_np[idx], self.states[i])
+        return torch.from_numpy(out)
+
+
 _COMPILED = None
 
 
@@ -241,7 +276,7 @@ def run_batch(
     x = torch.as_tensor(np.stack([_initial(s, b.F, hidden) for s in specs]))  # [K, d] float64
     d = x.shape[1]
     T = torch.tensor([s.restart_every for s in specs])
-    lr = torch.tensor([s.learning_rate for s in specs], dtype=torch.float64).unsqueeze(1)
+    routines = _Routines(specs, x.numpy())
     x_prev = x.clone()
     v = torch.zeros_like(x)
     alive = torch.ones(K, dtype=torch.bool)
@@ -278,7 +313,7 @@ def run_batch(
             if std_np[k] and alive[k]:
                 noise[k] = round_noise(specs[k].noise_seed, r, d, std_np[k])
         v = torch.where(restart.unsqueeze(1), mean, v + mean) + torch.as_tensor(noise)
-        x_prev, x = x, x - lr * v
+        x_prev, x = x, routines.step(x, v)
         for k in torch.nonzero(alive & ~torch.isfinite(x).all(1)).flatten().tolist():
             diverged[k] = r
             alive[k] = False

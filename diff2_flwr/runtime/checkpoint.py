@@ -14,6 +14,11 @@ row (kind, radius, noise std, clip fraction, ε, update norm), so a server that 
 checkpoint but before the row was written rewrites that row on resume (re-evaluating x_r, which is
 deterministic) instead of recomputing round r.
 
+The routine's state (momentum buffer, Adam's moments and step count) is part of the server's
+state and is saved with it (format ``diff2-checkpoint/3``: the routine's name and parameters in
+the metadata, its arrays beside x_r); a checkpoint is resumed only by the same routine with the
+same parameters. Format 2 (no routine state: GD only) is still read.
+
 The file holds the secret noise key: protect it like the data (anyone with the key and the
 released iterates can subtract the noise).
 """
@@ -30,11 +35,15 @@ from typing import Any
 import numpy as np
 
 from ..core.estimator import Diff2State
+from ..core.routines import Routine, describe_routine
 from ..core.privacy import GaussianEvent, PrivacyLedger
 
 __all__ = ["CheckpointError", "Checkpoint", "config_fingerprint", "save_checkpoint", "load_checkpoint"]
 
-_FORMAT = "diff2-checkpoint/2"
+_FORMAT = "diff2-checkpoint/3"
+#: Formats still read: 2 had no routine state (it refused to write any, so it is always GD's).
+_READABLE = ("diff2-checkpoint/2", _FORMAT)
+_ROUTINE_ARRAY = "routine."  # prefix of the routine state's arrays in the file
 
 
 class CheckpointError(RuntimeError):
@@ -56,25 +65,29 @@ class Checkpoint:
     run_dir: str | None
     #: Round ``state.round``'s metrics row without the evaluation (None before format 2).
     release_row: dict[str, Any] | None = None
+    #: The routine that produced ``state.routine_state`` (:func:`describe_routine`; None before format 3).
+    routine: dict[str, Any] | None = None
 
 
 def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     """Write atomically: a reader sees the previous checkpoint or this one, never a mix."""
     s = checkpoint.state
-    if s.routine_state is not None:
-        raise CheckpointError("Only routines without state (gd) can be checkpointed so far.")
+    routine_scalars, routine_arrays = _split_routine_state(s.routine_state)
     meta = {
         "format": _FORMAT, "fingerprint": checkpoint.fingerprint, "round": s.round, "noise_key": str(s.noise_key),
         "noise_seeded": s.noise_seeded, "run_dir": checkpoint.run_dir, "release_row": checkpoint.release_row,
         "ledger": None if checkpoint.ledger is None else {
             "delta": checkpoint.ledger.delta,
             "events": [[e.noise_multiplier, e.kind] for e in checkpoint.ledger.events]},
+        "routine": None if checkpoint.routine is None else {
+            **checkpoint.routine, "state": routine_scalars, "arrays": sorted(routine_arrays)},
     }
     arrays = {"x": s.x}
     if s.x_prev is not None:
         arrays["x_prev"] = s.x_prev
     if s.v is not None:
         arrays["v"] = s.v
+    arrays |= {_ROUTINE_ARRAY + k: a for k, a in routine_arrays.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as fh:
@@ -84,25 +97,106 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, fingerprint: str) -> Checkpoint:
-    """Read a checkpoint; refuse a corrupted one or one written for another configuration."""
+def _split_routine_state(state: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A routine state (None or a NamedTuple of arrays and numbers) as JSON scalars and named arrays."""
+    if state is None:
+        return {}, {}
+    if not hasattr(state, "_asdict"):
+        raise CheckpointError(f"The routine state {type(state).__name__} cannot be checkpointed: a routine's state "
+                              "must be None or a NamedTuple of arrays and numbers.")
+    scalars, arrays = {}, {}
+    for key, value in state._asdict().items():
+        if isinstance(value, np.ndarray):
+            arrays[key] = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            scalars[key] = value
+        else:
+            raise CheckpointError(f"The routine state's field {key!r} is a {type(value).__name__}: only arrays and "
+                                  "numbers can be checkpointed.")
+    return scalars, arrays
+
+
+def _stored_routine(meta: dict) -> dict[str, Any]:
+    """The routine that wrote the file (format 2 refused any routine state: it is GD's, learning rate unrecorded)."""
+    stored = meta.get("routine")
+    return {"name": "gd"} if stored is None else {k: v for k, v in stored.items() if k not in ("state", "arrays")}
+
+
+def _routine_state(path: Path, meta: dict, stored_arrays: dict[str, np.ndarray], routine: Routine,
+                   x: np.ndarray) -> Any:
+    """The routine state stored in the file, checked against ``routine`` (same name, parameters, fields, shapes)."""
+    template = routine.init(x)
+    have, want = _stored_routine(meta), describe_routine(routine)
+    if meta.get("routine") is None:  # format 2
+        if want["name"] != "gd" or template is not None:
+            raise CheckpointError(f"Checkpoint {path} was written by routine gd (format {meta['format']}), but this run "
+                                  f"uses routine {want['name']}: resume with training.routine: gd, or point "
+                                  "`output.checkpoint` elsewhere.")
+        return None
+    if have != want:
+        raise CheckpointError(f"Checkpoint {path} was written by the routine {have}, but this run uses {want}: the "
+                              "routine's state would not match. Resume with the routine that wrote it (training.routine "
+                              "and training.learning_rate), or point `output.checkpoint` elsewhere.")
+    if template is None:
+        return None
+    fields: dict[str, Any] = {}
+    for key, value in template._asdict().items():
+        if isinstance(value, np.ndarray):
+            a = stored_arrays.get(key)
+            if a is None:
+                raise CheckpointError(f"Checkpoint {path} is inconsistent: routine {want['name']}'s array {key!r} is missing.")
+            if a.shape != value.shape or a.dtype != np.float64:
+                raise CheckpointError(f"Checkpoint {path} is inconsistent: routine array {key!r} has shape {a.shape} and "
+                                      f"dtype {a.dtype}, expected {value.shape} float64.")
+            a.flags.writeable = False
+            fields[key] = a
+        else:
+            if key not in meta["routine"]["state"]:
+                raise CheckpointError(f"Checkpoint {path} is inconsistent: routine {want['name']}'s {key!r} is missing.")
+            fields[key] = type(value)(meta["routine"]["state"][key])
+    return type(template)(**fields)
+
+
+def load_checkpoint(path: Path, fingerprint: str, *, routine: Routine | None = None,
+                    x0: np.ndarray | None = None) -> Checkpoint:
+    """Read a checkpoint; refuse a corrupted one or one written for another configuration.
+
+    ``routine`` is the run's routine: the checkpoint must have been written by the same routine with
+    the same parameters, and its state is rebuilt (shaped like ``routine.init(x0)``). Without
+    ``routine`` only a checkpoint of a stateless routine can be read.
+    """
     try:
         with np.load(path, allow_pickle=False) as data:
             meta = json.loads(str(data["meta"]))
             arrays = {k: np.array(data[k]) for k in ("x", "x_prev", "v") if k in data.files}
+            stored_arrays = {k[len(_ROUTINE_ARRAY):]: np.array(data[k]) for k in data.files
+                             if k.startswith(_ROUTINE_ARRAY)}
     except (OSError, ValueError, KeyError, EOFError, json.JSONDecodeError) as exc:
         raise CheckpointError(
             f"Checkpoint {path} is unreadable or corrupted ({type(exc).__name__}: {exc}). Delete it to start over "
             "(the budget it recorded is then spent again), or restore a good copy."
         ) from None
-    if meta.get("format") != _FORMAT:
-        raise CheckpointError(f"Checkpoint {path} has format {meta.get('format')!r}; expected {_FORMAT!r}.")
+    if meta.get("format") not in _READABLE:
+        raise CheckpointError(f"Checkpoint {path} has format {meta.get('format')!r}; expected one of {list(_READABLE)}.")
     if meta["fingerprint"] != fingerprint:
+        have = _stored_routine(meta)
+        want = None if routine is None else describe_routine(routine)
+        differs = want is not None and (have != want if meta.get("routine") else have["name"] != want["name"])
+        routines = f" Its routine is {have}; this run's is {want}." if differs else ""
         raise CheckpointError(
             f"Checkpoint {path} was written for another configuration (fingerprint {meta['fingerprint'][:12]}…, "
-            f"this config {fingerprint[:12]}…). Resume with the config that wrote it, or point "
+            f"this config {fingerprint[:12]}…).{routines} Resume with the config that wrote it, or point "
             "`output.checkpoint` elsewhere."
         )
+    if "x" not in arrays:
+        raise CheckpointError(f"Checkpoint {path} is inconsistent: it holds no iterate x.")
+    if routine is not None:
+        routine_state = _routine_state(path, meta, stored_arrays, routine, arrays["x"] if x0 is None else x0)
+    elif stored_arrays or (meta.get("routine") or {}).get("state"):
+        raise CheckpointError(f"Checkpoint {path} holds the state of routine {_stored_routine(meta)['name']}: load it "
+                              "with that routine.")
+    else:
+        routine_state = None
     for key, a in arrays.items():
         a.flags.writeable = False
     ledger = None
@@ -112,9 +206,13 @@ def load_checkpoint(path: Path, fingerprint: str) -> Checkpoint:
             raise CheckpointError(f"Checkpoint {path} is inconsistent: round {meta['round']} but "
                                   f"{len(ledger.events)} ledger events.")
     state = Diff2State(round=int(meta["round"]), x=arrays["x"], x_prev=arrays.get("x_prev"), v=arrays.get("v"),
-                       routine_state=None, noise_key=int(meta["noise_key"]), noise_seeded=bool(meta["noise_seeded"]))
+                       routine_state=routine_state, noise_key=int(meta["noise_key"]),
+                       noise_seeded=bool(meta["noise_seeded"]))
     row = meta.get("release_row")
     if row is not None and row.get("round") != state.round:
         raise CheckpointError(f"Checkpoint {path} is inconsistent: round {state.round} but its release row is for "
                               f"round {row.get('round')}.")
-    return Checkpoint(fingerprint=fingerprint, state=state, ledger=ledger, run_dir=meta["run_dir"], release_row=row)
+    stored = meta.get("routine")
+    described = None if stored is None else {k: v for k, v in stored.items() if k not in ("state", "arrays")}
+    return Checkpoint(fingerprint=fingerprint, state=state, ledger=ledger, run_dir=meta["run_dir"], release_row=row,
+                      routine=described)

@@ -28,6 +28,7 @@ import yaml
 
 from ..core.estimator import Mechanism
 from ..core.privacy import Calibration, calibrate
+from ..core.routines import ROUTINES, Routine, RoutineError, make_routine, routine_parameters
 from ..task.losses import LOSSES
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "PartitionerConfig",
     "ModelConfig",
     "PrivacyConfig",
+    "RoutineConfig",
     "TrainingConfig",
     "EvaluationConfig",
     "OutputConfig",
@@ -300,13 +302,61 @@ class PrivacyConfig:
 
 
 @dataclass(frozen=True)
+class RoutineConfig:
+    """The routine that turns the released ṽ_r into x_r (``training.routine``); see core/routines.py.
+
+    YAML: a name (``routine: adam``) or a mapping (``routine: {name: adam, beta1: 0.9}``). A key left
+    out (null) takes the routine's default; a key the named routine does not have is refused. The
+    learning rate is ``training.learning_rate``. To add a routine: a class in
+    :data:`~diff2_flwr.core.routines.ROUTINES`, and a field here for each parameter it adds.
+    """
+
+    name: str = "gd"
+    momentum: float | None = None  # momentum, nesterov: μ (default 0.9)
+    beta1: float | None = None  # adam, adamw: β₁ (default 0.9)
+    beta2: float | None = None  # adam, adamw: β₂ (default 0.999)
+    eps: float | None = None  # adam, adamw: ε in the denominator (default 1e-8)
+    weight_decay: float | None = None  # adam: L2 on the gradient (default 0); adamw: decoupled (default 0.01)
+
+    #: ``routine: adam`` stands for ``routine: {name: adam}``.
+    SHORTHAND = "name"
+
+    def __post_init__(self) -> None:
+        _require(self.name in ROUTINES, "name", f"one of {', '.join(repr(n) for n in ROUTINES)}", self.name)
+        allowed = routine_parameters(self.name)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "name" and value is not None and f.name not in allowed:
+                has = ", ".join(allowed) or "none (its step is training.learning_rate)"
+                raise _Invalid(f.name, f"nothing for routine {self.name} (its keys: {has})", value)
+        try:
+            self.build(1.0)
+        except RoutineError as err:
+            raise _Invalid(err.key, err.expected, err.found) from None
+
+    def params(self) -> dict[str, float]:
+        """The parameters set in the file (the routine's defaults fill the rest)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "name" and getattr(self, f.name) is not None}
+
+    def build(self, learning_rate: float) -> Routine:
+        """The routine, with ``learning_rate`` (``training.learning_rate``)."""
+        return make_routine(self.name, learning_rate, **self.params())
+
+    def to_yaml(self) -> str | dict[str, Any]:
+        """``"gd"`` for a name alone (as files have always said it), else a mapping of the keys set."""
+        params = self.params()
+        return {"name": self.name, **params} if params else self.name
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     rounds: int = 100
     restart_every: int | None = None  # T; required for diff2, 1 for dpgd
     clip_restart: float = 1.0  # C1
     clip_diff: float = 1.0  # C2
     learning_rate: float = 0.25
-    routine: Literal["gd"] = "gd"
+    routine: RoutineConfig = field(default_factory=RoutineConfig)  # x_r from ṽ_r: gd, momentum, nesterov, adam, adamw
     clients: int = 10  # P
     seed: int | None = None  # noise seed; null draws the noise key from OS entropy
     dtype: Literal["float64", "float32"] = "float64"
@@ -461,6 +511,7 @@ class ExperimentConfig:
 
         out = plain(dataclasses.asdict(self))
         out.pop("source")
+        out["training"]["routine"] = self.training.routine.to_yaml()
         return out
 
 
@@ -515,6 +566,12 @@ def _describe(hint: Any) -> str:
             Kwargs: "a mapping of names to values"}.get(hint, str(hint))
 
 
+def _expand_shorthand(cls: type, value: Any) -> Any:
+    """A section that has a shorthand (``routine: adam``) given as a plain string: ``{name: adam}``."""
+    key = getattr(cls, "SHORTHAND", None)
+    return {key: value} if key is not None and isinstance(value, str) else value
+
+
 def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
     where = prefix.rstrip(".") or "the top level"
     if data is None:
@@ -535,7 +592,7 @@ def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
             continue
         hint, value = hints[name], data[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, f"{prefix}{name}.", source)
+            kwargs[name] = _build(hint, _expand_shorthand(hint, value), f"{prefix}{name}.", source)
             continue
         ok, converted = _type_ok(value, hint)
         if not ok:
@@ -639,6 +696,8 @@ def config_keys() -> list[str]:
             if f.name == "source":
                 continue
             if dataclasses.is_dataclass(hints[f.name]):
+                if getattr(hints[f.name], "SHORTHAND", None):  # settable whole too: training.routine=adam
+                    out.append(prefix + f.name)
                 out += walk(hints[f.name], f"{prefix}{f.name}.")
             else:
                 out.append(prefix + f.name)
@@ -681,7 +740,8 @@ def apply_overrides(data: Any, overrides: Mapping[str, Any], source: str = "<ove
     out = copy.deepcopy(data) if isinstance(data, Mapping) else ({} if data is None else data)
     if not isinstance(out, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of keys to values. Found {out!r}.")
-    for key, value in overrides.items():
+    # A whole section (training.routine=adam) before its keys (training.routine.beta1=0.8), whatever the order given.
+    for key, value in sorted(overrides.items(), key=lambda item: item[0].count(".")):
         if key not in known:
             import difflib
 
@@ -691,15 +751,21 @@ def apply_overrides(data: Any, overrides: Mapping[str, Any], source: str = "<ove
             raise ConfigError(f"{source}: unknown key {key} in the overrides.{hint}")
         node = out
         parts = key.split(".")
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             if node.get(part) is None:
                 node[part] = {}
+            section = ".".join(parts[:i + 1])
+            if isinstance(node[part], str) and section in _SHORTHAND_SECTIONS:  # routine: adam -> {name: adam}
+                node[part] = {_SHORTHAND_SECTIONS[section]: node[part]}
             if not isinstance(node[part], dict):
                 raise ConfigError(f"{source}: `{part}` must be a mapping of keys to values. Found {node[part]!r}.")
             node = node[part]
         node[parts[-1]] = value
     return out
 
+
+#: Sections that a plain string may stand for, and the key the string sets (``routine: adam``).
+_SHORTHAND_SECTIONS = {"training.routine": RoutineConfig.SHORTHAND}
 
 #: A run-config value that leaves the file's value alone (Flower needs every key declared with a default).
 UNSET = ""

@@ -206,6 +206,7 @@ def run_report(output_dir: str | os.PathLike[str] | None, *, run_id: int | None 
     )
     clients = ((summary.get("config") or {}).get("training") or {}).get("clients")
     report["clients"] = clients
+    report["routine"] = summary.get("routine")
     return report
 
 
@@ -214,7 +215,8 @@ def summary_block(report: dict) -> str:
     status = report.get("status", "unknown")
     head = f"[diff2] run {status}"
     if report.get("name"):
-        head += f": {report['name']} ({report.get('method')}"
+        routine = (report.get("routine") or {}).get("name")
+        head += f": {report['name']} ({report.get('method')}" + (f" + {routine}" if routine not in (None, "gd") else "")
         if report.get("clients"):
             head += f", P = {report['clients']}"
         head += f", {report.get('rounds_released')}/{report.get('rounds_planned')} rounds)"

@@ -10,6 +10,7 @@ these two; an in-process driver makes the same calls in the same order.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import math
@@ -27,14 +28,14 @@ from ..core.closed_form import PaperMLPGradients
 from ..core.gradients import Contribution, LossFn, PerSampleGradients
 from ..core.layout import ParameterLayout
 from ..core.privacy import PLD_DISCRETIZATION, Calibration, GaussianEvent, PrivacyLedger
-from ..core.routines import Routine, make_routine
+from ..core.routines import Routine, describe_routine
 from ..task.data import CLASSIFICATION, PreparedData, load_classification, load_csv, load_raw, prepare
 from ..task.evaluation import Evaluator
 from ..task.losses import LOSSES, get_loss, half_squared_error
 from ..task.models import PaperMLP, build_model
 from ..task.records import DatasetRecords, TensorRecords, as_records
 from .checkpoint import Checkpoint, CheckpointError, config_fingerprint, load_checkpoint, save_checkpoint
-from .config import ConfigError, ExperimentConfig, TrainingConfig, from_arguments
+from .config import ConfigError, ExperimentConfig, RoutineConfig, TrainingConfig, from_arguments
 from .outputs import RunRecorder, new_run_dir, to_json
 from .shard_report import check_shards, shard_lines
 
@@ -214,7 +215,7 @@ class Diff2Server:
         if self.checkpoint_path is not None:
             run_dir = str(self.recorder.directory) if self.recorder else None
             save_checkpoint(self.checkpoint_path, Checkpoint(self.fingerprint, self.state, self.ledger, run_dir,
-                                                             to_json(release_row)))
+                                                             to_json(release_row), describe_routine(self.routine)))
 
     def _record_release(self, row: dict, finite: bool) -> None:
         """Evaluate x_r (when due and finite) and record round r's row."""
@@ -278,6 +279,7 @@ class Diff2Server:
             "rounds_planned": self.rounds,
             "rounds_released": self.state.round,
             "diverged_at": self.diverged_at,
+            "routine": describe_routine(self.routine),
             "privacy": {
                 "private": self.calibration is not None,
                 "guarantee": "record-level (ε, δ)-DP, replace-one adjacency, central DP (trusted server adds the noise)"
@@ -347,6 +349,7 @@ class Worker:
 # -------------------------------------------------------------------- from plain arguments (the Python API)
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
+_ROUTINE_KEYS = tuple(f.name for f in dataclasses.fields(RoutineConfig))
 
 
 def _argument_error(function: str, argument: str, expected: str, found: Any) -> ConfigError:
@@ -402,7 +405,7 @@ def make_server(
     u: float = 1.25,
     mode: str = "exact",
     method: str = "diff2",
-    routine: str = "gd",
+    routine: str | Mapping[str, Any] = "gd",
     seed: int | None = None,
     evaluate_fn: Callable[[list[np.ndarray]], Mapping[str, float]] | None = None,
     eval_every: int = 1,
@@ -424,7 +427,8 @@ def make_server(
     row and a summary go into a new folder ``output_dir/<name>-<time>-<random>``. With ``checkpoint`` the
     server's state is durable after every round, and an existing checkpoint of the same run is resumed.
     ``run_info``: extra fields of the summary; its ``"config"`` (the experiment file, on the YAML path) also
-    identifies the run for a checkpoint.
+    identifies the run for a checkpoint. ``routine``: ``training.routine``'s value (a name, or a mapping with
+    ``name`` and the routine's parameters); its step is ``learning_rate``.
 
     References:
         Murata & Suzuki (2023), Algorithm 1 (server lines); Theorem 4.1 (the noise for (ε, δ)).
@@ -435,7 +439,8 @@ def make_server(
                 "seed": seed}
     spec: ExperimentConfig = from_arguments(_function, {"method": method, "privacy": privacy, "training": training,
                                                         "evaluation": {"every": eval_every}},
-                                            renamed={"evaluation.every": "eval_every"})
+                                            renamed={"evaluation.every": "eval_every",
+                                                     **{f"training.routine.{k}": f"routine.{k}" for k in _ROUTINE_KEYS}})
     if not isinstance(name, str) or not name or "/" in name or "\\" in name:
         raise _argument_error(_function, "name", "a non-empty string without path separators (the run folder's "
                               "prefix)", name)
@@ -468,7 +473,8 @@ def make_server(
     checkpoint_path = Path(checkpoint).expanduser().resolve() if checkpoint else None
     resume = None
     if checkpoint_path is not None and checkpoint_path.exists():
-        resume = load_checkpoint(checkpoint_path, fingerprint)
+        resume = load_checkpoint(checkpoint_path, fingerprint,
+                                 routine=spec.training.routine.build(spec.training.learning_rate), x0=x0)
     recorder = None
     if output_dir is not None:
         if resume is not None and resume.run_dir:  # a resumed run continues in its own folder
@@ -487,7 +493,7 @@ def make_server(
                  "use seeds for research only.")
     return Diff2Server(
         mechanism=spec.mechanism(calibration),
-        routine=make_routine(spec.training.routine, learning_rate=spec.training.learning_rate),
+        routine=spec.training.routine.build(spec.training.learning_rate),
         layout=layout, x0=x0, rounds=spec.training.rounds, clients=spec.training.clients, n_min=n_min,
         calibration=calibration, seed=spec.training.seed, evaluator=evaluator, eval_every=spec.evaluation.every,
         recorder=recorder, run_info=info, progress=progress, checkpoint_path=checkpoint_path,
@@ -683,7 +689,7 @@ def build_server(
     return make_server(
         epsilon=p.epsilon, delta=p.delta, rounds=t.rounds, restart_every=cfg.restart_every, clients=t.clients,
         n_min=n_min, clip_restart=t.clip_restart, clip_diff=t.clip_diff, learning_rate=t.learning_rate,
-        model=_model(cfg, data.num_features, data.num_outputs), u=p.u, mode=p.mode, method=cfg.method, routine=t.routine, seed=t.seed,
+        model=_model(cfg, data.num_features, data.num_outputs), u=p.u, mode=p.mode, method=cfg.method, routine=t.routine.to_yaml(), seed=t.seed,
         evaluate_fn=evaluate_fn, eval_every=cfg.evaluation.every,
         output_dir=(output_root or cfg.output.dir) if record else None, name=cfg.name,
         checkpoint=cfg.output.checkpoint, progress=progress, run_info=run_info, _function=cfg.source,
