@@ -128,7 +128,8 @@ def run_local_phase(task: LocalTask, num_samples: int, clipped_sum: ClippedSum) 
     rng = local_generator(task.seed)
     q = m.batch_size / num_samples
     y_prev, w = x0, v
-    y = y_prev - m.learning_rate * w
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = y_prev - m.learning_rate * w
     sizes, clipped, overflow = [], 0, False
     for k in range(1, m.steps):
         radius = difference_radius(m.clip, y, y_prev)
@@ -145,6 +146,7 @@ def run_local_phase(task: LocalTask, num_samples: int, clipped_sum: ClippedSum) 
             if over:
                 return LocalResult(np.zeros_like(x0), tuple(sizes), clipped, True)
         noise = rng.standard_normal(x0.size) * std if std > 0 else 0.0
-        w = w + total / m.batch_size + noise
-        y_prev, y = y, y - m.learning_rate * w
+        with np.errstate(over="ignore", invalid="ignore"):  # a run-away step: refused at the next radius
+            w = w + total / m.batch_size + noise
+            y_prev, y = y, y - m.learning_rate * w
     return LocalResult(y, tuple(sizes), clipped, False)

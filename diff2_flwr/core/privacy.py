@@ -56,6 +56,9 @@ __all__ = [
 ]
 
 CalibrationMode = Literal["exact", "rdp"]
+
+#: Discretisation of dp-accounting's privacy-loss distributions (pessimistic: an upper bound on ε).
+PLD_DISCRETIZATION = 1e-4
 _MODES = ("exact", "rdp")
 
 
@@ -301,46 +304,65 @@ def _check_local(steps: int | None, batch_size: int | None, share: float | None,
                          f"steps. Found {share!r}.")
 
 
+#: Discretisation of the PLDs of the calibration's search (the result is then checked at PLD_DISCRETIZATION).
+SEARCH_DISCRETIZATION = 1e-3
+
+
+@functools.lru_cache(maxsize=64)
+def _local_pld_at(noise_multiplier: float, sampling_prob: float, steps: int, interval: float) -> Any:
+    from dp_accounting import NeighboringRelation
+    from dp_accounting.pld import privacy_loss_distribution
+
+    one = privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier, sensitivity=1.0, sampling_prob=sampling_prob,
+        neighboring_relation=NeighboringRelation.REPLACE_ONE, value_discretization_interval=interval)
+    return one.self_compose(steps) if steps > 1 else one
+
+
 @functools.lru_cache(maxsize=1024)
 def _schedule_pld_epsilon(delta: float, m1: int, z1: float, m2: int, z2: float | None, z3: float, q: float,
-                          local_steps: int, rounds: int) -> float:
+                          local_steps: int, rounds: int, interval: float = PLD_DISCRETIZATION) -> float:
     """ε (PLD, composed by counts) of m1 + m2 server rounds and ``rounds`` local phases of ``local_steps`` steps."""
     from dp_accounting.pld import privacy_loss_distribution as plds
 
-    pld = _local_pld(z3, q, local_steps).self_compose(rounds) if rounds > 1 else _local_pld(z3, q, local_steps)
+    local = _local_pld_at(z3, q, local_steps, interval)
+    pld = local.self_compose(rounds) if rounds > 1 else local
     for m, z in ((m1, z1), (m2, z2)):
         if m:
             assert z is not None
             gauss = plds.from_gaussian_mechanism(standard_deviation=z / math.sqrt(m), sensitivity=1.0,
-                                                 value_discretization_interval=PLD_DISCRETIZATION)
+                                                 value_discretization_interval=interval)
             pld = pld.compose(gauss)
     return float(pld.get_epsilon_for_delta(delta))
 
 
 def calibrate_local(server: Calibration, steps: int, batch_size: int | None, share: float | None) -> LocalCalibration:
-    """σ3 by bisection: the smallest z3 (to 0.1 %) with which the schedule's PLD ε stays within ε (1 - LOCAL_MARGIN).
+    """σ3: the smallest z3 (to about 0.2 %) with which the schedule's PLD ε stays within ε (1 - LOCAL_MARGIN).
 
-    ``server`` is the server's rounds calibrated to the budget (1 - share) μ²; ε(z3) decreases in z3.
+    ``server`` is the server's rounds calibrated to the budget (1 - share) μ²; ε(z3) decreases in z3. The search
+    runs on coarser (pessimistic) PLDs; the result is then checked, and raised if needed, at the ledger's
+    discretisation.
     """
     _check_local(steps, batch_size, share, server.n_min)
     assert batch_size is not None and share is not None
     q = batch_size / server.n_min
     target = server.epsilon * (1 - LOCAL_MARGIN)
 
-    def eps(z3: float) -> float:
+    def eps(z3: float, interval: float = SEARCH_DISCRETIZATION) -> float:
         return _schedule_pld_epsilon(server.delta, server.restart_rounds, server.z1, server.difference_rounds,
-                                     server.z2, z3, q, steps - 1, server.rounds)
+                                     server.z2, z3, q, steps - 1, server.rounds, interval)
 
-    lo, hi = 0.25, 1.0
+    lo, hi = 0.5, 1.0
     while eps(hi) > target:
         lo, hi = hi, hi * 2
         if hi > 1e7:
             raise ValueError(f"No local noise keeps the schedule within ε = {server.epsilon}: raise local_share.")
     while eps(lo) <= target and lo > 1e-3:
-        lo /= 2
-    while hi / lo > 1.001:
-        mid = math.sqrt(lo * hi)
-        lo, hi = (lo, mid) if eps(mid) <= target else (mid, hi)
+        lo, hi = lo / 2, lo
+    root = math.exp(brentq(lambda t: eps(math.exp(t)) - target, math.log(lo), math.log(hi), xtol=1e-3))
+    hi = min(hi, root * 1.002)
+    while eps(hi) > target or eps(hi, PLD_DISCRETIZATION) > target:
+        hi *= 1.002
     return LocalCalibration(steps=steps, batch_size=batch_size, share=float(share), sampling_prob=q, z3=hi,
                             sigma3=hi / batch_size)
 
@@ -372,9 +394,6 @@ class LocalEvent:
     steps: int
     kind: str = "local"
 
-
-#: Discretisation of dp-accounting's privacy-loss distributions (pessimistic: an upper bound on ε).
-PLD_DISCRETIZATION = 1e-4
 
 
 @functools.lru_cache(maxsize=64)

@@ -746,6 +746,10 @@ def build_server(
             f"{cfg.source}: key `privacy.n_min` = {n_min} but the smallest shard has {data.n_min} samples; "
             "the noise would be calibrated for a smaller sensitivity than the real one."
         )
+    if cfg.local.enabled and cfg.local.batch_size > n_min:
+        raise ConfigError(f"{cfg.source}: key `local.batch_size`: expected at most n_min = {n_min} (the smallest shard: "
+                          f"every worker samples each record with probability b / n_p <= 1). Found {cfg.local.batch_size}.",
+                          key="local.batch_size", expected=f"an integer <= {n_min}", found=cfg.local.batch_size)
     calibration = cfg.calibration(n_min)  # make_server calibrates the same way; here for the shard report
     check_shards(cfg, data.shard_sizes, calibration)
     if progress:
