@@ -60,7 +60,9 @@ __all__ = [
 CRITERIA = ("train_loss", "grad_norm_sq", "test_loss")
 #: Reported, never selected on: larger is better, taken at the train-loss-best point (classification only).
 ACCURACY = "test_accuracy"
-GRID_KEYS = ("learning_rate", "clip_restart", "clip_diff", "restart_every")
+GRID_KEYS = ("learning_rate", "clip_restart", "clip_diff", "restart_every", "local.steps", "local.clip", "local.share")
+#: A method's fixed settings of the local routine (``local:`` beside ``grid``; see ExperimentConfig.local).
+LOCAL_KEYS = ("steps", "batch_size", "clip", "share")
 Engine = Literal["batch", "inprocess", "flower"]
 
 
@@ -76,6 +78,7 @@ class MethodSpec:
     method: Literal["gd", "dpgd", "diff2"]
     grid: tuple[tuple[str, tuple[float, ...]], ...]
     u: float = 1.25
+    local: tuple[tuple[str, float], ...] = ()  # fixed keys of the local routine (empty: off unless gridded)
 
     def points(self) -> list[dict[str, float]]:
         keys = [k for k, _ in self.grid]
@@ -108,13 +111,16 @@ class Study:
     def experiment(self, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int) -> ExperimentConfig:
         """The single-run config of one (method, grid point, ε, seed)."""
         training = {"rounds": self.rounds, "clients": self.clients, "seed": seed, "dtype": "float64",
-                    **{k: (int(v) if k == "restart_every" else float(v)) for k, v in point.items()}}
+                    **{k: (int(v) if k == "restart_every" else float(v)) for k, v in point.items()
+                       if not k.startswith("local.")}}
+        local = dict(method.local) | {k.removeprefix("local."): v for k, v in point.items() if k.startswith("local.")}
+        local = {k: (int(v) if k in ("steps", "batch_size") else float(v)) for k, v in local.items()}
         return parse_config({
             "name": f"{self.name}-{_slug(method.name)}", "method": method.method, "dataset": dict(self.dataset),
             "model": ({"hidden": self.hidden} if self.model == "paper_mlp" else
                       {"name": self.model, "kwargs": dict(self.model_kwargs)}) | {"init_seed": seed},
             "privacy": {"epsilon": epsilon, "delta": self.delta, "mode": self.mode, "u": method.u},
-            "training": training, "evaluation": {"every": self.eval_every},
+            "training": training, "evaluation": {"every": self.eval_every}, **({"local": local} if local else {}),
         }, source=f"{self.source} (method {method.name!r}, point {dict(point)})")
 
 
@@ -165,8 +171,12 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
     methods = []
     for i, m in enumerate(methods_raw):
         where = f"methods[{i}]"
-        if not isinstance(m, Mapping) or set(m) - {"name", "method", "grid", "u"} or "name" not in m or "method" not in m:
-            raise fail(where, "a mapping with name, method, grid (and optionally u)", m)
+        if not isinstance(m, Mapping) or set(m) - {"name", "method", "grid", "u", "local"} or "name" not in m or "method" not in m:
+            raise fail(where, "a mapping with name, method, grid (and optionally u, local)", m)
+        local = m.get("local") or {}
+        if not isinstance(local, Mapping) or set(local) - set(LOCAL_KEYS) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in local.values()):
+            raise fail(f"{where}.local", f"a mapping of numbers with keys among {', '.join(LOCAL_KEYS)}", local)
         if m["method"] not in ("gd", "dpgd", "diff2"):
             raise fail(f"{where}.method", "one of 'gd', 'dpgd', 'diff2'", m["method"])
         grid = m.get("grid") or {}
@@ -188,7 +198,8 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
             raise fail(f"{where}.grid.restart_every", "a list of T values for a diff2 method", None)
         if m["method"] != "diff2" and "restart_every" in grid:
             raise fail(f"{where}.grid.restart_every", f"no T for method {m['method']} (T = 1)", grid["restart_every"])
-        methods.append(MethodSpec(name=str(m["name"]), method=m["method"], grid=tuple(items), u=float(m.get("u", 1.25))))
+        methods.append(MethodSpec(name=str(m["name"]), method=m["method"], grid=tuple(items), u=float(m.get("u", 1.25)),
+                                  local=tuple(sorted((str(k), v) for k, v in local.items()))))
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise fail("methods", "distinct method names", names)
@@ -271,7 +282,10 @@ def select(table: Mapping[str, Mapping[str, Sequence[float]]]) -> dict[str, str]
 # ------------------------------------------------------------------------------- running
 
 def _run_id(phase: str, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int, study: Study) -> str:
-    key = json.dumps({"phase": phase, "method": asdict(method), "point": dict(point), "epsilon": epsilon, "seed": seed,
+    described = asdict(method)
+    if not described["local"]:  # run ids of methods without a local routine are as before it existed
+        del described["local"]
+    key = json.dumps({"phase": phase, "method": described, "point": dict(point), "epsilon": epsilon, "seed": seed,
                       "rounds": study.rounds, "delta": study.delta, "mode": study.mode, "dataset": dict(study.dataset),
                       "clients": study.clients, "eval_every": study.eval_every, "hidden": study.hidden}, sort_keys=True)
     return f"{phase}-{_slug(method.name)}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -312,10 +326,13 @@ def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress
     progress.show()
     if not todo:
         return
-    engine = study.engine
-    if engine == "batch" and not all(j.cfg.closed_form_gradients for j in todo):
-        engine = "inprocess"  # the batched engine has closed forms for the paper MLP only
+    engine, single = study.engine, todo
     if engine == "batch":
+        # The batched engine has closed forms for the paper MLP only, and no local routine: the rest runs one by one.
+        single = [j for j in todo if not (j.cfg.closed_form_gradients and not j.cfg.local.enabled)]
+        todo = [j for j in todo if j.cfg.closed_form_gradients and not j.cfg.local.enabled]
+        engine = "inprocess"
+    if todo and study.engine == "batch":
         import torch
 
         from .sweep import RunSpec, run_batch
@@ -347,8 +364,7 @@ def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress
                            res.diverged_at, "batch")
             progress.done += len(batch)
             progress.show()
-        return
-    for j in todo:
+    for j in single:
         metrics, diverged = _run_single(j.cfg, engine)
         _write_run(runs_dir, j, metrics, diverged, engine)
         progress.done += 1
