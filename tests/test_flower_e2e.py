@@ -125,14 +125,22 @@ def test_server_crash_and_restart_resumes_the_same_trajectory(tmp_path):
 
 
 def test_overridden_keys_reach_the_server_app_and_every_client_app(tmp_path):
-    """`--set` keys travel as Flower run-config keys: P, R and the seed change on both sides alike."""
+    """`--set` keys travel as Flower run-config keys: P, R, the seed and the local routine change on both sides
+    alike. With ``local.steps`` a DIFF2 round is two Flower rounds (all P, then the chosen worker alone), and the
+    run equals the in-process driver bit for bit: rows (with ``local_worker``), final parameters and ε."""
     config = write_config(tmp_path, "over")
-    result = run_simulation(str(config), echo=False,
-                            set_keys={"training.clients": 2, "training.rounds": 4, "training.seed": 5})
+    keys = {"training.clients": 2, "training.rounds": 4, "training.seed": 5, "local.steps": 3,
+            "local.batch_size": 64}
+    result = run_simulation(str(config), echo=False, set_keys=keys)
     rows, summary = read_run(result)
     assert summary["status"] == "completed" and summary["rounds_released"] == 4
     assert len(summary["dataset"]["shard_sizes"]) == 2 and summary["config"]["training"]["seed"] == 5
-    reference = run_inprocess(load_config(config, {"training.clients": 2, "training.rounds": 4, "training.seed": 5}),
-                              record=False, progress=None)
+    assert summary["config"]["local"]["steps"] == 3 and summary["privacy"]["calibration"]["local"]["batch_size"] == 64
+    assert result.log.count("configure_fit: strategy sampled 1 clients") == 4  # one local phase per DIFF2 round
+    reference = run_inprocess(load_config(config, keys), record=False, progress=None)
     strip = lambda rs: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rs]  # noqa: E731
     assert strip(rows) == strip(reference.history)
+    assert [r["local_worker"] for r in rows[1:]] == [r["local_worker"] for r in reference.history[1:]]
+    assert len({r["local_worker"] for r in rows[1:]}) == 2  # seed 5 sends the local phase to both workers
+    np.testing.assert_array_equal(np.load(result.output_dir / "final_parameters.npy"), reference.state.x)
+    assert summary["privacy"]["epsilon_spent"] == reference.epsilon_spent <= 3.0
