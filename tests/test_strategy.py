@@ -921,6 +921,16 @@ def test_a_failed_gradient_phase_is_retried_and_the_phases_stay_in_step(local_cf
     assert len(instructions) == LOCAL_P and instructions[0][1].config[protocol.ROUND] == 2
 
 
+def test_flower_rounds_out_of_step_with_the_phases_stop_the_run(local_cfg, tmp_path):
+    server = make_server(local_cfg, tmp_path)
+    strategy = Diff2Strategy(server=server)
+    manager, _ = local_manager()
+    with pytest.raises(RuntimeError, match=r"Flower asked for round 2, the local phase of DIFF2 round 1, but no local "
+                                           r"phase of round 1 is due"):
+        strategy.configure_fit(2, None, manager)
+    assert summary(server)["status"] == "failed" and server.state.round == 0
+
+
 def test_a_local_phase_that_runs_away_is_divergence_in_flower_too(local_cfg, tmp_path, monkeypatch):
     """The worker's Diverged (a local radius that is not finite) travels as the overflow flag: status diverged."""
     from diff2_flwr.core.estimator import Diverged

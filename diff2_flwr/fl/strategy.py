@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 from flwr.common import EvaluateIns, EvaluateRes, FitIns, FitRes, Parameters, Scalar
 from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import ClientManager
@@ -26,6 +27,7 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from ..core.aggregation import RoundRejected
+from ..core.estimator import Release
 from ..core.local import LocalTask
 from ..runtime.session import Diff2Server
 from . import protocol
@@ -159,8 +161,7 @@ class Diff2Strategy(Strategy):
                                      f"failed: {self._describe_failures(results, failures)}. The local phase is not "
                                      "retried (its steps were charged to the budget when ṽ_r was released; a second "
                                      "attempt would spend them again): the run stops."))
-        strangers = sorted({p.cid for p, _ in results} - {proxy.cid})
-        if strangers or len(results) != 1:
+        if len(results) != 1 or results[0][0].cid != proxy.cid:
             self._stop(RoundRejected(r, "local-worker", f"the local phase was sent to {who} (partition "
                                      f"{task.partition_id}) only; {len(results)} replies came, from node(s) "
                                      f"{', '.join(p.cid for p, _ in results) or 'none'}."))
@@ -174,12 +175,12 @@ class Diff2Strategy(Strategy):
         self._local = None
         return self._released(release), {}
 
-    def _released(self, release) -> Parameters:
+    def _released(self, release: Release) -> Parameters:
         if release.plan.round == self.crash_after_round:
             raise RuntimeError(f"fault injection: the server crashes after releasing round {release.plan.round}")
         return ndarrays_to_parameters(self.server.layout.split(release.x))
 
-    def _arrays(self, r: int, proxy: ClientProxy, res: FitRes) -> list:
+    def _arrays(self, r: int, proxy: ClientProxy, res: FitRes) -> list[np.ndarray]:
         try:
             return parameters_to_ndarrays(res.parameters)
         except Exception as err:  # corrupt bytes: nothing usable, nothing released
