@@ -663,8 +663,8 @@ NODE_OF = {p: cid for cid, p in LOCAL_NODES.items()}
 
 @pytest.fixture(scope="module")
 def local_cfg():
-    # The calibration of tests/test_local.py's runs: the PLD bisection of σ3 (≈ 25 s here) is cached per
-    # process by its arguments, so both files pay for it once.
+    # The calibration of tests/test_local.py's runs: the PLD search of σ3 (seconds) is cached per process by
+    # its arguments, so both files pay for it once.
     return parse_config({
         "name": "strategy-local", "method": "diff2", "dataset": {"name": "synthetic", "num_samples": 2000},
         "training": {"rounds": 12, "restart_every": 4, "clients": LOCAL_P, "learning_rate": 0.1, "seed": 7,
