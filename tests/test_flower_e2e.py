@@ -125,19 +125,33 @@ def test_server_crash_and_restart_resumes_the_same_trajectory(tmp_path):
     assert summary["privacy"]["epsilon_spent"] == reference.epsilon_spent
 
 
-def test_overridden_keys_reach_the_server_app_and_every_client_app(tmp_path):
-    """`--set` keys travel as Flower run-config keys: P, R, the seed and the routine (Adam) change on both sides
-    alike, and `flwr run` with Adam equals the in-process driver bit for bit."""
+ADAM_KEYS = {"training.clients": 2, "training.rounds": 4, "training.seed": 5, "training.routine.name": "adam",
+             "training.routine.beta1": 0.8, "training.learning_rate": 0.02}
+LOCAL_KEYS = {"training.clients": 2, "training.rounds": 4, "training.seed": 5, "local.steps": 3, "local.batch_size": 64}
+
+
+@pytest.mark.parametrize("keys", [ADAM_KEYS, LOCAL_KEYS], ids=["adam", "local-routine"])
+def test_overridden_keys_reach_the_server_app_and_every_client_app(tmp_path, keys):
+    """`--set` keys travel as Flower run-config keys: P, R, the seed and the routine change on both sides alike,
+    and `flwr run` equals the in-process driver bit for bit: rows, final parameters and ε. With Adam the summary
+    names the routine; with ``local.steps`` a DIFF2 round is two Flower rounds (all P, then the chosen worker
+    alone) and every row says which worker ran the local phase."""
     config = write_config(tmp_path, "over")
-    keys = {"training.clients": 2, "training.rounds": 4, "training.seed": 5, "training.routine.name": "adam",
-            "training.routine.beta1": 0.8, "training.learning_rate": 0.02}
     result = run_simulation(str(config), echo=False, set_keys=keys)
     rows, summary = read_run(result)
     assert summary["status"] == "completed" and summary["rounds_released"] == 4
     assert len(summary["dataset"]["shard_sizes"]) == 2 and summary["config"]["training"]["seed"] == 5
-    assert summary["routine"] == {"name": "adam", "learning_rate": 0.02, "beta1": 0.8, "beta2": 0.999, "eps": 1e-8,
-                                  "weight_decay": 0.0}
     reference = run_inprocess(load_config(config, keys), record=False, progress=None)
-    np.testing.assert_array_equal(np.load(result.output_dir / "final_parameters.npy"), reference.state.x)
     strip = lambda rs: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rs]  # noqa: E731
     assert strip(rows) == strip(reference.history)
+    np.testing.assert_array_equal(np.load(result.output_dir / "final_parameters.npy"), reference.state.x)
+    assert summary["privacy"]["epsilon_spent"] == reference.epsilon_spent <= 3.0
+    if keys is ADAM_KEYS:
+        assert summary["routine"] == {"name": "adam", "learning_rate": 0.02, "beta1": 0.8, "beta2": 0.999,
+                                      "eps": 1e-8, "weight_decay": 0.0}
+    else:
+        assert summary["config"]["local"]["steps"] == 3
+        assert summary["privacy"]["calibration"]["local"]["batch_size"] == 64
+        assert result.log.count("configure_fit: strategy sampled 1 clients") == 4  # one local phase per DIFF2 round
+        assert [r["local_worker"] for r in rows[1:]] == [r["local_worker"] for r in reference.history[1:]]
+        assert len({r["local_worker"] for r in rows[1:]}) == 2  # seed 5 sends the local phase to both workers

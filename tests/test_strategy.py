@@ -26,7 +26,7 @@ from diff2_flwr.fl import protocol
 from diff2_flwr.fl.client import Diff2Client
 from diff2_flwr.fl.strategy import Diff2Strategy
 from diff2_flwr.runtime.config import parse_config
-from diff2_flwr.runtime.session import Diff2Server, build_server, build_worker
+from diff2_flwr.runtime.session import Diff2Server, Worker, build_server, build_worker
 
 P = 3
 ROUNDS = 4
@@ -650,3 +650,447 @@ def test_a_failed_round_is_retried_without_release_then_the_run_continues(cfg, t
     with pytest.raises(RoundRejected, match="client-failure"):
         strategy.aggregate_fit(4, [], [TimeoutError("node timed out")])
     assert summary(server)["status"] == "failed" and server.state.round == 2
+
+
+# ------------------------------------------------------------------------------ the local routine: two Flower rounds
+
+LOCAL_P = 4
+# Node ids in another order than the partitions they hold: the local phase must follow the partition-id
+# metric of the gradient phase's replies, not the order of the nodes.
+LOCAL_NODES = {"cid-203": 0, "cid-201": 1, "cid-200": 2, "cid-202": 3}
+NODE_OF = {p: cid for cid, p in LOCAL_NODES.items()}
+
+
+@pytest.fixture(scope="module")
+def local_cfg():
+    # The calibration of tests/test_local.py's runs: the PLD search of σ3 (seconds) is cached per process by
+    # its arguments, so both files pay for it once.
+    return parse_config({
+        "name": "strategy-local", "method": "diff2", "dataset": {"name": "synthetic", "num_samples": 2000},
+        "training": {"rounds": 12, "restart_every": 4, "clients": LOCAL_P, "learning_rate": 0.1, "seed": 7,
+                     "clip_diff": 3.0},
+        "local": {"steps": 3, "batch_size": 32, "clip": 3.0, "share": 0.5},
+        "evaluation": {"every": 4},
+    })
+
+
+def local_manager() -> tuple[SimpleClientManager, dict[str, FakeProxy]]:
+    manager = SimpleClientManager()
+    proxies = {}
+    for cid in LOCAL_NODES:
+        proxy = FakeProxy(cid)
+        assert manager.register(proxy)
+        proxies[cid] = proxy
+    return manager, proxies
+
+
+def node_replies(cfg, instructions) -> list[tuple[ClientProxy, list[np.ndarray], int, dict]]:
+    """The real Diff2Client of each node's partition answers its FitIns (gradient or local phase alike)."""
+    out = []
+    for proxy, fit_ins in instructions:
+        client = Diff2Client(build_worker(cfg, LOCAL_NODES[proxy.cid]))
+        out.append((proxy, *client.fit(parameters_to_ndarrays(fit_ins.parameters), dict(fit_ins.config))))
+    return out
+
+
+def gradient_phase(strategy, manager, cfg, server_round: int):
+    instructions = strategy.configure_fit(server_round, None, manager)
+    assert len(instructions) == LOCAL_P
+    return strategy.aggregate_fit(server_round, as_results(node_replies(cfg, instructions)), [])
+
+
+def strip_elapsed(rows):
+    return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows]
+
+
+def test_local_routine_takes_two_flower_rounds_and_equals_the_in_process_driver(local_cfg, tmp_path):
+    from diff2_flwr.runtime.compute import pinned_threads
+
+    with pinned_threads(local_cfg.training.threads):  # as the ServerApp, ClientApps and the driver do
+        _two_phase_run_equals_the_driver(local_cfg, tmp_path)
+
+
+def _two_phase_run_equals_the_driver(local_cfg, tmp_path):
+    from diff2_flwr.core.local import choose_worker
+    from diff2_flwr.runtime.driver import run_inprocess
+
+    server = make_server(local_cfg, tmp_path)
+    strategy = Diff2Strategy(server=server)
+    manager, proxies = local_manager()
+    layout, k, rounds = server.layout, len(server.layout.shapes), local_cfg.training.rounds
+    assert strategy.num_rounds == 2 * rounds
+    chosen = []
+    for r in range(1, rounds + 1):
+        before = server.state
+        # gradient phase: Flower round 2r - 1, all P nodes, releases ṽ_r but not x_r
+        instructions = strategy.configure_fit(2 * r - 1, None, manager)
+        assert sorted(proxy.cid for proxy, _ in instructions) == sorted(LOCAL_NODES)
+        assert instructions[0][1].config[protocol.KIND] in ("restart", "difference")
+        params, _ = strategy.aggregate_fit(2 * r - 1, as_results(node_replies(local_cfg, instructions)), [])
+        assert params is None and server.state is before and server.pending is not None
+        # local phase: Flower round 2r, one FitIns, to the node that answered as the chosen partition
+        p = choose_worker(before.noise_key, r, LOCAL_P)
+        instructions = strategy.configure_fit(2 * r, None, manager)
+        assert len(instructions) == 1
+        proxy, fit_ins = instructions[0]
+        assert proxy is proxies[NODE_OF[p]]
+        config, arrays = fit_ins.config, parameters_to_ndarrays(fit_ins.parameters)
+        assert config[protocol.KIND] == protocol.LOCAL and config[protocol.ROUND] == r
+        assert config[protocol.PARTITION_ID] == p and config[protocol.LOCAL_STEPS] == 3
+        assert config[protocol.LOCAL_BATCH_SIZE] == 32 and config[protocol.LOCAL_SIGMA] == server.local.sigma
+        assert protocol.LOCAL_SEED in config  # a seeded run: the worker's generator is reproducible
+        np.testing.assert_array_equal(layout.flatten(arrays[:k]), before.x)  # x_(r-1)
+        np.testing.assert_array_equal(layout.flatten(arrays[k:]), server.pending[1])  # ṽ_r
+        params, _ = strategy.aggregate_fit(2 * r, as_results(node_replies(local_cfg, instructions)), [])
+        assert server.state.round == r and server.pending is None
+        np.testing.assert_array_equal(layout.flatten(parameters_to_ndarrays(params)), server.state.x)
+        chosen.append(p)
+    assert server.done and strategy.configure_fit(2 * rounds + 1, None, manager) == []
+    assert len(set(chosen)) > 1  # the local phase really moved between nodes
+    rows = metrics_rows(server)
+    assert [row.get("local_worker") for row in rows] == [None, *chosen]
+    assert summary(server)["status"] == "completed"
+
+    # the in-process driver makes the same calls: bit for bit the same rows, iterate and ε
+    reference = run_inprocess(local_cfg, record=False, progress=None)
+    np.testing.assert_array_equal(server.state.x, reference.state.x)
+    assert strip_elapsed(rows) == strip_elapsed(reference.history)
+    assert server.epsilon_spent == reference.epsilon_spent
+
+
+def _chosen_reply(cfg, instructions, **change):
+    """The chosen node's honest local reply, with ``change`` applied (arrays / n / metrics)."""
+    (proxy, arrays, n, metrics), = node_replies(cfg, instructions)
+    arrays = change.get("arrays", lambda a: a)([a.copy() for a in arrays])
+    metrics = {**metrics, **change.get("metrics", {})}
+    return proxy, arrays, change.get("n", n), metrics
+
+
+def local_wrong_partition(cfg, instructions, proxies, gradient):
+    proxy, arrays, n, metrics = _chosen_reply(cfg, instructions)
+    other = (metrics[protocol.PARTITION_ID] + 1) % LOCAL_P
+    return as_results([(proxy, arrays, n, {**metrics, protocol.PARTITION_ID: other})]), []
+
+
+def local_wrong_node(cfg, instructions, proxies, gradient):
+    proxy, arrays, n, metrics = _chosen_reply(cfg, instructions)
+    stranger = next(p for cid, p in proxies.items() if cid != proxy.cid)
+    return as_results([(stranger, arrays, n, metrics)]), []
+
+
+def local_two_replies(cfg, instructions, proxies, gradient):
+    reply = _chosen_reply(cfg, instructions)
+    stranger = next(p for cid, p in proxies.items() if cid != reply[0].cid)
+    return as_results([reply, (stranger, *reply[1:])]), []
+
+
+def local_reshaped(cfg, instructions, proxies, gradient):
+    return as_results([_chosen_reply(cfg, instructions, arrays=lambda a: [a[0].reshape(8, 10), *a[1:]])]), []
+
+
+def local_too_few_arrays(cfg, instructions, proxies, gradient):
+    return as_results([_chosen_reply(cfg, instructions, arrays=lambda a: a[:-1])]), []
+
+
+def local_nan(cfg, instructions, proxies, gradient):
+    return as_results([_chosen_reply(cfg, instructions, arrays=_nan)]), []
+
+
+def local_float32(cfg, instructions, proxies, gradient):
+    return as_results([_chosen_reply(cfg, instructions, arrays=lambda a: [x.astype(np.float32) for x in a])]), []
+
+
+def local_wrong_round(cfg, instructions, proxies, gradient):
+    r = instructions[0][1].config[protocol.ROUND]
+    return as_results([_chosen_reply(cfg, instructions, metrics={protocol.ECHO_ROUND: r - 1})]), []
+
+
+def local_gradient_reply(cfg, instructions, proxies, gradient):
+    # the chosen node answers with its gradient-phase reply of the same round: same round, same array count
+    chosen = instructions[0][0]
+    return as_results([next(reply for reply in gradient if reply[0] is chosen)]), []
+
+
+def local_too_few_samples(cfg, instructions, proxies, gradient):
+    return as_results([_chosen_reply(cfg, instructions, n=3)]), []
+
+
+def local_failure_status(cfg, instructions, proxies, gradient):
+    proxy, arrays, n, metrics = _chosen_reply(cfg, instructions)
+    return [], [(proxy, fit_res(arrays, n, metrics, code=Code.FIT_NOT_IMPLEMENTED, message="worker crashed"))]
+
+
+def local_silent(cfg, instructions, proxies, gradient):
+    return [], [ValueError("Expected one Message but got: 0")]
+
+
+# (tamper, expected check, regex: names the node and what failed)
+LOCAL_FAIL_CASES = {
+    "wrong-partition": (local_wrong_partition, "local-worker",
+                        r"check 'local-worker' failed from partition \d \(node {node}\): the local phase was sent to "
+                        r"partition {partition}, the reply is from partition \d"),
+    "wrong-node": (local_wrong_node, "local-worker",
+                   r"check 'local-worker' failed: the local phase was sent to node {node} \(partition {partition}\) "
+                   r"only; 1 replies came, from node\(s\) cid-20\d"),
+    "two-replies": (local_two_replies, "local-worker", r"sent to node {node} .* only; 2 replies came"),
+    "reshaped": (local_reshaped, "shape", r"check 'shape' failed from partition {partition} \(node {node}\): array "
+                 r"'hidden.weight' must have shape \(10, 8\), found \(8, 10\)"),
+    "too-few-arrays": (local_too_few_arrays, "arrays",
+                       r"check 'arrays' failed from partition {partition} \(node {node}\): expected 4 arrays"),
+    "nan": (local_nan, "finite", r"check 'finite' failed from partition {partition} \(node {node}\): y_K holds 1 NaN"),
+    "float32": (local_float32, "dtype", r"check 'dtype' failed from partition {partition} \(node {node}\): array "
+                r"'hidden.weight' must be float64, found float32"),
+    "wrong-round": (local_wrong_round, "round", r"check 'round' failed from node {node}: the reply is for round \d"),
+    "gradient-reply": (local_gradient_reply, "phase", r"check 'phase' failed from node {node}: metric 'diff2.kind' "
+                       r"must be 'local' in a reply to the local phase"),
+    "too-few-samples": (local_too_few_samples, "n_min",
+                        r"check 'n_min' failed from partition {partition} \(node {node}\): the worker holds 3 samples"),
+    "failure-status": (local_failure_status, "client-failure",
+                       r"check 'client-failure' failed: the local phase on partition {partition} \(node {node}\) "
+                       r"failed: 1 client\(s\) failed: node {node}: status FIT_NOT_IMPLEMENTED worker crashed\. The "
+                       r"local phase is not retried"),
+    "silent": (local_silent, "client-failure", r"check 'client-failure' failed: the local phase on partition "
+               r"{partition} \(node {node}\) failed: 1 client\(s\) failed: no reply from node\(s\) {node} \(died or "
+               r"timed out\).*not retried"),
+}
+
+
+@pytest.mark.parametrize("case", list(LOCAL_FAIL_CASES))
+def test_a_bad_local_phase_stops_the_run_naming_the_node(local_cfg, tmp_path, case):
+    """Round 2's local phase (after a whole round 1: Flower rounds 1-2) gets a bad reply; the local phase
+    is the same on restart and difference rounds."""
+    tamper, check, pattern = LOCAL_FAIL_CASES[case]
+    bad_round = 2
+    server = make_server(local_cfg, tmp_path)
+    strategy = Diff2Strategy(server=server, round_retries=2)  # retries cover gradient phases only
+    manager, proxies = local_manager()
+    for f in range(1, 2 * bad_round - 1):
+        instructions = strategy.configure_fit(f, None, manager)
+        strategy.aggregate_fit(f, as_results(node_replies(local_cfg, instructions)), [])
+    gradient_instructions = strategy.configure_fit(2 * bad_round - 1, None, manager)
+    gradient = node_replies(local_cfg, gradient_instructions)
+    strategy.aggregate_fit(2 * bad_round - 1, as_results(gradient), [])
+    state, rows, epsilon = server.state, metrics_rows(server), server.epsilon_spent
+    assert state.round == bad_round - 1 and len(rows) == bad_round
+
+    instructions = strategy.configure_fit(2 * bad_round, None, manager)
+    (proxy, fit_ins), = instructions
+    partition = fit_ins.config[protocol.PARTITION_ID]
+    results, failures = tamper(local_cfg, instructions, proxies, gradient)
+    with pytest.raises(RoundRejected, match=pattern.format(node=proxy.cid, partition=partition)) as info:
+        strategy.aggregate_fit(2 * bad_round, results, failures)
+    assert info.value.check == check and info.value.round == bad_round
+    # x_r is not released, nor anything after it; ṽ_r went to the chosen node and stays charged
+    assert server.state is state and metrics_rows(server) == rows and server.epsilon_spent == epsilon
+    assert strategy.retries_left == 2  # a local phase is never retried
+    s = summary(server)
+    assert s["status"] == "failed" and s["error"] == f"RoundRejected: {info.value}"
+    assert s["rounds_released"] == bad_round - 1
+    with pytest.raises(RuntimeError, match="awaits its local phase"):
+        server.plan()  # the server itself refuses to go on
+
+
+def test_honest_local_replies_of_the_fail_closed_setup_are_accepted(local_cfg, tmp_path):
+    """Control for the table above: the untampered local reply of the same round is released."""
+    server = make_server(local_cfg, tmp_path)
+    strategy = Diff2Strategy(server=server)
+    manager, proxies = local_manager()
+    gradient_phase(strategy, manager, local_cfg, 1)
+    instructions = strategy.configure_fit(2, None, manager)
+    results, failures = as_results([_chosen_reply(local_cfg, instructions)]), []
+    strategy.aggregate_fit(2, results, failures)
+    assert server.state.round == 1 and len(metrics_rows(server)) == 2
+
+
+def test_a_failed_gradient_phase_is_retried_and_the_phases_stay_in_step(local_cfg, tmp_path):
+    server = make_server(local_cfg, tmp_path)
+    strategy = Diff2Strategy(server=server, round_retries=1)
+    manager, _ = local_manager()
+    assert strategy.num_rounds == 2 * 12 + 1
+    instructions = strategy.configure_fit(1, None, manager)
+    results = as_results(node_replies(local_cfg, instructions))[1:]
+    assert strategy.aggregate_fit(1, results, [TimeoutError("node timed out")]) == (None, {})
+    assert server.state.round == 0 and server.pending is None  # nothing released, no local phase due
+    # Flower round 2 retries round 1's gradient phase, round 3 is its local phase, round 4 round 2's gradient phase
+    gradient_phase(strategy, manager, local_cfg, 2)
+    instructions = strategy.configure_fit(3, None, manager)
+    assert len(instructions) == 1 and instructions[0][1].config[protocol.KIND] == protocol.LOCAL
+    strategy.aggregate_fit(3, as_results(node_replies(local_cfg, instructions)), [])
+    assert server.state.round == 1
+    instructions = strategy.configure_fit(4, None, manager)
+    assert len(instructions) == LOCAL_P and instructions[0][1].config[protocol.ROUND] == 2
+
+
+def test_flower_rounds_out_of_step_with_the_phases_stop_the_run(local_cfg, tmp_path):
+    server = make_server(local_cfg, tmp_path)
+    strategy = Diff2Strategy(server=server)
+    manager, _ = local_manager()
+    with pytest.raises(RuntimeError, match=r"Flower asked for round 2, the local phase of DIFF2 round 1, but no local "
+                                           r"phase of round 1 is due"):
+        strategy.configure_fit(2, None, manager)
+    assert summary(server)["status"] == "failed" and server.state.round == 0
+
+
+def test_a_local_phase_that_runs_away_is_divergence_in_flower_too(local_cfg, tmp_path, monkeypatch):
+    """The worker's Diverged (a local radius that is not finite) travels as the overflow flag: status diverged."""
+    from diff2_flwr.core.estimator import Diverged
+
+    server = make_server(local_cfg, tmp_path)
+    strategy = Diff2Strategy(server=server)
+    manager, _ = local_manager()
+    gradient_phase(strategy, manager, local_cfg, 1)
+    instructions = strategy.configure_fit(2, None, manager)
+
+    def runs_away(worker, task):
+        raise Diverged(task.round, "radius", "local step 1's radius inf is not finite")
+
+    monkeypatch.setattr(Worker, "local_phase", runs_away)
+    (proxy, arrays, n, metrics), = node_replies(local_cfg, instructions)
+    assert metrics[protocol.OVERFLOW] == 1 and not any(np.any(a) for a in arrays)
+    with pytest.raises(Diverged, match="overflow during its local steps"):
+        strategy.aggregate_fit(2, as_results([(proxy, arrays, n, metrics)]), [])
+    s = summary(server)
+    assert s["status"] == "diverged" and s["diverged_at"] == 1 and server.state.round == 0
+
+
+# ------------------------------------------------------------------------------ protocol of the local phase
+
+def _local_task(layout, seed, partition_id=1, **mechanism):
+    from diff2_flwr.core.local import LocalMechanism, LocalTask
+
+    rng = np.random.default_rng(3)
+    m = {"steps": 3, "batch_size": 32, "learning_rate": 0.1, "clip": 3.0, "sigma": 0.05} | mechanism
+    return LocalTask(round=5, partition_id=partition_id, x_start=rng.standard_normal(layout.dim),
+                     v=rng.standard_normal(layout.dim), mechanism=LocalMechanism(**m), seed=seed)
+
+
+def _over_the_wire(fit_ins):
+    """FitIns through Flower 1.42's own message path: RecordDict -> protobuf bytes -> RecordDict -> FitIns."""
+    from flwr.common import serde
+    from flwr.compat.common import recorddict_compat as compat
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
+
+    wire = serde.recorddict_to_proto(compat.fitins_to_recorddict(fit_ins, keep_input=True)).SerializeToString()
+    proto = ProtoRecordDict()
+    proto.ParseFromString(wire)
+    return compat.recorddict_to_fitins(serde.recorddict_from_proto(proto), keep_input=True)
+
+
+@pytest.mark.parametrize("seed", [None, 0, 12345, 2**63 - 1, 2**63, 2**64 - 1])
+def test_local_task_round_trips_through_flowers_wire(layout, seed):
+    from flwr.common import FitIns
+
+    task = _local_task(layout, seed)
+    arrays, config = protocol.encode_local_task(task, layout)
+    if seed is not None:  # a uint64 goes as the int64 of the same bits: any sint64 field holds it
+        assert -2**63 <= config[protocol.LOCAL_SEED] < 2**63
+    received = _over_the_wire(FitIns(parameters=ndarrays_to_parameters(arrays), config=config))
+    assert protocol.is_local(received.config)
+    decoded = protocol.decode_local_task(parameters_to_ndarrays(received.parameters), dict(received.config), layout,
+                                         partition_id=1, num_samples=400)
+    assert decoded.seed == seed and decoded.round == 5 and decoded.partition_id == 1
+    assert decoded.mechanism == task.mechanism
+    np.testing.assert_array_equal(decoded.x_start, task.x_start)
+    np.testing.assert_array_equal(decoded.v, task.v)
+
+
+def test_local_reply_round_trips_through_flowers_wire(layout):
+    from flwr.common import serde
+    from flwr.compat.common import recorddict_compat as compat
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
+
+    task = _local_task(layout, 7)
+    y = np.random.default_rng(4).standard_normal(layout.dim)
+    reply = Reply("partition 1", 1, layout.split(y), num_samples=500, num_clipped=17)
+    arrays, n, metrics = protocol.encode_local_reply(task, reply)
+    assert set(metrics) == {protocol.PARTITION_ID, protocol.ECHO_ROUND, protocol.ECHO_KIND, protocol.OVERFLOW}
+    wire = serde.recorddict_to_proto(compat.fitres_to_recorddict(fit_res(arrays, n, metrics), keep_input=True))
+    proto = ProtoRecordDict()
+    proto.ParseFromString(wire.SerializeToString())
+    res = compat.recorddict_to_fitres(serde.recorddict_from_proto(proto), keep_input=True)
+    decoded = protocol.decode_local_reply("node 9", parameters_to_ndarrays(res.parameters), res.num_examples,
+                                          res.metrics, 5)
+    assert decoded.client == "partition 1 (node 9)" and decoded.partition_id == 1 and decoded.num_samples == 500
+    assert decoded.num_clipped == 0 and not decoded.overflow  # nothing about the local steps but y_K leaves the worker
+    np.testing.assert_array_equal(layout.flatten(decoded.arrays), y)
+
+
+def _set(key, value):
+    def change(arrays, config):
+        config[key] = value
+        return arrays, config
+    return change
+
+
+def _drop(key):
+    def change(arrays, config):
+        del config[key]
+        return arrays, config
+    return change
+
+
+def _array(index, fn):
+    def change(arrays, config):
+        arrays = [a.copy() for a in arrays]
+        arrays[index] = fn(arrays[index])
+        return arrays, config
+    return change
+
+
+def _poison(value):
+    def fn(a):
+        a.flat[0] = value
+        return a
+    return fn
+
+
+HOSTILE_LOCAL_TASKS = {
+    "missing-steps": (_drop(protocol.LOCAL_STEPS), r"lacks config keys \['diff2.local-steps'\]"),
+    "missing-partition": (_drop(protocol.PARTITION_ID), r"lacks config keys \['diff2.partition-id'\]"),
+    "unknown-key": (_set("diff2.local-momentum", 0.9), r"unknown config keys \['diff2.local-momentum'\]"),
+    "another-partition": (_set(protocol.PARTITION_ID, 2), r"is for partition 2; this worker is partition 1"),
+    "one-step": (_set(protocol.LOCAL_STEPS, 1), r"'diff2.local-steps' \(K, the local steps\) must be an integer >= 2"),
+    "steps-float": (_set(protocol.LOCAL_STEPS, 3.0), r"'diff2.local-steps' .* must be an integer >= 2. Found 3.0"),
+    "batch-zero": (_set(protocol.LOCAL_BATCH_SIZE, 0), r"'diff2.local-batch-size' .* must be an integer >= 1"),
+    "batch-over-n_p": (_set(protocol.LOCAL_BATCH_SIZE, 10**6), r"\(b\) = 1000000 exceeds this worker's \d+ records"),
+    "learning-rate-nan": (_set(protocol.LOCAL_LEARNING_RATE, math.nan), r"'diff2.local-learning-rate' \(η\) must be "
+                          r"a finite number > 0"),
+    "clip-zero": (_set(protocol.LOCAL_CLIP, 0.0), r"'diff2.local-clip' \(C3\) must be a finite number > 0"),
+    "sigma-negative": (_set(protocol.LOCAL_SIGMA, -1.0), r"'diff2.local-sigma' \(σ3\) must be a finite number >= 0"),
+    "sigma-inf": (_set(protocol.LOCAL_SIGMA, math.inf), r"'diff2.local-sigma' \(σ3\) must be a finite number >= 0"),
+    "seed-string": (_set(protocol.LOCAL_SEED, "7"), r"'diff2.local-seed' must be a 64-bit signed integer"),
+    "seed-too-large": (_set(protocol.LOCAL_SEED, 2**64 - 1), r"'diff2.local-seed' must be a 64-bit signed integer"),
+    "round-zero": (_set(protocol.ROUND, 0), r"'diff2.round' \(round\) must be an integer >= 1"),
+    "x-nan": (_array(0, _poison(math.nan)), r"x_\(r-1\) holds 1 NaN or inf"),
+    "v-inf": (_array(4, _poison(math.inf)), r"ṽ_r holds 1 NaN or inf"),
+    "x-reshaped": (_array(0, lambda a: a.reshape(8, 10)), r"x_\(r-1\) does not fit the model: Array 'hidden.weight' "
+                   r"must have shape \(10, 8\)"),
+    "v-float32": (_array(4, lambda a: a.astype(np.float32)), r"ṽ_r array 'hidden.weight' must be float64"),
+    "too-few-arrays": (lambda arrays, config: (arrays[:-1], config), r"carries 8 arrays \(x_\(r-1\), then ṽ_r\). "
+                       r"Found 7"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_LOCAL_TASKS))
+def test_the_worker_refuses_a_hostile_local_task_before_touching_its_data(cfg, layout, monkeypatch, case):
+    change, pattern = HOSTILE_LOCAL_TASKS[case]
+    worker = build_worker(cfg, 1)
+    calls = []
+    monkeypatch.setattr(Worker, "local_phase", lambda worker, task: calls.append(task))
+    arrays, config = protocol.encode_local_task(_local_task(layout, 2**63 + 5), layout)
+    arrays, config = change(arrays, dict(config))
+    with pytest.raises(ValueError, match=pattern):
+        Diff2Client(worker).fit(arrays, config)
+    assert calls == []
+
+
+def test_the_worker_runs_a_well_formed_local_task(cfg, layout):
+    """Control for the table above: the same task, untampered, is computed and answered as y_K."""
+    worker = build_worker(cfg, 1)
+    task = _local_task(layout, 2**63 + 5)
+    arrays, config = protocol.encode_local_task(task, layout)
+    reply_arrays, n, metrics = Diff2Client(worker).fit(arrays, dict(config))
+    assert n == worker.num_samples and metrics[protocol.ECHO_KIND] == protocol.LOCAL and metrics[protocol.OVERFLOW] == 0
+    expected = layout.flatten(worker.local_phase(task).arrays)  # seeded: the same y_K again
+    np.testing.assert_array_equal(layout.flatten(reply_arrays), expected)
+    assert not np.array_equal(expected, task.x_start)

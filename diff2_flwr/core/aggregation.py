@@ -25,8 +25,10 @@ import numpy as np
 from .clipping import NORM_RTOL, project_onto_ball, robust_norm
 from .estimator import Diverged, RoundPlan
 from .layout import ParameterLayout
+from .local import LocalTask
 
-__all__ = ["NORM_RTOL", "Diverged", "RoundRejected", "Reply", "Aggregate", "average_contributions", "robust_norm"]
+__all__ = ["NORM_RTOL", "Diverged", "RoundRejected", "Reply", "Aggregate", "average_contributions", "check_local_reply",
+           "robust_norm"]
 
 
 class RoundRejected(RuntimeError):
@@ -129,3 +131,36 @@ def average_contributions(
     clipped = sum(r.num_clipped for r in seen.values())
     samples = sum(r.num_samples for r in seen.values())
     return Aggregate(mean=mean, clip_fraction=clipped / samples)
+
+
+def check_local_reply(task: LocalTask, layout: ParameterLayout, reply: Reply, n_min: int) -> np.ndarray:
+    """y_K of the chosen worker's local phase, after the checks; raise :class:`RoundRejected` (or
+    :class:`Diverged` for a well-formed overflow report) otherwise.
+
+    The local phase's privacy rests on the worker's own clipping and noise, which the server cannot
+    verify; it checks what it can: the right worker answered, with the model's layout, finite values,
+    and at least n_min records (the calibration's sampling probability b / n_min bounds its b / n_p).
+    """
+    def reject(check: str, detail: str) -> RoundRejected:
+        return RoundRejected(task.round, check, detail, reply.client)
+
+    if reply.partition_id != task.partition_id:
+        raise reject("local-worker", f"the local phase was sent to partition {task.partition_id}, the reply is from "
+                     f"partition {reply.partition_id}.")
+    if len(reply.arrays) != len(layout.shapes):
+        raise reject("arrays", f"expected {len(layout.shapes)} arrays ({', '.join(layout.names)}), found {len(reply.arrays)}.")
+    for name, shape, a in zip(layout.names, layout.shapes, reply.arrays):
+        if not isinstance(a, np.ndarray) or a.dtype != np.float64:
+            raise reject("dtype", f"array {name!r} must be float64, found {getattr(a, 'dtype', type(a).__name__)}.")
+        if a.shape != shape:
+            raise reject("shape", f"array {name!r} must have shape {shape}, found {a.shape}.")
+    if reply.num_samples < max(n_min, task.mechanism.batch_size):
+        raise reject("n_min", f"the worker holds {reply.num_samples} samples; the local steps were calibrated for at "
+                     f"least n_min = {n_min} (and b = {task.mechanism.batch_size}).")
+    if reply.overflow:
+        raise Diverged(task.round, "gradients", f"{reply.client} reports that per-sample gradients overflow during its "
+                       "local steps: the optimisation diverged. Lower training.learning_rate.")
+    flat = layout.flatten(reply.arrays)
+    if not np.all(np.isfinite(flat)):
+        raise reject("finite", f"y_K holds {int(np.sum(~np.isfinite(flat)))} NaN or inf values.")
+    return flat

@@ -40,6 +40,8 @@ __all__ = [
     "Release",
     "is_restart",
     "difference_radius",
+    "advance",
+    "estimate",
     "init_state",
     "plan_round",
     "round_noise",
@@ -235,10 +237,8 @@ def round_noise(noise_key: int, r: int, dim: int, std: float) -> np.ndarray:
     return np.random.Generator(np.random.PCG64(seq)).standard_normal(dim) * std
 
 
-def server_step(
-    state: Diff2State, mechanism: Mechanism, routine: Routine, mean: np.ndarray
-) -> tuple[Diff2State, Release]:
-    """Release round r from the workers' averaged clipped means ``mean``.
+def estimate(state: Diff2State, mechanism: Mechanism, mean: np.ndarray) -> tuple[RoundPlan, np.ndarray]:
+    """Round r's plan and released estimator ṽ_r from the workers' averaged clipped means ``mean``.
 
     ``mean`` is (1/P) Σ_p ClippedMean_p: of gradients on restart rounds, of gradient
     differences on difference rounds.
@@ -254,9 +254,26 @@ def server_step(
         raise ValueError(f"Round {plan.round}: the averaged contribution is not finite; nothing released.")
     xi = round_noise(state.noise_key, plan.round, mean.size, plan.noise_std)
     v = mean + xi if plan.restart else state.v + mean + xi
-    x, routine_state = routine.update(state.x, v, state.routine_state)
+    return plan, v
+
+
+def advance(state: Diff2State, plan: RoundPlan, v: np.ndarray, x: np.ndarray, routine_state: Any) -> tuple[Diff2State, Release]:
+    """The state after round r released ṽ_r = ``v`` and x_r = ``x``."""
     new_state = Diff2State(
         round=plan.round, x=_frozen(x), x_prev=state.x, v=_frozen(v),
         routine_state=routine_state, noise_key=state.noise_key, noise_seeded=state.noise_seeded,
     )
     return new_state, Release(plan=plan, v=new_state.v, x=new_state.x)
+
+
+def server_step(
+    state: Diff2State, mechanism: Mechanism, routine: Routine, mean: np.ndarray
+) -> tuple[Diff2State, Release]:
+    """Release round r from the workers' averaged clipped means ``mean``: ṽ_r, then x_r = Routine(x_{r-1}, ṽ_r).
+
+    References:
+        Murata & Suzuki (2023), Algorithm 1, server lines.
+    """
+    plan, v = estimate(state, mechanism, mean)
+    x, routine_state = routine.update(state.x, v, state.routine_state)
+    return advance(state, plan, v, x, routine_state)

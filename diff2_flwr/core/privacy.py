@@ -23,6 +23,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -37,6 +38,9 @@ from scipy.special import log_ndtr, ndtr
 __all__ = [
     "Calibration",
     "GaussianEvent",
+    "LocalCalibration",
+    "LocalEvent",
+    "calibrate_local",
     "PrivacyLedger",
     "CalibrationMode",
     "calibrate",
@@ -52,6 +56,9 @@ __all__ = [
 ]
 
 CalibrationMode = Literal["exact", "rdp"]
+
+#: Discretisation of dp-accounting's privacy-loss distributions (pessimistic: an upper bound on ε).
+PLD_DISCRETIZATION = 1e-4
 _MODES = ("exact", "rdp")
 
 
@@ -155,6 +162,21 @@ class Calibration:
     z2: float | None
     sigma1: float
     sigma2: float | None
+    local: "LocalCalibration | None" = None
+
+    @property
+    def planned_epsilon(self) -> float:
+        """ε of the whole schedule: the exact GDP closed form, or with a local phase dp-accounting's PLD."""
+        if self.local is None:
+            return self.epsilon_spent(self.restart_rounds, self.difference_rounds)
+        return _schedule_pld_epsilon(self.delta, self.restart_rounds, self.z1, self.difference_rounds, self.z2,
+                                     self.local.z3, self.local.sampling_prob, self.local.steps - 1, self.rounds)
+
+    def round_events(self, restart: bool) -> tuple["GaussianEvent | LocalEvent", ...]:
+        """What one released round costs: its Gaussian event, then the local phase's steps (if any)."""
+        z = self.z1 if restart else self.z2
+        gaussian = GaussianEvent(float(z), "restart" if restart else "difference")  # type: ignore[arg-type]
+        return (gaussian,) if self.local is None else (gaussian, self.local.event)
 
     @property
     def mu(self) -> float:
@@ -173,7 +195,8 @@ class Calibration:
             "clients": self.clients, "restart_rounds": self.restart_rounds,
             "difference_rounds": self.difference_rounds, "budget": self.budget,
             "z1": self.z1, "z2": self.z2, "sigma1": self.sigma1, "sigma2": self.sigma2,
-            "mu": self.mu, "epsilon_spent_at_end": self.epsilon_spent(self.restart_rounds, self.difference_rounds),
+            "mu": self.mu, "epsilon_spent_at_end": self.planned_epsilon,
+            "local": None if self.local is None else self.local.as_dict(),
         }
 
 
@@ -194,8 +217,16 @@ def calibrate(
     n_min: int,
     clients: int,
     mode: CalibrationMode = "exact",
+    local_steps: int | None = None,
+    local_batch_size: int | None = None,
+    local_share: float | None = None,
 ) -> Calibration:
     """Noise (σ1, σ2) so that R rounds of DIFF2 with restart period T are (ε, δ)-DP.
+
+    With ``local_steps`` = K (the BVR-L-SGD local routine: K - 1 private steps per round on one worker),
+    the server's rounds get the GDP budget (1 - local_share) μ² and σ3 is then the smallest noise with
+    which the whole schedule, composed by dp-accounting's PLD accountant, stays within ε (see
+    :func:`calibrate_local`); mode ``exact`` only.
 
     Raises:
         ValueError: on an invalid argument, naming it, with the value found.
@@ -213,17 +244,127 @@ def calibrate(
             f"Found {u}. The paper uses u = 1.25; T = 1 is DP-GD."
         )
     budget = gdp_mu(epsilon, delta) ** 2 if mode == "exact" else 2 * zcdp_rho(epsilon, delta)
+    if local_steps is not None:
+        if mode != "exact":
+            raise ValueError("The local routine is calibrated against dp-accounting's PLD accountant: use "
+                             f"privacy.mode 'exact'. Found {mode!r}.")
+        _check_local(local_steps, local_batch_size, local_share, n_min)
+        budget *= 1 - float(local_share)  # type: ignore[arg-type]
     if m2 == 0:
         z1, z2 = math.sqrt(m1 / budget), None
     else:
         z1 = math.sqrt(m1 * u / budget)
         z2 = math.sqrt(m2 * u / (budget * (u - 1)))
-    return Calibration(
+    server = Calibration(
         mode=mode, epsilon=epsilon, delta=delta, rounds=rounds, restart_every=restart_every, u=u,
         n_min=n_min, clients=clients, restart_rounds=m1, difference_rounds=m2, budget=budget,
         z1=z1, z2=z2, sigma1=sigma_from_multiplier(z1, n_min, clients),
         sigma2=None if z2 is None else sigma_from_multiplier(z2, n_min, clients),
     )
+    if local_steps is None:
+        return server
+    return dataclasses.replace(server, local=calibrate_local(server, local_steps, local_batch_size, local_share))
+
+
+#: The local routine's σ3 is calibrated to ε (1 - LOCAL_MARGIN) by the PLD accountant composing the schedule
+#: by counts, so that the ledger's own composition (round by round, another discretisation path) stays within ε.
+LOCAL_MARGIN = 0.005
+
+
+@dataclass(frozen=True)
+class LocalCalibration:
+    """The local routine's noise: K - 1 Poisson-subsampled Gaussian steps per round (see :class:`LocalEvent`)."""
+
+    steps: int  # K
+    batch_size: int  # b: expected batch size and the fixed normaliser of the minibatch sum
+    share: float  # the fraction of the GDP budget μ² the server's rounds leave to the local steps
+    sampling_prob: float  # b / n_min: the largest per-record inclusion probability of any worker
+    z3: float  # std / (c / b), c = C3 ||y_k - y_(k-1)||
+    sigma3: float  # noise std per unit radius c: z3 / b
+
+    @property
+    def event(self) -> LocalEvent:
+        return LocalEvent(self.z3, self.sampling_prob, self.steps - 1)
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return {"steps": self.steps, "batch_size": self.batch_size, "share": self.share,
+                "sampling": "Poisson, each record with probability b / n_p; the sum is divided by b",
+                "adjacency": "replace-one (dp-accounting REPLACE_ONE, PoissonSampled Gaussian)",
+                "sampling_prob": self.sampling_prob, "z3": self.z3, "sigma3": self.sigma3}
+
+
+def _check_local(steps: int | None, batch_size: int | None, share: float | None, n_min: int) -> None:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
+        raise ValueError(f"`local_steps` (K) must be an integer >= 2 (K - 1 local steps per round). Found {steps!r}.")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= n_min:
+        raise ValueError(f"`local_batch_size` (b) must be an integer in [1, n_min = {n_min}] (every worker samples "
+                         f"with probability b / n_p <= 1). Found {batch_size!r}.")
+    if share is None or not (math.isfinite(share) and 0 < share < 1):
+        raise ValueError(f"`local_share` must be a number in (0, 1): the fraction of the budget left to the local "
+                         f"steps. Found {share!r}.")
+
+
+#: Discretisation of the PLDs of the calibration's search (the result is then checked at PLD_DISCRETIZATION).
+SEARCH_DISCRETIZATION = 1e-3
+
+
+@functools.lru_cache(maxsize=64)
+def _local_pld_at(noise_multiplier: float, sampling_prob: float, steps: int, interval: float) -> Any:
+    from dp_accounting import NeighboringRelation
+    from dp_accounting.pld import privacy_loss_distribution
+
+    one = privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier, sensitivity=1.0, sampling_prob=sampling_prob,
+        neighboring_relation=NeighboringRelation.REPLACE_ONE, value_discretization_interval=interval)
+    return one.self_compose(steps) if steps > 1 else one
+
+
+@functools.lru_cache(maxsize=1024)
+def _schedule_pld_epsilon(delta: float, m1: int, z1: float, m2: int, z2: float | None, z3: float, q: float,
+                          local_steps: int, rounds: int, interval: float = PLD_DISCRETIZATION) -> float:
+    """ε (PLD, composed by counts) of m1 + m2 server rounds and ``rounds`` local phases of ``local_steps`` steps."""
+    from dp_accounting.pld import privacy_loss_distribution as plds
+
+    local = _local_pld_at(z3, q, local_steps, interval)
+    pld = local.self_compose(rounds) if rounds > 1 else local
+    for m, z in ((m1, z1), (m2, z2)):
+        if m:
+            assert z is not None
+            gauss = plds.from_gaussian_mechanism(standard_deviation=z / math.sqrt(m), sensitivity=1.0,
+                                                 value_discretization_interval=interval)
+            pld = pld.compose(gauss)
+    return float(pld.get_epsilon_for_delta(delta))
+
+
+def calibrate_local(server: Calibration, steps: int, batch_size: int | None, share: float | None) -> LocalCalibration:
+    """σ3: the smallest z3 (to about 0.2 %) with which the schedule's PLD ε stays within ε (1 - LOCAL_MARGIN).
+
+    ``server`` is the server's rounds calibrated to the budget (1 - share) μ²; ε(z3) decreases in z3. The search
+    runs on coarser (pessimistic) PLDs; the result is then checked, and raised if needed, at the ledger's
+    discretisation.
+    """
+    _check_local(steps, batch_size, share, server.n_min)
+    assert batch_size is not None and share is not None
+    q = batch_size / server.n_min
+    target = server.epsilon * (1 - LOCAL_MARGIN)
+
+    def eps(z3: float, interval: float = SEARCH_DISCRETIZATION) -> float:
+        return _schedule_pld_epsilon(server.delta, server.restart_rounds, server.z1, server.difference_rounds,
+                                     server.z2, z3, q, steps - 1, server.rounds, interval)
+
+    lo, hi = 0.5, 1.0
+    while eps(hi) > target:
+        lo, hi = hi, hi * 2
+        if hi > 1e7:
+            raise ValueError(f"No local noise keeps the schedule within ε = {server.epsilon}: raise local_share.")
+    while eps(lo) <= target and lo > 1e-3:
+        lo, hi = lo / 2, lo
+    root = math.exp(brentq(lambda t: eps(math.exp(t)) - target, math.log(lo), math.log(hi), xtol=1e-3))
+    hi = min(hi, root * 1.002)
+    while eps(hi) > target or eps(hi, PLD_DISCRETIZATION) > target:
+        hi *= 1.002
+    return LocalCalibration(steps=steps, batch_size=batch_size, share=float(share), sampling_prob=q, z3=hi,
+                            sigma3=hi / batch_size)
 
 
 @dataclass(frozen=True)
@@ -234,8 +375,49 @@ class GaussianEvent:
     kind: str  # "restart" or "difference"
 
 
-#: Discretisation of dp-accounting's privacy-loss distributions (pessimistic: an upper bound on ε).
-PLD_DISCRETIZATION = 1e-4
+@dataclass(frozen=True)
+class LocalEvent:
+    """The local phase of one round: ``steps`` Poisson-subsampled Gaussian mechanisms on one worker's shard.
+
+    Each local step samples every record of the chosen worker independently with probability
+    ``q_p = b / n_p <= sampling_prob = b / n_min``, sums the sampled records' clipped gradient
+    differences (each of norm <= c), divides by the *fixed* b and adds N(0, (σ3 c)² I). Under replace-one
+    adjacency one record's term changes from a to a' (both of norm <= c/b) if it is sampled: the pair
+    (1-q) N(0, s²) + q N(a, s²) vs (1-q) N(0, s²) + q N(a', s²), dominated by dp-accounting's
+    ``REPLACE_ONE`` Poisson-subsampled Gaussian with sensitivity c/b. ``noise_multiplier`` is in that
+    convention: std / (c/b) = σ3 b (not std over the replace-one sensitivity 2c/b, as for
+    :class:`GaussianEvent`). Every record is charged every local phase, whichever worker ran it.
+    """
+
+    noise_multiplier: float
+    sampling_prob: float
+    steps: int
+    kind: str = "local"
+
+
+
+@functools.lru_cache(maxsize=64)
+def _local_pld(noise_multiplier: float, sampling_prob: float, steps: int) -> Any:
+    """PLD of ``steps`` Poisson-subsampled Gaussian steps under replace-one (dp-accounting, pessimistic)."""
+    from dp_accounting import NeighboringRelation
+    from dp_accounting.pld import privacy_loss_distribution
+
+    one = privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier, sensitivity=1.0, sampling_prob=sampling_prob,
+        neighboring_relation=NeighboringRelation.REPLACE_ONE, value_discretization_interval=PLD_DISCRETIZATION)
+    return one.self_compose(steps) if steps > 1 else one
+
+
+def _event_pld(event: "GaussianEvent | LocalEvent") -> Any:
+    if isinstance(event, LocalEvent):
+        return _local_pld(event.noise_multiplier, event.sampling_prob, event.steps)
+    return _gaussian_pld(event.noise_multiplier)
+
+
+def _event_key(event: "GaussianEvent | LocalEvent") -> tuple[float, float, int]:
+    if isinstance(event, LocalEvent):
+        return (event.noise_multiplier, event.sampling_prob, event.steps)
+    return (event.noise_multiplier, 1.0, 0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -309,33 +491,45 @@ def _rdp_epsilon(delta: float, counts: tuple[tuple[float, int], ...]) -> float:
 
 @dataclass(frozen=True)
 class PrivacyLedger:
-    """The Gaussian events released so far, and ε spent by three accountants.
+    """The events released so far, and ε spent by three accountants.
 
-    ``epsilon``: the exact μ-GDP composition (closed form; the budget guard's number).
+    ``epsilon``: the budget guard's number. For full-batch Gaussian rounds only, the exact μ-GDP
+    composition (closed form); once a local phase (:class:`LocalEvent`, subsampled) is in the ledger no
+    closed form is exact and ``epsilon`` is the PLD accountant's (``exact`` says which).
     ``epsilon_pld``: Google's dp-accounting privacy-loss-distribution accountant, composed
-    incrementally (one FFT convolution per released round), pessimistic by its discretisation.
-    ``epsilon_rdp``: dp-accounting's Rényi accountant (looser; for comparison).
-    ``noise_multiplier = 0`` (a non-private round) makes every ε infinite.
+    incrementally (one FFT convolution per released event), pessimistic by its discretisation.
+    ``epsilon_rdp``: dp-accounting's Rényi accountant (looser; for comparison). Its RDP accountant has no
+    replace-one Poisson subsampling, so a local step enters it unamplified (a full-batch Gaussian with
+    multiplier σ3 b / 2 over the replace-one sensitivity 2c/b): a valid, looser upper bound.
+    ``noise_multiplier = 0`` (a non-private event) makes every ε infinite.
     """
 
     delta: float
-    events: tuple[GaussianEvent, ...] = ()
+    events: tuple[GaussianEvent | LocalEvent, ...] = ()
     _chain: _PldChain | None = field(default=None, compare=False, repr=False)
 
-    def record(self, event: GaussianEvent) -> "PrivacyLedger":
+    def record(self, *events: GaussianEvent | LocalEvent) -> "PrivacyLedger":
         chain = self._chain if self._chain is not None else _PldChain()
-        return PrivacyLedger(self.delta, self.events + (event,), chain)
+        return PrivacyLedger(self.delta, self.events + tuple(events), chain)
+
+    @property
+    def exact(self) -> bool:
+        """Whether ``epsilon`` is the exact GDP closed form (no subsampled local phase in the ledger)."""
+        return not any(isinstance(e, LocalEvent) for e in self.events)
 
     @property
     def mu(self) -> float:
+        """μ of the exact GDP composition (full-batch Gaussian events only; nan with a local phase)."""
+        if not self.exact:
+            return math.nan
         if any(e.noise_multiplier == 0 for e in self.events):
             return math.inf
         return math.sqrt(sum(1 / e.noise_multiplier**2 for e in self.events))
 
     @property
     def epsilon(self) -> float:
-        """ε spent at the ledger's δ (exact for full-batch Gaussian composition)."""
-        return gdp_epsilon(self.mu, self.delta)
+        """ε spent at the ledger's δ: exact for full-batch Gaussian composition, else the PLD accountant's."""
+        return gdp_epsilon(self.mu, self.delta) if self.exact else self.epsilon_pld
 
     def _degenerate(self) -> float | None:
         """ε when no accountant is needed: 0 with no events, inf with a noise-free event."""
@@ -346,9 +540,11 @@ class PrivacyLedger:
         return None
 
     def _counts(self) -> tuple[tuple[float, int], ...]:
+        """(multiplier over the replace-one sensitivity, count) of full-batch Gaussians; local steps unamplified."""
         counts: dict[float, int] = {}
         for e in self.events:
-            counts[e.noise_multiplier] = counts.get(e.noise_multiplier, 0) + 1
+            z, n = (e.noise_multiplier / 2, e.steps) if isinstance(e, LocalEvent) else (e.noise_multiplier, 1)
+            counts[z] = counts.get(z, 0) + n
         return tuple(sorted(counts.items()))
 
     @property
@@ -356,18 +552,19 @@ class PrivacyLedger:
         """ε spent per dp-accounting's PLD accountant (an independent, slightly pessimistic bound)."""
         if (trivial := self._degenerate()) is not None:
             return trivial
-        zs = tuple(e.noise_multiplier for e in self.events)
-        key = (self.delta, len(zs), hashlib.blake2b(struct.pack(f"{len(zs)}d", *zs), digest_size=32).digest())
+        keys = tuple(_event_key(e) for e in self.events)
+        flat = [v for k in keys for v in k]
+        key = (self.delta, len(keys), hashlib.blake2b(struct.pack(f"{len(flat)}d", *flat), digest_size=32).digest())
         if key in _PLD_EPSILONS:
             return _PLD_EPSILONS[key]
         chain = self._chain
         pld, start = None, 0
-        if chain is not None and chain.pld is not None and zs[:len(chain.multipliers)] == chain.multipliers:
+        if chain is not None and chain.pld is not None and keys[:len(chain.multipliers)] == chain.multipliers:
             pld, start = chain.pld, len(chain.multipliers)
-        for z in zs[start:]:
-            pld = _gaussian_pld(z) if pld is None else pld.compose(_gaussian_pld(z))
+        for e in self.events[start:]:
+            pld = _event_pld(e) if pld is None else pld.compose(_event_pld(e))
         if chain is not None:
-            chain.multipliers, chain.pld = zs, pld
+            chain.multipliers, chain.pld = keys, pld
         epsilon = float(pld.get_epsilon_for_delta(self.delta))
         _PLD_EPSILONS.put(key, epsilon)
         return epsilon

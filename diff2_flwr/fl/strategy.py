@@ -5,12 +5,21 @@ on difference rounds); ``aggregate_fit`` requires exactly P successful replies a
 to the server, which checks each one (shape, dtype, finiteness, norm <= radius, n_p >= n_min)
 and releases nothing if any check fails: the run then stops with an error naming the client
 and the check.
+
+With the local routine (``local.steps`` = K > 0) a DIFF2 round takes two Flower rounds: the
+gradient phase above (all P clients), whose release is ṽ_r and the worker p_r drawn by the server,
+then the local phase: one ``FitIns`` with x_{r-1} and ṽ_r to the node that answered as partition
+p_r in the gradient phase, whose y_K (checked: that partition, this round, the model's shapes,
+finite) becomes x_r. A failure in the local phase stops the run: it is never retried, since its
+steps were charged to the budget when ṽ_r was released and a second attempt would run (and
+spend) them again. ``round_retries`` covers gradient phases only.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 from flwr.common import EvaluateIns, EvaluateRes, FitIns, FitRes, Parameters, Scalar
 from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import ClientManager
@@ -18,6 +27,8 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from ..core.aggregation import RoundRejected
+from ..core.estimator import Release
+from ..core.local import LocalTask
 from ..runtime.session import Diff2Server
 from . import protocol
 
@@ -35,7 +46,8 @@ class Diff2Strategy(Strategy):
     def __init__(self, *, server: Diff2Server, wait_for_clients_s: int = 300, round_retries: int = 0,
                  crash_after_round: int | None = None) -> None:
         """``round_retries``: how many times in the whole run a round whose clients failed or timed out
-        is retried (releasing nothing) once all P clients are connected again, before the run stops."""
+        is retried (releasing nothing) once all P clients are connected again, before the run stops (with
+        the local routine: a gradient phase; a local phase is never retried)."""
         super().__init__()
         if wait_for_clients_s < 1:
             raise ValueError(f"`wait_for_clients_s` must be >= 1. Found {wait_for_clients_s}.")
@@ -48,12 +60,22 @@ class Diff2Strategy(Strategy):
         self._asked: set[str] = set()
         # A resumed server continues at its next round; Flower numbers this run's rounds from 1.
         self.offset = server.state.round
+        # Flower rounds per DIFF2 round: the gradient phase, and with the local routine the local phase.
+        self.phases = 1 if server.local is None else 2
+        self._retried = 0  # Flower rounds spent on retried (gradient) phases
+        self._local: tuple[LocalTask, ClientProxy] | None = None  # the local phase due, and the chosen node
 
     @property
     def num_rounds(self) -> int:
         """The Flower rounds to run (``ServerConfig(num_rounds=...)``): the DIFF2 rounds still to release
-        (fewer after a resume) plus the retries a failed round may take."""
-        return self.server.rounds - self.server.state.round + self.retries_left
+        (fewer after a resume; two Flower rounds each with the local routine) plus the retries a failed
+        round may take."""
+        return self.phases * (self.server.rounds - self.server.state.round) + self.retries_left
+
+    def _position(self, server_round: int) -> tuple[int, bool]:
+        """The DIFF2 round Flower round ``server_round`` belongs to, and whether it is that round's local phase."""
+        f = server_round - self._retried
+        return self.offset + (f + self.phases - 1) // self.phases, self.phases == 2 and f % 2 == 0
 
     def __repr__(self) -> str:
         return f"Diff2Strategy(clients={self.server.clients}, rounds={self.server.rounds})"
@@ -66,10 +88,14 @@ class Diff2Strategy(Strategy):
     ) -> list[tuple[ClientProxy, FitIns]]:
         if self.server.done:  # Flower rounds reserved for retries that were not needed
             return []
+        r, local = self._position(server_round)
+        if local:
+            return self._configure_local(server_round, r)
         plan = self.server.plan()
-        if server_round + self.offset != plan.round:
+        if r != plan.round:
             resumed = f" (+{self.offset} resumed)" if self.offset else ""
-            self._stop(RuntimeError(f"Flower asked for round {server_round}{resumed} but the DIFF2 server is at "
+            phase = f", the gradient phase of DIFF2 round {r}," if self.phases == 2 else ""
+            self._stop(RuntimeError(f"Flower asked for round {server_round}{resumed}{phase} but the DIFF2 server is at "
                                     f"round {plan.round}."))
         p = self.server.clients
         available = self._await_clients(client_manager, p)
@@ -80,49 +106,100 @@ class Diff2Strategy(Strategy):
         self._asked = set(available)
         return [(proxy, fit_ins) for _, proxy in sorted(available.items())]
 
+    def _configure_local(self, server_round: int, r: int) -> list[tuple[ClientProxy, FitIns]]:
+        """The local phase of round r: x_{r-1} and ṽ_r to the chosen worker's node only."""
+        if self._local is None or self._local[0].round != r:
+            self._stop(RuntimeError(f"Flower asked for round {server_round}, the local phase of DIFF2 round {r}, but no "
+                                    f"local phase of round {r} is due."))
+        task, proxy = self._local  # type: ignore[misc]
+        arrays, config = protocol.encode_local_task(task, self.server.layout)
+        self._asked = {proxy.cid}
+        return [(proxy, FitIns(parameters=ndarrays_to_parameters(arrays), config=config))]
+
     def aggregate_fit(
         self,
         server_round: int,
         results: list[tuple[ClientProxy, FitRes]],
         failures: list[tuple[ClientProxy, FitRes] | BaseException],
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        r, local = self._position(server_round)
+        if local:
+            return self._aggregate_local(r, results, failures)
         if failures:
-            described, named = [], set()
-            for failure in failures:
-                if isinstance(failure, BaseException):
-                    described.append(f"{type(failure).__name__}: {failure}")
-                else:
-                    proxy, res = failure
-                    named.add(proxy.cid)
-                    described.append(f"node {proxy.cid}: status {res.status.code.name} {res.status.message}")
-            silent = sorted(self._asked - {proxy.cid for proxy, _ in results} - named)
-            if silent:  # a dead or timed-out node leaves no reply at all: name it from what was asked
-                described.insert(0, f"no reply from node(s) {', '.join(silent)} (died or timed out)")
-            error = RoundRejected(server_round + self.offset, "client-failure",
-                                  f"{len(failures)} client(s) failed: " + "; ".join(described))
+            error = RoundRejected(r, "client-failure", self._describe_failures(results, failures))
             if self.retries_left > 0:
                 self.retries_left -= 1
-                self.offset -= 1  # the next Flower round retries this DIFF2 round; nothing was released
+                self._retried += 1  # the next Flower round retries this DIFF2 round; nothing was released
                 if self.server.progress:
                     self.server.progress(f"[diff2] {error} Retrying the round ({self.retries_left} retries left).")
                 return None, {}
             self._stop(error)
         replies = []
         for proxy, res in results:
+            arrays = self._arrays(r, proxy, res)
             try:
-                arrays = parameters_to_ndarrays(res.parameters)
-            except Exception as err:  # corrupt bytes: nothing usable, nothing released
-                self._stop(RoundRejected(server_round + self.offset, "protocol", f"cannot decode the reply's arrays: {err}.",
-                                         f"node {proxy.cid}"))
-            try:
-                replies.append(protocol.decode_reply(f"node {proxy.cid}", arrays, res.num_examples, res.metrics,
-                                                     server_round + self.offset))
+                replies.append(protocol.decode_reply(f"node {proxy.cid}", arrays, res.num_examples, res.metrics, r))
             except RoundRejected as err:
                 self._stop(err)
-        release = self.server.release(replies)  # records and raises on a failed check
+        released = self.server.release(replies)  # records and raises on a failed check
+        if isinstance(released, LocalTask):  # ṽ_r is out; x_r comes from the chosen worker's local phase
+            # release() checked that the replies' partitions are exactly 0..P-1, once each.
+            nodes = {reply.partition_id: proxy for (proxy, _), reply in zip(results, replies)}
+            self._local = (released, nodes[released.partition_id])
+            return None, {}
+        return self._released(released), {}
+
+    def _aggregate_local(
+        self, r: int, results: list[tuple[ClientProxy, FitRes]], failures: list[tuple[ClientProxy, FitRes] | BaseException]
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """y_K of the chosen node, checked, becomes x_r; any failure stops the run (no retry: see the module)."""
+        assert self._local is not None
+        task, proxy = self._local
+        who = f"node {proxy.cid}"
+        if failures:
+            self._stop(RoundRejected(r, "client-failure", f"the local phase on partition {task.partition_id} ({who}) "
+                                     f"failed: {self._describe_failures(results, failures)}. The local phase is not "
+                                     "retried (its steps were charged to the budget when ṽ_r was released; a second "
+                                     "attempt would spend them again): the run stops."))
+        if len(results) != 1 or results[0][0].cid != proxy.cid:
+            self._stop(RoundRejected(r, "local-worker", f"the local phase was sent to {who} (partition "
+                                     f"{task.partition_id}) only; {len(results)} replies came, from node(s) "
+                                     f"{', '.join(p.cid for p, _ in results) or 'none'}."))
+        _, res = results[0]
+        arrays = self._arrays(r, proxy, res)
+        try:
+            reply = protocol.decode_local_reply(who, arrays, res.num_examples, res.metrics, r)
+        except RoundRejected as err:
+            self._stop(err)
+        release = self.server.finish_local(reply)  # checks partition, shapes, finiteness, n_p; raises on failure
+        self._local = None
+        return self._released(release), {}
+
+    def _released(self, release: Release) -> Parameters:
         if release.plan.round == self.crash_after_round:
             raise RuntimeError(f"fault injection: the server crashes after releasing round {release.plan.round}")
-        return ndarrays_to_parameters(self.server.layout.split(release.x)), {}
+        return ndarrays_to_parameters(self.server.layout.split(release.x))
+
+    def _arrays(self, r: int, proxy: ClientProxy, res: FitRes) -> list[np.ndarray]:
+        try:
+            return parameters_to_ndarrays(res.parameters)
+        except Exception as err:  # corrupt bytes: nothing usable, nothing released
+            self._stop(RoundRejected(r, "protocol", f"cannot decode the reply's arrays: {err}.", f"node {proxy.cid}"))
+
+    def _describe_failures(self, results: list[tuple[ClientProxy, FitRes]],
+                           failures: list[tuple[ClientProxy, FitRes] | BaseException]) -> str:
+        described, named = [], set()
+        for failure in failures:
+            if isinstance(failure, BaseException):
+                described.append(f"{type(failure).__name__}: {failure}")
+            else:
+                proxy, res = failure
+                named.add(proxy.cid)
+                described.append(f"node {proxy.cid}: status {res.status.code.name} {res.status.message}")
+        silent = sorted(self._asked - {proxy.cid for proxy, _ in results} - named)
+        if silent:  # a dead or timed-out node leaves no reply at all: name it from what was asked
+            described.insert(0, f"no reply from node(s) {', '.join(silent)} (died or timed out)")
+        return f"{len(failures)} client(s) failed: " + "; ".join(described)
 
     def configure_evaluate(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager

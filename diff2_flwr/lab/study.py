@@ -68,9 +68,11 @@ __all__ = [
 CRITERIA = ("train_loss", "grad_norm_sq", "test_loss")
 #: Reported, never selected on: larger is better, taken at the train-loss-best point (classification only).
 ACCURACY = "test_accuracy"
-GRID_KEYS = ("learning_rate", "clip_restart", "clip_diff", "restart_every")
+GRID_KEYS = ("learning_rate", "clip_restart", "clip_diff", "restart_every", "local.steps", "local.clip", "local.share")
 #: Grid keys that are a routine's parameters (``training.routine.<key>``); each routine takes some of them.
 ROUTINE_GRID_KEYS = tuple(dict.fromkeys(k for name in ROUTINES for k in routine_parameters(name)))
+#: A method's fixed settings of the local routine (``local:`` beside ``grid``; see ExperimentConfig.local).
+LOCAL_KEYS = ("steps", "batch_size", "clip", "share")
 Engine = Literal["batch", "inprocess", "flower"]
 
 
@@ -92,6 +94,7 @@ class MethodSpec:
     u: float = 1.25
     routine: str = "gd"
     routine_params: tuple[tuple[str, float], ...] = ()
+    local: tuple[tuple[str, float], ...] = ()  # fixed keys of the local routine (empty: off unless gridded)
 
     def routine_of(self, point: Mapping[str, float]) -> dict[str, Any]:
         """The routine of one grid point, as ``training.routine`` (fixed parameters, then the point's)."""
@@ -136,14 +139,17 @@ class Study:
         """The single-run config of one (method, grid point, ε, seed)."""
         training = {"rounds": self.rounds, "clients": self.clients, "seed": seed, "dtype": "float64",
                     "threads": self.threads,
-                    **{k: (int(v) if k == "restart_every" else float(v)) for k, v in point.items() if k in GRID_KEYS},
+                    **{k: (int(v) if k == "restart_every" else float(v)) for k, v in point.items()
+                       if k in GRID_KEYS and not k.startswith("local.")},
                     "routine": method.routine_of(point)}
+        local = dict(method.local) | {k.removeprefix("local."): v for k, v in point.items() if k.startswith("local.")}
+        local = {k: (int(v) if k in ("steps", "batch_size") else float(v)) for k, v in local.items()}
         return parse_config({
             "name": f"{self.name}-{_slug(method.name)}", "method": method.method, "dataset": dict(self.dataset),
             "model": ({"hidden": self.hidden} if self.model == "paper_mlp" else
                       {"name": self.model, "kwargs": dict(self.model_kwargs)}) | {"init_seed": seed},
             "privacy": {"epsilon": epsilon, "delta": self.delta, "mode": self.mode, "u": method.u},
-            "training": training, "evaluation": {"every": self.eval_every},
+            "training": training, "evaluation": {"every": self.eval_every}, **({"local": local} if local else {}),
         }, source=f"{self.source} (method {method.name!r}, point {dict(point)})")
 
 
@@ -194,9 +200,13 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
     methods = []
     for i, m in enumerate(methods_raw):
         where = f"methods[{i}]"
-        if (not isinstance(m, Mapping) or set(m) - {"name", "method", "grid", "u", "routine"} or "name" not in m
+        if (not isinstance(m, Mapping) or set(m) - {"name", "method", "grid", "u", "routine", "local"} or "name" not in m
                 or "method" not in m):
-            raise fail(where, "a mapping with name, method, grid (and optionally u, routine)", m)
+            raise fail(where, "a mapping with name, method, grid (and optionally u, routine, local)", m)
+        local = m.get("local") or {}
+        if not isinstance(local, Mapping) or set(local) - set(LOCAL_KEYS) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in local.values()):
+            raise fail(f"{where}.local", f"a mapping of numbers with keys among {', '.join(LOCAL_KEYS)}", local)
         if m["method"] not in ("gd", "dpgd", "diff2"):
             raise fail(f"{where}.method", "one of 'gd', 'dpgd', 'diff2'", m["method"])
         routine = m.get("routine", "gd")
@@ -237,7 +247,8 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
         if m["method"] != "diff2" and "restart_every" in grid:
             raise fail(f"{where}.grid.restart_every", f"no T for method {m['method']} (T = 1)", grid["restart_every"])
         methods.append(MethodSpec(name=str(m["name"]), method=m["method"], grid=tuple(items), u=float(m.get("u", 1.25)),
-                                  routine=str(routine["name"]), routine_params=tuple(sorted(fixed.items()))))
+                                  routine=str(routine["name"]), routine_params=tuple(sorted(fixed.items())),
+                                  local=tuple(sorted((str(k), v) for k, v in local.items()))))
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise fail("methods", "distinct method names", names)
@@ -328,6 +339,8 @@ def _method_key(method: MethodSpec) -> dict:
     key = asdict(method)
     if method.routine == "gd" and not method.routine_params:
         del key["routine"], key["routine_params"]
+    if not method.local:  # run ids of methods without a local routine are as before it existed
+        del key["local"]
     return key
 
 
@@ -383,8 +396,10 @@ def plan_units(study: Study, jobs: Sequence[_Job]) -> list[Unit]:
     engine = study.engine
     if engine != "batch":
         return [Unit(engine, (j,)) for j in jobs]
-    # The batched engine: closed forms of the paper MLP and post-processing routines only; the rest runs one by one.
-    batchable = [j for j in jobs if j.cfg.closed_form_gradients and ROUTINES[j.cfg.training.routine.name].post_processing]
+    # The batched engine: closed forms of the paper MLP, post-processing routines and no local routine only; the
+    # rest runs one by one.
+    batchable = [j for j in jobs if j.cfg.closed_form_gradients and ROUTINES[j.cfg.training.routine.name].post_processing
+                 and not j.cfg.local.enabled]
     units = [Unit("inprocess", (j,)) for j in jobs if j not in batchable]
     for group in ([j for j in batchable if j.cfg.restart_every == 1], [j for j in batchable if j.cfg.restart_every > 1]):
         group.sort(key=lambda j: j.cfg.restart_every)

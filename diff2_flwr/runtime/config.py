@@ -27,6 +27,7 @@ from typing import Any, Literal, Mapping
 import yaml
 
 from ..core.estimator import Mechanism
+from ..core.local import LocalMechanism
 from ..core.privacy import Calibration, calibrate
 from ..core.routines import ROUTINES, Routine, RoutineError, make_routine, routine_parameters
 from ..task.losses import LOSSES
@@ -41,6 +42,7 @@ __all__ = [
     "RoutineConfig",
     "TrainingConfig",
     "EvaluationConfig",
+    "LocalConfig",
     "OutputConfig",
     "ExperimentConfig",
     "load_config",
@@ -384,6 +386,26 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
+class LocalConfig:
+    """DIFF2's private BVR-L-SGD local routine (``steps: 0``: off, x_r = Routine(x_(r-1), ṽ_r) on the server)."""
+
+    steps: int = 0  # K: K - 1 private local steps per round on one worker chosen at random; 0 = off
+    batch_size: int = 64  # b: expected Poisson batch size (the minibatch sum is divided by b)
+    clip: float = 1.0  # C3: the radius of a local step is C3 ||y_k - y_(k-1)||
+    share: float = 0.5  # fraction of the GDP budget μ² the server's rounds leave to the local steps
+
+    def __post_init__(self) -> None:
+        _require(self.steps == 0 or self.steps >= 2, "steps", "0 (off) or an integer K >= 2", self.steps)
+        _require(self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
+        _require(math.isfinite(self.clip) and self.clip > 0, "clip", "a finite number > 0", self.clip)
+        _require(math.isfinite(self.share) and 0 < self.share < 1, "share", "a number in (0, 1)", self.share)
+
+    @property
+    def enabled(self) -> bool:
+        return self.steps > 0
+
+
+@dataclass(frozen=True)
 class EvaluationConfig:
     every: int = 1  # evaluate x_r every this many rounds (and always at rounds 0 and R)
     train_metrics: bool = True  # train loss and ||∇f||² on the private train split (not covered by ε)
@@ -413,6 +435,7 @@ class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    local: LocalConfig = field(default_factory=LocalConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     source: str = field(default="<memory>", compare=False)
@@ -448,6 +471,18 @@ class ExperimentConfig:
             _require(self.model.is_paper_mlp and self.loss == "half_squared_error", "training.gradients",
                      "'auto' or 'torch_func' unless model.name is paper_mlp with loss half_squared_error "
                      "(the closed form is for that model)", t.gradients)
+        if self.local.enabled:
+            _require(self.method == "diff2", "local.steps", "0 unless method is diff2 (the local routine is DIFF2's)",
+                     self.local.steps)
+            _require(self.privacy.mode == "exact", "privacy.mode",
+                     "exact with local.steps > 0 (the local routine is calibrated with dp-accounting's PLD)",
+                     self.privacy.mode)
+            _require(t.routine.name == "gd", "training.routine",
+                     "gd with local.steps > 0 (the local routine computes x_r itself: its y_1 = x_(r-1) - η ṽ_r is "
+                     "the GD step)", t.routine.name)
+            _require(self.output.checkpoint is None, "output.checkpoint",
+                     "null with local.steps > 0 (checkpoints of the local routine are not supported yet)",
+                     self.output.checkpoint)
         if self.private:
             for key in ("clip_restart", "clip_diff"):
                 v = getattr(t, key)
@@ -488,6 +523,8 @@ class ExperimentConfig:
         return calibrate(
             epsilon=p.epsilon, delta=p.delta, rounds=self.training.rounds, restart_every=self.restart_every,
             u=p.u, n_min=n_min, clients=self.training.clients, mode=p.mode,
+            **({"local_steps": self.local.steps, "local_batch_size": self.local.batch_size,
+                "local_share": self.local.share} if self.local.enabled else {}),
         )
 
     def mechanism(self, calibration: Calibration | None) -> Mechanism:
@@ -497,6 +534,13 @@ class ExperimentConfig:
             return Mechanism(self.restart_every, math.inf, math.inf, 0.0, 0.0)
         return Mechanism(self.restart_every, t.clip_restart, t.clip_diff,
                          calibration.sigma1, calibration.sigma2 or 0.0)
+
+    def local_mechanism(self, calibration: Calibration | None) -> LocalMechanism | None:
+        """K, b, η, C3, σ3 of the local routine (None when it is off)."""
+        if not self.local.enabled or calibration is None or calibration.local is None:
+            return None
+        loc = self.local
+        return LocalMechanism(loc.steps, loc.batch_size, self.training.learning_rate, loc.clip, calibration.local.sigma3)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML/JSON data (lists, not tuples) that :func:`parse_config` turns back into this config."""

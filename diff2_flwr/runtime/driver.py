@@ -2,7 +2,8 @@
 
 Each round makes exactly the calls the Flower Strategy and NumPyClient make, in the same order:
 ``server.plan()`` -> each worker's ``contribute`` -> the reply arrays as the wire would carry
-them -> ``server.release(replies)``. With the same config and seed it reproduces a Flower
+them -> ``server.release(replies)`` (with the local routine, then the chosen worker's
+``local_phase`` -> ``server.finish_local(reply)``). With the same config and seed it reproduces a Flower
 simulation's trajectory bit for bit: both pin every thread pool to ``training.threads``
 (:mod:`~diff2_flwr.runtime.compute`).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from ..core.local import LocalTask
 from .compute import pinned_threads
 from .config import ExperimentConfig
 from .session import Diff2Server, Diverged, build_server, build_worker
@@ -35,7 +37,14 @@ def run_inprocess(
         while not server.done:
             try:
                 plan = server.plan()
-                server.release([worker.reply(plan) for worker in workers])
+                released = server.release([worker.reply(plan) for worker in workers])
+                if isinstance(released, LocalTask):  # the local routine: the chosen worker's private steps
+                    try:
+                        reply = workers[released.partition_id].local_phase(released)
+                    except Exception as err:
+                        server.fail(err)
+                        raise
+                    server.finish_local(reply)
             except Diverged:
                 if not stop_on_divergence:
                     raise

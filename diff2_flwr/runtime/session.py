@@ -22,12 +22,14 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..core.aggregation import Reply, RoundRejected, average_contributions
-from ..core.estimator import DIVERGENCE_ADVICE, Diverged, Mechanism, Release, RoundPlan, init_state, plan_round, server_step
+from ..core.aggregation import Reply, RoundRejected, average_contributions, check_local_reply
+from ..core.estimator import (DIVERGENCE_ADVICE, Diverged, Mechanism, Release, RoundPlan, advance, estimate, init_state,
+                              plan_round, server_step)
+from ..core.local import LocalMechanism, LocalTask, choose_worker, local_seed, run_local_phase
 from ..core.closed_form import PaperMLPGradients
 from ..core.gradients import Contribution, LossFn, PerSampleGradients
 from ..core.layout import ParameterLayout
-from ..core.privacy import PLD_DISCRETIZATION, Calibration, GaussianEvent, PrivacyLedger
+from ..core.privacy import PLD_DISCRETIZATION, Calibration, PrivacyLedger
 from ..core.routines import Routine, describe_routine
 from ..task.data import CLASSIFICATION, PreparedData, load_classification, load_csv, load_raw, prepare
 from ..task.evaluation import Evaluator
@@ -49,7 +51,8 @@ BUDGET_RTOL = 1e-9
 PLD_RTOL = 0.01
 
 
-def check_mechanism(mechanism: Mechanism, calibration: Calibration, *, rounds: int, clients: int, n_min: int) -> None:
+def check_mechanism(mechanism: Mechanism, calibration: Calibration, *, rounds: int, clients: int, n_min: int,
+                    local: LocalMechanism | None = None) -> None:
     """Refuse a server whose mechanism is not the one its calibration (and so its ledger) describes.
 
     The ledger charges each round the calibration's multiplier z; that is the truth only if the noise
@@ -66,6 +69,14 @@ def check_mechanism(mechanism: Mechanism, calibration: Calibration, *, rounds: i
         problems.append(f"sigma_diff (σ2) is {mechanism.sigma_diff!r}, the calibration's {calibration.sigma2!r}")
     if not math.isfinite(mechanism.clip_restart) or (calibration.difference_rounds and not math.isfinite(mechanism.clip_diff)):
         problems.append("a clipping radius is infinite (the sensitivity would be unbounded)")
+    cl = calibration.local
+    if (local is None) != (cl is None):
+        problems.append(f"the local routine is {'on' if local else 'off'}, the calibration's {'on' if cl else 'off'}")
+    elif local is not None and cl is not None:
+        for what, have, want in (("local steps (K)", local.steps, cl.steps), ("local batch size (b)", local.batch_size,
+                                 cl.batch_size), ("local sigma (σ3)", local.sigma, cl.sigma3)):
+            if have != want:
+                problems.append(f"{what} is {have!r}, the calibration's {want!r}")
     if problems:
         raise ValueError("The mechanism disagrees with the calibration the ledger accounts for: " + "; ".join(problems)
                          + ". The ε reported would not be the ε spent: build the mechanism from this calibration "
@@ -95,12 +106,19 @@ class Diff2Server:
         checkpoint_path: Path | None = None,
         fingerprint: str = "",
         resume: Checkpoint | None = None,
+        local: LocalMechanism | None = None,
     ) -> None:
         if layout.dim != x0.size:
             raise ValueError(f"x0 has {x0.size} entries but the model has {layout.dim} parameters.")
         if calibration is not None:
-            check_mechanism(mechanism, calibration, rounds=rounds, clients=clients, n_min=n_min)
+            check_mechanism(mechanism, calibration, rounds=rounds, clients=clients, n_min=n_min, local=local)
+        elif local is not None:
+            raise ValueError("A local routine needs a calibration: its steps touch private data and must be accounted.")
+        if local is not None and resume is not None:
+            raise CheckpointError("Checkpoints of the local routine are not supported yet.")
         self.mechanism, self.routine, self.layout = mechanism, routine, layout
+        self.local = local
+        self.pending: tuple[RoundPlan, np.ndarray, Any, LocalTask] | None = None  # a round awaiting its local phase
         self.rounds, self.clients, self.n_min = rounds, clients, n_min
         self.calibration = calibration
         self.evaluator, self.eval_every = evaluator, eval_every
@@ -137,7 +155,8 @@ class Diff2Server:
 
     @property
     def epsilon_spent(self) -> float:
-        """ε spent so far: the exact μ-GDP composition of the ledger's Gaussian events (cheap, every round)."""
+        """ε spent so far: the exact μ-GDP composition of the ledger's Gaussian events (cheap, every round), or
+        with a local routine (subsampled steps, no closed form) dp-accounting's PLD accountant."""
         return self.ledger.epsilon if self.ledger else math.inf
 
     @property
@@ -158,10 +177,11 @@ class Diff2Server:
         """
         if self.ledger is None or self.calibration is None:
             return None
-        z = self.calibration.z1 if plan.restart else self.calibration.z2
-        after = self.ledger.record(GaussianEvent(float(z), plan.kind))
+        after = self.ledger.record(*self.calibration.round_events(plan.restart))
         target = self.calibration.epsilon
-        for name, spent, slack in (("exact GDP", after.epsilon, BUDGET_RTOL), ("dp-accounting PLD", after.epsilon_pld, PLD_RTOL)):
+        checks = ((("exact GDP", after.epsilon, BUDGET_RTOL), ("dp-accounting PLD", after.epsilon_pld, PLD_RTOL))
+                  if after.exact else (("dp-accounting PLD, local steps included", after.epsilon_pld, BUDGET_RTOL),))
+        for name, spent, slack in checks:
             if spent > target * (1 + slack):
                 raise RoundRejected(plan.round, "budget", f"releasing it would bring ε spent ({name} accountant) to "
                                     f"{spent:.6g}, above the target ε = {target:g} by {spent - target:.3g}; the run "
@@ -172,29 +192,63 @@ class Diff2Server:
         """The next round's plan (kind, radius, iterates); derived from released values only."""
         if self.done:
             raise RuntimeError(f"All {self.rounds} rounds are released; there is no round {self.state.round + 1}.")
+        if self.pending is not None:
+            raise RuntimeError(f"Round {self.pending[0].round} awaits its local phase (finish_local) before the next plan.")
         try:
             return plan_round(self.state, self.mechanism)
         except Diverged as err:  # a radius or noise std that is not finite: nothing to ask the workers
             self.fail(err)
             raise
 
-    def release(self, replies: Sequence[Reply]) -> Release:
-        """Check and average the replies, add noise, step: release round r (or nothing, raising)."""
+    def release(self, replies: Sequence[Reply]) -> Release | LocalTask:
+        """Check and average the replies, add noise, step: release round r (or nothing, raising).
+
+        With the local routine the round is released in two steps: this returns the :class:`LocalTask` for
+        the worker drawn at random (ṽ_r leaves the server, and the ledger is charged for the server's round
+        and the local steps), and :meth:`finish_local` takes its y_K as x_r.
+        """
         plan = self.plan()
         try:
             ledger = self._guard(plan)
             aggregate = average_contributions(plan, self.layout, replies, clients=self.clients, n_min=self.n_min)
-            self.state, release = server_step(self.state, self.mechanism, self.routine, aggregate.mean)
+            if self.local is not None:
+                plan, v = estimate(self.state, self.mechanism, aggregate.mean)
+                key = self.state.noise_key
+                task = LocalTask(round=plan.round, partition_id=choose_worker(key, plan.round, self.clients),
+                                 x_start=self.state.x, v=v, mechanism=self.local,
+                                 seed=local_seed(key, plan.round) if self.state.noise_seeded else None)
+            else:
+                self.state, release = server_step(self.state, self.mechanism, self.routine, aggregate.mean)
         except Exception as err:
             self.fail(err)
             raise
         if ledger is not None:
             self.ledger = ledger
+        if self.local is not None:
+            self.pending = (plan, v, aggregate, task)
+            return task
+        return self._released(plan, aggregate, release, {})
+
+    def finish_local(self, reply: Reply) -> Release:
+        """Take the chosen worker's y_K as x_r (after the checks) and release round r."""
+        if self.pending is None:
+            raise RuntimeError("No round awaits a local phase.")
+        plan, v, aggregate, task = self.pending
+        try:
+            y = check_local_reply(task, self.layout, reply, self.n_min)
+        except Exception as err:
+            self.fail(err)
+            raise
+        self.pending = None
+        self.state, release = advance(self.state, plan, v, y, self.state.routine_state)
+        return self._released(plan, aggregate, release, {"local_worker": task.partition_id})
+
+    def _released(self, plan: RoundPlan, aggregate: Any, release: Release, extra: dict) -> Release:
         row = {
             "round": plan.round, "kind": plan.kind, "radius": plan.radius, "noise_std": plan.noise_std,
             "clip_fraction": aggregate.clip_fraction, "epsilon_spent": self.epsilon_spent,
             "epsilon_pld": self.epsilon_pld, "epsilon_rdp": self.epsilon_rdp,
-            "update_norm": float(np.linalg.norm(release.x - plan.x_current)),
+            "update_norm": float(np.linalg.norm(release.x - plan.x_current)), **extra,
         }
         self._checkpoint(row)  # durable before anything of round r is written elsewhere
         finite = bool(np.all(np.isfinite(release.x)))
@@ -285,10 +339,13 @@ class Diff2Server:
                 "guarantee": "record-level (ε, δ)-DP, replace-one adjacency, central DP (trusted server adds the noise)"
                 if self.calibration else "none (method gd: no clipping, no noise)",
                 "epsilon_spent": self.epsilon_spent,
-                "epsilon_accountant": "exact μ-GDP composition (Dong, Roth & Su 2019)",
+                "epsilon_accountant": "exact μ-GDP composition (Dong, Roth & Su 2019)" if self.local is None else
+                "dp-accounting PLD (local steps: Poisson-subsampled Gaussian, replace-one)",
                 "epsilon_pld": self.epsilon_pld if self.ledger else None,
                 "epsilon_pld_accountant": f"dp-accounting PLD, pessimistic, discretisation {PLD_DISCRETIZATION:g}",
                 "epsilon_rdp": self.epsilon_rdp if self.ledger else None,
+                **({"epsilon_rdp_note": "dp-accounting's RDP accountant has no replace-one Poisson subsampling: local "
+                    "steps enter it unamplified (a valid, looser bound)"} if self.local is not None else {}),
                 "delta": self.calibration.delta if self.calibration else None,
                 "epsilon_target": self.calibration.epsilon if self.calibration else None,
                 "calibration": self.calibration.as_dict() if self.calibration else None,
@@ -344,6 +401,32 @@ class Worker:
         return Reply(client=f"partition {self.partition_id}", partition_id=self.partition_id,
                      arrays=self.gradients.layout.split(c.mean), num_samples=c.num_samples, num_clipped=c.num_clipped,
                      overflow=c.overflow)
+
+    def local_phase(self, task: LocalTask) -> Reply:
+        """The private local steps of the local routine (:mod:`diff2_flwr.core.local`) on this shard: y_K as a reply.
+
+        The worker checks what it receives (its partition, shapes, finiteness, b <= n_p) before touching data.
+        """
+        if task.partition_id != self.partition_id:
+            raise ValueError(f"The local task is for partition {task.partition_id}; this worker is partition "
+                             f"{self.partition_id}.")
+        if task.x_start.shape != (self.gradients.layout.dim,):
+            raise ValueError(f"The local task's x_(r-1) has shape {task.x_start.shape}; the model has "
+                             f"{self.gradients.layout.dim} parameters.")
+        if not isinstance(self.records, TensorRecords):
+            raise ValueError("The local routine needs the shard in memory (features and targets tensors); this worker "
+                             "reads a Dataset in chunks.")
+        features, targets = self.records.features, self.records.targets
+
+        def clipped_sum(y: np.ndarray, y_prev: np.ndarray, batch: np.ndarray, radius: float) -> tuple[np.ndarray, int, bool]:
+            index = torch.from_numpy(batch)
+            c = self.gradients.clipped_mean(y, features[index], targets[index], radius, y_prev)
+            return c.mean * batch.size, c.num_clipped, c.overflow
+
+        result = run_local_phase(task, self.num_samples, clipped_sum)
+        return Reply(client=f"partition {self.partition_id}", partition_id=self.partition_id,
+                     arrays=self.gradients.layout.split(result.y), num_samples=self.num_samples,
+                     num_clipped=result.num_clipped, overflow=result.overflow)
 
 
 # -------------------------------------------------------------------- from plain arguments (the Python API)
@@ -407,6 +490,10 @@ def make_server(
     method: str = "diff2",
     routine: str | Mapping[str, Any] = "gd",
     seed: int | None = None,
+    local_steps: int = 0,
+    local_batch_size: int = 64,
+    local_clip: float = 1.0,
+    local_share: float = 0.5,
     evaluate_fn: Callable[[list[np.ndarray]], Mapping[str, float]] | None = None,
     eval_every: int = 1,
     output_dir: str | Path | None = None,
@@ -437,9 +524,12 @@ def make_server(
     training = {"rounds": rounds, "restart_every": restart_every, "clip_restart": clip_restart,
                 "clip_diff": clip_diff, "learning_rate": learning_rate, "routine": routine, "clients": clients,
                 "seed": seed}
+    local = {"steps": local_steps, "batch_size": local_batch_size, "clip": local_clip, "share": local_share}
     spec: ExperimentConfig = from_arguments(_function, {"method": method, "privacy": privacy, "training": training,
-                                                        "evaluation": {"every": eval_every}},
-                                            renamed={"evaluation.every": "eval_every",
+                                                        "local": local, "evaluation": {"every": eval_every}},
+                                            renamed={"evaluation.every": "eval_every", "local.steps": "local_steps",
+                                                     "local.batch_size": "local_batch_size", "local.clip": "local_clip",
+                                                     "local.share": "local_share",
                                                      **{f"training.routine.{k}": f"routine.{k}" for k in _ROUTINE_KEYS}})
     if not isinstance(name, str) or not name or "/" in name or "\\" in name:
         raise _argument_error(_function, "name", "a non-empty string without path separators (the run folder's "
@@ -454,7 +544,7 @@ def make_server(
     n_min = spec.privacy.n_min
     calibration = spec.calibration(n_min)
     if calibration is not None:
-        planned = calibration.epsilon_spent(calibration.restart_rounds, calibration.difference_rounds)
+        planned = calibration.planned_epsilon
         if planned > calibration.epsilon * (1 + BUDGET_RTOL):
             raise ValueError(f"{_function}: the planned schedule would spend ε = {planned:.6g}, above the target "
                              f"{_section}epsilon = {calibration.epsilon:g} by {planned - calibration.epsilon:.3g}; the run "
@@ -497,7 +587,7 @@ def make_server(
         layout=layout, x0=x0, rounds=spec.training.rounds, clients=spec.training.clients, n_min=n_min,
         calibration=calibration, seed=spec.training.seed, evaluator=evaluator, eval_every=spec.evaluation.every,
         recorder=recorder, run_info=info, progress=progress, checkpoint_path=checkpoint_path,
-        fingerprint=fingerprint, resume=resume,
+        fingerprint=fingerprint, resume=resume, local=spec.local_mechanism(calibration),
     )
 
 
@@ -662,6 +752,10 @@ def build_server(
             f"{cfg.source}: key `privacy.n_min` = {n_min} but the smallest shard has {data.n_min} samples; "
             "the noise would be calibrated for a smaller sensitivity than the real one."
         )
+    if cfg.local.enabled and cfg.local.batch_size > n_min:
+        raise ConfigError(f"{cfg.source}: key `local.batch_size`: expected at most n_min = {n_min} (the smallest shard: "
+                          f"every worker samples each record with probability b / n_p <= 1). Found {cfg.local.batch_size}.",
+                          key="local.batch_size", expected=f"an integer <= {n_min}", found=cfg.local.batch_size)
     calibration = cfg.calibration(n_min)  # make_server calibrates the same way; here for the shard report
     check_shards(cfg, data.shard_sizes, calibration)
     if progress:
@@ -690,6 +784,8 @@ def build_server(
         epsilon=p.epsilon, delta=p.delta, rounds=t.rounds, restart_every=cfg.restart_every, clients=t.clients,
         n_min=n_min, clip_restart=t.clip_restart, clip_diff=t.clip_diff, learning_rate=t.learning_rate,
         model=_model(cfg, data.num_features, data.num_outputs), u=p.u, mode=p.mode, method=cfg.method, routine=t.routine.to_yaml(), seed=t.seed,
+        local_steps=cfg.local.steps, local_batch_size=cfg.local.batch_size, local_clip=cfg.local.clip,
+        local_share=cfg.local.share,
         evaluate_fn=evaluate_fn, eval_every=cfg.evaluation.every,
         output_dir=(output_root or cfg.output.dir) if record else None, name=cfg.name,
         checkpoint=cfg.output.checkpoint, progress=progress, run_info=run_info, _function=cfg.source,
