@@ -61,6 +61,10 @@ def make_strategy(
     checkpoint: str | Path | None = None,
     round_retries: int = 0,
     wait_for_clients_s: int = 300,
+    local_steps: int = 0,
+    local_batch_size: int = 64,
+    local_clip: float = 1.0,
+    local_share: float = 0.5,
     progress: Callable[[str], None] | None = print,
 ) -> Diff2Strategy:
     """A Flower ``Strategy`` that runs DIFF2 with (ε, δ)-DP for ``rounds`` rounds over all ``clients``.
@@ -89,6 +93,9 @@ def make_strategy(
             checkpoint of the same run is resumed.
         round_retries: rounds whose clients failed are retried (releasing nothing) this many times in all.
         wait_for_clients_s: how long each round waits for all P clients to connect.
+        local_steps, local_batch_size, local_clip, local_share: DIFF2's private BVR-L-SGD local routine, as
+            the experiment file's ``local.*`` (0 steps: off; README "DIFF2 with a private local routine"). Each
+            round then takes two Flower rounds: all P clients, then the one drawn for the K - 1 local steps.
         progress: where progress lines go (None: silent).
 
     Returns:
@@ -107,6 +114,7 @@ def make_strategy(
         clip_restart=clip_restart, clip_diff=clip_diff, learning_rate=learning_rate, routine=routine, model=model,
         initial_parameters=initial_parameters, u=u, mode=mode, seed=seed, evaluate_fn=evaluate_fn,
         eval_every=eval_every, output_dir=output_dir, name=name, checkpoint=checkpoint, progress=progress,
+        local_steps=local_steps, local_batch_size=local_batch_size, local_clip=local_clip, local_share=local_share,
         _function=function,
     )
     return Diff2Strategy(server=server, round_retries=round_retries, wait_for_clients_s=wait_for_clients_s)

@@ -486,3 +486,19 @@ def test_the_api_is_loaded_lazily_at_the_package_top():
     assert {"make_strategy", "make_client"} <= set(dir(diff2_flwr))
     with pytest.raises(AttributeError, match="has no attribute 'make_model'"):
         diff2_flwr.make_model  # noqa: B018
+
+
+def test_make_strategy_takes_the_local_routine_and_checks_its_arguments():
+    """``local_*`` reach the server: the calibration covers the local steps and each DIFF2 round is two Flower
+    rounds; a bad value is refused naming the argument."""
+    model = PaperMLP(3, hidden=4)
+    strategy = diff2_flwr.make_strategy(**ARGS, n_min=50, model=model, seed=1, progress=None, local_steps=3,
+                                        local_batch_size=10, local_share=0.3)
+    cal = strategy.server.calibration
+    assert strategy.server.local is not None and strategy.server.local.steps == 3
+    assert cal.local is not None and cal.local.sampling_prob == 10 / 50 and cal.local.share == 0.3
+    assert strategy.num_rounds == 2 * ARGS["rounds"]
+    with pytest.raises(ConfigError, match="local_steps"):
+        diff2_flwr.make_strategy(**ARGS, n_min=50, model=model, progress=None, local_steps=1)
+    with pytest.raises(ValueError, match="local_batch_size"):
+        diff2_flwr.make_strategy(**ARGS, n_min=50, model=model, progress=None, local_steps=3, local_batch_size=60)
