@@ -126,7 +126,9 @@ def _audit(args: argparse.Namespace) -> int:
     spec = AuditSpec(
         method=args.method, epsilon=args.epsilon, delta=args.delta, rounds=args.rounds,
         restart_every=args.restart_every, u=args.u, clients=args.clients, samples=args.samples,
-        noise_scale=args.noise_scale, trials=args.trials, alpha=args.alpha, seed=args.seed, workers=args.workers,
+        noise_scale=args.noise_scale, local_batch_size=args.local_batch_size, local_share=args.local_share,
+        local_clip=args.local_clip, local_noise_scale=args.local_noise_scale, trials=args.trials, alpha=args.alpha,
+        seed=args.seed, workers=args.workers,
     )
     result = run_audit(spec, progress=None if args.quiet else stderr_progress)
     text = json.dumps(to_json(result), indent=2)
@@ -303,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(AuditSpec)})
     aud = sub.add_parser("audit", help="empirically audit the (ε, δ) guarantee of the real server path (JSON; exit 3 "
                                        "if the audit proves it false)")
-    aud.add_argument("--method", choices=("dpgd", "diff2"), default=d.method, help="mechanism (default %(default)s)")
+    aud.add_argument("--method", choices=("dpgd", "diff2", "diff2-bvr"), default=d.method,
+                     help="mechanism; diff2-bvr: DIFF2 with its private BVR-L-SGD local routine, K = 2 (default "
+                          "%(default)s)")
     aud.add_argument("--epsilon", type=float, default=d.epsilon, help="claimed ε (default %(default)s)")
     aud.add_argument("--delta", type=float, default=d.delta, help="δ (default %(default)s)")
     aud.add_argument("--rounds", type=int, default=d.rounds, help="R, rounds per run (default %(default)s)")
@@ -316,6 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--alpha", type=float, default=d.alpha, help="1 - confidence (default %(default)s)")
     aud.add_argument("--noise-scale", type=float, default=d.noise_scale,
                      help="multiply the calibrated noise (< 1 breaks the mechanism on purpose; default 1)")
+    aud.add_argument("--local-batch-size", type=int, default=d.local_batch_size,
+                     help="diff2-bvr: b, each record sampled with probability b / samples (default %(default)s)")
+    aud.add_argument("--local-share", type=float, default=d.local_share,
+                     help="diff2-bvr: fraction of the budget μ² left to the local steps (default %(default)s)")
+    aud.add_argument("--local-clip", type=float, default=d.local_clip,
+                     help="diff2-bvr: C3, local radius C3 ||y_1 - y_0|| (default %(default)s)")
+    aud.add_argument("--local-noise-scale", type=float, default=d.local_noise_scale,
+                     help="diff2-bvr: multiply the calibrated local noise σ3 (< 1 breaks it on purpose; default 1)")
     aud.add_argument("--seed", type=int, default=None, help="reproducible noise (default: OS entropy per run)")
     aud.add_argument("--workers", type=int, default=default_workers(), help="processes (default %(default)s)")
     aud.add_argument("--out", default=None, help="also write the JSON here")

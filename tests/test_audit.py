@@ -25,6 +25,7 @@ from diff2_flwr.lab.audit import (
     GradientCanaryShard,
     clopper_pearson_upper,
     epsilon_lower_bound,
+    local_log_likelihood_ratio,
     run_audit,
     threshold_grid,
 )
@@ -70,13 +71,18 @@ def test_canary_sits_on_the_clipping_radius_and_benign_records_never_touch_its_a
     a, b = rng.uniform(0.5, 2, (5, 3)), rng.normal(0, 1, (5, 3))
     a[:, 0] = b[:, 0] = 0.0
     x1, x0 = rng.normal(0, 1, 3), rng.normal(0, 1, 3)
-    dummy = torch.zeros(5, 1)
+    index = torch.arange(5, dtype=torch.float64)[:, None]  # a record's only feature is its index
     for canary in (+1, -1):
         shard = GradientCanaryShard(a, b, canary)
         for radius, prev in ((1.0, None), (0.37, x0)):
-            c = shard.clipped_mean(x1, dummy, dummy[:, 0], radius, prev)
+            c = shard.clipped_mean(x1, index, index[:, 0], radius, prev)
             assert c.mean[0] == pytest.approx(canary * radius / 5, rel=1e-12)  # clipped onto the radius, along e
             assert c.num_clipped >= 1
+        # a minibatch of the local steps holds the records it names: the canary only if record 0 is among them
+        with_canary = shard.clipped_mean(x1, index[[0, 3]], index[[0, 3], 0], 0.37, x0)
+        without = shard.clipped_mean(x1, index[[1, 3]], index[[1, 3], 0], 0.37, x0)
+        assert with_canary.num_samples == without.num_samples == 2
+        assert with_canary.mean[0] == pytest.approx(canary * 0.37 / 2, rel=1e-12) and without.mean[0] == 0.0
     with pytest.raises(ValueError, match="zero canary coordinate"):
         GradientCanaryShard(np.ones((5, 3)), b, +1)
 
@@ -123,6 +129,94 @@ def test_audit_catches_a_mechanism_with_four_times_less_noise():
     assert out["violation"] and out["epsilon_lower_bound"] > EPSILON
 
 
+# ------------------------------------------------------------------------------ DIFF2 with its private local routine
+
+# R = 4 (2 restarts, 2 differences), a local step every round on worker 0 with q = b/n = 8/16 and 98 % of the GDP
+# budget μ² left to the local steps: they dominate ε, so the audit is sensitive to them (see the README).
+BVR = dict(method="diff2-bvr", epsilon=EPSILON, delta=DELTA, rounds=4, restart_every=2, local_batch_size=8,
+           local_share=0.98)
+
+
+@pytest.mark.parametrize("q,z", [(0.5, 2.9), (0.125, 1.0), (1.0, 3.0)])
+def test_local_likelihood_ratio_is_the_log_ratio_of_the_two_mixtures(q, z):
+    from scipy.stats import norm
+
+    from diff2_flwr.lab.audit import _local_loss_moments
+
+    t = np.linspace(-6, 7, 27)
+
+    def mixture(sign):  # the output along e, in units of c/b: canary term ±1 if sampled, plus N(0, z²)
+        return (1 - q) * norm.pdf(t, 0, z) + q * norm.pdf(t, sign, z)
+
+    assert local_log_likelihood_ratio(t, q, z) == pytest.approx(np.log(mixture(+1) / mixture(-1)), rel=1e-9, abs=1e-12)
+    assert local_log_likelihood_ratio(-t, q, z) == pytest.approx(-local_log_likelihood_ratio(t, q, z), abs=1e-12)
+    # the claimed moments under D (quadrature) against a seeded Monte Carlo of 10^6 draws
+    rng = np.random.default_rng(5)
+    draws = local_log_likelihood_ratio((rng.random(1_000_000) < q) + rng.normal(0, z, 1_000_000), q, z)
+    mean, var = _local_loss_moments(q, z)
+    assert mean == pytest.approx(draws.mean(), abs=5 * draws.std() / 1000)
+    assert var == pytest.approx(draws.var(), rel=0.01)
+
+
+def test_only_the_audits_own_server_forces_the_canarys_worker():
+    """A run's server draws the local worker uniformly from its noise key; the audit's subclass always picks 0."""
+    from diff2_flwr.core.estimator import Mechanism
+    from diff2_flwr.core.local import LocalMechanism
+    from diff2_flwr.core.routines import make_routine
+    from diff2_flwr.lab.audit import _CanaryWorkerServer, _workers
+    from diff2_flwr.runtime.session import Diff2Server
+
+    spec = AuditSpec(**BVR, trials=20)
+    cal = spec.calibration()
+    chosen = {}
+    for cls in (Diff2Server, _CanaryWorkerServer):
+        server = cls(mechanism=Mechanism(2, 1.0, 1.0, cal.sigma1, cal.sigma2),
+                     routine=make_routine("gd", learning_rate=0.5), layout=_workers(spec, +1)[0].gradients.layout, x0=np.zeros(spec.dim), rounds=4, clients=2,
+                     n_min=16, calibration=cal, seed=3, progress=None,
+                     local=LocalMechanism(2, 8, 0.5, 1.0, cal.local.sigma3))
+        chosen[cls.__name__] = [server.local_worker(r) for r in range(1, 401)]
+    draws = chosen["Diff2Server"]
+    assert set(draws) == {0, 1} and abs(sum(draws) - 200) < 4 * math.sqrt(100)  # Binomial(400, 1/2)
+    assert set(chosen["_CanaryWorkerServer"]) == {0}
+
+
+@pytest.fixture(scope="module")
+def bvr_audit():
+    return run_audit(AuditSpec(**BVR, trials=5000, seed=21, workers=2))
+
+
+def test_audit_of_diff2_bvr_finds_no_violation_and_is_not_vacuous(bvr_audit):
+    out = bvr_audit
+    local = out["schedule"]["local"]
+    assert local["steps"] == 2 and local["sampling_prob"] == 0.5 and local["share"] == 0.98
+    assert out["schedule"]["restart_rounds"] == 2 and out["schedule"]["difference_rounds"] == 2
+    # the claimed ε is the run's ledger (PLD, round by round), within the target and what the calibration planned
+    assert out["epsilon_claimed"] <= EPSILON and out["epsilon_claimed"] == pytest.approx(EPSILON, rel=0.01)
+    assert out["epsilon_claimed"] == pytest.approx(out["epsilon_planned"], rel=1e-6)
+    assert out["epsilon_of_mechanism_run"] == out["epsilon_claimed"]
+    assert not out["violation"] and out["epsilon_lower_bound"] <= out["epsilon_claimed"]
+    assert out["epsilon_lower_bound"] >= 0.3 * EPSILON
+
+
+def test_audit_of_diff2_bvr_scores_follow_the_claimed_privacy_loss(bvr_audit):
+    """The scores of the real path have the claimed privacy-loss mean and spread: the local step adds exactly σ3·c,
+    samples the canary with probability b/n, and the canary moves it by exactly c/b (and D′ mirrors D)."""
+    scores = bvr_audit["scores"]
+    se_mean = scores["sd_claimed"] / math.sqrt(5000)
+    assert scores["mean_d"] == pytest.approx(scores["mean_claimed"], abs=5 * se_mean)
+    assert scores["mean_d_prime"] == pytest.approx(-scores["mean_claimed"], abs=5 * se_mean)
+    for key in ("sd_d", "sd_d_prime"):
+        assert scores[key] == pytest.approx(scores["sd_claimed"], rel=0.05)
+
+
+def test_audit_catches_local_steps_with_four_times_less_noise():
+    out = run_audit(AuditSpec(**BVR, trials=2500, local_noise_scale=0.25, seed=23, workers=2))
+    assert out["schedule"]["local"]["noise_scale"] == 0.25 and out["schedule"]["noise_scale"] == 1.0
+    assert out["violation"] and out["epsilon_lower_bound"] > out["epsilon_claimed"]
+    # and the audit stays within what actually ran, as the same ledger accounts it
+    assert out["epsilon_lower_bound"] <= out["epsilon_of_mechanism_run"]
+
+
 def test_cli_prints_one_json_object_and_exits_3_on_a_violation(capsys, tmp_path):
     rc = main(["audit", "--method", "dpgd", "--rounds", "2", "--trials", "200", "--seed", "1", "--workers", "1",
                "--quiet", "--out", str(tmp_path / "a.json")])
@@ -133,6 +227,16 @@ def test_cli_prints_one_json_object_and_exits_3_on_a_violation(capsys, tmp_path)
                "--quiet", "--noise-scale", "0.05"])
     captured = capsys.readouterr()
     assert rc == 3 and json.loads(captured.out)["violation"] and "VIOLATION" in captured.err
+
+
+def test_cli_audits_diff2_bvr_with_its_local_options(capsys):
+    rc = main(["audit", "--method", "diff2-bvr", "--rounds", "4", "--restart-every", "2", "--local-batch-size", "8",
+               "--local-share", "0.98", "--local-noise-scale", "0.5", "--trials", "20", "--seed", "2", "--workers", "1",
+               "--quiet"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["method"] == "diff2-bvr" and out["trials"] == 20
+    assert out["schedule"]["local"]["noise_scale"] == 0.5 and out["schedule"]["local"]["sampling_prob"] == 0.5
+    assert out["epsilon_of_mechanism_run"] > out["epsilon_claimed"]  # σ3 halved: the ledger of what ran says more
 
 
 def test_unseeded_audit_draws_fresh_noise_per_run():
@@ -149,6 +253,9 @@ def test_unseeded_audit_draws_fresh_noise_per_run():
         (["--trials", "5"], r"`--trials` must be an integer >= 20\. Found 5"),
         (["--restart-every", "10", "--rounds", "10"], r"`--restart-every` must be between 2 and rounds - 1 = 9"),
         (["--noise-scale", "0"], r"`--noise-scale` must be a finite number > 0"),
+        (["--local-noise-scale", "0.25"], r"`--local-noise-scale` must be 1 unless --method is diff2-bvr"),
+        (["--method", "diff2-bvr", "--local-batch-size", "17"], r"`--local-batch-size` must be at most --samples = 16"),
+        (["--method", "diff2-bvr", "--local-share", "1"], r"`--local-share` must be in \(0, 1\)"),
         (["--epsilon", "-1"], r"`epsilon` must be a finite number > 0\. Found -1\.0"),
         (["--delta", "1"], r"`delta` must be in \(0, 1\)\. Found 1\.0"),
     ],

@@ -200,6 +200,15 @@ class Diff2Server:
             self.fail(err)
             raise
 
+    def local_worker(self, r: int) -> int:
+        """p_r, the worker that runs round r's local phase: uniform over the P workers, from the noise key.
+
+        The ledger charges every record every local phase, whichever worker runs it (no amplification by the
+        choice), so the analysis holds for any p_r; the audit (:mod:`diff2_flwr.lab.audit`) overrides this in a
+        subclass of its own to force the canary's worker, the worst case. No config reaches that override.
+        """
+        return choose_worker(self.state.noise_key, r, self.clients)
+
     def release(self, replies: Sequence[Reply]) -> Release | LocalTask:
         """Check and average the replies, add noise, step: release round r (or nothing, raising).
 
@@ -214,7 +223,7 @@ class Diff2Server:
             if self.local is not None:
                 plan, v = estimate(self.state, self.mechanism, aggregate.mean)
                 key = self.state.noise_key
-                task = LocalTask(round=plan.round, partition_id=choose_worker(key, plan.round, self.clients),
+                task = LocalTask(round=plan.round, partition_id=self.local_worker(plan.round),
                                  x_start=self.state.x, v=v, mechanism=self.local,
                                  seed=local_seed(key, plan.round) if self.state.noise_seeded else None)
             else:
