@@ -27,7 +27,7 @@ from diff2_flwr.runtime.shard_files import shard_name
 pytestmark = [pytest.mark.compose, pytest.mark.deployment, pytest.mark.flower]
 
 CONFIG = "configs/deploy.yaml"  # the config the compose files are written for, as the README runs it
-SET = {"training.rounds": 3, "training.restart_every": 2, "training.seed": 4}  # short, seeded: comparable
+SET = {"training.rounds": 2, "training.restart_every": 2, "training.seed": 4}  # a restart and a difference round
 
 
 def log(text: str) -> None:
@@ -89,7 +89,7 @@ class TestPlainCompose:
         log(f"[compose-test] plain run {result.run_id}: {result.status} in {time.perf_counter() - started:.1f} s")
         assert result.status == "finished:completed"
         deployed = rows(result.output_dir)
-        assert [r["round"] for r in deployed] == [0, 1, 2, 3] and "train_loss" not in deployed[-1]
+        assert [r["round"] for r in deployed] == [0, 1, 2] and "train_loss" not in deployed[-1]
         simulated = run_simulation(str(host_config(plain, tmp_path)), echo=False)
         assert rows(simulated.output_dir) == deployed
         np.testing.assert_array_equal(np.load(simulated.output_dir / "final_parameters.npy"),
@@ -131,7 +131,7 @@ class TestPlainCompose:
 
         try:
             with pytest.raises(SimulationFailed) as info:
-                plain.run(CONFIG, {**SET, "training.round_timeout_s": 45}, on_line=on_line)
+                plain.run(CONFIG, {**SET, "training.round_timeout_s": 60}, on_line=on_line)
         finally:
             plain.start(f"clientapp-{victim}")
         message = str(info.value)
@@ -173,7 +173,7 @@ class TestPlainCompose:
         assert rows(run_dir) == [{k: v for k, v in r.items() if k != "elapsed_s"} for r in reference.history]
         np.testing.assert_array_equal(np.load(run_dir / "final_parameters.npy"), reference.state.x)
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["status"] == "completed" and summary["rounds_released"] == 3
+        assert summary["status"] == "completed" and summary["rounds_released"] == 2
         assert summary["privacy"]["epsilon_spent"] == reference.epsilon_spent
 
 

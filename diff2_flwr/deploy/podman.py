@@ -408,9 +408,12 @@ class ComposeStack:
                     found = re.findall(r"SuperNode ID: (\d+)", self.logs(f"supernode-{i}"))
                     if found:
                         self.node_ids[i] = int(found[-1])
-            online = {int(n["node-id"]) for n in _list_nodes(flwr_env(self.home)) if n.get("status") == "online"}
-            if len(self.node_ids) == self.clients and (not self.node_auth or set(self.node_ids.values()) <= online):
-                return
+            if len(self.node_ids) == self.clients:
+                if not self.node_auth:
+                    return
+                online = {int(n["node-id"]) for n in self.nodes() if n.get("status") == "online"}
+                if set(self.node_ids.values()) <= online:
+                    return
             time.sleep(2)
         raise PodmanError(f"not all {self.clients} SuperNodes connected in time (known: {self.node_ids}); "
                           "supernode-0's log:\n" + self.logs("supernode-0")[-3000:])
