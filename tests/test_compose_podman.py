@@ -102,8 +102,9 @@ class TestPlainCompose:
         server = plain.deploy / "shards" / "server.npz"
         for i in range(plain.clients):
             # every file in the container, by content: its own shard at /data/shard.npz, nothing else
-            assert plain.find_files_with_content(f"clientapp-{i}", shards + [server]) == {
-                shards[i].name: ["/data/shard.npz"]}
+            found = plain.find_files_with_content(f"clientapp-{i}", shards + [server])
+            log(f"[compose-test] clientapp-{i}: files with a shard's bytes: {found}")
+            assert found == {shards[i].name: ["/data/shard.npz"]}
             # and a direct attempt to read another owner's shard, by every name it has anywhere
             other = shards[(i + 1) % plain.clients]
             tries = [str(other), f"/data/{other.name}", f"/data/shards/{other.name}", f"/app/deploy/shards/{other.name}"]
@@ -111,6 +112,7 @@ class TestPlainCompose:
                 "import json, sys\nout = {}\nfor p in sys.argv[1:]:\n    try:\n        open(p, 'rb').read(); "
                 "out[p] = 'read'\n    except OSError as e:\n        out[p] = type(e).__name__\nprint(json.dumps(out))"),
                 *tries], check=True)
+            log(f"[compose-test] clientapp-{i} reading {other.name}: {attempt.stdout.strip()}")
             assert json.loads(attempt.stdout) == {p: "FileNotFoundError" for p in tries}
             assert plain.exec(f"clientapp-{i}", ["id", "-u"], check=True).stdout.strip() == "49999"
         # the SuperNodes, the SuperLink and the ServerApp hold no training shard (the server: server.npz only)
