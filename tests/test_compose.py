@@ -1,4 +1,4 @@
-"""docker-compose.yml: a structural check (no Docker engine here) and that it matches its generator."""
+"""docker-compose.yml: a structural check and that it matches its generator (tests/test_compose_podman.py brings the files up for real)."""
 
 from __future__ import annotations
 
