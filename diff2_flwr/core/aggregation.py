@@ -60,12 +60,8 @@ class Aggregate:
     clip_fraction: float
 
 
-def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: int) -> np.ndarray | None:
-    """The reply's flat contribution after the checks (projected onto the ball if it exceeds the
-    radius by float rounding), or None for a well-formed reply that reports an overflow."""
-    def reject(check: str, detail: str) -> RoundRejected:
-        return RoundRejected(plan.round, check, detail, reply.client)
-
+def _check_arrays(layout: ParameterLayout, reply: Reply, reject) -> None:
+    """One float64 array per model tensor, each of the tensor's shape; ``reject(check, detail)`` otherwise."""
     if len(reply.arrays) != len(layout.shapes):
         raise reject("arrays", f"expected {len(layout.shapes)} arrays ({', '.join(layout.names)}), found {len(reply.arrays)}.")
     for name, shape, a in zip(layout.names, layout.shapes, reply.arrays):
@@ -73,6 +69,15 @@ def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: 
             raise reject("dtype", f"array {name!r} must be float64, found {getattr(a, 'dtype', type(a).__name__)}.")
         if a.shape != shape:
             raise reject("shape", f"array {name!r} must have shape {shape}, found {a.shape}.")
+
+
+def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: int) -> np.ndarray | None:
+    """The reply's flat contribution after the checks (projected onto the ball if it exceeds the
+    radius by float rounding), or None for a well-formed reply that reports an overflow."""
+    def reject(check: str, detail: str) -> RoundRejected:
+        return RoundRejected(plan.round, check, detail, reply.client)
+
+    _check_arrays(layout, reply, reject)
     flat = layout.flatten(reply.arrays)
     if not reply.overflow and not np.all(np.isfinite(flat)):
         raise reject("finite", f"the contribution holds {int(np.sum(~np.isfinite(flat)))} NaN or inf values.")
@@ -147,13 +152,7 @@ def check_local_reply(task: LocalTask, layout: ParameterLayout, reply: Reply, n_
     if reply.partition_id != task.partition_id:
         raise reject("local-worker", f"the local phase was sent to partition {task.partition_id}, the reply is from "
                      f"partition {reply.partition_id}.")
-    if len(reply.arrays) != len(layout.shapes):
-        raise reject("arrays", f"expected {len(layout.shapes)} arrays ({', '.join(layout.names)}), found {len(reply.arrays)}.")
-    for name, shape, a in zip(layout.names, layout.shapes, reply.arrays):
-        if not isinstance(a, np.ndarray) or a.dtype != np.float64:
-            raise reject("dtype", f"array {name!r} must be float64, found {getattr(a, 'dtype', type(a).__name__)}.")
-        if a.shape != shape:
-            raise reject("shape", f"array {name!r} must have shape {shape}, found {a.shape}.")
+    _check_arrays(layout, reply, reject)
     if reply.num_samples < max(n_min, task.mechanism.batch_size):
         raise reject("n_min", f"the worker holds {reply.num_samples} samples; the local steps were calibrated for at "
                      f"least n_min = {n_min} (and b = {task.mechanism.batch_size}).")

@@ -310,6 +310,7 @@ SEARCH_DISCRETIZATION = 1e-3
 
 @functools.lru_cache(maxsize=64)
 def _local_pld_at(noise_multiplier: float, sampling_prob: float, steps: int, interval: float) -> Any:
+    """PLD of ``steps`` Poisson-subsampled Gaussian steps under replace-one (dp-accounting, pessimistic)."""
     from dp_accounting import NeighboringRelation
     from dp_accounting.pld import privacy_loss_distribution
 
@@ -396,21 +397,9 @@ class LocalEvent:
 
 
 
-@functools.lru_cache(maxsize=64)
-def _local_pld(noise_multiplier: float, sampling_prob: float, steps: int) -> Any:
-    """PLD of ``steps`` Poisson-subsampled Gaussian steps under replace-one (dp-accounting, pessimistic)."""
-    from dp_accounting import NeighboringRelation
-    from dp_accounting.pld import privacy_loss_distribution
-
-    one = privacy_loss_distribution.from_gaussian_mechanism(
-        standard_deviation=noise_multiplier, sensitivity=1.0, sampling_prob=sampling_prob,
-        neighboring_relation=NeighboringRelation.REPLACE_ONE, value_discretization_interval=PLD_DISCRETIZATION)
-    return one.self_compose(steps) if steps > 1 else one
-
-
 def _event_pld(event: "GaussianEvent | LocalEvent") -> Any:
     if isinstance(event, LocalEvent):
-        return _local_pld(event.noise_multiplier, event.sampling_prob, event.steps)
+        return _local_pld_at(event.noise_multiplier, event.sampling_prob, event.steps, PLD_DISCRETIZATION)
     return _gaussian_pld(event.noise_multiplier)
 
 

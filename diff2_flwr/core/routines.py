@@ -239,8 +239,9 @@ class Adam:
 
 
 @dataclass(frozen=True)
-class AdamW:
-    """AdamW: decoupled weight decay, x ← x_{r-1}(1 - η λ), then the Adam step on ṽ_r alone.
+class AdamW(Adam):
+    """AdamW: decoupled weight decay, x ← x_{r-1}(1 - η λ), then the Adam step on ṽ_r alone (Adam's
+    parameters and checks; only the decay's place and its default differ).
 
     References:
         Loshchilov & Hutter (2019), "Decoupled weight decay regularization", Algorithm 2 (with the
@@ -248,24 +249,8 @@ class AdamW:
         PyTorch ``torch.optim.AdamW`` (defaults: β = (0.9, 0.999), eps = 1e-8, weight_decay = 0.01).
     """
 
-    learning_rate: float
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
     weight_decay: float = 0.01
     name: ClassVar[str] = "adamw"
-    post_processing: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        _check_learning_rate(self.learning_rate)
-        _check_unit("beta1", self.beta1)
-        _check_unit("beta2", self.beta2)
-        _check_positive("eps", self.eps, zero=False)
-        _check_positive("weight_decay", self.weight_decay, zero=True)
-
-    def init(self, x0: np.ndarray) -> AdamState:
-        zeros = _frozen(np.zeros_like(x0, dtype=np.float64))
-        return AdamState(0, zeros, zeros)
 
     def update(self, x: np.ndarray, v: np.ndarray, state: AdamState) -> tuple[np.ndarray, AdamState]:
         decayed = x * (1 - self.learning_rate * self.weight_decay) if self.weight_decay else x
