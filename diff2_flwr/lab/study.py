@@ -102,6 +102,7 @@ class Study:
     dtype: Literal["float64", "float32"] = "float64"
     compile: bool = False
     batch_size: int = 32
+    workers: int = 1  # batch engine: processes that run batches side by side (runs are independent)
     output_dir: str = "outputs/studies"
     source: str = field(default="<memory>", compare=False)
 
@@ -125,7 +126,7 @@ def _slug(text: str) -> str:
 # ------------------------------------------------------------------------------- loading
 
 _TOP_KEYS = {"name", "dataset", "clients", "rounds", "delta", "epsilons", "mode", "eval_every", "seeds", "methods",
-             "hidden", "model", "engine", "dtype", "compile", "batch_size", "output"}
+             "hidden", "model", "engine", "dtype", "compile", "batch_size", "workers", "output"}
 
 
 def parse_study(data: Any, source: str = "<memory>") -> Study:
@@ -207,7 +208,7 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
         eval_seeds=tuple(evaluate), methods=tuple(methods), hidden=int(data.get("hidden", 10)),
         model=str(model.get("name", "paper_mlp")), model_kwargs=dict(model.get("kwargs") or {}),
         engine=data.get("engine", "batch"), dtype=data.get("dtype", "float64"), compile=bool(data.get("compile", False)),
-        batch_size=int(data.get("batch_size", 32)), output_dir=str(output.get("dir", "outputs/studies")), source=source,
+        batch_size=int(data.get("batch_size", 32)), workers=data.get("workers", 1), output_dir=str(output.get("dir", "outputs/studies")), source=source,
     )
     if study.engine not in ("batch", "inprocess", "flower"):
         raise fail("engine", "one of 'batch', 'inprocess', 'flower'", study.engine)
@@ -215,6 +216,11 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
         raise fail("dtype", "'float64' or 'float32'", study.dtype)
     if study.mode not in ("exact", "rdp"):
         raise fail("mode", "'exact' or 'rdp'", study.mode)
+    if not isinstance(study.workers, int) or isinstance(study.workers, bool) or study.workers < 1:
+        raise fail("workers", "an integer >= 1 (processes of the batch engine; 2 uses both cores of a 2-core machine)",
+                   study.workers)
+    if study.batch_size < 1:
+        raise fail("batch_size", "an integer >= 1", study.batch_size)
     # Validate every run config once, up front: bad values fail before hours of compute.
     for method in study.methods:
         for point in method.points():
@@ -303,7 +309,7 @@ class _Progress:
         self._reporter.finish()
 
 
-def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress) -> None:
+def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress, pool=None) -> None:
     """Run the jobs whose result file is missing; write one JSON file per run."""
     from ..runtime.session import load_data
 
@@ -313,46 +319,118 @@ def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress
     if not todo:
         return
     engine = study.engine
-    if engine == "batch" and not all(j.cfg.closed_form_gradients for j in todo):
-        engine = "inprocess"  # the batched engine has closed forms for the paper MLP only
+    if engine == "batch" and not batchable(study, todo[0].cfg):
+        engine = "inprocess"  # the batched engine has closed forms for MLPs with ½-squared error or cross-entropy
     if engine == "batch":
-        import torch
+        from .sweep import RunSpec
 
-        from .sweep import RunSpec, run_batch
-
-        data = load_data(todo[0].cfg)
-        n_min = data.n_min
-        dtype = torch.float32 if study.dtype == "float32" else torch.float64
-        # A batch whose runs all restart every round (T = 1) skips the previous iterate's pass,
-        # so T = 1 runs never share a batch with T > 1 runs; within a group, batches are balanced
-        # (no batch much smaller than the others) and sorted by T.
-        batches = []
-        for group in ([j for j in todo if j.cfg.restart_every == 1], [j for j in todo if j.cfg.restart_every > 1]):
-            group.sort(key=lambda j: j.cfg.restart_every)
-            if group:
-                size = -(-len(group) // -(-len(group) // study.batch_size))
-                batches += [group[i:i + size] for i in range(0, len(group), size)]
-        for batch in batches:
+        n_min = load_data(todo[0].cfg).n_min
+        tasks = []
+        for batch in _batches(todo, study.batch_size, study.workers):
             specs = []
             for j in batch:
                 mech = j.cfg.mechanism(j.cfg.calibration(n_min))
                 specs.append(RunSpec(mech.restart_every, j.cfg.training.learning_rate, mech.clip_restart,
                                      mech.clip_diff, mech.sigma_restart, mech.sigma_diff, j.seed, j.seed))
-            results = run_batch(data, specs, rounds=study.rounds, hidden=study.hidden, eval_every=study.eval_every,
-                                dtype=dtype, compile=study.compile,
-                                progress=lambda r, total, n=len(batch): progress.show(r / total, n) if r % 20 == 0 else None)
+            tasks.append((batch, specs))
+
+        def finish(batch: list[_Job], results: list) -> None:
             for j, res in zip(batch, results):
-                _write_run(runs_dir, j, {"rounds": res.rounds.tolist(), "train_loss": res.train_loss.tolist(),
-                                         "grad_norm_sq": res.grad_norm_sq.tolist(), "test_loss": res.test_loss.tolist()},
-                           res.diverged_at, "batch")
+                metrics = {"rounds": res.rounds.tolist(), "train_loss": res.train_loss.tolist(),
+                           "grad_norm_sq": res.grad_norm_sq.tolist(), "test_loss": res.test_loss.tolist()}
+                if res.test_accuracy is not None:
+                    metrics[ACCURACY] = res.test_accuracy.tolist()
+                _write_run(runs_dir, j, metrics, res.diverged_at, "batch")
             progress.done += len(batch)
             progress.show()
+
+        if pool is None:
+            for batch, specs in tasks:
+                finish(batch, _run_batch_task(study, todo[0].cfg, specs, lambda r, total, n=len(batch):
+                                              progress.show(r / total, n) if r % 20 == 0 else None))
+            return
+        # Largest batches first, so that no worker is left with a big one at the end.
+        futures = {pool.submit(_run_batch_task, study, todo[0].cfg, specs): batch
+                   for batch, specs in sorted(tasks, key=lambda t: -_batch_cost(t[0]))}
+        from concurrent.futures import as_completed
+
+        for future in as_completed(futures):
+            finish(futures[future], future.result())
         return
     for j in todo:
         metrics, diverged = _run_single(j.cfg, engine)
         _write_run(runs_dir, j, metrics, diverged, engine)
         progress.done += 1
         progress.show()
+
+
+def batchable(study: Study, cfg: ExperimentConfig) -> bool:
+    """Whether the batched engine has closed forms for this study's model and loss (an MLP; see
+    :func:`~diff2_flwr.task.models.mlp_shape`)."""
+    from ..runtime.session import load_data
+    from .sweep import batch_model
+
+    try:
+        batch_model(load_data(cfg), model=study.model, hidden=study.hidden, model_kwargs=study.model_kwargs,
+                    loss=cfg.loss)
+    except ValueError:
+        return False
+    return True
+
+
+def _batch_cost(batch: list[_Job]) -> float:
+    """Relative cost of a batch: a difference round does a little more than a restart round per run."""
+    return sum(1.0 if j.cfg.restart_every == 1 else 1.5 for j in batch)
+
+
+def _batches(todo: list[_Job], batch_size: int, workers: int) -> list[list[_Job]]:
+    """Batches of at most ``batch_size`` runs. A batch whose runs all restart every round (T = 1) skips the
+    difference terms, so T = 1 runs never share a batch with T > 1 runs; within a group batches are balanced (no
+    batch much smaller than the others), sorted by T, and as many as a multiple of ``workers`` where there are
+    runs enough, so that every worker process has its share."""
+    batches = []
+    for group in ([j for j in todo if j.cfg.restart_every == 1], [j for j in todo if j.cfg.restart_every > 1]):
+        group.sort(key=lambda j: j.cfg.restart_every)
+        if not group:
+            continue
+        count = -(-len(group) // batch_size)
+        count = min(len(group), -(-count // workers) * workers)
+        size = -(-len(group) // count)
+        batches += [group[i:i + size] for i in range(0, len(group), size)]
+    return batches
+
+
+def _run_batch_task(study: Study, data_cfg: ExperimentConfig, specs: list, progress=None) -> list:
+    """One batch on the batched engine (in this process or a worker's): the data of ``data_cfg``, the study's model."""
+    import torch
+
+    from ..runtime.session import load_data
+    from .sweep import run_batch
+
+    dtype = torch.float32 if study.dtype == "float32" else torch.float64
+    return run_batch(load_data(data_cfg), specs, rounds=study.rounds, hidden=study.hidden, model=study.model,
+                     model_kwargs=study.model_kwargs, loss=data_cfg.loss, eval_every=study.eval_every, dtype=dtype,
+                     compile=study.compile, progress=progress)
+
+
+def _init_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _worker_pool(study: Study):
+    """A pool of ``study.workers`` processes (spawned: torch's thread pools do not survive a fork), each pinned to
+    its share of the cores; None for one worker (batches run in this process)."""
+    if study.workers == 1 or study.engine != "batch":
+        return None
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    threads = max(1, (os.cpu_count() or 1) // study.workers)
+    return ProcessPoolExecutor(study.workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_init_worker, initargs=(threads,))
 
 
 def _run_single(cfg: ExperimentConfig, engine: str) -> tuple[dict, int | None]:
@@ -441,16 +519,32 @@ def run_study(
     summary: dict[str, Any] = {"study": study.name, "source": study.source, "rounds": study.rounds, "delta": study.delta,
                                "mode": study.mode, "clients": study.clients, "n_min": data.n_min,
                                "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds),
-                               "engine": study.engine, "dtype": study.dtype, "epsilons": {}}
+                               "engine": study.engine, "workers": study.workers, "dtype": study.dtype, "epsilons": {}}
     n_tune = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds) * len(study.epsilons)
     progress = _Progress(n_tune + 2 * len(study.methods) * len(study.eval_seeds) * len(study.epsilons), show_progress)
+    pool = _worker_pool(study)
+    try:
+        _run_epsilons(study, runs_dir, progress, summary, data.n_min, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    progress.finish()
+    summary["wall_time_s"] = time.perf_counter() - started
+    (root / "summary.json").write_text(json.dumps(to_json(summary), indent=2) + "\n")
+    from .report import write_report
+
+    write_report(study, summary, root, runs_dir, make_plots=make_plots)
+    return summary
+
+
+def _run_epsilons(study: Study, runs_dir: Path, progress: _Progress, summary: dict, n_min: int, pool) -> None:
     for epsilon in study.epsilons:
         # 1. tuning
         tune_jobs = [
             _Job(_run_id("tune", m, p, epsilon, s, study), m, p, epsilon, s, study.experiment(m, p, epsilon, s))
             for m in study.methods for p in m.points() for s in study.tune_seeds
         ]
-        _execute(study, tune_jobs, runs_dir, progress)
+        _execute(study, tune_jobs, runs_dir, progress, pool)
         # 2. selection
         chosen: dict[str, dict[str, dict]] = {}
         for m in study.methods:
@@ -471,16 +565,9 @@ def run_study(
                         seen.add(rid)
                         eval_jobs.append(_Job(rid, m, p, epsilon, s, study.experiment(m, p, epsilon, s)))
         progress.total -= 2 * len(study.methods) * len(study.eval_seeds) - len(eval_jobs)
-        _execute(study, eval_jobs, runs_dir, progress)
+        _execute(study, eval_jobs, runs_dir, progress, pool)
         # 4. summary
-        summary["epsilons"][str(epsilon)] = _summarise(study, epsilon, chosen, runs_dir, data.n_min)
-    progress.finish()
-    summary["wall_time_s"] = time.perf_counter() - started
-    (root / "summary.json").write_text(json.dumps(to_json(summary), indent=2) + "\n")
-    from .report import write_report
-
-    write_report(study, summary, root, runs_dir, make_plots=make_plots)
-    return summary
+        summary["epsilons"][str(epsilon)] = _summarise(study, epsilon, chosen, runs_dir, n_min)
 
 
 def _summarise(study: Study, epsilon: float, chosen: dict, runs_dir: Path, n_min: int) -> dict:
