@@ -162,3 +162,11 @@ def test_mlp_refuses_bad_shapes():
         MLP((3, 4, 2), ("tanh",), "half_squared_error")
     with pytest.raises(ValueError, match="Expected parameters of shape"):
         MLP((3, 4, 1), ("tanh",), "half_squared_error").layers(torch.zeros(2, 5))
+
+
+def test_matmul_flops_count_the_products_of_a_round():
+    # paper MLP 8 -> 10 -> 1: forward 8·10 + 10·1, backward 10·1, sums (8+1)·10 + (10+1)·1 (+ 10·1 in a difference round)
+    mlp = MLP((8, 10, 1), ("softplus",), "half_squared_error")
+    assert mlp.matmul_flops(100, difference=False) == 2 * 100 * (90 + 10 + 101)
+    assert mlp.matmul_flops(100, difference=True) == 2 * 100 * (90 + 10 + 111)
+    assert mlp.dim == 8 * 10 + 10 + 10 + 1

@@ -174,6 +174,26 @@ def _output_gradient(loss: str, z: torch.Tensor, y: torch.Tensor) -> tuple[torch
     return torch.exp(logp) - onehot, -logp.gather(1, index.expand(z.shape[0], 1, -1)).squeeze(1)
 
 
+#: Layers after the first with at most this many outputs (a regression head, a few classes) multiply elementwise and
+#: reduce rather than call a batched matrix product: the work is then a few passes over [K, in, M] that a compiler
+#: fuses, instead of permuted copies around a product with a tiny dimension.
+NARROW = 4
+
+
+def _layer(w: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """W a per run: [K, O, I] x [K, I, M] -> [K, O, M]."""
+    if w.shape[1] <= NARROW:
+        return (w.unsqueeze(-1) * a.unsqueeze(1)).sum(2)
+    return torch.bmm(w, a)
+
+
+def _layer_t(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Wᵀ g per run: [K, O, I] x [K, O, M] -> [K, I, M]."""
+    if w.shape[1] <= NARROW:
+        return (w.unsqueeze(-1) * g.unsqueeze(2)).sum(1)
+    return torch.bmm(w.transpose(1, 2), g)
+
+
 def forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor, y: torch.Tensor, *, backward: bool = True) -> Pass:
     """The per-sample quantities of ``mlp`` at parameters ``x`` [K, d] for the samples ``a_t`` [F, M] (targets
     ``y`` [M]), in ``a_t``'s dtype. Without ``backward`` only ``loss`` and ``outputs`` are filled."""
@@ -185,7 +205,7 @@ def forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor, y: torch.Tensor, *, ba
             h = (w.reshape(-1, a_t.shape[0]) @ a_t).reshape(K, -1, M)
         else:
             inputs.append(a)
-            h = torch.bmm(w, a)
+            h = _layer(w, a)
         h = h + b.unsqueeze(-1)
         if l < len(layers) - 1:
             a, d = activate(mlp.activations[l], h)
@@ -195,7 +215,7 @@ def forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor, y: torch.Tensor, *, ba
         return Pass((), (), loss, h)
     grads = [g]
     for l in range(len(layers) - 1, 0, -1):
-        g = torch.bmm(layers[l][0].transpose(1, 2), g) * derivs[l - 1]
+        g = _layer_t(layers[l][0], g) * derivs[l - 1]
         grads.append(g)
     return Pass(tuple(inputs), tuple(reversed(grads)), loss, h)
 
@@ -224,12 +244,22 @@ def sq_norms(cur: Pass, sq_input: torch.Tensor, prev: Pass | None = None) -> tor
     return total
 
 
-def _per_client(c_g: torch.Tensor, a: torch.Tensor, P: int) -> torch.Tensor:
-    """Σ_n c g aᵀ per client and run for per-run inputs: c_g [K, O, M], a [K, I, M] -> [P, K, O·I]."""
+def _per_client(c_g: torch.Tensor, a: torch.Tensor, P: int, c_g2: torch.Tensor | None = None,
+                a2: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_n c g aᵀ (+ Σ_n c g₂ a₂ᵀ) per client and run for per-run inputs: c_g [K, O, M], a [K, I, M] -> [P, K, O·I]."""
     K, O, M = c_g.shape
     N = M // P
-    prod = torch.bmm(c_g.reshape(K, O, P, N).transpose(1, 2).reshape(K * P, O, N),
-                     a.reshape(K, -1, P, N).permute(0, 2, 3, 1).reshape(K * P, N, -1))  # [K·P, O, I]
+    if O <= NARROW:
+        prod = c_g.reshape(K, O, 1, P, N) * a.reshape(K, 1, -1, P, N)
+        if c_g2 is not None and a2 is not None:
+            prod = prod + c_g2.reshape(K, O, 1, P, N) * a2.reshape(K, 1, -1, P, N)
+        return prod.sum(-1).permute(3, 0, 1, 2).reshape(P, K, -1)  # [K, O, I, P] -> [P, K, O·I]
+
+    def product(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(g.reshape(K, O, P, N).transpose(1, 2).reshape(K * P, O, N),
+                         x.reshape(K, -1, P, N).permute(0, 2, 3, 1).reshape(K * P, N, -1))  # [K·P, O, I]
+
+    prod = product(c_g, a) if c_g2 is None or a2 is None else product(c_g, a) + product(c_g2, a2)
     return prod.reshape(K, P, -1).transpose(0, 1)
 
 
@@ -249,8 +279,9 @@ def clipped_sums(cur: Pass, a_shared: torch.Tensor, c: torch.Tensor, prev: Pass 
             w = torch.bmm(cdg.reshape(K * O, P, N).transpose(0, 1), a_shared).reshape(P, K, O * F)
         else:
             a = cur.inputs[l - 1]
-            w = _per_client(cdg, a, P)
-            if prev is not None:
-                w = w + _per_client(prev.grads[l] * c3, a - prev.inputs[l - 1], P)
+            if prev is None:
+                w = _per_client(cdg, a, P)
+            else:
+                w = _per_client(cdg, a, P, prev.grads[l] * c3, a - prev.inputs[l - 1])
         parts += [w, cdg.reshape(K, O, P, N).sum(-1).permute(2, 0, 1)]
     return torch.cat(parts, dim=2)

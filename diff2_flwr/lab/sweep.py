@@ -113,25 +113,29 @@ class _Batch:
         self.dtype = dtype
 
 
-def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, restart, radius):
+def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, restart, radius, some_restart: bool):
     """One round for every run: clipped sums per client [P, K, d] (float64); per client and run [P, K], whether
-    a per-sample (difference) gradient's norm was not finite (an overflow); and this round's pass (float64)
-    at x, which the next round reuses as its previous iterate's.
+    a per-sample (difference) gradient's norm was not finite (an overflow); and this round's pass at x (in the
+    compute dtype), which the next round reuses as its previous iterate's.
 
-    ``prev_grads`` empty: every run restarts (no previous pass needed). Only the forward and backward
-    passes run in the compute dtype; norms, clip factors and sums are float64.
+    ``prev_grads`` empty: every run restarts (no previous pass needed); ``some_restart``: some run restarts
+    (the others take differences). Only the forward and backward passes run in the compute dtype; norms,
+    clip factors and sums are float64 (the float64 copies of the passes are taken where they are read).
     """
-    cur = forward(mlp, x, a_t, y).to64()
+    pass_ = forward(mlp, x, a_t, y)
+    cur = pass_.to64()
     prev = None
     if prev_grads:
-        prev = Pass(prev_inputs, prev_grads, cur.loss, cur.outputs).restarting(cur, restart)
+        prev = Pass(prev_inputs, prev_grads, cur.loss, cur.outputs).to64()
+        if some_restart:
+            prev = prev.restarting(cur, restart)
     norms = torch.sqrt(sq_norms(cur, sq_a, prev))
     rad = radius.unsqueeze(-1)
     over = norms > rad
     c = torch.where(over, rad / torch.where(over, norms, 1.0), 1.0) * mask
     P, N = a64.shape[0], a64.shape[1]
     overflow = ((~torch.isfinite(norms)) & (mask > 0)).reshape(-1, P, N).any(-1).T
-    return clipped_sums(cur, a64, c, prev), overflow, cur.inputs, cur.grads, cur.loss
+    return clipped_sums(cur, a64, c, prev), overflow, pass_.inputs, pass_.grads, pass_.loss
 
 
 def _plan_radii(r: int, specs: Sequence[RunSpec], restart: torch.Tensor, x: torch.Tensor, x_prev: torch.Tensor,
@@ -263,9 +267,9 @@ def run_batch(
         all_restart = bool(restart.all())
         sums, overflow, cur_inputs, cur_grads, cur_loss = core(
             b.a_t, b.a64, b.y, b.sq_a, b.mask, x, () if all_restart else prev_inputs,
-            () if all_restart else prev_grads, restart, radius)
+            () if all_restart else prev_grads, restart, radius, bool(restart.any()))
         if (r - 1) % eval_every == 0 or r == 1:
-            evaluate(r - 1, x, live, Pass(cur_inputs, cur_grads, cur_loss, cur_loss))
+            evaluate(r - 1, x, live, Pass(cur_inputs, cur_grads, cur_loss, cur_loss).to64())
         prev_inputs, prev_grads = cur_inputs, cur_grads  # the pass at x_{r-1}: round r+1's previous iterate
         client_means = sums / b.n.reshape(P, 1, 1)  # ClippedMean_p of every run [P, K, d]
         _workers_finish(client_means, overflow, radius_np, alive, diverged, r)
