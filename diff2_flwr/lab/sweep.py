@@ -265,9 +265,10 @@ def run_batch(
         radius_np, std_np = _plan_radii(r, specs, restart, x, x_prev, alive, diverged)
         radius = torch.as_tensor(radius_np)
         all_restart = bool(restart.all())
+        # Compiled, the restart selection always runs (fused, it costs little): two round shapes to compile, not three.
         sums, overflow, cur_inputs, cur_grads, cur_loss = core(
             b.a_t, b.a64, b.y, b.sq_a, b.mask, x, () if all_restart else prev_inputs,
-            () if all_restart else prev_grads, restart, radius, bool(restart.any()))
+            () if all_restart else prev_grads, restart, radius, compile or bool(restart.any()))
         if (r - 1) % eval_every == 0 or r == 1:
             evaluate(r - 1, x, live, Pass(cur_inputs, cur_grads, cur_loss, cur_loss).to64())
         prev_inputs, prev_grads = cur_inputs, cur_grads  # the pass at x_{r-1}: round r+1's previous iterate
