@@ -208,7 +208,8 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
         eval_seeds=tuple(evaluate), methods=tuple(methods), hidden=int(data.get("hidden", 10)),
         model=str(model.get("name", "paper_mlp")), model_kwargs=dict(model.get("kwargs") or {}),
         engine=data.get("engine", "batch"), dtype=data.get("dtype", "float64"), compile=bool(data.get("compile", False)),
-        batch_size=int(data.get("batch_size", 32)), workers=data.get("workers", 1), output_dir=str(output.get("dir", "outputs/studies")), source=source,
+        batch_size=int(data.get("batch_size", 32)), workers=data.get("workers", 1),
+        output_dir=str(output.get("dir", "outputs/studies")), source=source,
     )
     if study.engine not in ("batch", "inprocess", "flower"):
         raise fail("engine", "one of 'batch', 'inprocess', 'flower'", study.engine)
