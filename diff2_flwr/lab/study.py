@@ -355,8 +355,17 @@ def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress
                    for batch, specs in sorted(tasks, key=lambda t: -_batch_cost(t[0]))}
         from concurrent.futures import as_completed
 
-        for future in as_completed(futures):
-            finish(futures[future], future.result())
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            for future in as_completed(futures):
+                finish(futures[future], future.result())
+        except BrokenProcessPool as err:
+            raise RuntimeError(
+                f"{study.source}: a worker process of the study died (workers: {study.workers}); the runs finished "
+                "so far are kept and a rerun resumes. Worker processes are spawned and import the main module: a "
+                "script that calls run_study must do so under `if __name__ == \"__main__\":`. Out of memory? Lower "
+                "batch_size or workers.") from err
         return
     for j in todo:
         metrics, diverged = _run_single(j.cfg, engine)
