@@ -108,6 +108,11 @@ class _Batch:
         a64_t = self.a64.reshape(-1, self.F).T
         self.sq_a = (a64_t * a64_t).sum(0)  # ||a||² per sample, float64
         self.n = torch.tensor(sizes, dtype=torch.float64)
+        # One client at a time in a round: its [K, width, N] intermediates stay in the caches, where the whole
+        # batch's [K, width, P·N] would stream through memory once per kernel.
+        self.clients = [(self.a_t[:, p * self.N:(p + 1) * self.N].contiguous(), self.a64[p:p + 1],
+                         self.y[p * self.N:(p + 1) * self.N], self.sq_a[p * self.N:(p + 1) * self.N],
+                         self.mask[p * self.N:(p + 1) * self.N]) for p in range(self.P)]
         self.x_test_t = torch.as_tensor(data.x_test, dtype=dtype).T.contiguous()
         self.y_test = torch.as_tensor(data.y_test, dtype=dtype)
         self.dtype = dtype
@@ -257,8 +262,7 @@ def run_batch(
         evals.append((r, train.numpy().copy(), gn.numpy().copy(), test.numpy().copy(), accuracy))
 
     core = _compiled_core(mlp) if compile else (lambda *args: _round_core(mlp, *args))
-    prev_inputs: tuple = ()
-    prev_grads: tuple = ()
+    prev: list[tuple[tuple, tuple]] = [((), ())] * P  # per client: the pass at x_{r-2} (inputs, grads)
     for r in range(1, rounds + 1):
         restart = (r - 1) % T == 0  # [K]
         live = alive.clone()  # alive at x_{r-1}, whose metrics this round's pass gives
@@ -266,12 +270,16 @@ def run_batch(
         radius = torch.as_tensor(radius_np)
         all_restart = bool(restart.all())
         # Compiled, the restart selection always runs (fused, it costs little): two round shapes to compile, not three.
-        sums, overflow, cur_inputs, cur_grads, cur_loss = core(
-            b.a_t, b.a64, b.y, b.sq_a, b.mask, x, () if all_restart else prev_inputs,
-            () if all_restart else prev_grads, restart, radius, compile or bool(restart.any()))
+        flag = compile or bool(restart.any())
+        parts = [core(*client, x, () if all_restart else prev[p][0], () if all_restart else prev[p][1], restart,
+                      radius, flag) for p, client in enumerate(b.clients)]
+        sums = torch.cat([part[0] for part in parts])
+        overflow = torch.cat([part[1] for part in parts])
         if (r - 1) % eval_every == 0 or r == 1:
-            evaluate(r - 1, x, live, Pass(cur_inputs, cur_grads, cur_loss, cur_loss).to64())
-        prev_inputs, prev_grads = cur_inputs, cur_grads  # the pass at x_{r-1}: round r+1's previous iterate
+            joined = [torch.cat(ts, dim=-1) for ts in zip(*(part[2] + part[3] + (part[4],) for part in parts))]
+            n_in = len(parts[0][2])
+            evaluate(r - 1, x, live, Pass(tuple(joined[:n_in]), tuple(joined[n_in:-1]), joined[-1], joined[-1]).to64())
+        prev = [(part[2], part[3]) for part in parts]  # the pass at x_{r-1}: round r+1's previous iterate
         client_means = sums / b.n.reshape(P, 1, 1)  # ClippedMean_p of every run [P, K, d]
         _workers_finish(client_means, overflow, radius_np, alive, diverged, r)
         mean = client_means.sum(0) / P  # (1/P) Σ_p ClippedMean_p
