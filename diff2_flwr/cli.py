@@ -334,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     aud.set_defaults(func=_audit)
 
-    bench = sub.add_parser("bench", help="measure speed (rounds/s, protocol wall time, Flower vs its floor) as JSON")
+    bench = sub.add_parser("bench", help="measure speed (rounds/s, protocol wall time and GFLOP/s vs a plain "
+                                         "matmul, Flower vs its floor) as JSON")
     bench.add_argument("--data-dir", default=None, help="data directory (default: $DIFF2_DATA_DIR)")
     bench.add_argument("--rounds", type=int, default=300, help="rounds timed for diff2_rounds_per_s")
     bench.add_argument("--flower-rounds", type=int, default=30, help="rounds of each Flower simulation")

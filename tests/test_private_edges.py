@@ -13,6 +13,7 @@ import torch
 
 from diff2_flwr.core.aggregation import Reply, RoundRejected, average_contributions, robust_norm
 from diff2_flwr.core.closed_form import PaperMLPGradients
+from diff2_flwr.core.ghost import MLP
 from diff2_flwr.core.estimator import Diff2State, Diverged, Mechanism, RoundPlan, difference_radius, plan_round
 from diff2_flwr.core.gradients import PerSampleGradients
 from diff2_flwr.core.layout import ParameterLayout
@@ -101,13 +102,14 @@ def test_float32_batched_client_means_never_exceed_the_radius():
     data = PreparedData(name="identical", x_train=np.tile(row, (P * n, 1)), y_train=np.full(P * n, 0.3),
                         x_test=np.tile(row, (3, 1)), y_test=np.full(3, 0.3),
                         shard_bounds=((0, n), (n, 2 * n)), target_scale=1.0, task="regression", classes=())
-    b = sweep._Batch(data, H, torch.float32)
+    b = sweep._Batch(data, torch.float32)
+    mlp = MLP((F, H, 1), ("softplus",), "half_squared_error")
     for _ in range(5):
-        x = torch.as_tensor(rng.normal(size=(K, b.H * b.F + 2 * b.H + 1)))
+        x = torch.as_tensor(rng.normal(size=(K, mlp.dim)))
         radius = rng.uniform(1e-4, 1e-2, size=K)
         restart = torch.ones(K, dtype=torch.bool)
-        sums, overflow = sweep._round_core(b.a_t, b.a64, b.y, b.sq_a1, b.mask, *b.unpack(x.to(torch.float32)),
-                                           *b.unpack(x.to(torch.float32)), restart, torch.as_tensor(radius), False)
+        sums, overflow, *_ = sweep._round_core(mlp, b.a_t, b.a64, b.y, b.sq_a, b.mask, x, (), (), restart,
+                                               torch.as_tensor(radius), False)
         means = sums / b.n.reshape(P, 1, 1)
         alive, diverged = torch.ones(K, dtype=torch.bool), [None] * K
         sweep._workers_finish(means, overflow, radius, alive, diverged, 1)

@@ -141,6 +141,84 @@ def test_a_plain_gd_methods_run_ids_are_unchanged_by_routines():
     assert _run_id("eval", with_routine, gd.points()[1], 3.0, 1, study) != "eval-gd-74c13cf1ddc6"
 
 
+def _classification_study(tmp_path, engine: str, out: str | None = None, **changes) -> dict:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((500, 4))
+    label = np.where(x[:, 0] - x[:, 1] + 0.5 * rng.standard_normal(500) > 0, "pos", "neg")
+    path = tmp_path / "two_classes.csv"
+    path.write_text("a,b,c,d,y\n" + "".join(",".join(f"{v:.5f}" for v in r) + f",{t}\n" for r, t in zip(x, label)))
+    data = yaml.safe_load(SMOKE.read_text())
+    data.update(name="cls", rounds=12, eval_every=4, seeds={"tune": [7], "evaluate": [1, 2]}, engine=engine,
+                dataset={"name": "csv", "path": str(path), "target": "y", "task": "classification"},
+                model={"name": "diff2_flwr.task.models:TanhMLP", "kwargs": {"hidden": 5}}, **changes)
+    data["methods"] = [{"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.5, 1.0]}},
+                       {"name": "DIFF2-GD (T=4)", "method": "diff2",
+                        "grid": {"restart_every": [4], "learning_rate": [0.5, 1.0], "clip_diff": [3.0]}}]
+    return run_study(parse_study(data, f"{engine}.yaml"), output_root=tmp_path / (out or engine), show_progress=False,
+                     make_plots=False)
+
+
+def test_a_classification_study_on_the_batch_engine_equals_the_inprocess_one(tmp_path):
+    """Cross-entropy, a two-hidden-layer MLP: the batched engine runs it (no fallback) and agrees with the
+    reference driver on every criterion and on the accuracy."""
+    a = _classification_study(tmp_path, "batch")
+    b = _classification_study(tmp_path, "inprocess")
+    runs = list((tmp_path / "batch" / "cls" / "runs").glob("*.json"))
+    assert runs and all(json.loads(r.read_text())["engine"] == "batch" for r in runs)
+    for name, entry in a["epsilons"]["3.0"]["methods"].items():
+        other = b["epsilons"]["3.0"]["methods"][name]
+        for c in CRITERIA:
+            assert entry["criteria"][c]["point"] == other["criteria"][c]["point"]
+            assert entry["criteria"][c]["min_mean"] == pytest.approx(other["criteria"][c]["min_mean"], rel=1e-9)
+        assert entry["accuracy"]["best_per_seed"] == other["accuracy"]["best_per_seed"]
+        assert 0.5 < entry["accuracy"]["best_mean"] <= 1
+
+
+def test_two_worker_processes_give_the_same_study(tmp_path):
+    """workers: 2 runs the batches in two spawned processes (one thread each here): the same runs, the same summary
+    up to the rounding of another thread count."""
+    one = _classification_study(tmp_path, "batch", "one", batch_size=3)
+    two = _classification_study(tmp_path, "batch", "two", batch_size=3, workers=2)
+    assert two["workers"] == 2
+    names = lambda out: sorted(p.name for p in (tmp_path / out / "cls" / "runs").glob("*.json"))  # noqa: E731
+    assert names("one") == names("two") and names("one")
+    for name, entry in one["epsilons"]["3.0"]["methods"].items():
+        for c in CRITERIA:
+            x, y = entry["criteria"][c], two["epsilons"]["3.0"]["methods"][name]["criteria"][c]
+            assert x["point"] == y["point"] and x["min_mean"] == pytest.approx(y["min_mean"], rel=1e-12)
+
+
+def test_units_are_balanced_shared_by_the_workers_and_largest_first(monkeypatch):
+    from types import SimpleNamespace
+
+    from diff2_flwr.lab import study as study_mod
+    from diff2_flwr.lab.study import _Job, plan_units
+
+    monkeypatch.setattr(study_mod, "batchable", lambda study, cfg: True)
+
+    def jobs(ts, routine="gd", local=False):
+        return [_Job(f"{routine}{local}{i}", None, {}, 3.0, i, SimpleNamespace(
+            restart_every=t, training=SimpleNamespace(routine=SimpleNamespace(name=routine)),
+            local=SimpleNamespace(enabled=local))) for i, t in enumerate(ts)]
+
+    def sizes(js, batch_size=24, workers=1):
+        units = plan_units(SimpleNamespace(engine="batch", batch_size=batch_size, workers=workers), js)
+        assert sorted(j.run_id for u in units for j in u.jobs) == sorted(j.run_id for j in js)  # each job once
+        return [(u.engine, len(u.jobs)) for u in units]
+
+    assert sizes(jobs([1] * 16 + [20] * 36)) == [("batch", 18), ("batch", 18), ("batch", 16)]
+    assert sizes(jobs([1] * 16 + [20] * 36), workers=2) == [("batch", 18), ("batch", 18), ("batch", 8), ("batch", 8)]
+    assert sorted(n for _, n in sizes(jobs([1] * 5 + [6] * 50), workers=2)) == [2, 3, 11, 13, 13, 13]
+    assert sizes(jobs([6]), workers=2) == [("batch", 1)]
+    units = plan_units(SimpleNamespace(engine="batch", batch_size=4, workers=2), jobs([1, 6] * 9))
+    assert all(len({j.cfg.restart_every == 1 for j in u.jobs}) == 1 for u in units)
+    # the local routine runs one by one on the per-run path, first (it is the costliest)
+    mixed = sizes(jobs([20] * 4) + jobs([20, 20], local=True), workers=2)
+    assert mixed == [("inprocess", 1), ("inprocess", 1), ("batch", 2), ("batch", 2)]
+    monkeypatch.setattr(study_mod, "batchable", lambda study, cfg: False)  # not an MLP: every run on its own
+    assert sizes(jobs([20] * 3)) == [("inprocess", 1)] * 3
+
+
 def test_paired_t_test_against_scipy_and_the_formula():
     treatment = [0.0093, 0.0091, 0.0095, 0.0092, 0.0094]
     control = [0.0099, 0.0097, 0.0096, 0.0101, 0.0098]
@@ -200,6 +278,8 @@ def base_study(**changes):
         ({"epsilons": [0]}, r"`epsilons`"),
         ({"rounds": "many"}, r"`rounds`"),
         ({"colour": "blue"}, r"unknown key.*colour"),
+        ({"workers": 0}, r"`workers`: expected an integer >= 1"),
+        ({"batch_size": 0}, r"`batch_size`: expected an integer >= 1"),
         ({"methods": [{"name": "X", "method": "dpgd", "grid": {"learning_rate": [0.1]}, "u": 0.5},
                       {"name": "X", "method": "gd", "grid": {"learning_rate": [0.1]}}]}, r"distinct method names"),
     ],

@@ -99,3 +99,71 @@ def test_a_routine_that_is_not_post_processing_is_refused(reference, monkeypatch
     data, _, specs = reference
     with pytest.raises(ValueError, match=r"Run 1: routine 'local' is not post-processing.*Use the inprocess engine"):
         run_batch(data, [specs[0], dataclasses.replace(specs[0], routine="local")], rounds=2)
+
+
+# ---------------------------------------------------------------- classification: cross-entropy, deeper MLPs
+
+CLS_ROUNDS = 10
+# (method, T, lr, C1, C2, seed)
+CLS_VARIANTS = [("diff2", 3, 0.5, 1.0, 2.0, 11), ("dpgd", None, 0.5, 0.5, 1.0, 12), ("gd", None, 0.5, 1.0, 1.0, 13),
+                ("diff2", 4, 1.0, 0.2, 0.5, 14)]
+
+
+def _binary_csv(path):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((600, 5))
+    label = (x[:, 0] + 0.5 * x[:, 1] * x[:, 2] + 0.3 * rng.standard_normal(600) > 0).astype(int)
+    rows = ["a,b,c,d,e,label"] + [",".join(f"{v:.6f}" for v in r) + f",{'yes' if t else 'no'}" for r, t in zip(x, label)]
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+def _classification_case(dataset: dict, model: dict, clients: int):
+    servers, specs = [], []
+    for method, T, lr, c1, c2, seed in CLS_VARIANTS:
+        cfg = parse_config({"dataset": dataset, "method": method, "model": {**model, "init_seed": seed},
+                            "training": {"clients": clients, "rounds": CLS_ROUNDS, "restart_every": T,
+                                         "learning_rate": lr, "clip_restart": c1, "clip_diff": c2, "seed": seed}})
+        assert not cfg.closed_form_gradients  # the reference's workers take the generic torch.func path
+        server = run_inprocess(cfg, record=False, progress=None)
+        m = cfg.mechanism(server.calibration)
+        servers.append(server)
+        specs.append(RunSpec(m.restart_every, lr, m.clip_restart, m.clip_diff, m.sigma_restart, m.sigma_diff, seed, seed))
+    return cfg, load_data(cfg), servers, specs
+
+
+@pytest.fixture(scope="module", params=["digits-10-classes-paper-mlp", "csv-2-classes-tanh-mlp"])
+def classification(request, tmp_path_factory):
+    if request.param.startswith("digits"):
+        return _classification_case({"name": "digits"}, {"hidden": 10}, clients=3)
+    path = _binary_csv(tmp_path_factory.mktemp("cls") / "binary.csv")
+    return _classification_case({"name": "csv", "path": path, "target": "label", "task": "classification"},
+                                {"name": "diff2_flwr.task.models:TanhMLP", "kwargs": {"hidden": 6}}, clients=4)
+
+
+def test_batched_engine_equals_the_torch_func_reference_on_classification(classification):
+    cfg, data, servers, specs = classification
+    m = cfg.model
+    results = run_batch(data, specs, rounds=CLS_ROUNDS, eval_every=1, model=m.name, hidden=m.hidden_units,
+                        model_kwargs=m.kwargs.as_dict())
+    n_test = len(data.y_test)
+    for server, result in zip(servers, results):
+        assert np.abs(server.state.x - result.final_x).max() <= 1e-12
+        assert list(result.rounds) == [h["round"] for h in server.history]
+        for key in ("train_loss", "grad_norm_sq", "test_loss"):
+            np.testing.assert_allclose(getattr(result, key), [h[key] for h in server.history], rtol=1e-11, atol=1e-15)
+        # argmax of float64 logits from two code paths: a tie within rounding may flip one record, no more
+        np.testing.assert_allclose(result.test_accuracy, [h["test_accuracy"] for h in server.history], rtol=0,
+                                   atol=1.01 / n_test)
+        assert result.diverged_at is None
+    assert any(r.test_accuracy[-1] > r.test_accuracy[0] + 0.05 for r in results)  # it learns something
+
+
+def test_batched_engine_refuses_a_model_it_has_no_closed_form_for():
+    data = load_data(parse_config({"dataset": {"name": "digits"}, "method": "gd", "training": {"clients": 2}}))
+    spec = RunSpec(1, 0.1, 1.0, 1.0, 0.0, 0.0, 0, 0)
+    with pytest.raises(ValueError, match=r"model 'diff2_flwr.task.models:DigitsCNN' with loss 'cross_entropy' is not "
+                                         r"one\. Use engine: inprocess"):
+        run_batch(data, [spec], rounds=1, model="diff2_flwr.task.models:DigitsCNN", model_kwargs={"channels": 2})
+    with pytest.raises(ValueError, match="loss 'half_squared_error' is not one"):  # classes need cross-entropy
+        run_batch(data, [spec], rounds=1, loss="half_squared_error")

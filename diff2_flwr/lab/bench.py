@@ -3,7 +3,12 @@
 - ``diff2_rounds_per_s``: DIFF2-GD on California Housing, 10 clients, T = 20, one configuration,
   one thread, rounds per second of the fast in-process engine (and of the reference driver,
   which runs exactly the Flower path's code, for comparison);
-- ``protocol_wall_s``: wall seconds of the full California ε = 3 study of ``configs/paper/``;
+- ``protocol_wall_s``: wall seconds of the full California ε = 3 study of ``configs/paper/`` (its
+  ``workers`` processes, one thread each on a 2-core machine), with ``protocol_gflops``: the matrix
+  products' arithmetic of the batched engine over the study (:meth:`~diff2_flwr.core.ghost.MLP.matmul_flops`
+  for every run and round) per wall second, against ``matmul_gflops``: a plain torch matrix product's
+  (float32 and float64, 1,024², one thread, and on all cores) on the same machine — the floor;
+  ``load_average``: the machine's 1-minute load before and after (other work skews every figure);
 - ``flower_round_s`` / ``flower_floor_round_s``: median seconds per round (rounds 2..N) of a
   10-client ``flwr run`` simulation of DIFF2-GD, and of a do-nothing NumPyClient app
   (``benchmarks/floor_app``) measured in the same run: the framework's own floor.
@@ -57,6 +62,42 @@ def _diff2_config(data_dir: str | None, rounds: int, out: str) -> dict:
             "evaluation": {"every": 50}, "output": {"dir": out}}
 
 
+def _matmul_gflops(dtype: torch.dtype, threads: int, size: int = 1024, seconds: float = 1.0) -> float:
+    """GFLOP/s of a plain ``a @ b`` of two size × size matrices: the floor an engine's arithmetic is measured against."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(size, size, generator=gen, dtype=dtype) for _ in range(2))
+        for _ in range(3):
+            a @ b  # warm-up
+        count, t = 0, time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            a @ b
+            count += 1
+        return 2 * size ** 3 * count / (time.perf_counter() - t) / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def _study_flops(study, runs_dir: Path, n_samples: int) -> int:
+    """Matrix-product arithmetic of every run file of a batched study (rounds × per-round FLOPs; evaluation not counted)."""
+    from ..runtime.session import load_data
+    from .sweep import batch_model
+
+    probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
+    mlp, _ = batch_model(load_data(probe), model=study.model, hidden=study.hidden, model_kwargs=study.model_kwargs,
+                         loss=probe.loss)
+    total = 0
+    for path in runs_dir.glob("*.json"):
+        record = json.loads(path.read_text())
+        T = int(record["point"].get("restart_every", 1)) if record["base_method"] == "diff2" else 1
+        restarts = -(-study.rounds // T)
+        total += restarts * mlp.matmul_flops(n_samples, difference=False)
+        total += (study.rounds - restarts) * mlp.matmul_flops(n_samples, difference=True)
+    return total
+
+
 def _rounds_per_s(data_dir: str | None, rounds: int) -> dict[str, float]:
     from ..runtime.config import parse_config
     from ..runtime.driver import run_inprocess
@@ -105,7 +146,10 @@ def _flower(data_dir: str | None, rounds: int) -> dict[str, float]:
 def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: bool = True, rounds: int = 300,
               flower_rounds: int = 30) -> dict[str, Any]:
     """Measure and return the figures (see the module docstring)."""
-    out: dict[str, Any] = {"machine": _machine()}
+    out: dict[str, Any] = {"machine": _machine(), "load_average_before": os.getloadavg()[0]}
+    out["matmul_gflops"] = {f"{name}_{label}": _matmul_gflops(dtype, threads)
+                            for name, dtype in (("float32", torch.float32), ("float64", torch.float64))
+                            for label, threads in (("1_thread", 1), ("all_cores", os.cpu_count() or 1))}
     out.update(_rounds_per_s(data_dir, rounds))
     if protocol:
         from .study import load_study, run_study
@@ -115,13 +159,28 @@ def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: boo
             import dataclasses
 
             study = dataclasses.replace(study, dataset={**study.dataset, "dir": data_dir})
+        from ..runtime.session import load_data
+
         with tempfile.TemporaryDirectory(prefix="diff2-bench-study-") as tmp:
             t = time.perf_counter()
             run_study(study, output_root=tmp, fresh=True, make_plots=False)
-            out["protocol_wall_s"] = time.perf_counter() - t
+            wall = time.perf_counter() - t
+            probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], 0)
+            n = len(load_data(probe).y_train)
+            flops = _study_flops(study, Path(tmp) / study.name / "runs", n)
+        out["protocol_wall_s"] = wall
+        out["protocol_workers"] = study.workers
         out["protocol_tuning_configurations"] = sum(len(m.points()) for m in study.methods)
-        out["protocol_target_s"] = 300
+        out["protocol_target_s"] = 150
+        out["protocol_matmul_tflop"] = flops / 1e12
+        out["protocol_gflops"] = flops / wall / 1e9
+        dtype = "float32" if study.dtype == "float32" else "float64"
+        floor = out["matmul_gflops"][f"{dtype}_1_thread"] * min(study.workers, os.cpu_count() or 1)
+        out["protocol_fraction_of_matmul_floor"] = out["protocol_gflops"] / floor
     if flower:
         out.update(_flower(data_dir, flower_rounds))
         out["flower_target_ratio"] = 1.5
-    return {k: (float(np.round(v, 4)) if isinstance(v, float) else v) for k, v in out.items()}
+    out["load_average_after"] = os.getloadavg()[0]
+    rounded = lambda v: float(np.round(v, 4)) if isinstance(v, float) else v  # noqa: E731
+    return {k: ({a: rounded(b) for a, b in v.items()} if isinstance(v, dict) and k != "machine" else rounded(v))
+            for k, v in out.items()}

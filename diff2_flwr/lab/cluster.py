@@ -8,6 +8,8 @@ gets back. Two executors share one small interface (``has_capacity``, ``submit``
 ``in_flight``, ``close``):
 
 * :class:`LocalExecutor` computes each unit at once, in this process;
+* :class:`PoolExecutor` computes units side by side in N spawned processes of this machine (a
+  study's ``workers``);
 * :class:`RayExecutor` submits units as tasks of a running Ray cluster (``ray.init(address=...)``),
   as many at a time as the cluster has CPUs for (``num_cpus = threads`` per task), and checks that
   every node that answers runs the same diff2-flwr source and read the same data as the driver:
@@ -28,7 +30,7 @@ import socket
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["ClusterError", "LocalExecutor", "RayExecutor", "code_fingerprint", "data_digest", "node_report",
+__all__ = ["ClusterError", "LocalExecutor", "PoolExecutor", "RayExecutor", "code_fingerprint", "data_digest", "node_report",
            "unit_data"]
 
 
@@ -148,6 +150,64 @@ class LocalExecutor:
 
     def describe(self) -> dict[str, Any]:
         return {"executor": self.name}
+
+
+class PoolExecutor:
+    """Computes units in ``workers`` spawned processes of this machine, as many at a time as there are workers.
+
+    Spawned, not forked: torch's thread pools do not survive a fork. Each unit pins its own thread
+    pools to the study's ``threads`` (:func:`~diff2_flwr.lab.study.compute_unit`), so a unit gives
+    the same bits in a worker as in the driver. Progress within a unit is not reported across
+    processes; the driver reports runs as units finish.
+    """
+
+    name = "pool"
+
+    def __init__(self, compute: Compute, workers: int, source: str = "the study") -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self._compute, self.workers, self._source = compute, int(workers), source
+        self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        self._futures: dict[Any, Any] = {}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._futures)
+
+    def has_capacity(self) -> bool:
+        return len(self._futures) < self.workers
+
+    def submit(self, study: Any, unit: Any, progress: Callable[[int, int], None] | None = None) -> None:
+        self._futures[self._pool.submit(self._compute, study, unit)] = unit
+
+    def completed(self, timeout: float) -> list[tuple[Any, list[dict]]]:
+        from concurrent.futures import FIRST_COMPLETED, wait
+        from concurrent.futures.process import BrokenProcessPool
+
+        done, _ = wait(list(self._futures), timeout=timeout, return_when=FIRST_COMPLETED)
+        out = []
+        for future in done:
+            unit = self._futures.pop(future)
+            try:
+                out.append((unit, future.result()))
+            except BrokenProcessPool as err:
+                raise RuntimeError(
+                    f"{self._source}: a worker process of the study died (workers: {self.workers}); the runs finished "
+                    "so far are kept and a rerun resumes. Worker processes are spawned and import the main module: "
+                    "a script that calls run_study must do so under `if __name__ == \"__main__\":`. Out of memory? "
+                    "Lower batch_size or workers.") from err
+        return out
+
+    def close(self) -> None:
+        if self._futures:  # stopped early (an error, Ctrl-C): the units still computing are abandoned, not awaited
+            for process in list(getattr(self._pool, "_processes", {}).values()):
+                process.terminate()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._futures = {}
+
+    def describe(self) -> dict[str, Any]:
+        return {"executor": self.name, "workers": self.workers}
 
 
 class RayExecutor:

@@ -132,6 +132,7 @@ class Study:
     compile: bool = False
     batch_size: int = 32
     threads: int = 1  # torch/BLAS threads of every unit (training.threads of every run): results depend on it
+    workers: int = 1  # processes that compute units side by side on this machine (runs are independent)
     output_dir: str = "outputs/studies"
     source: str = field(default="<memory>", compare=False)
 
@@ -160,7 +161,8 @@ def _slug(text: str) -> str:
 # ------------------------------------------------------------------------------- loading
 
 _TOP_KEYS = {"name", "dataset", "clients", "rounds", "delta", "epsilons", "mode", "eval_every", "seeds", "methods",
-             "hidden", "model", "engine", "dtype", "compile", "batch_size", "output", "threads"}
+             "hidden", "model", "engine", "dtype", "compile", "batch_size", "output", "threads",
+             "workers"}
 
 
 def parse_study(data: Any, source: str = "<memory>") -> Study:
@@ -268,7 +270,7 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
         model=str(model.get("name", "paper_mlp")), model_kwargs=dict(model.get("kwargs") or {}),
         engine=data.get("engine", "batch"), dtype=data.get("dtype", "float64"), compile=bool(data.get("compile", False)),
         batch_size=int(data.get("batch_size", 32)), output_dir=str(output.get("dir", "outputs/studies")), source=source,
-        threads=data.get("threads", 1),
+        threads=data.get("threads", 1), workers=data.get("workers", 1),
     )
     if study.engine not in ("batch", "inprocess", "flower"):
         raise fail("engine", "one of 'batch', 'inprocess', 'flower'", study.engine)
@@ -279,6 +281,15 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
         raise fail("dtype", "'float64' or 'float32'", study.dtype)
     if study.mode not in ("exact", "rdp"):
         raise fail("mode", "'exact' or 'rdp'", study.mode)
+    if not isinstance(study.workers, int) or isinstance(study.workers, bool) or study.workers < 1:
+        raise fail("workers", "an integer >= 1 (processes that compute runs side by side; 2 uses both cores of a "
+                   "2-core machine with threads: 1)",
+                   study.workers)
+    if study.workers > 1 and study.engine == "flower":
+        raise fail("workers", "1 with engine 'flower' (each run is a Flower simulation with its own SuperLink; "
+                   "use engine 'inprocess', which equals it bit for bit, to run several at once)", study.workers)
+    if study.batch_size < 1:
+        raise fail("batch_size", "an integer >= 1", study.batch_size)
     # Validate every run config once, up front: bad values fail before hours of compute.
     for method in study.methods:
         for point in method.points():
@@ -391,22 +402,49 @@ def plan_units(study: Study, jobs: Sequence[_Job]) -> list[Unit]:
     The batched engine takes batches of at most ``study.batch_size`` runs: a batch whose runs all
     restart every round (T = 1) skips the previous iterate's pass, so T = 1 runs never share a
     batch with T > 1 runs; within a group, batches are balanced (no batch much smaller than the
-    others) and sorted by T. Models or losses without closed forms fall back to ``inprocess``.
+    others), sorted by T, and as many as a multiple of ``study.workers`` where there are runs
+    enough, so that every worker process has its share. Runs the batched engine cannot run (a
+    model that is not an MLP, a routine that computes on private data, the local routine) are
+    units of one ``inprocess`` run. Units are ordered by their cost, largest first, so that no
+    worker is left with a big one at the end.
     """
     engine = study.engine
     if engine != "batch":
         return [Unit(engine, (j,)) for j in jobs]
-    # The batched engine: closed forms of the paper MLP, post-processing routines and no local routine only; the
-    # rest runs one by one.
-    batchable = [j for j in jobs if j.cfg.closed_form_gradients and ROUTINES[j.cfg.training.routine.name].post_processing
-                 and not j.cfg.local.enabled]
-    units = [Unit("inprocess", (j,)) for j in jobs if j not in batchable]
-    for group in ([j for j in batchable if j.cfg.restart_every == 1], [j for j in batchable if j.cfg.restart_every > 1]):
+    mlp = bool(jobs) and batchable(study, jobs[0].cfg)  # one model and dataset per study
+    fits = [j for j in jobs if mlp and ROUTINES[j.cfg.training.routine.name].post_processing
+            and not j.cfg.local.enabled]
+    units = [Unit("inprocess", (j,)) for j in jobs if j not in fits]
+    for group in ([j for j in fits if j.cfg.restart_every == 1], [j for j in fits if j.cfg.restart_every > 1]):
         group.sort(key=lambda j: j.cfg.restart_every)
         if group:
-            size = -(-len(group) // -(-len(group) // study.batch_size))
+            count = -(-len(group) // study.batch_size)
+            count = min(len(group), -(-count // study.workers) * study.workers)
+            size = -(-len(group) // count)
             units += [Unit(engine, tuple(group[i:i + size])) for i in range(0, len(group), size)]
-    return units
+    return sorted(units, key=_unit_cost, reverse=True)  # stable: equal costs keep their order
+
+
+def _unit_cost(unit: Unit) -> float:
+    """Relative cost of a unit, in batched-engine restart rounds of one run: a difference round does a little more
+    than a restart round; one run on the per-run path costs about as much as a batch of twenty."""
+    if unit.engine != "batch":
+        return 20.0 * len(unit.jobs)
+    return sum(1.0 if j.cfg.restart_every == 1 else 1.5 for j in unit.jobs)
+
+
+def batchable(study: Study, cfg: ExperimentConfig) -> bool:
+    """Whether the batched engine has closed forms for this study's model and loss (an MLP; see
+    :func:`~diff2_flwr.task.models.mlp_shape`)."""
+    from .cluster import unit_data
+    from .sweep import batch_model
+
+    try:
+        batch_model(unit_data(cfg), model=study.model, hidden=study.hidden, model_kwargs=study.model_kwargs,
+                    loss=cfg.loss)
+    except ValueError:
+        return False
+    return True
 
 
 def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None] | None = None) -> list[dict]:
@@ -414,7 +452,8 @@ def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None] 
 
     Every thread pool is pinned to ``study.threads`` while it computes (the inprocess and flower
     engines pin ``training.threads``, which the study sets to the same): on one machine a unit
-    gives the same bits wherever it runs, in the driver or in a task on a cluster node.
+    gives the same bits wherever it runs, in the driver, in a worker process or in a task on a
+    cluster node.
     """
     from ..runtime.compute import pinned_threads
     from .cluster import unit_data
@@ -431,7 +470,8 @@ def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None] 
 
     batch = unit.jobs
     with pinned_threads(study.threads):
-        data = unit_data(batch[0].cfg)
+        cfg = batch[0].cfg
+        data = unit_data(cfg)
         n_min = data.n_min
         dtype = torch.float32 if study.dtype == "float32" else torch.float64
         specs = []
@@ -441,11 +481,17 @@ def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None] 
             specs.append(RunSpec(mech.restart_every, j.cfg.training.learning_rate, mech.clip_restart,
                                  mech.clip_diff, mech.sigma_restart, mech.sigma_diff, j.seed, j.seed,
                                  routine=routine.name, routine_params=tuple(sorted(routine.params().items()))))
-        results = run_batch(data, specs, rounds=study.rounds, hidden=study.hidden, eval_every=study.eval_every,
+        results = run_batch(data, specs, rounds=study.rounds, hidden=study.hidden, model=study.model,
+                            model_kwargs=study.model_kwargs, loss=cfg.loss, eval_every=study.eval_every,
                             dtype=dtype, compile=study.compile, progress=progress)
-    return [{"metrics": {"rounds": res.rounds.tolist(), "train_loss": res.train_loss.tolist(),
-                         "grad_norm_sq": res.grad_norm_sq.tolist(), "test_loss": res.test_loss.tolist()},
-             "diverged_at": res.diverged_at, "engine": "batch"} for res in results]
+    out = []
+    for res in results:
+        metrics = {"rounds": res.rounds.tolist(), "train_loss": res.train_loss.tolist(),
+                   "grad_norm_sq": res.grad_norm_sq.tolist(), "test_loss": res.test_loss.tolist()}
+        if res.test_accuracy is not None:
+            metrics[ACCURACY] = res.test_accuracy.tolist()
+        out.append({"metrics": metrics, "diverged_at": res.diverged_at, "engine": "batch"})
+    return out
 
 
 #: Seconds between two looks at runs that other drivers are computing.
@@ -617,7 +663,7 @@ def run_study(
 def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanup: contextlib.ExitStack, *,
                ray_address: str | None, show_progress: bool, make_plots: bool) -> dict:
     from ..runtime.shard_report import check_shards
-    from .cluster import LocalExecutor, RayExecutor, code_fingerprint, node_report, unit_data
+    from .cluster import LocalExecutor, PoolExecutor, RayExecutor, code_fingerprint, node_report, unit_data
 
     started = time.perf_counter()
     probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
@@ -632,11 +678,16 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
     summary: dict[str, Any] = {"study": study.name, "source": study.source, "rounds": study.rounds, "delta": study.delta,
                                "mode": study.mode, "clients": study.clients, "n_min": data.n_min,
                                "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds),
-                               "engine": study.engine, "dtype": study.dtype, "threads": study.threads, "epsilons": {}}
+                               "engine": study.engine, "dtype": study.dtype, "threads": study.threads,
+                               "workers": study.workers, "epsilons": {}}
     n_tune = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds) * len(study.epsilons)
     progress = _Progress(n_tune + 2 * len(study.methods) * len(study.eval_seeds) * len(study.epsilons), show_progress)
     tally = {"computed": 0, "by_others": 0, "reused": 0}
-    executor = (LocalExecutor(compute_unit) if ray_address is None else
+    if ray_address is not None and study.workers > 1:
+        print(f"[diff2] study {study.name}: `workers: {study.workers}` is for this machine; on the Ray cluster the "
+              "cluster's CPUs set how many units run at once", file=sys.stderr)
+    executor = (LocalExecutor(compute_unit) if ray_address is None and study.workers == 1 else
+                PoolExecutor(compute_unit, study.workers, study.source) if ray_address is None else
                 RayExecutor(ray_address, compute_unit, threads=study.threads,
                             expect={"code": code_fingerprint(), "data": node_report(probe)["data"]}))
     cleanup.callback(executor.close)

@@ -1,46 +1,47 @@
-"""A batched engine for sweeps: K runs of DIFF2/DP-GD/GD on the paper MLP advance together.
+"""A batched engine for sweeps: K runs of DIFF2/DP-GD/GD on one MLP advance together.
 
-All runs of a batch share the dataset, P and R; each has its own method parameters (T,
-learning rate, C1, C2, σ1, σ2) and seeds. One round of the whole batch is a handful of large
-tensor operations: the hidden pre-activations of every (sample, run) pair are one matrix
-product, per-sample gradient norms and clipped sums use the closed forms of
-:mod:`diff2_flwr.core.closed_form`, and the quantities of the previous iterate are cached
-so a difference round costs one forward pass, not two.
+All runs of a batch share the dataset, the model's shape, P and R; each has its own method parameters
+(T, learning rate, C1, C2, σ1, σ2) and seeds. The model is any MLP of linear layers with elementwise
+activations (the paper's, :class:`~diff2_flwr.task.models.TanhMLP`, a plain ``nn.Sequential``; see
+:func:`~diff2_flwr.task.models.mlp_shape`) with ½-squared error (regression) or cross-entropy (any
+number of classes). One round of the whole batch is a handful of large tensor operations: the first
+layer's pre-activations of every (sample, run) pair are one matrix product, and per-sample gradient
+norms and clipped sums use the closed forms of :mod:`diff2_flwr.core.ghost`. A difference round needs
+the per-sample quantities at x_{r-1} and x_{r-2}: those at x_{r-2} are the previous round's, kept, so
+every round costs one forward and backward pass.
 
-The maths is the reference's (:class:`~diff2_flwr.runtime.session.Diff2Server` with
-:class:`~diff2_flwr.core.closed_form.PaperMLPGradients` workers): the same noise
-(:func:`~diff2_flwr.core.estimator.round_noise` of the run's seed and the round), the same
-schedule, radius (:func:`~diff2_flwr.core.estimator.round_scale`, bit for bit), clipping, the
-workers' projection onto the ball (:func:`~diff2_flwr.core.clipping.onto_ball`) and averaging
-order. As there, only the forward pass runs in the compute dtype: norms, clip factors and sums
-are float64. A run whose radius, gradients or iterate stop being finite is recorded as diverged
-at that round (as the reference driver's ``Diverged``) and parked. Tests check it against the
-reference driver.
+The maths is the reference's (:class:`~diff2_flwr.runtime.session.Diff2Server` with its workers):
+the same noise (:func:`~diff2_flwr.core.estimator.round_noise` of the run's seed and the round), the
+same schedule, radius (:func:`~diff2_flwr.core.estimator.round_scale`, bit for bit), clipping, the
+workers' projection onto the ball (:func:`~diff2_flwr.core.clipping.onto_ball`) and averaging order.
+As there, only the forward and backward passes run in the compute dtype: norms, clip factors and sums
+are float64. A run whose radius, gradients or iterate stop being finite is recorded as diverged at
+that round (as the reference driver's ``Diverged``) and parked. Tests check it against the reference
+driver (closed-form workers for the paper MLP with ½-squared error, ``torch.func`` workers otherwise).
 The routine (GD, momentum, Adam, ...) is the core's own ``update``, applied to the stacked
 iterates of all runs that share a routine and its parameters: every routine is elementwise, so
 each row steps exactly as the reference's one run does.
-Evaluation metrics come from the same forward pass (train loss and ‖∇f‖² at x_{r-1} are
-by-products of round r).
+Evaluation metrics at x_{r-1} are by-products of round r's pass (train loss and ‖∇f‖²); test loss
+and, for classification, test accuracy take one forward pass over the test split.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from ..core.clipping import onto_ball, robust_norm
-from ..core.closed_form import softplus_with_derivative
 from ..core.estimator import Diverged, round_noise, round_scale
+from ..core.ghost import MLP, Pass, clipped_sums, forward, sq_norms
 from ..core.routines import Routine, make_routine
 from ..task.data import PreparedData
-from ..task.models import PaperMLP
+from ..task.models import build_model, mlp_shape
 
-__all__ = ["RunSpec", "RunResult", "run_batch"]
-
+__all__ = ["RunSpec", "RunResult", "batch_model", "run_batch"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,10 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class RunResult:
-    """Metrics at the evaluated rounds (0, every ``eval_every``, R) and the final iterate."""
+    """Metrics at the evaluated rounds (0, every ``eval_every``, R) and the final iterate.
+
+    ``test_accuracy`` for classification (None for regression): NaN once the run has diverged.
+    """
 
     spec: RunSpec
     rounds: np.ndarray
@@ -73,19 +77,32 @@ class RunResult:
     test_loss: np.ndarray
     final_x: np.ndarray
     diverged_at: int | None  # first round whose radius, gradients or iterate were not finite
+    test_accuracy: np.ndarray | None = None
 
 
-def _initial(spec: RunSpec, features: int, hidden: int) -> np.ndarray:
-    model = PaperMLP(features, hidden, init_seed=spec.init_seed)
-    return np.concatenate([p.detach().double().reshape(-1).numpy() for p in model.parameters()])
+def batch_model(data: PreparedData, *, model: str = "paper_mlp", hidden: int = 10,
+                model_kwargs: Mapping[str, Any] | None = None, loss: str | None = None,
+                init_seed: int = 0) -> tuple[MLP, np.ndarray]:
+    """The MLP shape the batched engine runs for this model and loss, and x_0 for ``init_seed`` (float64, the
+    per-run path's vector); a ValueError naming the model when it is not an MLP the engine knows."""
+    loss = loss or ("cross_entropy" if data.task == "classification" else "half_squared_error")
+    net = build_model(model, in_features=data.num_features, out_features=data.num_outputs, hidden=hidden,
+                      init_seed=init_seed, kwargs=model_kwargs)
+    shape = mlp_shape(net, loss)
+    if shape is None:
+        raise ValueError(f"The batched engine runs MLPs (nn.Linear layers with elementwise activations: softplus, "
+                         f"tanh, sigmoid, relu) with loss half_squared_error or cross_entropy; model {model!r} with "
+                         f"loss {loss!r} is not one. Use engine: inprocess (any model) for it.")
+    x0 = np.concatenate([p.detach().double().reshape(-1).numpy() for p in net.parameters()])
+    return shape, x0
 
 
 class _Batch:
-    """Padded shard tensors and the per-run forward pass."""
+    """Padded shard tensors: samples innermost, client p's samples at m = p·N + n."""
 
-    def __init__(self, data: PreparedData, hidden: int, dtype: torch.dtype) -> None:
+    def __init__(self, data: PreparedData, dtype: torch.dtype) -> None:
         sizes = data.shard_sizes
-        self.P, self.N, self.F, self.H = len(sizes), max(sizes), data.num_features, hidden
+        self.P, self.N, self.F = len(sizes), max(sizes), data.num_features
         a = torch.zeros(self.P, self.N, self.F, dtype=dtype)
         y = torch.zeros(self.P, self.N, dtype=dtype)
         mask = torch.zeros(self.P, self.N, dtype=dtype)
@@ -94,80 +111,45 @@ class _Batch:
             a[p, : len(ys)] = torch.as_tensor(xs, dtype=dtype)
             y[p, : len(ys)] = torch.as_tensor(ys, dtype=dtype)
             mask[p, : len(ys)] = 1
-        self.a, self.y, self.mask = a, y.reshape(-1), mask.reshape(-1).to(torch.float64)
+        self.y, self.mask = y.reshape(-1), mask.reshape(-1).to(torch.float64)
         self.a64 = a.to(torch.float64)  # for the float64 clipped sums (exact from float32)
         self.a_t = a.reshape(-1, self.F).T.contiguous()  # [F, M]: samples innermost
         a64_t = self.a64.reshape(-1, self.F).T
-        self.sq_a1 = 1 + (a64_t * a64_t).sum(0)  # 1 + ||a||² per sample, float64
+        self.sq_a = (a64_t * a64_t).sum(0)  # ||a||² per sample, float64
         self.n = torch.tensor(sizes, dtype=torch.float64)
+        # One client at a time in a round: its [K, width, N] intermediates stay in the caches, where the whole
+        # batch's [K, width, P·N] would stream through memory once per kernel.
+        self.clients = [(self.a_t[:, p * self.N:(p + 1) * self.N].contiguous(), self.a64[p:p + 1],
+                         self.y[p * self.N:(p + 1) * self.N], self.sq_a[p * self.N:(p + 1) * self.N],
+                         self.mask[p * self.N:(p + 1) * self.N]) for p in range(self.P)]
         self.x_test_t = torch.as_tensor(data.x_test, dtype=dtype).T.contiguous()
         self.y_test = torch.as_tensor(data.y_test, dtype=dtype)
         self.dtype = dtype
 
-    def unpack(self, x: torch.Tensor):
-        """Flat [K, d] parameters -> W1 [K, H, F], b1 [K, H], w2 [K, H], b2 [K]."""
-        H, F = self.H, self.F
-        return (x[:, : H * F].reshape(-1, H, F), x[:, H * F: H * F + H], x[:, H * F + H: H * F + 2 * H],
-                x[:, H * F + 2 * H])
 
-    def forward(self, x: torch.Tensor, a_t: torch.Tensor, y: torch.Tensor):
-        """(s, e, δ) at the flat parameters ``x`` [K, d] for the samples ``a_t`` [F, M]."""
-        return _forward(a_t, y, *self.unpack(x.to(self.dtype)))
+def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, restart, radius, some_restart: bool):
+    """One round for every run: clipped sums per client [P, K, d] (float64); per client and run [P, K], whether
+    a per-sample (difference) gradient's norm was not finite (an overflow); and this round's pass at x (in the
+    compute dtype), which the next round reuses as its previous iterate's.
 
-
-def _forward(a_t, y, w1, b1, w2, b2):
-    """s = softplus(h) [K, H, M], residual e [K, M] and δ = e w2 φ'(h) [K, H, M] for every (run, sample).
-
-    Samples are the innermost (contiguous) dimension, so elementwise work vectorises fully.
+    ``prev_grads`` empty: every run restarts (no previous pass needed); ``some_restart``: some run restarts
+    (the others take differences). Only the forward and backward passes run in the compute dtype; norms,
+    clip factors and sums are float64 (the float64 copies of the passes are taken where they are read).
     """
-    K, H = b1.shape
-    h = (w1.reshape(K * H, a_t.shape[0]) @ a_t).reshape(K, H, -1) + b1.unsqueeze(-1)
-    s, deriv = softplus_with_derivative(h)
-    e = (s * w2.unsqueeze(-1)).sum(1) + b2.unsqueeze(-1) - y
-    return s, e, e.unsqueeze(1) * w2.unsqueeze(-1) * deriv
-
-
-def _client_sums(a, ge, gs, gd, c):
-    """Σ_n c_n g_n per client for g = (gd aᵀ, gd, gs, ge), flat in the model's layout: [P, K, d]."""
-    K, H, M = gd.shape
-    P, N, F = a.shape
-    cd = gd * c.unsqueeze(1)
-    w1 = torch.bmm(cd.reshape(K * H, P, N).transpose(0, 1), a).reshape(P, K, H * F)
-    b1 = cd.reshape(K, H, P, N).sum(-1).permute(2, 0, 1)
-    w2 = (gs * c.unsqueeze(1)).reshape(K, H, P, N).sum(-1).permute(2, 0, 1)
-    b2 = (ge * c).reshape(K, P, N).sum(-1).T.unsqueeze(-1)
-    return torch.cat([w1, b1, w2, b2], dim=2)
-
-
-def _forward64(a_t, y, w1, b1, w2, b2):
-    return tuple(t.to(torch.float64) for t in _forward(a_t, y, w1, b1, w2, b2))
-
-
-def _round_core(a_t, a, y, sq_a1, mask, w1, b1, w2, b2, w1p, b1p, w2p, b2p, restart, radius, with_previous: bool):
-    """One round for every run: clipped sums per client [P, K, d] (float64) and, per client and
-    run [P, K], whether a per-sample (difference) gradient's norm was not finite (an overflow).
-
-    Only the forward pass runs in the compute dtype; norms, clip factors and sums are float64,
-    as in :class:`~diff2_flwr.core.closed_form.PaperMLPGradients`. The previous iterate's
-    per-sample quantities are recomputed rather than stored: writing and re-reading them costs
-    more memory traffic than the second forward pass costs arithmetic.
-    """
-    s, e, delta = _forward64(a_t, y, w1, b1, w2, b2)
-    ge, gs, gd = e, e.unsqueeze(1) * s, delta
-    if with_previous:
-        ps, pe, pdelta = _forward64(a_t, y, w1p, b1p, w2p, b2p)
-        r2 = restart.unsqueeze(-1)
-        ge = torch.where(r2, ge, ge - pe)
-        gs = torch.where(r2.unsqueeze(-1), gs, gs - pe.unsqueeze(1) * ps)
-        gd = torch.where(r2.unsqueeze(-1), gd, gd - pdelta)
-    sq = ge * ge + (gs * gs).sum(1) + (gd * gd).sum(1) * sq_a1
-    norms = torch.sqrt(sq)
+    pass_ = forward(mlp, x, a_t, y)
+    cur = pass_.to64()
+    prev = None
+    if prev_grads:
+        prev = Pass(prev_inputs, prev_grads, cur.loss, cur.outputs).to64()
+        if some_restart:
+            prev = prev.restarting(cur, restart)
+    norms = torch.sqrt(sq_norms(cur, sq_a, prev))
     rad = radius.unsqueeze(-1)
     over = norms > rad
     c = torch.where(over, rad / torch.where(over, norms, 1.0), 1.0) * mask
-    P, N = a.shape[0], a.shape[1]
+    P, N = a64.shape[0], a64.shape[1]
     overflow = ((~torch.isfinite(norms)) & (mask > 0)).reshape(-1, P, N).any(-1).T
-    return _client_sums(a, ge, gs, gd, c), overflow
+    return clipped_sums(cur, a64, c, prev), overflow, pass_.inputs, pass_.grads, pass_.loss
 
 
 def _plan_radii(r: int, specs: Sequence[RunSpec], restart: torch.Tensor, x: torch.Tensor, x_prev: torch.Tensor,
@@ -243,14 +225,15 @@ class _Routines:
         return torch.from_numpy(out)
 
 
-_COMPILED = None
+_COMPILED: dict[MLP, Callable] = {}
 
 
-def _compiled_core():
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(_round_core, dynamic=True)
-    return _COMPILED
+def _compiled_core(mlp: MLP) -> Callable:
+    if mlp not in _COMPILED:
+        def core(*args):
+            return _round_core(mlp, *args)
+        _COMPILED[mlp] = torch.compile(core, dynamic=True)
+    return _COMPILED[mlp]
 
 
 def run_batch(
@@ -259,6 +242,9 @@ def run_batch(
     *,
     rounds: int,
     hidden: int = 10,
+    model: str = "paper_mlp",
+    model_kwargs: Mapping[str, Any] | None = None,
+    loss: str | None = None,
     eval_every: int = 1,
     dtype: torch.dtype = torch.float64,
     compile: bool = False,
@@ -266,14 +252,21 @@ def run_batch(
 ) -> list[RunResult]:
     """Run every spec for ``rounds`` rounds on ``data``; return their evaluated metrics.
 
+    ``model``, ``hidden``, ``model_kwargs``: as the run config's ``model`` (x_0 of run k from its
+    ``init_seed``); ``loss``: None for the task's (½-squared error or cross-entropy).
+
     References:
         Murata & Suzuki (2023), Algorithms 1-3, as in :mod:`diff2_flwr.core.estimator`.
     """
     if not specs:
         return []
-    b = _Batch(data, hidden, dtype)
+    inits = [batch_model(data, model=model, hidden=hidden, model_kwargs=model_kwargs, loss=loss, init_seed=s.init_seed)
+             for s in specs]
+    mlp = inits[0][0]
+    classification = mlp.loss == "cross_entropy"
+    b = _Batch(data, dtype)
     K, P = len(specs), b.P
-    x = torch.as_tensor(np.stack([_initial(s, b.F, hidden) for s in specs]))  # [K, d] float64
+    x = torch.as_tensor(np.stack([x0 for _, x0 in inits]))  # [K, d] float64
     d = x.shape[1]
     T = torch.tensor([s.restart_every for s in specs])
     routines = _Routines(specs, x.numpy())
@@ -281,30 +274,47 @@ def run_batch(
     v = torch.zeros_like(x)
     alive = torch.ones(K, dtype=torch.bool)
     diverged: list[int | None] = [None] * K
-    evals: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
+    evals: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = []
 
-    def evaluate(r: int, x_now: torch.Tensor) -> None:
-        s, e, delta = (t.to(torch.float64) for t in b.forward(x_now, b.a_t, b.y))
-        sums = _client_sums(b.a64, e, e.unsqueeze(1) * s, delta, b.mask.expand_as(e))
+    def evaluate(r: int, x_now: torch.Tensor, live: torch.Tensor, cur: Pass | None = None) -> None:
+        """Metrics at x_now of the runs alive then (``live``), from this round's pass ``cur`` (float64) if given."""
+        alive = live
+        if cur is None:
+            cur = forward(mlp, x_now, b.a_t, b.y).to64()
+        sums = clipped_sums(cur, b.a64, b.mask.expand(K, -1))
         grad = (sums / b.n.reshape(P, 1, 1)).sum(0) / P  # ∇f = (1/P) Σ_p ∇f_p, unclipped
-        losses = (0.5 * e * e * b.mask).to(torch.float64).reshape(K, P, b.N).sum(-1) / b.n  # [K, P]
-        _, e_test, _ = b.forward(x_now, b.x_test_t, b.y_test)
-        test = (0.5 * e_test * e_test).to(torch.float64).mean(1)
-        train = losses.mean(1)
+        train = ((cur.loss * b.mask).reshape(K, P, b.N).sum(-1) / b.n).mean(1)  # f = (1/P) Σ_p f_p
+        test_pass = forward(mlp, x_now, b.x_test_t, b.y_test, backward=False)
+        test = test_pass.loss.to(torch.float64).mean(1)
         gn = (grad * grad).sum(1)
         for t in (train, gn, test):
             t[~alive] = math.inf
-        evals.append((r, train.numpy().copy(), gn.numpy().copy(), test.numpy().copy()))
+        accuracy = None
+        if classification:  # argmax: the first of tied classes, as the reference's evaluator
+            correct = (test_pass.outputs.argmax(dim=1) == b.y_test.long()).to(torch.float64).mean(1)
+            correct[~alive] = math.nan
+            accuracy = correct.numpy().copy()
+        evals.append((r, train.numpy().copy(), gn.numpy().copy(), test.numpy().copy(), accuracy))
 
-    core = _compiled_core() if compile else _round_core
+    core = _compiled_core(mlp) if compile else (lambda *args: _round_core(mlp, *args))
+    prev: list[tuple[tuple, tuple]] = [((), ())] * P  # per client: the pass at x_{r-2} (inputs, grads)
     for r in range(1, rounds + 1):
         restart = (r - 1) % T == 0  # [K]
-        if (r - 1) % eval_every == 0 or r == 1:
-            evaluate(r - 1, x)
+        live = alive.clone()  # alive at x_{r-1}, whose metrics this round's pass gives
         radius_np, std_np = _plan_radii(r, specs, restart, x, x_prev, alive, diverged)
         radius = torch.as_tensor(radius_np)
-        sums, overflow = core(b.a_t, b.a64, b.y, b.sq_a1, b.mask, *b.unpack(x.to(dtype)), *b.unpack(x_prev.to(dtype)),
-                              restart, radius, not bool(restart.all()))
+        all_restart = bool(restart.all())
+        # Compiled, the restart selection always runs (fused, it costs little): two round shapes to compile, not three.
+        flag = compile or bool(restart.any())
+        parts = [core(*client, x, () if all_restart else prev[p][0], () if all_restart else prev[p][1], restart,
+                      radius, flag) for p, client in enumerate(b.clients)]
+        sums = torch.cat([part[0] for part in parts])
+        overflow = torch.cat([part[1] for part in parts])
+        if (r - 1) % eval_every == 0 or r == 1:
+            joined = [torch.cat(ts, dim=-1) for ts in zip(*(part[2] + part[3] + (part[4],) for part in parts))]
+            n_in = len(parts[0][2])
+            evaluate(r - 1, x, live, Pass(tuple(joined[:n_in]), tuple(joined[n_in:-1]), joined[-1], joined[-1]).to64())
+        prev = [(part[2], part[3]) for part in parts]  # the pass at x_{r-1}: round r+1's previous iterate
         client_means = sums / b.n.reshape(P, 1, 1)  # ClippedMean_p of every run [P, K, d]
         _workers_finish(client_means, overflow, radius_np, alive, diverged, r)
         mean = client_means.sum(0) / P  # (1/P) Σ_p ClippedMean_p
@@ -323,7 +333,7 @@ def run_batch(
             v = torch.where(alive.unsqueeze(1), v, 0.0)
         if progress:
             progress(r, rounds)
-    evaluate(rounds, x)
+    evaluate(rounds, x, alive)
     results = []
     rounds_arr = np.array([e[0] for e in evals])
     for k, spec in enumerate(specs):
@@ -331,5 +341,6 @@ def run_batch(
             spec=spec, rounds=rounds_arr,
             train_loss=np.array([e[1][k] for e in evals]), grad_norm_sq=np.array([e[2][k] for e in evals]),
             test_loss=np.array([e[3][k] for e in evals]), final_x=x[k].numpy().copy(), diverged_at=diverged[k],
+            test_accuracy=np.array([e[4][k] for e in evals]) if classification else None,
         ))
     return results

@@ -21,7 +21,9 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-__all__ = ["DigitsCNN", "PaperMLP", "TanhMLP", "build_model", "load_factory"]
+from ..core.ghost import MLP
+
+__all__ = ["DigitsCNN", "PaperMLP", "TanhMLP", "build_model", "load_factory", "mlp_shape"]
 
 
 class PaperMLP(nn.Module):
@@ -137,3 +139,56 @@ def build_model(name: str, *, in_features: int, out_features: int, hidden: int =
         finally:
             torch.set_default_dtype(default_dtype)
     return model.double()
+
+
+def _activation_name(module: nn.Module) -> str | None:
+    if type(module) is nn.Softplus:
+        return "softplus" if module.beta == 1 and module.threshold == 20 else None
+    return {nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.ReLU: "relu", nn.Identity: "identity"}.get(type(module))
+
+
+def _sequential_shape(seq: nn.Sequential) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """(widths, activations) of Linear, activation, Linear, ..., Linear; None for anything else."""
+    sizes: list[int] = []
+    activations: list[str] = []
+    expect_linear = True
+    for module in seq:
+        if expect_linear:
+            if type(module) is not nn.Linear or module.bias is None or (sizes and module.in_features != sizes[-1]):
+                return None
+            sizes += [module.in_features, module.out_features] if not sizes else [module.out_features]
+        else:
+            name = _activation_name(module)
+            if name is None:
+                return None
+            activations.append(name)
+        expect_linear = not expect_linear
+    if not sizes or expect_linear:  # empty, or ends with an activation
+        return None
+    return tuple(sizes), tuple(activations)
+
+
+def mlp_shape(model: nn.Module, loss: str) -> MLP | None:
+    """The :class:`~diff2_flwr.core.ghost.MLP` that computes exactly ``model`` (its closed forms then apply), or None.
+
+    Known shapes only, since a module's ``forward`` may do anything: :class:`PaperMLP`, :class:`TanhMLP`, and a
+    plain ``nn.Sequential`` of ``nn.Linear`` layers (with biases) separated by one of ``nn.Softplus`` (beta 1,
+    threshold 20), ``nn.Tanh``, ``nn.Sigmoid``, ``nn.ReLU``, ``nn.Identity``. Every parameter must be trainable
+    and the loss ``half_squared_error`` (one output) or ``cross_entropy`` (>= 2 outputs).
+    """
+    if not all(p.requires_grad for p in model.parameters()) or any(True for _ in model.buffers()):
+        return None
+    if type(model) is PaperMLP:
+        shape = ((model.hidden.in_features, model.hidden.out_features, model.out.out_features), ("softplus",))
+    elif type(model) is TanhMLP:
+        shape = _sequential_shape(model.layers)
+    elif type(model) is nn.Sequential:
+        shape = _sequential_shape(model)
+    else:
+        return None
+    if shape is None:
+        return None
+    try:
+        return MLP(shape[0], shape[1], loss)
+    except ValueError:  # e.g. a loss without closed form, or cross-entropy on one output
+        return None

@@ -1,0 +1,287 @@
+"""Per-sample gradient norms and clipped sums of MLPs, for many runs at once, without materialising
+a per-sample gradient ("ghost clipping"); ½-squared error or cross-entropy with any number of classes.
+
+An MLP is L linear layers with an elementwise activation φ_l after every layer but the last:
+a_1 = the input, h_l = W_l a_l + b_l, a_{l+1} = φ_l(h_l), output z = h_L. For one sample, the
+gradient with respect to (W_l, b_l) is (g_l a_lᵀ, g_l), with
+
+    g_L = ∂ℓ/∂z = z - y                     (ℓ = ½ (z - y)², one output)
+    g_L = softmax(z) - onehot(y)            (ℓ = -log softmax(z)_y, C outputs)
+    g_l = (W_{l+1}ᵀ g_{l+1}) ⊙ φ_l'(h_l)
+
+— one rank-one matrix per layer and sample. With ã = (a, 1):
+
+    ‖∇ℓ‖² = Σ_l ‖g_l‖² (1 + ‖a_l‖²)          Σ_i c_i ∇_{W_l, b_l} ℓ_i = Σ_i c_i g_l,i ã_l,iᵀ (one matrix product).
+
+A difference round needs the norm of ∇ℓ(x, z) - ∇ℓ(x', z). Per layer, with dg = g - g' and
+da = a - a' (da = 0 at the first layer: both iterates see the same input),
+
+    g ãᵀ - g' ã'ᵀ = dg ãᵀ + g' (da, 0)ᵀ,
+    ‖·‖² = ‖dg‖² (1 + ‖a‖²) + ‖g'‖² ‖da‖² + 2 (dg · g') (a · da),
+
+written in the small differences rather than as ‖a‖²‖g‖² + ‖a'‖²‖g'‖² - 2(ã·ã')(g·g'), whose large
+terms cancel when the iterates are close (as they are in a difference round) and would lose
+the digits that the clipping decision reads. The clipped sum is likewise Σ c dg ãᵀ + Σ c g' (da, 0)ᵀ.
+A run that restarts in a batch of differences takes g' = 0 and a' = a, which gives its plain gradient
+exactly (adding exact zeros).
+
+Tensors are laid out with the runs first and the samples innermost: parameters [K, d] (K runs), the
+shared input [F, M] (M samples), per-sample quantities [K, width, M]. The forward and backward passes
+run in the input's dtype; :meth:`Pass.to64` gives the float64 copy in which norms, clip factors and
+sums are taken (as :class:`~diff2_flwr.core.closed_form.PaperMLPGradients` does). The result equals
+:class:`~diff2_flwr.core.gradients.PerSampleGradients` (``torch.func``) up to float rounding; tests
+check both against each other.
+
+References:
+    Murata & Suzuki (2023), Algorithm 1 (worker lines), Algorithm 2 (ClippedMean);
+    Goodfellow (2015), "Efficient per-example gradient computations" (rank-one per-sample gradients);
+    Li et al. (2022), "Large language models can be strong differentially private learners" (ghost clipping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .closed_form import softplus_with_derivative
+
+__all__ = ["ACTIVATIONS", "LOSSES", "MLP", "Pass", "activate", "clipped_sums", "forward", "sq_norms"]
+
+LOSSES = ("half_squared_error", "cross_entropy")
+
+
+def _tanh(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.tanh(h)
+    return t, 1 - t * t  # as torch's tanh backward: from the output
+
+
+def _sigmoid(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = torch.sigmoid(h)
+    return s, s * (1 - s)
+
+
+def _relu(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r = torch.relu(h)
+    return r, (r > 0).to(h.dtype)  # as torch's relu backward: derivative 0 at 0
+
+
+def _identity(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return h, torch.ones_like(h)
+
+
+#: name -> h -> (φ(h), φ'(h)), each derivative as torch's autograd takes it (softplus: beta 1, threshold 20).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
+    "softplus": softplus_with_derivative, "tanh": _tanh, "sigmoid": _sigmoid, "relu": _relu, "identity": _identity,
+}
+
+
+def activate(name: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """φ(h) and φ'(h) of the activation ``name``."""
+    return ACTIVATIONS[name](h)
+
+
+@dataclass(frozen=True)
+class MLP:
+    """The shape of an MLP: layer widths (input, hidden..., output), one activation per hidden layer, the loss.
+
+    Its flat parameter vector is (W_1, b_1, ..., W_L, b_L), each W_l [out, in] row-major: the
+    ``named_parameters()`` order of ``nn.Linear`` layers, so the same vector as the per-run path's.
+    """
+
+    sizes: tuple[int, ...]
+    activations: tuple[str, ...]
+    loss: str
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) < 2 or not all(isinstance(s, int) and s >= 1 for s in self.sizes):
+            raise ValueError(f"An MLP needs widths (input, ..., output), each an integer >= 1. Found {self.sizes}.")
+        if len(self.activations) != len(self.sizes) - 2:
+            raise ValueError(f"An MLP with widths {self.sizes} needs {len(self.sizes) - 2} activation(s), one per "
+                             f"hidden layer. Found {self.activations}.")
+        bad = [a for a in self.activations if a not in ACTIVATIONS]
+        if bad:
+            raise ValueError(f"Unknown activation(s) {bad}. Expected among {sorted(ACTIVATIONS)}.")
+        if self.loss not in LOSSES:
+            raise ValueError(f"Unknown loss {self.loss!r}. Expected one of {list(LOSSES)}.")
+        if self.loss == "half_squared_error" and self.sizes[-1] != 1:
+            raise ValueError(f"½-squared error needs one output. Found {self.sizes[-1]} (use cross_entropy for classes).")
+        if self.loss == "cross_entropy" and self.sizes[-1] < 2:
+            raise ValueError(f"cross_entropy needs one output per class (>= 2). Found {self.sizes[-1]}.")
+
+    @property
+    def dim(self) -> int:
+        return sum(o * i + o for i, o in zip(self.sizes, self.sizes[1:]))
+
+    def layers(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Flat parameters [K, d] -> [(W_l [K, out, in], b_l [K, out])] (views)."""
+        if x.ndim != 2 or x.shape[1] != self.dim:
+            raise ValueError(f"Expected parameters of shape [runs, {self.dim}]. Found {tuple(x.shape)}.")
+        out, start = [], 0
+        for i, o in zip(self.sizes, self.sizes[1:]):
+            w = x[:, start:start + o * i].reshape(-1, o, i)
+            start += o * i
+            out.append((w, x[:, start:start + o]))
+            start += o
+        return out
+
+    def matmul_flops(self, samples: int, *, difference: bool) -> int:
+        """Multiply-adds × 2 of the matrix products of one round for one run over ``samples`` samples: the
+        forward and backward passes at one iterate (the previous iterate's are reused) and the clipped sums
+        (two products per layer after the first in a difference round). Elementwise work is not counted."""
+        pairs = list(zip(self.sizes, self.sizes[1:]))
+        forward = sum(i * o for i, o in pairs)
+        backward = sum(i * o for i, o in pairs[1:])
+        sums = sum((i + 1) * o for i, o in pairs) + (sum(i * o for i, o in pairs[1:]) if difference else 0)
+        return 2 * samples * (forward + backward + sums)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Per-sample quantities of one iterate of K runs over M samples.
+
+    ``inputs[l]``: a_{l+2} [K, width, M] (the inputs of the layers after the first; the first one's is shared);
+    ``grads[l]``: g_{l+1} [K, out_{l+1}, M]; ``loss`` [K, M]; ``outputs``: z [K, out_L, M].
+    """
+
+    inputs: tuple[torch.Tensor, ...]
+    grads: tuple[torch.Tensor, ...]
+    loss: torch.Tensor
+    outputs: torch.Tensor
+
+    def to64(self) -> "Pass":
+        f64 = torch.float64
+        return Pass(tuple(a.to(f64) for a in self.inputs), tuple(g.to(f64) for g in self.grads), self.loss.to(f64),
+                    self.outputs)
+
+    def restarting(self, current: "Pass", restart: torch.Tensor) -> "Pass":
+        """This (previous) pass with g' = 0 and a' = a of ``current`` for the runs that restart [K bool]: their
+        "difference" is then their plain gradient, exactly."""
+        r = restart.reshape(-1, 1, 1)
+        return Pass(tuple(torch.where(r, a, ap) for a, ap in zip(current.inputs, self.inputs)),
+                    tuple(torch.where(r, 0.0, g) for g in self.grads), self.loss, self.outputs)
+
+
+def _output_gradient(loss: str, z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """∂ℓ/∂z [K, out, M] and ℓ [K, M]; ``y`` [M] holds targets (regression) or class indices (as numbers)."""
+    if loss == "half_squared_error":
+        e = z[:, 0, :] - y
+        return e.unsqueeze(1), 0.5 * e * e
+    index = y.long()
+    logp = torch.log_softmax(z, dim=1)
+    onehot = torch.nn.functional.one_hot(index, z.shape[1]).T.to(z.dtype)  # [C, M]
+    return torch.exp(logp) - onehot, -logp.gather(1, index.expand(z.shape[0], 1, -1)).squeeze(1)
+
+
+#: Layers after the first with at most this many outputs (a regression head, a few classes) multiply elementwise and
+#: reduce rather than call a batched matrix product: the work is then a few passes over [K, in, M] that a compiler
+#: fuses, instead of permuted copies around a product with a tiny dimension.
+NARROW = 4
+
+
+def _layer(w: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """W a per run: [K, O, I] x [K, I, M] -> [K, O, M]."""
+    if w.shape[1] <= NARROW:
+        return (w.unsqueeze(-1) * a.unsqueeze(1)).sum(2)
+    return torch.bmm(w, a)
+
+
+def _layer_t(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Wᵀ g per run: [K, O, I] x [K, O, M] -> [K, I, M]."""
+    if w.shape[1] <= NARROW:
+        return (w.unsqueeze(-1) * g.unsqueeze(2)).sum(1)
+    return torch.bmm(w.transpose(1, 2), g)
+
+
+def forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor, y: torch.Tensor, *, backward: bool = True) -> Pass:
+    """The per-sample quantities of ``mlp`` at parameters ``x`` [K, d] for the samples ``a_t`` [F, M] (targets
+    ``y`` [M]), in ``a_t``'s dtype. Without ``backward`` only ``loss`` and ``outputs`` are filled."""
+    layers = mlp.layers(x.to(a_t.dtype))
+    K, M = x.shape[0], a_t.shape[1]
+    inputs, derivs, a = [], [], a_t
+    for l, (w, b) in enumerate(layers):
+        if l == 0:  # one matrix product for every run: [K·out, F] @ [F, M]
+            h = (w.reshape(-1, a_t.shape[0]) @ a_t).reshape(K, -1, M)
+        else:
+            inputs.append(a)
+            h = _layer(w, a)
+        h = h + b.unsqueeze(-1)
+        if l < len(layers) - 1:
+            a, d = activate(mlp.activations[l], h)
+            derivs.append(d)
+    g, loss = _output_gradient(mlp.loss, h, y)
+    if not backward:
+        return Pass((), (), loss, h)
+    grads = [g]
+    for l in range(len(layers) - 1, 0, -1):
+        g = _layer_t(layers[l][0], g) * derivs[l - 1]
+        grads.append(g)
+    return Pass(tuple(inputs), tuple(reversed(grads)), loss, h)
+
+
+def _dot(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return (u * v).sum(1)
+
+
+def sq_norms(cur: Pass, sq_input: torch.Tensor, prev: Pass | None = None) -> torch.Tensor:
+    """‖∇ℓ(x, z)‖² per run and sample [K, M] (or ‖∇ℓ(x, z) - ∇ℓ(x', z)‖² with ``prev`` the pass at x'), from
+    float64 passes; ``sq_input`` [M] = ‖a‖² of the shared input."""
+    total = None
+    for l, g in enumerate(cur.grads):
+        if prev is None:
+            term = _dot(g, g) * (1 + (sq_input if l == 0 else _dot(cur.inputs[l - 1], cur.inputs[l - 1])))
+        else:
+            dg, gp = g - prev.grads[l], prev.grads[l]
+            if l == 0:
+                term = _dot(dg, dg) * (1 + sq_input)
+            else:
+                a = cur.inputs[l - 1]
+                da = a - prev.inputs[l - 1]
+                term = _dot(dg, dg) * (1 + _dot(a, a)) + _dot(gp, gp) * _dot(da, da) + 2 * _dot(dg, gp) * _dot(a, da)
+        total = term if total is None else total + term
+    assert total is not None
+    return total
+
+
+def _per_client(c_g: torch.Tensor, a: torch.Tensor, P: int, c_g2: torch.Tensor | None = None,
+                a2: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_n c g aᵀ (+ Σ_n c g₂ a₂ᵀ) per client and run for per-run inputs: c_g [K, O, M], a [K, I, M] -> [P, K, O·I]."""
+    K, O, M = c_g.shape
+    N = M // P
+    if O <= NARROW:
+        prod = c_g.reshape(K, O, 1, P, N) * a.reshape(K, 1, -1, P, N)
+        if c_g2 is not None and a2 is not None:
+            prod = prod + c_g2.reshape(K, O, 1, P, N) * a2.reshape(K, 1, -1, P, N)
+        return prod.sum(-1).permute(3, 0, 1, 2).reshape(P, K, -1)  # [K, O, I, P] -> [P, K, O·I]
+
+    def product(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(g.reshape(K, O, P, N).transpose(1, 2).reshape(K * P, O, N),
+                         x.reshape(K, -1, P, N).permute(0, 2, 3, 1).reshape(K * P, N, -1))  # [K·P, O, I]
+
+    prod = product(c_g, a) if c_g2 is None or a2 is None else product(c_g, a) + product(c_g2, a2)
+    return prod.reshape(K, P, -1).transpose(0, 1)
+
+
+def clipped_sums(cur: Pass, a_shared: torch.Tensor, c: torch.Tensor, prev: Pass | None = None) -> torch.Tensor:
+    """Σ_n c_n ∇ℓ(x, z_n) per client and run (or of the differences with ``prev``), flat: [P, K, d], float64.
+
+    ``a_shared`` [P, N, F]: the input padded to N samples per client (samples m = p·N + n); ``c`` [K, P·N]: the
+    clip factors (0 for padding).
+    """
+    P, N, F = a_shared.shape
+    c3 = c.unsqueeze(1)
+    parts = []
+    for l, g in enumerate(cur.grads):
+        K, O, M = g.shape
+        cdg = (g if prev is None else g - prev.grads[l]) * c3
+        if l == 0:  # one product per client for every run: [K·O, N] @ [N, F]
+            w = torch.bmm(cdg.reshape(K * O, P, N).transpose(0, 1), a_shared).reshape(P, K, O * F)
+        else:
+            a = cur.inputs[l - 1]
+            if prev is None:
+                w = _per_client(cdg, a, P)
+            else:
+                w = _per_client(cdg, a, P, prev.grads[l] * c3, a - prev.inputs[l - 1])
+        parts += [w, cdg.reshape(K, O, P, N).sum(-1).permute(2, 0, 1)]
+    return torch.cat(parts, dim=2)
