@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -198,7 +199,7 @@ def test_units_are_balanced_shared_by_the_workers_and_largest_first(monkeypatch)
 
     def jobs(ts, routine="gd", local=False):
         return [_Job(f"{routine}{local}{i}", None, {}, 3.0, i, SimpleNamespace(
-            restart_every=t, training=SimpleNamespace(routine=SimpleNamespace(name=routine)),
+            restart_every=t, training=SimpleNamespace(routine=SimpleNamespace(name=routine), rounds=2000),
             local=SimpleNamespace(enabled=local))) for i, t in enumerate(ts)]
 
     def sizes(js, batch_size=24, workers=1):
@@ -314,3 +315,113 @@ def test_paper_studies_are_valid_and_large_enough():
         assert sum(len(m.points()) for m in study.methods) >= 50
         assert study.rounds == 2000 and len(study.eval_seeds) == 5 and len(study.methods) == 6
         assert [m.grid[0][1] for m in study.methods if m.method == "diff2"] == [(6,), (20,), (60,), (200,)]
+
+
+# ---------------------------------------------------------------- per-method R, chosen t-tests, the cost report
+
+def _cost_study(**changes) -> dict:
+    data = yaml.safe_load(SMOKE.read_text())
+    data.update(rounds=12, eval_every=3, seeds={"tune": [7], "evaluate": [1, 2]})
+    data["methods"] = [
+        {"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.2]}},
+        {"name": "DIFF2", "method": "diff2", "grid": {"restart_every": [4], "learning_rate": [0.2, 0.4],
+                                                      "clip_diff": [3.0]}},
+        {"name": "DIFF2 short", "method": "diff2", "rounds": 6,
+         "grid": {"restart_every": [3], "learning_rate": [0.4], "clip_diff": [3.0]}},
+        {"name": "DIFF2 local", "method": "diff2", "rounds": 6, "local": {"steps": 3, "batch_size": 16},
+         "grid": {"restart_every": [3], "learning_rate": [0.2], "clip_diff": [3.0]}},
+    ]
+    data.update(changes)
+    return data
+
+
+def test_a_method_runs_its_own_rounds_at_the_same_epsilon_and_the_cost_report_counts_it(tmp_path):
+    from diff2_flwr.core.cost import gradient_evaluations
+
+    study = parse_study(_cost_study(tests=[{"treatment": "DIFF2 local", "control": "DIFF2 short"},
+                                           {"treatment": "DIFF2", "control": "DP-GD"}]), "c.yaml")
+    short = study.methods[2]
+    cfg = study.experiment(short, short.points()[0], 3.0, 1)
+    assert (cfg.training.rounds, study.rounds_of(study.methods[1]), study.rounds_of(short)) == (6, 12, 6)
+    # R = 6 spends the same ε as R = 12 with less noise per round
+    long_cfg = study.experiment(study.methods[1], {"restart_every": 3, "learning_rate": 0.4, "clip_diff": 3.0}, 3.0, 1)
+    assert cfg.calibration(400).z1 < long_cfg.calibration(400).z1
+    summary = run_study(study, output_root=tmp_path, show_progress=False)
+    eps = summary["epsilons"]["3.0"]
+    assert set(eps["tests"]) == {"DIFF2 local vs DIFF2 short", "DIFF2 vs DP-GD"}  # exactly the listed pairs
+    runs = {rid: json.loads((tmp_path / "smoke" / "runs" / f"{rid}.json").read_text())
+            for e in eps["methods"].values() for c in CRITERIA for rid in e["criteria"][c]["run_ids"]}
+    for name, length in (("DIFF2", 12), ("DIFF2 short", 6), ("DIFF2 local", 6)):
+        assert eps["methods"][name]["rounds"] == length
+        assert all(runs[rid]["rounds"][-1] == length for rid in eps["methods"][name]["criteria"]["train_loss"]["run_ids"])
+    assert runs[eps["methods"]["DIFF2 short"]["criteria"]["train_loss"]["run_ids"][0]]["engine"] == "batch"
+    assert runs[eps["methods"]["DIFF2 local"]["criteria"]["train_loss"]["run_ids"][0]]["engine"] == "inprocess"
+    cost = eps["cost"]
+    n = cost["n_train"]
+    assert cost["reference"] == "DIFF2" and n == 1600  # synthetic 2,000 samples, 80 % train
+    short_c, local_c, dpgd_c = (cost["methods"][k]["criteria"]["train_loss"] for k in ("DIFF2 short", "DIFF2 local",
+                                                                                       "DP-GD"))
+    # restart rounds 1 and 4 cost n, the others 2n; the local phase 2b(K-1) = 64 per round
+    assert short_c["gradient_evaluations"] == [0, 5 * n, 10 * n]
+    assert local_c["gradient_evaluations"] == [0, 5 * n + 3 * 64, 10 * n + 6 * 64] and local_c["local_exchanges"] == 6
+    assert dpgd_c["gradient_evaluations"] == [3 * i * n for i in range(5)] and dpgd_c["local_exchanges"] == 0
+    assert list(gradient_evaluations(rounds=6, restart_every=3, n=n, local_steps=3, local_batch=16, at=[0, 3, 6])) \
+        == local_c["gradient_evaluations"]
+    for c in CRITERIA:  # the reference reaches its own utility by its last round at the latest
+        ref = cost["methods"]["DIFF2"]["criteria"][c]
+        assert ref["running_min_mean"][-1] == pytest.approx(eps["methods"]["DIFF2"]["criteria"][c]["min_mean"], rel=1e-12)
+        assert ref["round_to_target"] is not None
+        i = ref["rounds"].index(ref["round_to_target"])
+        assert ref["evaluations_to_target"] == ref["gradient_evaluations"][i]
+        assert ref["running_min_mean"][i] <= ref["target"]
+        assert all(v > ref["target"] for v in ref["running_min_mean"][:i])  # the first round that reaches it
+        assert all(np.diff(ref["running_min_mean"]) <= 0)  # a running minimum
+    report = (tmp_path / "smoke" / "report.md").read_text()
+    assert "| DIFF2 local | train loss | 6 | 6 |" in report and "round to reference" in report
+    assert (tmp_path / "smoke" / "cost_eps3.png").is_file()
+
+
+def test_run_ids_of_methods_at_the_studys_rounds_are_unchanged_and_own_rounds_change_them():
+    from diff2_flwr.lab.study import _run_id
+
+    study = load_study(SMOKE)
+    diff2 = study.methods[2]
+    assert _run_id("tune", diff2, diff2.points()[0], 3.0, 100, study) == "tune-diff2-gd--t-4-4666ced630cb"
+    data = yaml.safe_load(SMOKE.read_text())
+    data["methods"][2]["rounds"] = 20
+    other = parse_study(data, "r.yaml")
+    assert _run_id("tune", other.methods[2], diff2.points()[0], 3.0, 100, other) != "tune-diff2-gd--t-4-4666ced630cb"
+
+
+@pytest.mark.parametrize("change, key, found", [
+    ({"tests": [{"treatment": "DIFF2", "control": "nope"}]}, "tests[0]", "nope"),
+    ({"tests": [{"treatment": "DIFF2", "control": "DIFF2"}]}, "tests[0]", "DIFF2"),
+    ({"tests": [{"treatment": "DIFF2"}]}, "tests[0]", "treatment"),
+    ({"reference": "GD"}, "reference", "GD"),
+])
+def test_bad_tests_and_reference_are_refused_by_key(change, key, found):
+    with pytest.raises(StudyError, match=rf"c\.yaml: key `{re.escape(key)}`: expected .*Found .*{found}"):
+        parse_study(_cost_study(**change), "c.yaml")
+
+
+def test_a_methods_rounds_must_be_a_positive_integer_and_bound_its_T():
+    data = _cost_study()
+    data["methods"][2]["rounds"] = 0
+    with pytest.raises(StudyError, match=r"key `methods\[2\]\.rounds`: expected an integer >= 1"):
+        parse_study(data, "c.yaml")
+    data["methods"][2]["rounds"] = 2
+    with pytest.raises(StudyError, match=r"key `methods\[2\]\.grid\.restart_every`: expected integers T <= rounds = 2"):
+        parse_study(data, "c.yaml")
+
+
+def test_gradient_evaluations_count_the_algorithm():
+    from diff2_flwr.core.cost import gradient_evaluations, round_evaluations
+
+    assert [round_evaluations(r, 3, 10) for r in range(1, 7)] == [10, 20, 20, 10, 20, 20]
+    assert [round_evaluations(r, 1, 10) for r in range(1, 4)] == [10, 10, 10]  # DP-GD, GD
+    assert round_evaluations(2, 3, 10, local_steps=5, local_batch=4) == 20 + 2 * 4 * 4
+    assert list(gradient_evaluations(rounds=4, restart_every=2, n=5)) == [0, 5, 15, 20, 30]
+    with pytest.raises(ValueError, match="rounds to report must lie in 0 … 4"):
+        gradient_evaluations(rounds=4, restart_every=2, n=5, at=[5])
+    with pytest.raises(ValueError, match="expected r >= 1"):
+        round_evaluations(0, 2, 5)

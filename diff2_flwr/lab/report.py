@@ -12,7 +12,7 @@ import numpy as np
 
 from .claims import atomic_write_bytes, atomic_write_text
 
-__all__ = ["write_report", "format_table"]
+__all__ = ["write_report", "format_table", "format_cost"]
 
 _LABELS = {"train_loss": "train loss", "grad_norm_sq": "‖∇f‖²", "test_loss": "test loss",
            "test_accuracy": "test accuracy"}
@@ -57,9 +57,9 @@ def format_table(eps_summary: dict) -> str:
             lines.append(f"| {name} | {point} | {_fmt(info['best_mean'])} ± {_fmt(info['best_std'], 2)} | "
                          f"{_fmt(info['final_mean'])} ± {_fmt(info['final_std'], 2)} |")
     if eps_summary["tests"]:
-        lines += ["", "One-sided paired t-tests, H1: the DIFF2 method's value < DP-GD's (min over rounds: the "
-                  "protocol's test; final value: for comparison); for test accuracy H1: > DP-GD's (best over "
-                  "rounds):", "",
+        lines += ["", "One-sided paired t-tests, H1: the treatment's value < the control's (\"treatment vs control\"; "
+                  "min over rounds: the protocol's test; final value: for comparison); for test accuracy H1: the "
+                  "treatment's > the control's (best over rounds). The reverse one-sided p is 1 − p:", "",
                   "| comparison | criterion | p (min/best over rounds) | p (final) | df |", "|---|---|---|---|---|"]
         for pair, tests in eps_summary["tests"].items():
             for c, t in tests.items():
@@ -68,10 +68,40 @@ def format_table(eps_summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _count(value: Any) -> str:
+    return "–" if value is None else (f"{value:.3g}" if value >= 1e4 else f"{value:g}")
+
+
+def format_cost(eps_summary: dict) -> str:
+    """The cost table: per method and criterion, R, gradient evaluations, and what it took to reach the reference."""
+    cost = eps_summary.get("cost")
+    if not cost:
+        return ""
+    ref, slack = cost["reference"], cost["target_slack"]
+    lines = [f"Cost (n = {cost['n_train']} training samples; per-sample gradient evaluations as the algorithm counts "
+             "them: n per restart round, 2n per difference round, 2b(K − 1) expected per local phase). "
+             + (f"\"To {ref}'s utility\": the first evaluated round at which the method's seed-mean running minimum "
+                f"is within {slack:.0%} of {ref}'s mean minimum, and the evaluations spent by then (– : never)."
+                if ref else ""), "",
+             "| method | criterion | R | local exchanges | gradient evaluations | min over rounds (mean) |"
+             + (" round to reference | evaluations to reference |" if ref else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if ref else "")]
+    for name, entry in cost["methods"].items():
+        for c, info in entry["criteria"].items():
+            row = (f"| {name} | {_LABELS[c]} | {entry['rounds']} | {info['local_exchanges']} | "
+                   f"{_count(info['gradient_evaluations'][-1])} | "
+                   f"{_fmt(eps_summary['methods'][name]['criteria'][c]['min_mean'])} |")
+            if ref:
+                row += f" {_count(info.get('round_to_target'))} | {_count(info.get('evaluations_to_target'))} |"
+            lines.append(row)
+    return "\n".join(lines)
+
+
 def write_report(study, summary: dict, root: Path, runs_dir: Path, *, make_plots: bool = True) -> None:
     """Write ``report.md`` and one PNG per ε (three panels, one per criterion) into ``root``."""
     parts = [f"# Study `{study.name}`", "",
-             f"Dataset `{study.dataset.get('name')}`, P = {study.clients}, R = {study.rounds}, δ = {study.delta}, "
+             f"Dataset `{study.dataset.get('name')}`, P = {study.clients}, R = {study.rounds} (unless a method sets "
+             f"its own), δ = {study.delta}, "
              f"calibration `{study.mode}`, n_min = {summary['n_min']}, tuning seeds {list(study.tune_seeds)}, "
              f"evaluation seeds {list(study.eval_seeds)}, engine `{study.engine}` ({study.dtype}). "
              "Criteria are evaluated every "
@@ -82,8 +112,52 @@ def write_report(study, summary: dict, root: Path, runs_dir: Path, *, make_plots
         if make_plots:
             png = _plot(study, float(eps), eps_summary, root, runs_dir)
             parts += [f"![ε = {eps}]({png.name})", ""]
+        if eps_summary.get("cost"):
+            parts += [format_cost(eps_summary), ""]
+            if make_plots:
+                png = _plot_cost(float(eps), eps_summary, root)
+                parts += [f"![cost, ε = {eps}]({png.name})", ""]
     parts += [f"Wall time: {summary['wall_time_s']:.0f} s.", ""]
     atomic_write_text(root / "report.md", "\n".join(parts))  # drivers sharing a folder each write it whole
+
+
+def _plot_cost(epsilon: float, eps_summary: dict, root: Path) -> Path:
+    """Two rows of three panels: the seed-mean running minimum of each criterion against communication rounds,
+    and against per-sample gradient evaluations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cost = eps_summary["cost"]
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    for col, c in enumerate(("train_loss", "grad_norm_sq", "test_loss")):
+        for name, entry in cost["methods"].items():
+            info = entry["criteria"][c]
+            curve = np.asarray([math.inf if v is None else v for v in info["running_min_mean"]], dtype=float)
+            if not np.all(np.isfinite(curve)):
+                continue
+            axes[0, col].plot(info["rounds"], curve, label=name)
+            axes[1, col].plot(info["gradient_evaluations"], curve, label=name)
+        ref = cost["reference"]
+        target = next((e["criteria"][c].get("target") for e in cost["methods"].values()), None)
+        for row, xlabel in ((0, "communication round"), (1, "per-sample gradient evaluations")):
+            ax = axes[row, col]
+            if ref and target:
+                ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+            ax.set_yscale("log")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(f"{_LABELS[c]}: running min, mean over seeds")
+            ax.set_title(f"{_LABELS[c]} (ε={epsilon:g})" + (f"; dotted: {ref}'s min + {cost['target_slack']:.0%}"
+                                                          if ref else ""), fontsize=8)
+    axes[0, 0].legend(fontsize=8)
+    fig.tight_layout()
+    path = root / f"cost_eps{epsilon:g}.png"
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, png.getvalue())
+    return path
 
 
 def _plot(study, epsilon: float, eps_summary: dict, root: Path, runs_dir: Path) -> Path:
@@ -108,10 +182,10 @@ def _plot(study, epsilon: float, eps_summary: dict, root: Path, runs_dir: Path) 
         ax.set_yscale("log")
         ax.set_xlabel("round")
         ax.set_ylabel(_LABELS[c])
-        ps = [f"{pair.split(' vs ')[0].replace('DIFF2-GD ', '')}: p={_fmt(t[c]['p_value'], 2)}"
-              for pair, t in tests.items()]
+        ps = [f"{pair.replace('DIFF2-GD ', '')}: p={_fmt(t[c]['p_value'], 2)}" for pair, t in tests.items()]
         lines = ["; ".join(ps[i:i + 2]) for i in range(0, len(ps), 2)]
-        ax.set_title("\n".join([f"{_LABELS[c]} (ε={epsilon:g}), one-sided p vs DP-GD"] + lines), fontsize=8)
+        ax.set_title("\n".join([f"{_LABELS[c]} (ε={epsilon:g}), one-sided p (H1: treatment < control)"] + lines),
+                     fontsize=8)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     path = root / f"figure_eps{epsilon:g}.png"

@@ -95,6 +95,7 @@ class MethodSpec:
     routine: str = "gd"
     routine_params: tuple[tuple[str, float], ...] = ()
     local: tuple[tuple[str, float], ...] = ()  # fixed keys of the local routine (empty: off unless gridded)
+    rounds: int | None = None  # this method's R (None: the study's); ε is the same for every R
 
     def routine_of(self, point: Mapping[str, float]) -> dict[str, Any]:
         """The routine of one grid point, as ``training.routine`` (fixed parameters, then the point's)."""
@@ -133,12 +134,20 @@ class Study:
     batch_size: int = 32
     threads: int = 1  # torch/BLAS threads of every unit (training.threads of every run): results depend on it
     workers: int = 1  # processes that compute units side by side on this machine (runs are independent)
+    #: (treatment, control) method names of the one-sided paired t-tests; empty: every diff2 method vs the first dpgd
+    tests: tuple[tuple[str, str], ...] = ()
+    #: the method whose utility the cost report measures the others' rounds and gradient evaluations against
+    reference: str | None = None
     output_dir: str = "outputs/studies"
     source: str = field(default="<memory>", compare=False)
 
+    def rounds_of(self, method: MethodSpec) -> int:
+        """R of ``method``: its own ``rounds`` or the study's."""
+        return method.rounds or self.rounds
+
     def experiment(self, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int) -> ExperimentConfig:
         """The single-run config of one (method, grid point, ε, seed)."""
-        training = {"rounds": self.rounds, "clients": self.clients, "seed": seed, "dtype": "float64",
+        training = {"rounds": self.rounds_of(method), "clients": self.clients, "seed": seed, "dtype": "float64",
                     "threads": self.threads,
                     **{k: (int(v) if k == "restart_every" else float(v)) for k, v in point.items()
                        if k in GRID_KEYS and not k.startswith("local.")},
@@ -162,7 +171,7 @@ def _slug(text: str) -> str:
 
 _TOP_KEYS = {"name", "dataset", "clients", "rounds", "delta", "epsilons", "mode", "eval_every", "seeds", "methods",
              "hidden", "model", "engine", "dtype", "compile", "batch_size", "output", "threads",
-             "workers"}
+             "workers", "tests", "reference"}
 
 
 def parse_study(data: Any, source: str = "<memory>") -> Study:
@@ -202,9 +211,13 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
     methods = []
     for i, m in enumerate(methods_raw):
         where = f"methods[{i}]"
-        if (not isinstance(m, Mapping) or set(m) - {"name", "method", "grid", "u", "routine", "local"} or "name" not in m
+        if (not isinstance(m, Mapping) or set(m) - {"name", "method", "grid", "u", "routine", "local", "rounds"} or "name" not in m
                 or "method" not in m):
-            raise fail(where, "a mapping with name, method, grid (and optionally u, routine, local)", m)
+            raise fail(where, "a mapping with name, method, grid (and optionally u, routine, local, rounds)", m)
+        own_rounds = m.get("rounds")
+        if own_rounds is not None and (not isinstance(own_rounds, int) or isinstance(own_rounds, bool)
+                                       or own_rounds < 1):
+            raise fail(f"{where}.rounds", "an integer >= 1 (this method's R; the same ε is spent over it)", own_rounds)
         local = m.get("local") or {}
         if not isinstance(local, Mapping) or set(local) - set(LOCAL_KEYS) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in local.values()):
@@ -241,8 +254,8 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
             low, what = (0, ">= 0") if key in own else (None, "> 0")  # momentum 0 is GD, weight decay 0 none
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and (v > 0 or v == low) for v in values):
                 raise fail(f"{where}.grid.{key}", f"numbers {what}", values)
-            if key == "restart_every" and any(v > rounds or int(v) != v for v in values):
-                raise fail(f"{where}.grid.restart_every", f"integers T <= rounds = {rounds}", values)
+            if key == "restart_every" and any(v > (own_rounds or rounds) or int(v) != v for v in values):
+                raise fail(f"{where}.grid.restart_every", f"integers T <= rounds = {own_rounds or rounds}", values)
             items.append((key, tuple(values)))
         if m["method"] == "diff2" and "restart_every" not in grid:
             raise fail(f"{where}.grid.restart_every", "a list of T values for a diff2 method", None)
@@ -250,10 +263,21 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
             raise fail(f"{where}.grid.restart_every", f"no T for method {m['method']} (T = 1)", grid["restart_every"])
         methods.append(MethodSpec(name=str(m["name"]), method=m["method"], grid=tuple(items), u=float(m.get("u", 1.25)),
                                   routine=str(routine["name"]), routine_params=tuple(sorted(fixed.items())),
-                                  local=tuple(sorted((str(k), v) for k, v in local.items()))))
+                                  local=tuple(sorted((str(k), v) for k, v in local.items())), rounds=own_rounds))
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise fail("methods", "distinct method names", names)
+    tests = data.get("tests") or []
+    pairs = []
+    for i, pair in enumerate(tests if isinstance(tests, list) else [tests]):
+        if (not isinstance(pair, Mapping) or set(pair) != {"treatment", "control"}
+                or not {pair["treatment"], pair["control"]} <= set(names) or pair["treatment"] == pair["control"]):
+            raise fail(f"tests[{i}]" if isinstance(tests, list) else "tests",
+                       f"a mapping {{treatment: NAME, control: NAME}} of two different method names among {names}", pair)
+        pairs.append((str(pair["treatment"]), str(pair["control"])))
+    reference = data.get("reference")
+    if reference is not None and reference not in names:
+        raise fail("reference", f"a method name among {names}", reference)
     model = data.get("model") or {}
     if not isinstance(model, Mapping) or set(model) - {"name", "kwargs"} or not isinstance(model.get("kwargs") or {}, Mapping):
         raise fail("model", "a mapping with name (a factory 'package.module:callable') and optionally kwargs", model)
@@ -271,6 +295,7 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
         engine=data.get("engine", "batch"), dtype=data.get("dtype", "float64"), compile=bool(data.get("compile", False)),
         batch_size=int(data.get("batch_size", 32)), output_dir=str(output.get("dir", "outputs/studies")), source=source,
         threads=data.get("threads", 1), workers=data.get("workers", 1),
+        tests=tuple(pairs), reference=reference,
     )
     if study.engine not in ("batch", "inprocess", "flower"):
         raise fail("engine", "one of 'batch', 'inprocess', 'flower'", study.engine)
@@ -352,6 +377,8 @@ def _method_key(method: MethodSpec) -> dict:
         del key["routine"], key["routine_params"]
     if not method.local:  # run ids of methods without a local routine are as before it existed
         del key["local"]
+    if method.rounds is None:  # nor are those of methods that run the study's R
+        del key["rounds"]
     return key
 
 
@@ -415,7 +442,9 @@ def plan_units(study: Study, jobs: Sequence[_Job]) -> list[Unit]:
     fits = [j for j in jobs if mlp and ROUTINES[j.cfg.training.routine.name].post_processing
             and not j.cfg.local.enabled]
     units = [Unit("inprocess", (j,)) for j in jobs if j not in fits]
-    for group in ([j for j in fits if j.cfg.restart_every == 1], [j for j in fits if j.cfg.restart_every > 1]):
+    groups = {(j.cfg.training.rounds, j.cfg.restart_every == 1): None for j in fits}  # a batch shares R
+    for rounds, every in groups:
+        group = [j for j in fits if (j.cfg.training.rounds, j.cfg.restart_every == 1) == (rounds, every)]
         group.sort(key=lambda j: j.cfg.restart_every)
         if group:
             count = -(-len(group) // study.batch_size)
@@ -429,8 +458,8 @@ def _unit_cost(unit: Unit) -> float:
     """Relative cost of a unit, in batched-engine restart rounds of one run: a difference round does a little more
     than a restart round; one run on the per-run path costs about as much as a batch of twenty."""
     if unit.engine != "batch":
-        return 20.0 * len(unit.jobs)
-    return sum(1.0 if j.cfg.restart_every == 1 else 1.5 for j in unit.jobs)
+        return 20.0 * sum(j.cfg.training.rounds for j in unit.jobs)
+    return sum((1.0 if j.cfg.restart_every == 1 else 1.5) * j.cfg.training.rounds for j in unit.jobs)
 
 
 def batchable(study: Study, cfg: ExperimentConfig) -> bool:
@@ -481,7 +510,7 @@ def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None] 
             specs.append(RunSpec(mech.restart_every, j.cfg.training.learning_rate, mech.clip_restart,
                                  mech.clip_diff, mech.sigma_restart, mech.sigma_diff, j.seed, j.seed,
                                  routine=routine.name, routine_params=tuple(sorted(routine.params().items()))))
-        results = run_batch(data, specs, rounds=study.rounds, hidden=study.hidden, model=study.model,
+        results = run_batch(data, specs, rounds=cfg.training.rounds, hidden=study.hidden, model=study.model,
                             model_kwargs=study.model_kwargs, loss=cfg.loss, eval_every=study.eval_every,
                             dtype=dtype, compile=study.compile, progress=progress)
     out = []
@@ -720,7 +749,8 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
         progress.total -= 2 * len(study.methods) * len(study.eval_seeds) - len(eval_jobs)
         _execute(study, eval_jobs, runs_dir, progress, executor, book, tally)
         # 4. summary
-        summary["epsilons"][str(epsilon)] = _summarise(study, epsilon, chosen, runs_dir, data.n_min)
+        summary["epsilons"][str(epsilon)] = _summarise(study, epsilon, chosen, runs_dir, data.n_min,
+                                                       sum(data.shard_sizes))
     progress.finish()
     summary["wall_time_s"] = time.perf_counter() - started
     # Who computed what, as this driver saw it (drivers sharing the folder each rewrite the summary, whole).
@@ -737,12 +767,21 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
     return summary
 
 
-def _summarise(study: Study, epsilon: float, chosen: dict, runs_dir: Path, n_min: int) -> dict:
+def test_pairs(study: Study) -> list[tuple[str, str]]:
+    """The (treatment, control) pairs of the study's t-tests: its ``tests``, or every diff2 method vs the first dpgd."""
+    if study.tests:
+        return list(study.tests)
+    controls = [m for m in study.methods if m.method == "dpgd"]
+    return [(m.name, controls[0].name) for m in study.methods if controls and m.method == "diff2"]
+
+
+def _summarise(study: Study, epsilon: float, chosen: dict, runs_dir: Path, n_min: int, n_train: int) -> dict:
     out: dict[str, Any] = {"methods": {}, "tests": {}}
     per_seed_min: dict[str, dict[str, list[float]]] = {}
     per_seed_final: dict[str, dict[str, list[float]]] = {}
     for m in study.methods:
-        entry: dict[str, Any] = {"base_method": m.method, "u": m.u, "routine": m.routine_of({}), "criteria": {}}
+        entry: dict[str, Any] = {"base_method": m.method, "u": m.u, "routine": m.routine_of({}),
+                                 "rounds": study.rounds_of(m), "criteria": {}}
         per_seed_min[m.name], per_seed_final[m.name] = {}, {}
         for c in CRITERIA:
             point = chosen[m.name][c]
@@ -768,29 +807,77 @@ def _summarise(study: Study, epsilon: float, chosen: dict, runs_dir: Path, n_min
                                  "final_mean": _mean(finals), "final_std": _std(finals),
                                  "best_per_seed": best, "final_per_seed": finals}
         out["methods"][m.name] = entry
-    controls = [m for m in study.methods if m.method == "dpgd"]
-    for control in controls[:1]:
-        for m in study.methods:
-            if m.method != "diff2":
-                continue
-            out["tests"][f"{m.name} vs {control.name}"] = {
-                c: {"p_value": paired_one_sided_ttest(per_seed_min[m.name][c], per_seed_min[control.name][c]),
-                    "df": len(study.eval_seeds) - 1,
-                    "treatment_min_mean": _mean(per_seed_min[m.name][c]),
-                    "control_min_mean": _mean(per_seed_min[control.name][c]),
-                    # the same test on the final values (the paper's "at the final rounds")
-                    "p_value_final": paired_one_sided_ttest(per_seed_final[m.name][c], per_seed_final[control.name][c])}
-                for c in CRITERIA
-            }
-            if ACCURACY in per_seed_min[m.name] and ACCURACY in per_seed_min[control.name]:
-                treat, ctrl = per_seed_min[m.name][ACCURACY], per_seed_min[control.name][ACCURACY]
-                # larger is better: H1 is DIFF2's accuracy > DP-GD's, i.e. the control's < the treatment's
-                out["tests"][f"{m.name} vs {control.name}"][ACCURACY] = {
-                    "p_value": paired_one_sided_ttest(ctrl, treat), "df": len(study.eval_seeds) - 1,
-                    "treatment_best_mean": _mean(treat), "control_best_mean": _mean(ctrl),
-                    "p_value_final": paired_one_sided_ttest(per_seed_final[control.name][ACCURACY],
-                                                            per_seed_final[m.name][ACCURACY])}
+    by_name = {m.name: m for m in study.methods}
+    for treat_name, control_name in test_pairs(study):
+        m, control = by_name[treat_name], by_name[control_name]
+        out["tests"][f"{m.name} vs {control.name}"] = {
+            c: {"p_value": paired_one_sided_ttest(per_seed_min[m.name][c], per_seed_min[control.name][c]),
+                "df": len(study.eval_seeds) - 1,
+                "treatment_min_mean": _mean(per_seed_min[m.name][c]),
+                "control_min_mean": _mean(per_seed_min[control.name][c]),
+                # the same test on the final values (the paper's "at the final rounds")
+                "p_value_final": paired_one_sided_ttest(per_seed_final[m.name][c], per_seed_final[control.name][c])}
+            for c in CRITERIA
+        }
+        if ACCURACY in per_seed_min[m.name] and ACCURACY in per_seed_min[control.name]:
+            treat, ctrl = per_seed_min[m.name][ACCURACY], per_seed_min[control.name][ACCURACY]
+            # larger is better: H1 is the treatment's accuracy > the control's, i.e. the control's < the treatment's
+            out["tests"][f"{m.name} vs {control.name}"][ACCURACY] = {
+                "p_value": paired_one_sided_ttest(ctrl, treat), "df": len(study.eval_seeds) - 1,
+                "treatment_best_mean": _mean(treat), "control_best_mean": _mean(ctrl),
+                "p_value_final": paired_one_sided_ttest(per_seed_final[control.name][ACCURACY],
+                                                        per_seed_final[m.name][ACCURACY])}
+    out["cost"] = cost_summary(study, epsilon, out["methods"], runs_dir, n_train)
     return out
+
+
+def cost_summary(study: Study, epsilon: float, methods: Mapping[str, dict], runs_dir: Path, n_train: int) -> dict:
+    """What each method's evaluated runs cost, and what it cost them to reach the reference's utility.
+
+    Per method and criterion (at the criterion's chosen point): R, the per-sample gradient
+    evaluations of the whole run (:func:`~diff2_flwr.core.cost.gradient_evaluations`), and the
+    curve of the seed-mean of the running minimum against rounds and evaluations. With a reference
+    method (the study's ``reference``, else its first diff2 method with GD and no local routine),
+    the first evaluated round at which that curve is within ``TARGET_SLACK`` of the reference's
+    mean minimum, and the evaluations spent by then ("rounds/evaluations to the reference's utility").
+    """
+    from ..core.cost import gradient_evaluations
+
+    reference = study.reference or next((m.name for m in study.methods if m.method == "diff2" and m.routine == "gd"
+                                         and not m.local and m.rounds is None), None)
+    out: dict[str, Any] = {"reference": reference, "target_slack": TARGET_SLACK, "n_train": n_train, "methods": {}}
+    for m in study.methods:
+        entry = methods[m.name]
+        per: dict[str, Any] = {}
+        for c in CRITERIA:
+            info = entry["criteria"][c]
+            cfg = study.experiment(m, info["point"], epsilon, study.eval_seeds[0])
+            runs = [_load_run(runs_dir, rid) for rid in info["run_ids"]]
+            rounds = np.asarray(runs[0]["rounds"], dtype=int)
+            running = np.minimum.accumulate(np.asarray([r[c] for r in runs], dtype=float), axis=1)
+            curve = np.mean(running, axis=0) if np.all(np.isfinite(running[:, -1])) else np.full(len(rounds), math.inf)
+            per[c] = {"rounds": rounds.tolist(), "gradient_evaluations": gradient_evaluations(
+                          rounds=int(rounds[-1]), restart_every=cfg.restart_every, n=n_train,
+                          local_steps=cfg.local.steps if cfg.local.enabled else 1,
+                          local_batch=cfg.local.batch_size if cfg.local.enabled else 0, at=rounds).tolist(),
+                      "running_min_mean": curve.tolist(),
+                      # each local phase is one more exchange, with one client
+                      "local_exchanges": int(rounds[-1]) if cfg.local.enabled else 0}
+        out["methods"][m.name] = {"rounds": study.rounds_of(m), "criteria": per}
+    if reference is not None:
+        for c in CRITERIA:
+            target = methods[reference]["criteria"][c]["min_mean"] * (1 + TARGET_SLACK)
+            for name, entry in out["methods"].items():
+                curve = entry["criteria"][c]
+                hit = next((i for i, v in enumerate(curve["running_min_mean"]) if v <= target), None)
+                curve["target"] = target if math.isfinite(target) else None
+                curve["round_to_target"] = None if hit is None else curve["rounds"][hit]
+                curve["evaluations_to_target"] = None if hit is None else curve["gradient_evaluations"][hit]
+    return out
+
+
+#: How close to the reference's mean minimum a method's curve must come to count as reaching its utility.
+TARGET_SLACK = 0.05
 
 
 def _mean(values: Sequence[float]) -> float:
