@@ -425,3 +425,33 @@ def test_gradient_evaluations_count_the_algorithm():
         gradient_evaluations(rounds=4, restart_every=2, n=5, at=[5])
     with pytest.raises(ValueError, match="expected r >= 1"):
         round_evaluations(0, 2, 5)
+
+
+def test_a_run_that_diverges_on_the_per_run_path_is_reported_and_costed(tmp_path):
+    """The per-run path stops a diverged run (its rows end there), the batched engine records inf: the report and
+    the cost curves put both on one round axis, and a diverged run keeps the best value it reached before."""
+    data = _cost_study(engine="inprocess", reference="DP-GD")
+    data["methods"] = [{"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.2]}},
+                       {"name": "wild", "method": "diff2", "grid": {"restart_every": [4], "learning_rate": [1.0e307],
+                                                                    "clip_diff": [3.0]}}]
+    summary = run_study(parse_study(data, "w.yaml"), output_root=tmp_path, show_progress=False)
+    eps = summary["epsilons"]["3.0"]
+    wild = eps["methods"]["wild"]["criteria"]["train_loss"]
+    runs = [json.loads((tmp_path / "smoke" / "runs" / f"{rid}.json").read_text()) for rid in wild["run_ids"]]
+    assert all(r["diverged_at"] is not None and r["rounds"][-1] == r["diverged_at"] < 12 for r in runs)
+    curve = eps["cost"]["methods"]["wild"]["criteria"]["train_loss"]
+    assert curve["rounds"] == runs[0]["rounds"]  # the longest run's axis
+    best = np.mean([min(v for v in r["train_loss"] if v is not None) for r in runs])
+    assert curve["running_min_mean"][-1] == pytest.approx(best, rel=1e-12)
+    assert (tmp_path / "smoke" / "figure_eps3.png").is_file() and (tmp_path / "smoke" / "cost_eps3.png").is_file()
+
+
+def test_runs_of_different_lengths_share_one_round_axis():
+    from diff2_flwr.lab.report import aligned_metric
+
+    full = {"rounds": [0, 3, 6, 9], "train_loss": [4.0, 3.0, 2.0, 1.0]}
+    stopped = {"rounds": [0, 3, 5], "train_loss": [5.0, 1.5, None]}  # the per-run path: diverged at 5
+    axis, values = aligned_metric([stopped, full], "train_loss")
+    assert axis.tolist() == [0, 3, 6, 9]
+    assert values.tolist() == [[5.0, 1.5, math.inf, math.inf], [4.0, 3.0, 2.0, 1.0]]
+    assert np.minimum.accumulate(values, axis=1)[0].tolist() == [5.0, 1.5, 1.5, 1.5]

@@ -12,7 +12,7 @@ import numpy as np
 
 from .claims import atomic_write_bytes, atomic_write_text
 
-__all__ = ["write_report", "format_table", "format_cost"]
+__all__ = ["aligned_metric", "write_report", "format_table", "format_cost"]
 
 _LABELS = {"train_loss": "train loss", "grad_norm_sq": "‖∇f‖²", "test_loss": "test loss",
            "test_accuracy": "test accuracy"}
@@ -66,6 +66,17 @@ def format_table(eps_summary: dict) -> str:
                 lines.append(f"| {pair} | {_LABELS[c]} | {_fmt(t['p_value'], 3)} | "
                              f"{_fmt(t.get('p_value_final'), 3)} | {t['df']} |")
     return "\n".join(lines)
+
+
+def aligned_metric(runs: list[dict], criterion: str) -> tuple[np.ndarray, np.ndarray]:
+    """The runs' values of ``criterion`` on one round axis [runs, rounds]: the longest run's rounds, inf where a run
+    has no value (it diverged before: the per-run path stops there, the batched engine records inf)."""
+    axis = max((r["rounds"] for r in runs), key=len)
+    values = np.full((len(runs), len(axis)), math.inf)
+    for i, r in enumerate(runs):
+        by_round = {t: (math.inf if v is None else v) for t, v in zip(r["rounds"], r[criterion])}
+        values[i] = [by_round.get(t, math.inf) for t in axis]
+    return np.asarray(axis), values
 
 
 def _count(value: Any) -> str:
@@ -172,8 +183,7 @@ def _plot(study, epsilon: float, eps_summary: dict, root: Path, runs_dir: Path) 
         for name, entry in eps_summary["methods"].items():
             info = entry["criteria"][c]
             runs = [json.loads((runs_dir / f"{rid}.json").read_text()) for rid in info["run_ids"]]
-            rounds = np.array(runs[0]["rounds"])
-            values = np.array([[math.inf if v is None else v for v in r[c]] for r in runs], dtype=float)
+            rounds, values = aligned_metric(runs, c)
             if not np.all(np.isfinite(values)):
                 continue
             mean, std = values.mean(0), values.std(0)

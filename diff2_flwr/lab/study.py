@@ -842,6 +842,7 @@ def cost_summary(study: Study, epsilon: float, methods: Mapping[str, dict], runs
     mean minimum, and the evaluations spent by then ("rounds/evaluations to the reference's utility").
     """
     from ..core.cost import gradient_evaluations
+    from .report import aligned_metric
 
     reference = study.reference or next((m.name for m in study.methods if m.method == "diff2" and m.routine == "gd"
                                          and not m.local and m.rounds is None), None)
@@ -852,9 +853,8 @@ def cost_summary(study: Study, epsilon: float, methods: Mapping[str, dict], runs
         for c in CRITERIA:
             info = entry["criteria"][c]
             cfg = study.experiment(m, info["point"], epsilon, study.eval_seeds[0])
-            runs = [_load_run(runs_dir, rid) for rid in info["run_ids"]]
-            rounds = np.asarray(runs[0]["rounds"], dtype=int)
-            running = np.minimum.accumulate(np.asarray([r[c] for r in runs], dtype=float), axis=1)
+            rounds, values = aligned_metric([_load_run(runs_dir, rid) for rid in info["run_ids"]], c)
+            running = np.minimum.accumulate(values, axis=1)  # a run that diverged keeps its best from before
             curve = np.mean(running, axis=0) if np.all(np.isfinite(running[:, -1])) else np.full(len(rounds), math.inf)
             per[c] = {"rounds": rounds.tolist(), "gradient_evaluations": gradient_evaluations(
                           rounds=int(rounds[-1]), restart_every=cfg.restart_every, n=n_train,
