@@ -27,12 +27,13 @@ def _summary(dataset: str, n: int, d: int, cells: dict[float, tuple[dict, dict, 
     minima per criterion (diff2, control) and the one-sided p-values."""
     out = {"dataset": {"name": dataset, "train": n, "parameters": d, "test": 100}, "epsilons": {}}
     for eps, (diff2, control, p) in cells.items():
-        methods = {"DP-GD": {"base_method": "dpgd", "criteria": {
+        methods = {"DP-GD": {"base_method": "dpgd", "grid": {"learning_rate": [0.5, 1.0, 2.0]}, "criteria": {
                        c: {"min_mean": control[c], "point": {"learning_rate": 1.0}, "run_ids": [f"ctrl-{eps}-{c}"]}
                        for c in CRITERIA}},
-                   "DIFF2-GD": {"base_method": "diff2", "criteria": {
-                       c: {"min_mean": diff2[c], "point": {"learning_rate": 0.5}, "run_ids": [f"d2-{eps}-{c}"]}
-                       for c in CRITERIA}}}
+                   "DIFF2-GD": {"base_method": "diff2", "grid": {"learning_rate": [0.25, 0.5], "clip_diff": [1.0]},
+                                "criteria": {
+                       c: {"min_mean": diff2[c], "point": {"learning_rate": 0.5, "clip_diff": 1.0},
+                           "run_ids": [f"d2-{eps}-{c}"]} for c in CRITERIA}}}
         if extra_diff2:
             methods["DIFF2-GD (T=6)"] = methods["DIFF2-GD"]
         out["epsilons"][str(eps)] = {"methods": methods, "tests": {
@@ -67,10 +68,15 @@ def test_cells_ratios_and_marks_of_hand_made_summaries():
     assert first.p_reverse("grad_norm_sq") == pytest.approx(0.005)
     assert cells[1].ratio("test_loss") == 0.25 and cells[1].mark("test_loss") == ""  # no test: no mark
     result = regime_map(cells)
-    assert result["counts"]["train_loss"] == {"diff2_lower": 1, "dpgd_lower": 0, "ratio_below_1": 2, "cells": 2}
+    assert result["counts"]["train_loss"] == {"diff2_lower": 1, "dpgd_lower": 0, "ratio_below_1": 2, "cells": 2,
+                                              "chosen_at_a_grid_edge": 2}
     assert result["counts"]["grad_norm_sq"]["dpgd_lower"] == 1
     row = result["cells"][0]["criteria"]["grad_norm_sq"]
-    assert row["mark"] == MARK_WORSE and row["diff2_point"] == {"learning_rate": 0.5}
+    assert row["mark"] == MARK_WORSE and row["diff2_point"] == {"learning_rate": 0.5, "clip_diff": 1.0}
+    # DIFF2-GD's η = 0.5 is the top of its grid [0.25, 0.5] (a one-value axis, clip_diff, has no edge); DP-GD's
+    # η = 1 is inside [0.5, 1, 2]
+    assert row["grid_edges"] == {"DIFF2-GD": ["learning_rate=0.5 (highest)"]}
+    assert result["counts"]["grad_norm_sq"]["chosen_at_a_grid_edge"] == 2
 
 
 def test_a_diverged_method_gives_an_infinite_ratio_left_out_of_the_fit(tmp_path):
@@ -217,6 +223,9 @@ def test_a_real_family_gives_the_studies_own_numbers(tiny_family, tmp_path, caps
     assert result["cells"][0]["x"] == pytest.approx(200 * 2.0 / math.sqrt(101))
     assert result["cells"][3]["criteria"]["grad_norm_sq"]["ratio"] == pytest.approx(cells[3].ratio("grad_norm_sq"))
     assert set(result["fits"]) == set(CRITERIA) and result["fits"]["train_loss"]["pooled"]["k"] == 4
+    for cell in result["cells"]:  # the studies' grids: η ∈ {0.2, 0.4} for both, so every choice is at an edge
+        for c in CRITERIA:
+            assert set(cell["criteria"][c]["grid_edges"]) == {"DIFF2-GD", "DP-GD"}
     for name in ("heatmap_synthetic.png", "scatter.png", "regime.md", "regime.json"):
         assert (out / name).stat().st_size > 0
     assert json.loads((out / "regime.json").read_text())["cells"] == result["cells"]
@@ -233,3 +242,51 @@ def test_write_regime_marks_cells_without_a_run(tmp_path):
     result = write_regime(cells, tmp_path)
     assert [Path(f).name for f in result["files"]["figures"]] == ["heatmap_toy.png", "scatter.png"]
     assert all(c["criteria"]["train_loss"]["mark"] == MARK_BETTER for c in result["cells"])
+
+
+# ------------------------------------------------------------------------------------ the family's configs
+
+FAMILY = Path(__file__).resolve().parents[1] / "configs" / "regime"
+#: Records of the train split of the full datasets (20,640 and 36,733 rows, 20 % held out): n_min = train // 10.
+FULL_TRAIN = {"california_housing": 16512, "gas_turbine": 29386}
+
+
+def test_the_family_runs_the_protocol_with_both_methods_tuned_alike():
+    from diff2_flwr.lab.study import load_study
+
+    studies = [load_study(path) for path in sorted(FAMILY.glob("*.yaml"))]
+    levels = {(s.dataset["name"], s.dataset.get("train_samples")) for s in studies}
+    assert levels == {(d, n) for d in FULL_TRAIN for n in (1000, 4000, None)}
+    for s in studies:
+        assert (s.clients, s.rounds, s.delta, s.mode, s.eval_every) == (10, 2000, 1e-5, "exact", 50)
+        assert (s.tune_seeds, s.eval_seeds) == ((100,), (1, 2, 3, 4, 5))
+        assert (s.engine, s.dtype, s.compile, s.workers, s.output_dir) == ("batch", "float32", True, 2, "outputs/regime")
+        dpgd, diff2 = s.methods
+        assert (dpgd.name, dpgd.method, diff2.name, diff2.method, diff2.u) == ("DP-GD", "dpgd", "DIFF2-GD", "diff2", 1.25)
+        g1, g2 = dict(dpgd.grid), dict(diff2.grid)
+        assert g2["restart_every"] == (20,) and g2["clip_diff"] == (0.5, 1.0, 2.0)
+        assert g1["clip_restart"] == g2["clip_restart"] == (0.5, 1.0, 2.0)  # C1 tuned for both
+        assert len(g1["learning_rate"]) == len(g2["learning_rate"]) == 6
+        # each learning-rate grid is in octaves, DIFF2-GD's at most one octave below DP-GD's
+        for lr in (g1["learning_rate"], g2["learning_rate"]):
+            assert np.allclose(np.diff(np.log2(lr)), 1.0)
+        assert 0 <= math.log2(g1["learning_rate"][0] / g2["learning_rate"][0]) <= 1
+        assert s.epsilons == ((2.0, 8.0) if s.dataset.get("train_samples") == 1000 else (0.5, 2.0, 8.0))
+
+
+def test_every_cell_of_the_family_passes_the_noise_refusal_rule_and_the_dropped_one_would_not():
+    from diff2_flwr.lab.study import load_study
+    from diff2_flwr.runtime.shard_report import PartitionRefused, check_shards
+
+    for path in sorted(FAMILY.glob("*.yaml")):
+        s = load_study(path)
+        n = s.dataset.get("train_samples") or FULL_TRAIN[s.dataset["name"]]
+        sizes = [len(part) for part in np.array_split(np.arange(n), s.clients)]
+        for eps in s.epsilons:
+            for m in s.methods:  # σ depends on the method's T and u and on ε, not on the grid point's η or C
+                cfg = s.experiment(m, m.points()[0], eps, 100)
+                check_shards(cfg, sizes, cfg.calibration(min(sizes)))  # the study's own check, before any run
+        if s.dataset.get("train_samples") == 1000:  # ε = 0.5 is refused at n = 1,000 (the config says so)
+            cfg = s.experiment(s.methods[1], s.methods[1].points()[0], 0.5, 100)
+            with pytest.raises(PartitionRefused, match=r"σ2 = 1\.37.*above dataset.partitioner.max_sigma = 1"):
+                check_shards(cfg, sizes, cfg.calibration(min(sizes)))

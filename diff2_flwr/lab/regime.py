@@ -79,6 +79,19 @@ class Cell:
     p_values: Mapping[str, float]  # one-sided, H1: DIFF2-GD's minimum < DP-GD's
     train_available: int | None = None  # records of the whole train split when n is a subsample
     points: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)  # chosen hyper-parameters
+    grids: Mapping[str, Mapping[str, Sequence[float]]] = field(default_factory=dict)  # each method's grid
+
+    def edges(self, criterion: str) -> dict[str, list[str]]:
+        """Per method, the hyper-parameters chosen at the lowest or highest value of their grid axis (an axis of
+        more than one value): there the grid may have been too narrow for that method, and the ratio unfair."""
+        out: dict[str, list[str]] = {}
+        for method in (self.diff2, self.control):
+            point, grid = self.points.get(method, {}).get(criterion, {}), self.grids.get(method, {})
+            hits = [f"{k}={v:g} ({'lowest' if v == min(grid[k]) else 'highest'})" for k, v in point.items()
+                    if len(grid.get(k, ())) > 1 and v in (min(grid[k]), max(grid[k]))]
+            if hits:
+                out[method] = hits
+        return out
 
     @property
     def x(self) -> float:
@@ -109,7 +122,8 @@ class Cell:
                                  "control_min_mean": self.control_min[c], "p_value": self.p_values[c],
                                  "p_value_reverse": self.p_reverse(c), "mark": self.mark(c, alpha),
                                  "diff2_point": dict(self.points.get(self.diff2, {}).get(c, {})),
-                                 "control_point": dict(self.points.get(self.control, {}).get(c, {}))}
+                                 "control_point": dict(self.points.get(self.control, {}).get(c, {})),
+                                 "grid_edges": self.edges(c)}
                              for c in CRITERIA}}
 
 
@@ -193,7 +207,8 @@ def cells_from_summary(summary: Mapping[str, Any], source: str = "<summary>", *,
             diff2_min={c: _number(methods[treat]["criteria"][c]["min_mean"]) for c in CRITERIA},
             control_min={c: _number(methods[ctrl]["criteria"][c]["min_mean"]) for c in CRITERIA},
             p_values=p_values, train_available=info.get("train_available"),
-            points={m: {c: methods[m]["criteria"][c]["point"] for c in CRITERIA} for m in (treat, ctrl)}))
+            points={m: {c: methods[m]["criteria"][c]["point"] for c in CRITERIA} for m in (treat, ctrl)},
+            grids={m: methods[m].get("grid", {}) for m in (treat, ctrl)}))
     return out
 
 
@@ -296,7 +311,8 @@ def regime_map(cells: Sequence[Cell], *, alpha: float = ALPHA) -> dict[str, Any]
     """The machine-readable map: cells (ratios, p-values, marks) and fitted slopes per criterion."""
     counts = {c: {"diff2_lower": sum(cell.mark(c, alpha) == MARK_BETTER for cell in cells),
                   "dpgd_lower": sum(cell.mark(c, alpha) == MARK_WORSE for cell in cells),
-                  "ratio_below_1": sum(cell.ratio(c) < 1 for cell in cells), "cells": len(cells)} for c in CRITERIA}
+                  "ratio_below_1": sum(cell.ratio(c) < 1 for cell in cells), "cells": len(cells),
+                  "chosen_at_a_grid_edge": sum(bool(cell.edges(c)) for cell in cells)} for c in CRITERIA}
     return {"alpha": alpha, "marks": {MARK_BETTER: "DIFF2-GD lower (p < alpha)",
                                       MARK_WORSE: "DP-GD lower (1 - p < alpha)"},
             "theory_slope": THEORY_SLOPE, "cells": [cell.as_dict(alpha) for cell in cells], "counts": counts,
@@ -325,6 +341,12 @@ def markdown(cells: Sequence[Cell], result: Mapping[str, Any], alpha: float = AL
         ratios = " | ".join(f"{_fmt(cell.ratio(c))}{cell.mark(c, alpha)} ({_fmt(cell.p_values[c], 2)})"
                             for c in CRITERIA)
         lines.append(f"| {cell.dataset} | {cell.n} | {cell.epsilon:g} | {cell.d} | {cell.x:.4g} | {ratios} |")
+    edges = [f"- {cell.dataset}, n = {cell.n}, ε = {cell.epsilon:g}, {LABELS[c]}: " + "; ".join(
+                 f"{m} {', '.join(hits)}" for m, hits in cell.edges(c).items())
+             for cell in cells for c in CRITERIA if cell.edges(c)]
+    if edges:
+        lines += ["", "Chosen at an edge of its grid (lowest or highest value of an axis; the grid may have been too "
+                  "narrow for that method there, so read the ratio with care):", "", *edges]
     lines += ["", "Counts: " + "; ".join(
         f"{LABELS[c]}: {k['diff2_lower']} {MARK_BETTER}, {k['dpgd_lower']} {MARK_WORSE}, ratio < 1 in "
         f"{k['ratio_below_1']} of {k['cells']}" for c, k in result["counts"].items()), "",

@@ -755,7 +755,8 @@ def _summarise(study: Study, epsilon: float, chosen: dict, runs_dir: Path, n_min
     per_seed_min: dict[str, dict[str, list[float]]] = {}
     per_seed_final: dict[str, dict[str, list[float]]] = {}
     for m in study.methods:
-        entry: dict[str, Any] = {"base_method": m.method, "u": m.u, "routine": m.routine_of({}), "criteria": {}}
+        entry: dict[str, Any] = {"base_method": m.method, "u": m.u, "routine": m.routine_of({}),
+                                 "grid": {k: list(v) for k, v in m.grid}, "criteria": {}}
         per_seed_min[m.name], per_seed_final[m.name] = {}, {}
         for c in CRITERIA:
             point = chosen[m.name][c]
