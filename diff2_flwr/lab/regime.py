@@ -384,6 +384,17 @@ def _cell_text(cell: Cell, criterion: str, alpha: float) -> str:
     return f"{' and '.join(gone)}\ndiverged" if gone else "–"
 
 
+#: The colour scale of a heatmap panel saturates at this factor either way (the cell's text gives the exact ratio).
+MAX_SPAN_DECADES = 1.0
+
+
+def _ticks(span: float) -> list[float]:
+    """Colour-bar ticks inside [10^-span, 10^span]: decades and halves for a wide span, finer steps near 1."""
+    wide = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
+    narrow = (0.25, 0.33, 0.5, 0.67, 0.8, 0.9, 1, 1.1, 1.25, 1.5, 2, 3, 4)
+    return [v for v in (wide if span > 0.45 else narrow) if 10 ** -span <= v * (1 + 1e-9) and v <= 10 ** span * (1 + 1e-9)]
+
+
 def _heatmap(cells: Sequence[Cell], dataset: str, alpha: float) -> bytes:
     import matplotlib
 
@@ -395,20 +406,22 @@ def _heatmap(cells: Sequence[Cell], dataset: str, alpha: float) -> bytes:
     ns = sorted({cell.n for cell in mine})
     eps = sorted({cell.epsilon for cell in mine})
     by = {(cell.n, cell.epsilon): cell for cell in mine}
-    finite = [cell.ratio(c) for cell in mine for c in CRITERIA if math.isfinite(cell.ratio(c)) and cell.ratio(c) > 0]
-    span = max([abs(math.log10(r)) for r in finite] + [0.05])
-    norm = LogNorm(vmin=10 ** -span, vmax=10 ** span)  # symmetric in log: a ratio of 1 is the centre colour
-    fig, axes = plt.subplots(1, len(CRITERIA), figsize=(4.2 * len(CRITERIA) + 1.5, 0.9 * len(ns) + 2.4),
+    fig, axes = plt.subplots(1, len(CRITERIA), figsize=(4.6 * len(CRITERIA), 0.9 * len(ns) + 2.4),
                              layout="constrained")
-    image = None
     for ax, c in zip(axes, CRITERIA):
         grid = np.full((len(ns), len(eps)), np.nan)
         for (i, n), (j, e) in ((a, b) for a in enumerate(ns) for b in enumerate(eps)):
             cell = by.get((n, e))
             if cell is not None and math.isfinite(cell.ratio(c)) and cell.ratio(c) > 0:
                 grid[i, j] = cell.ratio(c)
+        # one scale per panel (the criteria differ by orders of magnitude), symmetric in log so that a ratio of 1
+        # is the centre colour, saturating at MAX_SPAN_DECADES
+        finite = grid[np.isfinite(grid)]
+        span = float(np.max(np.abs(np.log10(finite)))) if finite.size else 0.05
+        span = min(max(span, 0.05), MAX_SPAN_DECADES)
         cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="0.85")
-        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, origin="lower", aspect="auto")
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=LogNorm(vmin=10 ** -span, vmax=10 ** span),
+                          origin="lower", aspect="auto")
         for i, n in enumerate(ns):
             for j, e in enumerate(eps):
                 cell = by.get((n, e))
@@ -419,12 +432,13 @@ def _heatmap(cells: Sequence[Cell], dataset: str, alpha: float) -> bytes:
         ax.set_yticks(range(len(ns)), [f"{n:,}" for n in ns])
         ax.set_xlabel("ε")
         ax.set_title(f"{LABELS[c]}: DIFF2-GD / DP-GD", fontsize=10)
+        bar = fig.colorbar(image, ax=ax, shrink=0.9, extend="both" if span >= MAX_SPAN_DECADES else "neither")
+        bar.ax.minorticks_off()
+        ticks = _ticks(span)
+        bar.set_ticks(ticks, labels=[f"{v:g}" for v in ticks])
+        if c == CRITERIA[-1]:
+            bar.set_label("ratio of mean minima (< 1: DIFF2-GD lower)", fontsize=8)
     axes[0].set_ylabel("n (training records)")
-    bar = fig.colorbar(image, ax=list(axes), label="ratio of mean minima (< 1: DIFF2-GD lower)", shrink=0.9)
-    ticks = [v for v in (0.01, 0.02, 0.05, 0.1, 0.2, 0.33, 0.5, 0.67, 0.8, 1, 1.25, 1.5, 2, 3, 5, 10, 20, 50, 100)
-             if 10 ** -span <= v <= 10 ** span]
-    bar.ax.minorticks_off()
-    bar.set_ticks(ticks, labels=[f"{v:g}" for v in ticks])
     fig.suptitle(f"{dataset}: {LEGEND} (α = {alpha:g}); grey: no cell", fontsize=9)
     return _png(fig)
 
@@ -470,6 +484,13 @@ def _scatter(cells: Sequence[Cell], result: Mapping[str, Any], alpha: float) -> 
             ax.plot(10 ** lx, 10 ** (ay0 + THEORY_SLOPE * (lx - ax0)), color="tab:red", lw=1.2, ls="--",
                     label="theory: slope −1/3, through the points' geometric mean")
             title += f" (k = {fit['k']} cells)"
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
+
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1, 2, 5 × 10^k (matplotlib's minor labels overlap)
+            axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_locator(NullLocator())
+            axis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("nε/√d")
         ax.set_ylabel("DIFF2-GD / DP-GD (mean min)")
         ax.set_title(title, fontsize=10)
