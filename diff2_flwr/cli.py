@@ -111,6 +111,17 @@ def _experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def _regime(args: argparse.Namespace) -> int:
+    from .lab.regime import read_cells, write_regime
+
+    if not 0 < args.alpha < 1:
+        raise ValueError(f"`--alpha`: expected a significance level in (0, 1). Found {args.alpha}.")
+    cells = read_cells(args.study_dirs, diff2=args.diff2, control=args.control)
+    result = write_regime(cells, args.out, alpha=args.alpha, plots=not args.no_plots)
+    print(json.dumps(to_json(result)))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .lab.bench import run_bench
 
@@ -248,6 +259,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="take over a run another driver claimed once its heartbeat has been silent this long "
                           "(default %(default)s; a driver on this machine that died is noticed at once)")
     exp.set_defaults(func=_experiment)
+
+    reg = sub.add_parser("regime", help="the regime map of a study family: DIFF2-GD / DP-GD ratios over n x ε "
+                                        "(heatmaps, significance marks) and against nε/√d with the theory's slope")
+    reg.add_argument("study_dirs", nargs="+", metavar="STUDY_DIR",
+                     help="finished studies: folders holding summary.json (or summary.json files, or a folder whose "
+                          "sub-folders hold them, e.g. outputs/regime)")
+    reg.add_argument("--out", default="outputs/regime_map",
+                     help="folder for heatmap_<dataset>.png, scatter.png, regime.md, regime.json (default %(default)s)")
+    reg.add_argument("--diff2", default=None, metavar="METHOD",
+                     help="the DIFF2 method of each study to compare (default: its only diff2 method)")
+    reg.add_argument("--control", default=None, metavar="METHOD",
+                     help="the DP-GD method to compare with (default: the study's first dpgd method)")
+    reg.add_argument("--alpha", type=float, default=0.05, help="significance level of the marks (default %(default)s)")
+    reg.add_argument("--no-plots", action="store_true", help="write the table and JSON only")
+    reg.set_defaults(func=_regime)
 
     plot = sub.add_parser("plot", help="draw the per-round curves of one or several runs side by side (PNG)")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders (each holds metrics.jsonl)")

@@ -106,13 +106,21 @@ def format_cost(eps_summary: dict) -> str:
                 row += f" {_count(info.get('round_to_target'))} | {_count(info.get('evaluations_to_target'))} |"
             lines.append(row)
     return "\n".join(lines)
+def _records(summary: dict) -> str:
+    """`` (n = 1000 training records: a uniform subsample, seed 0, of the train split's 16512; d = 101)``."""
+    info = summary.get("dataset")
+    if not info:
+        return ""
+    sub = (f": a uniform subsample (`train_samples`, seed {info['subsample_seed']}) of the train split's "
+           f"{info['train_available']}" if "train_samples" in info else "")
+    return f" (n = {info['train']} training records{sub}; {info['test']} test records; d = {info['parameters']} parameters)"
 
 
 def write_report(study, summary: dict, root: Path, runs_dir: Path, *, make_plots: bool = True) -> None:
     """Write ``report.md`` and one PNG per ε (three panels, one per criterion) into ``root``."""
     parts = [f"# Study `{study.name}`", "",
-             f"Dataset `{study.dataset.get('name')}`, P = {study.clients}, R = {study.rounds} (unless a method sets "
-             f"its own), δ = {study.delta}, "
+             f"Dataset `{study.dataset.get('name')}`{_records(summary)}, P = {study.clients}, R = {study.rounds} "
+             f"(unless a method sets its own), δ = {study.delta}, "
              f"calibration `{study.mode}`, n_min = {summary['n_min']}, tuning seeds {list(study.tune_seeds)}, "
              f"evaluation seeds {list(study.eval_seeds)}, engine `{study.engine}` ({study.dtype}). "
              "Criteria are evaluated every "

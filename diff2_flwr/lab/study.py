@@ -706,6 +706,7 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
                 check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
     summary: dict[str, Any] = {"study": study.name, "source": study.source, "rounds": study.rounds, "delta": study.delta,
                                "mode": study.mode, "clients": study.clients, "n_min": data.n_min,
+                               "dataset": _data_info(study, probe, data),
                                "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds),
                                "engine": study.engine, "dtype": study.dtype, "threads": study.threads,
                                "workers": study.workers, "epsilons": {}}
@@ -775,13 +776,26 @@ def test_pairs(study: Study) -> list[tuple[str, str]]:
     return [(m.name, controls[0].name) for m in study.methods if controls and m.method == "diff2"]
 
 
+def _data_info(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, Any]:
+    """The data a study trained on: its dataset settings, the training records n (the sum of the shard sizes), the
+    test records, the shard sizes, the subsample (``train_samples``) if any, and the model's parameter count d."""
+    from ..runtime.session import initial_parameters, subsample_info
+
+    settings = {k: v for k, v in study.dataset.items() if k != "dir"}  # where the files lie is not the data
+    return {"settings": settings, "name": data.name, "train": int(sum(data.shard_sizes)),
+            "test": int(data.x_test.shape[0]), "shard_sizes": list(data.shard_sizes), **subsample_info(probe, data),
+            "parameters": int(initial_parameters(probe, data).size), "features": data.num_features,
+            "outputs": data.num_outputs}
+
+
 def _summarise(study: Study, epsilon: float, chosen: dict, runs_dir: Path, n_min: int, n_train: int) -> dict:
     out: dict[str, Any] = {"methods": {}, "tests": {}}
     per_seed_min: dict[str, dict[str, list[float]]] = {}
     per_seed_final: dict[str, dict[str, list[float]]] = {}
     for m in study.methods:
         entry: dict[str, Any] = {"base_method": m.method, "u": m.u, "routine": m.routine_of({}),
-                                 "rounds": study.rounds_of(m), "criteria": {}}
+                                 "rounds": study.rounds_of(m),
+                                 "grid": {k: list(v) for k, v in m.grid}, "criteria": {}}
         per_seed_min[m.name], per_seed_final[m.name] = {}, {}
         for c in CRITERIA:
             point = chosen[m.name][c]

@@ -53,6 +53,9 @@ class CheckpointError(RuntimeError):
 def config_fingerprint(config: dict[str, Any], n_min: int) -> str:
     """A hash of everything that determines the trajectory and the privacy accounting."""
     relevant = {k: config[k] for k in ("method", "dataset", "model", "privacy", "training")}
+    dataset = relevant["dataset"]
+    if isinstance(dataset, dict) and dataset.get("train_samples") is None:  # no subsample: as before the keys existed
+        relevant["dataset"] = {k: v for k, v in dataset.items() if k not in ("train_samples", "subsample_seed")}
     relevant["n_min"] = n_min
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
 

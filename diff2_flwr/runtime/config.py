@@ -178,6 +178,8 @@ class DatasetConfig:
     dir: str | None = None  # data directory for real datasets; default $DIFF2_DATA_DIR
     test_fraction: float = 0.2
     split_seed: int = 0
+    train_samples: int | None = None  # keep a uniform random subset of this many train records (null: all)
+    subsample_seed: int = 0  # seed of that subset (subsets of one seed are nested)
     num_samples: int = 10_000  # synthetic only
     num_features: int = 8  # synthetic only
     generator_seed: int = 0  # synthetic only
@@ -206,6 +208,9 @@ class DatasetConfig:
                 _require(not getattr(self, key), key, f"nothing for dataset {self.name} (csv only)", getattr(self, key))
         _require(0 < self.test_fraction < 1, "test_fraction", "a number in (0, 1)", self.test_fraction)
         _require(self.split_seed >= 0, "split_seed", "an integer >= 0", self.split_seed)
+        _require(self.train_samples is None or self.train_samples >= 1, "train_samples",
+                 "null (every record of the train split) or an integer >= 1 (records to keep)", self.train_samples)
+        _require(self.subsample_seed >= 0, "subsample_seed", "an integer >= 0", self.subsample_seed)
         _require(self.num_samples >= 2, "num_samples", "an integer >= 2", self.num_samples)
         _require(self.num_features >= 1, "num_features", "an integer >= 1", self.num_features)
         _require(self.generator_seed >= 0, "generator_seed", "an integer >= 0", self.generator_seed)
@@ -460,6 +465,12 @@ class ExperimentConfig:
         if part.name == "size":
             _require(len(sizes) == t.clients, "dataset.partitioner.sizes",
                      f"one size per client: training.clients = {t.clients} sizes", list(sizes))
+        need = t.clients * part.min_samples
+        if self.dataset.train_samples is not None:
+            _require(self.dataset.train_samples >= need, "dataset.train_samples",
+                     f"at least training.clients × dataset.partitioner.min_samples = {t.clients} × "
+                     f"{part.min_samples} = {need} records (every client needs {part.min_samples}); keep more "
+                     "records or use fewer clients", self.dataset.train_samples)
         if self.dataset.shards:
             _require(not self.evaluation.train_metrics, "evaluation.train_metrics",
                      "false with dataset.shards (in a deployment the server holds no training data)",

@@ -31,7 +31,7 @@ from ..core.gradients import Contribution, LossFn, PerSampleGradients
 from ..core.layout import ParameterLayout
 from ..core.privacy import PLD_DISCRETIZATION, Calibration, PrivacyLedger
 from ..core.routines import Routine, describe_routine
-from ..task.data import CLASSIFICATION, PreparedData, load_classification, load_csv, load_raw, prepare
+from ..task.data import CLASSIFICATION, DataError, PreparedData, load_classification, load_csv, load_raw, prepare
 from ..task.evaluation import Evaluator
 from ..task.losses import LOSSES, get_loss, half_squared_error
 from ..task.models import PaperMLP, build_model
@@ -686,8 +686,23 @@ def load_data(cfg: ExperimentConfig) -> PreparedData:
     else:
         x, y = load_raw(d.name, data_dir=d.dir, num_samples=d.num_samples, num_features=d.num_features,
                         seed=d.generator_seed)
-    return prepare(d.name, x, y, clients=cfg.training.clients, test_fraction=d.test_fraction, split_seed=d.split_seed,
-                   classes=classes, partitioner=d.partitioner.arguments(d.split_seed, d.task_kind, cfg.training.clients))
+    try:
+        return prepare(d.name, x, y, clients=cfg.training.clients, test_fraction=d.test_fraction,
+                       split_seed=d.split_seed, classes=classes,
+                       partitioner=d.partitioner.arguments(d.split_seed, d.task_kind, cfg.training.clients),
+                       train_samples=d.train_samples, subsample_seed=d.subsample_seed)
+    except DataError as exc:  # say which experiment file asked for it
+        raise DataError(f"{cfg.source}: {exc}") from None
+
+
+def subsample_info(cfg: ExperimentConfig, data: PreparedData) -> dict[str, Any]:
+    """What a run or study reports of ``dataset.train_samples``: nothing without it, else the kept and available
+    record counts and the seed (a deployment's server knows only the kept records: its shard sizes)."""
+    d = cfg.dataset
+    if d.train_samples is None:
+        return {}
+    return {"train_samples": d.train_samples, "subsample_seed": d.subsample_seed,
+            "train_available": data.train_available}
 
 
 def _model(cfg: ExperimentConfig, num_features: int, num_outputs: int) -> torch.nn.Module:
@@ -768,7 +783,7 @@ def build_server(
     calibration = cfg.calibration(n_min)  # make_server calibrates the same way; here for the shard report
     check_shards(cfg, data.shard_sizes, calibration)
     if progress:
-        for line in shard_lines(cfg, data.shard_sizes, n_min, calibration):
+        for line in shard_lines(cfg, data.shard_sizes, n_min, calibration, available=data.train_available):
             progress(line)
     gradients = _gradients(cfg, data.num_features, data.num_outputs)
     evaluate_fn = None
@@ -779,7 +794,7 @@ def build_server(
     run_info: dict[str, Any] = {
         "name": cfg.name, "method": cfg.method, "config_file": cfg.source, "config": cfg.to_dict(),
         "dataset": {"name": data.name, "train": sum(data.shard_sizes), "test": int(data.x_test.shape[0]),
-                    "shard_sizes": list(data.shard_sizes),
+                    "shard_sizes": list(data.shard_sizes), **subsample_info(cfg, data),
                     "partitioner": cfg.dataset.partitioner.describe(
                         cfg.dataset.split_seed, cfg.dataset.task_kind, cfg.training.clients)}}
     warnings = privacy_warnings(cfg, n_train=sum(data.shard_sizes))

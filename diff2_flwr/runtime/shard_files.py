@@ -36,6 +36,9 @@ def data_fingerprint(cfg: ExperimentConfig) -> str:
     relevant = {"dataset": cfg.to_dict()["dataset"], "clients": cfg.training.clients}
     for key in ("dir", "shards"):  # where the files lie does not change the shards
         relevant["dataset"].pop(key, None)
+    if relevant["dataset"].get("train_samples") is None:  # no subsample: as before the keys existed (old files match)
+        relevant["dataset"].pop("train_samples", None)
+        relevant["dataset"].pop("subsample_seed", None)
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
 
 

@@ -37,11 +37,20 @@ def _smallest(sizes: Sequence[int]) -> int:
     return min(range(len(sizes)), key=lambda p: sizes[p])
 
 
-def shard_lines(cfg: ExperimentConfig, sizes: Sequence[int], n_min: int, calibration: Calibration | None) -> list[str]:
-    """The pre-training lines: the partition and its shard sizes, n_min and the σ it forces."""
+def shard_lines(cfg: ExperimentConfig, sizes: Sequence[int], n_min: int, calibration: Calibration | None, *,
+                available: int | None = None) -> list[str]:
+    """The pre-training lines: the partition and its shard sizes, n_min and the σ it forces.
+
+    With ``dataset.train_samples`` the first line says that the train samples are a subsample, its seed and (when
+    known, ``available``) how many records the train split held.
+    """
     d, p = cfg.dataset, len(sizes)
+    sub = ""
+    if d.train_samples is not None:
+        of = f" of the {available} in the train split" if available is not None else ""
+        sub = f" (dataset.train_samples: a uniform random subsample{of}, subsample_seed {d.subsample_seed})"
     lines = [f"[diff2] shards: {d.partitioner.describe(d.split_seed, d.task_kind, p)}; P = {p}, "
-             f"{sum(sizes)} train samples, sizes {list(sizes)}"]
+             f"{sum(sizes)} train samples{sub}, sizes {list(sizes)}"]
     where = f"client {_smallest(sizes)}" + (", privacy.n_min" if cfg.privacy.n_min else "")
     if calibration is None:
         lines.append(f"[diff2] n_min = {n_min} ({where}); method {cfg.method}: no noise")

@@ -41,6 +41,7 @@ __all__ = [
     "load_raw",
     "prepare",
     "resolve_data_dir",
+    "subsample",
     "synthetic_regression",
 ]
 
@@ -86,6 +87,9 @@ class PreparedData:
     classes: tuple[str, ...] = ()
     feature_mean: np.ndarray | None = None  # the standardisation statistics (train split)
     feature_std: np.ndarray | None = None
+    #: Records of the train split before ``train_samples`` kept a subsample of them (None: no subsample).
+    train_available: int | None = None
+    subsample_seed: int | None = None  # the seed of that subsample (None: no subsample)
 
     @property
     def num_outputs(self) -> int:
@@ -325,6 +329,7 @@ def load_csv(path: str | os.PathLike[str], *, target: str, drop: tuple[str, ...]
 def prepare(
     name: str, x: np.ndarray, y: np.ndarray, *, clients: int, test_fraction: float = 0.2, split_seed: int = 0,
     classes: tuple[str, ...] = (), partitioner: Mapping[str, Any] | None = None, standardise: bool | None = None,
+    train_samples: int | None = None, subsample_seed: int = 0,
 ) -> PreparedData:
     """Split, standardise, scale the target (regression only) and shard (the paper's preparation).
 
@@ -335,6 +340,14 @@ def prepare(
     test split and the standardisation statistics do not depend on the partition. ``standardise``
     (default: unless ``name`` is in :data:`PRESCALED`) False keeps the features as they are (mean 0, std 1
     are recorded as the statistics).
+
+    ``train_samples`` N keeps a uniform random subset of N records of the train split, drawn with
+    ``subsample_seed``, *before* standardising and sharding: the kept records are the training set from then
+    on (their statistics standardise the features, the partitioner cuts them into the P shards, n_min
+    follows), while the test split holds the same records as without a subsample and the target keeps its
+    scale (the largest |target| of the whole dataset). The subsets of one seed are nested (the N₁ records
+    kept for N₁ < N₂ are among the N₂ kept for N₂), and N = the whole train split keeps every record in
+    its order, i.e. gives exactly the data without a subsample.
     """
     n = x.shape[0]
     if not 0 < test_fraction < 1:
@@ -353,6 +366,10 @@ def prepare(
         raise DataError(f"Dataset {name!r}: every target is 0, so the target cannot be scaled by max|y|.")
     perm = np.random.default_rng(np.random.SeedSequence(split_seed, spawn_key=(0x5B117,))).permutation(n)
     test, train = perm[:n_test], perm[n_test:]
+    available = None
+    if train_samples is not None:
+        available = len(train)
+        train = train[subsample(available, train_samples, subsample_seed, name=name, clients=clients)]
     if standardise is None:
         standardise = name not in PRESCALED
     if standardise:
@@ -379,5 +396,25 @@ def prepare(
         x_test=(x[test] - mean) / std, y_test=y[test] / target_scale,
         shard_bounds=tuple(bounds), target_scale=target_scale,
         task="classification" if classes else "regression", classes=tuple(classes),
-        feature_mean=mean, feature_std=std,
+        feature_mean=mean, feature_std=std, train_available=available,
+        subsample_seed=None if available is None else subsample_seed,
     )
+
+
+def subsample(available: int, train_samples: int, seed: int, *, name: str = "dataset", clients: int = 1) -> np.ndarray:
+    """Positions (ascending) of ``train_samples`` of ``available`` train records: a uniform random subset.
+
+    The subset is the first ``train_samples`` entries of one permutation drawn from ``seed`` (so the subsets of
+    one seed are nested), sorted, so that the kept records stay in the train split's (already random) order.
+    """
+    if isinstance(train_samples, bool) or not isinstance(train_samples, (int, np.integer)):
+        raise DataError(f"`dataset.train_samples` must be an integer (records of the train split to keep). "
+                        f"Found {train_samples!r}.")
+    if train_samples < clients:
+        raise DataError(f"`dataset.train_samples` = {train_samples} leaves too few training records for "
+                        f"{clients} clients: every client needs at least one. Keep at least {clients} records.")
+    if train_samples > available:
+        raise DataError(f"`dataset.train_samples` = {train_samples} is more than the {available} records in the train "
+                        f"split of dataset {name!r}. Use at most {available}, or null to keep them all.")
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(0x5AB5E7,)))
+    return np.sort(rng.permutation(available)[:train_samples])
