@@ -151,7 +151,7 @@ class Momentum:
 
 
 @dataclass(frozen=True)
-class Nesterov:
+class Nesterov(Momentum):
     """Nesterov momentum: b_r = μ b_{r-1} + ṽ_r, x_r = x_{r-1} - η (ṽ_r + μ b_r), b_0 = 0.
 
     The form of Sutskever et al. rewritten so that the gradient is taken at the iterate itself
@@ -161,19 +161,11 @@ class Nesterov:
         Nesterov (1983); Sutskever, Martens, Dahl & Hinton (2013), "On the importance of initialization and
         momentum in deep learning", eq. (3)-(4); Bengio, Boulanger-Lewandowski & Pascanu (2013), eq. (7);
         PyTorch ``torch.optim.SGD`` (nesterov=True).
+
+    Momentum's parameters, checks and state; only the step differs.
     """
 
-    learning_rate: float
-    momentum: float = 0.9
     name: ClassVar[str] = "nesterov"
-    post_processing: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        _check_learning_rate(self.learning_rate)
-        _check_unit("momentum", self.momentum)
-
-    def init(self, x0: np.ndarray) -> MomentumState:
-        return MomentumState(_frozen(np.zeros_like(x0, dtype=np.float64)))
 
     def update(self, x: np.ndarray, v: np.ndarray, state: MomentumState) -> tuple[np.ndarray, MomentumState]:
         buffer = self.momentum * state.buffer + v

@@ -140,6 +140,17 @@ def write_report(study, summary: dict, root: Path, runs_dir: Path, *, make_plots
     atomic_write_text(root / "report.md", "\n".join(parts))  # drivers sharing a folder each write it whole
 
 
+def _save(fig: Any, path: Path) -> Path:
+    """Write ``fig`` as a PNG at ``path`` whole (drivers sharing a folder each write it) and close it."""
+    import matplotlib.pyplot as plt
+
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, png.getvalue())
+    return path
+
+
 def _plot_cost(epsilon: float, eps_summary: dict, root: Path) -> Path:
     """Two rows of three panels: the seed-mean running minimum of each criterion against communication rounds,
     and against per-sample gradient evaluations."""
@@ -171,12 +182,7 @@ def _plot_cost(epsilon: float, eps_summary: dict, root: Path) -> Path:
                                                           if ref else ""), fontsize=8)
     axes[0, 0].legend(fontsize=8)
     fig.tight_layout()
-    path = root / f"cost_eps{epsilon:g}.png"
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, png.getvalue())
-    return path
+    return _save(fig, root / f"cost_eps{epsilon:g}.png")
 
 
 def _plot(study, epsilon: float, eps_summary: dict, root: Path, runs_dir: Path) -> Path:
@@ -206,9 +212,4 @@ def _plot(study, epsilon: float, eps_summary: dict, root: Path, runs_dir: Path) 
                      fontsize=8)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    path = root / f"figure_eps{epsilon:g}.png"
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, png.getvalue())
-    return path
+    return _save(fig, root / f"figure_eps{epsilon:g}.png")
