@@ -36,7 +36,8 @@ import torch
 
 from ..core.clipping import onto_ball, robust_norm
 from ..core.estimator import Diverged, round_noise, round_scale
-from ..core.ghost import MLP, Pass, clipped_sums, forward, sq_norms
+from ..core import fused
+from ..core.ghost import MLP, Pass, clipped_sums, forward, forward_head, sq_norms
 from ..core.routines import Routine, make_routine
 from ..task.data import PreparedData
 from ..task.models import build_model, mlp_shape
@@ -122,6 +123,7 @@ class _Batch:
         self.clients = [(self.a_t[:, p * self.N:(p + 1) * self.N].contiguous(), self.a64[p:p + 1],
                          self.y[p * self.N:(p + 1) * self.N], self.sq_a[p * self.N:(p + 1) * self.N],
                          self.mask[p * self.N:(p + 1) * self.N]) for p in range(self.P)]
+        self.x64_t = [a64_t[:, p * self.N:(p + 1) * self.N].contiguous() for p in range(self.P)]  # the fused kernel's
         self.x_test_t = torch.as_tensor(data.x_test, dtype=dtype).T.contiguous()
         self.y_test = torch.as_tensor(data.y_test, dtype=dtype)
         self.dtype = dtype
@@ -150,6 +152,18 @@ def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, r
     P, N = a64.shape[0], a64.shape[1]
     overflow = ((~torch.isfinite(norms)) & (mask > 0)).reshape(-1, P, N).any(-1).T
     return clipped_sums(cur, a64, c, prev), overflow, pass_.inputs, pass_.grads, pass_.loss
+
+
+def _fused_client(kernel: fused.FusedKernel, head: Callable, a_t, x64_t, y, sq_a, mask, x, w_out,
+                  prev: fused.Parts | None, restart, radius) -> tuple[torch.Tensor, torch.Tensor, fused.Parts, torch.Tensor]:
+    """What :func:`_round_core` gives for one client, for an MLP with one hidden layer: the forward pass in torch
+    (``head``: :func:`~diff2_flwr.core.ghost.forward_head`, compiled or not), the rest in the fused kernel — clipped
+    sums [K, d] (float64), overflow [K], and this round's parts and losses (compute dtype), which the next round
+    reuses as its previous iterate's. ``prev`` None: every run restarts."""
+    a, dphi, g, loss = head(x, a_t, y)
+    cur = fused.Parts(a.contiguous(), dphi.contiguous(), g.contiguous(), w_out)
+    sums, overflow = fused.clipped_sums(kernel, cur, x64_t, sq_a, mask, radius, prev, restart)
+    return sums, overflow, cur, loss
 
 
 def _plan_radii(r: int, specs: Sequence[RunSpec], restart: torch.Tensor, x: torch.Tensor, x_prev: torch.Tensor,
@@ -225,15 +239,26 @@ class _Routines:
         return torch.from_numpy(out)
 
 
-_COMPILED: dict[MLP, Callable] = {}
+_COMPILED: dict[tuple[str, MLP], Callable] = {}
 
 
 def _compiled_core(mlp: MLP) -> Callable:
-    if mlp not in _COMPILED:
+    if ("core", mlp) not in _COMPILED:
         def core(*args):
             return _round_core(mlp, *args)
-        _COMPILED[mlp] = torch.compile(core, dynamic=True)
-    return _COMPILED[mlp]
+        _COMPILED["core", mlp] = torch.compile(core, dynamic=True)
+    return _COMPILED["core", mlp]
+
+
+def _head(mlp: MLP, compile: bool) -> Callable:
+    """x, a_t, y -> :func:`~diff2_flwr.core.ghost.forward_head` of ``mlp``, compiled or not."""
+    def head(x, a_t, y):
+        return forward_head(mlp, x, a_t, y)
+    if not compile:
+        return head
+    if ("head", mlp) not in _COMPILED:
+        _COMPILED["head", mlp] = torch.compile(head, dynamic=True)
+    return _COMPILED["head", mlp]
 
 
 def run_batch(
@@ -276,14 +301,35 @@ def run_batch(
     diverged: list[int | None] = [None] * K
     evals: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = []
 
-    def evaluate(r: int, x_now: torch.Tensor, live: torch.Tensor, cur: Pass | None = None) -> None:
-        """Metrics at x_now of the runs alive then (``live``), from this round's pass ``cur`` (float64) if given."""
-        alive = live
-        if cur is None:
+    # The fused kernel does everything after the forward pass of an MLP with one hidden layer in one pass per
+    # client (core/fused.py); other MLPs, or a machine where it cannot be built, take the torch path.
+    kernel = fused.load() if len(mlp.sizes) == 3 else None
+    head = _head(mlp, compile) if kernel is not None else None
+    unclipped = torch.full((K,), math.inf, dtype=torch.float64)
+
+    def fused_train(parts: list[fused.Parts], losses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unclipped gradient sums [P, K, d] and losses [K, M] (float64) of this round's parts (fused path)."""
+        sums = torch.stack([fused.clipped_sums(kernel, part, b.x64_t[p], client[3], client[4], unclipped)[0]
+                            for p, (part, client) in enumerate(zip(parts, b.clients))])
+        return sums, torch.cat(losses, dim=-1).to(torch.float64)
+
+    def train_pass(x_now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unclipped gradient sums [P, K, d] and losses [K, M] (float64) at x_now."""
+        if kernel is None:
             cur = forward(mlp, x_now, b.a_t, b.y).to64()
-        sums = clipped_sums(cur, b.a64, b.mask.expand(K, -1))
+            return clipped_sums(cur, b.a64, b.mask.expand(K, -1)), cur.loss
+        w = mlp.layers(x_now.to(dtype))[1][0].contiguous()
+        outs = [_fused_client(kernel, head, client[0], b.x64_t[p], client[2], client[3], client[4], x_now, w, None,
+                              None, unclipped) for p, client in enumerate(b.clients)]
+        return torch.stack([o[0] for o in outs]), torch.cat([o[3] for o in outs], dim=-1).to(torch.float64)
+
+    def evaluate(r: int, x_now: torch.Tensor, live: torch.Tensor,
+                 train_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Metrics at x_now of the runs alive then (``live``), from this round's unclipped sums and losses if given."""
+        alive = live
+        sums, loss = train_sums if train_sums is not None else train_pass(x_now)
         grad = (sums / b.n.reshape(P, 1, 1)).sum(0) / P  # ∇f = (1/P) Σ_p ∇f_p, unclipped
-        train = ((cur.loss * b.mask).reshape(K, P, b.N).sum(-1) / b.n).mean(1)  # f = (1/P) Σ_p f_p
+        train = ((loss * b.mask).reshape(K, P, b.N).sum(-1) / b.n).mean(1)  # f = (1/P) Σ_p f_p
         test_pass = forward(mlp, x_now, b.x_test_t, b.y_test, backward=False)
         test = test_pass.loss.to(torch.float64).mean(1)
         gn = (grad * grad).sum(1)
@@ -298,23 +344,37 @@ def run_batch(
 
     core = _compiled_core(mlp) if compile else (lambda *args: _round_core(mlp, *args))
     prev: list[tuple[tuple, tuple]] = [((), ())] * P  # per client: the pass at x_{r-2} (inputs, grads)
+    prev_parts: list[fused.Parts] = []  # the same for the fused path
     for r in range(1, rounds + 1):
         restart = (r - 1) % T == 0  # [K]
         live = alive.clone()  # alive at x_{r-1}, whose metrics this round's pass gives
         radius_np, std_np = _plan_radii(r, specs, restart, x, x_prev, alive, diverged)
         radius = torch.as_tensor(radius_np)
         all_restart = bool(restart.all())
-        # Compiled, the restart selection always runs (fused, it costs little): two round shapes to compile, not three.
-        flag = compile or bool(restart.any())
-        parts = [core(*client, x, () if all_restart else prev[p][0], () if all_restart else prev[p][1], restart,
-                      radius, flag) for p, client in enumerate(b.clients)]
-        sums = torch.cat([part[0] for part in parts])
-        overflow = torch.cat([part[1] for part in parts])
-        if (r - 1) % eval_every == 0 or r == 1:
-            joined = [torch.cat(ts, dim=-1) for ts in zip(*(part[2] + part[3] + (part[4],) for part in parts))]
-            n_in = len(parts[0][2])
-            evaluate(r - 1, x, live, Pass(tuple(joined[:n_in]), tuple(joined[n_in:-1]), joined[-1], joined[-1]).to64())
-        prev = [(part[2], part[3]) for part in parts]  # the pass at x_{r-1}: round r+1's previous iterate
+        evaluated = (r - 1) % eval_every == 0 or r == 1
+        if kernel is not None:
+            w_out = mlp.layers(x.to(dtype))[1][0].contiguous()
+            outs = [_fused_client(kernel, head, client[0], b.x64_t[p], client[2], client[3], client[4], x, w_out,
+                                  None if all_restart else prev_parts[p], restart, radius)
+                    for p, client in enumerate(b.clients)]
+            sums = torch.stack([o[0] for o in outs])
+            overflow = torch.stack([o[1] for o in outs])
+            prev_parts = [o[2] for o in outs]  # the pass at x_{r-1}: round r+1's previous iterate
+            if evaluated:
+                evaluate(r - 1, x, live, fused_train(prev_parts, [o[3] for o in outs]))
+        else:
+            # Compiled, the restart selection always runs (fused, it costs little): two round shapes to compile, not three.
+            flag = compile or bool(restart.any())
+            parts = [core(*client, x, () if all_restart else prev[p][0], () if all_restart else prev[p][1], restart,
+                          radius, flag) for p, client in enumerate(b.clients)]
+            sums = torch.cat([part[0] for part in parts])
+            overflow = torch.cat([part[1] for part in parts])
+            if evaluated:
+                joined = [torch.cat(ts, dim=-1) for ts in zip(*(part[2] + part[3] + (part[4],) for part in parts))]
+                n_in = len(parts[0][2])
+                cur = Pass(tuple(joined[:n_in]), tuple(joined[n_in:-1]), joined[-1], joined[-1]).to64()
+                evaluate(r - 1, x, live, (clipped_sums(cur, b.a64, b.mask.expand(K, -1)), cur.loss))
+            prev = [(part[2], part[3]) for part in parts]  # the pass at x_{r-1}: round r+1's previous iterate
         client_means = sums / b.n.reshape(P, 1, 1)  # ClippedMean_p of every run [P, K, d]
         _workers_finish(client_means, overflow, radius_np, alive, diverged, r)
         mean = client_means.sum(0) / P  # (1/P) Σ_p ClippedMean_p
