@@ -17,7 +17,8 @@ from diff2_flwr.lab.sweep import RunSpec, run_batch
 from diff2_flwr.runtime.config import parse_config
 from diff2_flwr.runtime.session import load_data
 
-F, H, N, K = 7, 10, 75, 4  # N = 4 blocks of 16 and a tail of 11, the last 6 samples padding
+F, H, N, K, P = 7, 10, 75, 4, 3  # P clients of N = 4 blocks of 16 and a tail of 11, the last 6 of each padding
+M = P * N
 CASES = [("half_squared_error", 1, "softplus"), ("cross_entropy", 2, "tanh"), ("cross_entropy", 5, "softplus")]
 
 
@@ -36,11 +37,12 @@ def _case(loss: str, classes: int, activation: str, dtype: torch.dtype, seed: in
     # previous iterates: close (a difference round) for some runs, far for others
     x_prev = x + torch.tensor([1e-3, 0.3, 1e-2, 0.5], dtype=torch.float64).unsqueeze(1) * torch.randn(
         K, mlp.dim, generator=gen, dtype=torch.float64)
-    feats = (1.5 * torch.randn(F, N, generator=gen, dtype=torch.float64)).to(dtype)
-    y = (torch.randn(N, generator=gen, dtype=torch.float64) if classes == 1 else
-         torch.randint(0, classes, (N,), generator=gen).to(torch.float64)).to(dtype)
-    mask = torch.ones(N, dtype=torch.float64)
-    mask[-6:] = 0
+    feats = (1.5 * torch.randn(F, M, generator=gen, dtype=torch.float64)).to(dtype)
+    y = (torch.randn(M, generator=gen, dtype=torch.float64) if classes == 1 else
+         torch.randint(0, classes, (M,), generator=gen).to(torch.float64)).to(dtype)
+    mask = torch.ones(P, N, dtype=torch.float64)
+    mask[:, -6:] = 0
+    mask = mask.reshape(-1)
     x64 = feats.to(torch.float64).contiguous()
     return mlp, x, x_prev, feats, y, x64, (x64 * x64).sum(0), mask
 
@@ -63,8 +65,8 @@ def _torch_path(mlp, x, x_prev, feats, y, x64, sq, mask, radius, restart, differ
     rad = radius.unsqueeze(-1)
     over = norms > rad
     c = torch.where(over, rad / torch.where(over, norms, 1.0), 1.0) * mask
-    sums = ghost.clipped_sums(cur, x64.T.reshape(1, N, F).contiguous(), c, prev)[0]
-    return sums, ((~torch.isfinite(norms)) & (mask > 0)).any(-1), norms
+    sums = ghost.clipped_sums(cur, x64.T.reshape(P, N, F).contiguous(), c, prev)  # [P, K, d]
+    return sums, ((~torch.isfinite(norms)) & (mask > 0)).reshape(K, P, N).any(-1).T, norms
 
 
 ROWS = {"restart": (False, None), "difference": (True, None),
@@ -85,20 +87,21 @@ def test_the_kernel_equals_the_torch_path(kernel, loss, classes, activation, dty
     for name, (differences, restart) in ROWS.items():
         _, _, norms = _torch_path(mlp, x, x_prev, feats, y, x64, sq, mask, torch.full((K,), math.inf,
                                   dtype=torch.float64), restart, differences)
-        for radius in (torch.zeros(K, dtype=torch.float64), 0.3 * norms[:, :-6].median(1).values,
-                       norms[:, :-6].median(1).values, torch.full((K,), math.inf, dtype=torch.float64)):
+        some = norms[:, mask > 0].median(1).values
+        for radius in (torch.zeros(K, dtype=torch.float64), 0.3 * some, some,
+                       torch.full((K,), math.inf, dtype=torch.float64)):
             ref, ref_over, _ = _torch_path(mlp, x, x_prev, feats, y, x64, sq, mask, radius, restart, differences)
             got, over = fused.clipped_sums(kernel, cur, x64, sq, mask, radius.contiguous(),
-                                           prev if differences else None, restart)
+                                           prev if differences else None, restart, clients=P)
             scale = float(ref.abs().max()) or 1.0
             torch.testing.assert_close(got, ref, rtol=0, atol=tol * scale, msg=f"{name} rows, radius {radius}")
             assert not over.any() and not ref_over.any()
     # a restarting row of a mixed batch is its plain gradient's row; a differencing row its difference's
-    radius = norms[:, :-6].median(1).values.contiguous()
-    plain, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius)
-    diff, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, torch.zeros(K, dtype=torch.bool))
-    mixed, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, ROWS["mixed"][1])
-    assert torch.equal(mixed[[0, 3]], plain[[0, 3]]) and torch.equal(mixed[[1, 2]], diff[[1, 2]])
+    radius = norms[:, mask > 0].median(1).values.contiguous()
+    plain, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, clients=P)
+    diff, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, torch.zeros(K, dtype=torch.bool), clients=P)
+    mixed, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, ROWS["mixed"][1], clients=P)
+    assert torch.equal(mixed[:, [0, 3]], plain[:, [0, 3]]) and torch.equal(mixed[:, [1, 2]], diff[:, [1, 2]])
     assert not torch.allclose(diff, plain)
 
 
@@ -106,22 +109,29 @@ def test_the_kernel_equals_the_torch_path(kernel, loss, classes, activation, dty
 def test_a_non_finite_value_on_a_real_sample_is_an_overflow_and_on_padding_is_not(kernel, dtype):
     mlp, x, x_prev, feats, y, x64, sq, mask = _case("half_squared_error", 1, "softplus", dtype)
     radius = torch.ones(K, dtype=torch.float64)
+    clean = torch.zeros(P, K, dtype=torch.bool)
     for where, bad in (("a", math.inf), ("grad_out", math.nan), ("dphi", -math.inf)):
-        for sample, expected in ((3, True), (N - 2, False), (N - 7, True)):  # a real sample; padding; the tail
+        # client 1's samples: a real one in a block, one of its padding, a real one in its tail
+        for sample, expected in ((N + 3, True), (2 * N - 2, False), (2 * N - 7, True)):
             cur = _parts(mlp, x, feats, y)
             getattr(cur, where)[1, 0, sample] = bad
             prev = _parts(mlp, x_prev, feats, y)
-            _, over = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, torch.zeros(K, dtype=torch.bool))
-            assert over.tolist() == [False, expected, False, False], (where, sample)
-    # in the previous pass too
+            _, over = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, torch.zeros(K, dtype=torch.bool),
+                                         clients=P)
+            want = clean.clone()
+            want[1, 1] = expected
+            assert torch.equal(over, want), (where, sample)
+    # in the previous pass too (client 2, run 2)
     prev = _parts(mlp, x_prev, feats, y)
-    prev.a[2, 4, 7] = math.inf
+    prev.a[2, 4, 2 * N + 7] = math.inf
     _, over = fused.clipped_sums(kernel, _parts(mlp, x, feats, y), x64, sq, mask, radius, prev,
-                                 torch.tensor([False, False, False, True]))
-    assert over.tolist() == [False, False, True, False]
+                                 torch.tensor([False, False, False, True]), clients=P)
+    want = clean.clone()
+    want[2, 2] = True
+    assert torch.equal(over, want)
     # ... unless that run restarts (its previous pass is not read)
     _, over = fused.clipped_sums(kernel, _parts(mlp, x, feats, y), x64, sq, mask, radius, prev,
-                                 torch.tensor([False, False, True, False]))
+                                 torch.tensor([False, False, True, False]), clients=P)
     assert not over.any()
 
 
@@ -135,28 +145,37 @@ def test_the_bits_do_not_depend_on_the_other_runs_nor_on_the_instruction_set(ker
         cur, prev = _parts(mlp, x, feats, y), _parts(mlp, x_prev, feats, y)
         radius = torch.tensor([0.05, 0.5, math.inf, 2.0], dtype=torch.float64)
         restart = torch.tensor([False, True, False, False])
-        got, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, restart)
-        again, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, restart)
-        base, _ = fused.clipped_sums(baseline, cur, x64, sq, mask, radius, prev, restart)
+        got, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, restart, clients=P)
+        again, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, restart, clients=P)
+        base, _ = fused.clipped_sums(baseline, cur, x64, sq, mask, radius, prev, restart, clients=P)
         assert torch.equal(got, again) and torch.equal(got, base)
         sub = [2, 1]
         pick = lambda p: fused.Parts(*(t[sub].contiguous() for t in p))  # noqa: E731
         alone, _ = fused.clipped_sums(kernel, pick(cur), x64, sq, mask, radius[sub].contiguous(), pick(prev),
-                                      restart[sub])
-        assert torch.equal(alone, got[sub])
+                                      restart[sub], clients=P)
+        assert torch.equal(alone, got[:, sub])
+        # a client alone (its own samples only) gets its bits too
+        cols = slice(N, 2 * N)
+        one = lambda p: fused.Parts(p.a[..., cols].contiguous(), p.dphi[..., cols].contiguous(),  # noqa: E731
+                                    p.grad_out[..., cols].contiguous(), p.w_out)
+        client, _ = fused.clipped_sums(kernel, one(cur), x64[:, cols].contiguous(), sq[cols].contiguous(),
+                                       mask[cols].contiguous(), radius, one(prev), restart)
+        assert torch.equal(client[0], got[1])
 
 
 def test_bad_arguments_are_refused_with_the_name_and_the_expected_shape(kernel):
     mlp, x, _, feats, y, x64, sq, mask = _case("half_squared_error", 1, "softplus", torch.float32)
     cur = _parts(mlp, x, feats, y)
     radius = torch.ones(K, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"prev.a must be a contiguous torch.float32 tensor of shape \(4, 10, 75\)"):
+    with pytest.raises(ValueError, match=r"prev.a must be a contiguous torch.float32 tensor of shape \(4, 10, 225\)"):
         fused.clipped_sums(kernel, cur, x64, sq, mask, radius, cur._replace(a=cur.a.double()))
     with pytest.raises(ValueError, match=r"radius must be a contiguous float64 tensor of shape \(4,\)"):
         fused.clipped_sums(kernel, cur, x64, sq, mask, radius.float())
-    with pytest.raises(ValueError, match=r"dphi must be .* shape \(4, 10, 75\)\. Found .*, not contiguous"):
+    with pytest.raises(ValueError, match=r"dphi must be .* shape \(4, 10, 225\)\. Found .*, not contiguous"):
         fused.clipped_sums(kernel, cur._replace(dphi=cur.dphi.transpose(1, 2).contiguous().transpose(1, 2)),
                            x64, sq, mask, radius)
+    with pytest.raises(ValueError, match="225 samples do not split into 4 clients of equal size"):
+        fused.clipped_sums(kernel, cur, x64, sq, mask, radius, clients=4)
 
 
 # ---------------------------------------------------------------- the engine: fused path and its fallback

@@ -119,10 +119,8 @@ def test_float32_batched_client_means_never_exceed_the_radius(path):
             sums, overflow, *_ = sweep._round_core(mlp, b.a_t, b.a64, b.y, b.sq_a, b.mask, x, (), (), restart,
                                                    torch.as_tensor(radius), False)
         else:
-            w_out = mlp.layers(x.to(torch.float32))[1][0].contiguous()
-            outs = [sweep._fused_client(kernel, sweep._head(mlp, False), c[0], b.x64_t[p], c[2], c[3], c[4], x, w_out,
-                                        None, None, torch.as_tensor(radius)) for p, c in enumerate(b.clients)]
-            sums, overflow = torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
+            sums, overflow, *_ = sweep._fused_round(kernel, sweep._head(mlp, False), mlp, b, x, None, None,
+                                                    torch.as_tensor(radius))
         means = sums / b.n.reshape(P, 1, 1)
         alive, diverged = torch.ones(K, dtype=torch.bool), [None] * K
         sweep._workers_finish(means, overflow, radius, alive, diverged, 1)

@@ -1,29 +1,32 @@
-"""Ghost clipping of a one-hidden-layer MLP in one fused pass per client: a small C++ kernel
-(``fused_ghost.cpp``, beside this file) built once per machine and loaded with ``ctypes``.
+"""Ghost clipping of a one-hidden-layer MLP in one fused pass: a small C++ kernel (``fused_ghost.cpp``, beside
+this file) built once per machine and loaded with ``ctypes``.
 
-For K runs of an MLP with widths (F, H, O) and N samples of one client, :func:`clipped_sums` takes the
-forward pass's quantities in the compute dtype — hidden activations a [K, H, N], φ'(h) [K, H, N], output
-gradient g_L [K, O, N] (from torch: any activation, ½-squared error or cross-entropy) and output weights
-W_2 [K, O, H] — at x and, for a difference, at x', and returns what :mod:`diff2_flwr.core.ghost` gives from
-them: the clipped sums Σ_n c_n ∇ℓ (or of the differences) [K, d] in float64 and, per run, whether a real
-sample's norm was not finite. Per sample it does, in one pass over blocks of 16 samples:
+For K runs of an MLP with widths (F, H, O) and P clients of N samples each (M = P·N, side by side),
+:func:`clipped_sums` takes the forward pass's quantities in the compute dtype — hidden activations a [K, H, M],
+φ'(h) [K, H, M], output gradient g_L [K, O, M] (from torch: any activation, ½-squared error or cross-entropy)
+and output weights W_2 [K, O, H] — at x and, for a difference, at x', and returns what
+:mod:`diff2_flwr.core.ghost` gives from them: per client and run, the clipped sums Σ_n c_n ∇ℓ (or of the
+differences) [P, K, d] in float64 and whether a real sample's norm was not finite [P, K]. Per sample it does,
+in one pass over blocks of 16 samples of one client and run:
 
-    g_1 = (W_2ᵀ g_L) ⊙ φ'(h)                 in the compute dtype, as :func:`~diff2_flwr.core.ghost.forward`
+    g_1 = (W_2ᵀ g_L) ⊙ φ'(h)                 in the compute dtype, as :func:`~diff2_flwr.core.ghost.forward`,
     ‖·‖² = ‖dg_1‖²(1 + ‖x‖²) + ‖dg_L‖²(1 + ‖a‖²) + ‖g_L'‖²‖da‖² + 2(dg_L·g_L')(a·da)    in float64,
     c = rad/‖·‖ if ‖·‖ > rad else 1, times the mask (0 for padding),
 
 the formulas of :func:`~diff2_flwr.core.ghost.sq_norms` (difference form; a plain row is g' = 0, a' = a, as
 :meth:`~diff2_flwr.core.ghost.Pass.restarting`), and adds c·(the per-sample gradient) into float64 per-lane
-sums — no [K, H, N] float64 tensor is ever formed. The sums over samples are taken in another order than
+sums — no [K, H, M] float64 tensor is ever formed. The sums over samples are taken in another order than
 the torch path's matrix products (per lane over the blocks, then over the lanes): equal to rounding, and
-deterministic (same inputs, same bits).
+deterministic — same inputs, same bits, whatever the other runs and clients of the call.
 
 The kernel is compiled with ``-O3 -ffp-contract=off`` and no ``-ffast-math``: every operation is one IEEE
 operation in the order written and lanes are independent samples, so the bits do not depend on the vector
-width (the build targets torch's CPU capability: AVX-512, AVX2 or the baseline). It is cached under
-``$TORCH_EXTENSIONS_DIR`` (else torch's default extensions folder) in ``diff2_fused/``, named by a hash of
-its source, flags and compiler; a build takes a few seconds, once. Without a C++ compiler :func:`load`
-returns None after one warning on stderr, and the caller keeps the torch path.
+width (the build targets torch's CPU capability: AVX-512, AVX2 or the x86-64 baseline; a test compares the
+baseline build with this machine's bit for bit). It is cached under ``$TORCH_EXTENSIONS_DIR`` (else torch's
+default extensions folder) in ``diff2_fused/``, named by the capability and a hash of its source, flags and
+compiler; a build takes ≈ 5 s, once per machine (processes that build at once each write their own file and
+rename it into place). Without a working C++ compiler :func:`load` returns None after one warning on stderr,
+and the batched engine keeps the torch path (same maths, slower).
 
 References:
     Murata & Suzuki (2023), Algorithm 1 (worker lines), Algorithm 2 (ClippedMean);
@@ -59,8 +62,8 @@ ISA = {"AVX512": ("-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mavx2
 
 
 class Parts(NamedTuple):
-    """One iterate's forward quantities for one client, in the compute dtype, contiguous: hidden activations
-    a [K, H, N], φ'(h) [K, H, N], output gradient g_L [K, O, N], output weights W_2 [K, O, H]."""
+    """One iterate's forward quantities, in the compute dtype, contiguous: hidden activations a [K, H, M],
+    φ'(h) [K, H, M], output gradient g_L [K, O, M], output weights W_2 [K, O, H]."""
 
     a: torch.Tensor
     dphi: torch.Tensor
@@ -69,7 +72,8 @@ class Parts(NamedTuple):
 
 
 class FusedKernel:
-    """The loaded kernel (float32 and float64 entry points) and where it was built."""
+    """The loaded kernel (float32 and float64 entry points) and where it was built; call it through
+    :func:`clipped_sums`, which checks the arguments."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -79,11 +83,8 @@ class FusedKernel:
         for dtype, name in ((torch.float32, "diff2_fused_f32"), (torch.float64, "diff2_fused_f64")):
             fn = getattr(self._lib, name)
             fn.restype = None
-            fn.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 15
+            fn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 15
             self._entry[dtype] = fn
-
-    def __call__(self, *args):
-        raise TypeError("Call diff2_flwr.core.fused.clipped_sums(kernel, ...), which checks the arguments.")
 
 
 def _cache_dir() -> Path:
@@ -154,41 +155,44 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def clipped_sums(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor,
-                 radius: torch.Tensor, prev: Parts | None = None,
-                 restart: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped sums [K, d] (float64, the flat (W_1, b_1, W_2, b_2) order) and per run whether a real sample's
-    norm was not finite [K] (bool), for one client.
+                 radius: torch.Tensor, prev: Parts | None = None, restart: torch.Tensor | None = None, *,
+                 clients: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped sums per client and run [P, K, d] (float64, the flat (W_1, b_1, W_2, b_2) order) and whether a real
+    sample's norm was not finite [P, K] (bool), for the ``clients`` (P) clients whose samples lie side by side:
+    client p's are the samples p·N .. (p + 1)·N - 1 of the M = P·N.
 
-    ``x`` [F, N] float64: the client's inputs (samples innermost); ``sq_x`` [N]: ‖x‖² per sample, ``mask`` [N]:
-    1 for a sample, 0 for padding, ``radius`` [K]: the clipping radius per run (inf: no clipping), all float64;
-    ``prev``: the pass at x' for differences, ``restart`` [K] bool: runs that take their plain gradient.
+    ``x`` [F, M] float64: the inputs (samples innermost); ``sq_x`` [M]: ‖x‖² per sample, ``mask`` [M]: 1 for a
+    sample, 0 for padding, ``radius`` [K]: the clipping radius per run (inf: no clipping), all float64; ``prev``:
+    the pass at x' for differences, ``restart`` [K] (bool or uint8): runs that take their plain gradient.
     """
     dtype = cur.a.dtype
-    K, H, N = cur.a.shape
+    K, H, M = cur.a.shape
     O, F = cur.grad_out.shape[1], x.shape[0]
-    shapes = {"a": (cur.a, (K, H, N)), "dphi": (cur.dphi, (K, H, N)), "grad_out": (cur.grad_out, (K, O, N)),
+    if clients < 1 or M % clients:
+        raise ValueError(f"fused.clipped_sums: {M} samples do not split into {clients} clients of equal size.")
+    shapes = {"a": (cur.a, (K, H, M)), "dphi": (cur.dphi, (K, H, M)), "grad_out": (cur.grad_out, (K, O, M)),
               "w_out": (cur.w_out, (K, O, H))}
     if prev is not None:
-        shapes.update({"prev.a": (prev.a, (K, H, N)), "prev.dphi": (prev.dphi, (K, H, N)),
-                       "prev.grad_out": (prev.grad_out, (K, O, N)), "prev.w_out": (prev.w_out, (K, O, H))})
+        shapes.update({"prev.a": (prev.a, (K, H, M)), "prev.dphi": (prev.dphi, (K, H, M)),
+                       "prev.grad_out": (prev.grad_out, (K, O, M)), "prev.w_out": (prev.w_out, (K, O, H))})
     for name, (t, shape) in shapes.items():
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"fused.clipped_sums: {name} must be a contiguous {dtype} tensor of shape {shape}. "
                              f"Found {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
-    for name, t, shape in (("x", x, (F, N)), ("sq_x", sq_x, (N,)), ("mask", mask, (N,)), ("radius", radius, (K,))):
+    for name, t, shape in (("x", x, (F, M)), ("sq_x", sq_x, (M,)), ("mask", mask, (M,)), ("radius", radius, (K,))):
         if t.dtype != torch.float64 or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"fused.clipped_sums: {name} must be a contiguous float64 tensor of shape {shape}. "
                              f"Found {t.dtype} {tuple(t.shape)}.")
     if dtype not in kernel._entry:
         raise ValueError(f"fused.clipped_sums: compute dtype must be float32 or float64. Found {dtype}.")
-    if restart is not None and (restart.dtype != torch.bool or tuple(restart.shape) != (K,)):
-        raise ValueError(f"fused.clipped_sums: restart must be a bool tensor of shape ({K},). Found {restart.dtype} "
-                         f"{tuple(restart.shape)}.")
+    if restart is not None and (restart.dtype not in (torch.bool, torch.uint8) or tuple(restart.shape) != (K,)):
+        raise ValueError(f"fused.clipped_sums: restart must be a bool or uint8 tensor of shape ({K},). Found "
+                         f"{restart.dtype} {tuple(restart.shape)}.")
     restart_u8 = None if restart is None or prev is None else restart.to(torch.uint8).contiguous()
-    sums = torch.empty(K, H * F + H + O * H + O, dtype=torch.float64)
-    overflow = torch.empty(K, dtype=torch.uint8)
+    sums = torch.empty(clients, K, H * F + H + O * H + O, dtype=torch.float64)
+    overflow = torch.empty(clients, K, dtype=torch.bool)  # written as bytes 0 / 1
     p = prev if prev is not None else Parts(None, None, None, None)  # type: ignore[arg-type]
-    kernel._entry[dtype](K, H, O, F, N, _ptr(cur.a), _ptr(cur.dphi), _ptr(cur.grad_out), _ptr(cur.w_out),
-                         _ptr(p.a), _ptr(p.dphi), _ptr(p.grad_out), _ptr(p.w_out), _ptr(restart_u8),
+    kernel._entry[dtype](clients, K, H, O, F, M // clients, _ptr(cur.a), _ptr(cur.dphi), _ptr(cur.grad_out),
+                         _ptr(cur.w_out), _ptr(p.a), _ptr(p.dphi), _ptr(p.grad_out), _ptr(p.w_out), _ptr(restart_u8),
                          _ptr(x), _ptr(sq_x), _ptr(mask), _ptr(radius), _ptr(sums), _ptr(overflow))
-    return sums, overflow.to(torch.bool)
+    return sums, overflow

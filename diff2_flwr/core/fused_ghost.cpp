@@ -1,6 +1,6 @@
 // The fused per-sample kernel of diff2_flwr/core/fused.py (read its docstring for the maths and the contract).
 //
-// One MLP with one hidden layer, K runs, N samples of one client. From the compute-dtype quantities of the
+// One MLP with one hidden layer, K runs, P clients of N samples. From the compute-dtype quantities of the
 // forward pass (hidden activations a, φ'(h), output gradient g_L, output weights W_2) at x and, for a
 // difference, at x', it takes in one pass over blocks of BLOCK samples: the backward to the hidden layer
 // (in the compute dtype, as the torch path), the float64 per-sample squared norm (the formulas of
@@ -10,7 +10,9 @@
 // Built with -O3 -ffp-contract=off and without -ffast-math: every operation below is one IEEE operation in
 // the order written, and the vectorised loops run over independent samples (lanes), so the bits do not
 // depend on the vector width the compiler picks (SSE2, AVX2 or AVX-512) nor on FMA being available. Sums
-// over samples are taken per lane over the blocks, then over the lanes in order: deterministic.
+// over samples are taken per lane over the blocks, then over the lanes in order: deterministic, and a run's
+// (or a client's) bits do not depend on the other runs (clients) of the call.
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -117,17 +119,15 @@ struct Kernel {
       }
     }
     // ‖∇ℓ(x) - ∇ℓ(x')‖² = ‖dg_1‖²(1 + ‖x‖²) + [‖dg_L‖²(1 + ‖a‖²) + ‖g_L'‖²‖da‖² + 2(dg_L·g_L')(a·da)];
-    // c = rad / norm if norm > rad else 1, times the mask (0 for padding)
-    bool bad = false;
-    for (int64_t j = 0; j < BLOCK; ++j) {
-      const double t0 = sdg1[j] * (1.0 + in.sqa[j]);
-      double t1 = sdgl[j] * (1.0 + sa[j]);
-      if (diff) t1 = (t1 + sgp[j] * sda[j]) + (2.0 * sdgp[j]) * sada[j];
-      const double norm = std::sqrt(t0 + t1);
-      const bool over = norm > rad;
-      c[j] = (over ? rad / norm : 1.0) * in.mask[j];
-      bad |= !std::isfinite(norm) && in.mask[j] > 0.0;
-    }
+    // c = rad / norm if norm > rad else 1, times the mask (0 for padding). Branch-free loops: they vectorise.
+    double t1[BLOCK], norm[BLOCK];
+    for (int64_t j = 0; j < BLOCK; ++j) t1[j] = sdgl[j] * (1.0 + sa[j]);
+    if (diff)
+      for (int64_t j = 0; j < BLOCK; ++j) t1[j] = (t1[j] + sgp[j] * sda[j]) + (2.0 * sdgp[j]) * sada[j];
+    for (int64_t j = 0; j < BLOCK; ++j) norm[j] = std::sqrt(sdg1[j] * (1.0 + in.sqa[j]) + t1[j]);
+    for (int64_t j = 0; j < BLOCK; ++j) c[j] = (norm[j] > rad ? rad / norm[j] : 1.0) * in.mask[j];
+    int bad = 0;  // a real sample whose norm is not finite (|norm| <= max is false for inf and NaN)
+    for (int64_t j = 0; j < BLOCK; ++j) bad |= (!(std::fabs(norm[j]) <= DBL_MAX) && in.mask[j] > 0.0) ? 1 : 0;
     // clipped sums, per lane: W_2 += c dg_L aᵀ (+ c g_L' daᵀ), b_2 += c dg_L, W_1 += c dg_1 xᵀ, b_1 += c dg_1
     double* aw1 = acc;
     double* ab1 = aw1 + H * F * BLOCK;
@@ -165,67 +165,70 @@ struct Kernel {
         for (int64_t j = 0; j < BLOCK; ++j) w[j] = w[j] + cd[j] * xf[j];
       }
     }
-    return bad;
+    return bad != 0;
   }
 };
 
 template <typename T>
-void fused(int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* a, const T* dphi, const T* gl,
-           const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p, const uint8_t* restart,
-           const double* x, const double* sqa, const double* mask, const double* radius, double* sums,
-           uint8_t* overflow) {
-  const int64_t d = H * F + H + O * H + O;
+void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* a, const T* dphi,
+           const T* gl, const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p,
+           const uint8_t* restart, const double* x, const double* sqa, const double* mask, const double* radius,
+           double* sums, uint8_t* overflow) {
+  const int64_t d = H * F + H + O * H + O, M = P * N;
   std::vector<double> acc(d * BLOCK), work((3 * H + 2 * O) * BLOCK);
   const int64_t full = N - N % BLOCK, tail = N - full;
-  // the last, partial block: copies padded with zeros (mask 0: clip factor 0, never an overflow)
+  // the last, partial block of a client: copies padded with zeros (mask 0: clip factor 0, never an overflow)
   std::vector<T> ta(H * BLOCK, T(0)), tdphi(H * BLOCK, T(0)), tgl(O * BLOCK, T(0)), tap(H * BLOCK, T(0)),
       tdphip(H * BLOCK, T(0)), tglp(O * BLOCK, T(0));
   std::vector<double> tx(F * BLOCK, 0.0), tsqa(BLOCK, 0.0), tmask(BLOCK, 0.0);
-  for (int64_t f = 0; f < F; ++f)
-    for (int64_t j = 0; j < tail; ++j) tx[f * BLOCK + j] = x[f * N + full + j];
-  for (int64_t j = 0; j < tail; ++j) { tsqa[j] = sqa[full + j]; tmask[j] = mask[full + j]; }
-  for (int64_t k = 0; k < K; ++k) {
-    const bool diff = ap != nullptr && !(restart != nullptr && restart[k]);
-    Kernel<T> ker{H, O, F, w2 + k * O * H, diff ? w2p + k * O * H : nullptr, radius[k], acc.data(), work.data(),
-                  work.data() + H * BLOCK, work.data() + 2 * H * BLOCK, work.data() + 3 * H * BLOCK,
-                  work.data() + 3 * H * BLOCK + O * BLOCK};
-    std::memset(acc.data(), 0, sizeof(double) * acc.size());
-    const T* ak = a + k * H * N;
-    const T* dk = dphi + k * H * N;
-    const T* gk = gl + k * O * N;
-    const T* apk = diff ? ap + k * H * N : nullptr;
-    const T* dpk = diff ? dphip + k * H * N : nullptr;
-    const T* gpk = diff ? glp + k * O * N : nullptr;
-    bool bad = false;
-    for (int64_t n = 0; n < full; n += BLOCK) {
-      Block<T> in{ak + n, dk + n, gk + n, diff ? apk + n : nullptr, diff ? dpk + n : nullptr,
-                  diff ? gpk + n : nullptr, x + n, sqa + n, mask + n, N, N};
-      bad |= ker.block(in);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t start = p * N;  // client p's samples: columns start .. start + N of every row (rows M apart)
+    for (int64_t f = 0; f < F; ++f)
+      for (int64_t j = 0; j < tail; ++j) tx[f * BLOCK + j] = x[f * M + start + full + j];
+    for (int64_t j = 0; j < tail; ++j) { tsqa[j] = sqa[start + full + j]; tmask[j] = mask[start + full + j]; }
+    for (int64_t k = 0; k < K; ++k) {
+      const bool diff = ap != nullptr && !(restart != nullptr && restart[k]);
+      Kernel<T> ker{H, O, F, w2 + k * O * H, diff ? w2p + k * O * H : nullptr, radius[k], acc.data(), work.data(),
+                    work.data() + H * BLOCK, work.data() + 2 * H * BLOCK, work.data() + 3 * H * BLOCK,
+                    work.data() + 3 * H * BLOCK + O * BLOCK};
+      std::memset(acc.data(), 0, sizeof(double) * acc.size());
+      const T* ak = a + k * H * M + start;
+      const T* dk = dphi + k * H * M + start;
+      const T* gk = gl + k * O * M + start;
+      const T* apk = diff ? ap + k * H * M + start : nullptr;
+      const T* dpk = diff ? dphip + k * H * M + start : nullptr;
+      const T* gpk = diff ? glp + k * O * M + start : nullptr;
+      bool bad = false;
+      for (int64_t n = 0; n < full; n += BLOCK) {
+        Block<T> in{ak + n, dk + n, gk + n, diff ? apk + n : nullptr, diff ? dpk + n : nullptr,
+                    diff ? gpk + n : nullptr, x + start + n, sqa + start + n, mask + start + n, M, M};
+        bad |= ker.block(in);
+      }
+      if (tail) {
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < tail; ++j) {
+            ta[h * BLOCK + j] = ak[h * M + full + j];
+            tdphi[h * BLOCK + j] = dk[h * M + full + j];
+            if (diff) { tap[h * BLOCK + j] = apk[h * M + full + j]; tdphip[h * BLOCK + j] = dpk[h * M + full + j]; }
+          }
+        for (int64_t o = 0; o < O; ++o)
+          for (int64_t j = 0; j < tail; ++j) {
+            tgl[o * BLOCK + j] = gk[o * M + full + j];
+            if (diff) tglp[o * BLOCK + j] = gpk[o * M + full + j];
+          }
+        Block<T> in{ta.data(), tdphi.data(), tgl.data(), diff ? tap.data() : nullptr, diff ? tdphip.data() : nullptr,
+                    diff ? tglp.data() : nullptr, tx.data(), tsqa.data(), tmask.data(), BLOCK, BLOCK};
+        bad |= ker.block(in);
+      }
+      double* out = sums + (p * K + k) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const double* lane = acc.data() + i * BLOCK;
+        double total = lane[0];
+        for (int64_t j = 1; j < BLOCK; ++j) total = total + lane[j];
+        out[i] = total;
+      }
+      overflow[p * K + k] = bad ? 1 : 0;
     }
-    if (tail) {
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t j = 0; j < tail; ++j) {
-          ta[h * BLOCK + j] = ak[h * N + full + j];
-          tdphi[h * BLOCK + j] = dk[h * N + full + j];
-          if (diff) { tap[h * BLOCK + j] = apk[h * N + full + j]; tdphip[h * BLOCK + j] = dpk[h * N + full + j]; }
-        }
-      for (int64_t o = 0; o < O; ++o)
-        for (int64_t j = 0; j < tail; ++j) {
-          tgl[o * BLOCK + j] = gk[o * N + full + j];
-          if (diff) tglp[o * BLOCK + j] = gpk[o * N + full + j];
-        }
-      Block<T> in{ta.data(), tdphi.data(), tgl.data(), diff ? tap.data() : nullptr, diff ? tdphip.data() : nullptr,
-                  diff ? tglp.data() : nullptr, tx.data(), tsqa.data(), tmask.data(), BLOCK, BLOCK};
-      bad |= ker.block(in);
-    }
-    double* out = sums + k * d;
-    for (int64_t i = 0; i < d; ++i) {
-      const double* lane = acc.data() + i * BLOCK;
-      double total = lane[0];
-      for (int64_t j = 1; j < BLOCK; ++j) total = total + lane[j];
-      out[i] = total;
-    }
-    overflow[k] = bad ? 1 : 0;
   }
 }
 
@@ -236,11 +239,12 @@ extern "C" {
 int64_t diff2_fused_block() { return BLOCK; }
 
 #define DIFF2_FUSED_ENTRY(NAME, T)                                                                              \
-  void NAME(int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* a, const T* dphi, const T* gl,       \
+  void NAME(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* a, const T* dphi,       \
+            const T* gl,                                                                                          \
             const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p, const uint8_t* restart,         \
             const double* x, const double* sqa, const double* mask, const double* radius, double* sums,           \
             uint8_t* overflow) {                                                                                  \
-    fused<T>(K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums, overflow); \
+    fused<T>(P, K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums, overflow); \
   }
 
 DIFF2_FUSED_ENTRY(diff2_fused_f32, float)

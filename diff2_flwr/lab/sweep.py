@@ -123,7 +123,7 @@ class _Batch:
         self.clients = [(self.a_t[:, p * self.N:(p + 1) * self.N].contiguous(), self.a64[p:p + 1],
                          self.y[p * self.N:(p + 1) * self.N], self.sq_a[p * self.N:(p + 1) * self.N],
                          self.mask[p * self.N:(p + 1) * self.N]) for p in range(self.P)]
-        self.x64_t = [a64_t[:, p * self.N:(p + 1) * self.N].contiguous() for p in range(self.P)]  # the fused kernel's
+        self.x64_t = a64_t.contiguous()  # [F, M] float64: the fused kernel's inputs
         self.x_test_t = torch.as_tensor(data.x_test, dtype=dtype).T.contiguous()
         self.y_test = torch.as_tensor(data.y_test, dtype=dtype)
         self.dtype = dtype
@@ -154,15 +154,18 @@ def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, r
     return clipped_sums(cur, a64, c, prev), overflow, pass_.inputs, pass_.grads, pass_.loss
 
 
-def _fused_client(kernel: fused.FusedKernel, head: Callable, a_t, x64_t, y, sq_a, mask, x, w_out,
-                  prev: fused.Parts | None, restart, radius) -> tuple[torch.Tensor, torch.Tensor, fused.Parts, torch.Tensor]:
-    """What :func:`_round_core` gives for one client, for an MLP with one hidden layer: the forward pass in torch
-    (``head``: :func:`~diff2_flwr.core.ghost.forward_head`, compiled or not), the rest in the fused kernel — clipped
-    sums [K, d] (float64), overflow [K], and this round's parts and losses (compute dtype), which the next round
-    reuses as its previous iterate's. ``prev`` None: every run restarts."""
-    a, dphi, g, loss = head(x, a_t, y)
-    cur = fused.Parts(a.contiguous(), dphi.contiguous(), g.contiguous(), w_out)
-    sums, overflow = fused.clipped_sums(kernel, cur, x64_t, sq_a, mask, radius, prev, restart)
+def _fused_round(kernel: fused.FusedKernel, head: Callable, mlp: MLP, b: "_Batch", x: torch.Tensor,
+                 prev: fused.Parts | None, restart: torch.Tensor | None,
+                 radius: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, fused.Parts, torch.Tensor]:
+    """What :func:`_round_core` gives for every client, for an MLP with one hidden layer: the forward pass of all
+    samples in torch (``head``: :func:`~diff2_flwr.core.ghost.forward_head`, compiled or not: one call), the rest
+    in the fused kernel, client after client — clipped sums [P, K, d] (float64), overflow [P, K], and this round's
+    parts and losses [K, M] (compute dtype), which the next round reuses as its previous iterate's. ``prev``
+    None: every run restarts."""
+    a, dphi, g, loss = head(x, b.a_t, b.y)
+    cur = fused.Parts(a.contiguous(), dphi.contiguous(), g.contiguous(),
+                      mlp.layers(x.to(b.dtype))[1][0].contiguous())
+    sums, overflow = fused.clipped_sums(kernel, cur, b.x64_t, b.sq_a, b.mask, radius, prev, restart, clients=b.P)
     return sums, overflow, cur, loss
 
 
@@ -307,21 +310,18 @@ def run_batch(
     head = _head(mlp, compile) if kernel is not None else None
     unclipped = torch.full((K,), math.inf, dtype=torch.float64)
 
-    def fused_train(parts: list[fused.Parts], losses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused_train(parts: fused.Parts, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unclipped gradient sums [P, K, d] and losses [K, M] (float64) of this round's parts (fused path)."""
-        sums = torch.stack([fused.clipped_sums(kernel, part, b.x64_t[p], client[3], client[4], unclipped)[0]
-                            for p, (part, client) in enumerate(zip(parts, b.clients))])
-        return sums, torch.cat(losses, dim=-1).to(torch.float64)
+        sums, _ = fused.clipped_sums(kernel, parts, b.x64_t, b.sq_a, b.mask, unclipped, clients=P)
+        return sums, loss.to(torch.float64)
 
     def train_pass(x_now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unclipped gradient sums [P, K, d] and losses [K, M] (float64) at x_now."""
         if kernel is None:
             cur = forward(mlp, x_now, b.a_t, b.y).to64()
             return clipped_sums(cur, b.a64, b.mask.expand(K, -1)), cur.loss
-        w = mlp.layers(x_now.to(dtype))[1][0].contiguous()
-        outs = [_fused_client(kernel, head, client[0], b.x64_t[p], client[2], client[3], client[4], x_now, w, None,
-                              None, unclipped) for p, client in enumerate(b.clients)]
-        return torch.stack([o[0] for o in outs]), torch.cat([o[3] for o in outs], dim=-1).to(torch.float64)
+        sums, _, _, loss = _fused_round(kernel, head, mlp, b, x_now, None, None, unclipped)
+        return sums, loss.to(torch.float64)
 
     def evaluate(r: int, x_now: torch.Tensor, live: torch.Tensor,
                  train_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -344,7 +344,7 @@ def run_batch(
 
     core = _compiled_core(mlp) if compile else (lambda *args: _round_core(mlp, *args))
     prev: list[tuple[tuple, tuple]] = [((), ())] * P  # per client: the pass at x_{r-2} (inputs, grads)
-    prev_parts: list[fused.Parts] = []  # the same for the fused path
+    prev_parts: fused.Parts | None = None  # the same for the fused path
     for r in range(1, rounds + 1):
         restart = (r - 1) % T == 0  # [K]
         live = alive.clone()  # alive at x_{r-1}, whose metrics this round's pass gives
@@ -353,15 +353,10 @@ def run_batch(
         all_restart = bool(restart.all())
         evaluated = (r - 1) % eval_every == 0 or r == 1
         if kernel is not None:
-            w_out = mlp.layers(x.to(dtype))[1][0].contiguous()
-            outs = [_fused_client(kernel, head, client[0], b.x64_t[p], client[2], client[3], client[4], x, w_out,
-                                  None if all_restart else prev_parts[p], restart, radius)
-                    for p, client in enumerate(b.clients)]
-            sums = torch.stack([o[0] for o in outs])
-            overflow = torch.stack([o[1] for o in outs])
-            prev_parts = [o[2] for o in outs]  # the pass at x_{r-1}: round r+1's previous iterate
+            sums, overflow, prev_parts, loss = _fused_round(kernel, head, mlp, b, x, None if all_restart else prev_parts,
+                                                            restart, radius)  # prev_parts: round r+1's x_{r-1}
             if evaluated:
-                evaluate(r - 1, x, live, fused_train(prev_parts, [o[3] for o in outs]))
+                evaluate(r - 1, x, live, fused_train(prev_parts, loss))
         else:
             # Compiled, the restart selection always runs (fused, it costs little): two round shapes to compile, not three.
             flag = compile or bool(restart.any())
