@@ -27,16 +27,18 @@ and, for classification, test accuracy take one forward pass over the test split
 
 from __future__ import annotations
 
+import ctypes
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from ..core import fused
 from ..core.clipping import onto_ball, robust_norm
 from ..core.estimator import Diverged, round_noise, round_scale
-from ..core import fused
 from ..core.ghost import MLP, Pass, clipped_sums, forward, forward_head, sq_norms
 from ..core.routines import Routine, make_routine
 from ..task.data import PreparedData
@@ -242,6 +244,26 @@ class _Routines:
         return torch.from_numpy(out)
 
 
+_RETAINED: list[bool] = []
+
+
+def _retain_freed_memory() -> None:
+    """Let glibc keep freed blocks of up to 32 MB for reuse (once per process). A round allocates its [K, width, M]
+    tensors afresh; by default glibc maps each block over 128 kB (or the last freed size) from the OS and unmaps it
+    on free, so every round pays a page fault per 4 kB touched: measured ≈ 3 ms of system time per round at K = 18
+    on California Housing (12 % of it). Values are unchanged; the process holds up to 256 MB of freed memory."""
+    if _RETAINED or not sys.platform.startswith("linux"):
+        return
+    _RETAINED.append(True)
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl): nothing to tune
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest
+    mallopt(M_TRIM_THRESHOLD, 256 << 20)
+
+
 _COMPILED: dict[tuple[str, MLP], Callable] = {}
 
 
@@ -288,6 +310,7 @@ def run_batch(
     """
     if not specs:
         return []
+    _retain_freed_memory()
     inits = [batch_model(data, model=model, hidden=hidden, model_kwargs=model_kwargs, loss=loss, init_seed=s.init_seed)
              for s in specs]
     mlp = inits[0][0]
