@@ -23,6 +23,13 @@ iterates of all runs that share a routine and its parameters: every routine is e
 each row steps exactly as the reference's one run does.
 Evaluation metrics at x_{r-1} are by-products of round r's pass (train loss and ‖∇f‖²); test loss
 and, for classification, test accuracy take one forward pass over the test split.
+
+For an MLP with one hidden layer (the paper's) a round is one forward pass over every client's samples in
+torch (compiled or not) and one call of the fused kernel of :mod:`diff2_flwr.core.fused`, which does the
+backward pass, norms, clip factors, overflow flags and clipped sums per client and run in one pass; its
+unclipped sums give the evaluation's ‖∇f‖². Other MLPs, or a machine where the kernel cannot be built, take
+the torch path (:func:`_round_core`, one client at a time); both are checked against each other and against
+the reference driver.
 """
 
 from __future__ import annotations
