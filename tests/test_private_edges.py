@@ -119,8 +119,8 @@ def test_float32_batched_client_means_never_exceed_the_radius(path):
             sums, overflow, *_ = sweep._round_core(mlp, b.a_t, b.a64, b.y, b.sq_a, b.mask, x, (), (), restart,
                                                    torch.as_tensor(radius), False)
         else:
-            sums, overflow, *_ = sweep._fused_round(kernel, sweep._head(mlp, False), mlp, b, x, None, None,
-                                                    torch.as_tensor(radius))
+            sums, overflow, *_ = sweep._fused_rounds(kernel, sweep._head(mlp, False), mlp, b.groups(K, H), x, None,
+                                                     None, torch.as_tensor(radius))
         means = sums / b.n.reshape(P, 1, 1)
         alive, diverged = torch.ones(K, dtype=torch.bool), [None] * K
         sweep._workers_finish(means, overflow, radius, alive, diverged, 1)

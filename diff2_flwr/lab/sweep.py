@@ -132,10 +132,36 @@ class _Batch:
         self.clients = [(self.a_t[:, p * self.N:(p + 1) * self.N].contiguous(), self.a64[p:p + 1],
                          self.y[p * self.N:(p + 1) * self.N], self.sq_a[p * self.N:(p + 1) * self.N],
                          self.mask[p * self.N:(p + 1) * self.N]) for p in range(self.P)]
-        self.x64_t = a64_t.contiguous()  # [F, M] float64: the fused kernel's inputs
+        self.a64_t = a64_t
         self.x_test_t = torch.as_tensor(data.x_test, dtype=dtype).T.contiguous()
         self.y_test = torch.as_tensor(data.y_test, dtype=dtype)
         self.dtype = dtype
+
+    def groups(self, runs: int, width: int, cap: int = 32 << 20) -> list["_Group"]:
+        """Clients in groups of consecutive ones (equal sizes but the last) whose [runs, width, samples] tensors in
+        the compute dtype stay under ``cap`` bytes (at least one client each): one forward call and one fused
+        kernel call per group and round. Under 32 MB glibc reuses their memory (see _retain_freed_memory)."""
+        per_client = runs * width * self.N * torch.finfo(self.dtype).bits // 8
+        size = max(1, min(self.P, cap // max(1, per_client)))
+        out = []
+        for p0 in range(0, self.P, size):
+            cols = slice(p0 * self.N, min(self.P, p0 + size) * self.N)
+            out.append(_Group(len(range(p0, min(self.P, p0 + size))), self.a_t[:, cols].contiguous(), self.y[cols],
+                              self.a64_t[:, cols].contiguous(), self.sq_a[cols], self.mask[cols]))
+        return out
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Consecutive clients' samples for the fused path: inputs [F, M] (compute dtype and float64), targets, ‖x‖²,
+    mask [M]."""
+
+    clients: int
+    a_t: torch.Tensor
+    y: torch.Tensor
+    x64_t: torch.Tensor
+    sq_a: torch.Tensor
+    mask: torch.Tensor
 
 
 def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, restart, radius, some_restart: bool):
@@ -163,19 +189,32 @@ def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, r
     return clipped_sums(cur, a64, c, prev), overflow, pass_.inputs, pass_.grads, pass_.loss
 
 
-def _fused_round(kernel: fused.FusedKernel, head: Callable, mlp: MLP, b: "_Batch", x: torch.Tensor,
+def _fused_round(kernel: fused.FusedKernel, head: Callable, group: _Group, x: torch.Tensor, w_out: torch.Tensor,
                  prev: fused.Parts | None, restart: torch.Tensor | None,
                  radius: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, fused.Parts, torch.Tensor]:
-    """What :func:`_round_core` gives for every client, for an MLP with one hidden layer: the forward pass of all
-    samples in torch (``head``: :func:`~diff2_flwr.core.ghost.forward_head`, compiled or not: one call), the rest
-    in the fused kernel, client after client — clipped sums [P, K, d] (float64), overflow [P, K], and this round's
-    parts and losses [K, M] (compute dtype), which the next round reuses as its previous iterate's. ``prev``
-    None: every run restarts."""
-    a, dphi, g, loss = head(x, b.a_t, b.y)
-    cur = fused.Parts(a.contiguous(), dphi.contiguous(), g.contiguous(),
-                      mlp.layers(x.to(b.dtype))[1][0].contiguous())
-    sums, overflow = fused.clipped_sums(kernel, cur, b.x64_t, b.sq_a, b.mask, radius, prev, restart, clients=b.P)
+    """What :func:`_round_core` gives, for a group of clients and an MLP with one hidden layer: the forward pass of
+    their samples in torch (``head``: :func:`~diff2_flwr.core.ghost.forward_head`, compiled or not: one call), the
+    rest in the fused kernel — clipped sums [clients, K, d] (float64), overflow [clients, K], and this round's
+    parts and losses [K, M] (compute dtype), which the next round reuses as its previous iterate's. ``w_out``: the
+    output layer's weights [K, O, H] in the compute dtype; ``prev`` None: every run restarts."""
+    a, dphi, g, loss = head(x, group.a_t, group.y)
+    cur = fused.Parts(a.contiguous(), dphi.contiguous(), g.contiguous(), w_out)
+    sums, overflow = fused.clipped_sums(kernel, cur, group.x64_t, group.sq_a, group.mask, radius, prev, restart,
+                                        clients=group.clients)
     return sums, overflow, cur, loss
+
+
+def _fused_rounds(kernel: fused.FusedKernel, head: Callable, mlp: MLP, groups: Sequence[_Group], x: torch.Tensor,
+                  prev: Sequence[fused.Parts] | None, restart: torch.Tensor | None,
+                  radius: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[fused.Parts], torch.Tensor]:
+    """:func:`_fused_round` for every group: sums [P, K, d], overflow [P, K], the parts per group, losses [K, M]."""
+    w_out = mlp.layers(x.to(groups[0].a_t.dtype))[1][0].contiguous()
+    outs = [_fused_round(kernel, head, group, x, w_out, None if prev is None else prev[i], restart, radius)
+            for i, group in enumerate(groups)]
+    if len(outs) == 1:
+        return outs[0][0], outs[0][1], [outs[0][2]], outs[0][3]
+    return (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]), [o[2] for o in outs],
+            torch.cat([o[3] for o in outs], dim=-1))
 
 
 def _plan_radii(r: int, specs: Sequence[RunSpec], restart: torch.Tensor, x: torch.Tensor, x_prev: torch.Tensor,
@@ -338,19 +377,21 @@ def run_batch(
     # client (core/fused.py); other MLPs, or a machine where it cannot be built, take the torch path.
     kernel = fused.load() if len(mlp.sizes) == 3 else None
     head = _head(mlp, compile) if kernel is not None else None
+    groups = b.groups(K, max(mlp.sizes[1:])) if kernel is not None else []
     unclipped = torch.full((K,), math.inf, dtype=torch.float64)
 
-    def fused_train(parts: fused.Parts, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused_train(parts: list[fused.Parts], loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unclipped gradient sums [P, K, d] and losses [K, M] (float64) of this round's parts (fused path)."""
-        sums, _ = fused.clipped_sums(kernel, parts, b.x64_t, b.sq_a, b.mask, unclipped, clients=P)
-        return sums, loss.to(torch.float64)
+        sums = [fused.clipped_sums(kernel, part, group.x64_t, group.sq_a, group.mask, unclipped,
+                                   clients=group.clients)[0] for part, group in zip(parts, groups)]
+        return (sums[0] if len(sums) == 1 else torch.cat(sums)), loss.to(torch.float64)
 
     def train_pass(x_now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unclipped gradient sums [P, K, d] and losses [K, M] (float64) at x_now."""
         if kernel is None:
             cur = forward(mlp, x_now, b.a_t, b.y).to64()
             return clipped_sums(cur, b.a64, b.mask.expand(K, -1)), cur.loss
-        sums, _, _, loss = _fused_round(kernel, head, mlp, b, x_now, None, None, unclipped)
+        sums, _, _, loss = _fused_rounds(kernel, head, mlp, groups, x_now, None, None, unclipped)
         return sums, loss.to(torch.float64)
 
     def evaluate(r: int, x_now: torch.Tensor, live: torch.Tensor,
@@ -374,7 +415,7 @@ def run_batch(
 
     core = _compiled_core(mlp) if compile else (lambda *args: _round_core(mlp, *args))
     prev: list[tuple[tuple, tuple]] = [((), ())] * P  # per client: the pass at x_{r-2} (inputs, grads)
-    prev_parts: fused.Parts | None = None  # the same for the fused path
+    prev_parts: list[fused.Parts] | None = None  # the same for the fused path, per group of clients
     for r in range(1, rounds + 1):
         restart = (r - 1) % T == 0  # [K]
         live = alive.clone()  # alive at x_{r-1}, whose metrics this round's pass gives
@@ -383,8 +424,8 @@ def run_batch(
         all_restart = bool(restart.all())
         evaluated = (r - 1) % eval_every == 0 or r == 1
         if kernel is not None:
-            sums, overflow, prev_parts, loss = _fused_round(kernel, head, mlp, b, x, None if all_restart else prev_parts,
-                                                            restart, radius)  # prev_parts: round r+1's x_{r-1}
+            sums, overflow, prev_parts, loss = _fused_rounds(kernel, head, mlp, groups, x,
+                                                             None if all_restart else prev_parts, restart, radius)
             if evaluated:
                 evaluate(r - 1, x, live, fused_train(prev_parts, loss))
         else:
