@@ -163,6 +163,25 @@ def test_the_bits_do_not_depend_on_the_other_runs_nor_on_the_instruction_set(ker
         assert torch.equal(client[0], got[1])
 
 
+def test_the_first_layer_sums_by_a_matrix_product_equal_the_kernels(kernel):
+    """With ``x_rows`` the kernel leaves Σ c dg_1 xᵀ to one batched product of its c·dg_1 (many features): the same
+    sums to 1e-13 of their scale, and the same overflow flags."""
+    for dtype in (torch.float64, torch.float32):
+        mlp, x, x_prev, feats, y, x64, sq, mask = _case("cross_entropy", 3, "tanh", dtype, seed=2)
+        cur, prev = _parts(mlp, x, feats, y), _parts(mlp, x_prev, feats, y)
+        cur.a[3, 2, 2 * N + 1] = math.inf
+        radius = torch.tensor([0.05, 0.5, math.inf, 2.0], dtype=torch.float64)
+        restart = torch.tensor([False, True, False, False])
+        rows = x64.T.reshape(P, N, F).contiguous()
+        got, over = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, restart, clients=P)
+        by_product, over2 = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, restart, clients=P, x_rows=rows)
+        keep = [0, 1, 2]  # run 3 is not finite
+        scale = float(got[:, keep].abs().max())
+        torch.testing.assert_close(by_product[:, keep], got[:, keep], rtol=0, atol=1e-13 * scale)
+        assert torch.equal(by_product[:, keep, H * F:], got[:, keep, H * F:])  # only W_1 is taken otherwise
+        assert torch.equal(over, over2) and over[2, 3] and int(over.sum()) == 1
+
+
 def test_bad_arguments_are_refused_with_the_name_and_the_expected_shape(kernel):
     mlp, x, _, feats, y, x64, sq, mask = _case("half_squared_error", 1, "softplus", torch.float32)
     cur = _parts(mlp, x, feats, y)
@@ -176,6 +195,8 @@ def test_bad_arguments_are_refused_with_the_name_and_the_expected_shape(kernel):
                            x64, sq, mask, radius)
     with pytest.raises(ValueError, match="225 samples do not split into 4 clients of equal size"):
         fused.clipped_sums(kernel, cur, x64, sq, mask, radius, clients=4)
+    with pytest.raises(ValueError, match=r"x_rows must be a contiguous float64 tensor of shape \(3, 75, 7\)"):
+        fused.clipped_sums(kernel, cur, x64, sq, mask, radius, clients=P, x_rows=x64.T.contiguous())
 
 
 # ---------------------------------------------------------------- the engine: fused path and its fallback
@@ -222,8 +243,9 @@ def test_the_engine_falls_back_to_the_torch_path_with_one_warning(monkeypatch, c
 
 def test_clients_in_groups_give_the_runs_of_one_group(monkeypatch):
     """The engine forwards and clips clients in groups whose tensors stay under 32 MB (one group for the paper's
-    studies): one client per group gives the same runs, to 1e-12 (float64; the forward's matrix product may add
-    in another order for another number of samples)."""
+    studies): one client per group, with the first layer's sums by a matrix product (as for many features), gives
+    the same runs, to 1e-12 (float64; the forward's matrix product may add in another order for another number
+    of samples)."""
     from diff2_flwr.lab import sweep
 
     if fused.load() is None:
@@ -239,6 +261,7 @@ def test_clients_in_groups_give_the_runs_of_one_group(monkeypatch):
         return out
 
     monkeypatch.setattr(sweep._Batch, "groups", one_client_each)
+    monkeypatch.setattr(sweep, "KERNEL_W1_FEATURES", 0)  # and the first layer's sums by a matrix product
     for a, b in zip(whole, run_batch(data, specs, rounds=ROUNDS, eval_every=4)):
         np.testing.assert_allclose(a.final_x, b.final_x, rtol=0, atol=1e-12)
         np.testing.assert_allclose(a.grad_norm_sq, b.grad_norm_sq, rtol=1e-10)

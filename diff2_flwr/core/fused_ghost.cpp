@@ -38,6 +38,8 @@ struct Kernel {
   double rad;
   double* acc;        // [d, BLOCK]: W_1 (H·F), b_1 (H), W_2 (O·H), b_2 (O), one lane per sample of a block
   double *dg1, *av, *dav, *dgl, *gpl;  // [H, BLOCK], [H, BLOCK], [H, BLOCK], [O, BLOCK], [O, BLOCK]
+  double* cd1 = nullptr;  // if set: c dg_1 of the block goes here (rows cd1s apart) instead of into W_1
+  int64_t cd1s = 0;
 
   // The backward to the hidden layer of one sample row, in T as torch's (Σ_o W_2[o, h] g_L[o]) · φ'(h).
   static inline void hidden_grad(const T* w2, const T* gl, const T* dphi, int64_t O, int64_t H, int64_t h,
@@ -159,6 +161,11 @@ struct Kernel {
       const double* dg = dg1 + h * BLOCK;
       double* b1 = ab1 + h * BLOCK;
       for (int64_t j = 0; j < BLOCK; ++j) { cd[j] = dg[j] * c[j]; b1[j] = b1[j] + cd[j]; }
+      if (cd1 != nullptr) {  // W_1 is left to the caller's matrix product (many features)
+        double* out = cd1 + h * cd1s;
+        for (int64_t j = 0; j < BLOCK; ++j) out[j] = cd[j];
+        continue;
+      }
       for (int64_t f = 0; f < F; ++f) {
         double* w = aw1 + (h * F + f) * BLOCK;
         const double* xf = in.x + f * in.sx;
@@ -173,8 +180,9 @@ template <typename T>
 void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* a, const T* dphi,
            const T* gl, const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p,
            const uint8_t* restart, const double* x, const double* sqa, const double* mask, const double* radius,
-           double* sums, uint8_t* overflow) {
+           double* sums, uint8_t* overflow, double* cd1) {
   const int64_t d = H * F + H + O * H + O, M = P * N;
+  std::vector<double> tcd1(H * BLOCK);
   std::vector<double> acc(d * BLOCK), work((3 * H + 2 * O) * BLOCK);
   const int64_t full = N - N % BLOCK, tail = N - full;
   // the last, partial block of a client: copies padded with zeros (mask 0: clip factor 0, never an overflow)
@@ -199,9 +207,12 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
       const T* dpk = diff ? dphip + k * H * M + start : nullptr;
       const T* gpk = diff ? glp + k * O * M + start : nullptr;
       bool bad = false;
+      double* cdk = cd1 == nullptr ? nullptr : cd1 + k * H * M + start;  // [K, H, M] like a
+      ker.cd1s = M;
       for (int64_t n = 0; n < full; n += BLOCK) {
         Block<T> in{ak + n, dk + n, gk + n, diff ? apk + n : nullptr, diff ? dpk + n : nullptr,
                     diff ? gpk + n : nullptr, x + start + n, sqa + start + n, mask + start + n, M, M};
+        ker.cd1 = cdk == nullptr ? nullptr : cdk + n;
         bad |= ker.block(in);
       }
       if (tail) {
@@ -218,7 +229,12 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
           }
         Block<T> in{ta.data(), tdphi.data(), tgl.data(), diff ? tap.data() : nullptr, diff ? tdphip.data() : nullptr,
                     diff ? tglp.data() : nullptr, tx.data(), tsqa.data(), tmask.data(), BLOCK, BLOCK};
+        ker.cd1 = cdk == nullptr ? nullptr : tcd1.data();
+        ker.cd1s = BLOCK;
         bad |= ker.block(in);
+        if (cdk != nullptr)
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t j = 0; j < tail; ++j) cdk[h * M + full + j] = tcd1[h * BLOCK + j];
       }
       double* out = sums + (p * K + k) * d;
       for (int64_t i = 0; i < d; ++i) {
@@ -243,8 +259,9 @@ int64_t diff2_fused_block() { return BLOCK; }
             const T* gl,                                                                                          \
             const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p, const uint8_t* restart,         \
             const double* x, const double* sqa, const double* mask, const double* radius, double* sums,           \
-            uint8_t* overflow) {                                                                                  \
-    fused<T>(P, K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums, overflow); \
+            uint8_t* overflow, double* cd1) {                                                                     \
+    fused<T>(P, K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums, overflow, \
+             cd1);                                                                                                \
   }
 
 DIFF2_FUSED_ENTRY(diff2_fused_f32, float)

@@ -146,8 +146,9 @@ class _Batch:
         out = []
         for p0 in range(0, self.P, size):
             cols = slice(p0 * self.N, min(self.P, p0 + size) * self.N)
+            rows = self.a64[p0:p0 + size] if self.F > KERNEL_W1_FEATURES else None
             out.append(_Group(len(range(p0, min(self.P, p0 + size))), self.a_t[:, cols].contiguous(), self.y[cols],
-                              self.a64_t[:, cols].contiguous(), self.sq_a[cols], self.mask[cols]))
+                              self.a64_t[:, cols].contiguous(), self.sq_a[cols], self.mask[cols], rows))
         return out
 
 
@@ -162,6 +163,15 @@ class _Group:
     x64_t: torch.Tensor
     sq_a: torch.Tensor
     mask: torch.Tensor
+    x_rows: torch.Tensor | None  # [clients, N, F] float64 when the first layer's sums are a matrix product
+
+
+#: Up to this many input features the fused kernel adds the first layer's weight sums itself (per lane, in the
+#: caches); with more, a batched matrix product of its c·dg_1 [K, H, M] does it faster. Measured (K = 18 or 8,
+#: float32, compiled, CPU ms per round): California's 8 features, 20-24 in the kernel against 26-28 with the
+#: product; KDD Cup 99's 118, 1.25x the torch path's time in the kernel, 0.78x with the product. The crossover
+#: between them was not measured.
+KERNEL_W1_FEATURES = 32
 
 
 def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, restart, radius, some_restart: bool):
@@ -200,7 +210,7 @@ def _fused_round(kernel: fused.FusedKernel, head: Callable, group: _Group, x: to
     a, dphi, g, loss = head(x, group.a_t, group.y)
     cur = fused.Parts(a.contiguous(), dphi.contiguous(), g.contiguous(), w_out)
     sums, overflow = fused.clipped_sums(kernel, cur, group.x64_t, group.sq_a, group.mask, radius, prev, restart,
-                                        clients=group.clients)
+                                        clients=group.clients, x_rows=group.x_rows)
     return sums, overflow, cur, loss
 
 
@@ -383,7 +393,7 @@ def run_batch(
     def fused_train(parts: list[fused.Parts], loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unclipped gradient sums [P, K, d] and losses [K, M] (float64) of this round's parts (fused path)."""
         sums = [fused.clipped_sums(kernel, part, group.x64_t, group.sq_a, group.mask, unclipped,
-                                   clients=group.clients)[0] for part, group in zip(parts, groups)]
+                                   clients=group.clients, x_rows=group.x_rows)[0] for part, group in zip(parts, groups)]
         return (sums[0] if len(sums) == 1 else torch.cat(sums)), loss.to(torch.float64)
 
     def train_pass(x_now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
