@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Parts", "FusedKernel", "load", "clipped_sums"]
+__all__ = ["Parts", "FusedKernel", "build", "load", "clipped_sums"]
 
 SOURCE = Path(__file__).with_name("fused_ghost.cpp")
 #: IEEE arithmetic in the order written (no contraction into FMA, no fast-math); errno and traps off only
@@ -119,6 +119,9 @@ def build(capability: str | None = None, verbose: bool = False) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built under a temporary name, then renamed: processes that build at once never see half a library.
+    if verbose:
+        print(f"[diff2] building the fused ghost-clipping kernel (once per machine) into {target.parent}",
+              file=sys.stderr, flush=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -129,8 +132,6 @@ def build(capability: str | None = None, verbose: bool = False) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    if verbose:
-        print(f"[diff2] built the fused ghost-clipping kernel: {target}", file=sys.stderr)
     return target
 
 
@@ -141,7 +142,7 @@ def load() -> FusedKernel | None:
     """The kernel, built and loaded once per process; None (after one warning on stderr) if it cannot be."""
     if not _LOADED:
         try:
-            _LOADED.append(FusedKernel(build()))
+            _LOADED.append(FusedKernel(build(verbose=True)))
         except (RuntimeError, OSError, subprocess.SubprocessError) as err:
             print(f"[diff2] warning: the fused ghost-clipping kernel is unavailable ({err}); the batched engine "
                   "takes the torch path instead (same maths, slower). Install a C++ compiler (g++) to use it.",
