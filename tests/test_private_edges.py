@@ -91,10 +91,17 @@ def test_float32_batched_engine_clips_as_the_per_run_path():
         assert np.abs(result.final_x - server.state.x).max() <= 1e-8, method
 
 
-def test_float32_batched_client_means_never_exceed_the_radius():
+@pytest.mark.parametrize("path", ["torch", "fused"])
+def test_float32_batched_client_means_never_exceed_the_radius(path):
     """The batched engine's clipped means of identical, all-clipped samples in float32, after the workers' last
-    step, have norm <= radius with no tolerance, for every run and client."""
+    step, have norm <= radius with no tolerance, for every run and client: on the torch path and through the fused
+    kernel (core/fused.py)."""
+    from diff2_flwr.core import fused
     from diff2_flwr.task.data import PreparedData
+
+    kernel = fused.load() if path == "fused" else None
+    if path == "fused" and kernel is None:
+        pytest.skip("no C++ compiler here: the fused kernel cannot be built")
 
     rng = np.random.default_rng(7)
     P, n, K = 2, 500, 16
@@ -108,8 +115,12 @@ def test_float32_batched_client_means_never_exceed_the_radius():
         x = torch.as_tensor(rng.normal(size=(K, mlp.dim)))
         radius = rng.uniform(1e-4, 1e-2, size=K)
         restart = torch.ones(K, dtype=torch.bool)
-        sums, overflow, *_ = sweep._round_core(mlp, b.a_t, b.a64, b.y, b.sq_a, b.mask, x, (), (), restart,
-                                               torch.as_tensor(radius), False)
+        if kernel is None:
+            sums, overflow, *_ = sweep._round_core(mlp, b.a_t, b.a64, b.y, b.sq_a, b.mask, x, (), (), restart,
+                                                   torch.as_tensor(radius), False)
+        else:
+            sums, overflow, *_ = sweep._fused_rounds(kernel, sweep._head(mlp, False), mlp, b.groups(K, H), x, None,
+                                                     None, torch.as_tensor(radius))
         means = sums / b.n.reshape(P, 1, 1)
         alive, diverged = torch.ones(K, dtype=torch.bool), [None] * K
         sweep._workers_finish(means, overflow, radius, alive, diverged, 1)

@@ -47,7 +47,7 @@ import torch
 
 from .closed_form import softplus_with_derivative
 
-__all__ = ["ACTIVATIONS", "LOSSES", "MLP", "Pass", "activate", "clipped_sums", "forward", "sq_norms"]
+__all__ = ["ACTIVATIONS", "LOSSES", "MLP", "Pass", "activate", "clipped_sums", "forward", "forward_head", "sq_norms"]
 
 LOSSES = ("half_squared_error", "cross_entropy")
 
@@ -194,9 +194,9 @@ def _layer_t(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.bmm(w.transpose(1, 2), g)
 
 
-def forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor, y: torch.Tensor, *, backward: bool = True) -> Pass:
-    """The per-sample quantities of ``mlp`` at parameters ``x`` [K, d] for the samples ``a_t`` [F, M] (targets
-    ``y`` [M]), in ``a_t``'s dtype. Without ``backward`` only ``loss`` and ``outputs`` are filled."""
+def _forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor):
+    """Layers [(W_l, b_l)] in ``a_t``'s dtype, the inputs of the layers after the first, φ' of every hidden
+    layer, and the output z [K, out_L, M]."""
     layers = mlp.layers(x.to(a_t.dtype))
     K, M = x.shape[0], a_t.shape[1]
     inputs, derivs, a = [], [], a_t
@@ -210,6 +210,13 @@ def forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor, y: torch.Tensor, *, ba
         if l < len(layers) - 1:
             a, d = activate(mlp.activations[l], h)
             derivs.append(d)
+    return layers, inputs, derivs, h
+
+
+def forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor, y: torch.Tensor, *, backward: bool = True) -> Pass:
+    """The per-sample quantities of ``mlp`` at parameters ``x`` [K, d] for the samples ``a_t`` [F, M] (targets
+    ``y`` [M]), in ``a_t``'s dtype. Without ``backward`` only ``loss`` and ``outputs`` are filled."""
+    layers, inputs, derivs, h = _forward(mlp, x, a_t)
     g, loss = _output_gradient(mlp.loss, h, y)
     if not backward:
         return Pass((), (), loss, h)
@@ -218,6 +225,18 @@ def forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor, y: torch.Tensor, *, ba
         g = _layer_t(layers[l][0], g) * derivs[l - 1]
         grads.append(g)
     return Pass(tuple(inputs), tuple(reversed(grads)), loss, h)
+
+
+def forward_head(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor,
+                 y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward pass of a one-hidden-layer ``mlp`` without the backward to the hidden layer, in ``a_t``'s dtype:
+    hidden activations a [K, H, M], φ'(h) [K, H, M], output gradient g_L [K, O, M] and ℓ [K, M] — what
+    :func:`diff2_flwr.core.fused.clipped_sums` takes (with W_2) to do the rest in one pass."""
+    if len(mlp.sizes) != 3:
+        raise ValueError(f"forward_head takes an MLP with one hidden layer. Found widths {mlp.sizes}.")
+    _, inputs, derivs, h = _forward(mlp, x, a_t)
+    g, loss = _output_gradient(mlp.loss, h, y)
+    return inputs[0], derivs[0], g, loss
 
 
 def _dot(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -40,10 +40,11 @@ class ClusterError(RuntimeError):
 
 @functools.cache
 def code_fingerprint() -> str:
-    """A hash of the installed diff2_flwr source (every ``.py`` file, by relative path)."""
+    """A hash of the installed diff2_flwr source (every ``.py`` file and the fused kernel's ``.cpp``, by relative
+    path)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 

@@ -1,0 +1,211 @@
+"""Ghost clipping of a one-hidden-layer MLP in one fused pass: a small C++ kernel (``fused_ghost.cpp``, beside
+this file) built once per machine and loaded with ``ctypes``.
+
+For K runs of an MLP with widths (F, H, O) and P clients of N samples each (M = P·N, side by side),
+:func:`clipped_sums` takes the forward pass's quantities in the compute dtype — hidden activations a [K, H, M],
+φ'(h) [K, H, M], output gradient g_L [K, O, M] (from torch: any activation, ½-squared error or cross-entropy)
+and output weights W_2 [K, O, H] — at x and, for a difference, at x', and returns what
+:mod:`diff2_flwr.core.ghost` gives from them: per client and run, the clipped sums Σ_n c_n ∇ℓ (or of the
+differences) [P, K, d] in float64 and whether a real sample's norm was not finite [P, K]. Per sample it does,
+in one pass over blocks of 16 samples of one client and run:
+
+    g_1 = (W_2ᵀ g_L) ⊙ φ'(h)                 in the compute dtype, as :func:`~diff2_flwr.core.ghost.forward`,
+    ‖·‖² = ‖dg_1‖²(1 + ‖x‖²) + ‖dg_L‖²(1 + ‖a‖²) + ‖g_L'‖²‖da‖² + 2(dg_L·g_L')(a·da)    in float64,
+    c = rad/‖·‖ if ‖·‖ > rad else 1, times the mask (0 for padding),
+
+the formulas of :func:`~diff2_flwr.core.ghost.sq_norms` (difference form; a plain row is g' = 0, a' = a, as
+:meth:`~diff2_flwr.core.ghost.Pass.restarting`), and adds c·(the per-sample gradient) into float64 per-lane
+sums — no [K, H, M] float64 tensor is ever formed. The sums over samples are taken in another order than
+the torch path's matrix products (per lane over the blocks, then over the lanes): equal to rounding, and
+deterministic — same inputs, same bits, whatever the other runs and clients of the call.
+
+The kernel is compiled with ``-O3 -ffp-contract=off`` and no ``-ffast-math``: every operation is one IEEE
+operation in the order written and lanes are independent samples, so the bits do not depend on the vector
+width (the build targets torch's CPU capability: AVX-512, AVX2 or the x86-64 baseline; a test compares the
+baseline build with this machine's bit for bit). It is cached under ``$TORCH_EXTENSIONS_DIR`` (else torch's
+default extensions folder) in ``diff2_fused/``, named by the capability and a hash of its source, flags and
+compiler; a build takes ≈ 5 s, once per machine (processes that build at once each write their own file and
+rename it into place). Without a working C++ compiler :func:`load` returns None after one warning on stderr,
+and the batched engine keeps the torch path (same maths, slower).
+
+References:
+    Murata & Suzuki (2023), Algorithm 1 (worker lines), Algorithm 2 (ClippedMean);
+    Li et al. (2022), "Large language models can be strong differentially private learners" (ghost clipping).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["Parts", "FusedKernel", "build", "load", "clipped_sums"]
+
+SOURCE = Path(__file__).with_name("fused_ghost.cpp")
+#: IEEE arithmetic in the order written (no contraction into FMA, no fast-math); errno and traps off only
+#: let sqrt and division vectorise, neither changes a value; the loops over a block's samples are vectorised
+#: as loops (fully unrolled first, GCC leaves most of them scalar: 1.6x slower).
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+         "--param=max-completely-peel-times=1")
+#: torch's CPU capability -> the instruction sets the build may use.
+ISA = {"AVX512": ("-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mavx2", "-mfma",
+                  "-mprefer-vector-width=512"),
+       "AVX2": ("-mavx2", "-mfma")}
+
+
+class Parts(NamedTuple):
+    """One iterate's forward quantities, in the compute dtype, contiguous: hidden activations a [K, H, M],
+    φ'(h) [K, H, M], output gradient g_L [K, O, M], output weights W_2 [K, O, H]."""
+
+    a: torch.Tensor
+    dphi: torch.Tensor
+    grad_out: torch.Tensor
+    w_out: torch.Tensor
+
+
+class FusedKernel:
+    """The loaded kernel (float32 and float64 entry points) and where it was built; call it through
+    :func:`clipped_sums`, which checks the arguments."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self.block = int(self._lib.diff2_fused_block())
+        self._entry = {}
+        for dtype, name in ((torch.float32, "diff2_fused_f32"), (torch.float64, "diff2_fused_f64")):
+            fn = getattr(self._lib, name)
+            fn.restype = None
+            fn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 16
+            self._entry[dtype] = fn
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        from torch.utils.cpp_extension import get_default_build_root
+        root = get_default_build_root()
+    return Path(root) / "diff2_fused"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def build(capability: str | None = None, verbose: bool = False) -> Path:
+    """Build the kernel for torch's CPU capability (``capability``: this process's, or one of ``ISA`` or
+    ``"DEFAULT"``, the x86-64 baseline) or find it built; return the library's path, or raise a RuntimeError
+    saying why it cannot be built."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++)")
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    flags = list(FLAGS) + list(ISA.get(capability, ()))
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except OSError as err:
+        raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {err}") from err
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + "\0".join([cxx, version, *flags]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"fused_ghost_{capability.lower()}_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name, then renamed: processes that build at once never see half a library.
+    if verbose:
+        print(f"[diff2] building the fused ghost-clipping kernel (once per machine) into {target.parent}",
+              file=sys.stderr, flush=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed on {SOURCE} (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+_LOADED: list[FusedKernel | None] = []
+
+
+def load() -> FusedKernel | None:
+    """The kernel, built and loaded once per process; None (after one warning on stderr) if it cannot be."""
+    if not _LOADED:
+        try:
+            _LOADED.append(FusedKernel(build(verbose=True)))
+        except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+            print(f"[diff2] warning: the fused ghost-clipping kernel is unavailable ({err}); the batched engine "
+                  "takes the torch path instead (same maths, slower). Install a C++ compiler (g++) to use it.",
+                  file=sys.stderr, flush=True)
+            _LOADED.append(None)
+    return _LOADED[0]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def clipped_sums(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor,
+                 radius: torch.Tensor, prev: Parts | None = None, restart: torch.Tensor | None = None, *,
+                 clients: int = 1, x_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped sums per client and run [P, K, d] (float64, the flat (W_1, b_1, W_2, b_2) order) and whether a real
+    sample's norm was not finite [P, K] (bool), for the ``clients`` (P) clients whose samples lie side by side:
+    client p's are the samples p·N .. (p + 1)·N - 1 of the M = P·N.
+
+    ``x`` [F, M] float64: the inputs (samples innermost); ``sq_x`` [M]: ‖x‖² per sample, ``mask`` [M]: 1 for a
+    sample, 0 for padding, ``radius`` [K]: the clipping radius per run (inf: no clipping), all float64; ``prev``:
+    the pass at x' for differences, ``restart`` [K] (bool or uint8): runs that take their plain gradient.
+    ``x_rows``: the same inputs as [P, N, F] (float64, contiguous) to take the first layer's weight sums
+    Σ_n c dg_1 xᵀ by one batched matrix product, as :func:`~diff2_flwr.core.ghost.clipped_sums` does, from the
+    kernel's c dg_1 [K, H, M] — faster than the kernel's per-lane sums when the inputs have many features.
+    """
+    dtype = cur.a.dtype
+    K, H, M = cur.a.shape
+    O, F = cur.grad_out.shape[1], x.shape[0]
+    if clients < 1 or M % clients:
+        raise ValueError(f"fused.clipped_sums: {M} samples do not split into {clients} clients of equal size.")
+    shapes = {"a": (cur.a, (K, H, M)), "dphi": (cur.dphi, (K, H, M)), "grad_out": (cur.grad_out, (K, O, M)),
+              "w_out": (cur.w_out, (K, O, H))}
+    if prev is not None:
+        shapes.update({"prev.a": (prev.a, (K, H, M)), "prev.dphi": (prev.dphi, (K, H, M)),
+                       "prev.grad_out": (prev.grad_out, (K, O, M)), "prev.w_out": (prev.w_out, (K, O, H))})
+    for name, (t, shape) in shapes.items():
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"fused.clipped_sums: {name} must be a contiguous {dtype} tensor of shape {shape}. "
+                             f"Found {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
+    for name, t, shape in (("x", x, (F, M)), ("sq_x", sq_x, (M,)), ("mask", mask, (M,)), ("radius", radius, (K,))):
+        if t.dtype != torch.float64 or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"fused.clipped_sums: {name} must be a contiguous float64 tensor of shape {shape}. "
+                             f"Found {t.dtype} {tuple(t.shape)}.")
+    if dtype not in kernel._entry:
+        raise ValueError(f"fused.clipped_sums: compute dtype must be float32 or float64. Found {dtype}.")
+    N = M // clients
+    if x_rows is not None and (x_rows.dtype != torch.float64 or tuple(x_rows.shape) != (clients, N, F)
+                               or not x_rows.is_contiguous()):
+        raise ValueError(f"fused.clipped_sums: x_rows must be a contiguous float64 tensor of shape {(clients, N, F)}. "
+                         f"Found {x_rows.dtype} {tuple(x_rows.shape)}.")
+    if restart is not None and (restart.dtype not in (torch.bool, torch.uint8) or tuple(restart.shape) != (K,)):
+        raise ValueError(f"fused.clipped_sums: restart must be a bool or uint8 tensor of shape ({K},). Found "
+                         f"{restart.dtype} {tuple(restart.shape)}.")
+    restart_u8 = None if restart is None or prev is None else restart.to(torch.uint8).contiguous()
+    sums = torch.empty(clients, K, H * F + H + O * H + O, dtype=torch.float64)
+    overflow = torch.empty(clients, K, dtype=torch.bool)  # written as bytes 0 / 1
+    cd1 = None if x_rows is None else torch.empty(K, H, M, dtype=torch.float64)
+    p = prev if prev is not None else Parts(None, None, None, None)  # type: ignore[arg-type]
+    kernel._entry[dtype](clients, K, H, O, F, N, _ptr(cur.a), _ptr(cur.dphi), _ptr(cur.grad_out),
+                         _ptr(cur.w_out), _ptr(p.a), _ptr(p.dphi), _ptr(p.grad_out), _ptr(p.w_out), _ptr(restart_u8),
+                         _ptr(x), _ptr(sq_x), _ptr(mask), _ptr(radius), _ptr(sums), _ptr(overflow), _ptr(cd1))
+    if cd1 is not None:  # one product per client for every run: [K·H, N] @ [N, F]
+        w1 = torch.bmm(cd1.reshape(K * H, clients, N).transpose(0, 1), x_rows)
+        sums[:, :, :H * F] = w1.reshape(clients, K, H * F)
+    return sums, overflow

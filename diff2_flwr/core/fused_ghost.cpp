@@ -1,0 +1,270 @@
+// The fused per-sample kernel of diff2_flwr/core/fused.py (read its docstring for the maths and the contract).
+//
+// One MLP with one hidden layer, K runs, P clients of N samples. From the compute-dtype quantities of the
+// forward pass (hidden activations a, φ'(h), output gradient g_L, output weights W_2) at x and, for a
+// difference, at x', it takes in one pass over blocks of BLOCK samples: the backward to the hidden layer
+// (in the compute dtype, as the torch path), the float64 per-sample squared norm (the formulas of
+// core/ghost.py::sq_norms), the clip factor, the overflow flag and the float64 clipped sums — without any
+// [K, width, N] float64 intermediate.
+//
+// Built with -O3 -ffp-contract=off and without -ffast-math: every operation below is one IEEE operation in
+// the order written, and the vectorised loops run over independent samples (lanes), so the bits do not
+// depend on the vector width the compiler picks (SSE2, AVX2 or AVX-512) nor on FMA being available. Sums
+// over samples are taken per lane over the blocks, then over the lanes in order: deterministic, and a run's
+// (or a client's) bits do not depend on the other runs (clients) of the call.
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 16;  // samples per block: the innermost loops run over them
+
+// Inputs of one block of one run: rows (one per unit) of ``s`` elements apart, and the shared input's rows
+// (one per feature) of ``sx`` elements apart. ``ap == nullptr``: a plain gradient (restart) row.
+template <typename T>
+struct Block {
+  const T *a, *dphi, *gl, *ap, *dphip, *glp;
+  const double *x, *sqa, *mask;
+  int64_t s, sx;
+};
+
+template <typename T>
+struct Kernel {
+  int64_t H, O, F;
+  const T *w2, *w2p;  // [O, H] of this run, at x and x'
+  double rad;
+  double* acc;        // [d, BLOCK]: W_1 (H·F), b_1 (H), W_2 (O·H), b_2 (O), one lane per sample of a block
+  double *dg1, *av, *dav, *dgl, *gpl;  // [H, BLOCK], [H, BLOCK], [H, BLOCK], [O, BLOCK], [O, BLOCK]
+  double* cd1 = nullptr;  // if set: c dg_1 of the block goes here (rows cd1s apart) instead of into W_1
+  int64_t cd1s = 0;
+
+  // The backward to the hidden layer of one sample row, in T as torch's (Σ_o W_2[o, h] g_L[o]) · φ'(h).
+  static inline void hidden_grad(const T* w2, const T* gl, const T* dphi, int64_t O, int64_t H, int64_t h,
+                                 int64_t s, T* out) {
+    for (int64_t j = 0; j < BLOCK; ++j) out[j] = w2[h] * gl[j];
+    for (int64_t o = 1; o < O; ++o) {
+      const T w = w2[o * H + h];
+      const T* g = gl + o * s;
+      for (int64_t j = 0; j < BLOCK; ++j) out[j] = out[j] + w * g[j];
+    }
+    for (int64_t j = 0; j < BLOCK; ++j) out[j] = out[j] * dphi[j];
+  }
+
+  // Returns whether a real sample's norm is not finite.
+  bool block(const Block<T>& in) {
+    const bool diff = in.ap != nullptr;
+    const int64_t s = in.s;
+    double sdg1[BLOCK], sa[BLOCK], sda[BLOCK], sada[BLOCK], sdgl[BLOCK], sgp[BLOCK], sdgp[BLOCK], c[BLOCK];
+    T g[BLOCK], gp[BLOCK];
+    // output layer: dg_L = g_L - g_L' (g_L' = 0 for a plain row); the sums over outputs start at the first
+    for (int64_t o = 0; o < O; ++o) {
+      const T* gr = in.gl + o * s;
+      double* dv = dgl + o * BLOCK;
+      double* pv = gpl + o * BLOCK;
+      if (diff) {
+        const T* pr = in.glp + o * s;
+        for (int64_t j = 0; j < BLOCK; ++j) {
+          const double p = static_cast<double>(pr[j]);
+          const double v = static_cast<double>(gr[j]) - p;
+          dv[j] = v;
+          pv[j] = p;
+        }
+      } else {
+        for (int64_t j = 0; j < BLOCK; ++j) dv[j] = static_cast<double>(gr[j]);
+      }
+      if (o == 0) {
+        for (int64_t j = 0; j < BLOCK; ++j) sdgl[j] = dv[j] * dv[j];
+        if (diff) for (int64_t j = 0; j < BLOCK; ++j) { sgp[j] = pv[j] * pv[j]; sdgp[j] = dv[j] * pv[j]; }
+      } else {
+        for (int64_t j = 0; j < BLOCK; ++j) sdgl[j] = sdgl[j] + dv[j] * dv[j];
+        if (diff) for (int64_t j = 0; j < BLOCK; ++j) { sgp[j] = sgp[j] + pv[j] * pv[j]; sdgp[j] = sdgp[j] + dv[j] * pv[j]; }
+      }
+    }
+    // hidden layer: dg_1 = g_1 - g_1', a, da = a - a' (a' = a for a plain row)
+    for (int64_t h = 0; h < H; ++h) {
+      hidden_grad(w2, in.gl, in.dphi + h * s, O, H, h, s, g);
+      double* dg = dg1 + h * BLOCK;
+      double* ah = av + h * BLOCK;
+      const T* ar = in.a + h * s;
+      if (diff) {
+        hidden_grad(w2p, in.glp, in.dphip + h * s, O, H, h, s, gp);
+        double* dah = dav + h * BLOCK;
+        const T* apr = in.ap + h * s;
+        for (int64_t j = 0; j < BLOCK; ++j) {
+          dg[j] = static_cast<double>(g[j]) - static_cast<double>(gp[j]);
+          ah[j] = static_cast<double>(ar[j]);
+          dah[j] = ah[j] - static_cast<double>(apr[j]);
+        }
+        if (h == 0) {
+          for (int64_t j = 0; j < BLOCK; ++j) {
+            sdg1[j] = dg[j] * dg[j]; sa[j] = ah[j] * ah[j]; sda[j] = dah[j] * dah[j]; sada[j] = ah[j] * dah[j];
+          }
+        } else {
+          for (int64_t j = 0; j < BLOCK; ++j) {
+            sdg1[j] = sdg1[j] + dg[j] * dg[j]; sa[j] = sa[j] + ah[j] * ah[j];
+            sda[j] = sda[j] + dah[j] * dah[j]; sada[j] = sada[j] + ah[j] * dah[j];
+          }
+        }
+      } else {
+        for (int64_t j = 0; j < BLOCK; ++j) {
+          dg[j] = static_cast<double>(g[j]);
+          ah[j] = static_cast<double>(ar[j]);
+        }
+        if (h == 0) {
+          for (int64_t j = 0; j < BLOCK; ++j) { sdg1[j] = dg[j] * dg[j]; sa[j] = ah[j] * ah[j]; }
+        } else {
+          for (int64_t j = 0; j < BLOCK; ++j) { sdg1[j] = sdg1[j] + dg[j] * dg[j]; sa[j] = sa[j] + ah[j] * ah[j]; }
+        }
+      }
+    }
+    // ‖∇ℓ(x) - ∇ℓ(x')‖² = ‖dg_1‖²(1 + ‖x‖²) + [‖dg_L‖²(1 + ‖a‖²) + ‖g_L'‖²‖da‖² + 2(dg_L·g_L')(a·da)];
+    // c = rad / norm if norm > rad else 1, times the mask (0 for padding). Branch-free loops: they vectorise.
+    double t1[BLOCK], norm[BLOCK];
+    for (int64_t j = 0; j < BLOCK; ++j) t1[j] = sdgl[j] * (1.0 + sa[j]);
+    if (diff)
+      for (int64_t j = 0; j < BLOCK; ++j) t1[j] = (t1[j] + sgp[j] * sda[j]) + (2.0 * sdgp[j]) * sada[j];
+    for (int64_t j = 0; j < BLOCK; ++j) norm[j] = std::sqrt(sdg1[j] * (1.0 + in.sqa[j]) + t1[j]);
+    for (int64_t j = 0; j < BLOCK; ++j) c[j] = (norm[j] > rad ? rad / norm[j] : 1.0) * in.mask[j];
+    int bad = 0;  // a real sample whose norm is not finite (|norm| <= max is false for inf and NaN)
+    for (int64_t j = 0; j < BLOCK; ++j) bad |= (!(std::fabs(norm[j]) <= DBL_MAX) && in.mask[j] > 0.0) ? 1 : 0;
+    // clipped sums, per lane: W_2 += c dg_L aᵀ (+ c g_L' daᵀ), b_2 += c dg_L, W_1 += c dg_1 xᵀ, b_1 += c dg_1
+    double* aw1 = acc;
+    double* ab1 = aw1 + H * F * BLOCK;
+    double* aw2 = ab1 + H * BLOCK;
+    double* ab2 = aw2 + O * H * BLOCK;
+    double cd[BLOCK], cg[BLOCK];
+    for (int64_t o = 0; o < O; ++o) {
+      const double* dv = dgl + o * BLOCK;
+      const double* pv = gpl + o * BLOCK;
+      double* b2 = ab2 + o * BLOCK;
+      for (int64_t j = 0; j < BLOCK; ++j) { cd[j] = dv[j] * c[j]; b2[j] = b2[j] + cd[j]; }
+      if (diff) {
+        for (int64_t j = 0; j < BLOCK; ++j) cg[j] = pv[j] * c[j];
+        for (int64_t h = 0; h < H; ++h) {
+          double* w = aw2 + (o * H + h) * BLOCK;
+          const double* ah = av + h * BLOCK;
+          const double* dah = dav + h * BLOCK;
+          for (int64_t j = 0; j < BLOCK; ++j) w[j] = w[j] + (cd[j] * ah[j] + cg[j] * dah[j]);
+        }
+      } else {
+        for (int64_t h = 0; h < H; ++h) {
+          double* w = aw2 + (o * H + h) * BLOCK;
+          const double* ah = av + h * BLOCK;
+          for (int64_t j = 0; j < BLOCK; ++j) w[j] = w[j] + cd[j] * ah[j];
+        }
+      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const double* dg = dg1 + h * BLOCK;
+      double* b1 = ab1 + h * BLOCK;
+      for (int64_t j = 0; j < BLOCK; ++j) { cd[j] = dg[j] * c[j]; b1[j] = b1[j] + cd[j]; }
+      if (cd1 != nullptr) {  // W_1 is left to the caller's matrix product (many features)
+        double* out = cd1 + h * cd1s;
+        for (int64_t j = 0; j < BLOCK; ++j) out[j] = cd[j];
+        continue;
+      }
+      for (int64_t f = 0; f < F; ++f) {
+        double* w = aw1 + (h * F + f) * BLOCK;
+        const double* xf = in.x + f * in.sx;
+        for (int64_t j = 0; j < BLOCK; ++j) w[j] = w[j] + cd[j] * xf[j];
+      }
+    }
+    return bad != 0;
+  }
+};
+
+template <typename T>
+void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* a, const T* dphi,
+           const T* gl, const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p,
+           const uint8_t* restart, const double* x, const double* sqa, const double* mask, const double* radius,
+           double* sums, uint8_t* overflow, double* cd1) {
+  const int64_t d = H * F + H + O * H + O, M = P * N;
+  std::vector<double> tcd1(H * BLOCK);
+  std::vector<double> acc(d * BLOCK), work((3 * H + 2 * O) * BLOCK);
+  const int64_t full = N - N % BLOCK, tail = N - full;
+  // the last, partial block of a client: copies padded with zeros (mask 0: clip factor 0, never an overflow)
+  std::vector<T> ta(H * BLOCK, T(0)), tdphi(H * BLOCK, T(0)), tgl(O * BLOCK, T(0)), tap(H * BLOCK, T(0)),
+      tdphip(H * BLOCK, T(0)), tglp(O * BLOCK, T(0));
+  std::vector<double> tx(F * BLOCK, 0.0), tsqa(BLOCK, 0.0), tmask(BLOCK, 0.0);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t start = p * N;  // client p's samples: columns start .. start + N of every row (rows M apart)
+    for (int64_t f = 0; f < F; ++f)
+      for (int64_t j = 0; j < tail; ++j) tx[f * BLOCK + j] = x[f * M + start + full + j];
+    for (int64_t j = 0; j < tail; ++j) { tsqa[j] = sqa[start + full + j]; tmask[j] = mask[start + full + j]; }
+    for (int64_t k = 0; k < K; ++k) {
+      const bool diff = ap != nullptr && !(restart != nullptr && restart[k]);
+      Kernel<T> ker{H, O, F, w2 + k * O * H, diff ? w2p + k * O * H : nullptr, radius[k], acc.data(), work.data(),
+                    work.data() + H * BLOCK, work.data() + 2 * H * BLOCK, work.data() + 3 * H * BLOCK,
+                    work.data() + 3 * H * BLOCK + O * BLOCK};
+      std::memset(acc.data(), 0, sizeof(double) * acc.size());
+      const T* ak = a + k * H * M + start;
+      const T* dk = dphi + k * H * M + start;
+      const T* gk = gl + k * O * M + start;
+      const T* apk = diff ? ap + k * H * M + start : nullptr;
+      const T* dpk = diff ? dphip + k * H * M + start : nullptr;
+      const T* gpk = diff ? glp + k * O * M + start : nullptr;
+      bool bad = false;
+      double* cdk = cd1 == nullptr ? nullptr : cd1 + k * H * M + start;  // [K, H, M] like a
+      ker.cd1s = M;
+      for (int64_t n = 0; n < full; n += BLOCK) {
+        Block<T> in{ak + n, dk + n, gk + n, diff ? apk + n : nullptr, diff ? dpk + n : nullptr,
+                    diff ? gpk + n : nullptr, x + start + n, sqa + start + n, mask + start + n, M, M};
+        ker.cd1 = cdk == nullptr ? nullptr : cdk + n;
+        bad |= ker.block(in);
+      }
+      if (tail) {
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < tail; ++j) {
+            ta[h * BLOCK + j] = ak[h * M + full + j];
+            tdphi[h * BLOCK + j] = dk[h * M + full + j];
+            if (diff) { tap[h * BLOCK + j] = apk[h * M + full + j]; tdphip[h * BLOCK + j] = dpk[h * M + full + j]; }
+          }
+        for (int64_t o = 0; o < O; ++o)
+          for (int64_t j = 0; j < tail; ++j) {
+            tgl[o * BLOCK + j] = gk[o * M + full + j];
+            if (diff) tglp[o * BLOCK + j] = gpk[o * M + full + j];
+          }
+        Block<T> in{ta.data(), tdphi.data(), tgl.data(), diff ? tap.data() : nullptr, diff ? tdphip.data() : nullptr,
+                    diff ? tglp.data() : nullptr, tx.data(), tsqa.data(), tmask.data(), BLOCK, BLOCK};
+        ker.cd1 = cdk == nullptr ? nullptr : tcd1.data();
+        ker.cd1s = BLOCK;
+        bad |= ker.block(in);
+        if (cdk != nullptr)
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t j = 0; j < tail; ++j) cdk[h * M + full + j] = tcd1[h * BLOCK + j];
+      }
+      double* out = sums + (p * K + k) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const double* lane = acc.data() + i * BLOCK;
+        double total = lane[0];
+        for (int64_t j = 1; j < BLOCK; ++j) total = total + lane[j];
+        out[i] = total;
+      }
+      overflow[p * K + k] = bad ? 1 : 0;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t diff2_fused_block() { return BLOCK; }
+
+#define DIFF2_FUSED_ENTRY(NAME, T)                                                                              \
+  void NAME(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* a, const T* dphi,       \
+            const T* gl,                                                                                          \
+            const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p, const uint8_t* restart,         \
+            const double* x, const double* sqa, const double* mask, const double* radius, double* sums,           \
+            uint8_t* overflow, double* cd1) {                                                                     \
+    fused<T>(P, K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums, overflow, \
+             cd1);                                                                                                \
+  }
+
+DIFF2_FUSED_ENTRY(diff2_fused_f32, float)
+DIFF2_FUSED_ENTRY(diff2_fused_f64, double)
+
+}  // extern "C"

@@ -1,0 +1,268 @@
+"""The fused ghost-clipping kernel (core/fused.py, fused_ghost.cpp) against the torch path (core/ghost.py): clipped
+sums and overflow flags for restart, difference and mixed rows, padding, non-finite inputs, both losses, float64
+and float32; bits independent of the instruction set and of the other runs of a batch; and the batched engine's
+fallback to the torch path when the kernel cannot be built."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from diff2_flwr.core import fused, ghost
+from diff2_flwr.core.ghost import MLP
+from diff2_flwr.lab.sweep import RunSpec, run_batch
+from diff2_flwr.runtime.config import parse_config
+from diff2_flwr.runtime.session import load_data
+
+F, H, N, K, P = 7, 10, 75, 4, 3  # P clients of N = 4 blocks of 16 and a tail of 11, the last 6 of each padding
+M = P * N
+CASES = [("half_squared_error", 1, "softplus"), ("cross_entropy", 2, "tanh"), ("cross_entropy", 5, "softplus")]
+
+
+@pytest.fixture(scope="module")
+def kernel() -> fused.FusedKernel:
+    k = fused.load()
+    if k is None:
+        pytest.skip("no C++ compiler here: the kernel cannot be built (test_the_engine_falls_back_... covers this)")
+    return k
+
+
+def _case(loss: str, classes: int, activation: str, dtype: torch.dtype, seed: int = 0):
+    mlp = MLP((F, H, classes), (activation,), loss)
+    gen = torch.Generator().manual_seed(seed)
+    x = 0.7 * torch.randn(K, mlp.dim, generator=gen, dtype=torch.float64)
+    # previous iterates: close (a difference round) for some runs, far for others
+    x_prev = x + torch.tensor([1e-3, 0.3, 1e-2, 0.5], dtype=torch.float64).unsqueeze(1) * torch.randn(
+        K, mlp.dim, generator=gen, dtype=torch.float64)
+    feats = (1.5 * torch.randn(F, M, generator=gen, dtype=torch.float64)).to(dtype)
+    y = (torch.randn(M, generator=gen, dtype=torch.float64) if classes == 1 else
+         torch.randint(0, classes, (M,), generator=gen).to(torch.float64)).to(dtype)
+    mask = torch.ones(P, N, dtype=torch.float64)
+    mask[:, -6:] = 0
+    mask = mask.reshape(-1)
+    x64 = feats.to(torch.float64).contiguous()
+    return mlp, x, x_prev, feats, y, x64, (x64 * x64).sum(0), mask
+
+
+def _parts(mlp: MLP, x: torch.Tensor, feats: torch.Tensor, y: torch.Tensor) -> fused.Parts:
+    a, dphi, g, _ = ghost.forward_head(mlp, x, feats, y)
+    return fused.Parts(a.contiguous(), dphi.contiguous(), g.contiguous(),
+                       mlp.layers(x.to(feats.dtype))[1][0].contiguous())
+
+
+def _torch_path(mlp, x, x_prev, feats, y, x64, sq, mask, radius, restart, differences: bool):
+    """Clipped sums and overflow flags as the batched engine's torch path takes them (sweep._round_core)."""
+    cur = ghost.forward(mlp, x, feats, y).to64()
+    prev = None
+    if differences:
+        prev = ghost.forward(mlp, x_prev, feats, y).to64()
+        if restart is not None:
+            prev = prev.restarting(cur, restart)
+    norms = torch.sqrt(ghost.sq_norms(cur, sq, prev))
+    rad = radius.unsqueeze(-1)
+    over = norms > rad
+    c = torch.where(over, rad / torch.where(over, norms, 1.0), 1.0) * mask
+    sums = ghost.clipped_sums(cur, x64.T.reshape(P, N, F).contiguous(), c, prev)  # [P, K, d]
+    return sums, ((~torch.isfinite(norms)) & (mask > 0)).reshape(K, P, N).any(-1).T, norms
+
+
+ROWS = {"restart": (False, None), "difference": (True, None),
+        "mixed": (True, torch.tensor([True, False, False, True]))}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("loss,classes,activation", CASES)
+def test_the_kernel_equals_the_torch_path(kernel, loss, classes, activation, dtype):
+    """Clipped sums to 1e-13 of their scale (the sums over samples are added in another order), in float64 and in
+    float32 (both paths take the same compute-dtype forward quantities and the backward to the hidden layer in
+    the compute dtype, then float64), at radii that clip every row, some rows and none; no overflow. In float32
+    with more than two classes, the backward's sum over the outputs rounds in another order than torch's
+    reduction (one float32 ulp of g_1): 1e-6 there."""
+    mlp, x, x_prev, feats, y, x64, sq, mask = _case(loss, classes, activation, dtype)
+    tol = 1e-6 if dtype == torch.float32 and classes > 2 else 1e-13
+    cur, prev = _parts(mlp, x, feats, y), _parts(mlp, x_prev, feats, y)
+    for name, (differences, restart) in ROWS.items():
+        _, _, norms = _torch_path(mlp, x, x_prev, feats, y, x64, sq, mask, torch.full((K,), math.inf,
+                                  dtype=torch.float64), restart, differences)
+        some = norms[:, mask > 0].median(1).values
+        for radius in (torch.zeros(K, dtype=torch.float64), 0.3 * some, some,
+                       torch.full((K,), math.inf, dtype=torch.float64)):
+            ref, ref_over, _ = _torch_path(mlp, x, x_prev, feats, y, x64, sq, mask, radius, restart, differences)
+            got, over = fused.clipped_sums(kernel, cur, x64, sq, mask, radius.contiguous(),
+                                           prev if differences else None, restart, clients=P)
+            scale = float(ref.abs().max()) or 1.0
+            torch.testing.assert_close(got, ref, rtol=0, atol=tol * scale, msg=f"{name} rows, radius {radius}")
+            assert not over.any() and not ref_over.any()
+    # a restarting row of a mixed batch is its plain gradient's row; a differencing row its difference's
+    radius = norms[:, mask > 0].median(1).values.contiguous()
+    plain, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, clients=P)
+    diff, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, torch.zeros(K, dtype=torch.bool), clients=P)
+    mixed, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, ROWS["mixed"][1], clients=P)
+    assert torch.equal(mixed[:, [0, 3]], plain[:, [0, 3]]) and torch.equal(mixed[:, [1, 2]], diff[:, [1, 2]])
+    assert not torch.allclose(diff, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_non_finite_value_on_a_real_sample_is_an_overflow_and_on_padding_is_not(kernel, dtype):
+    mlp, x, x_prev, feats, y, x64, sq, mask = _case("half_squared_error", 1, "softplus", dtype)
+    radius = torch.ones(K, dtype=torch.float64)
+    clean = torch.zeros(P, K, dtype=torch.bool)
+    for where, bad in (("a", math.inf), ("grad_out", math.nan), ("dphi", -math.inf)):
+        # client 1's samples: a real one in a block, one of its padding, a real one in its tail
+        for sample, expected in ((N + 3, True), (2 * N - 2, False), (2 * N - 7, True)):
+            cur = _parts(mlp, x, feats, y)
+            getattr(cur, where)[1, 0, sample] = bad
+            prev = _parts(mlp, x_prev, feats, y)
+            _, over = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, torch.zeros(K, dtype=torch.bool),
+                                         clients=P)
+            want = clean.clone()
+            want[1, 1] = expected
+            assert torch.equal(over, want), (where, sample)
+    # in the previous pass too (client 2, run 2)
+    prev = _parts(mlp, x_prev, feats, y)
+    prev.a[2, 4, 2 * N + 7] = math.inf
+    _, over = fused.clipped_sums(kernel, _parts(mlp, x, feats, y), x64, sq, mask, radius, prev,
+                                 torch.tensor([False, False, False, True]), clients=P)
+    want = clean.clone()
+    want[2, 2] = True
+    assert torch.equal(over, want)
+    # ... unless that run restarts (its previous pass is not read)
+    _, over = fused.clipped_sums(kernel, _parts(mlp, x, feats, y), x64, sq, mask, radius, prev,
+                                 torch.tensor([False, False, True, False]), clients=P)
+    assert not over.any()
+
+
+def test_the_bits_do_not_depend_on_the_other_runs_nor_on_the_instruction_set(kernel):
+    """Each run's sums are its own (a batch's composition changes nothing), the same inputs give the same bits, and
+    a build for the x86-64 baseline (SSE2) gives the bits of this machine's build (AVX2 / AVX-512): the kernel's
+    arithmetic is IEEE in a fixed order (-ffp-contract=off, no fast-math)."""
+    baseline = fused.FusedKernel(fused.build("DEFAULT"))
+    for dtype in (torch.float64, torch.float32):
+        mlp, x, x_prev, feats, y, x64, sq, mask = _case("cross_entropy", 3, "softplus", dtype, seed=4)
+        cur, prev = _parts(mlp, x, feats, y), _parts(mlp, x_prev, feats, y)
+        radius = torch.tensor([0.05, 0.5, math.inf, 2.0], dtype=torch.float64)
+        restart = torch.tensor([False, True, False, False])
+        got, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, restart, clients=P)
+        again, _ = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, restart, clients=P)
+        base, _ = fused.clipped_sums(baseline, cur, x64, sq, mask, radius, prev, restart, clients=P)
+        assert torch.equal(got, again) and torch.equal(got, base)
+        sub = [2, 1]
+        pick = lambda p: fused.Parts(*(t[sub].contiguous() for t in p))  # noqa: E731
+        alone, _ = fused.clipped_sums(kernel, pick(cur), x64, sq, mask, radius[sub].contiguous(), pick(prev),
+                                      restart[sub], clients=P)
+        assert torch.equal(alone, got[:, sub])
+        # a client alone (its own samples only) gets its bits too
+        cols = slice(N, 2 * N)
+        one = lambda p: fused.Parts(p.a[..., cols].contiguous(), p.dphi[..., cols].contiguous(),  # noqa: E731
+                                    p.grad_out[..., cols].contiguous(), p.w_out)
+        client, _ = fused.clipped_sums(kernel, one(cur), x64[:, cols].contiguous(), sq[cols].contiguous(),
+                                       mask[cols].contiguous(), radius, one(prev), restart)
+        assert torch.equal(client[0], got[1])
+
+
+def test_the_first_layer_sums_by_a_matrix_product_equal_the_kernels(kernel):
+    """With ``x_rows`` the kernel leaves Σ c dg_1 xᵀ to one batched product of its c·dg_1 (many features): the same
+    sums to 1e-13 of their scale, and the same overflow flags."""
+    for dtype in (torch.float64, torch.float32):
+        mlp, x, x_prev, feats, y, x64, sq, mask = _case("cross_entropy", 3, "tanh", dtype, seed=2)
+        cur, prev = _parts(mlp, x, feats, y), _parts(mlp, x_prev, feats, y)
+        cur.a[3, 2, 2 * N + 1] = math.inf
+        radius = torch.tensor([0.05, 0.5, math.inf, 2.0], dtype=torch.float64)
+        restart = torch.tensor([False, True, False, False])
+        rows = x64.T.reshape(P, N, F).contiguous()
+        got, over = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, restart, clients=P)
+        by_product, over2 = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, prev, restart, clients=P, x_rows=rows)
+        keep = [0, 1, 2]  # run 3 is not finite
+        scale = float(got[:, keep].abs().max())
+        torch.testing.assert_close(by_product[:, keep], got[:, keep], rtol=0, atol=1e-13 * scale)
+        assert torch.equal(by_product[:, keep, H * F:], got[:, keep, H * F:])  # only W_1 is taken otherwise
+        assert torch.equal(over, over2) and over[2, 3] and int(over.sum()) == 1
+
+
+def test_bad_arguments_are_refused_with_the_name_and_the_expected_shape(kernel):
+    mlp, x, _, feats, y, x64, sq, mask = _case("half_squared_error", 1, "softplus", torch.float32)
+    cur = _parts(mlp, x, feats, y)
+    radius = torch.ones(K, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"prev.a must be a contiguous torch.float32 tensor of shape \(4, 10, 225\)"):
+        fused.clipped_sums(kernel, cur, x64, sq, mask, radius, cur._replace(a=cur.a.double()))
+    with pytest.raises(ValueError, match=r"radius must be a contiguous float64 tensor of shape \(4,\)"):
+        fused.clipped_sums(kernel, cur, x64, sq, mask, radius.float())
+    with pytest.raises(ValueError, match=r"dphi must be .* shape \(4, 10, 225\)\. Found .*, not contiguous"):
+        fused.clipped_sums(kernel, cur._replace(dphi=cur.dphi.transpose(1, 2).contiguous().transpose(1, 2)),
+                           x64, sq, mask, radius)
+    with pytest.raises(ValueError, match="225 samples do not split into 4 clients of equal size"):
+        fused.clipped_sums(kernel, cur, x64, sq, mask, radius, clients=4)
+    with pytest.raises(ValueError, match=r"x_rows must be a contiguous float64 tensor of shape \(3, 75, 7\)"):
+        fused.clipped_sums(kernel, cur, x64, sq, mask, radius, clients=P, x_rows=x64.T.contiguous())
+
+
+# ---------------------------------------------------------------- the engine: fused path and its fallback
+
+ROUNDS = 8
+
+
+def _specs():
+    cfg = parse_config({"dataset": {"name": "synthetic", "num_samples": 403}, "method": "diff2",
+                        "training": {"clients": 3, "rounds": ROUNDS, "restart_every": 3, "clip_restart": 1.0,
+                                     "clip_diff": 0.5, "learning_rate": 0.3, "seed": 1}})
+    data = load_data(cfg)
+    m = cfg.mechanism(cfg.calibration(data.n_min))
+    return data, [RunSpec(T, 0.3, 1.0, 0.5, m.sigma_restart, m.sigma_diff, s, s) for T, s in ((3, 1), (1, 2), (4, 3))]
+
+
+def test_the_engine_falls_back_to_the_torch_path_with_one_warning(monkeypatch, capsys):
+    """Without a compiler, load() warns once on stderr and returns None, and the batched engine takes the torch
+    path: the same runs as the fused path to 1e-12 (float64) and 1e-8 (float32: an iterate 1e-16 apart may round
+    to another float32, as in test_private_edges)."""
+    data, specs = _specs()
+    monkeypatch.setattr(fused, "_LOADED", [])
+    if fused.load() is None:
+        pytest.skip("no C++ compiler here: only the fallback runs")
+    capsys.readouterr()
+    runs = {dtype: run_batch(data, specs, rounds=ROUNDS, eval_every=2, dtype=dtype)
+            for dtype in (torch.float64, torch.float32)}
+    monkeypatch.setattr(fused, "_LOADED", [])
+    monkeypatch.setattr(fused, "_compiler", lambda: None)
+    assert fused.load() is None and fused.load() is None
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "no C++ compiler found" in err and "torch path" in err
+    for dtype, tol, rtol in ((torch.float64, 1e-12, 1e-10), (torch.float32, 1e-8, 1e-6)):
+        for with_kernel, without in zip(runs[dtype], run_batch(data, specs, rounds=ROUNDS, eval_every=2, dtype=dtype)):
+            np.testing.assert_allclose(with_kernel.final_x, without.final_x, rtol=0, atol=tol)
+            for key in ("train_loss", "grad_norm_sq", "test_loss"):
+                np.testing.assert_allclose(getattr(with_kernel, key), getattr(without, key), rtol=rtol)
+    # a compiler that fails names itself and the source
+    monkeypatch.setattr(fused, "_LOADED", [])
+    monkeypatch.setattr(fused, "_compiler", lambda: "false")
+    with pytest.raises(RuntimeError, match="cannot run the C\\+\\+ compiler|false failed on .*fused_ghost.cpp"):
+        fused.build()
+
+
+def test_clients_in_groups_give_the_runs_of_one_group(monkeypatch):
+    """The engine forwards and clips clients in groups whose tensors stay under 32 MB (one group for the paper's
+    studies): one client per group, with the first layer's sums by a matrix product (as for many features), gives
+    the same runs, to 1e-12 (float64; the forward's matrix product may add in another order for another number
+    of samples)."""
+    from diff2_flwr.lab import sweep
+
+    if fused.load() is None:
+        pytest.skip("no C++ compiler here: the kernel cannot be built")
+    data, specs = _specs()
+    whole = run_batch(data, specs, rounds=ROUNDS, eval_every=4)
+    groups = sweep._Batch.groups
+    seen = []
+
+    def one_client_each(self, runs, width, cap=32 << 20):
+        out = groups(self, runs, width, cap=1)
+        seen.append(len(out))
+        return out
+
+    monkeypatch.setattr(sweep._Batch, "groups", one_client_each)
+    monkeypatch.setattr(sweep, "KERNEL_W1_FEATURES", 0)  # and the first layer's sums by a matrix product
+    for a, b in zip(whole, run_batch(data, specs, rounds=ROUNDS, eval_every=4)):
+        np.testing.assert_allclose(a.final_x, b.final_x, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(a.grad_norm_sq, b.grad_norm_sq, rtol=1e-10)
+    assert seen == [3]
