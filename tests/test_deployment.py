@@ -106,3 +106,35 @@ def test_deploy_yaml_runs_natively_twice_in_its_run_folder_and_resumes_only_when
     checkpoint.unlink()
     with pytest.raises(ValueError, match="no checkpoint at"):
         run_local_deployment(config, rounds=1, clients=2, resume=True, echo=False)
+
+
+class _ReusingSocket:
+    """A stand-in for the kernel's ephemeral ports that hands out the lowest port nobody holds: a port released
+    by one probe is the next probe's (which real kernels do too, now and then)."""
+
+    held: set[int] = set()
+
+    def __init__(self, *args) -> None:
+        self.port = None
+
+    def bind(self, address) -> None:
+        self.port = min(set(range(50000, 50100)) - self.held)
+        self.held.add(self.port)
+
+    def getsockname(self):
+        return ("127.0.0.1", self.port)
+
+    def close(self) -> None:
+        self.held.discard(self.port)
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_free_ports_are_distinct_even_when_the_kernel_reuses_a_released_port(monkeypatch, n):
+    """A SuperLink's API and health server once got the same port (bind failed: address already in use): the
+    ports of one launch are probed all at once, so they differ."""
+    from diff2_flwr.runtime import launch
+
+    monkeypatch.setattr(launch.socket, "socket", _ReusingSocket)
+    _ReusingSocket.held = set()
+    ports = launch._free_ports(n)
+    assert len(set(ports)) == n and not _ReusingSocket.held  # distinct, and every probe released

@@ -19,7 +19,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,17 +26,13 @@ from pathlib import Path
 
 import pytest
 
+from diff2_flwr.runtime.launch import _free_ports
+
 pytestmark = pytest.mark.flower
 
 REPO = Path(__file__).resolve().parents[1]
 #: The strategy waits 300 s for clients in a deployment; a simulation with the wrong count must fail well before.
 FAIL_WITHIN_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _copy_app(dest: Path) -> Path:
@@ -106,7 +101,7 @@ def test_plain_flwr_run_fails_within_seconds_naming_the_flag_and_that_command_wo
     env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
            "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "FLWR_DISABLE_UPDATE_CHECK": "1",  # loopback only
-           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()), "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port())}
+           **dict(zip(("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"), map(str, _free_ports(2))))}
     env.pop("DIFF2_FAULT_CRASH_AFTER_ROUND", None)
     try:
         typed = time.monotonic()

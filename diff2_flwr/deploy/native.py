@@ -36,7 +36,7 @@ from ..runtime.launch import (
     _CONNECTION,
     LaunchResult,
     SimulationFailed,
-    _free_port,
+    _free_ports,
     _stop,
     _tool,
     _wait_healthy,
@@ -228,7 +228,7 @@ def run_local_deployment(
         home = work / "flwr-home"
         shutil.rmtree(home, ignore_errors=True)
         home.mkdir()
-        port, health = _free_port(), _free_port()
+        port, health, *node_ports = _free_ports(2 + clients)  # all distinct
         certs = make_certificates(work / "certs") if tls else None
         keys = make_node_keys(work / "certs", clients) if node_auth else []
         write_connection(home, port, certs.ca if certs else None)
@@ -251,7 +251,7 @@ def run_local_deployment(
                            f'data-path="{shards / shard_name(p, clients)}"')
             auth = ["--auth-supernode-private-key", str(key)] if key is not None else []
             proc = start([_tool("flower-supernode"), *client_security, *auth, "--superlink", f"127.0.0.1:{port}",
-                          "--isolation", "subprocess", "--host", "127.0.0.1", "--port", str(_free_port()),
+                          "--isolation", "subprocess", "--host", "127.0.0.1", "--port", str(node_ports[p]),
                           "--node-config", node_config], log, env)
             processes.append(proc)
             return proc

@@ -73,10 +73,20 @@ def _toml(value: str | int | float) -> str:
     return repr(value)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports that were free a moment ago: all bound at once, then released (two separate
+    probes may be handed the same port — a SuperLink given one port for its API and its health server then fails
+    to bind)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _tool(name: str) -> str:
@@ -229,7 +239,7 @@ def run_simulation(
     if clients is None:
         raise ValueError("run_simulation needs `clients` when no experiment config is given.")
     home = Path(tempfile.mkdtemp(prefix="diff2-flwr-home-"))
-    port, health = _free_port(), _free_port()
+    port, health = _free_ports(2)
     write_connection(home, port)
     run_env = flwr_env(home, env)
     log_path = home / "superlink.log"
