@@ -228,7 +228,8 @@ def run_local_deployment(
         home = work / "flwr-home"
         shutil.rmtree(home, ignore_errors=True)
         home.mkdir()
-        port, health, *node_ports = _free_ports(2 + clients)  # all distinct
+        # all distinct: the SuperLink's API and health server, each SuperNode's and each intruder's
+        port, health, *node_ports = _free_ports(2 + clients + len(intruders))
         certs = make_certificates(work / "certs") if tls else None
         keys = make_node_keys(work / "certs", clients) if node_auth else []
         write_connection(home, port, certs.ca if certs else None)
@@ -246,17 +247,18 @@ def run_local_deployment(
         client_security = ["--root-certificates", str(certs.ca)] if certs else ["--insecure"]
         shards = Path(cfg.dataset.shards or "")
 
-        def supernode(p: int, log: Path, key: Path | None) -> subprocess.Popen:
+        def supernode(p: int, log: Path, key: Path | None, node_port: int) -> subprocess.Popen:
             node_config = (f'partition-id={p} num-partitions={clients} '
                            f'data-path="{shards / shard_name(p, clients)}"')
             auth = ["--auth-supernode-private-key", str(key)] if key is not None else []
             proc = start([_tool("flower-supernode"), *client_security, *auth, "--superlink", f"127.0.0.1:{port}",
-                          "--isolation", "subprocess", "--host", "127.0.0.1", "--port", str(node_ports[p]),
+                          "--isolation", "subprocess", "--host", "127.0.0.1", "--port", str(node_port),
                           "--node-config", node_config], log, env)
             processes.append(proc)
             return proc
 
-        nodes = [supernode(p, work / f"supernode-{p}.log", keys[p].private if keys else None) for p in range(clients)]
+        nodes = [supernode(p, work / f"supernode-{p}.log", keys[p].private if keys else None, node_ports[p])
+                 for p in range(clients)]
         time.sleep(2)
         for p, proc in enumerate(nodes):
             if proc.poll() is not None:
@@ -267,7 +269,7 @@ def run_local_deployment(
         for n, kind in enumerate(intruders):
             key = make_node_keys(work / "intruders" / f"{n}-{kind}", 1)[0].private if kind == "unregistered-key" else None
             log = work / f"intruder-{n}-{kind}.log"
-            intruder_runs.append((kind, supernode(0, log, key), log))
+            intruder_runs.append((kind, supernode(0, log, key, node_ports[clients + n]), log))
         deadline = time.monotonic() + 30
         while intruder_runs and time.monotonic() < deadline and any(p.poll() is None for _, p, _ in intruder_runs):
             time.sleep(0.2)
