@@ -396,11 +396,14 @@ def run_batch(
                                    clients=group.clients, x_rows=group.x_rows)[0] for part, group in zip(parts, groups)]
         return (sums[0] if len(sums) == 1 else torch.cat(sums)), loss.to(torch.float64)
 
+    def torch_train(cur: Pass) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unclipped gradient sums [P, K, d] and losses [K, M] of a float64 pass (torch path)."""
+        return clipped_sums(cur, b.a64, b.mask.expand(K, -1)), cur.loss
+
     def train_pass(x_now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unclipped gradient sums [P, K, d] and losses [K, M] (float64) at x_now."""
         if kernel is None:
-            cur = forward(mlp, x_now, b.a_t, b.y).to64()
-            return clipped_sums(cur, b.a64, b.mask.expand(K, -1)), cur.loss
+            return torch_train(forward(mlp, x_now, b.a_t, b.y).to64())
         sums, _, _, loss = _fused_rounds(kernel, head, mlp, groups, x_now, None, None, unclipped)
         return sums, loss.to(torch.float64)
 
@@ -448,8 +451,8 @@ def run_batch(
             if evaluated:
                 joined = [torch.cat(ts, dim=-1) for ts in zip(*(part[2] + part[3] + (part[4],) for part in parts))]
                 n_in = len(parts[0][2])
-                cur = Pass(tuple(joined[:n_in]), tuple(joined[n_in:-1]), joined[-1], joined[-1]).to64()
-                evaluate(r - 1, x, live, (clipped_sums(cur, b.a64, b.mask.expand(K, -1)), cur.loss))
+                evaluate(r - 1, x, live,
+                         torch_train(Pass(tuple(joined[:n_in]), tuple(joined[n_in:-1]), joined[-1], joined[-1]).to64()))
             prev = [(part[2], part[3]) for part in parts]  # the pass at x_{r-1}: round r+1's previous iterate
         client_means = sums / b.n.reshape(P, 1, 1)  # ClippedMean_p of every run [P, K, d]
         _workers_finish(client_means, overflow, radius_np, alive, diverged, r)
