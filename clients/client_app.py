@@ -1,4 +1,8 @@
-"""Flower ClientApp: one worker per SuperNode, holding shard ``partition-id`` of ``num-partitions``."""
+"""Flower ClientApp: one worker per SuperNode, holding shard ``partition-id`` of ``num-partitions``.
+
+The node's operator may give it a policy (node config ``policy``, or ``$DIFF2_NODE_POLICY`` in a simulation):
+see :mod:`diff2_flwr.runtime.policy`. The run is checked against it before any record is read.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +14,21 @@ from flwr.common import Context
 from diff2_flwr.fl.client import Diff2Client
 from diff2_flwr.runtime.compute import pin_threads
 from diff2_flwr.runtime.config import ExperimentConfig, load_config, run_config_overrides
+from diff2_flwr.runtime.node_guard import NodeGuard
 from diff2_flwr.runtime.paths import resolve_config_path
+from diff2_flwr.runtime.policy import NodePolicy, load_policy, policy_path
 from diff2_flwr.runtime.session import build_worker
-
 
 
 @functools.lru_cache(maxsize=8)
 def _config(run_config: tuple[tuple[str, bool | int | float | str], ...]) -> ExperimentConfig:
     values = dict(run_config)
     return load_config(resolve_config_path(str(values["config"])), run_config_overrides(values))
+
+
+@functools.lru_cache(maxsize=4)
+def _policy(path: str | None) -> NodePolicy | None:
+    return None if path is None else load_policy(path)
 
 
 def client_fn(context: Context) -> Client:
@@ -41,7 +51,13 @@ def client_fn(context: Context) -> Client:
             f"{cfg.training.clients}; they must match (in a simulation, num-supernodes = training.clients)."
         )
     data_path = context.node_config.get("data-path")  # a deployment: this node's own shard file only
-    return Diff2Client(build_worker(cfg, partition_id, None if data_path is None else str(data_path))).to_client()
+    policy = _policy(policy_path(context.node_config))
+    name = policy.name if policy is not None and policy.name else f"partition {partition_id}"
+    # Before any record is read or any model factory imported: the run against this node's policy.
+    guard = NodeGuard.admit_run(cfg, node=f"node {context.node_id} ({name})", partition_id=partition_id,
+                                run_id=context.run_id, policy=policy, deployment=data_path is not None)
+    return Diff2Client(functools.partial(build_worker, cfg, partition_id, None if data_path is None else str(data_path)),
+                       guard).to_client()
 
 
 app = ClientApp(client_fn=client_fn)

@@ -41,6 +41,20 @@ def _noise(args: argparse.Namespace) -> int:
     return 0
 
 
+def _node_policy_env(args: argparse.Namespace) -> dict[str, str]:
+    """``--node-policy FILE``: validated now, then given to every simulated node (``$DIFF2_NODE_POLICY``)."""
+    if not args.node_policy:
+        return {}
+    if args.engine != "flower":
+        raise ValueError("`--node-policy` is enforced by the simulated nodes' ClientApps: use it with --engine "
+                         f"flower (the default). Found --engine {args.engine}.")
+    from .runtime.policy import ENV_VAR, load_policy
+
+    path = Path(args.node_policy).expanduser().resolve()
+    load_policy(path)  # a bad policy fails here, in one line, before Flower starts
+    return {ENV_VAR: str(path)}
+
+
 def _run(args: argparse.Namespace) -> int:
     """Progress and the end-of-run summary on stderr; one JSON object (the run's key figures) on stdout."""
     import time
@@ -50,6 +64,7 @@ def _run(args: argparse.Namespace) -> int:
     from .runtime.launch import SimulationFailed, run_simulation
 
     overrides = dict(parse_assignment(text) for text in args.set or ())
+    env = _node_policy_env(args)
 
     console = RunConsole(verbose=args.verbose or verbose_from_env())
     started = time.perf_counter()
@@ -69,7 +84,8 @@ def _run(args: argparse.Namespace) -> int:
                 console.output_dir = Path(server.run_info["output_dir"]) if server.run_info.get("output_dir") else None
         else:
             try:
-                result = run_simulation(args.config, timeout_s=args.timeout, console=console, set_keys=overrides)
+                result = run_simulation(args.config, timeout_s=args.timeout, console=console, set_keys=overrides,
+                                        env=env)
             except SimulationFailed as err:
                 failure = str(err)
             else:
@@ -242,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "privacy.epsilon=8 (the value is read as YAML; validated like the file)")
     run.add_argument("--verbose", action="store_true",
                      help="show every line of Flower's log (also: DIFF2_VERBOSE=1); default: ours and warnings only")
+    run.add_argument("--node-policy", metavar="FILE",
+                     help="a data owner's node policy (YAML, e.g. configs/policy.yaml) held by every simulated node: "
+                          "each refuses a run or task outside it (see the README, 'Node policy')")
     run.set_defaults(func=_run)
 
     exp = sub.add_parser("experiment", help="run a study (grid search, seeds, t-tests, report, plots) from a YAML file")

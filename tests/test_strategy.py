@@ -547,7 +547,7 @@ def layout(cfg):
 def _task(layout, kind, k_factor=None):
     arrays = layout.split(np.arange(layout.dim, dtype=np.float64))
     k_factor = k_factor if k_factor is not None else (1 if kind == "restart" else 2)
-    return arrays * k_factor, {protocol.ROUND: 2, protocol.KIND: kind, protocol.RADIUS: 0.5}
+    return arrays * k_factor, {protocol.ROUND: 2, protocol.KIND: kind, protocol.RADIUS: 0.5, protocol.N_MIN: 100}
 
 
 def test_decode_task_accepts_well_formed_messages(layout):
@@ -561,7 +561,7 @@ def test_decode_task_accepts_well_formed_messages(layout):
     assert task.x_previous is None
 
 
-@pytest.mark.parametrize("key", [protocol.ROUND, protocol.KIND, protocol.RADIUS])
+@pytest.mark.parametrize("key", [protocol.ROUND, protocol.KIND, protocol.RADIUS, protocol.N_MIN])
 def test_decode_task_rejects_missing_keys(layout, key):
     arrays, config = _task(layout, "restart")
     del config[key]
@@ -961,7 +961,8 @@ def _local_task(layout, seed, partition_id=1, **mechanism):
     rng = np.random.default_rng(3)
     m = {"steps": 3, "batch_size": 32, "learning_rate": 0.1, "clip": 3.0, "sigma": 0.05} | mechanism
     return LocalTask(round=5, partition_id=partition_id, x_start=rng.standard_normal(layout.dim),
-                     v=rng.standard_normal(layout.dim), mechanism=LocalMechanism(**m), seed=seed)
+                     v=rng.standard_normal(layout.dim), mechanism=LocalMechanism(**m), seed=seed, n_min=100,
+                     sampling_prob=m["batch_size"] / 100)
 
 
 def _over_the_wire(fit_ins):
@@ -1061,6 +1062,12 @@ HOSTILE_LOCAL_TASKS = {
     "seed-string": (_set(protocol.LOCAL_SEED, "7"), r"'diff2.local-seed' must be a 64-bit signed integer"),
     "seed-too-large": (_set(protocol.LOCAL_SEED, 2**64 - 1), r"'diff2.local-seed' must be a 64-bit signed integer"),
     "round-zero": (_set(protocol.ROUND, 0), r"'diff2.round' \(round\) must be an integer >= 1"),
+    "missing-n_min": (_drop(protocol.N_MIN), r"lacks config keys \['diff2.n-min'\]"),
+    "missing-q": (_drop(protocol.LOCAL_SAMPLING_PROB), r"lacks config keys \['diff2.local-sampling-prob'\]"),
+    "q-not-b-over-n_min": (_set(protocol.LOCAL_SAMPLING_PROB, 0.1), r"\(q\) must be b / n_min = 32 / 100. Found 0.1"),
+    "n_min-above-n_p": (lambda arrays, config: (arrays, {**config, protocol.N_MIN: 10**6,
+                                                         protocol.LOCAL_SAMPLING_PROB: 32 / 10**6}),
+                        r"says n_min = 1000000, but this worker holds \d+ records: it would sample at b / n_p"),
     "x-nan": (_array(0, _poison(math.nan)), r"x_\(r-1\) holds 1 NaN or inf"),
     "v-inf": (_array(4, _poison(math.inf)), r"ṽ_r holds 1 NaN or inf"),
     "x-reshaped": (_array(0, lambda a: a.reshape(8, 10)), r"x_\(r-1\) does not fit the model: Array 'hidden.weight' "

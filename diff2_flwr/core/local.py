@@ -81,6 +81,9 @@ class LocalTask:
     v: np.ndarray
     mechanism: LocalMechanism
     seed: int | None
+    #: n_min and q = b / n_min as the server's calibration took them (the worker refuses a rate b / n_p above q).
+    n_min: int | None = None
+    sampling_prob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,8 @@ def run_local_phase(task: LocalTask, num_samples: int, clipped_sum: ClippedSum) 
     """The K - 1 private local steps of :mod:`this module <diff2_flwr.core.local>` on a shard of ``num_samples``.
 
     Raises:
-        ValueError: the task does not fit this shard (b > n_p, shapes, non-finite values).
+        ValueError: the task does not fit this shard (b > n_p, b / n_p above the accounted q, shapes, non-finite
+            values).
         Diverged: a radius or noise std that is not finite (the iterates ran away); nothing is returned.
     """
     m = task.mechanism
@@ -125,8 +129,13 @@ def run_local_phase(task: LocalTask, num_samples: int, clipped_sum: ClippedSum) 
         raise ValueError("The local task's x_(r-1) or ṽ_r holds NaN or inf values.")
     if m.batch_size > num_samples:
         raise ValueError(f"The local batch size b = {m.batch_size} exceeds this worker's {num_samples} records.")
-    rng = local_generator(task.seed)
     q = m.batch_size / num_samples
+    if task.sampling_prob is not None and q > task.sampling_prob:
+        raise ValueError(f"This worker would sample each record with probability b / n_p = {m.batch_size} / "
+                         f"{num_samples} = {q:.6g}, above the q = {task.sampling_prob:.6g} (b / n_min, n_min = "
+                         f"{task.n_min}) the privacy analysis accounted: the task's n_min exceeds this worker's "
+                         "records. Nothing was computed.")
+    rng = local_generator(task.seed)
     y_prev, w = x0, v
     with np.errstate(over="ignore", invalid="ignore"):
         y = y_prev - m.learning_rate * w

@@ -1,12 +1,19 @@
-"""The DIFF2 worker as a Flower ``NumPyClient``: thin glue around :class:`~diff2_flwr.runtime.session.Worker`."""
+"""The DIFF2 worker as a Flower ``NumPyClient``: thin glue around :class:`~diff2_flwr.runtime.session.Worker`.
+
+Every task is checked by the node's :class:`~diff2_flwr.runtime.node_guard.NodeGuard` (the run config's
+calibration, the node's policy and lifetime budget) before the worker touches its shard.
+"""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 from flwr.client import NumPyClient
 
 from ..core.aggregation import Reply
 from ..core.estimator import Diverged
+from ..runtime.node_guard import NodeGuard
 from ..runtime.session import Worker
 from . import protocol
 
@@ -15,16 +22,30 @@ __all__ = ["Diff2Client"]
 
 class Diff2Client(NumPyClient):
     """Returns ClippedMean of per-sample gradients (restart) or gradient differences on its shard; on the local
-    routine's message (the worker chosen for round r), y_K of its private local steps."""
+    routine's message (the worker chosen for round r), y_K of its private local steps.
 
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
+    ``worker`` may be a callable that builds the worker (its shard and model) on first use, so that a task the
+    guard refuses never loads the data.
+    """
+
+    def __init__(self, worker: Worker | Callable[[], Worker], guard: NodeGuard | None = None) -> None:
+        self._worker = worker
+        self.guard = guard
+
+    @property
+    def worker(self) -> Worker:
+        if not isinstance(self._worker, Worker):
+            self._worker = self._worker()
+        return self._worker
 
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
-        layout = self.worker.gradients.layout
         if protocol.is_local(config):
             return self._local_phase(parameters, config)
+        layout = self.worker.gradients.layout
         task = protocol.decode_task(parameters, config, layout)
+        if self.guard is not None:
+            self.guard.check_task(task.round, task.radius, task.x_current, task.x_previous, task.n_min,
+                                  self.worker.num_samples)
         contribution = self.worker.contribute(task.radius, task.x_current, task.x_previous)
         return protocol.encode_reply(task, contribution, self.worker.partition_id, layout)
 
@@ -32,6 +53,8 @@ class Diff2Client(NumPyClient):
         w = self.worker
         task = protocol.decode_local_task(parameters, config, w.gradients.layout, partition_id=w.partition_id,
                                           num_samples=w.num_samples)
+        if self.guard is not None:
+            self.guard.check_local_task(task, w.num_samples)
         try:
             reply = w.local_phase(task)
         except Diverged:  # the local iterates ran away: say so (zeros, overflow flag); the server stops as diverged

@@ -1,8 +1,11 @@
 """The wire protocol between the DIFF2 server and its workers: every key lives here.
 
 Server -> worker (``FitIns``): parameters = x_{r-1} (one array per model tensor), followed on
-difference rounds by x_{r-2}; config = round, kind, radius. Workers keep no state between
-messages (a deployment may start a fresh worker process per message).
+difference rounds by x_{r-2}; config = round, kind, radius and n_min (the smallest shard the
+calibration took: a worker with fewer records refuses, and recomputes the calibration from it).
+Workers keep no state between messages (a deployment may start a fresh worker process per
+message); a worker checks every task against the run config before it touches its shard
+(:mod:`diff2_flwr.runtime.node_guard`).
 
 Worker -> server (``FitRes``): parameters = the ClippedMean (float64, one array per tensor);
 num_examples = n_p; metrics = partition id, echoed round, number of clipped samples, and an
@@ -11,7 +14,7 @@ zeros; absent = 0).
 
 The local routine's extra message (kind ``local``, to the one chosen worker only): parameters =
 x_{r-1} then ṽ_r (one array per tensor each); config = round, kind, the chosen partition id, K, b,
-η, C3, σ3 and, in a seeded run only, the seed of the worker's generator (a uint64 sent as the
+η, C3, σ3, n_min and q = b / n_min (the sampling rate the analysis accounted) and, in a seeded run only, the seed of the worker's generator (a uint64 sent as the
 int64 with the same 64 bits, so that it fits every integer type of Flower's records). The reply:
 parameters = y_K, num_examples = n_p, metrics = partition id, echoed round, echoed kind
 (``local``, so a gradient reply of the same round can never be taken for y_K) and the overflow
@@ -33,7 +36,7 @@ from ..core.layout import ParameterLayout
 from ..core.local import LocalMechanism, LocalTask
 
 __all__ = [
-    "ROUND", "KIND", "RADIUS", "PARTITION_ID", "NUM_CLIPPED", "ECHO_ROUND", "OVERFLOW",
+    "ROUND", "KIND", "RADIUS", "N_MIN", "LOCAL_SAMPLING_PROB", "PARTITION_ID", "NUM_CLIPPED", "ECHO_ROUND", "OVERFLOW",
     "LOCAL", "LOCAL_STEPS", "LOCAL_BATCH_SIZE", "LOCAL_LEARNING_RATE", "LOCAL_CLIP", "LOCAL_SIGMA", "LOCAL_SEED",
     "ECHO_KIND", "WorkerTask", "encode_task", "decode_task", "encode_reply", "decode_reply", "is_local",
     "encode_local_task", "decode_local_task", "encode_local_reply", "decode_local_reply",
@@ -43,6 +46,7 @@ __all__ = [
 ROUND = "diff2.round"
 KIND = "diff2.kind"
 RADIUS = "diff2.radius"
+N_MIN = "diff2.n-min"
 # FitRes.metrics
 PARTITION_ID = "diff2.partition-id"
 ECHO_ROUND = "diff2.round"
@@ -56,13 +60,14 @@ LOCAL_BATCH_SIZE = "diff2.local-batch-size"  # b
 LOCAL_LEARNING_RATE = "diff2.local-learning-rate"  # η
 LOCAL_CLIP = "diff2.local-clip"  # C3
 LOCAL_SIGMA = "diff2.local-sigma"  # σ3
+LOCAL_SAMPLING_PROB = "diff2.local-sampling-prob"  # q = b / n_min, as accounted
 LOCAL_SEED = "diff2.local-seed"  # seeded runs only
 # FitRes.metrics of the local phase: PARTITION_ID, ECHO_ROUND, OVERFLOW and
 ECHO_KIND = "diff2.kind"
 
 _KINDS = ("restart", "difference")
 _LOCAL_REQUIRED = (ROUND, KIND, PARTITION_ID, LOCAL_STEPS, LOCAL_BATCH_SIZE, LOCAL_LEARNING_RATE, LOCAL_CLIP,
-                   LOCAL_SIGMA)
+                   LOCAL_SIGMA, N_MIN, LOCAL_SAMPLING_PROB)
 _LOCAL_METRICS = (PARTITION_ID, ECHO_ROUND, ECHO_KIND, OVERFLOW)
 _UINT64 = 1 << 64
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -76,18 +81,23 @@ class WorkerTask:
     radius: float
     x_current: np.ndarray
     x_previous: np.ndarray | None
+    n_min: int
+
+    @property
+    def kind(self) -> str:
+        return "restart" if self.x_previous is None else "difference"
 
 
-def encode_task(plan: RoundPlan, layout: ParameterLayout) -> tuple[list[np.ndarray], dict[str, int | float | str]]:
+def encode_task(plan: RoundPlan, layout: ParameterLayout, n_min: int) -> tuple[list[np.ndarray], dict[str, int | float | str]]:
     arrays = layout.split(plan.x_current)
     if plan.x_previous is not None:
         arrays += layout.split(plan.x_previous)
-    return arrays, {ROUND: plan.round, KIND: plan.kind, RADIUS: float(plan.radius)}
+    return arrays, {ROUND: plan.round, KIND: plan.kind, RADIUS: float(plan.radius), N_MIN: int(n_min)}
 
 
 def decode_task(arrays: Sequence[np.ndarray], config: Mapping, layout: ParameterLayout) -> WorkerTask:
     """Parse a server message; raise ValueError if it does not follow the protocol."""
-    missing = [k for k in (ROUND, KIND, RADIUS) if k not in config]
+    missing = [k for k in (ROUND, KIND, RADIUS, N_MIN) if k not in config]
     if missing:
         raise ValueError(f"The server's message lacks config keys {missing}: is the server a DIFF2 server of the same version?")
     kind, radius = config[KIND], float(config[RADIUS])
@@ -95,13 +105,15 @@ def decode_task(arrays: Sequence[np.ndarray], config: Mapping, layout: Parameter
         raise ValueError(f"Config key {KIND!r} must be one of {_KINDS}. Found {kind!r}.")
     if math.isnan(radius) or radius < 0:
         raise ValueError(f"Config key {RADIUS!r} must be >= 0. Found {radius}.")
+    r = _integer(config, ROUND, 1, "round")
+    n_min = _integer(config, N_MIN, 1, "n_min, the smallest shard")
     k = len(layout.shapes)
     expected = k if kind == "restart" else 2 * k
     if len(arrays) != expected:
         raise ValueError(f"A {kind} round carries {expected} arrays. Found {len(arrays)}.")
     x_current = layout.flatten(arrays[:k])
     x_previous = layout.flatten(arrays[k:]) if kind == "difference" else None
-    return WorkerTask(int(config[ROUND]), radius, x_current, x_previous)
+    return WorkerTask(r, radius, x_current, x_previous, n_min)
 
 
 def encode_reply(
@@ -156,7 +168,7 @@ def encode_local_task(task: LocalTask, layout: ParameterLayout) -> tuple[list[np
     config: dict[str, int | float | str] = {
         ROUND: task.round, KIND: LOCAL, PARTITION_ID: task.partition_id, LOCAL_STEPS: m.steps,
         LOCAL_BATCH_SIZE: m.batch_size, LOCAL_LEARNING_RATE: float(m.learning_rate), LOCAL_CLIP: float(m.clip),
-        LOCAL_SIGMA: float(m.sigma),
+        LOCAL_SIGMA: float(m.sigma), N_MIN: int(task.n_min), LOCAL_SAMPLING_PROB: float(task.sampling_prob),
     }
     if task.seed is not None:
         config[LOCAL_SEED] = _seed_to_wire(task.seed)
@@ -220,6 +232,15 @@ def decode_local_task(arrays: Sequence[np.ndarray], config: Mapping, layout: Par
     learning_rate = _number(config, LOCAL_LEARNING_RATE, "η", positive=True)
     clip = _number(config, LOCAL_CLIP, "C3", positive=True)
     sigma = _number(config, LOCAL_SIGMA, "σ3", positive=False)
+    n_min = _integer(config, N_MIN, 1, "n_min, the smallest shard")
+    q = _number(config, LOCAL_SAMPLING_PROB, "q = b / n_min", positive=True)
+    if not (q <= 1 and q == batch_size / n_min):
+        raise ValueError(f"Config key {LOCAL_SAMPLING_PROB!r} (q) must be b / n_min = {batch_size} / {n_min}. Found "
+                         f"{q!r}. Nothing was computed.")
+    if n_min > num_samples:
+        raise ValueError(f"The local task says n_min = {n_min}, but this worker holds {num_samples} records: it would "
+                         f"sample at b / n_p = {batch_size / num_samples:.6g}, above the accounted q = {q:.6g}. Nothing "
+                         "was computed.")
     seed = _seed_from_wire(config[LOCAL_SEED]) if LOCAL_SEED in config else None
     k = len(layout.shapes)
     if len(arrays) != 2 * k:
@@ -227,7 +248,8 @@ def decode_local_task(arrays: Sequence[np.ndarray], config: Mapping, layout: Par
     x_start = _vector(arrays[:k], layout, "x_(r-1)")
     v = _vector(arrays[k:], layout, "ṽ_r")
     mechanism = LocalMechanism(steps=steps, batch_size=batch_size, learning_rate=learning_rate, clip=clip, sigma=sigma)
-    return LocalTask(round=r, partition_id=target, x_start=x_start, v=v, mechanism=mechanism, seed=seed)
+    return LocalTask(round=r, partition_id=target, x_start=x_start, v=v, mechanism=mechanism, seed=seed, n_min=n_min,
+                     sampling_prob=q)
 
 
 def encode_local_reply(task: LocalTask, reply: Reply) -> tuple[list[np.ndarray], int, dict[str, int | str]]:

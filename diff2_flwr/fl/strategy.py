@@ -101,7 +101,7 @@ class Diff2Strategy(Strategy):
         available = self._await_clients(client_manager, p)
         if len(available) != p:
             self._stop(RoundRejected(plan.round, "all-clients", _client_count_problem(p, available)))
-        arrays, config = protocol.encode_task(plan, self.server.layout)
+        arrays, config = protocol.encode_task(plan, self.server.layout, self.server.n_min)
         fit_ins = FitIns(parameters=ndarrays_to_parameters(arrays), config=config)
         self._asked = set(available)
         return [(proxy, fit_ins) for _, proxy in sorted(available.items())]

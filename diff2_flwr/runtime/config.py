@@ -54,6 +54,8 @@ __all__ = [
     "run_config_overrides",
     "yaml_text",
     "from_arguments",
+    "parse_section",
+    "require",
 ]
 
 Method = Literal["gd", "dpgd", "diff2"]
@@ -85,6 +87,10 @@ class _Invalid(ValueError):
 def _require(ok: bool, key: str, expected: str, found: Any) -> None:
     if not ok:
         raise _Invalid(key, expected, found)
+
+
+#: Public name of the field check (``require(ok, key, expected, found)``) for sections declared outside this module.
+require = _require
 
 
 def _is_int(v: Any) -> bool:
@@ -838,3 +844,9 @@ def run_config_overrides(run_config: Mapping[str, Any]) -> dict[str, Any]:
             continue
         out[key] = _yaml_value(value, key, "--run-config") if isinstance(value, str) else value
     return out
+
+
+def parse_section(cls: type, data: Any, source: str) -> Any:
+    """Validate a mapping into the frozen dataclass ``cls`` with the experiment file's checks and messages
+    (unknown keys, types, each field's ``_require``); used by files other than the experiment's (a node policy)."""
+    return _build(cls, data, "", source)

@@ -225,7 +225,8 @@ class Diff2Server:
                 key = self.state.noise_key
                 task = LocalTask(round=plan.round, partition_id=self.local_worker(plan.round),
                                  x_start=self.state.x, v=v, mechanism=self.local,
-                                 seed=local_seed(key, plan.round) if self.state.noise_seeded else None)
+                                 seed=local_seed(key, plan.round) if self.state.noise_seeded else None,
+                                 n_min=self.n_min, sampling_prob=self.calibration.local.sampling_prob)
             else:
                 self.state, release = server_step(self.state, self.mechanism, self.routine, aggregate.mean)
         except Exception as err:

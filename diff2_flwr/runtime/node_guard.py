@@ -1,0 +1,174 @@
+"""What a data owner's node checks before it computes anything: the run against its policy, every task against
+the calibration it recomputes from the run config and its own record count, and its lifetime budget.
+
+The server's messages carry what the worker must compute (round, kind, radius, n_min; for the local routine K,
+b, η, C3, σ3, q). The worker does not take them on trust: it knows the run config (the same file and overrides
+the ServerApp read), so it recomputes
+
+- the round kind: restart iff (r - 1) mod T == 0, and 1 <= r <= R;
+- the radius: C1 on a restart round, C2 ||x_(r-1) - x_(r-2)|| of the two iterates it was sent on a difference
+  round (relative tolerance 1e-9: the server may run on another CPU, whose norm may round differently), finite
+  for a private method, infinite only for method gd;
+- n_min: at most this node's n_p (else its records would be sampled, and their sensitivity bounded, with a
+  smaller n than the analysis took) and equal to ``privacy.n_min`` when the run config fixes it;
+- the calibration (z1, z2; σ3 and q = b / n_min for the local routine) from (ε, δ, R, T, u, n_min, P);
+- the local routine's K, b, η, C3 as configured, q = b / n_min, and σ3 at least the recomputed one;
+
+and refuses (:class:`~diff2_flwr.runtime.policy.Refused`, naming the node and the rule) a task that disagrees,
+before it touches its shard. With a lifetime budget, the run's whole planned schedule is charged to the node's
+durable ledger (:mod:`~diff2_flwr.runtime.node_ledger`) at its first task, before anything is released, and a run
+that would cross the budget is refused.
+
+Trust: protects this node's records against a run config that asks too much and a server whose tasks disagree
+with the declared mechanism. It does not see the server's noise (central noise: the server is trusted to add it).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.estimator import difference_radius, is_restart
+from ..core.local import LocalTask
+from ..core.privacy import Calibration
+from .config import ExperimentConfig
+from .policy import BUILTIN_MODELS, NodePolicy, Refused, check_model, check_run
+
+__all__ = ["NodeGuard", "run_digest"]
+
+#: Relative tolerance of the difference radius (the server's norm may come from another CPU's SIMD path).
+RADIUS_RTOL = 1e-9
+
+
+def run_digest(cfg: ExperimentConfig) -> str:
+    """A digest of everything the run config says (the node ledger keeps it with the run's charge)."""
+    text = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=32)
+def _calibration(cfg: ExperimentConfig, n_min: int) -> Calibration | None:
+    return cfg.calibration(n_min)
+
+
+@dataclass(frozen=True)
+class NodeGuard:
+    """One node's checks for one run (see the module). Build it with :meth:`admit_run` before loading data."""
+
+    cfg: ExperimentConfig
+    node: str
+    partition_id: int
+    run_id: str
+    policy: NodePolicy | None
+    shared_policy: bool  # simulated nodes reading one policy: one ledger file per partition
+
+    @classmethod
+    def admit_run(cls, cfg: ExperimentConfig, *, node: str, partition_id: int, run_id: int | str,
+                  policy: NodePolicy | None, deployment: bool) -> "NodeGuard":
+        """Check the run config against the policy (a deployment node without one: built-in models and private
+        methods only) before any record is read or any model factory imported; raise :class:`Refused`."""
+        if policy is not None:
+            check_run(policy, cfg, node)
+        elif deployment:
+            where = "(no node policy: a data owner's node runs only the built-in models; its operator may list others)"
+            check_model(cfg, BUILTIN_MODELS, node, where)
+            if not cfg.private:
+                raise Refused(node, "methods", "the run asks method 'gd', which releases unnoised means; a data "
+                              "owner's node runs only private methods (dpgd, diff2).")
+        return cls(cfg, node, partition_id, str(run_id), policy, shared_policy=policy is not None and not deployment)
+
+    # ------------------------------------------------------------------ gradient rounds
+    def check_task(self, r: int, radius: float, x_current: np.ndarray, x_previous: np.ndarray | None, n_min: int,
+                   num_samples: int) -> None:
+        """Refuse a gradient task whose round, kind, radius or n_min disagrees with the run config."""
+        self._admit(n_min, num_samples)
+        t, kind = self.cfg.training, "restart" if x_previous is None else "difference"
+        if not 1 <= r <= t.rounds:
+            self._refuse("round", f"the task is for round {r}; the run has rounds 1..{t.rounds} (training.rounds).")
+        want = "restart" if is_restart(r, self.cfg.restart_every) else "difference"
+        if kind != want:
+            self._refuse("round kind", f"round {r} is a {want} round (T = {self.cfg.restart_every}); the task is a "
+                         f"{kind} round.")
+        expected = self._radius(r, x_current, x_previous)
+        ok = radius == expected or (math.isfinite(expected) and math.isclose(radius, expected, rel_tol=RADIUS_RTOL))
+        if not ok or (self.cfg.private and not math.isfinite(radius)):
+            self._refuse("radius", f"round {r}'s clipping radius is {radius!r}; the run config makes it {expected!r} "
+                         f"({self._radius_rule(want)}).")
+
+    def _radius(self, r: int, x_current: np.ndarray, x_previous: np.ndarray | None) -> float:
+        t = self.cfg.training
+        if not self.cfg.private:
+            return math.inf
+        if x_previous is None:
+            return float(t.clip_restart)
+        return difference_radius(t.clip_diff, x_current, x_previous)
+
+    def _radius_rule(self, kind: str) -> str:
+        t = self.cfg.training
+        if not self.cfg.private:
+            return "method gd clips nothing"
+        if kind == "restart":
+            return f"C1 = training.clip_restart = {t.clip_restart:g}"
+        return f"C2 ||x_(r-1) - x_(r-2)|| of the iterates sent, C2 = training.clip_diff = {t.clip_diff:g}"
+
+    # ------------------------------------------------------------------ the local routine
+    def check_local_task(self, task: LocalTask, num_samples: int) -> None:
+        """Refuse a local task whose K, b, η, C3, σ3, q or n_min disagrees with the run config's calibration."""
+        assert task.n_min is not None and task.sampling_prob is not None  # the protocol requires both
+        cal = self._admit(task.n_min, num_samples)
+        loc, m = self.cfg.local, task.mechanism
+        if not 1 <= task.round <= self.cfg.training.rounds:
+            self._refuse("round", f"the local task is for round {task.round}; the run has rounds "
+                         f"1..{self.cfg.training.rounds}.")
+        if not loc.enabled or cal is None or cal.local is None:
+            self._refuse("local.steps", "the run config has no local routine (local.steps = 0); the server sent a "
+                         "local task.")
+        for rule, have, want in (("local.steps", m.steps, loc.steps), ("local.batch_size", m.batch_size, loc.batch_size),
+                                 ("local.clip", m.clip, loc.clip),
+                                 ("training.learning_rate", m.learning_rate, self.cfg.training.learning_rate),
+                                 ("local sampling rate q", task.sampling_prob, cal.local.sampling_prob)):
+            if have != want:
+                self._refuse(rule, f"the local task says {have!r}; the run config's calibration says {want!r}.")
+        if not m.sigma >= cal.local.sigma3 * (1 - 1e-9):
+            self._refuse("local sigma (σ3)", f"the local task's σ3 = {m.sigma!r} is below the calibrated "
+                         f"σ3 = {cal.local.sigma3!r} (ε = {self.cfg.privacy.epsilon:g}, n_min = {task.n_min}).")
+
+    # ------------------------------------------------------------------ shared
+    def _admit(self, n_min: int, num_samples: int) -> Calibration | None:
+        """n_min against this node's records and the run config; the calibration; the lifetime budget."""
+        declared = self.cfg.privacy.n_min
+        if n_min > num_samples:
+            self._refuse("n_min", f"the task says n_min = {n_min}, but this node holds {num_samples} records: its "
+                         "records' sensitivity and sampling rate would exceed what the calibration accounted.")
+        if declared is not None and n_min != declared:
+            self._refuse("n_min", f"the task says n_min = {n_min}; the run config says privacy.n_min = {declared}.")
+        try:
+            cal = _calibration(self.cfg, n_min)
+        except ValueError as err:
+            self._refuse("calibration", f"the run config cannot be calibrated with n_min = {n_min}: {err}")
+        if self.policy is not None and self.policy.lifetime.enabled:
+            self._charge(cal)
+        return cal
+
+    def _charge(self, cal: Calibration | None) -> None:
+        """The run's whole planned schedule, charged once to the node's durable ledger (refused past the budget)."""
+        from ..core.privacy import RunEvents
+        from .node_ledger import BudgetExceeded, Charge, NodeLedger, RunChanged
+
+        assert cal is not None  # a policy allows private methods only
+        path = self.policy.ledger_path(self.partition_id, self.shared_policy)  # type: ignore[union-attr]
+        budget = self.policy.lifetime  # type: ignore[union-attr]
+        charge = Charge.new(run_id=self.run_id, digest=run_digest(self.cfg), node=self.node,
+                            events=RunEvents.from_calibration(cal))
+        try:
+            NodeLedger(path).admit(charge, budget_epsilon=budget.epsilon, budget_delta=budget.delta)
+        except (BudgetExceeded, RunChanged) as err:
+            self._refuse("lifetime budget", str(err))
+
+    def _refuse(self, rule: str, detail: str) -> None:
+        raise Refused(self.node, rule, detail)

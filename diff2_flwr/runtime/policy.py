@@ -1,0 +1,180 @@
+"""A data owner's node policy: what a run may ask of this node's records, set by the node's operator only.
+
+Where it comes from (never from the run config, which the run submitter writes):
+
+- a deployment: Flower's node config, ``flower-supernode --node-config "... policy='/etc/diff2/policy.yaml'"``
+  (``Context.node_config["policy"]``), which only the SuperNode's operator sets;
+- a simulation on one's own machine: the environment variable ``DIFF2_NODE_POLICY`` of the process that runs
+  the simulated nodes (``diff2 run --node-policy FILE`` sets it for the SuperLink it starts; before a plain
+  ``flwr run .``, export it before the local SuperLink starts). Every simulated node then holds the policy.
+
+Example (``configs/policy.yaml``)::
+
+    name: hospital-a         # how refusals name this node (default: its partition)
+    max_epsilon: 3.0         # the largest ε one run may spend on this node's records (privacy.epsilon)
+    max_delta: 1.0e-5        # the largest δ one run may use (privacy.delta)
+    methods: [dpgd, diff2]   # methods a run may use (gd releases unnoised means: never under a policy)
+    models: [paper_mlp]      # model factories a run may call on this node (default: the built-in models)
+    max_rounds: 2000         # the most rounds one run may take (null: no limit)
+    local_routine: true      # whether the private local routine may run on this node's records
+    lifetime:                # a budget over every run this node takes part in, composed by PLD
+      epsilon: 10.0
+      delta: 1.0e-5
+      ledger: ledger.json    # the node's durable ledger (owner-only); relative to this file's folder
+
+Trust (``THREATS.md``): the policy protects this node's records against a run submitter whose run config asks
+too much (ε, δ, method, model, rounds, the lifetime budget) and against a server whose tasks disagree with the
+mechanism the run config declares (radius, round kind, n_min, σ3, q, b, K: :mod:`~diff2_flwr.runtime.node_guard`).
+It cannot protect against an app bundle that is not ours (the ClientApp that enforces it comes from the bundle:
+pin bundles with Flower's trusted entities), nor against a server that sees the clipped means and adds less noise
+than declared (central noise: the server is trusted with them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .config import ConfigError, ExperimentConfig, PAPER_MLP, parse_section, read_yaml, require
+
+__all__ = ["BUILTIN_MODELS", "ENV_VAR", "NODE_CONFIG_KEY", "LifetimeBudget", "NodePolicy", "PolicyError", "Refused",
+           "check_run", "load_policy", "policy_path"]
+
+#: Node config key (``--node-config "policy='/path/policy.yaml'"``) and environment variable naming the policy.
+NODE_CONFIG_KEY = "policy"
+ENV_VAR = "DIFF2_NODE_POLICY"
+
+#: The models a node allows when its policy names none (and a deployment node without a policy): ours only.
+BUILTIN_MODELS: tuple[str, ...] = (PAPER_MLP, "diff2_flwr.task.models:TanhMLP", "diff2_flwr.task.models:DigitsCNN")
+_PRIVATE_METHODS = ("dpgd", "diff2")
+
+
+class PolicyError(ConfigError):
+    """An invalid or unreadable policy file (the node's operator must fix it)."""
+
+
+class Refused(ValueError):
+    """A node refuses a run or a task: nothing was computed on its records and nothing is released.
+
+    ``node`` names the node, ``rule`` the policy or calibration rule that failed.
+    """
+
+    def __init__(self, node: str, rule: str, detail: str) -> None:
+        super().__init__(f"{node} refused: rule `{rule}`: {detail} Nothing was computed on this node's records; "
+                         "the round releases nothing.")
+        self.node, self.rule, self.detail = node, rule, detail
+
+
+@dataclass(frozen=True)
+class LifetimeBudget:
+    """(ε, δ) over every run the node takes part in, and the durable ledger that composes them."""
+
+    epsilon: float | None = None
+    delta: float | None = None
+    ledger: str | None = None
+
+    def __post_init__(self) -> None:
+        keys = ("epsilon", "delta", "ledger")
+        missing = [k for k in keys if getattr(self, k) is None]
+        if 0 < len(missing) < 3:
+            require(False, missing[0], "a value: a lifetime budget needs epsilon, delta and ledger together", None)
+        if self.epsilon is not None:
+            require(math.isfinite(self.epsilon) and self.epsilon > 0, "epsilon", "a finite number > 0", self.epsilon)
+            require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
+            require(bool(self.ledger), "ledger", "the ledger file's path", self.ledger)
+
+    @property
+    def enabled(self) -> bool:
+        return self.epsilon is not None
+
+
+@dataclass(frozen=True)
+class NodePolicy:
+    """A data owner's limits (see the module). ``max_epsilon`` and ``max_delta`` are required."""
+
+    max_epsilon: float | None = None
+    max_delta: float | None = None
+    methods: tuple[str, ...] = _PRIVATE_METHODS
+    models: tuple[str, ...] = BUILTIN_MODELS
+    max_rounds: int | None = None
+    local_routine: bool = True
+    lifetime: LifetimeBudget = field(default_factory=LifetimeBudget)
+    name: str | None = None
+    source: str = field(default="<memory>", compare=False)
+
+    def __post_init__(self) -> None:
+        require(self.max_epsilon is not None and math.isfinite(self.max_epsilon) and self.max_epsilon > 0,
+                "max_epsilon", "a finite number > 0: the largest ε per run this node accepts (required)",
+                self.max_epsilon)
+        require(self.max_delta is not None and 0 < self.max_delta < 1, "max_delta",
+                "a number in (0, 1): the largest δ per run this node accepts (required)", self.max_delta)
+        require(bool(self.methods) and set(self.methods) <= set(_PRIVATE_METHODS), "methods",
+                f"a non-empty list of {list(_PRIVATE_METHODS)} (gd adds no noise: no policy allows it)",
+                list(self.methods))
+        require(bool(self.models), "models", "a non-empty list of model names ('paper_mlp' or 'package.module:callable')",
+                list(self.models))
+        require(self.max_rounds is None or self.max_rounds >= 1, "max_rounds", "null or an integer >= 1",
+                self.max_rounds)
+        require(self.name is None or bool(self.name.strip()), "name", "null or a non-empty name", self.name)
+
+    def ledger_path(self, partition_id: int, shared: bool) -> Path | None:
+        """The node's ledger file; ``shared`` (simulated nodes reading one policy): one file per partition."""
+        if not self.lifetime.enabled:
+            return None
+        path = Path(self.lifetime.ledger)  # type: ignore[arg-type]
+        if not path.is_absolute() and self.source not in ("<memory>", ""):
+            path = Path(self.source).resolve().parent / path
+        return path.with_name(f"{path.stem}.partition-{partition_id}{path.suffix}") if shared else path
+
+
+def load_policy(path: str | os.PathLike[str]) -> NodePolicy:
+    """Read and validate a policy file; errors name the file, the key, what was expected and what was found."""
+    path = Path(path)
+    data = read_yaml(path, "node policy", PolicyError)
+    try:
+        policy = parse_section(NodePolicy, data, str(path))
+    except ConfigError as err:
+        raise PolicyError(str(err), key=err.key, expected=err.expected, found=err.found) from None
+    return dataclasses.replace(policy, source=str(path))
+
+
+def policy_path(node_config: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> str | None:
+    """The policy file this node's operator named: the node config's ``policy``, else ``$DIFF2_NODE_POLICY``."""
+    value = node_config.get(NODE_CONFIG_KEY) or environ.get(ENV_VAR) or None
+    return None if value is None else str(value)
+
+
+def _run_epsilon(cfg: ExperimentConfig) -> float:
+    return cfg.privacy.epsilon if cfg.private else math.inf
+
+
+def check_run(policy: NodePolicy, cfg: ExperimentConfig, node: str) -> None:
+    """Refuse (:class:`Refused`) a run config the policy does not allow, before any record is touched."""
+    where = f"(policy {policy.source})"
+    if cfg.method not in policy.methods:
+        raise Refused(node, "methods", f"the run asks method {cfg.method!r}; this node allows {list(policy.methods)} "
+                      f"{where}.")
+    if _run_epsilon(cfg) > policy.max_epsilon:  # type: ignore[operator]
+        raise Refused(node, "max_epsilon", f"the run asks ε = {cfg.privacy.epsilon:g} (privacy.epsilon); this node "
+                      f"allows at most ε = {policy.max_epsilon:g} per run {where}. Ask for ε <= {policy.max_epsilon:g}.")
+    if cfg.privacy.delta > policy.max_delta:  # type: ignore[operator]
+        raise Refused(node, "max_delta", f"the run asks δ = {cfg.privacy.delta:g} (privacy.delta); this node allows "
+                      f"at most δ = {policy.max_delta:g} per run {where}.")
+    if policy.max_rounds is not None and cfg.training.rounds > policy.max_rounds:
+        raise Refused(node, "max_rounds", f"the run asks {cfg.training.rounds} rounds (training.rounds); this node "
+                      f"allows at most {policy.max_rounds} {where}.")
+    check_model(cfg, policy.models, node, where)
+    if cfg.local.enabled and not policy.local_routine:
+        raise Refused(node, "local_routine", f"the run asks the private local routine (local.steps = "
+                      f"{cfg.local.steps}); this node does not allow it {where}.")
+
+
+def check_model(cfg: ExperimentConfig, allowed: tuple[str, ...], node: str, where: str) -> None:
+    """Refuse a model factory the node does not list, before it is imported (importing runs its code)."""
+    if cfg.model.name not in allowed:
+        raise Refused(node, "models", f"the run asks model {cfg.model.name!r} (model.name); this node allows "
+                      f"{list(allowed)} {where}. A factory runs on a data owner's node only if its policy lists it.")

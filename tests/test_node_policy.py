@@ -1,0 +1,325 @@
+"""A data owner's node policy and the calibration its node recomputes, through the real ClientApp
+(``clients.client_app.app`` called with Flower's own Message and Context): every refusal names the node and the
+rule, and nothing is computed on the node's records (so nothing can be released)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from diff2_flwr.core.local import LocalMechanism, LocalTask, run_local_phase
+from diff2_flwr.fl import protocol
+from diff2_flwr.runtime.config import load_config
+from diff2_flwr.runtime.policy import PolicyError, load_policy
+from diff2_flwr.runtime.session import Worker, build_server, build_worker
+
+P = 2
+BASE = {
+    "name": "policy", "method": "diff2", "dataset": {"name": "synthetic", "num_samples": 600},
+    "privacy": {"epsilon": 3.0, "delta": 1e-5},
+    "training": {"rounds": 4, "restart_every": 2, "clients": P, "seed": 1, "clip_diff": 2.0},
+    "evaluation": {"train_metrics": False},
+}
+POLICY = {"name": "hospital-a", "max_epsilon": 3.0, "max_delta": 1e-5}
+
+client_app = importlib.import_module("clients.client_app")
+
+
+def write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture
+def experiment(tmp_path) -> Path:
+    return write(tmp_path / "experiment.yaml", {**BASE, "output": {"dir": str(tmp_path / "out")}})
+
+
+def policy_file(tmp_path: Path, **changes) -> Path:
+    return write(tmp_path / f"policy-{len(list(tmp_path.glob('policy-*')))}.yaml", {**POLICY, **changes})
+
+
+def call_app(config: Path, arrays, conf, *, node_config: dict | None = None, run_config: dict | None = None,
+             run_id: int = 7, partition: int = 0):
+    """One train message through the real ClientApp, as Flower's runtime delivers it; returns the FitRes."""
+    from flwr.app import RecordDict
+    from flwr.app.message import Message
+    from flwr.common import Context, FitIns, ndarrays_to_parameters
+    from flwr.compat.common.recorddict_compat import fitins_to_recorddict, recorddict_to_fitres
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 100 + partition, 1
+    content = fitins_to_recorddict(FitIns(ndarrays_to_parameters(arrays), dict(conf)), keep_input=True)
+    message = Message(content, dst_node_id=100 + partition, message_type="train")
+    nodes = {"partition-id": partition, "num-partitions": P, **(node_config or {})}
+    context = Context(run_id=run_id, node_id=100 + partition, node_config=nodes, state=RecordDict(),
+                      run_config={"config": str(config), **(run_config or {})})
+    reply = client_app.app(message, context)
+    return recorddict_to_fitres(reply.content, keep_input=True)
+
+
+def task_of_round(config: Path, r: int, overrides: dict | None = None):
+    """The real server's task for round r (earlier rounds released with the real workers' replies)."""
+    cfg = load_config(config, overrides)
+    server = build_server(cfg, record=False, progress=None)
+    while server.plan().round < r:
+        plan = server.plan()
+        server.release([build_worker(cfg, p).reply(plan) for p in range(P)])
+    return server, protocol.encode_task(server.plan(), server.layout, server.n_min)
+
+
+@pytest.fixture
+def no_data(monkeypatch):
+    """Fails the test if the ClientApp builds its worker (reads its shard, imports its model)."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the ClientApp loaded its shard for a run its policy refuses")
+    monkeypatch.setattr(client_app, "build_worker", forbidden)
+
+
+@pytest.fixture
+def computed(monkeypatch) -> list:
+    """Records every clipped mean the worker computes."""
+    calls: list = []
+    real = Worker.contribute
+    monkeypatch.setattr(Worker, "contribute", lambda self, *a: calls.append(a) or real(self, *a))
+    return calls
+
+
+# ------------------------------------------------------------------ the run against the policy
+
+def test_a_run_within_the_policy_is_computed(experiment, tmp_path, computed):
+    _, (arrays, conf) = task_of_round(experiment, 1)
+    res = call_app(experiment, arrays, conf, node_config={"policy": str(policy_file(tmp_path))})
+    assert res.metrics[protocol.ECHO_ROUND] == 1 and len(computed) == 1
+
+
+REFUSED_RUNS = {
+    "epsilon": ({}, {"privacy.epsilon": "8.0"}, r"rule `max_epsilon`: the run asks ε = 8 \(privacy.epsilon\); this "
+                r"node allows at most ε = 3 per run"),
+    "delta": ({}, {"privacy.delta": "1.0e-3"}, r"rule `max_delta`: the run asks δ = 0.001"),
+    "method": ({"methods": ["diff2"]}, {"method": "dpgd", "training.restart_every": "1"},
+               r"rule `methods`: the run asks method 'dpgd'; this node allows \['diff2'\]"),
+    "gd": ({}, {"method": "gd", "training.restart_every": "1"}, r"rule `methods`: the run asks method 'gd'"),
+    "rounds": ({"max_rounds": 3}, {}, r"rule `max_rounds`: the run asks 4 rounds \(training.rounds\); this node "
+               r"allows at most 3"),
+    "model": ({}, {"model.name": "torch.hub:load", "model.kwargs": "{repo_or_dir: /tmp/hub, model: evil, "
+                                                                   "source: local}"},
+              r"rule `models`: the run asks model 'torch.hub:load' \(model.name\)"),
+    "local": ({"local_routine": False}, {"local.steps": "3"}, r"rule `local_routine`"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_RUNS))
+def test_a_run_outside_the_policy_is_refused_before_the_shard_is_read(experiment, tmp_path, monkeypatch, no_data, case):
+    changes, run_config, pattern = REFUSED_RUNS[case]
+    import torch.hub
+
+    monkeypatch.setattr(torch.hub, "load", lambda *a, **k: pytest.fail("torch.hub.load ran on a data owner's node"))
+    _, (arrays, conf) = task_of_round(experiment, 1)
+    policy = policy_file(tmp_path, **changes)
+    with pytest.raises(Exception, match=r"node 100 \(hospital-a\) refused: " + pattern) as info:
+        call_app(experiment, arrays, conf, node_config={"policy": str(policy)}, run_config=run_config)
+    assert "Nothing was computed on this node's records; the round releases nothing." in str(info.value)
+
+
+def test_the_simulation_policy_comes_from_the_environment_and_the_node_config_wins(experiment, tmp_path, monkeypatch,
+                                                                                   no_data):
+    _, (arrays, conf) = task_of_round(experiment, 1)
+    monkeypatch.setenv("DIFF2_NODE_POLICY", str(policy_file(tmp_path, name="from-env", max_epsilon=1.0)))
+    with pytest.raises(Exception, match=r"\(from-env\) refused: rule `max_epsilon`"):
+        call_app(experiment, arrays, conf)
+    strict = policy_file(tmp_path, name="from-node-config", max_epsilon=0.5)
+    with pytest.raises(Exception, match=r"\(from-node-config\) refused: rule `max_epsilon`.*at most ε = 0.5"):
+        call_app(experiment, arrays, conf, node_config={"policy": str(strict)})
+
+
+def test_a_deployment_node_without_a_policy_runs_only_builtin_models_and_private_methods(experiment, tmp_path,
+                                                                                         monkeypatch, no_data):
+    import torch.hub
+
+    monkeypatch.setattr(torch.hub, "load", lambda *a, **k: pytest.fail("torch.hub.load ran on a data owner's node"))
+    _, (arrays, conf) = task_of_round(experiment, 1)
+    deployment = {"data-path": str(tmp_path / "shard-0.npz")}  # never read: the refusal comes first
+    hub = {"model.name": "torch.hub:load", "model.kwargs": "{repo_or_dir: /tmp/hub, model: evil, source: local}"}
+    with pytest.raises(Exception, match=r"node 100 \(partition 0\) refused: rule `models`.*no node policy: a data "
+                                        r"owner's node runs only the built-in models"):
+        call_app(experiment, arrays, conf, node_config=deployment, run_config=hub)
+    with pytest.raises(Exception, match=r"refused: rule `methods`: the run asks method 'gd'"):
+        call_app(experiment, arrays, conf, node_config=deployment,
+                 run_config={"method": "gd", "training.restart_every": "1"})
+
+
+def _own_factory(tmp_path: Path, monkeypatch) -> dict:
+    module = tmp_path / "owner_models.py"
+    module.write_text("import torch\n\ndef make(*, in_features, out_features):\n"
+                      "    return torch.nn.Sequential(torch.nn.Linear(in_features, 4), torch.nn.Tanh(),\n"
+                      "                               torch.nn.Linear(4, out_features))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return {"model.name": "owner_models:make"}
+
+
+def test_a_factory_runs_only_where_the_policy_lists_it(experiment, tmp_path, monkeypatch, computed):
+    own = _own_factory(tmp_path, monkeypatch)
+    overrides = {k: yaml.safe_load(v) for k, v in own.items()}
+    _, (arrays, conf) = task_of_round(experiment, 1, overrides)
+    # A simulation on one's own machine without a policy: the user's config stands.
+    assert call_app(experiment, arrays, conf, run_config=own).metrics[protocol.ECHO_ROUND] == 1
+    with pytest.raises(Exception, match=r"refused: rule `models`: the run asks model 'owner_models:make'"):
+        call_app(experiment, arrays, conf, run_config=own, node_config={"policy": str(policy_file(tmp_path))})
+    listed = policy_file(tmp_path, models=["paper_mlp", "owner_models:make"])
+    assert call_app(experiment, arrays, conf, run_config=own, node_config={"policy": str(listed)}).metrics
+    assert len(computed) == 2
+
+
+# ------------------------------------------------------------------ each task against the recomputed calibration
+
+def _set(key, value):
+    return lambda arrays, conf: (arrays, {**conf, key: value})
+
+
+def _scale_radius(factor):
+    return lambda arrays, conf: (arrays, {**conf, protocol.RADIUS: conf[protocol.RADIUS] * factor})
+
+
+REFUSED_TASKS = {
+    "restart-radius-doubled": (1, _scale_radius(2.0), r"rule `radius`: round 1's clipping radius is 2.0; the run "
+                               r"config makes it 1.0 \(C1 = training.clip_restart = 1\)"),
+    "restart-radius-inf": (1, _set(protocol.RADIUS, math.inf), r"rule `radius`: round 1's clipping radius is inf"),
+    "difference-radius-inflated": (2, _scale_radius(1 + 1e-6), r"rule `radius`: round 2's .* \(C2 \|\|x_\(r-1\) - "
+                                   r"x_\(r-2\)\|\| of the iterates sent, C2 = training.clip_diff = 2\)"),
+    "difference-radius-inf": (2, _set(protocol.RADIUS, math.inf), r"rule `radius`: round 2's clipping radius is inf"),
+    "round-past-the-end": (1, _set(protocol.ROUND, 5), r"rule `round`: the task is for round 5; the run has rounds "
+                           r"1..4"),
+    "restart-called-difference": (2, lambda arrays, conf: (arrays[: len(arrays) // 2],
+                                                            {**conf, protocol.KIND: "restart"}),
+                                  r"rule `round kind`: round 2 is a difference round \(T = 2\); the task is a restart"),
+    "n_min-above-n_p": (1, _set(protocol.N_MIN, 10**6), r"rule `n_min`: the task says n_min = 1000000, but this node "
+                        r"holds 240 records"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_TASKS))
+def test_a_task_that_disagrees_with_the_calibration_is_refused(experiment, tmp_path, computed, case):
+    r, tamper, pattern = REFUSED_TASKS[case]
+    _, (arrays, conf) = task_of_round(experiment, r)
+    assert call_app(experiment, arrays, conf).metrics[protocol.ECHO_ROUND] == r  # control: untampered, computed
+    computed.clear()
+    arrays, conf = tamper(arrays, conf)
+    with pytest.raises(Exception, match=r"node 100 \(partition 0\) refused: " + pattern):
+        call_app(experiment, arrays, conf)  # no policy needed: the run config's calibration is always checked
+    assert computed == []
+
+
+def test_n_min_must_equal_the_run_configs_when_declared(tmp_path, computed):
+    config = write(tmp_path / "declared.yaml", {**BASE, "privacy": {**BASE["privacy"], "n_min": 200},
+                                                "output": {"dir": str(tmp_path / "out")}})
+    _, (arrays, conf) = task_of_round(config, 1)
+    assert conf[protocol.N_MIN] == 200 and call_app(config, arrays, conf).metrics
+    with pytest.raises(Exception, match=r"rule `n_min`: the task says n_min = 180; the run config says "
+                                        r"privacy.n_min = 200"):
+        call_app(config, arrays, {**conf, protocol.N_MIN: 180})
+    assert len(computed) == 1
+
+
+# ------------------------------------------------------------------ the local routine's task
+
+LOCAL = {"local": {"steps": 3, "batch_size": 16, "clip": 2.0, "share": 0.5}}
+
+
+@pytest.fixture
+def local_experiment(tmp_path) -> Path:
+    return write(tmp_path / "local.yaml", {**BASE, **LOCAL, "output": {"dir": str(tmp_path / "out")}})
+
+
+def _local_task(config: Path, **mechanism) -> tuple[LocalTask, object]:
+    cfg = load_config(config)
+    n_min = 240
+    cal = cfg.calibration(n_min)
+    m = cfg.local_mechanism(cal)
+    m = LocalMechanism(**{**{f: getattr(m, f) for f in ("steps", "batch_size", "learning_rate", "clip", "sigma")},
+                          **mechanism})
+    layout = build_worker(cfg, 0).gradients.layout
+    rng = np.random.default_rng(5)
+    task = LocalTask(round=1, partition_id=0, x_start=rng.standard_normal(layout.dim) * 0.1,
+                     v=rng.standard_normal(layout.dim) * 0.01, mechanism=m, seed=3, n_min=n_min,
+                     sampling_prob=m.batch_size / n_min)
+    return task, layout
+
+
+REFUSED_LOCAL = {
+    "sigma-zero": ({"sigma": 0.0}, r"rule `local sigma \(σ3\)`: the local task's σ3 = 0.0 is below the calibrated"),
+    "sigma-halved": ("half", r"rule `local sigma \(σ3\)`"),
+    "steps": ({"steps": 5}, r"rule `local.steps`: the local task says 5; the run config's calibration says 3"),
+    "batch": ({"batch_size": 32}, r"rule `local.batch_size`: the local task says 32"),
+    "clip": ({"clip": 9.0}, r"rule `local.clip`: the local task says 9.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_LOCAL))
+def test_a_local_task_that_disagrees_with_the_calibration_is_refused(local_experiment, monkeypatch, case):
+    changes, pattern = REFUSED_LOCAL[case]
+    calls = []
+    monkeypatch.setattr(Worker, "local_phase", lambda self, task: calls.append(task))
+    honest, layout = _local_task(local_experiment)
+    if changes == "half":
+        changes = {"sigma": honest.mechanism.sigma / 2}
+    task, _ = _local_task(local_experiment, **changes)
+    arrays, conf = protocol.encode_local_task(task, layout)
+    with pytest.raises(Exception, match=r"node 100 \(partition 0\) refused: " + pattern):
+        call_app(local_experiment, arrays, conf)
+    assert calls == []
+
+
+def test_an_honest_local_task_is_computed(local_experiment):
+    task, layout = _local_task(local_experiment)
+    arrays, conf = protocol.encode_local_task(task, layout)
+    res = call_app(local_experiment, arrays, conf)
+    assert res.metrics[protocol.ECHO_KIND] == protocol.LOCAL and res.metrics[protocol.OVERFLOW] == 0
+
+
+def test_the_local_steps_refuse_a_sampling_rate_above_the_accounted_q():
+    """core: a worker whose b / n_p exceeds the task's q = b / n_min computes nothing (defence in depth)."""
+    task = LocalTask(1, 0, np.zeros(3), np.ones(3), LocalMechanism(3, 10, 0.1, 1.0, 0.5), 1, n_min=100,
+                     sampling_prob=0.1)
+    never = lambda *a: pytest.fail("a record was touched")  # noqa: E731
+    with pytest.raises(ValueError, match=r"b / n_p = 10 / 50 = 0.2, above the q = 0.1 \(b / n_min, n_min = 100\)"):
+        run_local_phase(task, 50, never)
+    assert run_local_phase(task, 100, lambda y, yp, batch, radius: (np.zeros(3), 0, False)).y.shape == (3,)
+
+
+# ------------------------------------------------------------------ the policy file
+
+@pytest.mark.parametrize("data, pattern", [
+    ({"max_delta": 1e-5}, r"key `max_epsilon`: expected a finite number > 0: the largest ε per run this node accepts "
+                          r"\(required\). Found None"),
+    ({**POLICY, "methods": ["gd", "diff2"]}, r"key `methods`: expected a non-empty list of \['dpgd', 'diff2'\] \(gd "
+                                             r"adds no noise"),
+    ({**POLICY, "max_epsilon": "3"}, r"key `max_epsilon`: expected a number or null. Found '3'"),
+    ({**POLICY, "lifetime": {"epsilon": 10.0}}, r"key `lifetime.delta`: expected a value: a lifetime budget needs "
+                                                r"epsilon, delta and ledger together"),
+    ({**POLICY, "max_epsilion": 3}, r"unknown key max_epsilion"),
+])
+def test_a_bad_policy_file_names_the_file_and_the_key(tmp_path, data, pattern):
+    path = write(tmp_path / "bad-policy.yaml", data)
+    with pytest.raises(PolicyError, match=rf"{path}: .*{pattern}"):
+        load_policy(path)
+
+
+def test_diff2_run_checks_the_policy_file_before_flower_starts(tmp_path, experiment):
+    bad = write(tmp_path / "bad-policy.yaml", {"max_delta": 1e-5})
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "home")}
+    out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "run", str(experiment), "--node-policy", str(bad)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0 and "key `max_epsilon`" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "run", str(experiment), "--engine", "inprocess",
+                          "--node-policy", str(policy_file(tmp_path))], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode != 0 and "use it with --engine flower" in out.stderr
