@@ -323,3 +323,33 @@ def test_diff2_run_checks_the_policy_file_before_flower_starts(tmp_path, experim
                           "--node-policy", str(policy_file(tmp_path))], capture_output=True, text=True, timeout=120,
                          env=env)
     assert out.returncode != 0 and "use it with --engine flower" in out.stderr
+
+
+# ------------------------------------------------------------------ through `flwr run` (a real simulation)
+
+def _diff2_run(tmp_path: Path, config: Path, policy: Path) -> tuple[int, dict, str]:
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "DIFF2_NODE_POLICY"}
+    out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "run", str(config), "--node-policy", str(policy)],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    return out.returncode, json.loads(out.stdout), out.stderr
+
+
+@pytest.mark.flower
+def test_flwr_run_with_a_policy_on_every_simulated_node_completes_and_above_it_fails_at_round_one(tmp_path):
+    config = write(tmp_path / "sim.yaml", {**BASE, "training": {**BASE["training"], "rounds": 3},
+                                           "output": {"dir": str(tmp_path / "out")}})
+    ledger = tmp_path / "ledgers" / "ledger.json"
+    policy = policy_file(tmp_path, lifetime={"epsilon": 8.0, "delta": 1e-5, "ledger": str(ledger)})
+    code, report, _ = _diff2_run(tmp_path, config, policy)
+    assert code == 0 and report["status"] == "completed", report
+    ledgers = sorted(p.name for p in ledger.parent.glob("ledger.partition-*.json"))
+    assert ledgers == ["ledger.partition-0.json", "ledger.partition-1.json"]  # one per simulated node, charged once
+    strict = policy_file(tmp_path, max_epsilon=1.0)
+    code, report, stderr = _diff2_run(tmp_path, config, strict)
+    assert code == 1 and report["status"] == "failed"
+    assert "refused: rule `max_epsilon`: the run asks ε = 3 (privacy.epsilon); this node allows at most ε = 1" in \
+        report["error"], report["error"]
+    rows = [line for line in (Path(report["output_dir"]) / "metrics.jsonl").read_text().splitlines() if line]
+    assert len(rows) == 1  # round 0 only: the first round released nothing
