@@ -1,5 +1,5 @@
 """The node's lifetime ledger: refusal before writing, idempotent admission, crash safety (SIGKILL at the worst
-moments, in a child process), no lost update under 4 concurrent processes, file modes, corrupt files.
+moments, in a child process), no lost update under 4 concurrent processes, file modes, corrupt files, the CLI.
 
 Every run here is 100 Gaussian rounds of multiplier 20 (μ = 0.5), so k runs are exactly μ = 0.5 √k-GDP: the
 expected ε comes from the closed form (gdp_epsilon), not from the code under test. The budget 3.3 admits two
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from diff2_flwr.cli import main
 from diff2_flwr.core.privacy import RunEvents, gdp_epsilon
 from diff2_flwr.runtime.node_ledger import (
     BudgetExceeded,
@@ -269,3 +270,35 @@ def test_a_charge_needs_its_names_and_the_digest_is_canonical():
     assert config_digest({"a": 1, "b": [1, 2]}) == config_digest({"b": [1, 2], "a": 1})
     assert config_digest({"a": 1}) != config_digest({"a": 2})
     assert config_digest({"a": 1}).startswith("sha256:") and len(config_digest({})) == 7 + 64
+
+
+def test_cli_prints_the_ledger_as_one_json_object(ledger, capsys):
+    _admit(ledger, "r1"), _admit(ledger, "r2")
+    assert main(["ledger", str(ledger.path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ledger"] == str(ledger.path) and out["delta"] == DELTA and out["runs"] == 2
+    assert [c["run_id"] for c in out["charges"]] == ["r1", "r2"]
+    assert out["charges"][0]["epsilon"] == pytest.approx(_exact(1), rel=1e-3)
+    assert out["epsilon_spent"] == pytest.approx(_exact(2), rel=1e-3)
+    assert main(["ledger", str(ledger.path), "--delta", "1e-7"]) == 0
+    assert json.loads(capsys.readouterr().out)["epsilon_spent"] == pytest.approx(_exact(2, 1e-7), rel=1e-3)
+
+
+def test_cli_a_missing_or_corrupt_ledger_is_one_line_on_stderr_and_exit_2(ledger, capsys):
+    assert main(["ledger", str(ledger.path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1
+    assert out.err.startswith(f"diff2 ledger: error: No node ledger at {ledger.path}")
+    ledger.path.parent.mkdir()
+    ledger.path.write_text("{")
+    assert main(["ledger", str(ledger.path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and str(ledger.path) in out.err
+
+
+def test_cli_through_the_installed_command(ledger):
+    _admit(ledger, "r1")
+    diff2 = Path(sys.executable).with_name("diff2")
+    out = subprocess.run([str(diff2), "ledger", str(ledger.path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["charges"][0]["run_id"] == "r1"
