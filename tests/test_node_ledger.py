@@ -110,12 +110,14 @@ def test_a_first_run_over_the_budget_leaves_no_ledger(ledger):
     assert not ledger.path.exists() and ledger.charges() == ()
 
 
-def test_every_message_of_a_run_is_admitted_on_its_one_charge(ledger):
+def test_every_message_of_a_run_is_admitted_on_its_one_charge(ledger, monkeypatch):
     """A deployment starts a ClientApp process per message: each admits again, without a second charge, even
-    when the ledger is full (the run was charged for its whole schedule at its first message)."""
+    when the ledger is full (the run was charged for its whole schedule at its first message), and without
+    paying a PLD composition (ε spent is the number the admission stored)."""
     _admit(ledger, "r1")
     full = _admit(ledger, "r2")
     before = ledger.path.read_bytes()
+    monkeypatch.setattr("diff2_flwr.runtime.node_ledger.composed_epsilon", lambda *a: pytest.fail("composed"))
     again = _admit(ledger, "r2")
     assert not again.new and again.charge == full.charge
     assert again.spent_before == again.spent_after == full.spent_after
@@ -214,7 +216,8 @@ def test_files_are_owner_only_whatever_the_umask(tmp_path, umask):
     assert mode(tmp_path / "var") == 0o700 and mode(tmp_path / "var" / "diff2") == 0o700
 
 
-GOOD = {"format": "diff2-node-ledger", "version": 1, "budget": {"epsilon": 3.3, "delta": 1e-5}, "charges": []}
+GOOD = {"format": "diff2-node-ledger", "version": 1, "charges": [],
+        "last_admission": {"budget_epsilon": 3.3, "budget_delta": 1e-5, "spent": 0.0}}
 CORRUPT = {
     "empty": (b"", "Expecting value"),
     "truncated JSON": (b'{"format": "diff2-node-ledger", "vers', "Unterminated string"),
@@ -225,6 +228,8 @@ CORRUPT = {
     "a negative multiplier": (json.dumps({**GOOD, "charges": [{
         "run_id": "r1", "digest": "d", "node": "n", "time": "t", "epsilon": 1.0,
         "events": {"delta": 1e-5, "gaussian": [[-2.0, 3]], "local": []}}]}).encode(), "Found -2.0"),
+    "a bad last admission": (json.dumps({**GOOD, "last_admission": {"budget_epsilon": 3.3}}).encode(),
+                             "`last_admission` must be null or an object of numbers"),
     "a list of charges that is not one": (json.dumps({**GOOD, "charges": {}}).encode(), "`charges` must be a list"),
 }
 
@@ -246,7 +251,8 @@ def test_the_written_file_is_the_documented_format(ledger):
     admitted = _admit(ledger, "r1")
     data = json.loads(ledger.path.read_text())
     assert data["format"] == "diff2-node-ledger" and data["version"] == 1
-    assert data["budget"] == {"epsilon": BUDGET, "delta": DELTA}
+    assert data["last_admission"] == {"budget_epsilon": BUDGET, "budget_delta": DELTA,
+                                      "spent": admitted.spent_after}
     assert data["charges"] == [{"run_id": "r1", "digest": "sha256:a", "node": "alice", "time": admitted.charge.time,
                                 "epsilon": admitted.charge.epsilon,
                                 "events": {"delta": DELTA, "gaussian": [[20.0, 100]], "local": []}}]

@@ -598,7 +598,8 @@ class RunEvents:
 
     @classmethod
     def from_calibration(cls, cal: Calibration) -> "RunEvents":
-        """The events of a calibrated schedule: m1 × z1, m2 × z2 and, with a local routine, R × LocalEvent(z3, q, K-1)."""
+        """The events of a calibrated schedule: m1 × z1, m2 × z2 and, with a local routine, R local phases
+        LocalEvent(z3, q, K - 1)."""
         counts = ((cal.z1, cal.restart_rounds), (cal.z2, cal.difference_rounds))
         gaussian = tuple((float(z), m) for z, m in counts if m)
         local = cal.local

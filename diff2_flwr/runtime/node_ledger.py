@@ -139,17 +139,27 @@ class Admission:
     budget_delta: float
 
 
+_LAST_KEYS = ("budget_epsilon", "budget_delta", "spent")
+
+
 @dataclass(frozen=True)
 class _State:
     charges: tuple[Charge, ...] = ()
-    budget: tuple[float, float] | None = None  # (ε_L, δ_L) of the last admission
+    last: tuple[float, float, float] | None = None  # the last admission's (ε_L, δ_L, ε spent at δ_L after it)
 
     def find(self, run_id: str) -> Charge | None:
         return next((c for c in self.charges if c.run_id == run_id), None)
 
+    def spent(self, delta: float) -> float:
+        """ε of every charge at ``delta``; the number stored by the last admission when ``delta`` is its δ_L
+        (a later message of a run admits again in a fresh process: it should not pay a PLD composition)."""
+        if self.last is not None and self.last[1] == delta:
+            return self.last[2]
+        return composed_epsilon([c.events for c in self.charges], delta)
+
     def as_json(self) -> dict[str, Any]:
-        budget = None if self.budget is None else {"epsilon": self.budget[0], "delta": self.budget[1]}
-        return {"format": FORMAT, "version": VERSION, "budget": budget,
+        last = None if self.last is None else dict(zip(_LAST_KEYS, self.last))
+        return {"format": FORMAT, "version": VERSION, "last_admission": last,
                 "charges": [c.as_json() for c in self.charges]}
 
 
@@ -197,12 +207,12 @@ class NodeLedger:
             previous = state.find(charge.run_id)
             if previous is not None:
                 return self._readmit(previous, charge, state, budget_epsilon, budget_delta)
-            events = [c.events for c in state.charges]
-            before = composed_epsilon(events, budget_delta)
-            after = composed_epsilon(events + [charge.events], budget_delta)
+            before = state.spent(budget_delta)
+            after = composed_epsilon([c.events for c in state.charges] + [charge.events], budget_delta)
             if not after <= budget_epsilon:
-                raise BudgetExceeded(self._refusal(charge, len(events), before, after, budget_epsilon, budget_delta))
-            self._write(_State(state.charges + (charge,), (float(budget_epsilon), float(budget_delta))))
+                raise BudgetExceeded(self._refusal(charge, len(state.charges), before, after, budget_epsilon,
+                                                   budget_delta))
+            self._write(_State(state.charges + (charge,), (float(budget_epsilon), float(budget_delta), after)))
         return Admission(charge, True, before, after, budget_epsilon, budget_delta)
 
     def summary(self, delta: float | None = None) -> dict[str, Any]:
@@ -217,14 +227,14 @@ class NodeLedger:
                                     "path is wrong (give the ledger file named in the node's policy).")
         state = self._read()
         if delta is None:
-            delta = state.budget[1] if state.budget is not None else None
+            delta = state.last[1] if state.last is not None else None
         if delta is None:
             raise ValueError(f"Node ledger {self.path} records no δ of an admission: give one with --delta.")
         charges = [{**c.as_json(), "delta": c.events.delta} for c in state.charges]
-        budget = None if state.budget is None else {"epsilon": state.budget[0], "delta": state.budget[1]}
+        last = None if state.last is None else dict(zip(_LAST_KEYS, state.last))
         return {"ledger": str(self.path), "format": FORMAT, "version": VERSION, "delta": delta,
                 "epsilon_spent": composed_epsilon([c.events for c in state.charges], delta),
-                "runs": len(charges), "last_budget": budget, "charges": charges}
+                "runs": len(charges), "last_admission": last, "charges": charges}
 
     def _readmit(self, previous: Charge, charge: Charge, state: _State, budget_epsilon: float,
                  budget_delta: float) -> Admission:
@@ -233,7 +243,7 @@ class NodeLedger:
                 f"Node {charge.node!r} refuses run {charge.run_id!r} (rule: lifetime budget): it was charged on "
                 f"{previous.time} with config digest {previous.digest}, and now comes with {charge.digest}; the "
                 f"charge in {self.path} does not cover a changed config. Submit the changed config as a new run.")
-        spent = composed_epsilon([c.events for c in state.charges], budget_delta)
+        spent = state.spent(budget_delta)
         return Admission(previous, False, spent, spent, budget_epsilon, budget_delta)
 
     def _refusal(self, charge: Charge, runs: int, before: float, after: float, budget_epsilon: float,
@@ -291,12 +301,14 @@ def _parse(text: str) -> _State:
     data = json.loads(text)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"expected a JSON object with \"format\": {FORMAT!r}; found {text[:60]!r}")
-    if data.get("version") != VERSION or set(data) != {"format", "version", "budget", "charges"}:
-        raise ValueError(f"expected version {VERSION} with keys format, version, budget, charges; found version "
-                         f"{data.get('version')!r}, keys {sorted(data)}")
-    budget = data["budget"]
-    if budget is not None and (not isinstance(budget, dict) or set(budget) != {"epsilon", "delta"}):
-        raise ValueError(f"`budget` must be null or an object with keys epsilon, delta; found {budget!r}")
+    if data.get("version") != VERSION or set(data) != {"format", "version", "last_admission", "charges"}:
+        raise ValueError(f"expected version {VERSION} with keys format, version, last_admission, charges; found "
+                         f"version {data.get('version')!r}, keys {sorted(data)}")
+    last = data["last_admission"]
+    if last is not None and (not isinstance(last, dict) or set(last) != set(_LAST_KEYS)
+                             or not all(isinstance(last[k], (int, float)) for k in _LAST_KEYS)):
+        raise ValueError(f"`last_admission` must be null or an object of numbers {', '.join(_LAST_KEYS)}; "
+                         f"found {last!r}")
     if not isinstance(data["charges"], list):
         raise ValueError(f"`charges` must be a list; found {type(data['charges']).__name__}")
     charges = []
@@ -305,7 +317,9 @@ def _parse(text: str) -> _State:
             charges.append(Charge.from_json(item))
         except (ValueError, TypeError) as err:
             raise ValueError(f"charge {i}: {err}") from err
-    return _State(tuple(charges), None if budget is None else (float(budget["epsilon"]), float(budget["delta"])))
+    if last is None:
+        return _State(tuple(charges))
+    return _State(tuple(charges), (float(last["budget_epsilon"]), float(last["budget_delta"]), float(last["spent"])))
 
 
 def _check_budget(epsilon: float, delta: float) -> None:
