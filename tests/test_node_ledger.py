@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -117,7 +118,8 @@ def test_every_message_of_a_run_is_admitted_on_its_one_charge(ledger, monkeypatc
     _admit(ledger, "r1")
     full = _admit(ledger, "r2")
     before = ledger.path.read_bytes()
-    monkeypatch.setattr("diff2_flwr.runtime.node_ledger.composed_epsilon", lambda *a: pytest.fail("composed"))
+    for where in ("diff2_flwr.runtime.node_ledger", "diff2_flwr.core.privacy"):
+        monkeypatch.setattr(f"{where}.composed_epsilon", lambda *a: pytest.fail("composed"))
     again = _admit(ledger, "r2")
     assert not again.new and again.charge == full.charge
     assert again.spent_before == again.spent_after == full.spent_after
@@ -256,7 +258,9 @@ def test_the_written_file_is_the_documented_format(ledger):
     assert data["charges"] == [{"run_id": "r1", "digest": "sha256:a", "node": "alice", "time": admitted.charge.time,
                                 "epsilon": admitted.charge.epsilon,
                                 "events": {"delta": DELTA, "gaussian": [[20.0, 100]], "local": []}}]
-    assert admitted.charge.time.endswith("Z") and admitted.charge.time[:2] == "20"
+    stamped = datetime.fromisoformat(admitted.charge.time.replace("Z", "+00:00"))
+    assert admitted.charge.time.endswith("Z") and abs(stamped - datetime.now(timezone.utc)).total_seconds() < 60
+    assert _charge("r2").epsilon is None and _charge("r2").time is None  # priced when charged
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -20,6 +20,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -78,25 +79,33 @@ class Charge:
         digest: digest of the run's config (see :func:`config_digest`): a run whose config changes is refused.
         node: the node's name, for messages and the ledger's readers.
         events: the run's whole planned schedule of privacy events.
-        epsilon: the run's own ε at ``events.delta`` (a record; the budget is checked on ``events``).
-        time: when it was charged, UTC, ISO 8601.
+        epsilon: the run's own ε at ``events.delta`` (a record; the budget is checked on ``events``); None until
+            charged (:meth:`NodeLedger.admit` computes it once, so later messages of the run do not).
+        time: when it was charged, UTC, ISO 8601; None until charged.
     """
 
     run_id: str
     digest: str
     node: str
     events: RunEvents
-    epsilon: float
-    time: str
+    epsilon: float | None = None
+    time: str | None = None
 
     @classmethod
     def new(cls, *, run_id: str, digest: str, node: str, events: RunEvents) -> "Charge":
-        """A charge stamped now, with the run's own ε computed from its events."""
+        """A charge to admit (ε and time are filled in when it is charged)."""
         for name, value in (("run_id", run_id), ("digest", digest), ("node", node)):
             if not isinstance(value, str) or not value:
                 raise ValueError(f"Charge: `{name}` must be a non-empty string. Found {value!r}.")
+        if not isinstance(events, RunEvents):
+            raise ValueError(f"Charge: `events` must be a RunEvents. Found {type(events).__name__}.")
+        return cls(run_id, digest, node, events)
+
+    def priced(self) -> "Charge":
+        """This charge with its own ε computed (if not yet) and stamped now (if not yet)."""
         stamp = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
-        return cls(run_id, digest, node, events, events.epsilon, stamp)
+        epsilon = self.events.epsilon if self.epsilon is None else self.epsilon
+        return dataclasses.replace(self, epsilon=epsilon, time=self.time or stamp)
 
     def as_json(self) -> dict[str, Any]:
         events = {"delta": self.events.delta, "gaussian": [list(g) for g in self.events.gaussian],
@@ -207,6 +216,7 @@ class NodeLedger:
             previous = state.find(charge.run_id)
             if previous is not None:
                 return self._readmit(previous, charge, state, budget_epsilon, budget_delta)
+            charge = charge.priced()
             before = state.spent(budget_delta)
             after = composed_epsilon([c.events for c in state.charges] + [charge.events], budget_delta)
             if not after <= budget_epsilon:
