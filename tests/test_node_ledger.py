@@ -218,6 +218,28 @@ def test_files_are_owner_only_whatever_the_umask(tmp_path, umask):
     assert mode(tmp_path / "var") == 0o700 and mode(tmp_path / "var" / "diff2") == 0o700
 
 
+def test_a_failed_write_is_an_error_and_leaves_the_old_ledger(ledger, monkeypatch):
+    _admit(ledger, "r1")
+    before = ledger.path.read_bytes()
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(LedgerError, match=r"could not be written \(\[Errno 28\] No space left on device\); nothing "
+                                          r"was charged and the old ledger stands"):
+        _admit(ledger, "r2")
+    assert ledger.path.read_bytes() == before
+    assert sorted(p.name for p in ledger.path.parent.iterdir()) == ["ledger.json", "ledger.json.lock"]
+
+
+def test_a_ledger_whose_folder_cannot_be_made_is_an_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    ledger = NodeLedger(tmp_path / "file" / "ledger.json")
+    with pytest.raises(LedgerError, match="cannot create its folder or its lock file .*nothing was charged"):
+        _admit(ledger, "r1")
+
+
 GOOD = {"format": "diff2-node-ledger", "version": 1, "charges": [],
         "last_admission": {"budget_epsilon": 3.3, "budget_delta": 1e-5, "spent": 0.0}}
 CORRUPT = {

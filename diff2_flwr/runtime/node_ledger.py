@@ -53,7 +53,8 @@ _WHAT_TO_DO_CORRUPT = ("It is not read as empty (that would reset this node's li
 
 
 class LedgerError(ValueError):
-    """The node's ledger file cannot be read (unreadable, not JSON, another format or version, a bad charge)."""
+    """The node's ledger cannot be read (unreadable, not JSON, another format or version, a bad charge) or
+    written (its folder, its lock, a full disk): the node admits no run until it is fixed."""
 
 
 class BudgetExceeded(ValueError):
@@ -280,8 +281,13 @@ class NodeLedger:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        _make_folders(self.path.parent)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            _make_folders(self.path.parent)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as err:
+            raise LedgerError(f"Node ledger {self.path}: cannot create its folder or its lock file {self.lock_path} "
+                              f"({err}); nothing was charged. The ClientApp's user must be able to write the "
+                              "ledger's folder.") from err
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -301,8 +307,11 @@ class NodeLedger:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
-        except BaseException:
+        except BaseException as err:
             tmp.unlink(missing_ok=True)
+            if isinstance(err, OSError):
+                raise LedgerError(f"Node ledger {self.path} could not be written ({err}); nothing was charged and the "
+                                  "old ledger stands. Free space on its file system or fix its folder.") from err
             raise
         _fsync_folder(self.path.parent)
 
