@@ -147,6 +147,13 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ledger(args: argparse.Namespace) -> int:
+    from .runtime.node_ledger import NodeLedger
+
+    print(json.dumps(to_json(NodeLedger(args.path).summary(args.delta))))
+    return 0
+
+
 def _audit(args: argparse.Namespace) -> int:
     from .lab.audit import AuditSpec, run_audit, stderr_progress
 
@@ -387,6 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--skip-protocol", action="store_true", help="do not time the full California ε = 3 study")
     bench.add_argument("--skip-flower", action="store_true", help="do not run the two Flower simulations")
     bench.set_defaults(func=_bench)
+
+    led = sub.add_parser("ledger", help="print a data owner's node ledger as JSON: the runs it charged, each run's ε, "
+                                        "and the lifetime ε spent")
+    led.add_argument("path", help="the node's ledger file (named in its node policy)")
+    led.add_argument("--delta", type=float, default=None,
+                     help="δ at which the runs are composed (default: the δ_L of the last admission, in the file)")
+    led.set_defaults(func=_ledger)
     return parser
 
 

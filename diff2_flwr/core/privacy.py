@@ -30,7 +30,7 @@ import math
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from scipy.optimize import brentq
 from scipy.special import log_ndtr, ndtr
@@ -43,7 +43,9 @@ __all__ = [
     "calibrate_local",
     "PrivacyLedger",
     "CalibrationMode",
+    "RunEvents",
     "calibrate",
+    "composed_epsilon",
     "count_rounds",
     "gdp_delta",
     "gdp_epsilon",
@@ -564,3 +566,99 @@ class PrivacyLedger:
         if (trivial := self._degenerate()) is not None:
             return trivial
         return _rdp_epsilon(self.delta, self._counts())
+
+
+@dataclass(frozen=True)
+class RunEvents:
+    """One run's whole planned schedule of privacy events, by counts: what a data owner's node is charged.
+
+    ``gaussian``: (z, count) pairs, z in :class:`GaussianEvent`'s convention (std over the replace-one
+    sensitivity). ``local``: (z3, q, steps, phases) tuples, z3 and q in :class:`LocalEvent`'s convention,
+    ``steps`` Poisson-subsampled Gaussian steps per local phase and ``phases`` local phases (one per round).
+    ``delta`` is the run's own δ (its ε is reported at it; a node composes its runs at its own δ).
+
+    References:
+        Murata & Suzuki (2023), Alg. 1 (m1 restart rounds, m2 difference rounds); DIFF2.md, accounting section.
+    """
+
+    delta: float
+    gaussian: tuple[tuple[float, int], ...] = ()
+    local: tuple[tuple[float, float, int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.delta < 1:
+            raise ValueError(f"RunEvents: `delta` must be in (0, 1). Found {self.delta!r}.")
+        for z, count in self.gaussian:
+            _check_event("gaussian", z, count, "count")
+        for z3, q, steps, phases in self.local:
+            _check_event("local", z3, steps, "steps")
+            _check_event("local", z3, phases, "phases")
+            if not (isinstance(q, (int, float)) and 0 < q <= 1):
+                raise ValueError(f"RunEvents: a local event's sampling probability `q` must be in (0, 1]. Found {q!r}.")
+
+    @classmethod
+    def from_calibration(cls, cal: Calibration) -> "RunEvents":
+        """The events of a calibrated schedule: m1 × z1, m2 × z2 and, with a local routine, R local phases
+        LocalEvent(z3, q, K - 1)."""
+        counts = ((cal.z1, cal.restart_rounds), (cal.z2, cal.difference_rounds))
+        gaussian = tuple((float(z), m) for z, m in counts if m)
+        local = cal.local
+        phases = () if local is None else ((float(local.z3), float(local.sampling_prob), local.steps - 1, cal.rounds),)
+        return cls(delta=cal.delta, gaussian=gaussian, local=phases)
+
+    @property
+    def epsilon(self) -> float:
+        """The run's own ε at its own δ (PLD, see :func:`composed_epsilon`)."""
+        return composed_epsilon([self], self.delta)
+
+
+def _check_event(kind: str, z: Any, count: Any, name: str) -> None:
+    if not isinstance(z, (int, float)) or isinstance(z, bool) or not (math.isfinite(z) and z >= 0):
+        raise ValueError(f"RunEvents: a {kind} event's noise multiplier must be a finite number >= 0. Found {z!r}.")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ValueError(f"RunEvents: a {kind} event's `{name}` must be an integer >= 1. Found {count!r}.")
+
+
+def composed_epsilon(runs: "Sequence[RunEvents]", delta: float) -> float:
+    """ε at ``delta`` of all the runs' events composed together (dp-accounting's PLD, pessimistic).
+
+    Composition commutes, so the events are composed by counts: every full-batch Gaussian of every run
+    together is one Gaussian with μ² = Σ count / z² (exact: Dong, Roth & Su 2019, Cor. 3.3; dp-accounting's
+    ``PLDAccountant`` composes ``GaussianDpEvent`` × count the same way), and the local phases of one kind
+    (z3, q, steps) are one cached PLD self-composed by their total number of phases. ε is independent of the
+    order of the runs. No runs (or no events): 0; a noise multiplier 0: inf.
+
+    Args:
+        runs: the runs' planned events.
+        delta: the δ at which ε is reported, in (0, 1).
+
+    References:
+        Koskela, Jälkö & Honkela (2020) and dp-accounting's ``privacy_loss_distribution`` (PLD composition).
+    """
+    if not 0 < delta < 1:
+        raise ValueError(f"`delta` must be in (0, 1). Found {delta!r}.")
+    inverse_squares: list[float] = []
+    phases: dict[tuple[float, float, int], int] = {}
+    for run in runs:
+        for z, count in run.gaussian:
+            if z == 0:
+                return math.inf
+            inverse_squares.append(count / float(z) ** 2)
+        for z3, q, steps, n in run.local:
+            if z3 == 0:
+                return math.inf
+            key = (float(z3), float(q), steps)
+            phases[key] = phases.get(key, 0) + n
+    mu_squared = math.fsum(sorted(inverse_squares))
+    return _composed_epsilon(float(delta), mu_squared, tuple(sorted(phases.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _composed_epsilon(delta: float, mu_squared: float,
+                      phases: tuple[tuple[tuple[float, float, int], int], ...]) -> float:
+    pld = _gaussian_pld(1 / math.sqrt(mu_squared)) if mu_squared > 0 else None
+    for (z3, q, steps), n in phases:
+        local = _local_pld_at(z3, q, steps, PLD_DISCRETIZATION)
+        local = local.self_compose(n) if n > 1 else local
+        pld = local if pld is None else pld.compose(local)
+    return 0.0 if pld is None else float(pld.get_epsilon_for_delta(delta))
