@@ -16,7 +16,7 @@ from diff2_flwr.runtime.compute import pin_threads
 from diff2_flwr.runtime.config import ExperimentConfig, load_config, run_config_overrides
 from diff2_flwr.runtime.node_guard import NodeGuard
 from diff2_flwr.runtime.paths import resolve_config_path
-from diff2_flwr.runtime.policy import NodePolicy, load_policy, policy_path
+from diff2_flwr.runtime.policy import NODE_CONFIG_KEY, NodePolicy, load_policy, policy_path
 from diff2_flwr.runtime.session import build_worker
 
 
@@ -55,7 +55,8 @@ def client_fn(context: Context) -> Client:
     name = policy.name if policy is not None and policy.name else f"partition {partition_id}"
     # Before any record is read or any model factory imported: the run against this node's policy.
     guard = NodeGuard.admit_run(cfg, node=f"node {context.node_id} ({name})", partition_id=partition_id,
-                                run_id=context.run_id, policy=policy, deployment=data_path is not None)
+                                run_id=context.run_id, policy=policy, deployment=data_path is not None,
+                                shared_policy=NODE_CONFIG_KEY not in context.node_config)
     return Diff2Client(functools.partial(build_worker, cfg, partition_id, None if data_path is None else str(data_path)),
                        guard).to_client()
 

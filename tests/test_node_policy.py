@@ -353,3 +353,61 @@ def test_flwr_run_with_a_policy_on_every_simulated_node_completes_and_above_it_f
         report["error"], report["error"]
     rows = [line for line in (Path(report["output_dir"]) / "metrics.jsonl").read_text().splitlines() if line]
     assert len(rows) == 1  # round 0 only: the first round released nothing
+
+
+# ------------------------------------------------------------------ the lifetime budget
+
+_CHILD = """
+import sys, importlib
+sys.path[:0] = [{tests!r}]
+import test_node_policy as t
+from pathlib import Path
+from diff2_flwr.runtime.session import Worker
+import os
+if {crash!r}:
+    Worker.contribute = lambda self, *a: os._exit(9)  # the node dies after its charge, before it answers
+_, (arrays, conf) = t.task_of_round(Path({config!r}), 1)
+try:
+    t.call_app(Path({config!r}), arrays, conf, node_config={{"policy": {policy!r}}}, run_id={run_id},
+               run_config={run_config!r})
+    print("ADMITTED")
+except Exception as err:
+    print("REFUSED", err)
+"""
+
+
+def _in_a_fresh_process(config: Path, policy: Path, run_id: int, run_config: dict, crash: bool = False) -> tuple[int, str]:
+    code = _CHILD.format(tests=str(Path(__file__).parent), config=str(config), policy=str(policy), run_id=run_id,
+                         run_config=run_config, crash=crash)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return out.returncode, out.stdout
+
+
+def test_the_lifetime_budget_refuses_the_run_that_would_cross_it_and_survives_a_crash_and_a_restart(
+        experiment, tmp_path, computed):
+    from diff2_flwr.runtime.node_ledger import NodeLedger
+
+    ledger = tmp_path / "node" / "ledger.json"
+    policy = policy_file(tmp_path, lifetime={"epsilon": 4.0, "delta": 1e-5, "ledger": str(ledger)})
+    nodes = {"policy": str(policy)}
+    _, (arrays, conf) = task_of_round(experiment, 1)
+    call_app(experiment, arrays, conf, node_config=nodes, run_id=1)  # run 1: ε = 3 of 4, charged
+    first = NodeLedger(ledger).spent(1e-5)
+    assert 2.9 < first <= 3.0 + 1e-3 and oct(ledger.stat().st_mode & 0o777) == "0o600"
+    call_app(experiment, arrays, conf, node_config=nodes, run_id=1)  # its next message: charged once only
+    assert len(NodeLedger(ledger).charges()) == 1 and len(computed) == 2
+    before = ledger.read_bytes()
+    with pytest.raises(Exception, match=r"Node .node 100 \(hospital-a\). refuses run .2. \(rule: lifetime budget\)"):
+        call_app(experiment, arrays, conf, node_config=nodes, run_id=2)  # run 2: another ε = 3 composes to ≈ 4.3 > 4
+    assert ledger.read_bytes() == before and len(computed) == 2  # nothing written, nothing computed
+    with pytest.raises(Exception, match=r"rule: lifetime budget"):  # the same run with another config
+        call_app(experiment, arrays, conf, node_config=nodes, run_id=1, run_config={"training.clip_diff": "3.0"})
+    # A crash after the charge (the node dies computing run 3's first reply): the charge stands, whole.
+    code, out = _in_a_fresh_process(experiment, policy, 3, {"privacy.epsilon": "0.5"}, crash=True)
+    assert code == 9 and "ADMITTED" not in out
+    assert [c.run_id for c in NodeLedger(ledger).charges()] == ["1", "3"]
+    # A restart (a new process) sees the same ledger: run 2 is refused again, run 3 goes on without a new charge.
+    assert _in_a_fresh_process(experiment, policy, 2, {})[1].startswith("REFUSED")
+    assert _in_a_fresh_process(experiment, policy, 3, {"privacy.epsilon": "0.5"})[1].startswith("ADMITTED")
+    assert [c.run_id for c in NodeLedger(ledger).charges()] == ["1", "3"]
+    assert NodeLedger(ledger).spent(1e-5) > first

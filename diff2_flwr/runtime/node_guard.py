@@ -69,9 +69,12 @@ class NodeGuard:
 
     @classmethod
     def admit_run(cls, cfg: ExperimentConfig, *, node: str, partition_id: int, run_id: int | str,
-                  policy: NodePolicy | None, deployment: bool) -> "NodeGuard":
+                  policy: NodePolicy | None, deployment: bool, shared_policy: bool = False) -> "NodeGuard":
         """Check the run config against the policy (a deployment node without one: built-in models and private
-        methods only) before any record is read or any model factory imported; raise :class:`Refused`."""
+        methods only) before any record is read or any model factory imported; raise :class:`Refused`.
+
+        ``shared_policy``: the policy serves several simulated nodes (``$DIFF2_NODE_POLICY``): each keeps its own
+        ledger file, ``<ledger>.partition-<i>``."""
         if policy is not None:
             check_run(policy, cfg, node)
         elif deployment:
@@ -80,7 +83,7 @@ class NodeGuard:
             if not cfg.private:
                 raise Refused(node, "methods", "the run asks method 'gd', which releases unnoised means; a data "
                               "owner's node runs only private methods (dpgd, diff2).")
-        return cls(cfg, node, partition_id, str(run_id), policy, shared_policy=policy is not None and not deployment)
+        return cls(cfg, node, partition_id, str(run_id), policy, shared_policy=shared_policy and not deployment)
 
     # ------------------------------------------------------------------ gradient rounds
     def check_task(self, r: int, radius: float, x_current: np.ndarray, x_previous: np.ndarray | None, n_min: int,
@@ -158,7 +161,7 @@ class NodeGuard:
     def _charge(self, cal: Calibration | None) -> None:
         """The run's whole planned schedule, charged once to the node's durable ledger (refused past the budget)."""
         from ..core.privacy import RunEvents
-        from .node_ledger import BudgetExceeded, Charge, NodeLedger, RunChanged
+        from .node_ledger import BudgetExceeded, Charge, LedgerError, NodeLedger, RunChanged
 
         assert cal is not None  # a policy allows private methods only
         path = self.policy.ledger_path(self.partition_id, self.shared_policy)  # type: ignore[union-attr]
@@ -167,8 +170,11 @@ class NodeGuard:
                             events=RunEvents.from_calibration(cal))
         try:
             NodeLedger(path).admit(charge, budget_epsilon=budget.epsilon, budget_delta=budget.delta)
-        except (BudgetExceeded, RunChanged) as err:
-            self._refuse("lifetime budget", str(err))
+        except (BudgetExceeded, RunChanged) as err:  # its message names the node, the rule and the ledger
+            raise Refused(self.node, "lifetime budget", str(err),
+                          message=f"{err} Nothing was computed on this node's records; the round releases nothing.")
+        except LedgerError as err:  # unreadable or unwritable: no run is admitted until the ledger is restored
+            self._refuse("lifetime ledger", str(err))
 
     def _refuse(self, rule: str, detail: str) -> None:
         raise Refused(self.node, rule, detail)

@@ -63,9 +63,9 @@ class Refused(ValueError):
     ``node`` names the node, ``rule`` the policy or calibration rule that failed.
     """
 
-    def __init__(self, node: str, rule: str, detail: str) -> None:
-        super().__init__(f"{node} refused: rule `{rule}`: {detail} Nothing was computed on this node's records; "
-                         "the round releases nothing.")
+    def __init__(self, node: str, rule: str, detail: str, *, message: str | None = None) -> None:
+        super().__init__(message or f"{node} refused: rule `{rule}`: {detail} Nothing was computed on this node's "
+                         "records; the round releases nothing.")
         self.node, self.rule, self.detail = node, rule, detail
 
 
