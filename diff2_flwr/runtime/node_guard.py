@@ -26,8 +26,6 @@ with the declared mechanism. It does not see the server's noise (central noise: 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 
@@ -39,16 +37,10 @@ from ..core.privacy import Calibration
 from .config import ExperimentConfig
 from .policy import BUILTIN_MODELS, NodePolicy, Refused, check_model, check_run
 
-__all__ = ["NodeGuard", "run_digest"]
+__all__ = ["NodeGuard"]
 
 #: Relative tolerance of the difference radius (the server's norm may come from another CPU's SIMD path).
 RADIUS_RTOL = 1e-9
-
-
-def run_digest(cfg: ExperimentConfig) -> str:
-    """A digest of everything the run config says (the node ledger keeps it with the run's charge)."""
-    text = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @functools.lru_cache(maxsize=32)
@@ -161,12 +153,12 @@ class NodeGuard:
     def _charge(self, cal: Calibration | None) -> None:
         """The run's whole planned schedule, charged once to the node's durable ledger (refused past the budget)."""
         from ..core.privacy import RunEvents
-        from .node_ledger import BudgetExceeded, Charge, LedgerError, NodeLedger, RunChanged
+        from .node_ledger import BudgetExceeded, Charge, LedgerError, NodeLedger, RunChanged, config_digest
 
         assert cal is not None  # a policy allows private methods only
         path = self.policy.ledger_path(self.partition_id, self.shared_policy)  # type: ignore[union-attr]
         budget = self.policy.lifetime  # type: ignore[union-attr]
-        charge = Charge.new(run_id=self.run_id, digest=run_digest(self.cfg), node=self.node,
+        charge = Charge.new(run_id=self.run_id, digest=config_digest(self.cfg.to_dict()), node=self.node,
                             events=RunEvents.from_calibration(cal))
         try:
             NodeLedger(path).admit(charge, budget_epsilon=budget.epsilon, budget_delta=budget.delta)
