@@ -111,6 +111,13 @@ def test_a_first_run_over_the_budget_leaves_no_ledger(ledger):
     assert not ledger.path.exists() and ledger.charges() == ()
 
 
+def test_a_noise_free_run_is_refused_whatever_the_budget(ledger):
+    noise_free = RunEvents(delta=DELTA, gaussian=((20.0, 100), (0.0, 1)))
+    with pytest.raises(BudgetExceeded, match="alone costs ε = inf .* together ε = inf > the lifetime budget ε_L = 1e"):
+        ledger.admit(_charge("r1", events=noise_free), budget_epsilon=1e9, budget_delta=DELTA)
+    assert not ledger.path.exists()
+
+
 def test_every_message_of_a_run_is_admitted_on_its_one_charge(ledger, monkeypatch):
     """A deployment starts a ClientApp process per message: each admits again, without a second charge, even
     when the ledger is full (the run was charged for its whole schedule at its first message), and without
