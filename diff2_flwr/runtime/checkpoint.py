@@ -12,7 +12,8 @@ The checkpoint of round r is durable before anything of round r is written elsew
 metrics row, the summary, the parameters sent to the workers): it also carries round r's release
 row (kind, radius, noise std, clip fraction, ε, update norm), so a server that died after the
 checkpoint but before the row was written rewrites that row on resume (re-evaluating x_r, which is
-deterministic) instead of recomputing round r.
+deterministic) instead of recomputing round r. (The row is released as any other: without the clip
+fraction unless the resumed run sets ``evaluation.clip_stats``.)
 
 The routine's state (momentum buffer, Adam's moments and step count) is part of the server's
 state and is saved with it (format ``diff2-checkpoint/3``: the routine's name and parameters in
