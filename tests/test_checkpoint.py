@@ -316,3 +316,21 @@ def test_no_released_file_or_log_line_holds_the_noise_key(tmp_path, umask):
         content = p.read_bytes()
         assert not any(f.encode() in content for f in forms), p.name
     assert lines and not any(f in line for line in lines for f in forms)
+
+
+def test_the_images_never_receive_outputs_or_checkpoints():
+    """The Dockerfiles copy only the whitelisted build context, and .dockerignore keeps .npz/.npy files and output
+    folders out of it even under diff2_flwr/ (a checkpoint there would otherwise ship its noise key in an image)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    lines = [x.strip() for x in (root / ".dockerignore").read_text().splitlines() if x.strip() and x[0] != "#"]
+    allowed = [x[1:] for x in lines if x.startswith("!")]
+    assert lines[0] == "*" and allowed == ["pyproject.toml", "README.md", "diff2_flwr/"]
+    last_allow = max(i for i, x in enumerate(lines) if x.startswith("!"))
+    assert {"**/*.npz", "**/*.npy", "**/outputs"} <= set(lines[last_allow + 1:])  # after the exceptions: they win
+    for dockerfile in ("server/Dockerfile", "clients/Dockerfile"):
+        for line in (root / dockerfile).read_text().splitlines():
+            if line.split()[:1] in (["COPY"], ["ADD"]):
+                sources = [s for s in line.split()[1:-1] if not s.startswith("--")]
+                assert all(s.rstrip("/") in ("pyproject.toml", "README.md", "diff2_flwr") for s in sources), line
