@@ -65,6 +65,7 @@ def make_strategy(
     local_batch_size: int = 64,
     local_clip: float = 1.0,
     local_share: float = 0.5,
+    clip_stats: bool = False,
     progress: Callable[[str], None] | None = print,
 ) -> Diff2Strategy:
     """A Flower ``Strategy`` that runs DIFF2 with (ε, δ)-DP for ``rounds`` rounds over all ``clients``.
@@ -96,6 +97,9 @@ def make_strategy(
         local_steps, local_batch_size, local_clip, local_share: DIFF2's private BVR-L-SGD local routine, as
             the experiment file's ``local.*`` (0 steps: off; README "DIFF2 with a private local routine"). Each
             round then takes two Flower rounds: all P clients, then the one drawn for the K - 1 local steps.
+        clip_stats: release each round's ``clip_fraction`` (the share of records clipped) in the history,
+            metrics and progress lines. Off by default: it is counted on the private data without noise,
+            is not covered by ε, and is announced with a warning when on.
         progress: where progress lines go (None: silent).
 
     Returns:
@@ -115,7 +119,7 @@ def make_strategy(
         initial_parameters=initial_parameters, u=u, mode=mode, seed=seed, evaluate_fn=evaluate_fn,
         eval_every=eval_every, output_dir=output_dir, name=name, checkpoint=checkpoint, progress=progress,
         local_steps=local_steps, local_batch_size=local_batch_size, local_clip=local_clip, local_share=local_share,
-        _function=function,
+        clip_stats=clip_stats, _function=function,
     )
     return Diff2Strategy(server=server, round_retries=round_retries, wait_for_clients_s=wait_for_clients_s)
 

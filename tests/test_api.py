@@ -502,3 +502,24 @@ def test_make_strategy_takes_the_local_routine_and_checks_its_arguments():
         diff2_flwr.make_strategy(**ARGS, n_min=50, model=model, progress=None, local_steps=1)
     with pytest.raises(ValueError, match="local_batch_size"):
         diff2_flwr.make_strategy(**ARGS, n_min=50, model=model, progress=None, local_steps=3, local_batch_size=60)
+
+
+def test_make_strategy_releases_clip_statistics_only_when_asked_and_warns():
+    """Off by default (not covered by ε); ``clip_stats=True`` puts clip_fraction in the history with a warning;
+    a non-bool is refused with the YAML key's message, named as the caller wrote it."""
+    data = load_data(yaml_config())
+    model = lambda: PaperMLP(data.num_features, 10).double()  # noqa: E731
+    clients = [diff2_flwr.make_client(model=model(), loss=half_squared_error, data=data.shard(p), partition_id=p)
+               for p in range(3)]
+    for clip_stats in (False, True):
+        lines: list[str] = []
+        strategy = diff2_flwr.make_strategy(**ARGS, n_min=data.n_min, seed=7, model=model(), clip_stats=clip_stats,
+                                            progress=lines.append)
+        drive(strategy, clients)
+        history = strategy.server.history[1:]
+        assert all(("clip_fraction" in row) is clip_stats for row in history)
+        assert any("WARNING: evaluation.clip_stats is on" in line for line in lines) is clip_stats
+        assert any("clip_fraction=" in line for line in lines) is clip_stats
+    with pytest.raises(ConfigError, match=r"^diff2_flwr.make_strategy: argument `clip_stats`: expected true/false. "
+                                          r"Found 'yes'\.$"):
+        diff2_flwr.make_strategy(**ARGS, n_min=10, model=model(), clip_stats="yes", progress=None)

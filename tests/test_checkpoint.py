@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 
 import numpy as np
 import pytest
@@ -228,3 +230,100 @@ def test_a_crash_between_checkpoint_and_row_resumes_without_recomputing_the_roun
     assert strip(rows(second)) == strip(rows(reference))
     np.testing.assert_array_equal(second.state.x, reference.state.x)
     assert len(second.ledger.events) == ROUNDS and second.epsilon_spent == reference.epsilon_spent
+
+
+# --------------------------------------------------------------------------- the checkpoint is a secret
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test (restored after)."""
+    saved = os.umask(0o022)
+    try:
+        yield os.umask
+    finally:
+        os.umask(saved)
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def secret_config(tmp_path, seed=None):
+    """``config``, with the checkpoint in folders that do not exist yet (created for it)."""
+    data = config(tmp_path, seed=seed).to_dict()
+    data["output"] = {"dir": str(tmp_path / "out"), "checkpoint": str(tmp_path / "private" / "state" / "ck.npz")}
+    return parse_config(data)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o000, 0o277], ids=lambda m: f"umask-{m:03o}")
+def test_the_checkpoint_and_its_folders_are_owner_only_whatever_the_umask(tmp_path, umask, mask):
+    """The noise key is the noise: 0600 file, 0700 folders created for it, even under umask 000 (or 277, which
+    would strip the owner's own bits from a file created with the umask)."""
+    umask(mask)
+    cfg = secret_config(tmp_path)
+    path = tmp_path / "private" / "state" / "ck.npz"  # neither folder exists: both are created for the checkpoint
+    server = drive(cfg, build_server(cfg, progress=None), 2)
+    assert mode(path) == 0o600, f"{mode(path):o}"
+    assert mode(path.parent) == 0o700 and mode(path.parent.parent) == 0o700
+    assert not path.with_name("ck.npz.tmp").exists()
+    assert server.state.round == 2 and not server.state.noise_seeded
+
+
+def test_a_stale_temporary_file_is_replaced_not_reused(tmp_path, umask):
+    cfg = secret_config(tmp_path)
+    path = tmp_path / "private" / "state" / "ck.npz"
+    server = drive(cfg, build_server(cfg, progress=None), 1)
+    stale = path.with_name("ck.npz.tmp")
+    stale.write_bytes(b"left by a crash")
+    os.chmod(stale, 0o666)
+    drive(cfg, server, 2)
+    assert mode(path) == 0o600 and not stale.exists()
+
+
+@pytest.mark.parametrize("wide", [0o644, 0o640, 0o604, 0o620], ids=lambda m: f"{m:04o}")
+def test_resuming_from_a_checkpoint_others_may_read_or_write_is_refused_until_chmod_600(tmp_path, umask, wide):
+    cfg = secret_config(tmp_path)
+    path = tmp_path / "private" / "state" / "ck.npz"
+    drive(cfg, build_server(cfg, progress=None), 2)
+    os.chmod(path, wide)  # e.g. a checkpoint written before this fix, or copied with cp
+    with pytest.raises(CheckpointError, match=rf"ck.npz has mode {wide:04o}: group or others may read or write it.*"
+                                              rf"noise key.*`chmod 600 {path}`"):
+        build_server(cfg, progress=None)
+    os.chmod(path, 0o600)
+    assert build_server(cfg, progress=None).state.round == 2
+
+
+def test_no_released_file_or_log_line_holds_the_noise_key(tmp_path, umask):
+    """The OS-entropy key is only in the checkpoint; never in metrics, summary, curves, parameters, logs. (A seeded
+    run's key is its seed: in the config, the run config and the summary by design, and warned about.)"""
+    cfg = secret_config(tmp_path, seed=None)
+    lines = []
+    server = drive(cfg, build_server(cfg, progress=lines.append), ROUNDS)
+    key = server.state.noise_key
+    with np.load(tmp_path / "private" / "state" / "ck.npz") as data:
+        assert json.loads(str(data["meta"]))["noise_key"] == str(key)  # the file that must be a secret
+    forms = {str(key), f"{key:x}", f"{key:X}", f"{key:#x}"}
+    files = [p for p in server.recorder.directory.iterdir() if p.is_file()]
+    assert {p.name for p in files} >= {"metrics.jsonl", "summary.json", "curves.png", "final_parameters.npy"}
+    for p in files:
+        content = p.read_bytes()
+        assert not any(f.encode() in content for f in forms), p.name
+    assert lines and not any(f in line for line in lines for f in forms)
+
+
+def test_the_images_never_receive_outputs_or_checkpoints():
+    """The Dockerfiles copy only the whitelisted build context, and .dockerignore keeps .npz/.npy files and output
+    folders out of it even under diff2_flwr/ (a checkpoint there would otherwise ship its noise key in an image)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    lines = [x.strip() for x in (root / ".dockerignore").read_text().splitlines() if x.strip() and x[0] != "#"]
+    allowed = [x[1:] for x in lines if x.startswith("!")]
+    assert lines[0] == "*" and allowed == ["pyproject.toml", "README.md", "diff2_flwr/"]
+    last_allow = max(i for i, x in enumerate(lines) if x.startswith("!"))
+    assert {"**/*.npz", "**/*.npy", "**/outputs"} <= set(lines[last_allow + 1:])  # after the exceptions: they win
+    for dockerfile in ("server/Dockerfile", "clients/Dockerfile"):
+        for line in (root / dockerfile).read_text().splitlines():
+            if line.split()[:1] in (["COPY"], ["ADD"]):
+                sources = [s for s in line.split()[1:-1] if not s.startswith("--")]
+                assert all(s.rstrip("/") in ("pyproject.toml", "README.md", "diff2_flwr") for s in sources), line

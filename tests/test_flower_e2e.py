@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,7 @@ def check_completed_run(rows: list[dict], summary: dict, epsilon: float) -> None
     assert spent == sorted(spent) and spent[-1] == pytest.approx(epsilon, rel=1e-6)
     assert summary["privacy"]["epsilon_spent"] == pytest.approx(epsilon, rel=1e-6)
     assert all(r["noise_std"] > 0 for r in rows[1:])
+    assert not any("clip_fraction" in r for r in rows)  # not covered by ε: withheld unless evaluation.clip_stats
 
 
 def test_synthetic_simulation_completes_learns_and_is_reproducible(tmp_path):
@@ -108,12 +111,20 @@ def test_a_study_through_the_flower_engine_equals_the_batch_engine(tmp_path):
 
 
 def test_server_crash_and_restart_resumes_the_same_trajectory(tmp_path):
-    """Kill the ServerApp after round 4 (fault injection), run again: it resumes from the checkpoint."""
-    config = write_config(tmp_path, "crash", output={"dir": str(tmp_path / "out"),
-                                                     "checkpoint": str(tmp_path / "state.npz")})
-    with pytest.raises(SimulationFailed, match="fault injection"):
-        run_simulation(str(config), echo=False, env={"DIFF2_FAULT_CRASH_AFTER_ROUND": "4"})
-    resumed = run_simulation(str(config), echo=False)
+    """Kill the ServerApp after round 4 (fault injection), run again: it resumes from the checkpoint. Under umask
+    022 the ServerApp (a process of Flower's) leaves the checkpoint, which holds the noise key, owner-only."""
+    checkpoint = tmp_path / "private" / "state.npz"
+    config = write_config(tmp_path, "crash", output={"dir": str(tmp_path / "out"), "checkpoint": str(checkpoint)})
+    saved = os.umask(0o022)
+    try:
+        with pytest.raises(SimulationFailed, match="fault injection"):
+            run_simulation(str(config), echo=False, env={"DIFF2_FAULT_CRASH_AFTER_ROUND": "4"})
+        assert stat.S_IMODE(checkpoint.stat().st_mode) == 0o600
+        assert stat.S_IMODE(checkpoint.parent.stat().st_mode) == 0o700
+        resumed = run_simulation(str(config), echo=False)
+    finally:
+        os.umask(saved)
+    assert stat.S_IMODE(checkpoint.stat().st_mode) == 0o600
     assert "resumed from" in resumed.log and "after round 4" in resumed.log
     rows, summary = read_run(resumed)
     check_completed_run(rows, summary, 3.0)
@@ -126,7 +137,7 @@ def test_server_crash_and_restart_resumes_the_same_trajectory(tmp_path):
 
 
 ADAM_KEYS = {"training.clients": 2, "training.rounds": 4, "training.seed": 5, "training.routine.name": "adam",
-             "training.routine.beta1": 0.8, "training.learning_rate": 0.02}
+             "training.routine.beta1": 0.8, "training.learning_rate": 0.02, "evaluation.clip_stats": True}
 LOCAL_KEYS = {"training.clients": 2, "training.rounds": 4, "training.seed": 5, "local.steps": 3, "local.batch_size": 64}
 
 
@@ -149,8 +160,13 @@ def test_overridden_keys_reach_the_server_app_and_every_client_app(tmp_path, key
     if keys is ADAM_KEYS:
         assert summary["routine"] == {"name": "adam", "learning_rate": 0.02, "beta1": 0.8, "beta2": 0.999,
                                       "eps": 1e-8, "weight_decay": 0.0}
+        # clip statistics opted in through the run config: released, and warned about on the console and in the summary
+        assert all(0 <= r["clip_fraction"] <= 1 for r in rows[1:])
+        assert "WARNING: evaluation.clip_stats is on" in result.log
+        assert any(w.startswith("evaluation.clip_stats is on") for w in summary["warnings"])
     else:
         assert summary["config"]["local"]["steps"] == 3
+        assert not any("clip_fraction" in r for r in rows)
         assert summary["privacy"]["calibration"]["local"]["batch_size"] == 64
         assert result.log.count("configure_fit: strategy sampled 1 clients") == 4  # one local phase per DIFF2 round
         assert [r["local_worker"] for r in rows[1:]] == [r["local_worker"] for r in reference.history[1:]]

@@ -24,6 +24,11 @@ def config(**training):
     })
 
 
+def with_clip_stats(cfg, on=True):
+    """``cfg`` with ``evaluation.clip_stats`` (the rows then carry clip_fraction)."""
+    return parse_config({**cfg.to_dict(), "evaluation": {**cfg.to_dict()["evaluation"], "clip_stats": on}})
+
+
 def drive(cfg, server):
     while not server.done:
         plan = server.plan()
@@ -37,7 +42,7 @@ def drive(cfg, server):
 
 def test_method_gd_through_the_whole_stack_is_full_batch_gd():
     """σ = 0, no clipping, T = 1: x_r = x_{r-1} - η (1/P) Σ_p ∇f_p(x_{r-1}), checked with plain autograd."""
-    cfg = config(method="gd", restart_every=None)
+    cfg = with_clip_stats(config(method="gd", restart_every=None))
     server = drive(cfg, build_server(cfg, record=False, progress=None))
     data = load_data(cfg)
     model = PaperMLP(4, 10).double()
@@ -54,7 +59,7 @@ def test_method_gd_through_the_whole_stack_is_full_batch_gd():
 
 
 def test_outputs_and_ledger(tmp_path):
-    cfg = config()
+    cfg = with_clip_stats(config())
     server = drive(cfg, build_server(cfg, output_root=tmp_path, progress=None))
     run_dir = next(tmp_path.iterdir())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -187,3 +192,39 @@ def test_noise_key_comes_from_os_entropy_per_run_and_a_seed_is_flagged(tmp_path)
     assert seeded.state.noise_seeded and seeded.summary()["privacy"]["noise_key"].startswith("seed (reproducible")
     assert any("WARNING: training.seed is set, so the noise is reproducible by anyone who knows the seed" in line
                for line in lines)
+
+
+def released(tmp_path, cfg):
+    """Run ``cfg`` recording into ``tmp_path``: (metrics rows, summary.json text, console lines, history)."""
+    lines: list[str] = []
+    server = drive(cfg, build_server(cfg, output_root=tmp_path, progress=lines.append))
+    run_dir = server.recorder.directory
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows, (run_dir / "summary.json").read_text(), lines, server.history
+
+
+def test_clip_statistics_are_withheld_by_default(tmp_path):
+    """The clip counts are data-dependent and not covered by ε: by default no released file or line carries them."""
+    rows, summary, lines, history = released(tmp_path, config(seed=None))
+    assert len(rows) == 9 and all("clip_fraction" not in r for r in rows + history)
+    assert "clip_fraction" not in summary and json.loads(summary)["config"]["evaluation"]["clip_stats"] is False
+    assert any(line.startswith("[diff2] round 8/8") for line in lines)
+    assert not any("clip_fraction" in line or "clip_stats" in line or "clipped" in line for line in lines)
+    assert not any("clip_stats" in w or "clip_fraction" in w for w in json.loads(summary).get("warnings", []))
+
+
+def test_clip_statistics_are_released_only_when_opted_in_and_then_warned(tmp_path):
+    rows, summary, lines, history = released(tmp_path, with_clip_stats(config(seed=None)))
+    assert all(0 <= r["clip_fraction"] <= 1 for r in rows[1:]) and "clip_fraction" not in rows[0]
+    assert [r["clip_fraction"] for r in rows[1:]] == [r["clip_fraction"] for r in history[1:]]
+    warning = "[diff2] WARNING: evaluation.clip_stats is on: each round's clip_fraction"
+    assert any(line.startswith(warning) and "NOT covered by ε" in line for line in lines)
+    assert any(line.startswith("[diff2] round 1/8") and "clip_fraction=" in line for line in lines)
+    assert any(w.startswith("evaluation.clip_stats is on") for w in json.loads(summary)["warnings"])
+
+
+def test_a_seeded_run_says_in_its_summary_that_the_seed_is_the_noise_key():
+    summary = build_server(config(seed=5), record=False, progress=None).summary()
+    assert any("The seed is the noise key" in w for w in summary["warnings"])
+    assert not any("seed" in w for w in build_server(config(seed=None), record=False, progress=None)
+                   .summary().get("warnings", []))

@@ -12,15 +12,20 @@ The checkpoint of round r is durable before anything of round r is written elsew
 metrics row, the summary, the parameters sent to the workers): it also carries round r's release
 row (kind, radius, noise std, clip fraction, ε, update norm), so a server that died after the
 checkpoint but before the row was written rewrites that row on resume (re-evaluating x_r, which is
-deterministic) instead of recomputing round r.
+deterministic) instead of recomputing round r. (The row is released as any other: without the clip
+fraction unless the resumed run sets ``evaluation.clip_stats``.)
 
 The routine's state (momentum buffer, Adam's moments and step count) is part of the server's
 state and is saved with it (format ``diff2-checkpoint/3``: the routine's name and parameters in
 the metadata, its arrays beside x_r); a checkpoint is resumed only by the same routine with the
 same parameters. Format 2 (no routine state: GD only) is still read.
 
-The file holds the secret noise key: protect it like the data (anyone with the key and the
-released iterates can subtract the noise).
+The file holds the secret noise key (or, in a seeded run, the seed it is derived from): anyone
+with it and the released iterates subtracts the noise. It is therefore written owner-only whatever
+the umask — the temporary file is created with mode 0600 (``os.open``, then ``fchmod`` before a
+byte is written) and renamed over the checkpoint, and the folders created for it are 0700 — and a
+checkpoint that others can read or write is refused on resume: the key may have leaked, or the file
+been replaced.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,12 +44,17 @@ from ..core.estimator import Diff2State
 from ..core.routines import Routine, describe_routine
 from ..core.privacy import GaussianEvent, PrivacyLedger
 
-__all__ = ["CheckpointError", "Checkpoint", "config_fingerprint", "save_checkpoint", "load_checkpoint"]
+__all__ = ["CheckpointError", "Checkpoint", "config_fingerprint", "save_checkpoint", "load_checkpoint",
+           "check_owner_only", "OWNER_ONLY", "PRIVATE_DIR"]
 
 _FORMAT = "diff2-checkpoint/3"
 #: Formats still read: 2 had no routine state (it refused to write any, so it is always GD's).
 _READABLE = ("diff2-checkpoint/2", _FORMAT)
 _ROUTINE_ARRAY = "routine."  # prefix of the routine state's arrays in the file
+#: The mode of a checkpoint (and of its temporary file): it holds the noise key, a secret.
+OWNER_ONLY = 0o600
+#: The mode of the folders created for a checkpoint.
+PRIVATE_DIR = 0o700
 
 
 class CheckpointError(RuntimeError):
@@ -91,13 +102,73 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     if s.v is not None:
         arrays["v"] = s.v
     arrays |= {_ROUTINE_ARRAY + k: a for k, a in routine_arrays.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _private_folders(path.parent)
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as fh:
+    with _owner_only(tmp) as fh:
         np.savez(fh, meta=np.array(json.dumps(meta)), **arrays)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    _fsync_folder(path.parent)
+
+
+def _private_folders(folder: Path) -> None:
+    """Create ``folder`` and its missing parents owner-only (0700 whatever the umask); leave existing ones alone."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for created in reversed(missing):
+        created.mkdir(mode=PRIVATE_DIR)
+        os.chmod(created, PRIVATE_DIR)  # the umask may have removed owner bits; the folder is still empty
+
+
+def _owner_only(tmp: Path):
+    """A new file opened for writing with mode 0600 set before anything is written, whatever the umask.
+
+    A temporary file left by a crash is removed first: ``O_EXCL`` then creates a fresh one (never follows
+    a link planted there, never inherits a wider mode).
+    """
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), OWNER_ONLY)
+    try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, OWNER_ONLY)  # the umask may have removed the owner's bits
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the rename durable (POSIX; a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def check_owner_only(path: Path) -> None:
+    """Refuse a checkpoint that others may read or write: its noise key may have leaked, or the file been replaced."""
+    if os.name != "posix":
+        return
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return  # np.load says what is wrong with a file that cannot be read
+    if mode & 0o077:
+        raise CheckpointError(
+            f"Checkpoint {path} has mode {mode:04o}: group or others may read or write it, but it holds the run's secret "
+            "noise key (whoever reads it can subtract the noise from every released iterate). Resuming is refused. "
+            f"If nobody else could have read or replaced it, make it owner-only with `chmod 600 {path}` and run "
+            "again; otherwise treat this run's released outputs as not private and start over (delete the file)."
+        )
 
 
 def _split_routine_state(state: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -166,8 +237,10 @@ def load_checkpoint(path: Path, fingerprint: str, *, routine: Routine | None = N
 
     ``routine`` is the run's routine: the checkpoint must have been written by the same routine with
     the same parameters, and its state is rebuilt (shaped like ``routine.init(x0)``). Without
-    ``routine`` only a checkpoint of a stateless routine can be read.
+    ``routine`` only a checkpoint of a stateless routine can be read. A checkpoint that group or others
+    may read or write is refused (:func:`check_owner_only`).
     """
+    check_owner_only(path)
     try:
         with np.load(path, allow_pickle=False) as data:
             meta = json.loads(str(data["meta"]))

@@ -421,6 +421,7 @@ class EvaluationConfig:
     every: int = 1  # evaluate x_r every this many rounds (and always at rounds 0 and R)
     train_metrics: bool = True  # train loss and ||∇f||² on the private train split (not covered by ε)
     test_metrics: bool = True
+    clip_stats: bool = False  # each round's clip_fraction in the released rows (counts of private records, not covered by ε)
 
     def __post_init__(self) -> None:
         _require(self.every >= 1, "every", "an integer >= 1", self.every)

@@ -49,6 +49,16 @@ __all__ = ["Diff2Server", "Worker", "Diverged", "check_mechanism", "load_data", 
 BUDGET_RTOL = 1e-9
 #: ... and the PLD accountant by its (pessimistic) discretisation only.
 PLD_RTOL = 0.01
+#: Row keys computed from the private records without noise, released only with ``evaluation.clip_stats``
+#: (the server itself uses the workers' clip counts only to check each reply).
+CLIP_STATS = ("clip_fraction",)
+CLIP_STATS_WARNING = ("evaluation.clip_stats is on: each round's clip_fraction (the share of the private training "
+                      "records whose gradient or gradient difference was clipped) is counted on the private data "
+                      "without noise; it leaks and is NOT covered by ε. Research only: set evaluation.clip_stats: "
+                      "false for anything deployed.")
+SEED_WARNING = ("training.seed is set, so the noise is reproducible by anyone who knows the seed; use seeds for "
+                "research only. The seed is the noise key: whoever knows it (from the config, the run config, the "
+                "summary or the checkpoint) can subtract the noise from the released iterates.")
 
 
 def check_mechanism(mechanism: Mechanism, calibration: Calibration, *, rounds: int, clients: int, n_min: int,
@@ -107,6 +117,7 @@ class Diff2Server:
         fingerprint: str = "",
         resume: Checkpoint | None = None,
         local: LocalMechanism | None = None,
+        clip_stats: bool = False,
     ) -> None:
         if layout.dim != x0.size:
             raise ValueError(f"x0 has {x0.size} entries but the model has {layout.dim} parameters.")
@@ -118,6 +129,7 @@ class Diff2Server:
             raise CheckpointError("Checkpoints of the local routine are not supported yet.")
         self.mechanism, self.routine, self.layout = mechanism, routine, layout
         self.local = local
+        self.clip_stats = clip_stats  # release CLIP_STATS (unaccounted) in the rows
         self.pending: tuple[RoundPlan, np.ndarray, Any, LocalTask] | None = None  # a round awaiting its local phase
         self.rounds, self.clients, self.n_min = rounds, clients, n_min
         self.calibration = calibration
@@ -316,6 +328,10 @@ class Diff2Server:
         return self.evaluator(x)
 
     def _record(self, row: dict) -> None:
+        """Release round r's row: history, metrics.jsonl, the console (without the clip statistics unless opted in)."""
+        if not self.clip_stats:
+            for key in CLIP_STATS:
+                row.pop(key, None)
         row["elapsed_s"] = time.perf_counter() - self._started
         self.history.append(row)
         if self.recorder:
@@ -511,6 +527,7 @@ def make_server(
     checkpoint: str | Path | None = None,
     progress: Callable[[str], None] | None = print,
     run_info: Mapping[str, Any] | None = None,
+    clip_stats: bool = False,
     _function: str = "diff2_flwr.make_server",
     _section: str = "",
 ) -> Diff2Server:
@@ -525,7 +542,8 @@ def make_server(
     server's state is durable after every round, and an existing checkpoint of the same run is resumed.
     ``run_info``: extra fields of the summary; its ``"config"`` (the experiment file, on the YAML path) also
     identifies the run for a checkpoint. ``routine``: ``training.routine``'s value (a name, or a mapping with
-    ``name`` and the routine's parameters); its step is ``learning_rate``.
+    ``name`` and the routine's parameters); its step is ``learning_rate``. ``clip_stats``: release each round's
+    ``clip_fraction`` (``evaluation.clip_stats``; off by default: it is not covered by ε, and is announced as such).
 
     References:
         Murata & Suzuki (2023), Algorithm 1 (server lines); Theorem 4.1 (the noise for (ε, δ)).
@@ -536,8 +554,10 @@ def make_server(
                 "seed": seed}
     local = {"steps": local_steps, "batch_size": local_batch_size, "clip": local_clip, "share": local_share}
     spec: ExperimentConfig = from_arguments(_function, {"method": method, "privacy": privacy, "training": training,
-                                                        "local": local, "evaluation": {"every": eval_every}},
-                                            renamed={"evaluation.every": "eval_every", "local.steps": "local_steps",
+                                                        "local": local, "evaluation": {"every": eval_every,
+                                                                                       "clip_stats": clip_stats}},
+                                            renamed={"evaluation.every": "eval_every",
+                                                     "evaluation.clip_stats": "clip_stats", "local.steps": "local_steps",
                                                      "local.batch_size": "local_batch_size", "local.clip": "local_clip",
                                                      "local.share": "local_share",
                                                      **{f"training.routine.{k}": f"routine.{k}" for k in _ROUTINE_KEYS}})
@@ -586,11 +606,9 @@ def make_server(
         info["output_dir"] = str(run_dir)
         if progress:
             progress(f"[diff2] writing per-round metrics and summary to {run_dir}")
-    if progress and seed is None and calibration is not None:
-        progress("[diff2] noise key drawn from OS entropy (no training.seed): the noise is not reproducible.")
-    elif progress and calibration is not None:
-        progress("[diff2] WARNING: training.seed is set, so the noise is reproducible by anyone who knows the seed; "
-                 "use seeds for research only.")
+    warnings = _announce(spec, calibration, progress)
+    if warnings:
+        info["warnings"] = [*info.get("warnings", ()), *warnings]
     return Diff2Server(
         mechanism=spec.mechanism(calibration),
         routine=spec.training.routine.build(spec.training.learning_rate),
@@ -598,7 +616,23 @@ def make_server(
         calibration=calibration, seed=spec.training.seed, evaluator=evaluator, eval_every=spec.evaluation.every,
         recorder=recorder, run_info=info, progress=progress, checkpoint_path=checkpoint_path,
         fingerprint=fingerprint, resume=resume, local=spec.local_mechanism(calibration),
+        clip_stats=spec.evaluation.clip_stats,
     )
+
+
+def _announce(spec: ExperimentConfig, calibration: Calibration | None,
+              progress: Callable[[str], None] | None) -> list[str]:
+    """Say where the noise key comes from, and return (and say) the warnings of the server's own settings: clip
+    statistics released (outside ε), a seeded noise key (the seed is the key). They go into the summary too."""
+    warnings = [CLIP_STATS_WARNING] if spec.evaluation.clip_stats else []
+    if calibration is not None and spec.training.seed is not None:
+        warnings.append(SEED_WARNING)
+    if progress and calibration is not None and spec.training.seed is None:
+        progress("[diff2] noise key drawn from OS entropy (no training.seed): the noise is not reproducible.")
+    for warning in warnings:
+        if progress:
+            progress(f"[diff2] WARNING: {warning}")
+    return warnings
 
 
 def _closed_form_applies(model: torch.nn.Module, loss: LossFn) -> bool:
@@ -813,6 +847,7 @@ def build_server(
         local_share=cfg.local.share,
         evaluate_fn=evaluate_fn, eval_every=cfg.evaluation.every,
         output_dir=(output_root or cfg.output.dir) if record else None, name=cfg.name,
-        checkpoint=cfg.output.checkpoint, progress=progress, run_info=run_info, _function=cfg.source,
+        checkpoint=cfg.output.checkpoint, progress=progress, run_info=run_info,
+        clip_stats=cfg.evaluation.clip_stats, _function=cfg.source,
         _section="privacy.",
     )
