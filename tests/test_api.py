@@ -71,7 +71,7 @@ def yaml_config(model: dict | None = None, **training):
             "privacy": {"epsilon": ARGS["epsilon"], "delta": ARGS["delta"]},
             "training": {k: ARGS[k] for k in ("rounds", "restart_every", "clients", "clip_restart", "clip_diff",
                                               "learning_rate")} | {"seed": 7} | training,
-            "evaluation": {"train_metrics": False, "test_metrics": True}}
+            "evaluation": {"train_metrics": False, "test_metrics": True, "clip_stats": True}}
     if model is not None:
         data["model"] = model
     return parse_config(data)
@@ -103,7 +103,7 @@ def test_api_run_is_the_yaml_run_bit_for_bit(model):
                 return {"test_loss": float(half_squared_error(m(test[0]), test[1]).mean())}
 
         strategy = diff2_flwr.make_strategy(**ARGS, n_min=data.n_min, seed=7, model=net(), evaluate_fn=evaluate,
-                                            progress=None)
+                                            progress=None, clip_stats=True)
         clients = [diff2_flwr.make_client(model=net(), loss=half_squared_error, data=data.shard(p), partition_id=p)
                    for p in range(3)]
         kind = PaperMLPGradients if model is None else PerSampleGradients
@@ -113,6 +113,7 @@ def test_api_run_is_the_yaml_run_bit_for_bit(model):
     np.testing.assert_array_equal(strategy.server.state.x, reference.state.x)
     for mine, theirs in zip(strategy.server.history, reference.history):
         for key in ("round", "kind", "radius", "noise_std", "clip_fraction", "epsilon_spent", "update_norm"):
+            assert key in theirs or mine["round"] == 0, key  # both opted in to clip_fraction
             assert mine.get(key) == theirs.get(key), key
         assert mine["test_loss"] == pytest.approx(theirs["test_loss"], rel=1e-12)
     assert strategy.server.epsilon_spent == pytest.approx(ARGS["epsilon"], rel=1e-9)
