@@ -164,3 +164,33 @@ def test_certificate_names_ipv4_ipv6_and_dns_hosts_correctly(tmp_path):
     assert san.get_values_for_type(x509.DNSName) == ["superlink", "fl.example.org"]
     assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"),
                                                        ipaddress.ip_address("2001:db8::7")]
+
+
+def test_operator_takes_data_owners_public_keys_and_refuses_anything_else(tmp_path, capsys):
+    """Node keys made on the data owner's side: the operator's `diff2 certs --node-pub` copies the public keys it
+    is sent (as Flower's register reads them) and refuses a private key, a non-key and a key sent twice."""
+    from flwr.cli.supernode.register import try_load_public_key
+
+    owners = [tmp_path / f"owner-{i}" for i in range(2)]
+    for i, folder in enumerate(owners):
+        assert main(["node-key", "--out", str(folder)]) == 0
+    printed = capsys.readouterr().out
+    pubs = [str(folder / "supernode.pub") for folder in owners]
+    assert main(["certs", "--out", str(tmp_path / "op"), "--host", "sl.example.org", "--node-pub", *pubs]) == 0
+    out = capsys.readouterr().out
+    for i, folder in enumerate(owners):
+        copied = tmp_path / "op" / f"supernode-{i}.pub"
+        assert try_load_public_key(copied) == try_load_public_key(folder / "supernode.pub")
+        assert f"flwr supernode register {copied}" in out
+        assert (folder / "supernode.pub").read_text().strip() in printed  # what the owner is told to send
+        assert (folder / "supernode.key").read_text() not in printed
+    assert not list((tmp_path / "op").glob("supernode-*.key"))  # the operator holds no data owner's key
+    bad = tmp_path / "bad.pub"
+    bad.write_text("ssh-rsa AAAA not a key\n")
+    refused = [([str(owners[0] / "supernode.key")], "is a private key"), ([str(bad)], "expected a SuperNode public key"),
+               ([pubs[0], pubs[0]], "same public key"), ([str(tmp_path / "missing.pub")], "no such file")]
+    for files, match in refused:
+        assert main(["certs", "--out", str(tmp_path / "op2"), "--node-pub", *files]) == 2
+        assert match in capsys.readouterr().err
+    assert not (tmp_path / "op2").exists()  # refused before anything was written
+    assert main(["certs", "--out", str(tmp_path / "op3"), "--clients", "2", "--node-pub", pubs[0]]) == 2
