@@ -256,7 +256,7 @@ def _node_key(args: argparse.Namespace) -> int:
 
 
 def _secret(args: argparse.Namespace) -> int:
-    from .deploy.secrets import make_superexec_secret
+    from .runtime.secret_files import make_superexec_secret
 
     for name in args.names:
         if "/" in name or name in ("", ".", ".."):

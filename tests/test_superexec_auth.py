@@ -16,7 +16,7 @@ import pytest
 
 from diff2_flwr.cli import main
 from diff2_flwr.deploy.native import start_superlink
-from diff2_flwr.deploy.secrets import make_superexec_secret, private_folder, write_private
+from diff2_flwr.runtime.secret_files import make_superexec_secret, private_folder, write_private
 from diff2_flwr.runtime.launch import _free_ports, _stop, _tool, _wait_healthy, flwr_env, start
 
 pytestmark = [pytest.mark.flower]
@@ -135,3 +135,38 @@ def test_every_private_file_the_cli_writes_is_owner_only_under_umask_022(tmp_pat
     # with --node-pub the operator's folder holds the data owner's public key, and no private key but its own
     assert sorted(p.name for p in (tmp_path / "certs").iterdir()) == ["ca.crt", "server.key", "server.pem",
                                                                       "supernode-0.pub"]
+
+
+class _Probe:
+    """A console for run_simulation that, on the first line (the SuperLink and its SuperExec are up), sends an
+    unsigned AcquireTask to the simulation's SuperLink."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.status = port, None
+
+    def feed(self, line: str) -> None:
+        if self.status is None:
+            self.status = acquire_task(self.port, None)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_simulation_superlink_refuses_unsigned_runtime_requests(tmp_path, monkeypatch):
+    """`diff2 run` / run_simulation: a local user who reaches the loopback port cannot take the simulation's task."""
+    import yaml
+
+    from diff2_flwr.runtime import launch
+
+    ports = _free_ports(2)
+    monkeypatch.setattr(launch, "_free_ports", lambda n: ports[:n])
+    path = tmp_path / "sim.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "sim", "method": "diff2", "dataset": {"name": "synthetic", "num_samples": 300},
+        "training": {"rounds": 1, "restart_every": 1, "clients": 2, "seed": 4},
+        "output": {"dir": str(tmp_path / "out")},
+    }))
+    probe = _Probe(ports[0])
+    result = launch.run_simulation(str(path), console=probe)
+    print(f"unsigned AcquireTask on the simulation's SuperLink: HTTP {probe.status}; run {result.status}")
+    assert probe.status == 401 and result.status == "finished:completed"

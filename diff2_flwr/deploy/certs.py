@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .secrets import private_folder, write_private
+from ..runtime.secret_files import private_folder, write_private
 
 __all__ = ["Certificates", "NodeKey", "load_node_public_keys", "make_certificates", "make_node_key", "make_node_keys",
            "node_key_names"]

@@ -57,7 +57,7 @@ from ..runtime.launch import (
 from ..runtime.paths import APP_DIR, resolve_config_path
 from ..runtime.shard_files import shard_name
 from .certs import Certificates, NodeKey, make_certificates, make_node_keys
-from .secrets import make_superexec_secret
+from ..runtime.secret_files import make_superexec_secret
 from .compose import CONTAINER_OUTPUTS
 from .shards import write_shards
 

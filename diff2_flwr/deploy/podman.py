@@ -57,7 +57,7 @@ from ..runtime.paths import APP_DIR
 from .certs import make_certificates, make_node_keys
 from .compose import CONTAINER_OUTPUTS, FLWR_VERSION, SUPERLINK_PORT, certificate_hosts
 from .native import _list_nodes, _register
-from .secrets import make_superexec_secret
+from ..runtime.secret_files import make_superexec_secret
 from .shards import write_shards
 
 __all__ = ["ComposeStack", "ImageReport", "PodmanError", "STANDIN_TARGETS", "ensure_images", "podman_env",
