@@ -212,19 +212,29 @@ def _certs(args: argparse.Namespace) -> int:
     certs = make_certificates(args.out, tuple(args.host))
     print(f"CA: {certs.ca} (send it to every data owner)\nserver certificate: {certs.cert}\n"
           f"server key: {certs.key} (0600: stays on the SuperLink host)")
-    for i, public in enumerate(publics):
-        print(f"data owner {i}: public key {public} (register: flwr supernode register {public} <connection>)")
+    for public in publics:
+        print(f"data owner {public.stem.split('-')[-1]}: public key {public} (register: flwr supernode register "
+              f"{public} <connection>)")
     return _test_node_keys(args.out, args.clients)
 
 
 def _node_publics(files: list[str], out: Path) -> list[Path]:
-    """The data owners' public keys checked, then copied as ``out/supernode-<i>.pub`` in the order given."""
+    """The data owners' public keys checked, then copied as ``out/supernode-<i>.pub``: i from a file already named
+    so (``diff2 node-key --name supernode-<i>``), else its position among the files given."""
+    import re
+
     from .deploy.certs import load_node_public_keys, node_key_names
 
     keys = load_node_public_keys(files)
+    found = [re.fullmatch(r"supernode-(\d+)\.pub", Path(f).name) for f in files]
+    indices = [int(m.group(1)) if m else i for i, m in enumerate(found)]
+    if len(set(indices)) < len(indices):
+        raise ValueError(f"--node-pub {' '.join(files)}: two files would both be data owner "
+                         f"{max(indices, key=indices.count)}'s key. Name each supernode-<i>.pub after its owner's "
+                         "index, or give them all in the owners' order under other names.")
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for i, key in enumerate(keys):
+    for i, key in sorted(zip(indices, keys)):
         path = out / node_key_names(i)[1]
         path.write_bytes(key + b"\n")
         paths.append(path)
@@ -369,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "name the SuperNodes dial, the address the operator's flwr uses")
     certs.add_argument("--node-pub", nargs="+", metavar="FILE", default=None,
                        help="the data owners' public keys (each made with `diff2 node-key` on its owner's machine), "
-                            "checked and copied as supernode-<i>.pub in the order given, for `flwr supernode register`")
+                            "checked and copied as supernode-<i>.pub for `flwr supernode register` (i from a file "
+                            "named supernode-<i>.pub, else the order given)")
     certs.add_argument("--clients", type=int, default=0,
                        help="ONE-MACHINE TESTS ONLY: also make P SuperNode key pairs here, supernode-<i>.key/.pub "
                             "(whoever holds this folder then holds every data owner's key; default %(default)s)")

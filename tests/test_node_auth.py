@@ -185,10 +185,19 @@ def test_operator_takes_data_owners_public_keys_and_refuses_anything_else(tmp_pa
         assert (folder / "supernode.pub").read_text().strip() in printed  # what the owner is told to send
         assert (folder / "supernode.key").read_text() not in printed
     assert not list((tmp_path / "op").glob("supernode-*.key"))  # the operator holds no data owner's key
+    # a key named after its owner keeps its index, whatever the order or how many came in so far
+    assert main(["node-key", "--out", str(tmp_path / "owner-7"), "--name", "supernode-7"]) == 0
+    assert main(["certs", "--out", str(tmp_path / "op7"), "--node-pub", str(tmp_path / "owner-7" / "supernode-7.pub")]) == 0
+    assert [p.name for p in (tmp_path / "op7").glob("*.pub")] == ["supernode-7.pub"]
+    capsys.readouterr()
+    named_one = tmp_path / "named" / "supernode-1.pub"
+    named_one.parent.mkdir()
+    named_one.write_bytes(Path(pubs[0]).read_bytes())
     bad = tmp_path / "bad.pub"
     bad.write_text("ssh-rsa AAAA not a key\n")
     refused = [([str(owners[0] / "supernode.key")], "is a private key"), ([str(bad)], "expected a SuperNode public key"),
-               ([pubs[0], pubs[0]], "same public key"), ([str(tmp_path / "missing.pub")], "no such file")]
+               ([pubs[0], pubs[0]], "same public key"), ([str(tmp_path / "missing.pub")], "no such file"),
+               ([str(named_one), pubs[1]], "two files would both be")]  # owner 1 by name and by position
     for files, match in refused:
         assert main(["certs", "--out", str(tmp_path / "op2"), "--node-pub", *files]) == 2
         assert match in capsys.readouterr().err

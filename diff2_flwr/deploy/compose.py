@@ -13,8 +13,8 @@ ClientApp runs next to every shard. So the port is published on one address only
 127.0.0.1: the operator's ``flwr`` on this host; the SuperNodes reach the SuperLink over the
 compose network), never on all interfaces. With TLS, SuperNode authentication is on by default:
 the SuperLink runs with ``--enable-supernode-auth`` and supernode-i mounts only its own private
-key (``diff2 certs --clients P``); the operator registers the P public keys with
-``flwr supernode register``. The SuperLink's TLS key is mounted into the superlink only; the
+key (made on data owner i's machine with ``diff2 node-key``; ``diff2 certs --clients P`` makes all of
+them on one machine, for tests); the operator registers the P public keys with ``flwr supernode register``. The SuperLink's TLS key is mounted into the superlink only; the
 others get the CA certificate only.
 
 SuperExec authentication (plain and TLS): the runtime APIs (the SuperLink's, where the serverapp
