@@ -73,13 +73,18 @@ def test_unsigned_or_wrongly_signed_runtime_requests_are_refused(superlink, tmp_
     assert secret.read_text() not in log  # never in the log
 
 
-def test_the_check_catches_an_unauthenticated_superlink(tmp_path):
-    """The control: Flower's default (subprocess isolation, no secret) answers an unsigned AcquireTask."""
+@pytest.mark.parametrize("flags", [["--isolation", "process"],
+                                   ["--isolation", "subprocess", "--superexec-auth-secret-file", "SECRET"]],
+                         ids=["no-secret", "subprocess-ignores-the-secret"])
+def test_the_check_catches_an_unauthenticated_superlink(tmp_path, flags):
+    """The control: without the secret, or with it in subprocess isolation (Flower 1.42 ignores it there: why our
+    deployments use process isolation), the SuperLink answers an unsigned AcquireTask."""
     home = tmp_path / "home"
     home.mkdir()
     port, health = _free_ports(2)
-    proc = start([_tool("flower-superlink"), "--insecure", "--isolation", "process", "--host", "127.0.0.1",
-                  "--port", str(port), "--health-server-address", f"127.0.0.1:{health}"],
+    secret = str(make_superexec_secret(tmp_path / "secrets" / "s.secret"))
+    proc = start([_tool("flower-superlink"), "--insecure", *[secret if f == "SECRET" else f for f in flags],
+                  "--host", "127.0.0.1", "--port", str(port), "--health-server-address", f"127.0.0.1:{health}"],
                  tmp_path / "open.log", flwr_env(home))
     try:
         _wait_healthy(port, proc, tmp_path / "open.log")
