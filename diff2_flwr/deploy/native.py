@@ -211,12 +211,13 @@ def start_superlink(work: Path, env: dict[str, str], port: int, health: int, sec
     return proc
 
 
-def start_superexec(runtime_port: int, secret: Path, log: Path, env: dict[str, str],
+def start_superexec(runtime: subprocess.Popen, runtime_port: int, secret: Path, log: Path, env: dict[str, str],
                     ca: Path | None = None) -> subprocess.Popen:
-    """``flower-superexec`` for the runtime API on 127.0.0.1:``runtime_port``, signing with ``secret``."""
+    """``flower-superexec`` for the runtime API of ``runtime`` on 127.0.0.1:``runtime_port``, signing with
+    ``secret``; it exits with ``runtime`` (``--parent-pid``) should this process die before stopping it."""
     security = ["--root-certificates", str(ca)] if ca else ["--insecure"]
     return start([_tool("flower-superexec"), *security, "--superexec-auth-secret-file", str(secret),
-                  "--runtime-api-address", f"127.0.0.1:{runtime_port}"], log, env)
+                  "--runtime-api-address", f"127.0.0.1:{runtime_port}", "--parent-pid", str(runtime.pid)], log, env)
 
 
 def _secrets(work: Path, clients: int) -> dict[str, Path]:
@@ -286,8 +287,8 @@ def run_local_deployment(
         write_connection(home, port, certs.ca if certs else None)
         env = flwr_env(home)
         processes.append(start_superlink(work, env, port, health, secrets["superlink"], certs, node_auth))
-        apps = {"superexec-serverapp": start_superexec(port, secrets["superlink"], work / "superexec-serverapp.log",
-                                                       env, certs.ca if certs else None)}
+        apps = {"superexec-serverapp": start_superexec(processes[0], port, secrets["superlink"],
+                                                       work / "superexec-serverapp.log", env, certs.ca if certs else None)}
         processes.append(apps["superexec-serverapp"])
         node_ids = [_register(key.public, env, p) for p, key in enumerate(keys)]
         client_security = ["--root-certificates", str(certs.ca)] if certs else ["--insecure"]
@@ -307,7 +308,7 @@ def run_local_deployment(
                            secrets[f"supernode-{p}"]) for p in range(clients)]
         for p in range(clients):
             name = f"superexec-clientapp-{p}"
-            apps[name] = start_superexec(node_ports[p], secrets[f"supernode-{p}"], work / f"{name}.log", env)
+            apps[name] = start_superexec(nodes[p], node_ports[p], secrets[f"supernode-{p}"], work / f"{name}.log", env)
             processes.append(apps[name])
         time.sleep(2)
         _check_alive({**{f"supernode-{p}": proc for p, proc in enumerate(nodes)}, **apps}, work)

@@ -257,7 +257,8 @@ def run_simulation(
     try:
         _wait_healthy(port, superlink, log_path)
         superexec = start([_tool("flower-superexec"), "--insecure", "--superexec-auth-secret-file", secret,
-                           "--runtime-api-address", f"127.0.0.1:{port}"], home / "superexec.log", run_env, cwd)
+                           "--runtime-api-address", f"127.0.0.1:{port}", "--parent-pid", str(superlink.pid)],
+                          home / "superexec.log", run_env, cwd)  # --parent-pid: it exits with the SuperLink
         extra = ["--federation-config", f"num-supernodes={clients}"]
         if overrides:
             extra += ["--run-config", run_config_arg(overrides)]
