@@ -221,13 +221,83 @@ def _deploy_local(args: argparse.Namespace) -> int:
 
 
 def _certs(args: argparse.Namespace) -> int:
-    from .deploy.certs import make_certificates, make_node_keys
+    from .deploy.certs import make_certificates
 
+    if args.clients and args.node_pub:
+        print("diff2 certs: give --node-pub (the data owners' public keys) or --clients (one-machine tests: makes "
+              "their private keys here), not both.", file=sys.stderr)
+        return 2
+    try:
+        publics = _node_publics(args.node_pub or [], Path(args.out))
+    except ValueError as err:
+        print(f"diff2 certs: {err}", file=sys.stderr)
+        return 2
     certs = make_certificates(args.out, tuple(args.host))
-    print(f"CA: {certs.ca}\nserver certificate: {certs.cert}\nserver key: {certs.key}")
-    for i, key in enumerate(make_node_keys(args.out, args.clients) if args.clients else []):
-        print(f"data owner {i}: SuperNode private key {key.private} (give it to data owner {i} only), "
-              f"public key {key.public} (register: flwr supernode register {key.public} <connection>)")
+    print(f"CA: {certs.ca} (send it to every data owner)\nserver certificate: {certs.cert}\n"
+          f"server key: {certs.key} (0600: stays on the SuperLink host)")
+    for public in publics:
+        print(f"data owner {public.stem.split('-')[-1]}: public key {public} (register: flwr supernode register "
+              f"{public} <connection>)")
+    return _test_node_keys(args.out, args.clients)
+
+
+def _node_publics(files: list[str], out: Path) -> list[Path]:
+    """The data owners' public keys checked, then copied as ``out/supernode-<i>.pub``: i from a file already named
+    so (``diff2 node-key --name supernode-<i>``), else its position among the files given."""
+    import re
+
+    from .deploy.certs import load_node_public_keys, node_key_names
+
+    keys = load_node_public_keys(files)
+    found = [re.fullmatch(r"supernode-(\d+)\.pub", Path(f).name) for f in files]
+    indices = [int(m.group(1)) if m else i for i, m in enumerate(found)]
+    if len(set(indices)) < len(indices):
+        raise ValueError(f"--node-pub {' '.join(files)}: two files would both be data owner "
+                         f"{max(indices, key=indices.count)}'s key. Name each supernode-<i>.pub after its owner's "
+                         "index, or give them all in the owners' order under other names.")
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, key in sorted(zip(indices, keys)):
+        path = out / node_key_names(i)[1]
+        path.write_bytes(key + b"\n")
+        paths.append(path)
+    return paths
+
+
+def _test_node_keys(out: str, clients: int) -> int:
+    from .deploy.certs import make_node_keys
+
+    if not clients:
+        return 0
+    print(f"--clients {clients}: one-machine tests only. Every data owner's private key was made here, so whoever "
+          "holds this folder can act as any data owner; across hosts each data owner runs `diff2 node-key` and "
+          "sends only its .pub (`diff2 certs --node-pub`).")
+    for i, key in enumerate(make_node_keys(out, clients)):
+        print(f"data owner {i}: SuperNode private key {key.private} (0600), public key {key.public} "
+              f"(register: flwr supernode register {key.public} <connection>)")
+    return 0
+
+
+def _node_key(args: argparse.Namespace) -> int:
+    from .deploy.certs import make_node_key
+
+    key = make_node_key(args.out, args.name)
+    print(f"private key: {key.private} (0600; it never leaves this machine: the SuperNode reads it with "
+          f"--auth-supernode-private-key)\npublic key: {key.public} (send this file, and only this one, to the "
+          f"SuperLink's operator, who registers it):\n{key.public.read_text().strip()}")
+    return 0
+
+
+def _secret(args: argparse.Namespace) -> int:
+    from .runtime.secret_files import make_superexec_secret
+
+    for name in args.names:
+        if "/" in name or name in ("", ".", ".."):
+            print(f"diff2 secret: a name, not a path, expected (superlink, supernode-0, ...). Found {name!r}.",
+                  file=sys.stderr)
+            return 2
+        path = make_superexec_secret(Path(args.out) / f"{name}.secret")
+        print(f"SuperExec secret: {path} (0600; give it to {name} and the SuperExec that runs its apps, nobody else)")
     return 0
 
 
@@ -327,14 +397,35 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: ./deploy-local/<config name>); container paths such as /outputs map into it")
     dep.set_defaults(func=_deploy_local)
 
-    certs = sub.add_parser("certs", help="generate a CA, a SuperLink certificate and SuperNode keys for a TLS deployment")
-    certs.add_argument("--out", required=True, help="output folder")
-    certs.add_argument("--host", action="append", default=None, help="host name or IP of the SuperLink (repeatable)")
-    certs.add_argument("--clients", type=int, default=3,
-                       help="P: also write one SuperNode key pair per data owner, supernode-<i>.key/.pub, for "
-                            "SuperNode authentication (default %(default)s; 0: none)")
+    certs = sub.add_parser("certs", help="generate a CA and a SuperLink certificate for a TLS deployment, and check "
+                                          "the data owners' SuperNode public keys")
+    certs.add_argument("--out", required=True, help="output folder (0700; server.key 0600)")
+    certs.add_argument("--host", action="append", default=None,
+                       help="host name or IP the SuperLink is reached by (repeatable): the compose service name, the "
+                            "name the SuperNodes dial, the address the operator's flwr uses")
+    certs.add_argument("--node-pub", nargs="+", metavar="FILE", default=None,
+                       help="the data owners' public keys (each made with `diff2 node-key` on its owner's machine), "
+                            "checked and copied as supernode-<i>.pub for `flwr supernode register` (i from a file "
+                            "named supernode-<i>.pub, else the order given)")
+    certs.add_argument("--clients", type=int, default=0,
+                       help="ONE-MACHINE TESTS ONLY: also make P SuperNode key pairs here, supernode-<i>.key/.pub "
+                            "(whoever holds this folder then holds every data owner's key; default %(default)s)")
     certs.set_defaults(func=lambda a: _certs(argparse.Namespace(out=a.out, host=a.host or ["127.0.0.1", "localhost"],
-                                                                clients=a.clients)))
+                                                                clients=a.clients, node_pub=a.node_pub)))
+
+    node_key = sub.add_parser("node-key", help="(data owner) make this SuperNode's key pair; send only the .pub")
+    node_key.add_argument("--out", required=True, help="folder (made 0700), e.g. deploy/certs")
+    node_key.add_argument("--name", default="supernode",
+                          help="file name stem: <name>.key (0600) and <name>.pub (default %(default)s; for the "
+                               "compose files supernode-<i>)")
+    node_key.set_defaults(func=_node_key)
+
+    secret = sub.add_parser("secret", help="make SuperExec secrets (who may run the ServerApp / a ClientApp)")
+    secret.add_argument("--out", required=True, help="folder (made 0700), e.g. deploy/secrets")
+    secret.add_argument("names", nargs="+", metavar="NAME",
+                        help="writes <out>/<NAME>.secret (0600) per name: superlink (operator), supernode-<i> "
+                             "(data owner i, on its own machine)")
+    secret.set_defaults(func=_secret)
 
     comp = sub.add_parser("compose", help="print docker-compose.yml for P data owners (default 3)")
     comp.add_argument("--clients", type=int, default=3, help="P: one SuperNode and one ClientApp per data owner")

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # A native loopback deployment for a newcomer without Docker: one SuperLink, one SuperNode per
 # data owner (each reading only its own shard file), `flwr run` of the app; then everything is
-# stopped. Exits 0 only if the run completed. Everything binds to 127.0.0.1 only.
+# stopped. Exits 0 only if the run completed. Everything binds to 127.0.0.1 only. SuperExec
+# authentication is always on: the SuperLink and each SuperNode accept runtime requests only signed
+# with a fresh per-run secret (<run folder>/secrets/*.secret, 0600), which only the SuperExecs this
+# script starts hold.
 # Usage: scripts/deploy_local.sh [--tls] [--no-node-auth] [--resume] [--rounds N] [--clients P]
 #                                [--workdir DIR] [CONFIG.yaml]
 #   --tls           TLS with a throw-away CA, and SuperNode authentication: one key pair per data
@@ -19,7 +22,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --tls|--no-node-auth|--resume) args+=("$1"); shift ;;
     --rounds|--clients|--workdir) args+=("$1" "$2"); shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) config="$1"; shift ;;
   esac
 done

@@ -33,8 +33,9 @@ def test_topology_one_shard_per_node(clients, tls):
         app = services[f"clientapp-{i}"]
         assert app["build"]["dockerfile"] == "clients/Dockerfile"
         assert app["command"][-1] == f"supernode-{i}:9094"
-        (volume,) = app["volumes"]  # its own shard and nothing else, read-only
+        volume, secret = app["volumes"]  # its own shard and its own SuperExec secret, nothing else, read-only
         assert volume == f"./deploy/shards/shard-{i}-of-{clients}.npz:/data/shard.npz:ro"
+        assert secret == f"./deploy/secrets/supernode-{i}.secret:/secrets/superexec.secret:ro"
         mounted.append(volume)
     assert len(set(mounted)) == clients
     server = services["serverapp"]
@@ -135,3 +136,48 @@ def test_dockerfiles_and_the_deploy_config_fit_the_compose_file():
     cfg = load_config(ROOT / "configs" / "deploy.yaml")
     assert cfg.training.clients == 3 and cfg.dataset.shards == "/data/shards"
     assert cfg.evaluation.train_metrics is False and cfg.output.checkpoint.startswith("/outputs")
+
+
+def _secret_of(service: dict) -> str:
+    """The one SuperExec secret a service mounts, checked to be the file its command reads."""
+    command = service["command"]
+    assert command[command.index("--superexec-auth-secret-file") + 1] == "/secrets/superexec.secret"
+    (secret,) = [v for v in service["volumes"] if "secret" in v]
+    host, container, mode = secret.split(":")
+    assert container == "/secrets/superexec.secret" and mode == "ro"
+    return host
+
+
+@pytest.mark.parametrize("tls", [False, True])
+@pytest.mark.parametrize("clients", [1, 3])
+def test_superexec_secret_pairs_each_runtime_api_with_its_superexec_only(tls, clients):
+    """Without the secret, whoever reaches a runtime API could act as the ServerApp (and read every exact clipped
+    mean) or as a data owner's ClientApp: every runtime API and the one SuperExec it serves share a secret of their
+    own, and no other container holds it."""
+    services = yaml.safe_load(render_compose(clients, tls))["services"]
+    assert "process" in services["superlink"]["command"]  # Flower 1.42 ignores the secret in subprocess isolation
+    assert _secret_of(services["superlink"]) == _secret_of(services["serverapp"]) == "./deploy/secrets/superlink.secret"
+    for i in range(clients):
+        node, app = services[f"supernode-{i}"], services[f"clientapp-{i}"]
+        assert node["command"][node["command"].index("--isolation") + 1] == "process"
+        assert _secret_of(node) == _secret_of(app) == f"./deploy/secrets/supernode-{i}.secret"
+    holders = {}
+    for name, service in services.items():
+        holders.setdefault(_secret_of(service), []).append(name)
+    assert len(holders) == clients + 1 and all(len(names) == 2 for names in holders.values())
+
+
+def test_multi_host_file_names_the_right_certificate_hosts_and_each_side_s_steps():
+    text = render_compose(2, True, publish="10.0.0.5", superlink="sl.example.org:8000")
+    header = " ".join(line[2:] for line in text.splitlines() if line.startswith("# "))
+    assert "diff2 certs --out deploy/certs --host superlink --host sl.example.org --host 10.0.0.5 --node-pub" in header
+    assert "--host 127.0.0.1" not in header and "--clients" not in header.replace("compose --clients", "")
+    for step in ("diff2 node-key --out deploy/certs --name supernode-<i>", "diff2 secret --out deploy/secrets supernode-<i>",
+                 "diff2 secret --out deploy/secrets superlink", "chown 49999 deploy/certs/supernode-<i>.key",
+                 "a clone of this repository (`build:` needs it)", "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu",
+                 "up -d supernode-<i> clientapp-<i>", "up -d --build superlink serverapp",
+                 "flwr supernode register deploy/certs/supernode-<i>.pub"):
+        assert step in header, step
+    one_host = render_compose(3, True)
+    assert "diff2 certs --out deploy/certs --host superlink --host 127.0.0.1 --clients 3" in one_host
+    assert "tests only" in one_host

@@ -23,6 +23,7 @@ from diff2_flwr.runtime.config import load_config
 from diff2_flwr.runtime.driver import run_inprocess
 from diff2_flwr.runtime.launch import SimulationFailed, run_simulation
 from diff2_flwr.runtime.shard_files import shard_name
+from test_superexec_auth import acquire_task
 
 pytestmark = [pytest.mark.compose, pytest.mark.deployment, pytest.mark.flower]
 
@@ -50,6 +51,25 @@ def host_config(stack: ComposeStack, tmp_path: Path, set_keys: dict = SET) -> Pa
 
 def run_folders(stack: ComposeStack) -> set[Path]:
     return {p for p in stack.outputs.iterdir() if p.is_dir()}
+
+
+def check_superexec_auth(stack: ComposeStack) -> None:
+    """The published runtime API refuses an unsigned AcquireTask; each secret is in its two containers only, and
+    in no log."""
+    ca = stack.certs / "ca.crt" if stack.tls else None
+    unsigned = acquire_task(8000, None, ca)
+    signed = acquire_task(8000, (stack.secrets / "superlink.secret").read_bytes(), ca)
+    log(f"[compose-test] {stack.file}: AcquireTask on 127.0.0.1:8000 unsigned -> HTTP {unsigned}, "
+        f"with superlink.secret -> HTTP {signed}")
+    assert unsigned == 401 and signed == 200
+    secrets = sorted(stack.secrets.glob("*.secret"))
+    assert len(secrets) == stack.clients + 1
+    expected = {"superlink": "superlink.secret", "serverapp": "superlink.secret",
+                **{f"{kind}-{i}": f"supernode-{i}.secret" for i in range(stack.clients)
+                   for kind in ("supernode", "clientapp")}}
+    for service, name in expected.items():
+        assert stack.find_files_with_content(service, secrets) == {name: ["/secrets/superexec.secret"]}, service
+        assert not any(secret.read_text() in stack.logs(service) for secret in secrets), service
 
 
 @pytest.fixture(scope="session")
@@ -82,6 +102,9 @@ def tls(images, tmp_path_factory):
 
 
 class TestPlainCompose:
+    def test_only_the_serverapp_and_clientapps_hold_their_runtime_secrets(self, plain):
+        check_superexec_auth(plain)
+
     def test_a_run_completes_and_equals_a_simulation(self, plain, tmp_path):
         plain.fresh()
         started = time.perf_counter()
@@ -180,6 +203,9 @@ class TestPlainCompose:
 
 
 class TestTlsCompose:
+    def test_only_the_serverapp_and_clientapps_hold_their_runtime_secrets(self, tls):
+        check_superexec_auth(tls)
+
     def test_a_tls_run_with_registered_node_keys_equals_the_in_process_driver(self, tls, tmp_path):
         assert tls.node_auth and sorted(tls.node_ids) == list(range(tls.clients))
         tls.fresh()
@@ -203,3 +229,4 @@ class TestTlsCompose:
             assert tls.find_files_with_content(f"supernode-{i}", keys) == {
                 f"supernode-{i}.key": ["/keys/supernode.key"]}
         assert tls.find_files_with_content("superlink", keys) == {"server.key": ["/certs/server.key"]}
+

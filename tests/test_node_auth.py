@@ -78,6 +78,31 @@ def _forged_activation(live) -> int:
     return 200
 
 
+def _runtime_requests(live) -> dict[str, int]:
+    """HTTP status of AcquireTask on the live deployment's runtime APIs, unsigned and signed."""
+    from test_superexec_auth import acquire_task
+
+    node = live.node_ports[0]
+    secret = {name: path.read_bytes() for name, path in live.secrets.items()}
+    return {"superlink unsigned": acquire_task(live.port, None, live.certificates.ca),
+            "superlink signed": acquire_task(live.port, secret["superlink"], live.certificates.ca),
+            "supernode-0 unsigned": acquire_task(node, None),
+            "supernode-0 other owner's secret": acquire_task(node, secret["supernode-1"]),
+            "supernode-0 signed": acquire_task(node, secret["supernode-0"])}
+
+
+def _assert_secrets_stay_in_their_files(work: Path, outputs: Path) -> None:
+    """Every SuperExec secret is 0600 in a 0700 folder and appears in no other file (logs, configs, outputs)."""
+    secrets = sorted((work / "secrets").glob("*.secret"))
+    assert len(secrets) == 3 and stat.S_IMODE((work / "secrets").stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(s.stat().st_mode) == 0o600 for s in secrets)
+    values = [s.read_bytes() for s in secrets]
+    others = [f for f in [*work.rglob("*"), *outputs.rglob("*")] if f.is_file() and f.parent != work / "secrets"]
+    assert any(f.name == "superlink.log" for f in others) and any(f.name == "summary.json" for f in others)
+    leaked = [str(f) for f in others if any(v in f.read_bytes() for v in values)]
+    assert leaked == []
+
+
 @pytest.mark.flower
 @pytest.mark.deployment
 def test_only_registered_supernodes_join_and_the_run_completes_with_them(tmp_path):
@@ -88,9 +113,14 @@ def test_only_registered_supernodes_join_and_the_run_completes_with_them(tmp_pat
         "output": {"dir": str(tmp_path / "out")},
     }))
     forged: list[int] = []
+    runtime: dict[str, int] = {}
+
+    def on_ready(live) -> None:
+        forged.append(_forged_activation(live))
+        runtime.update(_runtime_requests(live))
+
     result = run_local_deployment(path, tls=True, workdir=tmp_path / "work", echo=False,
-                                  intruders=("no-key", "unregistered-key"),
-                                  on_ready=lambda live: forged.append(_forged_activation(live)))
+                                  intruders=("no-key", "unregistered-key"), on_ready=on_ready)
     assert result.node_auth and result.launch.status == "finished:completed"
     rows = [json.loads(line) for line in (result.launch.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2]
@@ -107,6 +137,12 @@ def test_only_registered_supernodes_join_and_the_run_completes_with_them(tmp_pat
     assert "[code: 2004] Failed to activate SuperNode." in unregistered.log.read_text()
     # claiming a registered node's public key without its private key: the signature check refuses it
     assert forged == [401]
+    # SuperExec authentication: an unsigned AcquireTask is refused on the SuperLink's and a SuperNode's runtime API;
+    # the SuperExecs we started sign theirs (the run completed through them)
+    print(f"AcquireTask during the deployment: {runtime}")
+    assert runtime == {"superlink unsigned": 401, "superlink signed": 200, "supernode-0 unsigned": 401,
+                       "supernode-0 other owner's secret": 401, "supernode-0 signed": 200}
+    _assert_secrets_stay_in_their_files(tmp_path / "work", result.launch.output_dir)
     link_log = (tmp_path / "work" / "superlink.log").read_text()
     assert "[/v1/fleet/register-node][ApiError:2001]" in link_log
     assert "No SuperNode found with the given public key" in link_log
@@ -128,3 +164,42 @@ def test_certificate_names_ipv4_ipv6_and_dns_hosts_correctly(tmp_path):
     assert san.get_values_for_type(x509.DNSName) == ["superlink", "fl.example.org"]
     assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"),
                                                        ipaddress.ip_address("2001:db8::7")]
+
+
+def test_operator_takes_data_owners_public_keys_and_refuses_anything_else(tmp_path, capsys):
+    """Node keys made on the data owner's side: the operator's `diff2 certs --node-pub` copies the public keys it
+    is sent (as Flower's register reads them) and refuses a private key, a non-key and a key sent twice."""
+    from flwr.cli.supernode.register import try_load_public_key
+
+    owners = [tmp_path / f"owner-{i}" for i in range(2)]
+    for i, folder in enumerate(owners):
+        assert main(["node-key", "--out", str(folder)]) == 0
+    printed = capsys.readouterr().out
+    pubs = [str(folder / "supernode.pub") for folder in owners]
+    assert main(["certs", "--out", str(tmp_path / "op"), "--host", "sl.example.org", "--node-pub", *pubs]) == 0
+    out = capsys.readouterr().out
+    for i, folder in enumerate(owners):
+        copied = tmp_path / "op" / f"supernode-{i}.pub"
+        assert try_load_public_key(copied) == try_load_public_key(folder / "supernode.pub")
+        assert f"flwr supernode register {copied}" in out
+        assert (folder / "supernode.pub").read_text().strip() in printed  # what the owner is told to send
+        assert (folder / "supernode.key").read_text() not in printed
+    assert not list((tmp_path / "op").glob("supernode-*.key"))  # the operator holds no data owner's key
+    # a key named after its owner keeps its index, whatever the order or how many came in so far
+    assert main(["node-key", "--out", str(tmp_path / "owner-7"), "--name", "supernode-7"]) == 0
+    assert main(["certs", "--out", str(tmp_path / "op7"), "--node-pub", str(tmp_path / "owner-7" / "supernode-7.pub")]) == 0
+    assert [p.name for p in (tmp_path / "op7").glob("*.pub")] == ["supernode-7.pub"]
+    capsys.readouterr()
+    named_one = tmp_path / "named" / "supernode-1.pub"
+    named_one.parent.mkdir()
+    named_one.write_bytes(Path(pubs[0]).read_bytes())
+    bad = tmp_path / "bad.pub"
+    bad.write_text("ssh-rsa AAAA not a key\n")
+    refused = [([str(owners[0] / "supernode.key")], "is a private key"), ([str(bad)], "expected a SuperNode public key"),
+               ([pubs[0], pubs[0]], "same public key"), ([str(tmp_path / "missing.pub")], "no such file"),
+               ([str(named_one), pubs[1]], "two files would both be")]  # owner 1 by name and by position
+    for files, match in refused:
+        assert main(["certs", "--out", str(tmp_path / "op2"), "--node-pub", *files]) == 2
+        assert match in capsys.readouterr().err
+    assert not (tmp_path / "op2").exists()  # refused before anything was written
+    assert main(["certs", "--out", str(tmp_path / "op3"), "--clients", "2", "--node-pub", pubs[0]]) == 2

@@ -13,9 +13,18 @@ ClientApp runs next to every shard. So the port is published on one address only
 127.0.0.1: the operator's ``flwr`` on this host; the SuperNodes reach the SuperLink over the
 compose network), never on all interfaces. With TLS, SuperNode authentication is on by default:
 the SuperLink runs with ``--enable-supernode-auth`` and supernode-i mounts only its own private
-key (``diff2 certs --clients P``); the operator registers the P public keys with
-``flwr supernode register``. The SuperLink's TLS key is mounted into the superlink only; the
+key (made on data owner i's machine with ``diff2 node-key``; ``diff2 certs --clients P`` makes all of
+them on one machine, for tests); the operator registers the P public keys with ``flwr supernode register``. The SuperLink's TLS key is mounted into the superlink only; the
 others get the CA certificate only.
+
+SuperExec authentication (plain and TLS): the runtime APIs (the SuperLink's, where the serverapp
+SuperExec acquires the ServerApp's task; each SuperNode's, where clientapp-i acquires the ClientApp's)
+accept ``AcquireTask`` only signed with a shared secret (``--superexec-auth-secret-file``; Flower 1.42
+honours it with ``--isolation process`` only). Two trust domains, two kinds of secret:
+``deploy/secrets/superlink.secret`` is mounted into superlink and serverapp only (the operator's),
+``deploy/secrets/supernode-<i>.secret`` into supernode-i and clientapp-i only (data owner i's, made on
+its machine). Without the secret, whoever reaches a runtime port could take the ServerApp's place and
+receive every client's exact clipped mean, or a ClientApp's and answer in a data owner's name.
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from typing import Any
 
 import yaml
 
-__all__ = ["render_compose", "FLWR_VERSION", "CONTAINER_OUTPUTS", "SUPERLINK_PORT"]
+__all__ = ["render_compose", "certificate_hosts", "FLWR_VERSION", "CONTAINER_OUTPUTS", "SUPERLINK_PORT",
+           "SECRETS_DIR", "SECRET_MOUNT"]
 
 FLWR_VERSION = "1.42.0"
 SUPERLINK_PORT = 8000
@@ -33,6 +43,27 @@ SUPERNODE_PORT = 9094
 #: Where the serverapp container sees ``./deploy/outputs`` (configs/deploy.yaml writes there).
 CONTAINER_OUTPUTS = "/outputs"
 _CA = "./deploy/certs/ca.crt:/certs/ca.crt:ro"
+#: Host folder of the SuperExec secrets (0700; each file 0600, owned by UID 49999 for the containers).
+SECRETS_DIR = "./deploy/secrets"
+#: Where a container sees its one secret.
+SECRET_MOUNT = "/secrets/superexec.secret"
+_DEFAULT_SUPERLINK = f"superlink:{SUPERLINK_PORT}"
+
+
+def _secret_volume(name: str) -> str:
+    """The read-only mount of ``deploy/secrets/<name>.secret`` (superlink, supernode-<i>) at SECRET_MOUNT."""
+    return f"{SECRETS_DIR}/{name}.secret:{SECRET_MOUNT}:ro"
+
+
+_SECRET_FLAG = ["--superexec-auth-secret-file", SECRET_MOUNT]
+
+
+def certificate_hosts(publish: str = "127.0.0.1", superlink: str = _DEFAULT_SUPERLINK) -> list[str]:
+    """The names the SuperLink's certificate must carry: the compose service (the serverapp dials it), the
+    address the SuperNodes dial, and the published address (the operator's ``flwr``)."""
+    dialled = superlink.rsplit(":", 1)[0].strip("[]")
+    hosts = ["superlink", dialled, publish.strip("[]")]
+    return list(dict.fromkeys(hosts))
 
 
 def _publish_address(publish: str) -> str:
@@ -74,16 +105,17 @@ def render_compose(clients: int = 3, tls: bool = False, *, node_auth: bool | Non
         "superlink": {
             "image": f"flwr/superlink:{FLWR_VERSION}",
             "command": [*link_tls, *(["--enable-supernode-auth"] if node_auth else []), "--isolation", "process",
-                        "--host", "0.0.0.0", "--port", str(SUPERLINK_PORT)],
+                        *_SECRET_FLAG, "--host", "0.0.0.0", "--port", str(SUPERLINK_PORT)],
             "ports": [published],
-            **({"volumes": [_CA, "./deploy/certs/server.pem:/certs/server.pem:ro",
-                            "./deploy/certs/server.key:/certs/server.key:ro"]} if tls else {}),
+            "volumes": [*([_CA, "./deploy/certs/server.pem:/certs/server.pem:ro",
+                           "./deploy/certs/server.key:/certs/server.key:ro"] if tls else []),
+                        _secret_volume("superlink")],
         },
         "serverapp": {
             "build": {"context": ".", "dockerfile": "server/Dockerfile"},
-            "command": [*_tls(tls), "--runtime-api-address", f"superlink:{SUPERLINK_PORT}"],
+            "command": [*_tls(tls), *_SECRET_FLAG, "--runtime-api-address", f"superlink:{SUPERLINK_PORT}"],
             "volumes": ["./deploy/shards/server.npz:/data/shards/server.npz:ro",
-                        f"./deploy/outputs:{CONTAINER_OUTPUTS}", *([_CA] if tls else [])],
+                        f"./deploy/outputs:{CONTAINER_OUTPUTS}", *([_CA] if tls else []), _secret_volume("superlink")],
             "depends_on": ["superlink"],
         },
     }
@@ -91,12 +123,13 @@ def render_compose(clients: int = 3, tls: bool = False, *, node_auth: bool | Non
         node: dict[str, Any] = {
             "image": f"flwr/supernode:{FLWR_VERSION}",
             "command": [*_tls(tls), *(["--auth-supernode-private-key", "/keys/supernode.key"] if node_auth else []),
-                        "--superlink", superlink, "--isolation", "process",
+                        "--superlink", superlink, "--isolation", "process", *_SECRET_FLAG,
                         "--host", "0.0.0.0", "--port", str(SUPERNODE_PORT), "--node-config",
                         f'partition-id={i} num-partitions={clients} data-path="/data/shard.npz"'],
         }
-        if tls:
-            node["volumes"] = [_CA, *([f"./deploy/certs/supernode-{i}.key:/keys/supernode.key:ro"] if node_auth else [])]
+        node["volumes"] = [*([_CA] if tls else []),
+                           *([f"./deploy/certs/supernode-{i}.key:/keys/supernode.key:ro"] if node_auth else []),
+                           _secret_volume(f"supernode-{i}")]
         if node_auth:
             node["restart"] = "on-failure"  # refused until the operator has registered its public key
         if superlink == f"superlink:{SUPERLINK_PORT}":  # multi-host: `up supernode-i` must not start a SuperLink
@@ -104,32 +137,26 @@ def render_compose(clients: int = 3, tls: bool = False, *, node_auth: bool | Non
         services[f"supernode-{i}"] = node
         services[f"clientapp-{i}"] = {
             "build": {"context": ".", "dockerfile": "clients/Dockerfile"},
-            "command": ["--insecure", "--runtime-api-address", f"supernode-{i}:{SUPERNODE_PORT}"],
-            "volumes": [f"./deploy/shards/shard-{i}-of-{clients}.npz:/data/shard.npz:ro"],
+            "command": ["--insecure", *_SECRET_FLAG, "--runtime-api-address", f"supernode-{i}:{SUPERNODE_PORT}"],
+            "volumes": [f"./deploy/shards/shard-{i}-of-{clients}.npz:/data/shard.npz:ro", _secret_volume(f"supernode-{i}")],
             "depends_on": [f"supernode-{i}"],
         }
+    header = "".join(f"# {line}\n" for line in _header(clients, tls, node_auth, publish, superlink))
+    return header + yaml.safe_dump({"services": services}, sort_keys=False, width=120)
+
+
+def _header(clients: int, tls: bool, node_auth: bool, publish: str, superlink: str) -> list[str]:
+    """The steps that come with the file: one host, or the operator's and a data owner's (multi-host)."""
     flags = "".join([f" --clients {clients}", " --tls" if tls else "", " --no-node-auth" if tls and not node_auth else "",
                      f" --publish {publish}" if publish != "127.0.0.1" else "",
-                     f" --superlink {superlink}" if superlink != f"superlink:{SUPERLINK_PORT}" else ""])
-    lines = [
-        f"Generated by `diff2 compose{flags}`; regenerate rather than edit.",
-        "Before `docker compose up`: `diff2 shard configs/deploy.yaml --out deploy/shards` (one file per data",
-        "owner), `mkdir -p deploy/outputs && chown 49999 deploy/outputs` (containers run as UID 49999).",
-    ]
-    if tls:
-        lines += [
-            f"TLS: `diff2 certs --out deploy/certs --host superlink --host 127.0.0.1{f' --clients {clients}' if node_auth else ' --clients 0'}`,",
-            "then `chown 49999 deploy/certs/*.key` (private keys are 0600: the containers' user must own them).",
-        ]
-    if node_auth:
-        lines += [
-            "SuperNode authentication: the SuperLink accepts only registered keys. After `up`, register each",
-            f"data owner's public key: `flwr supernode register deploy/certs/supernode-<i>.pub <connection>` for i < {clients};",
-            "supernode-i mounts only its own private key and restarts until it is registered.",
-        ]
+                     f" --superlink {superlink}" if superlink != _DEFAULT_SUPERLINK else ""])
+    lines = [f"Generated by `diff2 compose{flags}`; regenerate rather than edit. Containers run as UID 49999:",
+             "every secret below is a 0600 file that UID 49999 must own (`chown 49999 ...`, as root)."]
+    steps = _one_host_steps if superlink == _DEFAULT_SUPERLINK else _multi_host_steps
+    lines += steps(clients, tls, node_auth, publish, superlink)
     lines += [
-        f"Exposure: the SuperLink port {SUPERLINK_PORT} (SuperNodes, `flwr run`, `flwr supernode register`: one port, and",
-        "Flower's open-source SuperLink authenticates no one who submits a run) is published on "
+        f"Exposure: the SuperLink port {SUPERLINK_PORT} (SuperNodes, `flwr run`, `flwr supernode register`, the runtime",
+        "API: one port, and Flower's open-source SuperLink authenticates no one who submits a run) is published on "
         f"{_publish_address(publish)} only.",
     ]
     if publish == "127.0.0.1":
@@ -138,11 +165,57 @@ def render_compose(clients: int = 3, tls: bool = False, *, node_auth: bool | Non
         lines += [
             f"Multi-host: allow-list (firewall) {_publish_address(publish)}:{SUPERLINK_PORT} to the data owners' SuperNode hosts and the",
             "operator's address only; nothing else needs to be reachable (SuperNodes and ClientApps dial out).",
-            "The SuperLink host runs `up -d superlink serverapp`; data owner i runs `up -d supernode-i clientapp-i` with",
-            "only its shard, ca.crt and supernode-i.key.",
         ]
-    lines += [
-        f"Then submit the app: `flwr run . <connection to {_publish_address(publish) if publish != '127.0.0.1' else '127.0.0.1'}:{SUPERLINK_PORT}> --run-config \"config='configs/deploy.yaml'\"`.",
+    return lines + [f"Then submit the app: `flwr run . <connection to {_publish_address(publish)}:{SUPERLINK_PORT}> "
+                    "--run-config \"config='configs/deploy.yaml'\"`."]
+
+
+def _one_host_steps(clients: int, tls: bool, node_auth: bool, publish: str, superlink: str) -> list[str]:
+    owners = " ".join(f"supernode-{i}" for i in range(clients))
+    lines = [
+        "Before `docker compose up`: `diff2 shard configs/deploy.yaml --out deploy/shards` (one file per data",
+        "owner), `mkdir -p deploy/outputs && chown 49999 deploy/outputs`,",
+        f"`diff2 secret --out deploy/secrets superlink {owners}` (SuperExec authentication: who may run the",
+        "ServerApp and each ClientApp), `chown 49999 deploy/secrets/*.secret`.",
     ]
-    header = "".join(f"# {line}\n" for line in lines)
-    return header + yaml.safe_dump({"services": services}, sort_keys=False, width=120)
+    if tls:
+        hosts = "".join(f" --host {h}" for h in certificate_hosts(publish, superlink))
+        lines += [f"TLS: `diff2 certs --out deploy/certs{hosts}{f' --clients {clients}' if node_auth else ''}`"
+                  + (" (one machine: it" if node_auth else "`,"),
+                  *(["makes every data owner's node key, for tests only; across hosts see `diff2 compose --superlink`),"]
+                    if node_auth else []),
+                  "then `chown 49999 deploy/certs/*.key`."]
+    if node_auth:
+        lines += [
+            "SuperNode authentication: the SuperLink accepts only registered keys. After `up`, register each",
+            f"data owner's public key: `flwr supernode register deploy/certs/supernode-<i>.pub <connection>` for i < {clients};",
+            "supernode-i mounts only its own private key and restarts until it is registered.",
+        ]
+    return lines
+
+
+def _multi_host_steps(clients: int, tls: bool, node_auth: bool, publish: str, superlink: str) -> list[str]:
+    name = f"docker-compose{'.tls' if tls else ''}.yml"
+    hosts = "".join(f" --host {h}" for h in certificate_hosts(publish, superlink))
+    owner = [
+        f"Data owner i (its own host): a clone of this repository (`build:` needs it) with this {name} at its root;",
+        *(["`diff2 node-key --out deploy/certs --name supernode-<i>`: send only supernode-<i>.pub to the operator;"]
+          if node_auth else []),
+        "`diff2 secret --out deploy/secrets supernode-<i>` (its own, never sent); from the operator: its shard as",
+        "deploy/shards/shard-<i>-of-P.npz" + (" and deploy/certs/ca.crt" if tls else "") + "; `chown 49999 "
+        + ("deploy/certs/supernode-<i>.key " if node_auth else "") + "deploy/secrets/supernode-<i>.secret`;",
+        f"`docker compose -f {name} build --build-arg PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu",
+        f"clientapp-<i>` (CPU torch), `docker compose -f {name} up -d supernode-<i> clientapp-<i>`.",
+    ]
+    pubs = " --node-pub <the supernode-<i>.pub files, i < " + f"{clients}>" if node_auth else ""
+    operator = [
+        "Operator (the SuperLink host; a clone of this repository too): `diff2 shard configs/deploy.yaml --out",
+        "deploy/shards` (keeps server.npz; shard-<i>-of-P.npz goes to data owner i only), `mkdir -p deploy/outputs &&",
+        "chown 49999 deploy/outputs`, `diff2 secret --out deploy/secrets superlink`,",
+        *([f"`diff2 certs --out deploy/certs{hosts}{pubs}`", "(send ca.crt to every data owner),"] if tls else []),
+        "`chown 49999 deploy/secrets/superlink.secret" + (" deploy/certs/server.key`," if tls else "`,"),
+        f"`docker compose -f {name} up -d --build superlink serverapp`"
+        + (", then `flwr supernode register deploy/certs/supernode-<i>.pub <connection>` for each i." if node_auth
+           else "."),
+    ]
+    return owner + operator

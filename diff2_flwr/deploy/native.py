@@ -11,6 +11,14 @@ with TLS; Flower refuses it without) each data owner gets a key pair, the SuperL
 and SuperNode i starts with ``--auth-supernode-private-key`` = its own key: any other SuperNode is
 refused. Every process started is stopped by PID (its process group), also when the run fails.
 
+SuperExec authentication is always on: the SuperLink and every SuperNode run with ``--isolation process``
+(Flower 1.42 ignores ``--superexec-auth-secret-file`` in subprocess isolation, where the runtime API then
+takes any caller) and one ``flower-superexec`` each, started here, runs their apps. A SuperExec must sign
+``AcquireTask`` with its secret: ``<run folder>/secrets/superlink.secret`` (SuperLink and the ServerApp's
+SuperExec) and ``supernode-<i>.secret`` (SuperNode i and its ClientApp's SuperExec), 0600 in a 0700
+folder. Anyone else who reaches a runtime port (any local user) is refused instead of receiving the
+ServerApp's task, i.e. every client's exact clipped mean.
+
 Everything of a run lives in one run folder (default ``./deploy-local/<config name>``): shards,
 certificates and keys, logs, the deployment config and the outputs. A config's container paths
 (``/outputs``, where ``docker-compose.yml`` mounts ``./deploy/outputs``) are mapped to
@@ -49,11 +57,12 @@ from ..runtime.launch import (
 from ..runtime.paths import APP_DIR, resolve_config_path
 from ..runtime.shard_files import shard_name
 from .certs import Certificates, NodeKey, make_certificates, make_node_keys
+from ..runtime.secret_files import make_superexec_secret
 from .compose import CONTAINER_OUTPUTS
 from .shards import write_shards
 
 __all__ = ["DeploymentResult", "Intruder", "LiveDeployment", "run_local_deployment", "default_run_folder",
-           "INTRUDER_KINDS"]
+           "start_superexec", "start_superlink", "INTRUDER_KINDS"]
 
 #: Fault injection for tests (``intruders=``): a SuperNode posing as data owner 0 with no key of its own
 #: (Flower then self-registers an ephemeral one) or with a key pair the operator never registered.
@@ -76,6 +85,8 @@ class LiveDeployment:
     certificates: Certificates | None
     node_keys: list[NodeKey]
     node_ids: list[int]  # registered node id of data owner i (node authentication only)
+    secrets: dict[str, Path] = field(default_factory=dict)  # SuperExec secret of "superlink", "supernode-<i>"
+    node_ports: list[int] = field(default_factory=list)  # runtime API port of SuperNode i
 
 
 @dataclass(frozen=True)
@@ -183,6 +194,46 @@ def _list_nodes(env: dict[str, str]) -> list[dict]:
         return []
 
 
+def start_superlink(work: Path, env: dict[str, str], port: int, health: int, secret: Path,
+                    certs: Certificates | None = None, node_auth: bool = False) -> subprocess.Popen:
+    """``flower-superlink`` on 127.0.0.1:``port`` with process isolation and SuperExec authentication; healthy."""
+    security = (["--ssl-certfile", str(certs.cert), "--ssl-keyfile", str(certs.key), "--ssl-ca-certfile",
+                 str(certs.ca)] if certs else ["--insecure"])
+    log = work / "superlink.log"
+    proc = start([_tool("flower-superlink"), *security, *(["--enable-supernode-auth"] if node_auth else []),
+                  "--isolation", "process", "--superexec-auth-secret-file", str(secret), "--host", "127.0.0.1",
+                  "--port", str(port), "--health-server-address", f"127.0.0.1:{health}"], log, env)
+    try:
+        _wait_healthy(port, proc, log, ca_file=certs.ca if certs else None)
+    except SimulationFailed:
+        _stop(proc)
+        raise
+    return proc
+
+
+def start_superexec(runtime: subprocess.Popen, runtime_port: int, secret: Path, log: Path, env: dict[str, str],
+                    ca: Path | None = None) -> subprocess.Popen:
+    """``flower-superexec`` for the runtime API of ``runtime`` on 127.0.0.1:``runtime_port``, signing with
+    ``secret``; it exits with ``runtime`` (``--parent-pid``) should this process die before stopping it."""
+    security = ["--root-certificates", str(ca)] if ca else ["--insecure"]
+    return start([_tool("flower-superexec"), *security, "--superexec-auth-secret-file", str(secret),
+                  "--runtime-api-address", f"127.0.0.1:{runtime_port}", "--parent-pid", str(runtime.pid)], log, env)
+
+
+def _secrets(work: Path, clients: int) -> dict[str, Path]:
+    """Fresh SuperExec secrets for this run: the SuperLink's and one per SuperNode (0600 in a 0700 folder)."""
+    names = ["superlink", *(f"supernode-{p}" for p in range(clients))]
+    return {name: make_superexec_secret(work / "secrets" / f"{name}.secret") for name in names}
+
+
+def _check_alive(procs: dict[str, subprocess.Popen], work: Path) -> None:
+    """Raise with the log of the first process (by log name) that has already exited."""
+    for name, proc in procs.items():
+        if proc.poll() is not None:
+            log = work / f"{name}.log"
+            raise SimulationFailed(f"{name} exited with code {proc.returncode}; log: {log}\n" + log.read_text()[-2000:])
+
+
 def run_local_deployment(
     config: str | os.PathLike[str],
     *,
@@ -232,50 +283,47 @@ def run_local_deployment(
         port, health, *node_ports = _free_ports(2 + clients + len(intruders))
         certs = make_certificates(work / "certs") if tls else None
         keys = make_node_keys(work / "certs", clients) if node_auth else []
+        secrets = _secrets(work, clients)
         write_connection(home, port, certs.ca if certs else None)
         env = flwr_env(home)
-        security = (["--ssl-certfile", str(certs.cert), "--ssl-keyfile", str(certs.key), "--ssl-ca-certfile",
-                     str(certs.ca)] if certs else ["--insecure"])
-        superlink_log = work / "superlink.log"
-        superlink = start([_tool("flower-superlink"), *security, *(["--enable-supernode-auth"] if node_auth else []),
-                           "--isolation", "subprocess", "--host", "127.0.0.1",
-                           "--port", str(port), "--health-server-address", f"127.0.0.1:{health}"],
-                          superlink_log, env)
-        processes.append(superlink)
-        _wait_healthy(port, superlink, superlink_log, ca_file=certs.ca if certs else None)
+        processes.append(start_superlink(work, env, port, health, secrets["superlink"], certs, node_auth))
+        apps = {"superexec-serverapp": start_superexec(processes[0], port, secrets["superlink"],
+                                                       work / "superexec-serverapp.log", env, certs.ca if certs else None)}
+        processes.append(apps["superexec-serverapp"])
         node_ids = [_register(key.public, env, p) for p, key in enumerate(keys)]
         client_security = ["--root-certificates", str(certs.ca)] if certs else ["--insecure"]
         shards = Path(cfg.dataset.shards or "")
 
-        def supernode(p: int, log: Path, key: Path | None, node_port: int) -> subprocess.Popen:
+        def supernode(p: int, log: Path, key: Path | None, node_port: int, secret: Path) -> subprocess.Popen:
             node_config = (f'partition-id={p} num-partitions={clients} '
                            f'data-path="{shards / shard_name(p, clients)}"')
             auth = ["--auth-supernode-private-key", str(key)] if key is not None else []
             proc = start([_tool("flower-supernode"), *client_security, *auth, "--superlink", f"127.0.0.1:{port}",
-                          "--isolation", "subprocess", "--host", "127.0.0.1", "--port", str(node_port),
-                          "--node-config", node_config], log, env)
+                          "--isolation", "process", "--superexec-auth-secret-file", str(secret),
+                          "--host", "127.0.0.1", "--port", str(node_port), "--node-config", node_config], log, env)
             processes.append(proc)
             return proc
 
-        nodes = [supernode(p, work / f"supernode-{p}.log", keys[p].private if keys else None, node_ports[p])
-                 for p in range(clients)]
+        nodes = [supernode(p, work / f"supernode-{p}.log", keys[p].private if keys else None, node_ports[p],
+                           secrets[f"supernode-{p}"]) for p in range(clients)]
+        for p in range(clients):
+            name = f"superexec-clientapp-{p}"
+            apps[name] = start_superexec(nodes[p], node_ports[p], secrets[f"supernode-{p}"], work / f"{name}.log", env)
+            processes.append(apps[name])
         time.sleep(2)
-        for p, proc in enumerate(nodes):
-            if proc.poll() is not None:
-                log = work / f"supernode-{p}.log"
-                raise SimulationFailed(f"supernode {p} exited with code {proc.returncode}; log: {log}\n"
-                                       + log.read_text()[-2000:])
+        _check_alive({**{f"supernode-{p}": proc for p, proc in enumerate(nodes)}, **apps}, work)
         intruder_runs = []
         for n, kind in enumerate(intruders):
             key = make_node_keys(work / "intruders" / f"{n}-{kind}", 1)[0].private if kind == "unregistered-key" else None
             log = work / f"intruder-{n}-{kind}.log"
-            intruder_runs.append((kind, supernode(0, log, key, node_ports[clients + n]), log))
+            own = make_superexec_secret(work / "intruders" / f"{n}-{kind}" / "superexec.secret")
+            intruder_runs.append((kind, supernode(0, log, key, node_ports[clients + n], own), log))
         deadline = time.monotonic() + 30
         while intruder_runs and time.monotonic() < deadline and any(p.poll() is None for _, p, _ in intruder_runs):
             time.sleep(0.2)
         intruder_outcomes = [Intruder(kind, proc.poll(), log) for kind, proc, log in intruder_runs]
         if on_ready is not None:
-            on_ready(LiveDeployment(port, work, env, certs, keys, node_ids))
+            on_ready(LiveDeployment(port, work, env, certs, keys, node_ids, secrets, node_ports[:clients]))
         on_line = None
         if kill_node_after_round is not None:
             victim, after = kill_node_after_round
@@ -283,7 +331,7 @@ def run_local_deployment(
 
             def on_line(line: str) -> None:
                 if marker in line:
-                    _stop(processes[1 + victim])
+                    _stop(nodes[victim])
 
         result = flwr_run(Path(app_dir).resolve(), env, ["--run-config", run_config_arg({"config": str(dep_config)})],
                           timeout_s=timeout_s, echo=echo, on_line=on_line)

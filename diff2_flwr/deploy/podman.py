@@ -55,8 +55,9 @@ from ..runtime.launch import (
 )
 from ..runtime.paths import APP_DIR
 from .certs import make_certificates, make_node_keys
-from .compose import CONTAINER_OUTPUTS, FLWR_VERSION, SUPERLINK_PORT
+from .compose import CONTAINER_OUTPUTS, FLWR_VERSION, SUPERLINK_PORT, certificate_hosts
 from .native import _list_nodes, _register
+from ..runtime.secret_files import make_superexec_secret
 from .shards import write_shards
 
 __all__ = ["ComposeStack", "ImageReport", "PodmanError", "STANDIN_TARGETS", "ensure_images", "podman_env",
@@ -298,6 +299,7 @@ class ComposeStack:
         self.deploy = self.dir / "deploy"
         self.outputs = self.deploy / "outputs"
         self.certs = self.deploy / "certs"
+        self.secrets = self.deploy / "secrets"
         self.home = self.deploy / "flwr-home"
         self.node_ids: dict[int, int] = {}
         self._tool = podman_compose_tool()
@@ -337,8 +339,9 @@ class ComposeStack:
     # -- lifecycle
     def prepare(self, config: str | os.PathLike[str], set_keys: Mapping[str, Any] | None = None) -> Path:
         """``deploy/`` as the compose file's header asks: the shards of ``config`` (with ``set_keys``),
-        ``deploy/outputs`` owned by UID 49999, and for TLS the certificates and the P node keys (keys owned by
-        49999). Returns the shard folder."""
+        ``deploy/outputs`` owned by UID 49999, the SuperExec secrets (``deploy/secrets``: the SuperLink's and one per
+        SuperNode, owned by 49999), and for TLS the certificates and the P node keys (keys owned by 49999; all on
+        this one machine, as a test does). Returns the shard folder."""
         cfg = load_config(config, set_keys)
         if cfg.training.clients != self.clients:
             raise ValueError(f"{config}: training.clients = {cfg.training.clients} but {self.file} has "
@@ -348,11 +351,14 @@ class ComposeStack:
         write_shards(cfg, shards)
         self.outputs.mkdir(parents=True, exist_ok=True)
         os.chown(self.outputs, APP_UID, -1)
+        names = ["superlink", *(f"supernode-{i}" for i in range(self.clients))]
+        private = [make_superexec_secret(self.secrets / f"{name}.secret") for name in names]
         if self.tls:
-            make_certificates(self.certs, hosts=("superlink", "127.0.0.1"))
+            make_certificates(self.certs, hosts=tuple(certificate_hosts()))
             keys = make_node_keys(self.certs, self.clients) if self.node_auth else []
-            for key in [self.certs / "server.key", *(k.private for k in keys)]:
-                os.chown(key, APP_UID, -1)  # 0600: the containers' user must own them
+            private += [self.certs / "server.key", *(k.private for k in keys)]
+        for path in private:
+            os.chown(path, APP_UID, -1)  # 0600: the containers' user must own them
         self.home.mkdir(parents=True, exist_ok=True)
         write_connection(self.home, SUPERLINK_PORT, self.certs / "ca.crt" if self.tls else None)
         return shards

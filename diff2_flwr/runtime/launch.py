@@ -5,6 +5,11 @@
 ports with a temporary ``FLWR_HOME``, runs ``flwr run <app> <connection> --stream`` with
 ``num-supernodes`` = the config's P, reads the run's final status back, and always stops the
 SuperLink it started, by PID.
+
+The SuperLink runs with ``--isolation process`` and a fresh SuperExec secret (``--superexec-auth-secret-file``,
+0600 in the private ``FLWR_HOME``), and the launcher starts the one ``flower-superexec`` that may take the
+simulation's task: any other local process that reaches the loopback port is refused instead of taking
+the run (Flower 1.42 ignores the secret in subprocess isolation, where it spawns its own SuperExec).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any, Mapping
 from .config import load_config, yaml_text
 from .console import RunConsole, verbose_from_env
 from .paths import APP_DIR, resolve_config_path
+from .secret_files import make_superexec_secret
 
 __all__ = ["LaunchResult", "SimulationDiverged", "SimulationFailed", "run_simulation"]
 
@@ -243,16 +249,23 @@ def run_simulation(
     write_connection(home, port)
     run_env = flwr_env(home, env)
     log_path = home / "superlink.log"
-    superlink = start([_tool("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
-                       "--host", "127.0.0.1", "--port", str(port), "--health-server-address", f"127.0.0.1:{health}"],
-                      log_path, run_env, cwd)
+    secret = str(make_superexec_secret(home / "secrets" / "superlink.secret"))
+    superlink = start([_tool("flower-superlink"), "--insecure", "--simulation", "--isolation", "process",
+                       "--superexec-auth-secret-file", secret, "--host", "127.0.0.1", "--port", str(port),
+                       "--health-server-address", f"127.0.0.1:{health}"], log_path, run_env, cwd)
+    superexec = None
     try:
         _wait_healthy(port, superlink, log_path)
+        superexec = start([_tool("flower-superexec"), "--insecure", "--superexec-auth-secret-file", secret,
+                           "--runtime-api-address", f"127.0.0.1:{port}", "--parent-pid", str(superlink.pid)],
+                          home / "superexec.log", run_env, cwd)  # --parent-pid: it exits with the SuperLink
         extra = ["--federation-config", f"num-supernodes={clients}"]
         if overrides:
             extra += ["--run-config", run_config_arg(overrides)]
         return flwr_run(app_dir, run_env, extra, cwd=cwd, timeout_s=timeout_s, echo=echo, console=console)
     finally:
+        if superexec is not None:
+            _stop(superexec)
         _stop(superlink)
         shutil.rmtree(home, ignore_errors=True)
 

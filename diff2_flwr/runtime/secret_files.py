@@ -1,0 +1,49 @@
+"""Secret files of a deployment: owner-only from creation, whatever the umask.
+
+Private keys (the SuperLink's TLS key, a SuperNode's node key) and SuperExec secrets (the shared
+secret with which Flower 1.42's SuperExec signs ``AcquireTask`` on a SuperLink's or SuperNode's
+runtime API, ``--superexec-auth-secret-file``) are written 0600 into folders made 0700. The modes
+are set explicitly, not left to the umask, and a file is never readable by others, not even for a
+moment (it is created 0600, then written).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+__all__ = ["SECRET_BYTES", "private_folder", "write_private", "make_superexec_secret"]
+
+#: Bytes of entropy of a SuperExec secret (written as hex; Flower reads the file's exact bytes).
+SECRET_BYTES = 32
+
+
+def private_folder(folder: str | os.PathLike[str]) -> Path:
+    """``folder`` (and missing parents) created; ``folder`` itself made 0700 whatever the umask."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    return folder
+
+
+def write_private(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` readable by its owner only: 0600 from creation (an existing file is replaced)."""
+    path = Path(path)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        os.fchmod(handle.fileno(), 0o600)  # O_CREAT's mode is masked by the umask; a umask never adds bits
+        handle.write(data)
+    return path
+
+
+def make_superexec_secret(path: str | os.PathLike[str]) -> Path:
+    """A fresh SuperExec secret (256 bits from the OS's secure source, hex) at ``path``, 0600 in a 0700 folder.
+
+    Give the same file to the component that serves the runtime API (``flower-superlink`` or
+    ``flower-supernode``, with ``--isolation process``) and to the ``flower-superexec`` that runs its apps.
+    """
+    path = Path(path)
+    private_folder(path.parent)
+    return write_private(path, secrets.token_hex(SECRET_BYTES).encode("ascii"))
