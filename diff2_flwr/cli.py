@@ -207,7 +207,8 @@ def _deploy_local(args: argparse.Namespace) -> int:
 
     try:
         result = run_local_deployment(args.config, tls=args.tls, node_auth=args.node_auth, resume=args.resume,
-                                      rounds=args.rounds, clients=args.clients, workdir=args.workdir)
+                                      rounds=args.rounds, clients=args.clients, workdir=args.workdir,
+                                      node_policy=args.node_policy)
     except SimulationFailed as err:
         print(f"[diff2] deployment FAILED: {err}", file=sys.stderr)
         return 1
@@ -395,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--clients", type=int, default=None, help="override training.clients (one SuperNode each)")
     dep.add_argument("--workdir", default=None, help="run folder: shards, keys, logs and outputs "
                      "(default: ./deploy-local/<config name>); container paths such as /outputs map into it")
+    dep.add_argument("--node-policy", metavar="FILE", default=None,
+                     help="a data owner's node policy (e.g. configs/policy.yaml): each SuperNode gets a copy through "
+                          "its node config, with a lifetime ledger of its own in the run folder")
     dep.set_defaults(func=_deploy_local)
 
     certs = sub.add_parser("certs", help="generate a CA and a SuperLink certificate for a TLS deployment, and check "

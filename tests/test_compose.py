@@ -33,12 +33,17 @@ def test_topology_one_shard_per_node(clients, tls):
         app = services[f"clientapp-{i}"]
         assert app["build"]["dockerfile"] == "clients/Dockerfile"
         assert app["command"][-1] == f"supernode-{i}:9094"
-        volume, secret = app["volumes"]  # its own shard and its own SuperExec secret, nothing else, read-only
+        # its own shard and its own SuperExec secret, read-only, and its own node folder (policy, lifetime ledger)
+        volume, secret, node_folder = app["volumes"]
         assert volume == f"./deploy/shards/shard-{i}-of-{clients}.npz:/data/shard.npz:ro"
         assert secret == f"./deploy/secrets/supernode-{i}.secret:/secrets/superexec.secret:ro"
+        assert node_folder == f"./deploy/node-{i}:/node"
+        assert node.endswith('policy="/node/policy.yaml"')  # the node config names it: the ClientApp enforces it
+        assert not any("/deploy/node-" in v for v in services[f"supernode-{i}"]["volumes"])
         mounted.append(volume)
     assert len(set(mounted)) == clients
     server = services["serverapp"]
+    assert not any("./deploy/node-" in v for v in server["volumes"])  # no data owner's policy or ledger
     assert server["build"]["dockerfile"] == "server/Dockerfile"
     assert not any("shard-" in v for v in server["volumes"])  # the server never sees a training shard
     link = " ".join(services["superlink"]["command"])

@@ -119,6 +119,12 @@ class TestPlainCompose:
                                       np.load(result.output_dir / "final_parameters.npy"))
         summary = json.loads((result.output_dir / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["config"]["dataset"]["shards"] == "/data/shards"
+        from diff2_flwr.runtime.node_ledger import NodeLedger
+
+        for i in range(plain.clients):  # each data owner's ClientApp charged the run to its own lifetime ledger
+            ledger = plain.deploy / f"node-{i}" / "ledger.json"
+            assert str(result.run_id) in [c.run_id for c in NodeLedger(ledger).charges()]
+            assert ledger.stat().st_uid == 49999 and ledger.stat().st_mode & 0o777 == 0o600
 
     def test_each_client_container_sees_only_its_own_shard(self, plain):
         shards = [plain.deploy / "shards" / shard_name(i, plain.clients) for i in range(plain.clients)]

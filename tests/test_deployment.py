@@ -45,9 +45,24 @@ def test_native_deployment_equals_a_simulation(tmp_path):
     print(f"deployment seconds per round: {result.round_seconds}")
 
 
+def policy(tmp_path: Path, **changes) -> Path:
+    path = tmp_path / f"policy-{len(list(tmp_path.glob('policy-*')))}.yaml"
+    path.write_text(yaml.safe_dump({"name": "owner", "max_epsilon": 3.0, "max_delta": 1e-5,
+                                    "lifetime": {"epsilon": 10.0, "delta": 1e-5, "ledger": "ledger.json"}, **changes}))
+    return path
+
+
 def test_native_deployment_with_tls(tmp_path):
-    result = run_local_deployment(config(tmp_path), tls=True, workdir=tmp_path / "work", echo=False)
+    """With TLS, node authentication and a node policy on every SuperNode (through its node config)."""
+    from diff2_flwr.runtime.node_ledger import NodeLedger
+
+    result = run_local_deployment(config(tmp_path), tls=True, workdir=tmp_path / "work", echo=False,
+                                  node_policy=policy(tmp_path))
     assert result.launch.status == "finished:completed"
+    for p in range(3):  # each data owner charged the run once, in its own ledger (0600)
+        ledger = tmp_path / "work" / "owners" / str(p) / "ledger.json"
+        assert [c.run_id for c in NodeLedger(ledger).charges()] == [str(result.launch.run_id)]
+        assert oct(ledger.stat().st_mode & 0o777) == "0o600"
     assert (tmp_path / "work" / "certs" / "ca.crt").is_file()
     # TLS turns SuperNode authentication on: exactly the P registered keys are the nodes the SuperLink knows
     assert result.node_auth and sorted(int(n["node-id"]) for n in result.nodes) == sorted(result.node_ids)
@@ -138,3 +153,17 @@ def test_free_ports_are_distinct_even_when_the_kernel_reuses_a_released_port(mon
     _ReusingSocket.held = set()
     ports = launch._free_ports(n)
     assert len(set(ports)) == n and not _ReusingSocket.held  # distinct, and every probe released
+
+
+def test_a_deployment_node_refuses_a_run_above_its_policy_and_nothing_is_released(tmp_path):
+    from diff2_flwr.runtime.launch import SimulationFailed
+
+    with pytest.raises(SimulationFailed) as info:
+        run_local_deployment(config(tmp_path), workdir=tmp_path / "work", echo=False,
+                             node_policy=policy(tmp_path, max_epsilon=1.0))
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert [json.loads(line)["round"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert "(owner) refused: rule `max_epsilon`: the run asks ε = 3 (privacy.epsilon)" in summary["error"], summary
+    print(f"refusal in a deployment: {info.value}")

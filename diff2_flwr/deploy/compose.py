@@ -25,6 +25,11 @@ honours it with ``--isolation process`` only). Two trust domains, two kinds of s
 ``deploy/secrets/supernode-<i>.secret`` into supernode-i and clientapp-i only (data owner i's, made on
 its machine). Without the secret, whoever reaches a runtime port could take the ServerApp's place and
 receive every client's exact clipped mean, or a ClientApp's and answer in a data owner's name.
+
+Node policy: data owner i's folder ``deploy/node-<i>`` (its ``policy.yaml``, written by data owner i, and its
+lifetime ledger, written beside it by the ClientApp) is mounted into clientapp-i only, at ``/node``; supernode-i's
+node config names ``/node/policy.yaml``, so the ClientApp checks every run and task against it
+(:mod:`diff2_flwr.runtime.policy`) before it reads the shard. Nobody but data owner i sets it.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 import yaml
 
 __all__ = ["render_compose", "certificate_hosts", "FLWR_VERSION", "CONTAINER_OUTPUTS", "SUPERLINK_PORT",
-           "SECRETS_DIR", "SECRET_MOUNT"]
+           "SECRETS_DIR", "SECRET_MOUNT", "NODE_DIR", "NODE_MOUNT"]
 
 FLWR_VERSION = "1.42.0"
 SUPERLINK_PORT = 8000
@@ -47,6 +52,10 @@ _CA = "./deploy/certs/ca.crt:/certs/ca.crt:ro"
 SECRETS_DIR = "./deploy/secrets"
 #: Where a container sees its one secret.
 SECRET_MOUNT = "/secrets/superexec.secret"
+#: Data owner i's own folder on its host (its node policy and lifetime ledger; owned by UID 49999, 0700), and where
+#: clientapp-i sees it.
+NODE_DIR = "./deploy/node-{i}"
+NODE_MOUNT = "/node"
 _DEFAULT_SUPERLINK = f"superlink:{SUPERLINK_PORT}"
 
 
@@ -125,7 +134,8 @@ def render_compose(clients: int = 3, tls: bool = False, *, node_auth: bool | Non
             "command": [*_tls(tls), *(["--auth-supernode-private-key", "/keys/supernode.key"] if node_auth else []),
                         "--superlink", superlink, "--isolation", "process", *_SECRET_FLAG,
                         "--host", "0.0.0.0", "--port", str(SUPERNODE_PORT), "--node-config",
-                        f'partition-id={i} num-partitions={clients} data-path="/data/shard.npz"'],
+                        f'partition-id={i} num-partitions={clients} data-path="/data/shard.npz" '
+                        f'policy="{NODE_MOUNT}/policy.yaml"'],
         }
         node["volumes"] = [*([_CA] if tls else []),
                            *([f"./deploy/certs/supernode-{i}.key:/keys/supernode.key:ro"] if node_auth else []),
@@ -138,7 +148,8 @@ def render_compose(clients: int = 3, tls: bool = False, *, node_auth: bool | Non
         services[f"clientapp-{i}"] = {
             "build": {"context": ".", "dockerfile": "clients/Dockerfile"},
             "command": ["--insecure", *_SECRET_FLAG, "--runtime-api-address", f"supernode-{i}:{SUPERNODE_PORT}"],
-            "volumes": [f"./deploy/shards/shard-{i}-of-{clients}.npz:/data/shard.npz:ro", _secret_volume(f"supernode-{i}")],
+            "volumes": [f"./deploy/shards/shard-{i}-of-{clients}.npz:/data/shard.npz:ro", _secret_volume(f"supernode-{i}"),
+                        f"{NODE_DIR.format(i=i)}:{NODE_MOUNT}"],
             "depends_on": [f"supernode-{i}"],
         }
     header = "".join(f"# {line}\n" for line in _header(clients, tls, node_auth, publish, superlink))
@@ -176,7 +187,9 @@ def _one_host_steps(clients: int, tls: bool, node_auth: bool, publish: str, supe
         "Before `docker compose up`: `diff2 shard configs/deploy.yaml --out deploy/shards` (one file per data",
         "owner), `mkdir -p deploy/outputs && chown 49999 deploy/outputs`,",
         f"`diff2 secret --out deploy/secrets superlink {owners}` (SuperExec authentication: who may run the",
-        "ServerApp and each ClientApp), `chown 49999 deploy/secrets/*.secret`.",
+        "ServerApp and each ClientApp), `chown 49999 deploy/secrets/*.secret`; each data owner's node policy:",
+        "`mkdir -p deploy/node-<i> && cp configs/policy.yaml deploy/node-<i>/` (edit its limits; its lifetime ledger",
+        "is written beside it), `chown -R 49999 deploy/node-<i> && chmod 700 deploy/node-<i>`, for each i.",
     ]
     if tls:
         hosts = "".join(f" --host {h}" for h in certificate_hosts(publish, superlink))
@@ -201,7 +214,9 @@ def _multi_host_steps(clients: int, tls: bool, node_auth: bool, publish: str, su
         f"Data owner i (its own host): a clone of this repository (`build:` needs it) with this {name} at its root;",
         *(["`diff2 node-key --out deploy/certs --name supernode-<i>`: send only supernode-<i>.pub to the operator;"]
           if node_auth else []),
-        "`diff2 secret --out deploy/secrets supernode-<i>` (its own, never sent); from the operator: its shard as",
+        "`diff2 secret --out deploy/secrets supernode-<i>` (its own, never sent); its node policy: `mkdir -p",
+        "deploy/node-<i> && cp configs/policy.yaml deploy/node-<i>/` (its limits and lifetime budget: edit them),",
+        "`chown -R 49999 deploy/node-<i> && chmod 700 deploy/node-<i>`; from the operator: its shard as",
         "deploy/shards/shard-<i>-of-P.npz" + (" and deploy/certs/ca.crt" if tls else "") + "; `chown 49999 "
         + ("deploy/certs/supernode-<i>.key " if node_auth else "") + "deploy/secrets/supernode-<i>.secret`;",
         f"`docker compose -f {name} build --build-arg PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu",

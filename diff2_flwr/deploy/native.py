@@ -234,6 +234,25 @@ def _check_alive(procs: dict[str, subprocess.Popen], work: Path) -> None:
             raise SimulationFailed(f"{name} exited with code {proc.returncode}; log: {log}\n" + log.read_text()[-2000:])
 
 
+def owner_policies(policy: str | os.PathLike[str], work: Path, clients: int) -> list[Path]:
+    """One copy of ``policy`` per data owner (``<work>/owners/<i>/policy.yaml``, 0600 in 0700 folders), each
+    with its own lifetime ledger beside it: on one machine the P owners are P nodes, each with its own budget."""
+    from ..runtime.config import read_yaml
+    from ..runtime.policy import PolicyError, load_policy
+    from ..runtime.secret_files import private_folder, write_private
+
+    load_policy(policy)  # a bad policy fails here, before anything starts
+    data = read_yaml(policy, "node policy", PolicyError)
+    paths = []
+    for p in range(clients):
+        folder = private_folder(work / "owners" / str(p))
+        own = dict(data)
+        if isinstance(own.get("lifetime"), dict) and own["lifetime"].get("ledger"):
+            own["lifetime"] = {**own["lifetime"], "ledger": str(folder / "ledger.json")}
+        paths.append(write_private(folder / "policy.yaml", yaml.safe_dump(own, sort_keys=False).encode()))
+    return paths
+
+
 def run_local_deployment(
     config: str | os.PathLike[str],
     *,
@@ -249,6 +268,7 @@ def run_local_deployment(
     kill_node_after_round: tuple[int, int] | None = None,
     intruders: tuple[str, ...] = (),
     on_ready: Callable[[LiveDeployment], None] | None = None,
+    node_policy: str | os.PathLike[str] | None = None,
 ) -> DeploymentResult:
     """Run ``config`` as a native loopback deployment; raise :class:`SimulationFailed` unless it completes.
 
@@ -257,7 +277,9 @@ def run_local_deployment(
     checkpoint a previous run left there is removed unless ``resume``. Fault injection for tests:
     ``kill_node_after_round=(i, k)`` kills SuperNode i once round k is released; ``intruders`` starts extra
     SuperNodes posing as data owner 0 (kinds in :data:`INTRUDER_KINDS`) before the run is submitted;
-    ``on_ready`` is called with the live deployment just before ``flwr run``.
+    ``on_ready`` is called with the live deployment just before ``flwr run``. ``node_policy``: every data owner's
+    SuperNode gets a copy of this policy through its node config (``policy=...``), each with a lifetime ledger of
+    its own (see :func:`owner_policies`).
     """
     node_auth = tls if node_auth is None else node_auth
     if node_auth and not tls:
@@ -293,10 +315,13 @@ def run_local_deployment(
         node_ids = [_register(key.public, env, p) for p, key in enumerate(keys)]
         client_security = ["--root-certificates", str(certs.ca)] if certs else ["--insecure"]
         shards = Path(cfg.dataset.shards or "")
+        policies = owner_policies(node_policy, work, clients) if node_policy is not None else []
 
         def supernode(p: int, log: Path, key: Path | None, node_port: int, secret: Path) -> subprocess.Popen:
             node_config = (f'partition-id={p} num-partitions={clients} '
                            f'data-path="{shards / shard_name(p, clients)}"')
+            if policies:
+                node_config += f' policy="{policies[p]}"'
             auth = ["--auth-supernode-private-key", str(key)] if key is not None else []
             proc = start([_tool("flower-supernode"), *client_security, *auth, "--superlink", f"127.0.0.1:{port}",
                           "--isolation", "process", "--superexec-auth-secret-file", str(secret),

@@ -57,7 +57,7 @@ from ..runtime.paths import APP_DIR
 from .certs import make_certificates, make_node_keys
 from .compose import CONTAINER_OUTPUTS, FLWR_VERSION, SUPERLINK_PORT, certificate_hosts
 from .native import _list_nodes, _register
-from ..runtime.secret_files import make_superexec_secret
+from ..runtime.secret_files import make_superexec_secret, private_folder
 from .shards import write_shards
 
 __all__ = ["ComposeStack", "ImageReport", "PodmanError", "STANDIN_TARGETS", "ensure_images", "podman_env",
@@ -359,6 +359,11 @@ class ComposeStack:
             private += [self.certs / "server.key", *(k.private for k in keys)]
         for path in private:
             os.chown(path, APP_UID, -1)  # 0600: the containers' user must own them
+        for i in range(self.clients):  # each data owner's node policy, its lifetime ledger written beside it
+            node = private_folder(self.deploy / f"node-{i}")
+            shutil.copyfile(self.dir / "configs" / "policy.yaml", node / "policy.yaml")
+            for path in (node, node / "policy.yaml"):
+                os.chown(path, APP_UID, -1)
         self.home.mkdir(parents=True, exist_ok=True)
         write_connection(self.home, SUPERLINK_PORT, self.certs / "ca.crt" if self.tls else None)
         return shards
