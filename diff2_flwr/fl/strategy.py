@@ -198,7 +198,10 @@ class Diff2Strategy(Strategy):
                 described.append(f"node {proxy.cid}: status {res.status.code.name} {res.status.message}")
         silent = sorted(self._asked - {proxy.cid for proxy, _ in results} - named)
         if silent:  # a dead or timed-out node leaves no reply at all: name it from what was asked
-            described.insert(0, f"no reply from node(s) {', '.join(silent)} (died or timed out)")
+            # Flower names no node for a ClientApp's error (flwr.server.compat.grid_client_proxy's ValueError)
+            raised = any(isinstance(f, BaseException) and "Message contains an Error" in str(f) for f in failures)
+            why = "died, timed out, or raised one of the errors below" if raised else "died or timed out"
+            described.insert(0, f"no reply from node(s) {', '.join(silent)} ({why})")
         return f"{len(failures)} client(s) failed: " + "; ".join(described)
 
     def configure_evaluate(
