@@ -46,7 +46,7 @@ import torch
 from ..core import fused
 from ..core.clipping import onto_ball, robust_norm
 from ..core.estimator import Diverged, round_noise, round_scale
-from ..core.ghost import MLP, Pass, clipped_sums, forward, forward_head, sq_norms
+from ..core.ghost import MLP, Pass, clipped_sums, forward, forward_head, norms as ghost_norms
 from ..core.routines import Routine, make_routine
 from ..task.data import PreparedData
 from ..task.models import build_model, mlp_shape
@@ -190,7 +190,7 @@ def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, r
         prev = Pass(prev_inputs, prev_grads, cur.loss, cur.outputs).to64()
         if some_restart:
             prev = prev.restarting(cur, restart)
-    norms = torch.sqrt(sq_norms(cur, sq_a, prev))
+    norms = ghost_norms(cur, a64.reshape(-1, a64.shape[-1]), sq_a, prev)
     rad = radius.unsqueeze(-1)
     over = norms > rad
     c = torch.where(over, rad / torch.where(over, norms, 1.0), 1.0) * mask
