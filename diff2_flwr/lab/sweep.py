@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ..core import fused
-from ..core.clipping import onto_ball, robust_norm
+from ..core.clipping import onto_ball, robust_norm, row_norms
 from ..core.estimator import Diverged, round_noise, round_scale
 from ..core.ghost import MLP, Pass, clipped_sums, forward, forward_head, norms as ghost_norms
 from ..core.routines import Routine, make_routine
@@ -262,8 +262,9 @@ def _workers_finish(client_means: torch.Tensor, overflow: torch.Tensor, radius: 
         diverged[k] = r
         alive[k] = False
     # Only means within 1e-12 of the radius can need a projection (the two exact norms differ from
-    # this one by a few ulps): the rest skip the scalar check.
-    near = torch.linalg.vector_norm(client_means, dim=-1) >= torch.as_tensor(radius) * (1 - 1e-12)
+    # this one by a few ulps): the rest skip the scalar check. Scaled where squares would underflow (a
+    # mean of norm 1e-170 read 0 and skipped its projection at radius 1e-200).
+    near = row_norms(client_means.reshape(P * K, -1)).reshape(P, K) >= torch.as_tensor(radius) * (1 - 1e-12)
     for p, k in torch.nonzero(near & alive.unsqueeze(0) & torch.isfinite(torch.as_tensor(radius))).tolist():
         row = client_means[p, k].numpy()
         projected = onto_ball(row, float(radius[k]))
