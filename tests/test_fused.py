@@ -298,15 +298,17 @@ def _one_sample_clients(engine: str, request, mlp: MLP, x, xp, feats, y, radius:
 def test_clipped_difference_rows_never_exceed_the_radius_with_activations_1e4(engine, request, loss, classes, kind):
     """Hidden activations ~1e4 and close iterates (test_ghost's table, one hidden layer): without clipping each row is
     torch.func's difference row; clipped at half the smallest norm, each row's norm is the radius to 1e-9 relative
-    (the engine's norm equals torch.func's to 1e-9) and never above it beyond float64 rounding (1e-12). The
-    expanded A + B + X alone left rows 5e-7 above the radius on the cancelling cases."""
+    (the engine's norm equals torch.func's to 1e-9) and never above it beyond float64 rounding: 1e-11, as in
+    test_ghost (a written-out row's entries round to ε of its two terms, ~ε√((A + B)/‖·‖²) ≈ 3e-12 of its norm
+    at this conditioning; measured 8.5e-13; the workers' projection takes it off before release). The expanded
+    A + B + X alone left rows 5e-7 above the radius on the cancelling cases."""
     mlp, x, xp, feats, y, rows = big_activation_case(loss, classes, 1, kind)
     want = torch.linalg.vector_norm(rows, dim=1)
     free = _one_sample_clients(engine, request, mlp, x, xp, feats, y, math.inf)
     torch.testing.assert_close(scaled_row_norms(free), want, rtol=1e-9, atol=0)
     radius = 0.5 * float(want.min())
     got = scaled_row_norms(_one_sample_clients(engine, request, mlp, x, xp, feats, y, radius))
-    assert float(got.max()) <= radius * (1 + 1e-12), f"max clipped norm / C = {float(got.max()) / radius!r}"
+    assert float(got.max()) <= radius * (1 + 1e-11), f"max clipped norm / C = {float(got.max()) / radius!r}"
     torch.testing.assert_close(got, torch.full_like(got, radius), rtol=1e-9, atol=0)
 
 
