@@ -275,7 +275,7 @@ def _difference_term(dg: torch.Tensor, gp: torch.Tensor, a: torch.Tensor,
     ab = _dot(dg, dg) * sa + sgp * sda
     term = ab + 2 * _dot(dg, gp) * p
     cancel = ab > CANCELLATION * term
-    if bool(cancel.any()):
+    if torch.compiler.is_compiling() or bool(cancel.any()):  # compiled: no data-dependent branch (graph break)
         mu = (p / sa).unsqueeze(1)
         e = sa.unsqueeze(1) * dg + p.unsqueeze(1) * gp
         w = da - mu * a
@@ -311,12 +311,19 @@ def norms(cur: Pass, inputs: torch.Tensor, sq_input: torch.Tensor, prev: Pass | 
     whatever its magnitude (see the module's docstring). ``inputs`` [M, F] float64: the shared input, read for
     the samples that need scaling; ``sq_input`` [M] its ‖·‖²."""
     sq, big = _sq_norms(cur, sq_input, prev)
-    out = torch.sqrt(sq)
+    return _rescale_unsafe(torch.sqrt(sq), sq, big, cur, inputs, prev)
+
+
+@torch.compiler.disable
+def _rescale_unsafe(out: torch.Tensor, sq: torch.Tensor, big: torch.Tensor, cur: Pass, inputs: torch.Tensor,
+                    prev: Pass | None) -> torch.Tensor:
+    """``out`` with the samples whose squares may have underflowed or overflowed taken again by scaling (eager
+    even in a compiled round: a data-dependent number of samples)."""
     unsafe = ~((sq >= SAFE_SQ[0]) & (sq <= SAFE_SQ[1])) | (big > SAFE_MULTIPLIER)
-    if bool(unsafe.any()):
-        k, m = torch.nonzero(unsafe, as_tuple=True)
-        out = out.index_put((k, m), _scaled_norms(cur, inputs, prev, k, m))
-    return out
+    if not bool(unsafe.any()):
+        return out
+    k, m = torch.nonzero(unsafe, as_tuple=True)
+    return out.index_put((k, m), _scaled_norms(cur, inputs, prev, k, m))
 
 
 def _ldexp(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
