@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from diff2_flwr.core.clipping import clip_rows, clipped_mean, clipped_sum
+from diff2_flwr.core.clipping import clip_rows, clipped_mean, clipped_sum, robust_norm, row_norms
 
 finite = st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False)
 rows_strategy = st.integers(1, 12).flatmap(
@@ -84,3 +84,45 @@ def test_invalid_radius_is_refused(radius):
 def test_empty_set_is_refused():
     with pytest.raises(ValueError, match="empty"):
         clipped_mean(torch.zeros(0, 3), 1.0)
+
+
+def test_rows_whose_squares_underflow_or_overflow_are_clipped_all_the_same():
+    """A row of norm 1e-170 squares to 0 (it passed radius 1e-200 unclipped); one of norm 1e200 squares to inf (it
+    was clipped to 0 and counted as an overflow). Both are clipped onto the ball (but where C/‖row‖ < 1e-300 rounds
+    to 0: the row becomes 0, inside the ball); a zero row stays zero."""
+    t = torch.tensor([[1e-170, 1e-170], [3e-171, -4e-171], [1e200, -1e200], [1e-310, 0.0], [0.0, 0.0]],
+                     dtype=torch.float64)
+    exact = torch.tensor([robust_norm(r) for r in t.numpy()], dtype=torch.float64)
+    torch.testing.assert_close(row_norms(t), exact, rtol=1e-15, atol=0)
+    assert exact[0] > 1e-170 and exact[4] == 0  # the reference is not fooled either
+    for radius in (1e-200, 1.0):
+        clipped, over = clip_rows(t, radius)
+        assert over.tolist() == [radius < 1e-170, radius < 1e-170, True, radius < 1e-310, False]
+        norms = torch.tensor([robust_norm(r) for r in clipped.numpy()], dtype=torch.float64)
+        onto = over & (exact < radius * 1e300)  # beyond, C/‖row‖ underflows to 0: the row is clipped to 0
+        torch.testing.assert_close(norms[onto], torch.full_like(norms[onto], radius), rtol=1e-15, atol=0)
+        assert bool((norms <= radius * (1 + 1e-15)).all()) and torch.equal(clipped[~over], t[~over])
+        assert clipped_sum(t, radius).nonfinite == 0
+
+
+extreme_rows = st.integers(1, 8).flatmap(lambda n: st.integers(1, 6).flatmap(lambda d: st.tuples(
+    arrays("float64", (n, d), elements=st.floats(-10, 10, allow_nan=False)),
+    arrays("float64", (n, 1), elements=st.floats(-300, 300, allow_nan=False)))))
+
+
+@settings(max_examples=300, deadline=None)
+@given(extreme_rows, st.floats(-300, 300, allow_nan=False))
+def test_clipped_rows_have_norm_at_most_radius_at_any_magnitude(rows, log_radius):
+    """Rows of norms 1e-300 to 1e300 (each row its own magnitude), radii 1e-300 to 1e300: clipped rows are within the
+    radius (by the scaled norm; to float64 rounding, as the bound of the first property test), rows inside it are
+    untouched, and no norm is lost to underflow or overflow (the row_norms equal numpy-scaled ones)."""
+    mantissa, exponent = rows
+    t = torch.from_numpy(mantissa * 10.0 ** exponent)
+    radius = 10.0 ** log_radius
+    exact = torch.tensor([robust_norm(r) for r in t.numpy()], dtype=torch.float64)
+    torch.testing.assert_close(row_norms(t), exact, rtol=1e-14, atol=0)
+    clipped, over = clip_rows(t, radius)
+    assert torch.equal(over, exact > radius)
+    norms = torch.tensor([robust_norm(r) for r in clipped.numpy()], dtype=torch.float64)
+    assert bool((norms <= radius * (1 + 1e-12)).all())
+    assert torch.equal(clipped[~over], t[~over])

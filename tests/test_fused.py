@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from diff2_flwr.core import fused, ghost
+from diff2_flwr.core.clipping import scaled_row_norms
 from diff2_flwr.core.ghost import MLP
 from diff2_flwr.lab.sweep import RunSpec, run_batch
 from diff2_flwr.runtime.config import parse_config
 from diff2_flwr.runtime.session import load_data
+from test_ghost import BIG, big_activation_case
 
 F, H, N, K, P = 7, 10, 75, 4, 3  # P clients of N = 4 blocks of 16 and a tail of 11, the last 6 of each padding
 M = P * N
@@ -266,3 +268,80 @@ def test_clients_in_groups_give_the_runs_of_one_group(monkeypatch):
         np.testing.assert_allclose(a.final_x, b.final_x, rtol=0, atol=1e-12)
         np.testing.assert_allclose(a.grad_norm_sq, b.grad_norm_sq, rtol=1e-10)
     assert seen == [3]
+
+
+# ---------------------------------------------------------------- norms that never under-clip (issue 19, item 5)
+
+def _one_sample_clients(engine: str, request, mlp: MLP, x, xp, feats, y, radius: float) -> torch.Tensor:
+    """The batched engine's clipped sums [n, d] of the difference rows with every sample a client of its own (so
+    each sum is one clipped row), from the fused kernel or from the torch path (sweep._round_core), float64."""
+    n = feats.shape[0]
+    x, xp = torch.as_tensor(x), torch.as_tensor(xp)
+    x64, mask, rad = feats.T.contiguous(), torch.ones(n, dtype=torch.float64), torch.tensor([radius], dtype=torch.float64)
+    sq = (x64 * x64).sum(0)
+    if engine == "torch":
+        from diff2_flwr.lab.sweep import _round_core
+
+        prev = ghost.forward(mlp, xp, x64, y)
+        sums, over, *_ = _round_core(mlp, x64, feats.reshape(n, 1, -1), y, sq, mask, x, prev.inputs, prev.grads,
+                                     torch.tensor([False]), rad, False)
+    else:
+        kernel = request.getfixturevalue("kernel")
+        sums, over = fused.clipped_sums(kernel, _parts(mlp, x, x64, y), x64, sq, mask, rad, _parts(mlp, xp, x64, y),
+                                        clients=n)
+    assert not over.any()
+    return sums[:, 0]
+
+
+@pytest.mark.parametrize("engine", ["fused", "torch"])
+@pytest.mark.parametrize("loss,classes,kind", [(loss, c, kind) for loss, c, depth, kind in BIG if depth == 1])
+def test_clipped_difference_rows_never_exceed_the_radius_with_activations_1e4(engine, request, loss, classes, kind):
+    """Hidden activations ~1e4 and close iterates (test_ghost's table, one hidden layer): without clipping each row is
+    torch.func's difference row; clipped at half the smallest norm, each row's norm is the radius to 1e-9 relative
+    (the engine's norm equals torch.func's to 1e-9) and never above it beyond float64 rounding: 1e-11, as in
+    test_ghost (a written-out row's entries round to ε of its two terms, ~ε√((A + B)/‖·‖²) ≈ 3e-12 of its norm
+    at this conditioning; measured 8.5e-13; the workers' projection takes it off before release). The expanded
+    A + B + X alone left rows 5e-7 above the radius on the cancelling cases."""
+    mlp, x, xp, feats, y, rows = big_activation_case(loss, classes, 1, kind)
+    want = torch.linalg.vector_norm(rows, dim=1)
+    free = _one_sample_clients(engine, request, mlp, x, xp, feats, y, math.inf)
+    torch.testing.assert_close(scaled_row_norms(free), want, rtol=1e-9, atol=0)
+    radius = 0.5 * float(want.min())
+    got = scaled_row_norms(_one_sample_clients(engine, request, mlp, x, xp, feats, y, radius))
+    assert float(got.max()) <= radius * (1 + 1e-11), f"max clipped norm / C = {float(got.max()) / radius!r}"
+    torch.testing.assert_close(got, torch.full_like(got, radius), rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("engine", ["fused", "torch"])
+@pytest.mark.parametrize("power,radius", [(-565, 1e-200), (665, 1.0)])
+def test_rows_of_extreme_norms_are_clipped_not_lost_to_underflow_or_overflow(engine, request, power, radius):
+    """Every gradient of a float64 pass times 2^power (exact): difference rows of norm ~1e-170 at radius 1e-200 (their
+    squares underflow to 0: they passed unclipped) and of norm ~1e197 at radius 1 (their squares overflow: the
+    runs were reported diverged). Each sample a client of its own: unclipped, each row's norm is 2^power times the
+    unscaled row's (to 1e-13); clipped, every row is clipped, to the radius within float64 rounding, and nothing
+    overflows."""
+    mlp, x, x_prev, feats, y, x64, sq, _ = _case("cross_entropy", 3, "softplus", torch.float64)
+    mask, scale = torch.ones(M, dtype=torch.float64), 2.0 ** power
+
+    def sums(rad: float, s: float) -> torch.Tensor:
+        radii = torch.full((K,), rad, dtype=torch.float64)
+        if engine == "fused":
+            up = lambda p: p._replace(grad_out=(p.grad_out * s).contiguous())  # noqa: E731
+            out, over = fused.clipped_sums(request.getfixturevalue("kernel"), up(_parts(mlp, x, feats, y)), x64, sq,
+                                           mask, radii, up(_parts(mlp, x_prev, feats, y)), clients=M)
+        else:  # what sweep._round_core does: ghost.norms, then ghost.clipped_sums
+            up = lambda p: ghost.Pass(p.inputs, tuple(g * s for g in p.grads), p.loss, p.outputs)  # noqa: E731
+            cur, prev = up(ghost.forward(mlp, x, feats, y).to64()), up(ghost.forward(mlp, x_prev, feats, y).to64())
+            norms = ghost.norms(cur, x64.T, sq, prev)
+            over = ~torch.isfinite(norms)
+            c = torch.where(norms > rad, rad / torch.where(norms > rad, norms, 1.0), 1.0)
+            out = ghost.clipped_sums(cur, x64.T.reshape(M, 1, F).contiguous(), c, prev)
+        assert not over.any()
+        return out
+
+    plain = scaled_row_norms(sums(math.inf, 1.0).reshape(M * K, -1))
+    free = scaled_row_norms(sums(math.inf, scale).reshape(M * K, -1))
+    torch.testing.assert_close(free, plain * scale, rtol=1e-13, atol=0)
+    clipped = scaled_row_norms(sums(radius, scale).reshape(M * K, -1))
+    assert float(clipped.max()) <= radius * (1 + 1e-12)
+    torch.testing.assert_close(clipped, torch.full_like(clipped, radius), rtol=1e-12, atol=0)

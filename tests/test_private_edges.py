@@ -70,6 +70,25 @@ def test_float32_clipping_never_exceeds_the_radius(kind):
         np.testing.assert_array_equal(agg.mean, c.mean)  # accepted, and not projected by the server
 
 
+@pytest.mark.parametrize("kind", ["closed_form", "torch_func"])
+@pytest.mark.parametrize("residual,radius", [(1e-170, 1e-200), (1e200, 1.0)])
+def test_per_sample_norms_neither_underflow_nor_overflow(kind, residual, radius):
+    """Output weights 0 and targets -residual: every per-sample gradient is residual·(0, 0, softplus(h), 1), of norm
+    ~1e-170 (its squares underflow: it passed radius 1e-200 unclipped) or ~1e200 (its squares overflow: an
+    overflow report). Both per-sample paths (and so the local routine's steps, which call them) clip every row
+    onto the ball, report no overflow, and reply a mean of norm <= radius, ~radius (identical samples)."""
+    model = build_model("paper_mlp", in_features=F, out_features=1, hidden=H, init_seed=0)
+    layout = ParameterLayout.of(model)
+    g = (PaperMLPGradients(layout) if kind == "closed_form" else
+         PerSampleGradients(model, get_loss("half_squared_error"), chunk_size=64))
+    x = np.concatenate([p.detach().double().reshape(-1).numpy() for p in model.parameters()])
+    x[-(H + 1):] = 0.0  # w_2, b_2
+    features = torch.tensor(np.tile(np.linspace(-1, 1, F), (40, 1)), dtype=torch.float64)
+    c = g.clipped_mean(x, features, torch.full((40,), -residual, dtype=torch.float64), radius)
+    assert not c.overflow and c.num_clipped == 40
+    assert radius * (1 - 1e-12) <= robust_norm(c.mean) <= radius
+
+
 ROUNDS = 12
 BASE = {"dataset": {"name": "synthetic", "num_samples": 1001}, "training": {"clients": 4, "rounds": ROUNDS}}
 VARIANTS = [("diff2", 3, 0.2, 1.0, 3.0, 5), ("dpgd", None, 0.3, 0.5, 1.0, 6), ("diff2", 5, 0.1, 0.3, 0.5, 8),

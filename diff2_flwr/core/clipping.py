@@ -4,7 +4,9 @@
 
 The scale factor is computed without any ``+ eps``: rows whose norm is at most ``C`` are
 multiplied by exactly 1, rows above it by ``C / ||a||``. ``C = inf`` disables clipping and
-``C = 0`` maps every row to 0, both exactly.
+``C = 0`` maps every row to 0, both exactly. Row norms are scaled where squaring would underflow or
+overflow (:func:`row_norms`): a row of norm 1e-170 is clipped at radius 1e-200, a row of norm 1e200
+is clipped rather than read as infinite.
 
 References:
     Murata & Suzuki (2023), Algorithm 2 (ClippedMean); sensitivity 2C/#A under replace-one.
@@ -19,7 +21,8 @@ import numpy as np
 import torch
 
 __all__ = [
-    "NORM_RTOL", "ClippedSum", "clip_rows", "clipped_sum", "clipped_mean", "robust_norm", "radius_norm",
+    "NORM_RTOL", "ClippedSum", "clip_rows", "row_norms", "scaled_row_norms",
+    "SAFE_NORM_RANGE", "clipped_sum", "clipped_mean", "robust_norm", "radius_norm",
     "project_onto_ball", "onto_ball",
 ]
 
@@ -30,6 +33,10 @@ NORM_RTOL = 1e-9
 # np.linalg.norm squares the entries: its result is exact to float64 rounding when it is finite
 # and at least this (no square of a relevant entry underflowed); otherwise scale first.
 _SQUARES_SAFE_BELOW = 2.0**-500
+
+#: A norm in [2^-300, 2^300] came from a sum of squares in [2^-600, 2^600]: what underflowed in it is below
+#: d·2^-1074, a relative d·2^-474 of it (nothing for any d), and nothing overflowed. Outside, scale first.
+SAFE_NORM_RANGE = (2.0**-300, 2.0**300)
 
 
 class ClippedSum(NamedTuple):
@@ -61,13 +68,38 @@ def _clip_rows(rows: torch.Tensor, radius: float) -> tuple[torch.Tensor, torch.T
     _check_radius(radius)
     if rows.ndim != 2:
         raise ValueError(f"`rows` must have shape [n, d]. Found shape {tuple(rows.shape)}.")
-    norms = torch.linalg.vector_norm(rows, dim=1)
+    norms = row_norms(rows)
     over = norms > radius
     if math.isinf(radius) or not bool(over.any()):
         return rows, over, norms
     # Only rows with norm > radius >= 0 are divided, so no division by zero can be selected.
     factor = torch.where(over, radius / torch.where(over, norms, 1.0), 1.0)
     return rows * factor.unsqueeze(1), over, norms
+
+
+def row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """Euclidean norm of each row of ``rows`` [n, d], exact to float rounding whatever its magnitude.
+
+    ``torch.linalg.vector_norm`` squares the entries unscaled: a row of norm 1e-170 reads 0 (and passes
+    any radius unclipped), one of norm 1e200 reads inf. Its result is kept where it lies in
+    :data:`SAFE_NORM_RANGE`; the other rows are divided by their largest magnitude first (LAPACK's
+    ``dnrm2`` idea, two passes). A row holding NaN stays NaN, one holding inf is inf.
+    """
+    norms = torch.linalg.vector_norm(rows, dim=1)
+    low, high = SAFE_NORM_RANGE
+    unsafe = ~((norms >= low) & (norms <= high))  # also 0, inf and NaN
+    if not bool(unsafe.any()):
+        return norms
+    return torch.where(unsafe, scaled_row_norms(rows), norms)
+
+
+def scaled_row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """Row norms of ``rows`` [n, d] as max|row| · ‖row / max|row|‖: no square underflows or overflows
+    that matters (entries below 2^-1074 of the largest are lost: a relative d·2^-1074 at most)."""
+    scale = rows.abs().amax(dim=1) if rows.shape[1] else rows.new_zeros(rows.shape[0])
+    ok = (scale > 0) & torch.isfinite(scale)
+    safe = torch.where(ok, scale, 1.0)
+    return torch.where(ok, safe * torch.linalg.vector_norm(rows / safe.unsqueeze(1), dim=1), scale)
 
 
 def clipped_sum(rows: torch.Tensor, radius: float) -> ClippedSum:

@@ -8,7 +8,11 @@ one sample's gradient is, with h = W1 a + b1, s = φ(h), e = f(a) - y and δ = e
 so its squared norm is e² + ‖e s‖² + ‖δ‖² (1 + ‖a‖²), and the clipped sum over samples is
 ((c ⊙ δ)ᵀ A, Σ c δ, Σ c e s, Σ c e) with c_i = min(1, C / norm_i) — no n × d tensor ("ghost
 clipping"). The difference of two iterates' gradients keeps the same input a, so it is again
-(Δe, Δ(e s), Δδ, Δδ aᵀ) with squared norm Δe² + ‖Δ(e s)‖² + ‖Δδ‖² (1 + ‖a‖²).
+(Δe, Δ(e s), Δδ, Δδ aᵀ) with squared norm Δe² + ‖Δ(e s)‖² + ‖Δδ‖² (1 + ‖a‖²). A sum of non-negative
+terms: nothing cancels. Where squaring could underflow or overflow (a norm outside
+:data:`~diff2_flwr.core.clipping.SAFE_NORM_RANGE`, or ‖a‖² > 2^400, which could lift an underflowed
+‖Δδ‖² back into view) the norm is taken again by scaling: ‖(Δe, Δ(e s))‖ and ‖Δδ‖ ‖(a, 1)‖ each by
+:func:`~diff2_flwr.core.clipping.scaled_row_norms`, joined by ``hypot``.
 
 The result equals :class:`~diff2_flwr.core.gradients.PerSampleGradients` (the generic
 ``torch.func`` path) up to float rounding; tests check both against each other.
@@ -28,6 +32,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from .clipping import SAFE_NORM_RANGE, scaled_row_norms
 from .gradients import Contribution, finish_contribution
 from .layout import ParameterLayout
 
@@ -53,6 +58,22 @@ class MLPParts:
     s: torch.Tensor  # [n, hidden]
     e: torch.Tensor  # [n]
     delta: torch.Tensor  # [n, hidden]
+
+
+def _norms(features: torch.Tensor, sq_norm_a: torch.Tensor, ge: torch.Tensor, gs: torch.Tensor,
+           gd: torch.Tensor) -> torch.Tensor:
+    """Per-sample norms of the gradients (ge, gs, gd, gd aᵀ), float64: squared and summed where that is exact
+    to rounding, scaled elsewhere (see the module's docstring)."""
+    norms = torch.sqrt(ge * ge + (gs * gs).sum(1) + (gd * gd).sum(1) * (1 + sq_norm_a))
+    low, high = SAFE_NORM_RANGE
+    unsafe = ~((norms >= low) & (norms <= high)) | (sq_norm_a > 2.0**400)
+    if not bool(unsafe.any()):
+        return norms
+    idx = torch.nonzero(unsafe).flatten()
+    a1 = torch.cat([features[idx], features.new_ones(len(idx), 1)], dim=1)
+    outer = scaled_row_norms(torch.cat([ge[idx].unsqueeze(1), gs[idx]], dim=1))
+    safe = torch.hypot(outer, scaled_row_norms(gd[idx]) * scaled_row_norms(a1))
+    return norms.index_put((idx,), safe)
 
 
 class PaperMLPGradients:
@@ -93,8 +114,7 @@ class PaperMLPGradients:
         rounding whatever the compute dtype, so a clipped mean exceeds the radius by float64
         rounding at most (float32 sums and factors exceeded it by ~1e-6).
         """
-        sq = ge * ge + (gs * gs).sum(1) + (gd * gd).sum(1) * (1 + sq_norm_a)
-        norms = torch.sqrt(sq)
+        norms = _norms(features, sq_norm_a, ge, gs, gd)
         nonfinite = int((~torch.isfinite(norms)).sum())
         if math.isinf(radius):
             c = torch.ones_like(norms)

@@ -13,9 +13,13 @@ in one pass over blocks of 16 samples of one client and run:
     ‖·‖² = ‖dg_1‖²(1 + ‖x‖²) + ‖dg_L‖²(1 + ‖a‖²) + ‖g_L'‖²‖da‖² + 2(dg_L·g_L')(a·da)    in float64,
     c = rad/‖·‖ if ‖·‖ > rad else 1, times the mask (0 for padding),
 
-the formulas of :func:`~diff2_flwr.core.ghost.sq_norms` (difference form; a plain row is g' = 0, a' = a, as
-:meth:`~diff2_flwr.core.ghost.Pass.restarting`), and adds c·(the per-sample gradient) into float64 per-lane
-sums — no [K, H, M] float64 tensor is ever formed. The sums over samples are taken in another order than
+the formulas of :func:`~diff2_flwr.core.ghost.norms` (difference form; a plain row is g' = 0, a' = a, as
+:meth:`~diff2_flwr.core.ghost.Pass.restarting`), with its safeguards: where the last three terms cancel
+(A + B > 16 (A + B + X)) the output layer's term is taken from its QR form instead, and a sample whose squares
+may have underflowed or overflowed has its norm taken again with every factor scaled by a power of two — both
+only for the blocks and samples that need it (elsewhere they cost a comparison per sample), each sample's result
+its own. It adds c·(the per-sample gradient) into float64 per-lane sums — no [K, H, M] float64 tensor is ever
+formed. The sums over samples are taken in another order than
 the torch path's matrix products (per lane over the blocks, then over the lanes): equal to rounding, and
 deterministic — same inputs, same bits, whatever the other runs and clients of the call.
 

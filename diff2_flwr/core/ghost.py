@@ -17,11 +17,26 @@ A difference round needs the norm of ∇ℓ(x, z) - ∇ℓ(x', z). Per layer, wi
 da = a - a' (da = 0 at the first layer: both iterates see the same input),
 
     g ãᵀ - g' ã'ᵀ = dg ãᵀ + g' (da, 0)ᵀ,
-    ‖·‖² = ‖dg‖² (1 + ‖a‖²) + ‖g'‖² ‖da‖² + 2 (dg · g') (a · da),
+    ‖·‖² = ‖dg‖² (1 + ‖a‖²) + ‖g'‖² ‖da‖² + 2 (dg · g') (a · da)       (A + B + X),
 
 written in the small differences rather than as ‖a‖²‖g‖² + ‖a'‖²‖g'‖² - 2(ã·ã')(g·g'), whose large
-terms cancel when the iterates are close (as they are in a difference round) and would lose
-the digits that the clipping decision reads. The clipped sum is likewise Σ c dg ãᵀ + Σ c g' (da, 0)ᵀ.
+terms cancel when the iterates are close. A + B + X still cancels when the two rank-one terms nearly
+cancel each other (dg ãᵀ ≈ -g' (da, 0)ᵀ; with activations ~1e4 the security review found norms 1.76x
+too small): its error is ~ε(A + B), so where A + B > 16·(A + B + X) the layer's norm is taken instead
+from a QR factorisation of the right factors [ã, (da, 0)] = [q1, q2] R (one Gram–Schmidt step, as in
+Golub & Van Loan, Matrix Computations, §5.2.8): with s² = 1 + ‖a‖², p = a · da, μ = p / s²,
+
+    ‖dg ãᵀ + g' (da, 0)ᵀ‖² = ‖s² dg + p g'‖² / s² + ‖(da - μ a, -μ)‖² ‖g'‖²,
+
+two non-negative terms whose only rounding is that of forming the entries: the error is ~ε√(A + B)·‖·‖,
+as good as writing out the matrix (and better than ``torch.func``'s difference of two gradients). Rows
+without cancellation keep the cheaper A + B + X (error below 16·few·ε relative).
+
+Squares underflow and overflow: a row of norm 1e-170 reads 0. :func:`norms` takes the square root and
+takes again, by scaling (:func:`_scaled_norms`: every factor by a power of two, the rank-two matrix
+written out), every sample whose squared norm is outside [2^-600, 2^600] or whose multipliers (1 + ‖a‖²,
+‖g'‖², ‖da‖², 1 + ‖x‖²) exceed 2^400 (they could lift an underflowed square back into view): what those
+bounds let underflow is below 2^-470 of the result. The clipped sum is Σ c dg ãᵀ + Σ c g' (da, 0)ᵀ.
 A run that restarts in a batch of differences takes g' = 0 and a' = a, which gives its plain gradient
 exactly (adding exact zeros).
 
@@ -45,9 +60,11 @@ from typing import Callable
 
 import torch
 
+from .clipping import scaled_row_norms
 from .closed_form import softplus_with_derivative
 
-__all__ = ["ACTIVATIONS", "LOSSES", "MLP", "Pass", "activate", "clipped_sums", "forward", "forward_head", "sq_norms"]
+__all__ = ["ACTIVATIONS", "LOSSES", "MLP", "Pass", "activate", "clipped_sums", "forward", "forward_head", "norms",
+           "sq_norms"]
 
 LOSSES = ("half_squared_error", "cross_entropy")
 
@@ -243,24 +260,130 @@ def _dot(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return (u * v).sum(1)
 
 
+#: Where A + B > CANCELLATION · (A + B + X) a layer's norm is taken from the QR form (the error of A + B + X is
+#: ~ε(A + B), so at most 16·few·ε relative where it is kept).
+CANCELLATION = 16.0
+#: Squared norms in [2^-600, 2^600] with multipliers up to 2^400 lose nothing to underflow or overflow.
+SAFE_SQ, SAFE_MULTIPLIER = (2.0**-600, 2.0**600), 2.0**400
+
+
+def _difference_term(dg: torch.Tensor, gp: torch.Tensor, a: torch.Tensor,
+                     da: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """‖dg ãᵀ + g' (da, 0)ᵀ‖² per run and sample (cancellation-safe, see the module's docstring) and the largest
+    of its multipliers 1 + ‖a‖², ‖g'‖², ‖da‖²."""
+    sa, sgp, sda, p = 1 + _dot(a, a), _dot(gp, gp), _dot(da, da), _dot(a, da)
+    ab = _dot(dg, dg) * sa + sgp * sda
+    term = ab + 2 * _dot(dg, gp) * p
+    cancel = ab > CANCELLATION * term
+    if torch.compiler.is_compiling() or bool(cancel.any()):  # compiled: no data-dependent branch (graph break)
+        mu = (p / sa).unsqueeze(1)
+        e = sa.unsqueeze(1) * dg + p.unsqueeze(1) * gp
+        w = da - mu * a
+        qr = _dot(e, e) / sa + (_dot(w, w) + mu[:, 0] * mu[:, 0]) * sgp
+        term = torch.where(cancel, qr, term)
+    return term, torch.maximum(sa, torch.maximum(sgp, sda))
+
+
+def _sq_norms(cur: Pass, sq_input: torch.Tensor, prev: Pass | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sq_norms` and the largest multiplier per run and sample."""
+    dg = cur.grads[0] if prev is None else cur.grads[0] - prev.grads[0]
+    total, big = _dot(dg, dg) * (1 + sq_input), 1 + sq_input
+    for l in range(1, len(cur.grads)):
+        g, a = cur.grads[l], cur.inputs[l - 1]
+        if prev is None:
+            sa = 1 + _dot(a, a)
+            term = _dot(g, g) * sa
+        else:
+            term, sa = _difference_term(g - prev.grads[l], prev.grads[l], a, a - prev.inputs[l - 1])
+        total, big = total + term, torch.maximum(big, sa)
+    return total, big
+
+
 def sq_norms(cur: Pass, sq_input: torch.Tensor, prev: Pass | None = None) -> torch.Tensor:
     """‖∇ℓ(x, z)‖² per run and sample [K, M] (or ‖∇ℓ(x, z) - ∇ℓ(x', z)‖² with ``prev`` the pass at x'), from
-    float64 passes; ``sq_input`` [M] = ‖a‖² of the shared input."""
-    total = None
+    float64 passes; ``sq_input`` [M] = ‖a‖² of the shared input. Cancellation-safe, not underflow-safe: the
+    clipping decision reads :func:`norms`."""
+    return _sq_norms(cur, sq_input, prev)[0]
+
+
+def norms(cur: Pass, inputs: torch.Tensor, sq_input: torch.Tensor, prev: Pass | None = None) -> torch.Tensor:
+    """‖∇ℓ(x, z)‖ (or of the difference with ``prev``) per run and sample [K, M], float64, exact to rounding
+    whatever its magnitude (see the module's docstring). ``inputs`` [M, F] float64: the shared input, read for
+    the samples that need scaling; ``sq_input`` [M] its ‖·‖²."""
+    sq, big = _sq_norms(cur, sq_input, prev)
+    return _rescale_unsafe(torch.sqrt(sq), sq, big, cur, inputs, prev)
+
+
+@torch.compiler.disable
+def _rescale_unsafe(out: torch.Tensor, sq: torch.Tensor, big: torch.Tensor, cur: Pass, inputs: torch.Tensor,
+                    prev: Pass | None) -> torch.Tensor:
+    """``out`` with the samples whose squares may have underflowed or overflowed taken again by scaling (eager
+    even in a compiled round: a data-dependent number of samples)."""
+    unsafe = ~((sq >= SAFE_SQ[0]) & (sq <= SAFE_SQ[1])) | (big > SAFE_MULTIPLIER)
+    if not bool(unsafe.any()):
+        return out
+    k, m = torch.nonzero(unsafe, as_tuple=True)
+    return out.index_put((k, m), _scaled_norms(cur, inputs, prev, k, m))
+
+
+def _ldexp(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """x·2^e exactly (but for the final rounding), for any integer e: torch.ldexp multiplies by 2.0**e, which is
+    inf or 0 beyond ±1023. Three factors of at most 2^800, all on one side of 1: no intermediate rounding."""
+    e = e.clamp(-2400, 2400).to(torch.int64)
+    e1 = torch.div(e, 3, rounding_mode="trunc")
+    e2 = torch.div(e - e1, 2, rounding_mode="trunc")
+    for part in (e1, e2, e - e1 - e2):
+        x = x * torch.pow(2.0, part.to(x.dtype))
+    return x
+
+
+def _expo(v: torch.Tensor) -> torch.Tensor:
+    """e with max|v_i| = f·2^e, f in [0.5, 1), per row of v [n, w] (a very small e for a zero row)."""
+    m = v.abs().amax(1)
+    return torch.where(m > 0, torch.frexp(m).exponent, -4000)
+
+
+def _scaled(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    e = _expo(v)
+    return _ldexp(v, -e.unsqueeze(1)), e
+
+
+def _layer_norm(dg: torch.Tensor, a1: torch.Tensor, gp: torch.Tensor | None, da1: torch.Tensor | None) -> torch.Tensor:
+    """‖dg a1ᵀ + gp da1ᵀ‖ per row [n] (gp None: rank one), every factor scaled by a power of two and the matrix
+    written out: exact to rounding from 2^-1074 to the largest float."""
+    dgs, e_dg = _scaled(dg)
+    a1s, e_a = _scaled(a1)
+    if gp is None or da1 is None:
+        return _ldexp(scaled_row_norms(dgs) * scaled_row_norms(a1s), e_dg + e_a)
+    gps, e_gp = _scaled(gp)
+    das, e_da = _scaled(da1)
+    e1, e2 = e_dg + e_a, e_gp + e_da
+    top = torch.maximum(e1, e2)
+    one = torch.ones_like(dg[:, 0])
+    f1, f2 = _ldexp(one, e1 - top), _ldexp(one, e2 - top)
+    mat = (f1[:, None, None] * dgs[:, :, None]) * a1s[:, None, :] + (f2[:, None, None] * gps[:, :, None]) * das[:, None, :]
+    return _ldexp(scaled_row_norms(mat.reshape(len(dg), -1)), top)
+
+
+def _scaled_norms(cur: Pass, inputs: torch.Tensor, prev: Pass | None, k: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The norms of the samples (k, m) [n] by :func:`_layer_norm` per layer, joined by scaled row norms."""
+    def one(t: torch.Tensor) -> torch.Tensor:  # [K, w, M] -> [n, w]
+        return t[k, :, m]
+
+    def tilde(a: torch.Tensor, bias: float) -> torch.Tensor:
+        return torch.cat([a, a.new_full((len(a), 1), bias)], dim=1)
+
+    x1 = tilde(inputs[m], 1.0)
+    layers = []
     for l, g in enumerate(cur.grads):
-        if prev is None:
-            term = _dot(g, g) * (1 + (sq_input if l == 0 else _dot(cur.inputs[l - 1], cur.inputs[l - 1])))
+        dg = one(g) if prev is None else one(g) - one(prev.grads[l])
+        a1 = x1 if l == 0 else tilde(one(cur.inputs[l - 1]), 1.0)
+        if prev is None or l == 0:
+            layers.append(_layer_norm(dg, a1, None, None))
         else:
-            dg, gp = g - prev.grads[l], prev.grads[l]
-            if l == 0:
-                term = _dot(dg, dg) * (1 + sq_input)
-            else:
-                a = cur.inputs[l - 1]
-                da = a - prev.inputs[l - 1]
-                term = _dot(dg, dg) * (1 + _dot(a, a)) + _dot(gp, gp) * _dot(da, da) + 2 * _dot(dg, gp) * _dot(a, da)
-        total = term if total is None else total + term
-    assert total is not None
-    return total
+            da1 = tilde(one(cur.inputs[l - 1]) - one(prev.inputs[l - 1]), 0.0)
+            layers.append(_layer_norm(dg, a1, one(prev.grads[l]), da1))
+    return scaled_row_norms(torch.stack(layers, dim=1))
 
 
 def _per_client(c_g: torch.Tensor, a: torch.Tensor, P: int, c_g2: torch.Tensor | None = None,

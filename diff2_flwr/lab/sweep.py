@@ -44,9 +44,9 @@ import numpy as np
 import torch
 
 from ..core import fused
-from ..core.clipping import onto_ball, robust_norm
+from ..core.clipping import onto_ball, robust_norm, row_norms
 from ..core.estimator import Diverged, round_noise, round_scale
-from ..core.ghost import MLP, Pass, clipped_sums, forward, forward_head, sq_norms
+from ..core.ghost import MLP, Pass, clipped_sums, forward, forward_head, norms as ghost_norms
 from ..core.routines import Routine, make_routine
 from ..task.data import PreparedData
 from ..task.models import build_model, mlp_shape
@@ -190,7 +190,7 @@ def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, r
         prev = Pass(prev_inputs, prev_grads, cur.loss, cur.outputs).to64()
         if some_restart:
             prev = prev.restarting(cur, restart)
-    norms = torch.sqrt(sq_norms(cur, sq_a, prev))
+    norms = ghost_norms(cur, a64.reshape(-1, a64.shape[-1]), sq_a, prev)
     rad = radius.unsqueeze(-1)
     over = norms > rad
     c = torch.where(over, rad / torch.where(over, norms, 1.0), 1.0) * mask
@@ -262,8 +262,9 @@ def _workers_finish(client_means: torch.Tensor, overflow: torch.Tensor, radius: 
         diverged[k] = r
         alive[k] = False
     # Only means within 1e-12 of the radius can need a projection (the two exact norms differ from
-    # this one by a few ulps): the rest skip the scalar check.
-    near = torch.linalg.vector_norm(client_means, dim=-1) >= torch.as_tensor(radius) * (1 - 1e-12)
+    # this one by a few ulps): the rest skip the scalar check. Scaled where squares would underflow (a
+    # mean of norm 1e-170 read 0 and skipped its projection at radius 1e-200).
+    near = row_norms(client_means.reshape(P * K, -1)).reshape(P, K) >= torch.as_tensor(radius) * (1 - 1e-12)
     for p, k in torch.nonzero(near & alive.unsqueeze(0) & torch.isfinite(torch.as_tensor(radius))).tolist():
         row = client_means[p, k].numpy()
         projected = onto_ball(row, float(radius[k]))
