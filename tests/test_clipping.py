@@ -126,3 +126,19 @@ def test_clipped_rows_have_norm_at_most_radius_at_any_magnitude(rows, log_radius
     norms = torch.tensor([robust_norm(r) for r in clipped.numpy()], dtype=torch.float64)
     assert bool((norms <= radius * (1 + 1e-12)).all())
     assert torch.equal(clipped[~over], t[~over])
+
+
+def test_a_subnormal_clip_factor_never_takes_a_row_above_the_radius():
+    """‖a‖ / C > 2^1022: C/‖a‖ is subnormal (few bits), so a row times it rounded to nearest could exceed C (by 1e-5
+    relative for 1e13 at radius 1e-300, which hypothesis found); clip_rows goes through the unit sphere, and the
+    factor the sum paths use (clip_factors) is taken one step toward 0."""
+    from diff2_flwr.core.clipping import clip_factors
+
+    for value, radius in ((1e13, 1e-300), (2.90464295e84, 1e-228), (1e231, 1e-86), (3e300, 1e-10)):
+        row = torch.tensor([[value]], dtype=torch.float64)
+        clipped, over = clip_rows(row, radius)
+        assert bool(over.all()) and robust_norm(clipped.numpy()[0]) <= radius * (1 + 1e-15)
+        c = clip_factors(row[:, 0], radius)
+        assert float(c[0]) * value <= radius and float(c[0]) > 0
+    normal = torch.tensor([4.0, 0.5, 1e200], dtype=torch.float64)
+    assert clip_factors(normal, 1.0).tolist() == [0.25, 1.0, 1.0 / 1e200]  # normal factors are exactly C / ‖a‖

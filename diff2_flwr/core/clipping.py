@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "NORM_RTOL", "ClippedSum", "clip_rows", "row_norms", "scaled_row_norms",
+    "NORM_RTOL", "ClippedSum", "clip_factors", "clip_rows", "row_norms", "scaled_row_norms",
     "SAFE_NORM_RANGE", "clipped_sum", "clipped_mean", "robust_norm", "radius_norm",
     "project_onto_ball", "onto_ball",
 ]
@@ -73,8 +73,23 @@ def _clip_rows(rows: torch.Tensor, radius: float) -> tuple[torch.Tensor, torch.T
     if math.isinf(radius) or not bool(over.any()):
         return rows, over, norms
     # Only rows with norm > radius >= 0 are divided, so no division by zero can be selected.
-    factor = torch.where(over, radius / torch.where(over, norms, 1.0), 1.0)
-    return rows * factor.unsqueeze(1), over, norms
+    safe = torch.where(over, norms, 1.0)
+    factor = torch.where(over, radius / safe, 1.0)
+    clipped = rows * factor.unsqueeze(1)
+    tiny = over & (factor < torch.finfo(factor.dtype).tiny)
+    if bool(tiny.any()):  # C/‖a‖ subnormal: its few bits would overshoot C; onto the unit sphere first, then C
+        clipped = torch.where(tiny.unsqueeze(1), rows / safe.unsqueeze(1) * radius, clipped)
+    return clipped, over, norms
+
+
+def clip_factors(norms: torch.Tensor, radius: float | torch.Tensor) -> torch.Tensor:
+    """min(1, C/‖a‖) per norm, never above C/‖a‖: a factor below the smallest normal float (‖a‖ > 2^1022 C) is
+    subnormal, and rounded to nearest it could exceed C/‖a‖ (a clipped row above C); it is taken one step toward 0.
+    Branch-free (it runs inside compiled rounds too); a normal factor is exactly ``C / ‖a‖``."""
+    over = norms > radius
+    c = torch.where(over, radius / torch.where(over, norms, 1.0), 1.0)
+    tiny = (c > 0) & (c < torch.finfo(c.dtype).tiny)
+    return torch.where(tiny, torch.nextafter(c, torch.zeros_like(c)), c)
 
 
 def row_norms(rows: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from .clipping import SAFE_NORM_RANGE, scaled_row_norms
+from .clipping import SAFE_NORM_RANGE, clip_factors, scaled_row_norms
 from .gradients import Contribution, finish_contribution
 from .layout import ParameterLayout
 
@@ -121,7 +121,7 @@ class PaperMLPGradients:
             clipped = 0
         else:
             over = norms > radius
-            c = torch.where(over, radius / torch.where(over, norms, 1.0), 1.0)
+            c = clip_factors(norms, radius)
             clipped = int(over.sum())
         cd = gd * c.unsqueeze(1)
         total = torch.cat([(cd.T @ features).reshape(-1), cd.sum(0), (gs * c.unsqueeze(1)).sum(0), (ge * c).sum(0, keepdim=True)])

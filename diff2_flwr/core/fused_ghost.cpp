@@ -255,6 +255,13 @@ struct Kernel {
         if (risky(sq[j], in.sqa[j], sa[j], diff ? sgp[j] : 0.0, diff ? sda[j] : 0.0, in.mask[j]))
           norm[j] = scaled_norm(in, j, diff);
     for (int64_t j = 0; j < BLOCK; ++j) c[j] = (norm[j] > rad ? rad / norm[j] : 1.0) * in.mask[j];
+    // A factor below DBL_MIN (norm > 2^1022 rad) is subnormal: rounded to nearest it may exceed rad / norm by up to
+    // half an ulp of few bits, so the clipped row could exceed rad. Such lanes take the factor one step toward 0.
+    int tiny = 0;
+    for (int64_t j = 0; j < BLOCK; ++j) tiny |= c[j] < DBL_MIN ? 1 : 0;
+    if (tiny)
+      for (int64_t j = 0; j < BLOCK; ++j)
+        if (c[j] > 0.0 && c[j] < DBL_MIN) c[j] = std::nextafter(c[j], 0.0);
     int bad = 0;  // a real sample whose norm is not finite (|norm| <= max is false for inf and NaN)
     for (int64_t j = 0; j < BLOCK; ++j) bad |= (!(std::fabs(norm[j]) <= DBL_MAX) && in.mask[j] > 0.0) ? 1 : 0;
     // clipped sums, per lane: W_2 += c dg_L aᵀ (+ c g_L' daᵀ), b_2 += c dg_L, W_1 += c dg_1 xᵀ, b_1 += c dg_1

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ..core import fused
-from ..core.clipping import onto_ball, robust_norm, row_norms
+from ..core.clipping import clip_factors, onto_ball, robust_norm, row_norms
 from ..core.estimator import Diverged, round_noise, round_scale
 from ..core.ghost import MLP, Pass, clipped_sums, forward, forward_head, norms as ghost_norms
 from ..core.routines import Routine, make_routine
@@ -193,7 +193,7 @@ def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, r
     norms = ghost_norms(cur, a64.reshape(-1, a64.shape[-1]), sq_a, prev)
     rad = radius.unsqueeze(-1)
     over = norms > rad
-    c = torch.where(over, rad / torch.where(over, norms, 1.0), 1.0) * mask
+    c = clip_factors(norms, rad) * mask
     P, N = a64.shape[0], a64.shape[1]
     overflow = ((~torch.isfinite(norms)) & (mask > 0)).reshape(-1, P, N).any(-1).T
     return clipped_sums(cur, a64, c, prev), overflow, pass_.inputs, pass_.grads, pass_.loss
