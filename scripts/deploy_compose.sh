@@ -2,7 +2,9 @@
 # docker-compose.yml (or, with --tls, docker-compose.tls.yml) brought up with Podman on this
 # machine, unchanged: builds the stand-ins for Flower's images if they are missing
 # (scripts/standin_images.sh), shards the config into ./deploy/shards, makes ./deploy/outputs
-# (owned by UID 49999), the SuperExec secrets in ./deploy/secrets (0600, owned by 49999) and,
+# (owned by UID 49999), the SuperExec secrets in ./deploy/secrets (0600, owned by 49999), each data
+# owner's node folder ./deploy/node-<i> (its policy.yaml, copied from configs/policy.yaml when missing,
+# and its lifetime ledger; 0700, owned by 49999) and,
 # with --tls, ./deploy/certs (CA, SuperLink certificate, one key pair per
 # data owner), builds the app images, `up -d`, registers the SuperNodes' public keys (--tls), runs
 # `flwr run` against 127.0.0.1:8000, and brings the project down, also on failure. Exits 0 only if

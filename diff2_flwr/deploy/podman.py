@@ -361,7 +361,8 @@ class ComposeStack:
             os.chown(path, APP_UID, -1)  # 0600: the containers' user must own them
         for i in range(self.clients):  # each data owner's node policy, its lifetime ledger written beside it
             node = private_folder(self.deploy / f"node-{i}")
-            shutil.copyfile(self.dir / "configs" / "policy.yaml", node / "policy.yaml")
+            if not (node / "policy.yaml").exists():  # a data owner's own edits stand
+                shutil.copyfile(self.dir / "configs" / "policy.yaml", node / "policy.yaml")
             for path in (node, node / "policy.yaml"):
                 os.chown(path, APP_UID, -1)
         self.home.mkdir(parents=True, exist_ok=True)
