@@ -340,8 +340,9 @@ class ComposeStack:
     def prepare(self, config: str | os.PathLike[str], set_keys: Mapping[str, Any] | None = None) -> Path:
         """``deploy/`` as the compose file's header asks: the shards of ``config`` (with ``set_keys``),
         ``deploy/outputs`` owned by UID 49999, the SuperExec secrets (``deploy/secrets``: the SuperLink's and one per
-        SuperNode, owned by 49999), and for TLS the certificates and the P node keys (keys owned by 49999; all on
-        this one machine, as a test does). Returns the shard folder."""
+        SuperNode, owned by 49999), each data owner's node folder ``deploy/node-<i>`` (policy and lifetime ledger,
+        0700, owned by 49999), and for TLS the certificates and the P node keys (keys owned by 49999; all on this one
+        machine, as a test does). Returns the shard folder."""
         cfg = load_config(config, set_keys)
         if cfg.training.clients != self.clients:
             raise ValueError(f"{config}: training.clients = {cfg.training.clients} but {self.file} has "
