@@ -255,7 +255,8 @@ def test_the_overflow_flag_travels_on_the_wire_and_must_be_0_or_1():
     cfg = _diverging_cfg("gd")
     worker = build_worker(cfg, 0)
     layout = worker.gradients.layout
-    task = protocol.WorkerTask(round=2, radius=math.inf, x_current=np.full(layout.dim, 1e200), x_previous=None)
+    task = protocol.WorkerTask(round=2, radius=math.inf, x_current=np.full(layout.dim, 1e200), x_previous=None,
+                                n_min=1)
     contribution = worker.contribute(task.radius, task.x_current, None)
     assert contribution.overflow and not np.any(contribution.mean)
     arrays, n, metrics = protocol.encode_reply(task, contribution, 0, layout)
