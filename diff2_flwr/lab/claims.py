@@ -45,6 +45,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
+from ..runtime.secret_files import fsync_folder
 
 __all__ = [
     "HEARTBEAT_S",
@@ -81,25 +82,12 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_folder(path.parent)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """:func:`atomic_write_bytes` of UTF-8 text."""
     atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # a platform or file system without directory handles: the rename stands alone
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _read(path: str) -> str:

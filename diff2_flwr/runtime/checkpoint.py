@@ -43,6 +43,7 @@ import numpy as np
 from ..core.estimator import Diff2State
 from ..core.routines import Routine, describe_routine
 from ..core.privacy import GaussianEvent, PrivacyLedger
+from .secret_files import fsync_folder
 
 __all__ = ["CheckpointError", "Checkpoint", "config_fingerprint", "save_checkpoint", "load_checkpoint",
            "check_owner_only", "OWNER_ONLY", "PRIVATE_DIR"]
@@ -109,7 +110,7 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_folder(path.parent)
+    fsync_folder(path.parent)
 
 
 def _private_folders(folder: Path) -> None:
@@ -138,20 +139,6 @@ def _owner_only(tmp: Path):
     except BaseException:
         os.close(fd)
         raise
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Make the rename durable (POSIX; a no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def check_owner_only(path: Path) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from ..core.privacy import RunEvents, composed_epsilon
+from .secret_files import fsync_folder
 
 __all__ = [
     "Admission",
@@ -313,7 +314,7 @@ class NodeLedger:
                 raise LedgerError(f"Node ledger {self.path} could not be written ({err}); nothing was charged and the "
                                   "old ledger stands. Free space on its file system or fix its folder.") from err
             raise
-        _fsync_folder(self.path.parent)
+        fsync_folder(self.path.parent)
 
 
 def _parse(text: str) -> _State:
@@ -359,11 +360,3 @@ def _make_folders(folder: Path) -> None:
             os.mkdir(path, 0o700)
         except FileExistsError:  # another node process made it first
             pass
-
-
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -13,7 +13,7 @@ import os
 import secrets
 from pathlib import Path
 
-__all__ = ["SECRET_BYTES", "private_folder", "write_private", "make_superexec_secret"]
+__all__ = ["SECRET_BYTES", "fsync_folder", "private_folder", "write_private", "make_superexec_secret"]
 
 #: Bytes of entropy of a SuperExec secret (written as hex; Flower reads the file's exact bytes).
 SECRET_BYTES = 32
@@ -47,3 +47,17 @@ def make_superexec_secret(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     private_folder(path.parent)
     return write_private(path, secrets.token_hex(SECRET_BYTES).encode("ascii"))
+
+
+def fsync_folder(folder: str | os.PathLike[str]) -> None:
+    """Make a rename into ``folder`` durable (POSIX; a no-op where folders cannot be opened or synced)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
