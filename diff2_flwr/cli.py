@@ -123,7 +123,19 @@ def _experiment(args: argparse.Namespace) -> int:
         print(f"diff2 experiment: error: {err}", file=sys.stderr)
         return 2
     root = Path(args.output or study.output_dir).expanduser().resolve() / study.name
-    print(f"[diff2] study {study.name} done in {summary['wall_time_s']:.0f} s: {root / 'report.md'}")
+    print(f"[diff2] study {study.name} done in {summary['wall_time_s']:.0f} s: {root / 'report.md'}", file=sys.stderr)
+    inference = summary.get("inference", {})
+    print(json.dumps(to_json({"study": study.name, "summary": str(root / "summary.json"),
+                              "report": str(root / "report.md"), "wall_time_s": summary["wall_time_s"],
+                              "protocol": inference.get("protocol"),
+                              "primary_results": inference.get("primary_results", [])})))
+    return 0
+
+
+def _family(args: argparse.Namespace) -> int:
+    from .lab.family import run_family
+
+    print(json.dumps(to_json(run_family(args.family, output_root=args.output))))
     return 0
 
 
@@ -356,6 +368,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="take over a run another driver claimed once its heartbeat has been silent this long "
                           "(default %(default)s; a driver on this machine that died is noticed at once)")
     exp.set_defaults(func=_experiment)
+
+    fam = sub.add_parser("family", help="Holm across the primary tests of several finished studies (a "
+                                        "pre-registered family, e.g. configs/confirm/family.yaml): family.json, "
+                                        "family.md, JSON on stdout")
+    fam.add_argument("family", help="family YAML: name, studies (study files relative to it), alpha")
+    fam.add_argument("--output", default=None, help="output root the studies ran with (default: each study's "
+                                                     "output.dir)")
+    fam.set_defaults(func=_family)
 
     reg = sub.add_parser("regime", help="the regime map of a study family: DIFF2-GD / DP-GD ratios over n x ε "
                                         "(heatmaps, significance marks) and against nε/√d with the theory's slope")

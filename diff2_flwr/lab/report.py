@@ -12,7 +12,7 @@ import numpy as np
 
 from .claims import atomic_write_bytes, atomic_write_text
 
-__all__ = ["aligned_metric", "write_report", "format_table", "format_cost"]
+__all__ = ["aligned_metric", "write_report", "format_table", "format_cost", "format_inference"]
 
 _LABELS = {"train_loss": "train loss", "grad_norm_sq": "‖∇f‖²", "test_loss": "test loss",
            "test_accuracy": "test accuracy"}
@@ -33,9 +33,17 @@ def _routine(entry: dict) -> str:
     return f"{name}({', '.join(f'{k}={_fmt(v)}' for k, v in routine.items())})" if routine else name
 
 
+_AT = {"best": "best over rounds", "final": "final", "train_best": "at the train-loss-best round"}
+
+
+def _endpoint(row: dict) -> str:
+    return f"{'log ' if row.get('scale') == 'log' else ''}{_LABELS[row['criterion']]}, {_AT[row['at']]}"
+
+
 def format_table(eps_summary: dict) -> str:
-    """One Markdown table: per method and criterion, the routine, the chosen point and mean ± std of min and final."""
-    lines = ["| method | routine | criterion | chosen hyper-parameters | min over rounds (mean ± std) | final (mean ± std) | σ₁ / σ₂ | z₁ / z₂ |",
+    """Markdown tables of one ε: per method and criterion the chosen point and mean ± std of its reported endpoint and
+    of the final value; the choices left on a grid edge; every test with its raw and adjusted p."""
+    lines = ["| method | routine | criterion | chosen hyper-parameters | reported (mean ± std) | final (mean ± std) | σ₁ / σ₂ | z₁ / z₂ |",
              "|---|---|---|---|---|---|---|---|"]
     for name, entry in eps_summary["methods"].items():
         for c, info in entry["criteria"].items():
@@ -43,28 +51,67 @@ def format_table(eps_summary: dict) -> str:
             cal = info["calibration"]
             sig = "–" if cal is None else f"{_fmt(cal['sigma1'])} / {_fmt(cal['sigma2'])}"
             zs = "–" if cal is None else f"{_fmt(cal['z1'])} / {_fmt(cal['z2'])}"
+            rep = info["reported"]
             lines.append(
-                f"| {name} | {_routine(entry)} | {_LABELS[c]} | {point} | {_fmt(info['min_mean'])} ± {_fmt(info['min_std'], 2)} | "
-                f"{_fmt(info['final_mean'])} ± {_fmt(info['final_std'], 2)} | {sig} | {zs} |"
+                f"| {name} | {_routine(entry)} | {_LABELS[c]} | {point} | {_fmt(rep['mean'])} ± {_fmt(rep['std'], 2)} "
+                f"({_AT[rep['at']]}) | {_fmt(info['final_mean'])} ± {_fmt(info['final_std'], 2)} | {sig} | {zs} |"
             )
     accuracy = {name: e["accuracy"] for name, e in eps_summary["methods"].items() if "accuracy" in e}
     if accuracy:
-        lines += ["", "Test accuracy at the train-loss-best point (reported, not selected on):", "",
-                  "| method | chosen hyper-parameters | best over rounds (mean ± std) | final (mean ± std) |",
+        lines += ["", "Test accuracy at the train-loss-best grid point (reported, never selected on):", "",
+                  "| method | chosen hyper-parameters | reported (mean ± std) | final (mean ± std) |",
                   "|---|---|---|---|"]
         for name, info in accuracy.items():
             point = ", ".join(f"{k}={_fmt(v)}" for k, v in info["point"].items()) or "–"
-            lines.append(f"| {name} | {point} | {_fmt(info['best_mean'])} ± {_fmt(info['best_std'], 2)} | "
+            rep = info["reported"]
+            lines.append(f"| {name} | {point} | {_fmt(rep['mean'])} ± {_fmt(rep['std'], 2)} ({_AT[rep['at']]}) | "
                          f"{_fmt(info['final_mean'])} ± {_fmt(info['final_std'], 2)} |")
+    edges = [(name, c, h) for name, e in eps_summary["methods"].items() for c, hits in e.get("edges", {}).items()
+             for h in hits]
+    grown = [(name, x) for name, e in eps_summary["methods"].items() for x in e.get("extensions", [])]
+    if grown:
+        lines += ["", "Grid extensions (a pick on an edge of its axis on the tuning seeds): "
+                  + "; ".join(f"{name}: {x['key']} → {_fmt(x['value'])} ({x['because']})" for name, x in grown) + "."]
+    if edges:
+        lines += ["", "**Picks still on a grid edge** (the grid may be too narrow there): "
+                  + "; ".join(f"{name}, {_LABELS[c]}: {h['key']} = {_fmt(h['value'])} ({h['side']}; {h['why']})"
+                              for name, c, h in edges) + "."]
     if eps_summary["tests"]:
-        lines += ["", "One-sided paired t-tests, H1: the treatment's value < the control's (\"treatment vs control\"; "
-                  "min over rounds: the protocol's test; final value: for comparison); for test accuracy H1: the "
-                  "treatment's > the control's (best over rounds). The reverse one-sided p is 1 − p:", "",
-                  "| comparison | criterion | p (min/best over rounds) | p (final) | df |", "|---|---|---|---|---|"]
+        lines += ["", "Paired t-tests by evaluation seed (alternative said of treatment − control). **Primary** "
+                  "tests: Holm-adjusted p over the study's primary family; exploratory tests: Benjamini–Hochberg q "
+                  "over its exploratory family (never a confirmed result).", "",
+                  "| comparison | endpoint | family | alternative | mean difference | p | adjusted | df |",
+                  "|---|---|---|---|---|---|---|---|"]
         for pair, tests in eps_summary["tests"].items():
             for c, t in tests.items():
-                lines.append(f"| {pair} | {_LABELS[c]} | {_fmt(t['p_value'], 3)} | "
-                             f"{_fmt(t.get('p_value_final'), 3)} | {t['df']} |")
+                for row in t["rows"].values():
+                    adj = row.get("p_adjusted")
+                    lines.append(f"| {pair} | {_endpoint(row)} | {'**primary**' if row['family'] == 'primary' else 'exploratory'} | "
+                                 f"{row['alternative']} | {_fmt(row['mean_difference'], 3)} | {_fmt(row['p_value'], 3)} | "
+                                 f"{_fmt(adj, 3)} ({'Holm' if row.get('adjustment') == 'holm' else 'BH q'}) | {row['df']} |")
+    return "\n".join(lines)
+
+
+def format_inference(summary: dict) -> str:
+    """The study's analysis plan and its primary results, for the top of the report."""
+    inf = summary.get("inference")
+    if not inf:
+        return ""
+    lines = [f"**Protocol:** {inf['label']}."]
+    if inf["primary"]:
+        lines += ["", f"**Primary endpoints** (declared in the study file; Holm over {inf['families']['primary']['size']} "
+                  f"tests, α = {inf['alpha']}):", "", "| ε | comparison | endpoint | alternative | mean difference | p | Holm p | result |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in inf["primary_results"]:
+            verdict = (f"significant: {r['treatment'] if r['lower'] == 'treatment' else r['control']} lower"
+                       if r["significant"] else "not significant (no claim either way)")
+            lines.append(f"| {r['epsilon']:g} | {r['pair']} | {_endpoint(r)} | {r['alternative']} | "
+                         f"{_fmt(r['mean_difference'], 3)} | {_fmt(r['p_value'], 3)} | {_fmt(r['p_adjusted'], 3)} | {verdict} |")
+    else:
+        lines += ["", "No primary endpoint is declared: every test below is **exploratory**."]
+    lines += ["", f"Exploratory tests: {inf['families']['exploratory']['size']}, of which "
+              f"{inf['exploratory_raw_below_alpha']} have raw p < {inf['alpha']} and {inf['exploratory_below_alpha']} "
+              f"BH q < {inf['alpha']}."]
     return "\n".join(lines)
 
 
@@ -124,8 +171,9 @@ def write_report(study, summary: dict, root: Path, runs_dir: Path, *, make_plots
              f"calibration `{study.mode}`, n_min = {summary['n_min']}, tuning seeds {list(study.tune_seeds)}, "
              f"evaluation seeds {list(study.eval_seeds)}, engine `{study.engine}` ({study.dtype}). "
              "Criteria are evaluated every "
-             f"{study.eval_every} rounds; each is reported at its own best grid point, the test loss at the "
-             "train-loss-best point. Evaluation metrics are outside the private protocol.", ""]
+             f"{study.eval_every} rounds; each training criterion is reported at its own grid point (chosen on the "
+             "tuning seeds), the test metrics at the train-loss point. Evaluation metrics are outside the private "
+             "protocol.", "", format_inference(summary), ""]
     for eps, eps_summary in summary["epsilons"].items():
         parts += [f"## ε = {eps}", "", format_table(eps_summary), ""]
         if make_plots:
@@ -160,8 +208,10 @@ def _plot_cost(epsilon: float, eps_summary: dict, root: Path) -> Path:
     import matplotlib.pyplot as plt
 
     cost = eps_summary["cost"]
-    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
-    for col, c in enumerate(("train_loss", "grad_norm_sq", "test_loss")):
+    criteria = [c for c in ("train_loss", "grad_norm_sq", "test_loss")
+                if all(c in e["criteria"] for e in cost["methods"].values())]
+    fig, axes = plt.subplots(2, len(criteria), figsize=(5.4 * len(criteria), 9), squeeze=False)
+    for col, c in enumerate(criteria):
         for name, entry in cost["methods"].items():
             info = entry["criteria"][c]
             curve = np.asarray([math.inf if v is None else v for v in info["running_min_mean"]], dtype=float)
@@ -206,9 +256,14 @@ def _plot(study, epsilon: float, eps_summary: dict, root: Path, runs_dir: Path) 
         ax.set_yscale("log")
         ax.set_xlabel("round")
         ax.set_ylabel(_LABELS[c])
-        ps = [f"{pair.replace('DIFF2-GD ', '')}: p={_fmt(t[c]['p_value'], 2)}" for pair, t in tests.items()]
+        ps = []
+        for pair, t in tests.items():
+            if c in t:
+                row = next(iter(t[c]["rows"].values()))
+                ps.append(f"{pair.replace('DIFF2-GD ', '')}: {'Holm p' if row.get('adjustment') == 'holm' else 'BH q'}"
+                          f"={_fmt(row.get('p_adjusted'), 2)}")
         lines = ["; ".join(ps[i:i + 2]) for i in range(0, len(ps), 2)]
-        ax.set_title("\n".join([f"{_LABELS[c]} (ε={epsilon:g}), one-sided p (H1: treatment < control)"] + lines),
+        ax.set_title("\n".join([f"{_LABELS[c]} (ε={epsilon:g}), adjusted p of the reported endpoint"] + lines),
                      fontsize=8)
     axes[0].legend(fontsize=8)
     fig.tight_layout()

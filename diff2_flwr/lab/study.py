@@ -47,6 +47,8 @@ import numpy as np
 import yaml
 
 from ..core.routines import ROUTINES, routine_parameters
+from .inference import paired_ttest
+from .analysis import MAX_EXTENSIONS, Analysis, correct_families, endpoint_value, parse_analysis
 from ..runtime.config import ConfigError, ExperimentConfig, parse_config, read_yaml
 from ..runtime.outputs import to_json
 from ..runtime.progress import ProgressReporter
@@ -96,6 +98,9 @@ class MethodSpec:
     routine_params: tuple[tuple[str, float], ...] = ()
     local: tuple[tuple[str, float], ...] = ()  # fixed keys of the local routine (empty: off unless gridded)
     rounds: int | None = None  # this method's R (None: the study's); ε is the same for every R
+    #: added to every seed of this method (noise, sampling, initialisation): an independent replicate arm, e.g. the
+    #: second arm of an A/A (null) study; 0 pairs the methods by seed (common random numbers)
+    seed_offset: int = 0
 
     def routine_of(self, point: Mapping[str, float]) -> dict[str, Any]:
         """The routine of one grid point, as ``training.routine`` (fixed parameters, then the point's)."""
@@ -107,9 +112,11 @@ class MethodSpec:
         params = ", ".join(f"{k}={v:g}" for k, v in self.routine_params)
         return f"{self.routine}({params})" if params else self.routine
 
-    def points(self) -> list[dict[str, float]]:
-        keys = [k for k, _ in self.grid]
-        return [dict(zip(keys, values)) for values in itertools.product(*(v for _, v in self.grid))]
+    def points(self, grid: Mapping[str, Sequence[float]] | None = None) -> list[dict[str, float]]:
+        """The grid's points (of ``grid``, e.g. the grid as extended by the analysis, else the declared one)."""
+        items = list(grid.items()) if grid is not None else list(self.grid)
+        keys = [k for k, _ in items]
+        return [dict(zip(keys, values)) for values in itertools.product(*(v for _, v in items))]
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,8 @@ class Study:
     tests: tuple[tuple[str, str], ...] = ()
     #: the method whose utility the cost report measures the others' rounds and gradient evaluations against
     reference: str | None = None
+    #: the analysis plan (protocol, primary endpoints, grid extension), declared before the study runs
+    analysis: Analysis = field(default_factory=Analysis)
     output_dir: str = "outputs/studies"
     source: str = field(default="<memory>", compare=False)
 
@@ -146,7 +155,8 @@ class Study:
         return method.rounds or self.rounds
 
     def experiment(self, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int) -> ExperimentConfig:
-        """The single-run config of one (method, grid point, ε, seed)."""
+        """The single-run config of one (method, grid point, ε, seed); the run uses seed + the method's seed_offset."""
+        seed = seed + method.seed_offset
         training = {"rounds": self.rounds_of(method), "clients": self.clients, "seed": seed, "dtype": "float64",
                     "threads": self.threads,
                     **{k: (int(v) if k == "restart_every" else float(v)) for k, v in point.items()
@@ -171,7 +181,7 @@ def _slug(text: str) -> str:
 
 _TOP_KEYS = {"name", "dataset", "clients", "rounds", "delta", "epsilons", "mode", "eval_every", "seeds", "methods",
              "hidden", "model", "engine", "dtype", "compile", "batch_size", "output", "threads",
-             "workers", "tests", "reference"}
+             "workers", "tests", "reference", "analysis"}
 
 
 def parse_study(data: Any, source: str = "<memory>") -> Study:
@@ -211,9 +221,12 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
     methods = []
     for i, m in enumerate(methods_raw):
         where = f"methods[{i}]"
-        if (not isinstance(m, Mapping) or set(m) - {"name", "method", "grid", "u", "routine", "local", "rounds"} or "name" not in m
-                or "method" not in m):
-            raise fail(where, "a mapping with name, method, grid (and optionally u, routine, local, rounds)", m)
+        if (not isinstance(m, Mapping) or set(m) - {"name", "method", "grid", "u", "routine", "local", "rounds", "seed_offset"}
+                or "name" not in m or "method" not in m):
+            raise fail(where, "a mapping with name, method, grid (and optionally u, routine, local, rounds, seed_offset)", m)
+        offset = m.get("seed_offset", 0)
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise fail(f"{where}.seed_offset", "an integer >= 0 (added to every seed of this method)", offset)
         own_rounds = m.get("rounds")
         if own_rounds is not None and (not isinstance(own_rounds, int) or isinstance(own_rounds, bool)
                                        or own_rounds < 1):
@@ -263,7 +276,8 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
             raise fail(f"{where}.grid.restart_every", f"no T for method {m['method']} (T = 1)", grid["restart_every"])
         methods.append(MethodSpec(name=str(m["name"]), method=m["method"], grid=tuple(items), u=float(m.get("u", 1.25)),
                                   routine=str(routine["name"]), routine_params=tuple(sorted(fixed.items())),
-                                  local=tuple(sorted((str(k), v) for k, v in local.items())), rounds=own_rounds))
+                                  local=tuple(sorted((str(k), v) for k, v in local.items())), rounds=own_rounds,
+                                  seed_offset=offset))
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise fail("methods", "distinct method names", names)
@@ -283,6 +297,7 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
         raise fail("model", "a mapping with name (a factory 'package.module:callable') and optionally kwargs", model)
     if "hidden" in data and model.get("name", "paper_mlp") != "paper_mlp":
         raise fail("hidden", f"nothing with model {model.get('name')!r} (pass its sizes in model.kwargs)", data["hidden"])
+    analysis = parse_analysis(data.get("analysis"), fail, tune_seeds=len(tune), rounds=rounds)
     output = data.get("output") or {}
     if not isinstance(output, Mapping) or set(output) - {"dir"}:
         raise fail("output", "a mapping with key dir", output)
@@ -295,7 +310,7 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
         engine=data.get("engine", "batch"), dtype=data.get("dtype", "float64"), compile=bool(data.get("compile", False)),
         batch_size=int(data.get("batch_size", 32)), output_dir=str(output.get("dir", "outputs/studies")), source=source,
         threads=data.get("threads", 1), workers=data.get("workers", 1),
-        tests=tuple(pairs), reference=reference,
+        tests=tuple(pairs), reference=reference, analysis=analysis,
     )
     if study.engine not in ("batch", "inprocess", "flower"):
         raise fail("engine", "one of 'batch', 'inprocess', 'flower'", study.engine)
@@ -315,6 +330,8 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
                    "use engine 'inprocess', which equals it bit for bit, to run several at once)", study.workers)
     if study.batch_size < 1:
         raise fail("batch_size", "an integer >= 1", study.batch_size)
+    if analysis.corrected:
+        _check_symmetric(study, fail)
     # Validate every run config once, up front: bad values fail before hours of compute.
     for method in study.methods:
         for point in method.points():
@@ -323,6 +340,28 @@ def parse_study(data: Any, source: str = "<memory>") -> Study:
             except ConfigError as err:
                 raise StudyError(f"{source}: method {method.name!r}: {err}") from None
     return study
+
+
+#: Hyper-parameters that both methods of a pair can tune (a shared routine parameter is added per pair).
+_SHARED_KEYS = ("learning_rate", "clip_restart", "local.steps", "local.clip", "local.share")
+
+
+def _check_symmetric(study: Study, fail: Callable[[str, str, Any], Exception]) -> None:
+    """The corrected protocol's symmetric grids: the two methods of a tested pair tune every hyper-parameter both
+    have (learning rate; C₁ unless one of them has no clipping, i.e. GD; a shared routine's parameters) with grids of
+    the same size. A hyper-parameter one method tunes and the other holds fixed gives the first more chances."""
+    by_name = {m.name: m for m in study.methods}
+    for treat, control in test_pairs(study):
+        a, b = by_name[treat], by_name[control]
+        keys = [k for k in _SHARED_KEYS if not (k == "clip_restart" and "gd" in (a.method, b.method))]
+        keys += [k for k in routine_parameters(a.routine) if k in routine_parameters(b.routine)]
+        ga, gb = dict(a.grid), dict(b.grid)
+        for k in keys:
+            na, nb = len(ga.get(k, (None,))), len(gb.get(k, (None,)))
+            if na != nb:
+                raise fail("methods", f"symmetric grids under the corrected protocol: {treat!r} and {control!r} are "
+                           f"compared, so both tune `{k}` with grids of the same size (or set `analysis: {{protocol: "
+                           f"paper}}`)", {treat: list(ga.get(k, ["fixed"])), control: list(gb.get(k, ["fixed"]))})
 
 
 def load_study(path: str | Path) -> Study:
@@ -334,18 +373,7 @@ def load_study(path: str | Path) -> Study:
 
 def paired_one_sided_ttest(treatment: Sequence[float], control: Sequence[float]) -> float:
     """p-value of the paired t-test with H1: mean(treatment - control) < 0 (n - 1 degrees of freedom)."""
-    from scipy import stats
-
-    t = np.asarray(treatment, dtype=float)
-    c = np.asarray(control, dtype=float)
-    if t.shape != c.shape or t.size < 2:
-        raise ValueError(f"A paired t-test needs two samples of equal size >= 2. Found {t.size} and {c.size}.")
-    d = t - c
-    if not np.all(np.isfinite(d)):
-        return math.nan
-    if np.all(d == d[0]):  # no variance: the test is undefined unless every difference has one sign
-        return 0.0 if d[0] < 0 else 1.0
-    return float(stats.ttest_rel(t, c, alternative="less").pvalue)
+    return paired_ttest(treatment, control, "less")
 
 
 def _score(values: Sequence[float]) -> float:
@@ -379,6 +407,8 @@ def _method_key(method: MethodSpec) -> dict:
         del key["local"]
     if method.rounds is None:  # nor are those of methods that run the study's R
         del key["rounds"]
+    if not method.seed_offset:
+        del key["seed_offset"]
     return key
 
 
@@ -508,7 +538,8 @@ def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None] 
             mech = j.cfg.mechanism(j.cfg.calibration(n_min))
             routine = j.cfg.training.routine
             specs.append(RunSpec(mech.restart_every, j.cfg.training.learning_rate, mech.clip_restart,
-                                 mech.clip_diff, mech.sigma_restart, mech.sigma_diff, j.seed, j.seed,
+                                 mech.clip_diff, mech.sigma_restart, mech.sigma_diff, j.cfg.training.seed,
+                                 j.cfg.model.init_seed,
                                  routine=routine.name, routine_params=tuple(sorted(routine.params().items()))))
         results = run_batch(data, specs, rounds=cfg.training.rounds, hidden=study.hidden, model=study.model,
                             model_kwargs=study.model_kwargs, loss=cfg.loss, eval_every=study.eval_every,
@@ -721,22 +752,10 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
                 RayExecutor(ray_address, compute_unit, threads=study.threads,
                             expect={"code": code_fingerprint(), "data": node_report(probe)["data"]}))
     cleanup.callback(executor.close)
+    rows: list[dict] = []  # every test of the study, across ε: the families are corrected over all of them
     for epsilon in study.epsilons:
-        # 1. tuning
-        tune_jobs = [
-            _Job(_run_id("tune", m, p, epsilon, s, study), m, p, epsilon, s, study.experiment(m, p, epsilon, s))
-            for m in study.methods for p in m.points() for s in study.tune_seeds
-        ]
-        _execute(study, tune_jobs, runs_dir, progress, executor, book, tally)
-        # 2. selection
-        chosen: dict[str, dict[str, dict]] = {}
-        for m in study.methods:
-            table: dict[str, dict[str, list[float]]] = {}
-            for p in m.points():
-                records = [_load_run(runs_dir, _run_id("tune", m, p, epsilon, s, study)) for s in study.tune_seeds]
-                table[_point_key(p)] = {c: [min(r[c]) for r in records] for c in CRITERIA}
-            picks = select(table)
-            chosen[m.name] = {c: json.loads(picks[c]) for c in CRITERIA}
+        # 1. tuning, and 2. selection on the tuning seeds' mean; an edge pick extends its axis and re-tunes
+        chosen, searched = _tune(study, epsilon, data, runs_dir, progress, executor, book, tally)
         # 3. evaluation
         eval_jobs, seen = [], set()
         for m in study.methods:
@@ -750,8 +769,9 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
         progress.total -= 2 * len(study.methods) * len(study.eval_seeds) - len(eval_jobs)
         _execute(study, eval_jobs, runs_dir, progress, executor, book, tally)
         # 4. summary
-        summary["epsilons"][str(epsilon)] = _summarise(study, epsilon, chosen, runs_dir, data.n_min,
-                                                       sum(data.shard_sizes))
+        summary["epsilons"][str(epsilon)] = _summarise(study, epsilon, chosen, searched, runs_dir, data.n_min,
+                                                       sum(data.shard_sizes), rows)
+    summary["inference"] = _inference(study, rows)
     progress.finish()
     summary["wall_time_s"] = time.perf_counter() - started
     # Who computed what, as this driver saw it (drivers sharing the folder each rewrite the summary, whole).
@@ -766,6 +786,110 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
 
     write_report(study, summary, root, runs_dir, make_plots=make_plots)
     return summary
+
+
+def _tune(study: Study, epsilon: float, data: Any, runs_dir: Path, progress: _Progress, executor: Any,
+          book: ClaimBook, tally: dict[str, int]) -> tuple[dict[str, dict[str, dict]], dict[str, dict]]:
+    """Tune every method at ``epsilon``: run its grid on the tuning seeds, pick per criterion, extend an axis whose
+    pick lies on its edge (the analysis's ``extend`` bounds) and tune the new points, until no pick moves outward.
+
+    Returns the picks (method -> criterion -> point) and, per method, the grid searched, the extensions made and
+    the picks that stay on an edge (with the reason).
+    """
+    from ..runtime.shard_report import check_shards
+
+    grids = {m.name: {k: tuple(v) for k, v in m.grid} for m in study.methods}
+    made: dict[str, list[dict]] = {m.name: [] for m in study.methods}
+    count: dict[tuple[str, str, str], int] = collections.Counter()
+    refused: dict[tuple[str, str, str], str] = {}
+    done: set[str] = set()
+    while True:
+        jobs = [_Job(_run_id("tune", m, p, epsilon, s, study), m, p, epsilon, s, study.experiment(m, p, epsilon, s))
+                for m in study.methods for p in m.points(grids[m.name]) for s in study.tune_seeds]
+        jobs = [j for j in jobs if j.run_id not in done]  # each extension tunes its new points only
+        done.update(j.run_id for j in jobs)
+        _execute(study, jobs, runs_dir, progress, executor, book, tally)
+        chosen = {m.name: _select_method(study, m, grids[m.name], epsilon, runs_dir) for m in study.methods}
+        grown = False
+        for m in study.methods:
+            for c in ("train_loss", "grad_norm_sq"):
+                for key, value in chosen[m.name][c].items():
+                    axis = sorted(grids[m.name][key])
+                    bounds = study.analysis.bounds(key)
+                    if len(axis) < 2 or bounds is None or value not in (axis[0], axis[-1]):
+                        continue
+                    side = "high" if value == axis[-1] else "low"
+                    if count[m.name, key, side] >= MAX_EXTENSIONS or (m.name, key, side) in refused:
+                        continue
+                    new = _step_out(axis, side, key)
+                    if not bounds[0] <= new <= bounds[1]:
+                        refused[m.name, key, side] = f"the bound {bounds[0 if side == 'low' else 1]:g} of analysis.extend"
+                        continue
+                    trial = dict(grids[m.name]) | {key: tuple(sorted(axis + [new]))}
+                    try:  # the new points must pass the partition's refusal rule like the declared ones
+                        for p in m.points(trial):
+                            cfg = study.experiment(m, p, epsilon, study.tune_seeds[0])
+                            check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
+                    except (ConfigError, ValueError) as err:
+                        refused[m.name, key, side] = f"{new:g} is refused: {str(err).splitlines()[0]}"
+                        continue
+                    grids[m.name] = trial
+                    count[m.name, key, side] += 1
+                    made[m.name].append({"key": key, "value": new, "side": side, "because": c})
+                    print(f"[diff2] study {study.name}, ε = {epsilon:g}: {m.name} picked {key} = {value:g} on the "
+                          f"{side} edge of its grid for {c}: extending it to {new:g}", file=sys.stderr)
+                    progress.total += len(m.points(trial)) // len(axis) * len(study.tune_seeds)
+                    grown = True
+        if not grown:
+            break
+    searched = {}
+    for m in study.methods:
+        edges = {}
+        for c in ("train_loss", "grad_norm_sq"):
+            hits = []
+            for key, value in chosen[m.name][c].items():
+                axis = sorted(grids[m.name][key])
+                if len(axis) > 1 and value in (axis[0], axis[-1]):
+                    side = "high" if value == axis[-1] else "low"
+                    why = (refused.get((m.name, key, side))
+                           or ("at most " + str(MAX_EXTENSIONS) + " extensions per side"
+                               if count[m.name, key, side] >= MAX_EXTENSIONS else
+                               "not extended: no bound in analysis.extend" + (" (the paper's protocol extends nothing)"
+                                                                             if not study.analysis.corrected else "")))
+                    hits.append({"key": key, "value": value, "side": side, "why": why})
+            if hits:
+                edges[c] = hits
+        searched[m.name] = {"grid": {k: list(v) for k, v in grids[m.name].items()}, "extensions": made[m.name],
+                            "edges": edges}
+    return chosen, searched
+
+
+def _step_out(axis: Sequence[float], side: str, key: str) -> float:
+    """One geometric step past an edge of a grid axis: the ratio of its two outermost values on that side."""
+    if side == "high":
+        new = axis[-1] * axis[-1] / axis[-2]
+    else:
+        new = axis[0] * axis[0] / axis[1]
+    if key == "restart_every":
+        new = float(round(new))
+        if new in axis:
+            new = axis[-1] + 1 if side == "high" else axis[0] - 1
+    return float(new)
+
+
+def _select_method(study: Study, m: MethodSpec, grid: Mapping[str, Sequence[float]], epsilon: float,
+                   runs_dir: Path) -> dict[str, dict]:
+    """Per criterion, the point with the best mean over the tuning seeds of the criterion's selection endpoint."""
+    table: dict[str, dict[str, list[float]]] = {}
+    for p in m.points(grid):
+        records = [_load_run(runs_dir, _run_id("tune", m, p, epsilon, s, study)) for s in study.tune_seeds]
+        table[_point_key(p)] = {}
+        for c in ("train_loss", "grad_norm_sq"):
+            e = study.analysis.selection(c)
+            table[_point_key(p)][c] = [endpoint_value(r, c, e.at, e.scale) for r in records]
+        table[_point_key(p)]["test_loss"] = table[_point_key(p)]["train_loss"]
+    picks = select(table)
+    return {c: json.loads(picks[c]) for c in CRITERIA}
 
 
 def test_pairs(study: Study) -> list[tuple[str, str]]:
@@ -788,61 +912,102 @@ def _data_info(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, An
             "outputs": data.num_outputs}
 
 
-def _summarise(study: Study, epsilon: float, chosen: dict, runs_dir: Path, n_min: int, n_train: int) -> dict:
+def _stats(values: Sequence[float]) -> dict[str, Any]:
+    return {"mean": _mean(values), "std": _std(values), "per_seed": list(values)}
+
+
+def _summarise(study: Study, epsilon: float, chosen: dict, searched: dict, runs_dir: Path, n_min: int, n_train: int,
+               rows: list[dict]) -> dict:
+    """One ε's summary: per method and criterion the chosen point and the endpoint values over the evaluation seeds;
+    per tested pair the paired t-tests (appended to ``rows``, corrected over the whole study afterwards)."""
+    analysis = study.analysis
     out: dict[str, Any] = {"methods": {}, "tests": {}}
-    per_seed_min: dict[str, dict[str, list[float]]] = {}
-    per_seed_final: dict[str, dict[str, list[float]]] = {}
+    runs_of: dict[tuple[str, str], list[dict]] = {}
     for m in study.methods:
         entry: dict[str, Any] = {"base_method": m.method, "u": m.u, "routine": m.routine_of({}),
-                                 "rounds": study.rounds_of(m),
-                                 "grid": {k: list(v) for k, v in m.grid}, "criteria": {}}
-        per_seed_min[m.name], per_seed_final[m.name] = {}, {}
+                                 "rounds": study.rounds_of(m), "seed_offset": m.seed_offset,
+                                 "grid": {k: list(v) for k, v in m.grid}, "grid_searched": searched[m.name]["grid"],
+                                 "extensions": searched[m.name]["extensions"], "edges": searched[m.name]["edges"],
+                                 "criteria": {}}
         for c in CRITERIA:
             point = chosen[m.name][c]
             runs = [_load_run(runs_dir, _run_id("eval", m, point, epsilon, s, study)) for s in study.eval_seeds]
-            mins = [min(r[c]) for r in runs]
-            finals = [r[c][-1] for r in runs]
-            per_seed_min[m.name][c], per_seed_final[m.name][c] = mins, finals
+            runs_of[m.name, c] = runs
             cfg = study.experiment(m, point, epsilon, study.eval_seeds[0])
             cal = cfg.calibration(n_min)
-            entry["criteria"][c] = {
-                "point": point, "run_ids": [r["run_id"] for r in runs],
-                "min_mean": _mean(mins), "min_std": _std(mins), "final_mean": _mean(finals), "final_std": _std(finals),
+            info: dict[str, Any] = {
+                "point": point, "run_ids": [r["run_id"] for r in runs], "selected_by": (
+                    analysis.selection(c).as_dict() if c != "test_loss" else {"criterion": "train_loss", "at": "the "
+                                                                              "train-loss pick"}),
                 "diverged": sum(r["diverged_at"] is not None for r in runs),
                 "calibration": None if cal is None else {k: cal.as_dict()[k] for k in ("sigma1", "sigma2", "z1", "z2", "mode")},
-            }
-        point = chosen[m.name]["train_loss"]
-        runs = [_load_run(runs_dir, _run_id("eval", m, point, epsilon, s, study)) for s in study.eval_seeds]
+                "at": {}}
+            for at in analysis.reported_at(c):
+                info["at"][at] = _stats([endpoint_value(r, c, at) for r in runs])
+            for name, at in (("min", "best"), ("train_best", "train_best"), ("final", "final")):
+                if at in info["at"]:
+                    info[f"{name}_mean"], info[f"{name}_std"] = info["at"][at]["mean"], info["at"][at]["std"]
+            info["reported"] = {"at": analysis.reported_at(c)[0], **info["at"][analysis.reported_at(c)[0]]}
+            entry["criteria"][c] = info
+        runs = runs_of[m.name, "train_loss"]
         if all(ACCURACY in r for r in runs):
-            best, finals = [_best_accuracy(r[ACCURACY]) for r in runs], [r[ACCURACY][-1] for r in runs]
-            per_seed_min[m.name][ACCURACY], per_seed_final[m.name][ACCURACY] = best, finals
-            entry["accuracy"] = {"at": "train_loss", "point": point, "run_ids": [r["run_id"] for r in runs],
-                                 "best_mean": _mean(best), "best_std": _std(best),
-                                 "final_mean": _mean(finals), "final_std": _std(finals),
-                                 "best_per_seed": best, "final_per_seed": finals}
+            runs_of[m.name, ACCURACY] = runs
+            at_values = {at: _stats([endpoint_value(r, ACCURACY, at) for r in runs])
+                         for at in analysis.reported_at(ACCURACY)}
+            first = analysis.reported_at(ACCURACY)[0]
+            entry["accuracy"] = {"at_point": "train_loss", "point": chosen[m.name]["train_loss"],
+                                 "run_ids": [r["run_id"] for r in runs], "at": at_values,
+                                 "reported": {"at": first, **at_values[first]},
+                                 "final_mean": at_values["final"]["mean"], "final_std": at_values["final"]["std"]}
+            if "best" in at_values:  # the paper's protocol: each run's best accuracy over rounds
+                entry["accuracy"]["best_mean"], entry["accuracy"]["best_std"] = (at_values["best"]["mean"],
+                                                                                 at_values["best"]["std"])
+            else:
+                entry["accuracy"]["train_best_mean"] = at_values["train_best"]["mean"]
         out["methods"][m.name] = entry
-    by_name = {m.name: m for m in study.methods}
-    for treat_name, control_name in test_pairs(study):
-        m, control = by_name[treat_name], by_name[control_name]
-        out["tests"][f"{m.name} vs {control.name}"] = {
-            c: {"p_value": paired_one_sided_ttest(per_seed_min[m.name][c], per_seed_min[control.name][c]),
-                "df": len(study.eval_seeds) - 1,
-                "treatment_min_mean": _mean(per_seed_min[m.name][c]),
-                "control_min_mean": _mean(per_seed_min[control.name][c]),
-                # the same test on the final values (the paper's "at the final rounds")
-                "p_value_final": paired_one_sided_ttest(per_seed_final[m.name][c], per_seed_final[control.name][c])}
-            for c in CRITERIA
-        }
-        if ACCURACY in per_seed_min[m.name] and ACCURACY in per_seed_min[control.name]:
-            treat, ctrl = per_seed_min[m.name][ACCURACY], per_seed_min[control.name][ACCURACY]
-            # larger is better: H1 is the treatment's accuracy > the control's, i.e. the control's < the treatment's
-            out["tests"][f"{m.name} vs {control.name}"][ACCURACY] = {
-                "p_value": paired_one_sided_ttest(ctrl, treat), "df": len(study.eval_seeds) - 1,
-                "treatment_best_mean": _mean(treat), "control_best_mean": _mean(ctrl),
-                "p_value_final": paired_one_sided_ttest(per_seed_final[control.name][ACCURACY],
-                                                        per_seed_final[m.name][ACCURACY])}
+    for treat, control in test_pairs(study):
+        pair = f"{treat} vs {control}"
+        out["tests"][pair] = {}
+        for c in (*CRITERIA, ACCURACY):
+            if (treat, c) not in runs_of or (control, c) not in runs_of:
+                continue
+            ats = list(dict.fromkeys([*analysis.reported_at(c), *(e.at for e in analysis.primary if e.criterion == c)]))
+            per: dict[str, Any] = {"df": len(study.eval_seeds) - 1, "rows": {}}
+            for at in ats:
+                declared = analysis.primary_for(c, at)
+                scale = declared.scale if declared else "linear"
+                alternative = declared.alternative if declared else analysis.alternative
+                a = [endpoint_value(r, c, at, scale) for r in runs_of[treat, c]]
+                b = [endpoint_value(r, c, at, scale) for r in runs_of[control, c]]
+                row = {"epsilon": epsilon, "pair": pair, "treatment": treat, "control": control, "criterion": c,
+                       "at": at, "scale": scale, "alternative": alternative,
+                       "family": "primary" if declared else "exploratory",
+                       "p_value": paired_ttest(a, b, alternative), "df": len(a) - 1,
+                       "treatment_mean": _mean(a), "control_mean": _mean(b),
+                       "mean_difference": _mean(np.subtract(a, b)) if len(a) == len(b) else math.nan}
+                per["rows"][at] = row
+                rows.append(row)
+            per["p_value"] = per["rows"][ats[0]]["p_value"]
+            per["p_value_final"] = per["rows"]["final"]["p_value"]
+            out["tests"][pair][c] = per
     out["cost"] = cost_summary(study, epsilon, out["methods"], runs_dir, n_train)
     return out
+
+
+def _inference(study: Study, rows: list[dict]) -> dict[str, Any]:
+    """Correct the study's tests (in place: each row gains p_adjusted) and list the primary results."""
+    families = correct_families(rows)
+    alpha = study.analysis.alpha
+    primary = [dict(r, significant=bool(math.isfinite(r["p_adjusted"]) and r["p_adjusted"] < alpha),
+                    lower=("treatment" if r["mean_difference"] < 0 else "control" if r["mean_difference"] > 0
+                           else "neither"))
+               for r in rows if r["family"] == "primary"]
+    exploratory = [r for r in rows if r["family"] == "exploratory"]
+    return {**study.analysis.as_dict(), "families": families, "primary_results": primary,
+            "exploratory_below_alpha": sum(1 for r in exploratory if math.isfinite(r["p_adjusted"])
+                                           and r["p_adjusted"] < alpha),
+            "exploratory_raw_below_alpha": sum(1 for r in exploratory if math.isfinite(r["p_value"])
+                                               and r["p_value"] < alpha)}
 
 
 def cost_summary(study: Study, epsilon: float, methods: Mapping[str, dict], runs_dir: Path, n_train: int) -> dict:
@@ -860,11 +1025,13 @@ def cost_summary(study: Study, epsilon: float, methods: Mapping[str, dict], runs
 
     reference = study.reference or next((m.name for m in study.methods if m.method == "diff2" and m.routine == "gd"
                                          and not m.local and m.rounds is None), None)
+    # the running minimum of a test metric is the test-set oracle: the corrected protocol costs the training criteria
+    criteria = CRITERIA if not study.analysis.corrected else ("train_loss", "grad_norm_sq")
     out: dict[str, Any] = {"reference": reference, "target_slack": TARGET_SLACK, "n_train": n_train, "methods": {}}
     for m in study.methods:
         entry = methods[m.name]
         per: dict[str, Any] = {}
-        for c in CRITERIA:
+        for c in criteria:
             info = entry["criteria"][c]
             cfg = study.experiment(m, info["point"], epsilon, study.eval_seeds[0])
             rounds, values = aligned_metric([_load_run(runs_dir, rid) for rid in info["run_ids"]], c)
@@ -879,7 +1046,7 @@ def cost_summary(study: Study, epsilon: float, methods: Mapping[str, dict], runs
                       "local_exchanges": int(rounds[-1]) if cfg.local.enabled else 0}
         out["methods"][m.name] = {"rounds": study.rounds_of(m), "criteria": per}
     if reference is not None:
-        for c in CRITERIA:
+        for c in criteria:
             target = methods[reference]["criteria"][c]["min_mean"] * (1 + TARGET_SLACK)
             for name, entry in out["methods"].items():
                 curve = entry["criteria"][c]
