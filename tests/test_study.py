@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -42,21 +43,27 @@ def test_smoke_study_writes_runs_summary_report_and_plots(smoke_run):
     eps = on_disk["epsilons"]["3.0"]
     assert set(eps["methods"]) == {"GD", "DP-GD", "DIFF2-GD (T=4)"}
     for entry in eps["methods"].values():
-        for c in CRITERIA:
+        for c in ("train_loss", "grad_norm_sq"):
             info = entry["criteria"][c]
             assert {"point", "min_mean", "min_std", "final_mean", "final_std", "run_ids"} <= set(info)
             assert len(info["run_ids"]) == 3 and info["min_mean"] <= info["final_mean"] + 1e-15
-        # the test loss is reported at the train-loss-best point
-        assert entry["criteria"]["test_loss"]["point"] == entry["criteria"]["train_loss"]["point"]
+        # the test loss is reported at the train-loss-best point and round, never as its own minimum over rounds
+        test_loss = entry["criteria"]["test_loss"]
+        assert test_loss["point"] == entry["criteria"]["train_loss"]["point"]
+        assert {"train_best_mean", "final_mean"} <= set(test_loss) and "min_mean" not in test_loss
+        assert test_loss["reported"]["at"] == "train_best"
     test = eps["tests"]["DIFF2-GD (T=4) vs DP-GD"]
-    assert set(test) == set(CRITERIA) and all(0 <= t["p_value"] <= 1 and t["df"] == 2 for t in test.values())
+    assert set(test) == set(CRITERIA) and all(0 <= r["p_value"] <= 1 and r["df"] == 2 and 0 <= r["p_adjusted"] <= 1
+                                              for t in test.values() for r in t["rows"].values())
+    tuned = sum(len(list(itertools.product(*e["grid_searched"].values()))) for e in eps["methods"].values()) * 3
     runs = list((root / "runs").glob("*.json"))
-    assert len(runs) == 10 + len({rid for e in eps["methods"].values() for c in CRITERIA
-                                  for rid in e["criteria"][c]["run_ids"]})
+    assert len(runs) == tuned + len({rid for e in eps["methods"].values() for c in CRITERIA
+                                     for rid in e["criteria"][c]["run_ids"]})
     record = json.loads(runs[0].read_text())
     assert record["rounds"] == list(range(0, 41, 5)) and len(record["train_loss"]) == 9
     report = (root / "report.md").read_text()
-    assert "| DIFF2-GD (T=4) vs DP-GD | train loss |" in report and "z₁ / z₂" in report
+    assert "| DIFF2-GD (T=4) vs DP-GD | train loss, best over rounds | exploratory | two-sided |" in report
+    assert "z₁ / z₂" in report and "every test below is **exploratory**" in report
 
 
 def test_summary_statistics_follow_from_the_run_files(smoke_run):
@@ -91,7 +98,7 @@ ROUTINE_METHODS = [  # a routine fixed, and a grid over a routine parameter
 def test_inprocess_engine_gives_the_same_study(tmp_path):
     """The batched engine and the reference driver agree on a small study, routines included."""
     data = yaml.safe_load(SMOKE.read_text())
-    data.update(rounds=12, eval_every=4, seeds={"tune": [7], "evaluate": [1, 2]})
+    data.update(rounds=12, eval_every=4, seeds={"tune": [7], "evaluate": [1, 2]}, analysis={"protocol": "paper"})
     data["methods"] = data["methods"][1:] + ROUTINE_METHODS
     a = run_study(parse_study({**data, "engine": "batch"}, "a.yaml"), output_root=tmp_path / "a", show_progress=False,
                   make_plots=False)
@@ -105,7 +112,7 @@ def test_inprocess_engine_gives_the_same_study(tmp_path):
 
 
 def test_a_method_sets_a_routine_and_its_grid_ranges_over_the_routines_parameters(tmp_path):
-    data = base_study(rounds=8, eval_every=4, seeds={"tune": [7], "evaluate": [1, 2]},
+    data = base_study(rounds=8, eval_every=4, seeds={"tune": [7], "evaluate": [1, 2]}, analysis={"protocol": "paper"},
                       methods=[data_method for data_method in yaml.safe_load(SMOKE.read_text())["methods"][1:2]]
                       + ROUTINE_METHODS)
     study = parse_study(data, "r.yaml")
@@ -126,7 +133,7 @@ def test_a_method_sets_a_routine_and_its_grid_ranges_over_the_routines_parameter
     report = (tmp_path / "smoke" / "report.md").read_text()
     assert "| DP-GD + momentum | momentum(momentum=0.5) | train loss |" in report
     assert "| DIFF2-Adam | adam | train loss | " in report and "beta1=" in report
-    assert "| DIFF2-Adam vs DP-GD | train loss |" in report
+    assert "| DIFF2-Adam vs DP-GD | train loss, best over rounds |" in report
 
 
 def test_a_plain_gd_methods_run_ids_are_unchanged_by_routines():
@@ -149,7 +156,7 @@ def _classification_study(tmp_path, engine: str, out: str | None = None, **chang
     path = tmp_path / "two_classes.csv"
     path.write_text("a,b,c,d,y\n" + "".join(",".join(f"{v:.5f}" for v in r) + f",{t}\n" for r, t in zip(x, label)))
     data = yaml.safe_load(SMOKE.read_text())
-    data.update(name="cls", rounds=12, eval_every=4, seeds={"tune": [7], "evaluate": [1, 2]}, engine=engine,
+    data.update(name="cls", rounds=12, eval_every=4, seeds={"tune": [7], "evaluate": [1, 2]}, analysis={"protocol": "paper"}, engine=engine,
                 dataset={"name": "csv", "path": str(path), "target": "y", "task": "classification"},
                 model={"name": "diff2_flwr.task.models:TanhMLP", "kwargs": {"hidden": 5}}, **changes)
     data["methods"] = [{"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.5, 1.0]}},
@@ -171,7 +178,7 @@ def test_a_classification_study_on_the_batch_engine_equals_the_inprocess_one(tmp
         for c in CRITERIA:
             assert entry["criteria"][c]["point"] == other["criteria"][c]["point"]
             assert entry["criteria"][c]["min_mean"] == pytest.approx(other["criteria"][c]["min_mean"], rel=1e-9)
-        assert entry["accuracy"]["best_per_seed"] == other["accuracy"]["best_per_seed"]
+        assert entry["accuracy"]["at"]["best"]["per_seed"] == other["accuracy"]["at"]["best"]["per_seed"]
         assert 0.5 < entry["accuracy"]["best_mean"] <= 1
 
 
@@ -321,7 +328,7 @@ def test_paper_studies_are_valid_and_large_enough():
 
 def _cost_study(**changes) -> dict:
     data = yaml.safe_load(SMOKE.read_text())
-    data.update(rounds=12, eval_every=3, seeds={"tune": [7], "evaluate": [1, 2]})
+    data.update(rounds=12, eval_every=3, seeds={"tune": [7], "evaluate": [1, 2]}, analysis={"protocol": "paper"})
     data["methods"] = [
         {"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.2]}},
         {"name": "DIFF2", "method": "diff2", "grid": {"restart_every": [4], "learning_rate": [0.2, 0.4],
