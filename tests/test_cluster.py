@@ -32,7 +32,7 @@ LOOPBACK = "127.0.0.2"
 
 TINY = {
     "name": "tiny-ray", "dataset": {"name": "synthetic", "num_samples": 400}, "clients": 2, "rounds": 12,
-    "delta": 1e-5, "epsilons": [3.0], "eval_every": 4, "seeds": {"tune": [7], "evaluate": [1, 2]},
+    "delta": 1e-5, "epsilons": [3.0], "eval_every": 4, "seeds": {"tune": [7], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"},
     "batch_size": 2, "threads": 1,
     "methods": [
         {"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.2, 0.4], "clip_restart": [0.5, 1.0]}},

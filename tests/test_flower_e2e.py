@@ -95,7 +95,7 @@ def test_a_study_through_the_flower_engine_equals_the_batch_engine(tmp_path):
     from diff2_flwr.lab.study import parse_study, run_study
 
     data = {"name": "tiny", "dataset": {"name": "synthetic", "num_samples": 600}, "clients": 3, "rounds": 4,
-            "epsilons": [3.0], "eval_every": 2, "seeds": {"tune": [5], "evaluate": [1, 2]},
+            "epsilons": [3.0], "eval_every": 2, "seeds": {"tune": [5], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"},
             # a routine, and a grid point on one of its parameters: the flower engine must honour both
             "methods": [{"name": "DIFF2-GD", "method": "diff2", "routine": "adam",
                          "grid": {"restart_every": [2], "learning_rate": [0.02], "clip_diff": [3.0], "beta1": [0.8]}}]}

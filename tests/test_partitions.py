@@ -368,7 +368,7 @@ def test_a_study_refuses_a_grid_point_whose_sigma_is_above_max_sigma_before_any_
 
     data = {"name": "skewed", "dataset": {**BASE["dataset"], "partitioner": {"name": "square"}},
             "clients": BASE["training"]["clients"], "rounds": 40, "epsilons": [3.0, 0.05], "eval_every": 10,
-            "seeds": {"tune": [9], "evaluate": [1, 2]}, "engine": "batch",
+            "seeds": {"tune": [9], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"}, "engine": "batch",
             "methods": [{"name": "DIFF2-GD", "method": "diff2", "grid": {"restart_every": [4], "learning_rate": [0.2]}}]}
     with pytest.raises(PartitionRefused, match=r"above dataset.partitioner.max_sigma = 1"):
         run_study(parse_study(data, "skewed.yaml"), output_root=tmp_path, show_progress=False, make_plots=False)

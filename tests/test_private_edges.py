@@ -272,7 +272,7 @@ def _diverging_study(engine: str, tmp_path, methods=None):
     ]
     study = parse_study({"name": f"diverging-{engine}", "dataset": {"name": "synthetic", "num_samples": 1001},
                          "clients": 4, "rounds": 6, "epsilons": [3.0], "eval_every": 2, "engine": engine,
-                         "seeds": {"tune": [1], "evaluate": [2, 3]}, "methods": methods})
+                         "seeds": {"tune": [1], "evaluate": [2, 3]}, "analysis": {"protocol": "paper"}, "methods": methods})
     summary = run_study(study, output_root=tmp_path, show_progress=False, make_plots=False)
     runs = [json.loads(f.read_text()) for f in (tmp_path / study.name / "runs").glob("*.json")]
     return summary, runs
@@ -334,7 +334,7 @@ def test_a_flower_study_records_a_diverged_point(tmp_path):
     methods = [{"name": "GD", "method": "gd", "grid": {"learning_rate": [1e200]}}]
     study = parse_study({"name": "diverging-flower", "dataset": {"name": "synthetic", "num_samples": 1001},
                          "clients": 2, "rounds": 3, "epsilons": [3.0], "eval_every": 1, "engine": "flower",
-                         "seeds": {"tune": [1], "evaluate": [2]}, "methods": methods})
+                         "seeds": {"tune": [1], "evaluate": [2]}, "analysis": {"protocol": "paper"}, "methods": methods})
     summary = run_study(study, output_root=tmp_path, show_progress=False, make_plots=False)
     runs = [json.loads(f.read_text()) for f in (tmp_path / study.name / "runs").glob("*.json")]
     assert len(runs) == 2 and all(r["engine"] == "flower" and r["diverged_at"] == 2 for r in runs)

@@ -59,7 +59,7 @@ def test_disabled_writes_nothing():
 
 def test_a_study_logs_plain_lines_when_stderr_is_not_a_terminal(tmp_path, capsys):
     data = {"name": "tiny", "dataset": {"name": "synthetic", "num_samples": 300}, "clients": 2, "rounds": 3,
-            "epsilons": [3.0], "eval_every": 1, "seeds": {"tune": [9], "evaluate": [1, 2]},
+            "epsilons": [3.0], "eval_every": 1, "seeds": {"tune": [9], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"},
             "methods": [{"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.2, 0.4]}}]}
     run_study(parse_study(data, "s.yaml"), output_root=tmp_path, show_progress=True, make_plots=False)
     err = capsys.readouterr().err

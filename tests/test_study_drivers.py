@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # One run per unit (engine inprocess): ~30 runs of ~0.2-1 s, long enough for two drivers to share them.
 SHARED = {
     "name": "shared", "dataset": {"name": "synthetic", "num_samples": 400}, "clients": 2, "rounds": 20,
-    "delta": 1e-5, "epsilons": [3.0], "eval_every": 5, "seeds": {"tune": [7, 8], "evaluate": [1, 2]},
+    "delta": 1e-5, "epsilons": [3.0], "eval_every": 5, "seeds": {"tune": [7, 8], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"},
     "engine": "inprocess",
     "methods": [
         {"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.2, 0.4], "clip_restart": [0.5, 1.0]}},

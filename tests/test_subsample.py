@@ -189,7 +189,7 @@ def test_the_subsample_is_part_of_what_identifies_the_data(tmp_path):
 
     def study(dataset):
         return parse_study({"name": "s", "dataset": dataset, "rounds": 5, "epsilons": [3.0],
-                            "seeds": {"tune": [0], "evaluate": [1, 2]}, "clients": 4,
+                            "seeds": {"tune": [0], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"}, "clients": 4,
                             "methods": [{"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.1]}}]})
 
     ids = {_run_id("tune", s.methods[0], {"learning_rate": 0.1}, 3.0, 0, s)
@@ -211,7 +211,7 @@ def test_the_run_and_the_study_report_the_subsample(tmp_path):
     assert summary["dataset"]["train_available"] == 800 and summary["dataset"]["subsample_seed"] == 2
     assert summary["config"]["dataset"]["train_samples"] == 400
     study = parse_study({"name": "s", "dataset": dataset, "rounds": 4, "epsilons": [3.0], "clients": 4,
-                         "seeds": {"tune": [0], "evaluate": [1, 2]}, "eval_every": 2,
+                         "seeds": {"tune": [0], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"}, "eval_every": 2,
                          "methods": [{"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.1]}}]})
     out = run_study(study, output_root=tmp_path / "studies", show_progress=False, make_plots=False)
     info = out["dataset"]
