@@ -196,6 +196,22 @@ def test_the_dataset_effect_fit_recovers_a_common_slope_with_different_intercept
     assert fit_regime([_cell(ds, 1000, 2.0, [1, 2], [2, 3]) for ds in "abc"]) is None  # no x varies within a dataset
 
 
+def test_the_fit_reports_cell_scatter_beyond_seed_noise():
+    cells = _exact_family(THEORY_SLOPE, {"a": 0.0, "b": 0.5})
+    fit = fit_regime(cells)
+    assert fit.residual_sd == pytest.approx(0.0, abs=1e-12) and fit.seed_sd == pytest.approx(0.0, abs=1e-12)
+    # one cell off the line by a factor 2 on every seed: the seeds cannot see it, the residuals do
+    bent = [Cell(**{**c.__dict__, "diff2_values": {e: tuple(2 * v for v in c.diff2_values[e]) for e in ENDPOINTS}})
+            if i == 1 else c for i, c in enumerate(cells)]
+    fit = fit_regime(bent)
+    lx, ly = np.log10([c.x for c in bent]), np.log10([c.ratio(PRIMARY) for c in bent])
+    design = np.column_stack([[c.dataset == "a" for c in bent], [c.dataset == "b" for c in bent], lx]).astype(float)
+    resid = ly - design @ np.linalg.lstsq(design, ly, rcond=None)[0]
+    assert fit.residual_sd == pytest.approx(math.sqrt(np.sum(resid ** 2) / (8 - 3))) and fit.residual_sd > 0.05
+    assert fit.seed_sd == pytest.approx(0.0, abs=1e-12) and fit.ci_high - fit.ci_low == pytest.approx(0.0, abs=1e-9)
+    assert fit.as_dict()["lack_of_fit"] == {"residual_sd_log10": fit.residual_sd, "seed_sd_log10": fit.seed_sd}
+
+
 def _slow_bootstrap(cells: list[Cell], replicates: int, seed: int) -> list[float]:
     """The obvious loop: per replicate one draw of seed indices, every cell's ratio of resampled seed means, and
     the least-squares slope with one dummy per dataset."""

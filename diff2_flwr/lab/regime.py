@@ -41,7 +41,10 @@ at least 1/(B+1). When the studies of a map evaluated different seed lists (of o
 bootstrap resamples seed *positions* (the index in each study's ``eval_seeds``), which treats the i-th
 seed of every study as one cluster; the output says which (``bootstrap.cluster``). With S seeds the
 bootstrap has few distinct resamples (126 for S = 5) and a percentile interval from few clusters tends to
-be too narrow: read it as a lower bound on the uncertainty. Per-dataset slopes are exploratory lines.
+be too narrow: read it as a lower bound on the uncertainty. It also holds the cells fixed (their tuned
+points, their departures from a straight line): the fit reports the cells' residual scatter beside the
+seed-resampling spread of a cell's ratio (``lack_of_fit``), and when the first is much larger the interval
+understates the slope's uncertainty. Per-dataset slopes are exploratory lines.
 
 **Stalled runs** (:data:`STALL_PROGRESS`, :func:`stall_reason`): a rule stated as a constant and applied
 mechanically, not one chosen blind to the cells it removes (it was written after a review traced the
@@ -387,6 +390,8 @@ class Fit:
     cluster: str  # "seed" (one seed list) or "seed position" (different lists of one length)
     anchor_log_x: float  # the points' mean log10 x and log10 ratio: where the theory's line is drawn through
     anchor_log_ratio: float
+    residual_sd: float = math.nan  # log10 scatter of the cells about the fitted lines (k − datasets − 1 dof)
+    seed_sd: float = math.nan  # log10 spread of a cell's ratio under the bootstrap (root mean square over cells)
 
     @property
     def k(self) -> int:
@@ -413,6 +418,7 @@ class Fit:
                 "crossing_x": {ds: self.crossing(ds) for ds in self.intercepts},
                 "bootstrap": {"replicates": self.replicates, "seed": self.seed, "cluster": self.cluster,
                               "interval": "percentile"},
+                "lack_of_fit": {"residual_sd_log10": self.residual_sd, "seed_sd_log10": self.seed_sd},
                 "theory_line_through": {"x": 10 ** self.anchor_log_x, "ratio": 10 ** self.anchor_log_ratio}}
 
 
@@ -467,11 +473,15 @@ def fit_regime(cells: Sequence[Cell], *, endpoint: str = PRIMARY, replicates: in
     ly_b = np.log10(treat[:, idx].mean(axis=2) / ctrl[:, idx].mean(axis=2))  # k x B
     slopes = np.linalg.lstsq(design, ly_b, rcond=None)[0][-1]
     low, high = np.percentile(slopes, [2.5, 97.5])
+    dof = len(usable) - design.shape[1]
+    resid = ly - design @ coef
     return Fit(cells=tuple(cell.label for cell in usable), slope=float(coef[-1]),
                intercepts={ds: float(coef[g]) for g, ds in enumerate(datasets)}, ci_low=float(low),
                ci_high=float(high), p_theory=bootstrap_p(slopes, THEORY_SLOPE), p_zero=bootstrap_p(slopes, 0.0),
                replicates=replicates, seed=seed, cluster=cluster, anchor_log_x=float(lx.mean()),
-               anchor_log_ratio=float(ly.mean()))
+               anchor_log_ratio=float(ly.mean()),
+               residual_sd=float(np.sqrt(np.sum(resid ** 2) / dof)) if dof > 0 else math.nan,
+               seed_sd=float(np.sqrt(np.mean(np.var(ly_b, axis=1)))))
 
 
 def _fits(cells: Sequence[Cell], replicates: int, seed: int) -> dict[str, Any]:
@@ -535,10 +545,12 @@ def _fmt(v: float | None, digits: int = 3) -> str:
 
 def _fit_row(name: str, fit: Mapping[str, Any] | None) -> str:
     if fit is None:
-        return f"| {name} | < 3 | – | – | – | – | – |"
+        return f"| {name} | < 3 | – | – | – | – | – | – |"
     crossing = ", ".join(f"{ds}: {_fmt(x)}" for ds, x in fit["crossing_x"].items())
+    lack = fit["lack_of_fit"]
     return (f"| {name} | {fit['k']} | {fit['slope']:.3f} | [{fit['ci95'][0]:.3f}, {fit['ci95'][1]:.3f}] | "
-            f"{_fmt(fit['p_slope_equals_theory'], 2)} | {_fmt(fit['p_slope_equals_zero'], 2)} | {crossing} |")
+            f"{_fmt(fit['p_slope_equals_theory'], 2)} | {_fmt(fit['p_slope_equals_zero'], 2)} | "
+            f"{_fmt(lack['residual_sd_log10'], 2)} / {_fmt(lack['seed_sd_log10'], 2)} | {crossing} |")
 
 
 def markdown(cells: Sequence[Cell], result: Mapping[str, Any], alpha: float = ALPHA) -> str:
@@ -583,9 +595,14 @@ def markdown(cells: Sequence[Cell], result: Mapping[str, Any], alpha: float = AL
         f"evaluation {boot.get('cluster', 'seed')}s ({boot.get('replicates', '–')} replicates, seed "
         f"{boot.get('seed', '–')}): each replicate resamples the seeds with replacement, the same draw in every cell. "
         f"p(=theory): bootstrap two-sided p of slope = {THEORY_SLOPE:.3f}; p(=0): of slope = 0. With few seeds the "
-        "bootstrap has few distinct resamples and its interval is likely too narrow. 'crossing': nε/√d where the "
-        "dataset's fitted ratio is 1. Cells with a non-finite or zero value on a seed are left out of every fit.", "",
-        "| fit | k | slope | 95 % CI | p(=theory) | p(=0) | crossing |", "|---|---|---|---|---|---|---|",
+        "bootstrap has few distinct resamples and its interval is likely too narrow. The bootstrap holds the cells "
+        "(their chosen points) fixed and varies only the seeds: 'resid. / seed sd' compares the cells' log10 scatter "
+        "about the fitted lines with the log10 spread of one cell's ratio over seed resamples; a residual sd well "
+        "above the seed sd means the cells depart from the line by more than seed noise, and the interval "
+        "understates the slope's uncertainty. 'crossing': nε/√d where the dataset's fitted ratio is 1. Cells with "
+        "a non-finite or zero value on a seed are left out of every fit.", "",
+        "| fit | k | slope | 95 % CI | p(=theory) | p(=0) | resid. / seed sd | crossing |",
+        "|---|---|---|---|---|---|---|---|",
         _fit_row("pooled, dataset effect", fits["pooled"]),
         _fit_row("sensitivity: without cells with a stalled run", fits["sensitivity"]["fit"]),
         *(_fit_row(f"{ds} alone (exploratory)", fit) for ds, fit in fits["per_dataset"].items()),
@@ -660,6 +677,8 @@ def _heatmap(cells: Sequence[Cell], result: Mapping[str, Any], dataset: str, alp
             for j, ep in enumerate(eps):
                 cell = by.get((n, ep))
                 text = "no run" if cell is None else _cell_text(cell, e, marks[n, ep][e])
+                if cell is not None and cell.stalled and spec.criterion == "grad_norm_sq":
+                    text += f"\n{len(cell.stalled)} run(s) stalled"
                 dark = cell is not None and math.isfinite(grid[i, j]) and abs(math.log10(grid[i, j])) > 0.6 * span
                 ax.text(j, i, text, ha="center", va="center", fontsize=10, color="white" if dark else "black")
         ax.set_xticks(range(len(eps)), [f"{v:g}" for v in eps])
@@ -705,6 +724,10 @@ def _scatter(cells: Sequence[Cell], result: Mapping[str, Any], alpha: float) -> 
                 if m[e]:
                     ax.annotate(m[e], (cell.x, r), textcoords="offset points", xytext=(5, 3), fontsize=10)
             ax.scatter([], [], marker=markers[ds], edgecolors=colours[ds], facecolors="none", label=ds)
+        stalled = [cell for cell in cells if cell.stalled and math.isfinite(cell.ratio(e)) and cell.ratio(e) > 0]
+        if spec.primary and stalled:
+            ax.scatter([c.x for c in stalled], [c.ratio(e) for c in stalled], marker="x", s=90, color="k", lw=1.0,
+                       zorder=4, label="a run stalled (out of the sensitivity fit)")
         ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
         ax.set_xscale("log")
         ax.set_yscale("log")
