@@ -269,7 +269,10 @@ def test_a_diverged_method_gives_an_infinite_ratio_left_out_of_the_fit(tmp_path)
     fit = regime_map(cells)["fits"]["pooled"]
     assert fit["k"] == 7 and gone.label not in fit["cells"]
     write_regime(cells, tmp_path)  # the heatmap says which method diverged
-    assert "| a | 1000 | 1 | 100 | 100 | inf | – | – |  |  |" in (tmp_path / "regime.md").read_text()
+    table = (tmp_path / "regime.md").read_text()
+    assert "| a | 1000 | 1 | 100 | 100 | inf | – | – |  |  |" in table
+    assert "Left out of every fit (a method's final ‖∇f‖² not finite and positive on some seed" in table
+    assert json.loads((tmp_path / "regime.json").read_text())["fits"]["not_fitted"] == ["a n=1000 ε=1"]
 
 
 # ------------------------------------------------------------------------------------ stalled runs
@@ -351,7 +354,7 @@ def test_the_cli_prints_one_json_object_and_writes_the_map(tmp_path, capsys):
     assert "regime map of 4 cell(s)" in captured.err
     assert set(result) == {"alpha", "theory_slope", "primary_endpoint", "endpoints", "marks", "stall_rule", "cells",
                            "counts", "fits", "files"}
-    assert set(result["fits"]) == {"endpoint", "model", "pooled", "per_dataset", "sensitivity"}
+    assert set(result["fits"]) == {"endpoint", "model", "not_fitted", "pooled", "per_dataset", "sensitivity"}
     assert result["fits"]["pooled"]["bootstrap"] == {"replicates": 200, "seed": 20, "cluster": "seed",
                                                      "interval": "percentile"}
     assert json.loads((out / "regime.json").read_text())["cells"] == result["cells"]

@@ -4,8 +4,9 @@ A *family* of studies (``configs/regime/``: one study per dataset and n, each wi
 two methods tuned alike) leaves one ``summary.json`` per study and its ``runs/`` folder. Each
 (dataset, n, ε) is a *cell*. Everything the map reports is computed here from the run files the
 summary names (``summary["epsilons"][ε]["methods"][m]["criteria"][c]["run_ids"]``, in the order of
-``summary["eval_seeds"]``); of the summary only the run ids, the chosen points, the grids, the methods'
-``base_method`` and the dataset's n and d are read.
+``summary["eval_seeds"]``); of the summary only the run ids, the seed list, the chosen points, the grids,
+the methods' ``base_method`` and the dataset's n and d (``dataset.train``, ``dataset.parameters``) are read,
+never its means or tests.
 
 **Endpoints** (per seed, from the runs of the criterion's own chosen point; no test-set oracle):
 
@@ -493,6 +494,7 @@ def _fits(cells: Sequence[Cell], replicates: int, seed: int) -> dict[str, Any]:
     excluded = [{"dataset": cell.dataset, "n": cell.n, "epsilon": cell.epsilon, "stalled_runs": list(cell.stalled)}
                 for cell in cells if cell.stalled]
     return {"endpoint": PRIMARY, "model": "log10(ratio) = a_dataset + b * log10(n*eps/sqrt(d))",
+            "not_fitted": [cell.label for cell in cells if not cell.fit_ready(PRIMARY)],
             "pooled": fit(cells),
             "per_dataset": {ds: fit([c for c in cells if c.dataset == ds]) for ds in sorted({c.dataset for c in cells})},
             "sensitivity": {"rule": STALL_RULE, "excluded": excluded, "fit": fit(kept)}}
@@ -607,6 +609,9 @@ def markdown(cells: Sequence[Cell], result: Mapping[str, Any], alpha: float = AL
         _fit_row("sensitivity: without cells with a stalled run", fits["sensitivity"]["fit"]),
         *(_fit_row(f"{ds} alone (exploratory)", fit) for ds, fit in fits["per_dataset"].items()),
         "", f"Stall rule (stated as a constant, applied mechanically): {STALL_RULE}."]
+    if fits["not_fitted"]:
+        lines += ["", "Left out of every fit (a method's final ‖∇f‖² not finite and positive on some seed, e.g. a "
+                  "diverged run): " + "; ".join(fits["not_fitted"]) + "."]
     excluded = fits["sensitivity"]["excluded"]
     lines += ["", "Cells left out of the sensitivity fit:" if excluded else "No cell has a stalled run.", ""]
     lines += [f"- {x['dataset']}, n = {x['n']}, ε = {x['epsilon']:g}: " + "; ".join(x["stalled_runs"])
