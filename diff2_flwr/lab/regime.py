@@ -21,8 +21,10 @@ Per cell and endpoint: ratio = mean over seeds of DIFF2-GD's value / mean over s
 DIFF2-GD lower), and the two-sided paired t-test by seed (:func:`.inference.paired_ttest`; on log values
 for ‖∇f‖², which spans decades). Adjusted across the cells: **Holm** over the primary endpoint's family
 (every cell), **Benjamini–Hochberg** q over one family holding every exploratory endpoint of every cell.
-A cell is marked ``*`` (DIFF2-GD lower) or ``†`` (DP-GD lower) when its *adjusted* p < α, the direction
-the sign of the mean paired difference. Loss ratios are descriptive and exploratory: the theory predicts
+A test whose p is NaN (a diverged run) still counts in its family. A cell is marked ``*`` (DIFF2-GD
+lower) or ``†`` (DP-GD lower) when its *adjusted* p < α, the direction the sign of the mean paired
+difference on the tested scale (for ‖∇f‖² the mean log difference, which can disagree in sign with a
+ratio of arithmetic means when one seed dominates a mean). Loss ratios are descriptive and exploratory: the theory predicts
 nothing about them, and no slope is fitted to them.
 
 **The fit** (Murata & Suzuki 2023): DP-GD reaches ‖∇f‖² ≲ √d/(nε) and DIFF2-GD d^{2/3}/(nε)^{4/3}, so the
@@ -34,7 +36,8 @@ positive, least squares fits
 (one intercept per dataset — the bounds' constants differ by dataset — and one common slope b; n the
 training records, i.e. the sum of the shard sizes; d the model's parameters). Its 95 % interval and the
 p-value of H0: b = −1/3 come from a **cluster bootstrap over evaluation seeds**: the cells share their
-seeds (and, at a seed, the data split and the starting point), so a replicate draws seed indices with
+seeds and what a seed fixes (the starting point among others), so their errors are not independent and
+an OLS interval over the cells would be too narrow; a replicate draws seed indices with
 replacement once and uses the same indices in every cell, recomputes each cell's ratio of seed means
 and refits; B replicates (:data:`BOOTSTRAP_REPLICATES`) from ``numpy.random.default_rng(seed)`` with a
 fixed default seed (:data:`BOOTSTRAP_SEED`); percentile interval; p = 2·min(share ≤ −1/3, share ≥ −1/3),
@@ -49,7 +52,8 @@ understates the slope's uncertainty. Per-dataset slopes are exploratory lines.
 
 **Stalled runs** (:data:`STALL_PROGRESS`, :func:`stall_reason`): a rule stated as a constant and applied
 mechanically, not one chosen blind to the cells it removes (it was written after a review traced the
-largest ratios to one stalled seed). The main fit uses every cell; a *sensitivity* fit leaves out each
+largest ratios to one stalled seed). The main fit uses every cell it can (all but those with a non-finite
+final ‖∇f‖² on some seed, listed as ``not_fitted``); a *sensitivity* fit leaves out each
 cell in which any run of either method at the ‖∇f‖²-best point stalled, and the report lists those cells
 and why.
 
