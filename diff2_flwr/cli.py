@@ -140,12 +140,16 @@ def _family(args: argparse.Namespace) -> int:
 
 
 def _regime(args: argparse.Namespace) -> int:
-    from .lab.regime import read_cells, write_regime
+    from .lab.regime import BOOTSTRAP_REPLICATES, BOOTSTRAP_SEED, read_cells, write_regime
 
     if not 0 < args.alpha < 1:
         raise ValueError(f"`--alpha`: expected a significance level in (0, 1). Found {args.alpha}.")
+    replicates = BOOTSTRAP_REPLICATES if args.replicates is None else args.replicates
+    if replicates < 1:
+        raise ValueError(f"`--replicates`: expected a number of bootstrap replicates >= 1. Found {replicates}.")
     cells = read_cells(args.study_dirs, diff2=args.diff2, control=args.control)
-    result = write_regime(cells, args.out, alpha=args.alpha, plots=not args.no_plots)
+    result = write_regime(cells, args.out, alpha=args.alpha, plots=not args.no_plots, replicates=replicates,
+                          seed=BOOTSTRAP_SEED if args.bootstrap_seed is None else args.bootstrap_seed)
     print(json.dumps(to_json(result)))
     return 0
 
@@ -378,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     fam.set_defaults(func=_family)
 
     reg = sub.add_parser("regime", help="the regime map of a study family: DIFF2-GD / DP-GD ratios over n x ε "
-                                        "(heatmaps, significance marks) and against nε/√d with the theory's slope")
+                                        "(heatmaps, adjusted significance marks) and the final ‖∇f‖² ratio's slope "
+                                        "against nε/√d (cluster bootstrap over seeds) beside the theory's −1/3")
     reg.add_argument("study_dirs", nargs="+", metavar="STUDY_DIR",
                      help="finished studies: folders holding summary.json (or summary.json files, or a folder whose "
                           "sub-folders hold them, e.g. outputs/regime)")
@@ -388,7 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the DIFF2 method of each study to compare (default: its only diff2 method)")
     reg.add_argument("--control", default=None, metavar="METHOD",
                      help="the DP-GD method to compare with (default: the study's first dpgd method)")
-    reg.add_argument("--alpha", type=float, default=0.05, help="significance level of the marks (default %(default)s)")
+    reg.add_argument("--alpha", type=float, default=0.05,
+                     help="significance level of the marks, read on Holm/BH-adjusted p (default %(default)s)")
+    reg.add_argument("--replicates", type=int, default=None,
+                     help="replicates of the cluster bootstrap over seeds for the slope's CI "
+                          "(default: lab.regime.BOOTSTRAP_REPLICATES, 2000)")
+    reg.add_argument("--bootstrap-seed", type=int, default=None,
+                     help="seed of the bootstrap's generator (default: lab.regime.BOOTSTRAP_SEED, fixed, so that the "
+                          "map is reproducible)")
     reg.add_argument("--no-plots", action="store_true", help="write the table and JSON only")
     reg.set_defaults(func=_regime)
 
