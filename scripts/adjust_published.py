@@ -302,7 +302,7 @@ def fmt(v: float) -> str:
         return "–"
     if v >= 0.995:
         return "1"
-    return f"{v:.2g}" if v < 0.01 else f"{v:.2f}"
+    return f"{v:.2g}"
 
 
 def annotate(text: str) -> str:
