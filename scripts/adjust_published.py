@@ -274,7 +274,7 @@ def regime(cells: list[dict]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------- claims rule
-CLAIM = re.compile(r"(\bp\s*[=≈≤<≥]|\bp′|significan)", re.IGNORECASE)
+CLAIM = re.compile(r"(\bp′?\s*[=≈≤<≥]|[Ss]ignifican)")
 QUALIFIED = re.compile(r"(Holm|\bBH\b|\badjusted\b|exploratory)")
 
 
