@@ -78,6 +78,10 @@ def test_no_test_in_diff2s_favour_survives_its_study_family(rep):
     survivors = [t for t in rep["tests"] if t["holm_study"] < 0.05]
     assert len(survivors) == 3
     assert all(t["p_one_sided"] > 0.5 and t["holm_study_interval"][1] > 0.05 for t in survivors)
+    # BH q < 0.05 in the study family: 21 tests, all in DP-GD's favour (California ε = 3: 2, KDD ε = 5: 15, digits ε = 8: 4).
+    bh = [t for t in rep["tests"] if t["bh_study"] < 0.05]
+    assert len(bh) == 21 and all(t["p_one_sided"] > 0.5 for t in bh)
+    assert min(t["bh_pooled"] for t in rep["tests"]) > 0.1
 
 
 def two(p: float) -> float:
