@@ -371,7 +371,7 @@ def test_the_cli_prints_one_json_object_and_writes_the_map(tmp_path, capsys):
 def _family_study(n: int | None):
     return parse_study({
         "name": f"tiny_n{n or 'full'}", "clients": 4, "rounds": 12, "delta": 1e-5, "epsilons": [2.0, 8.0],
-        "eval_every": 4, "seeds": {"tune": [100], "evaluate": [1, 2, 3]},
+        "eval_every": 4, "seeds": {"tune": [100, 101, 102], "evaluate": [1, 2, 3]},
         "dataset": {"name": "synthetic", "num_samples": 1000, **({"train_samples": n} if n else {})},
         "methods": [{"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.2, 0.4], "clip_restart": [1.0]}},
                     {"name": "DIFF2-GD", "method": "diff2",
@@ -444,7 +444,7 @@ def test_the_family_runs_the_protocol_with_both_methods_tuned_alike():
     assert levels == {(d, n) for d in FULL_TRAIN for n in (1000, 4000, None)}
     for s in studies:
         assert (s.clients, s.rounds, s.delta, s.mode, s.eval_every) == (10, 2000, 1e-5, "exact", 50)
-        assert (s.tune_seeds, s.eval_seeds) == ((100,), (1, 2, 3, 4, 5))
+        assert (s.tune_seeds, s.eval_seeds) == ((100, 101, 102), (1, 2, 3, 4, 5))
         assert (s.engine, s.dtype, s.compile, s.workers, s.output_dir) == ("batch", "float32", True, 2, "outputs/regime")
         dpgd, diff2 = s.methods
         assert (dpgd.name, dpgd.method, diff2.name, diff2.method, diff2.u) == ("DP-GD", "dpgd", "DIFF2-GD", "diff2", 1.25)
