@@ -27,9 +27,11 @@ treatment − control (``less``: the treatment's value is lower).
   endpoint (e.g. the mean log final ‖∇f‖²), test metrics are read at the train-loss pick;
 * symmetric grids: the two methods of a tested pair tune the same shared hyper-parameters
   (learning rate, C₁, a shared routine parameter) with grids of the same size;
-* a pick on the edge of a grid axis extends that axis (one geometric step past the edge, the
-  step of its two outermost values) and re-tunes, until the pick is interior or the axis's bound
-  in ``extend`` is reached; the report lists every pick that stays on an edge.
+* a pick on an edge extends the search: when its value of a key is the smallest or largest among
+  the tuned points that share its other values (its line), the point one geometric step further
+  (the ratio of the line's two outermost values) is tuned too, and the picks are made again, until
+  every pick is interior or the key's bound in ``extend`` is reached (a line search: one new point
+  per step); the report lists every pick that stays on an edge.
 
 ``paper`` is Murata & Suzuki's Section 6 rule, kept for the faithful reproduction: one tuning seed
 is allowed, the grids are the file's, and the test loss and accuracy are each run's best over

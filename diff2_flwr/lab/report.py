@@ -70,7 +70,8 @@ def format_table(eps_summary: dict) -> str:
              for h in hits]
     grown = [(name, x) for name, e in eps_summary["methods"].items() for x in e.get("extensions", [])]
     if grown:
-        lines += ["", "Grid extensions (a pick on an edge of its axis on the tuning seeds): "
+        lines += ["", "Grid extensions (a pick on the edge of its line on the tuning seeds: the point one step further "
+                  "along that key was tuned too): "
                   + "; ".join(f"{name}: {x['key']} → {_fmt(x['value'])} ({x['because']})" for name, x in grown) + "."]
     if edges:
         lines += ["", "**Picks still on a grid edge** (the grid may be too narrow there): "

@@ -790,55 +790,63 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
 
 def _tune(study: Study, epsilon: float, data: Any, runs_dir: Path, progress: _Progress, executor: Any,
           book: ClaimBook, tally: dict[str, int]) -> tuple[dict[str, dict[str, dict]], dict[str, dict]]:
-    """Tune every method at ``epsilon``: run its grid on the tuning seeds, pick per criterion, extend an axis whose
-    pick lies on its edge (the analysis's ``extend`` bounds) and tune the new points, until no pick moves outward.
+    """Tune every method at ``epsilon``: run its grid on the tuning seeds, pick per criterion, and extend where a
+    pick lies on an edge, until no pick moves outward.
 
-    Returns the picks (method -> criterion -> point) and, per method, the grid searched, the extensions made and
-    the picks that stay on an edge (with the reason).
+    The extension is a line search: when the pick's value of a key is the smallest or largest among the tuned
+    points that agree with the pick on every other key (its *line*), the point one geometric step further along
+    that key is tuned too (within the analysis's ``extend`` bounds, at most ``MAX_EXTENSIONS`` steps per key and
+    side), and the picks are made again over every tuned point. One new point per step: extending the whole
+    product would multiply the cost by every axis that moves at once.
+
+    Returns the picks (method -> criterion -> point) and, per method, the values searched per key, the points
+    tuned, the extensions made and the picks that stay on an edge (with the reason).
     """
     from ..runtime.shard_report import check_shards
 
-    grids = {m.name: {k: tuple(v) for k, v in m.grid} for m in study.methods}
+    tuned = {m.name: m.points() for m in study.methods}
     made: dict[str, list[dict]] = {m.name: [] for m in study.methods}
     count: dict[tuple[str, str, str], int] = collections.Counter()
     refused: dict[tuple[str, str, str], str] = {}
     done: set[str] = set()
     while True:
         jobs = [_Job(_run_id("tune", m, p, epsilon, s, study), m, p, epsilon, s, study.experiment(m, p, epsilon, s))
-                for m in study.methods for p in m.points(grids[m.name]) for s in study.tune_seeds]
+                for m in study.methods for p in tuned[m.name] for s in study.tune_seeds]
         jobs = [j for j in jobs if j.run_id not in done]  # each extension tunes its new points only
         done.update(j.run_id for j in jobs)
         _execute(study, jobs, runs_dir, progress, executor, book, tally)
-        chosen = {m.name: _select_method(study, m, grids[m.name], epsilon, runs_dir) for m in study.methods}
+        chosen = {m.name: _select_method(study, m, tuned[m.name], epsilon, runs_dir) for m in study.methods}
         grown = False
         for m in study.methods:
             for c in ("train_loss", "grad_norm_sq"):
-                for key, value in chosen[m.name][c].items():
-                    axis = sorted(grids[m.name][key])
+                pick = chosen[m.name][c]
+                for key, value in pick.items():
+                    line = _line(tuned[m.name], pick, key)
                     bounds = study.analysis.bounds(key)
-                    if len(axis) < 2 or bounds is None or value not in (axis[0], axis[-1]):
+                    if len(line) < 2 or bounds is None or value not in (line[0], line[-1]):
                         continue
-                    side = "high" if value == axis[-1] else "low"
+                    side = "high" if value == line[-1] else "low"
                     if count[m.name, key, side] >= MAX_EXTENSIONS or (m.name, key, side) in refused:
                         continue
-                    new = _step_out(axis, side, key)
+                    new = _step_out(line, side, key)
                     if not bounds[0] <= new <= bounds[1]:
                         refused[m.name, key, side] = f"the bound {bounds[0 if side == 'low' else 1]:g} of analysis.extend"
                         continue
-                    trial = dict(grids[m.name]) | {key: tuple(sorted(axis + [new]))}
-                    try:  # the new points must pass the partition's refusal rule like the declared ones
-                        for p in m.points(trial):
-                            cfg = study.experiment(m, p, epsilon, study.tune_seeds[0])
-                            check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
+                    point = dict(pick) | {key: new}
+                    if point in tuned[m.name]:
+                        continue
+                    try:  # the new point must pass the partition's refusal rule like the declared ones
+                        cfg = study.experiment(m, point, epsilon, study.tune_seeds[0])
+                        check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
                     except (ConfigError, ValueError) as err:
                         refused[m.name, key, side] = f"{new:g} is refused: {str(err).splitlines()[0]}"
                         continue
-                    grids[m.name] = trial
+                    tuned[m.name].append(point)
                     count[m.name, key, side] += 1
-                    made[m.name].append({"key": key, "value": new, "side": side, "because": c})
+                    made[m.name].append({"key": key, "value": new, "side": side, "because": c, "point": point})
                     print(f"[diff2] study {study.name}, ε = {epsilon:g}: {m.name} picked {key} = {value:g} on the "
-                          f"{side} edge of its grid for {c}: extending it to {new:g}", file=sys.stderr)
-                    progress.total += len(m.points(trial)) // len(axis) * len(study.tune_seeds)
+                          f"{side} edge of its line for {c}: tuning {key} = {new:g} there", file=sys.stderr)
+                    progress.total += len(study.tune_seeds)
                     grown = True
         if not grown:
             break
@@ -848,20 +856,25 @@ def _tune(study: Study, epsilon: float, data: Any, runs_dir: Path, progress: _Pr
         for c in ("train_loss", "grad_norm_sq"):
             hits = []
             for key, value in chosen[m.name][c].items():
-                axis = sorted(grids[m.name][key])
-                if len(axis) > 1 and value in (axis[0], axis[-1]):
-                    side = "high" if value == axis[-1] else "low"
+                line = _line(tuned[m.name], chosen[m.name][c], key)
+                if len(line) > 1 and value in (line[0], line[-1]):
+                    side = "high" if value == line[-1] else "low"
                     why = (refused.get((m.name, key, side))
-                           or ("at most " + str(MAX_EXTENSIONS) + " extensions per side"
+                           or ("at most " + str(MAX_EXTENSIONS) + " extensions per key and side"
                                if count[m.name, key, side] >= MAX_EXTENSIONS else
                                "not extended: no bound in analysis.extend" + (" (the paper's protocol extends nothing)"
                                                                              if not study.analysis.corrected else "")))
                     hits.append({"key": key, "value": value, "side": side, "why": why})
             if hits:
                 edges[c] = hits
-        searched[m.name] = {"grid": {k: list(v) for k, v in grids[m.name].items()}, "extensions": made[m.name],
-                            "edges": edges}
+        values = {k: sorted({float(p[k]) for p in tuned[m.name]}) for k, _ in m.grid}
+        searched[m.name] = {"grid": values, "points": len(tuned[m.name]), "extensions": made[m.name], "edges": edges}
     return chosen, searched
+
+
+def _line(points: Sequence[Mapping[str, float]], pick: Mapping[str, float], key: str) -> list[float]:
+    """The sorted values of ``key`` among the points that agree with ``pick`` on every other key."""
+    return sorted({float(p[key]) for p in points if all(p[k] == v for k, v in pick.items() if k != key)})
 
 
 def _step_out(axis: Sequence[float], side: str, key: str) -> float:
@@ -877,11 +890,11 @@ def _step_out(axis: Sequence[float], side: str, key: str) -> float:
     return float(new)
 
 
-def _select_method(study: Study, m: MethodSpec, grid: Mapping[str, Sequence[float]], epsilon: float,
+def _select_method(study: Study, m: MethodSpec, points: Sequence[Mapping[str, float]], epsilon: float,
                    runs_dir: Path) -> dict[str, dict]:
     """Per criterion, the point with the best mean over the tuning seeds of the criterion's selection endpoint."""
     table: dict[str, dict[str, list[float]]] = {}
-    for p in m.points(grid):
+    for p in points:
         records = [_load_run(runs_dir, _run_id("tune", m, p, epsilon, s, study)) for s in study.tune_seeds]
         table[_point_key(p)] = {}
         for c in ("train_loss", "grad_norm_sq"):
@@ -927,6 +940,7 @@ def _summarise(study: Study, epsilon: float, chosen: dict, searched: dict, runs_
         entry: dict[str, Any] = {"base_method": m.method, "u": m.u, "routine": m.routine_of({}),
                                  "rounds": study.rounds_of(m), "seed_offset": m.seed_offset,
                                  "grid": {k: list(v) for k, v in m.grid}, "grid_searched": searched[m.name]["grid"],
+                                 "points_tuned": searched[m.name]["points"],
                                  "extensions": searched[m.name]["extensions"], "edges": searched[m.name]["edges"],
                                  "criteria": {}}
         for c in CRITERIA:
