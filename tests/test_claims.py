@@ -67,6 +67,16 @@ def test_a_run_finished_between_the_check_and_the_claim_is_let_go(tmp_path):
     assert len(looks) == 2 and b.held == () and list(tmp_path.glob("r.claim-*")) == []
 
 
+def test_the_claim_of_a_driver_killed_after_writing_its_result_is_swept(tmp_path):
+    """A driver killed between writing a result and deleting its claim leaves a claim on a finished run: the next
+    driver that finds the run finished deletes it (and no claim of an unfinished run)."""
+    dead, alive = ClaimBook(tmp_path), ClaimBook(tmp_path)
+    assert dead.try_claim("done") and dead.try_claim("open")
+    (tmp_path / "done.json").write_text("{}")  # ... and the driver dies before finish("done")
+    assert alive.sweep_finished(["done", "open", "other"]) == 1
+    assert list(tmp_path.glob("done.claim-*")) == [] and len(list(tmp_path.glob("open.claim-*"))) == 1
+
+
 def test_racing_drivers_claim_each_run_exactly_once(tmp_path):
     """Eight drivers (threads with their own books) race for 40 runs: every run has exactly one winner."""
     books = [ClaimBook(tmp_path) for _ in range(8)]

@@ -301,6 +301,21 @@ class ClaimBook:
         for path in self.folder.glob(f"{run_id}{_CLAIM}*"):
             path.unlink(missing_ok=True)
 
+    def sweep_finished(self, run_ids: Iterable[str]) -> int:
+        """Delete the claims left on finished runs among ``run_ids``; return how many.
+
+        A driver killed between writing a result and deleting its claims leaves a claim on a finished run. No one
+        computes a finished run (a claimer re-checks the result), so such a claim is garbage whoever holds it: a
+        live holder is about to delete it itself.
+        """
+        finished = {r for r in run_ids if self.done(r)}
+        swept = 0
+        for path in self.folder.glob(f"*{_CLAIM}*"):
+            if path.name.split(_CLAIM)[0] in finished:
+                path.unlink(missing_ok=True)
+                swept += 1
+        return swept
+
     @property
     def held(self) -> tuple[str, ...]:
         return tuple(self._held)

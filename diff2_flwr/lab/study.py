@@ -568,6 +568,8 @@ def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress
     claims turn stale (the driver died) they are planned again and taken over.
     """
     todo = [j for j in jobs if not book.done(j.run_id)]
+    if len(todo) < len(jobs):
+        book.sweep_finished(j.run_id for j in jobs if j not in todo)
     tally["reused"] += len(jobs) - len(todo)
     progress.done += len(jobs) - len(todo)
     progress.show()
