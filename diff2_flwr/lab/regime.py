@@ -81,6 +81,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from .claims import atomic_write_bytes, atomic_write_text
+from .analysis import endpoint_value
 from .inference import benjamini_hochberg, holm, paired_ttest
 
 __all__ = ["ALPHA", "BOOTSTRAP_REPLICATES", "BOOTSTRAP_SEED", "ENDPOINTS", "PRIMARY", "STALL_PROGRESS",
@@ -111,10 +112,6 @@ class RegimeError(ValueError):
     """Studies that cannot make a regime map; the message names the file and what is missing."""
 
 
-def _argmin(values: Sequence[float]) -> int:
-    return min(range(len(values)), key=lambda i: (values[i], i))
-
-
 @dataclass(frozen=True)
 class Endpoint:
     """A per-seed value of a run: which criterion's chosen point it reads, and how it is tested."""
@@ -127,17 +124,16 @@ class Endpoint:
     value: Callable[[Mapping[str, Any]], float]
 
 
-def _test_at_train_best(run: Mapping[str, Any]) -> float:
-    """The test loss at the round where the run's train loss is smallest (the first such round)."""
-    return float(run["test_loss"][_argmin(run["train_loss"])])
-
-
 ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (
-    Endpoint("grad_norm_sq_final", "grad_norm_sq", "final ‖∇f‖²", True, True, lambda r: float(r["grad_norm_sq"][-1])),
-    Endpoint("grad_norm_sq_min", "grad_norm_sq", "min ‖∇f‖²", True, False, lambda r: float(min(r["grad_norm_sq"]))),
-    Endpoint("train_loss_min", "train_loss", "min train loss", False, False, lambda r: float(min(r["train_loss"]))),
+    # the study's own endpoint rules (lab.analysis): one definition of "final", "best" and "train_best"
+    Endpoint("grad_norm_sq_final", "grad_norm_sq", "final ‖∇f‖²", True, True,
+             lambda r: endpoint_value(r, "grad_norm_sq", "final")),
+    Endpoint("grad_norm_sq_min", "grad_norm_sq", "min ‖∇f‖²", True, False,
+             lambda r: endpoint_value(r, "grad_norm_sq", "best")),
+    Endpoint("train_loss_min", "train_loss", "min train loss", False, False,
+             lambda r: endpoint_value(r, "train_loss", "best")),
     Endpoint("test_loss_at_train_best", "train_loss", "test loss at train-best round", False, False,
-             _test_at_train_best),
+             lambda r: endpoint_value(r, "test_loss", "train_best")),
 )}
 PRIMARY = "grad_norm_sq_final"
 
