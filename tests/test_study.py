@@ -55,7 +55,12 @@ def test_smoke_study_writes_runs_summary_report_and_plots(smoke_run):
     test = eps["tests"]["DIFF2-GD (T=4) vs DP-GD"]
     assert set(test) == set(CRITERIA) and all(0 <= r["p_value"] <= 1 and r["df"] == 2 and 0 <= r["p_adjusted"] <= 1
                                               for t in test.values() for r in t["rows"].values())
-    tuned = sum(len(list(itertools.product(*e["grid_searched"].values()))) for e in eps["methods"].values()) * 3
+    # the declared grid plus one point per extension (a line search along the edge key, never the whole product)
+    for entry in eps["methods"].values():
+        assert entry["points_tuned"] == len(list(itertools.product(*entry["grid"].values()))) + len(entry["extensions"])
+        for ext in entry["extensions"]:
+            assert ext["point"][ext["key"]] == ext["value"] and ext["value"] in entry["grid_searched"][ext["key"]]
+    tuned = sum(e["points_tuned"] for e in eps["methods"].values()) * 3
     runs = list((root / "runs").glob("*.json"))
     assert len(runs) == tuned + len({rid for e in eps["methods"].values() for c in CRITERIA
                                      for rid in e["criteria"][c]["run_ids"]})
