@@ -21,15 +21,17 @@ pathological, size-skewed) come from :mod:`diff2_flwr.task.partitions`.
 
 from __future__ import annotations
 
-import csv
-import gzip
+import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pac
 
+from .csvfile import CsvFile, DataError
 from .partitions import PartitionError, partition
 
 __all__ = [
@@ -66,10 +68,6 @@ _CALIFORNIA_FILE = "cal_housing.csv"
 _CALIFORNIA_TARGET = "median_house_value"
 _GAS_TURBINE_FILES = tuple(f"gt_{year}.csv" for year in range(2011, 2016))
 _GAS_TURBINE_TARGET, _GAS_TURBINE_DROP = "CO", ("NOX",)
-
-
-class DataError(ValueError):
-    """A dataset that cannot be found, read or used; the message says which file and why."""
 
 
 @dataclass(frozen=True)
@@ -157,38 +155,13 @@ def _find(data_dir: Path, sub: str, filename: str, variants: tuple[str, ...] = (
     )
 
 
-def _read_rows(path: Path, header: bool = True) -> tuple[list[str], list[list[str]]]:
-    """Header (or column_0.. names) and rows of strings of a CSV file, gzip-compressed or not.
-
-    UTF-8, with or without the byte-order mark that spreadsheet programs write ("utf-8-sig"
-    drops it; read as plain UTF-8 it would stick to the first column's name).
-    """
-    try:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", newline="", encoding="utf-8-sig") as fh:
-            reader = csv.reader(fh)
-            first = next(reader)
-            rows = [[c.strip() for c in r] for r in reader if r]
-    except UnicodeDecodeError as exc:
-        raise DataError(f"Cannot read {path}: it is not UTF-8 text (byte {exc.start}: {exc.reason}). Save it as "
-                        "UTF-8 CSV (with or without a byte-order mark).") from exc
-    except (OSError, StopIteration, csv.Error, EOFError) as exc:
-        raise DataError(f"Cannot read {path}: {exc or 'the file is empty'}.") from exc
-    if header:
-        return [h.strip() for h in first], rows
-    return [f"column_{i}" for i in range(len(first))], [[c.strip() for c in first]] + rows
-
-
-def _read_csv(path: Path) -> tuple[list[str], np.ndarray]:
-    header, rows = _read_rows(path)
-    return header, _numbers(path, header, rows)
-
-
-def _split_target(path: Path, header: list[str], values: np.ndarray, target: str, drop: tuple[str, ...] = ()):
-    if target not in header:
-        raise DataError(f"{path}: target column {target!r} not found; columns are {header}.")
-    keep = [i for i, h in enumerate(header) if h != target and h not in drop]
-    return values[:, keep], values[:, header.index(target)]
+def _features_and_target(path: Path, target: str, drop: tuple[str, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """A numeric CSV file with a header: the features (every column but the target and ``drop``) and the target."""
+    file = CsvFile.open(path)
+    t = file.index(target, "target column")
+    keep = [j for j, name in enumerate(file.names) if j != t and name not in drop]
+    table = file.read(keep + [t])
+    return table.numbers(keep), table.numbers([t])[:, 0]
 
 
 def load_raw(
@@ -199,74 +172,82 @@ def load_raw(
     if name == "synthetic":
         return synthetic_regression(num_samples, num_features, seed)
     if name == "california_housing":
-        path = _find(resolve_data_dir(data_dir), "california_housing", _CALIFORNIA_FILE)
-        return _split_target(path, *_read_csv(path), _CALIFORNIA_TARGET)
+        return _features_and_target(_find(resolve_data_dir(data_dir), "california_housing", _CALIFORNIA_FILE),
+                                    _CALIFORNIA_TARGET)
     if name == "gas_turbine":
         root = resolve_data_dir(data_dir)
         parts = []
         for filename in _GAS_TURBINE_FILES:
-            path = _find(root, "gas_turbine", filename)
-            parts.append(_split_target(path, *_read_csv(path), _GAS_TURBINE_TARGET, _GAS_TURBINE_DROP))
+            parts.append(_features_and_target(_find(root, "gas_turbine", filename), _GAS_TURBINE_TARGET,
+                                              _GAS_TURBINE_DROP))
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     if name == "blogfeedback":
         path = _find(resolve_data_dir(data_dir), "blogfeedback", "blogData_train.csv", ("", ".gz"))
-        header, rows = _read_rows(path, header=False)
-        values = _numbers(path, header, rows)
-        return values[:, :-1], values[:, -1]
+        file = CsvFile.open(path, header=False)
+        width = len(file.names)
+        table = file.read(range(width))
+        return table.numbers(range(width - 1)), table.numbers([width - 1])[:, 0]
     raise DataError(f"Unknown dataset {name!r}. Expected one of {list(DATASETS)}.")
 
 
-def _numbers(path: Path, header: list[str], rows: list[list[str]]) -> np.ndarray:
-    """Rows of strings -> a finite float matrix; a bad cell is named by data row and column."""
-    width = len(header)
-    for i, row in enumerate(rows):
-        if len(row) != width:
-            raise DataError(f"{path}: data row {i + 1} has {len(row)} values, the header (or first row) {width}.")
-    try:
-        values = np.array(rows, dtype=np.float64).reshape(len(rows), width)
-    except ValueError:  # find the first bad cell, to say where it is
-        for i, row in enumerate(rows):
-            for name, cell in zip(header, row):
-                try:
-                    float(cell)
-                except ValueError:
-                    raise DataError(
-                        f"{path}: data row {i + 1}, column {name!r} holds {cell!r}, not a number. Fill in or "
-                        "drop missing values first: the model and the DP guarantee need finite data."
-                    ) from None
-        raise
-    bad = ~np.isfinite(values)
-    if bad.any():
-        row, col = map(int, np.argwhere(bad)[0])
-        raise DataError(
-            f"{path}: {int(bad.sum())} missing, NaN or infinite values (first at data row {row + 1}, "
-            f"column {header[col]!r}). Clean the file first: the model and the DP guarantee need finite data."
-        )
-    return values
+def _encode(file: CsvFile, target: int, categorical: set[int], drop: set[int], classification: bool,
+            labels: Callable[[pa.Array], pa.Array] | None = None) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+    """Features (categorical columns one-hot, in order of first appearance) and target (class index, or number).
 
-
-def _encode(path: Path, header: list[str], rows: list[list[str]], target: int, categorical: set[int],
-            drop: set[int], classification: bool) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
-    """Features (categorical columns one-hot, in order of first appearance) and target."""
-    keep = [j for j in range(len(header)) if j != target and j not in drop]
+    ``labels`` maps the target's text before the classes are taken (KDD Cup 99: any attack -> "attack").
+    """
+    keep = [j for j in range(len(file.names)) if j != target and j not in drop]
     numeric = [j for j in keep if j not in categorical]
-    x_num = _numbers(path, [header[j] for j in numeric], [[r[j] for j in numeric] for r in rows]) if numeric \
-        else np.zeros((len(rows), 0))
-    blocks = [x_num]
+    hints = {} if classification else {target: "A regression target must be a number: for class labels write "
+                                                "`dataset.task: classification`."}
+    table = file.read(numeric if classification else numeric + [target],
+                      text=sorted(categorical) + ([target] if classification else []), hints=hints)
+    blocks = [table.numbers(numeric)]
     for j in sorted(categorical):
-        levels = {v: k for k, v in enumerate(dict.fromkeys(r[j] for r in rows))}
-        one_hot = np.zeros((len(rows), len(levels)))
-        one_hot[np.arange(len(rows)), [levels[r[j]] for r in rows]] = 1.0
+        codes = pac.dictionary_encode(table.text(j))  # codes in order of first appearance
+        one_hot = np.zeros((table.num_rows, len(codes.dictionary)))
+        one_hot[np.arange(table.num_rows), codes.indices.to_numpy()] = 1.0
         blocks.append(one_hot)
     x = np.concatenate(blocks, axis=1)
-    if classification:
-        classes = tuple(sorted({r[target] for r in rows}))
-        if len(classes) < 2:
-            raise DataError(f"{path}: the target column {header[target]!r} has a single class {classes}.")
-        index = {c: k for k, c in enumerate(classes)}
-        return x, np.array([index[r[target]] for r in rows], dtype=np.float64), classes
-    y = _numbers(path, [header[target]], [[r[target]] for r in rows])[:, 0]
-    return x, y, ()
+    if not classification:
+        return x, table.numbers([target])[:, 0], ()
+    values = table.text(target)
+    y, classes = class_indices(file, target, labels(values) if labels else values)
+    return x, y, classes
+
+
+def class_indices(file: CsvFile, column: int, values: pa.Array) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Class index (float64) of each label, and the class names.
+
+    Labels that are all numbers must hold integers (``1`` and ``1.0`` are class 1), ordered by value and named
+    ``"1"``; text labels are ordered as text. Anything else (``1.5``, ``nan``, an empty label) is refused with
+    its line.
+    """
+    try:
+        numbers = pac.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
+    except pa.ArrowInvalid:
+        numbers = None
+    if numbers is not None:
+        bad = ~np.isfinite(numbers) | (numbers != np.round(numbers))
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise DataError(f"{file.path}: line {file.line(row)}, {file.label(column)} holds the class label "
+                            f"{values[row].as_py()!r}: class labels must be integers (1 or 1.0) or text. Round the "
+                            "labels, or for a numeric target write `dataset.task: regression`.")
+        levels = np.unique(numbers)
+        classes = tuple(str(int(v)) for v in levels)
+        y = np.searchsorted(levels, numbers).astype(np.float64)
+    else:
+        empty = pac.equal(values, "").to_numpy(zero_copy_only=False)
+        if empty.any():
+            raise DataError(f"{file.path}: line {file.line(int(np.argmax(empty)))}, {file.label(column)} holds no "
+                            "class label. Fill in or drop the records without a label first.")
+        classes = tuple(sorted(set(values.unique().to_pylist())))
+        y = pac.index_in(values, value_set=pa.array(classes)).to_numpy(zero_copy_only=False).astype(np.float64)
+    if len(classes) < 2:
+        raise DataError(f"{file.path}: the target {file.label(column)} has a single class {classes}: "
+                        "classification needs at least two.")
+    return y, classes
 
 
 def load_digits() -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
@@ -292,18 +273,16 @@ def load_classification(name: str, *, data_dir: str | os.PathLike[str] | None = 
     root = resolve_data_dir(data_dir)
     if name == "kddcup99":
         path = _find(root, "kddcup99", "kddcup.data_10_percent", ("", ".gz", ".csv"))
-        header, rows = _read_rows(path, header=False)
-        if len(header) != 42:
-            raise DataError(f"{path}: KDD Cup 99 rows have 42 values (41 features and a label). Found {len(header)}.")
-        for r in rows:  # binary task: normal traffic vs any attack
-            r[41] = "normal" if r[41].rstrip(".") == "normal" else "attack"
-        return _encode(path, header, rows, target=41, categorical={1, 2, 3}, drop=set(), classification=True)
+        file = CsvFile.open(path, header=False)
+        if len(file.names) != 42:
+            raise DataError(f"{path}: KDD Cup 99 rows have 42 values (41 features and a label). Found {len(file.names)}.")
+        return _encode(file, target=41, categorical={1, 2, 3}, drop=set(), classification=True, labels=_normal_or_attack)
     if name == "covertype":
         path = _find(root, "covertype", "covtype.data", ("", ".gz"))
-        header, rows = _read_rows(path, header=False)
-        if len(header) != 55:
-            raise DataError(f"{path}: Covertype rows have 55 values (54 features and the cover type). Found {len(header)}.")
-        return _encode(path, header, rows, target=54, categorical=set(), drop=set(), classification=True)
+        file = CsvFile.open(path, header=False)
+        if len(file.names) != 55:
+            raise DataError(f"{path}: Covertype rows have 55 values (54 features and the cover type). Found {len(file.names)}.")
+        return _encode(file, target=54, categorical=set(), drop=set(), classification=True)
     raise DataError(f"Unknown classification dataset {name!r}. Expected one of {list(CLASSIFICATION)}.")
 
 
@@ -313,17 +292,27 @@ def load_csv(path: str | os.PathLike[str], *, target: str, drop: tuple[str, ...]
     path = Path(path).expanduser()
     if not path.is_file():
         raise DataError(f"CSV dataset {path} not found: set `dataset.path` to an existing file.")
-    header, rows = _read_rows(path)
-    for key, names in (("target", (target,)), ("drop", drop), ("categorical", categorical)):
-        missing = [n for n in names if n not in header]
-        if missing:
-            raise DataError(f"{path}: `dataset.{key}` names column(s) {missing} that the header lacks; columns: {header}.")
-    if target in drop or target in categorical:
-        raise DataError(f"{path}: the target column {target!r} cannot also be dropped or categorical.")
     if task not in ("regression", "classification"):
         raise DataError(f"`dataset.task` must be 'regression' or 'classification'. Found {task!r}.")
-    return _encode(path, header, rows, target=header.index(target), categorical={header.index(c) for c in categorical},
-                   drop={header.index(c) for c in drop}, classification=task == "classification")
+    file = CsvFile.open(path)
+    t = file.index(target, "`dataset.target` column")
+    for key, names in (("drop", drop), ("categorical", categorical)):
+        missing = [n for n in names if n not in file.names]
+        if missing:
+            close = difflib.get_close_matches(missing[0], file.names, n=1)
+            hint = f"Did you mean {close[0]!r}? " if close else ""
+            raise DataError(f"{path}: `dataset.{key}` names column(s) {missing} that the header lacks. {hint}"
+                            f"Columns: {list(file.names)}.")
+    if target in drop or target in categorical:
+        raise DataError(f"{path}: the target column {target!r} cannot also be dropped or categorical.")
+    return _encode(file, target=t, categorical={file.names.index(c) for c in categorical},
+                   drop={file.names.index(c) for c in drop}, classification=task == "classification")
+
+
+def _normal_or_attack(labels: pa.Array) -> pa.Array:
+    """KDD Cup 99's binary task: normal traffic (``normal.``) against any attack."""
+    normal = pac.equal(pac.utf8_rtrim(labels, characters="."), "normal")
+    return pac.if_else(normal, "normal", "attack")
 
 
 def prepare(
