@@ -326,7 +326,8 @@ def test_to_dict_round_trips_through_yaml():
 
     from diff2_flwr.runtime.config import parse_config
 
-    cfg = parse_config({"method": "dpgd", "dataset": {"name": "csv", "path": "d.csv", "target": "y", "drop": ["a", "b"]}})
+    cfg = parse_config({"method": "dpgd", "dataset": {"name": "csv", "path": "d.csv", "target": "y", "drop": ["a", "b"],
+                                                      "task": "regression"}})
     again = parse_config(yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
     assert again == cfg
 

@@ -146,7 +146,7 @@ def _loader_cases(tmp_path: Path) -> dict[str, tuple[dict, int]]:
     return {"california_housing": ({"name": "california_housing", "dir": d}, 40),
             "gas_turbine": ({"name": "gas_turbine", "dir": d}, 40),
             "kddcup99": ({"name": "kddcup99", "dir": d}, 64),
-            "csv": ({"name": "csv", "path": str(csv), "target": "t"}, 32),
+            "csv": ({"name": "csv", "path": str(csv), "target": "t", "task": "regression"}, 32),
             "synthetic": ({"name": "synthetic", "num_samples": 50}, 40)}
 
 

@@ -193,7 +193,7 @@ class DatasetConfig:
     target: str | None = None  # csv only: the target column
     drop: tuple[str, ...] = ()  # csv only: columns to ignore
     categorical: tuple[str, ...] = ()  # csv only: columns to one-hot encode
-    task: Literal["regression", "classification"] | None = None  # csv only
+    task: Literal["regression", "classification"] | None = None  # csv only (required unless model.loss says it)
     shards: str | None = None  # deployment: folder of `diff2 shard` files (the server reads server.npz there)
     partitioner: PartitionerConfig = field(default_factory=PartitionerConfig)  # how the train split is sharded
 
@@ -453,6 +453,12 @@ class ExperimentConfig:
     source: str = field(default="<memory>", compare=False)
 
     def __post_init__(self) -> None:
+        d = self.dataset
+        if d.name == "csv" and d.task is None:  # said by the loss, or required: a column of 0s and 1s may be either
+            _require(self.model.loss != "auto", "dataset.task", "regression or classification for dataset csv (or "
+                     "model.loss: cross_entropy, which means classification; half_squared_error, regression)", None)
+            if self.model.loss == "cross_entropy":
+                object.__setattr__(self, "dataset", dataclasses.replace(d, task="classification"))
         t = self.training
         if self.method == "diff2":
             _require(t.restart_every is not None, "training.restart_every", "an integer T >= 1 for method diff2", None)
@@ -485,6 +491,10 @@ class ExperimentConfig:
         if self.loss == "half_squared_error":
             _require(self.dataset.task_kind == "regression", "model.loss",
                      f"cross_entropy (or auto) for the classification dataset {self.dataset.name}", self.model.loss)
+        if self.loss == "cross_entropy":  # one output per class: a regression target is no class index
+            _require(self.dataset.task_kind == "classification", "model.loss",
+                     f"half_squared_error (or auto) for the regression dataset {self.dataset.name}"
+                     f"{' (or dataset.task: classification)' if self.dataset.name == 'csv' else ''}", self.model.loss)
         if t.gradients == "closed_form":
             _require(self.model.is_paper_mlp and self.loss == "half_squared_error", "training.gradients",
                      "'auto' or 'torch_func' unless model.name is paper_mlp with loss half_squared_error "
