@@ -21,7 +21,7 @@ import gzip
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +32,7 @@ __all__ = ["CsvFile", "CsvTable", "DataError"]
 
 # Arrow's message for a cell it cannot convert (with use_threads=False it carries the row).
 _CONVERSION = re.compile(r"column #(\d+): Row #(\d+): CSV conversion error to \w+: invalid value '(.*)'\Z", re.S)
+T = TypeVar("T")
 _CLEAN = "Fill in or drop missing values first: the model and the DP guarantee need finite data."
 
 
@@ -84,7 +85,8 @@ class CsvFile:
         hint = f"Did you mean {close[0]!r}? " if close else ""
         raise DataError(f"{self.path}: {key} {name!r} not found in the header. {hint}Columns: {list(self.names)}.")
 
-    def read(self, columns: Iterable[int], *, text: Iterable[int] = (), hints: Mapping[int, str] = {}) -> "CsvTable":
+    def read(self, columns: Iterable[int], *, text: Iterable[int] = (),
+             hints: Mapping[int, str] | None = None) -> "CsvTable":
         """Columns ``columns`` as float64 and ``text`` as strings (others are not converted); one-line errors.
 
         ``hints`` adds a sentence to the message about a non-number in that column (e.g. for a target).
@@ -96,7 +98,7 @@ class CsvFile:
         invalid: list[pcsv.InvalidRow] = []
         table = _arrow(self.path, lambda: pcsv.read_csv(self.path, read_options=_read_options(self.header),
                                                         parse_options=_parse_options(invalid), convert_options=convert),
-                       invalid, self.header, self, hints)
+                       invalid, self.header, self, hints or {})
         return CsvTable(file=self, table=table)
 
     def line(self, row: int) -> int:
@@ -144,27 +146,28 @@ def _read_options(header: bool) -> pcsv.ReadOptions:
     return pcsv.ReadOptions(use_threads=False, autogenerate_column_names=not header)
 
 
-def _parse_options(invalid: list) -> pcsv.ParseOptions:
+def _parse_options(invalid: list[pcsv.InvalidRow]) -> pcsv.ParseOptions:
     def refuse(row: pcsv.InvalidRow) -> str:  # keep the first bad row, to describe it
         invalid.append(row)
         return "error"
     return pcsv.ParseOptions(invalid_row_handler=refuse, ignore_empty_lines=True)
 
 
-def _arrow(path: Path, call, invalid: list, header: bool, file: CsvFile | None = None, hints: Mapping[int, str] = {}):
+def _arrow(path: Path, call: Callable[[], T], invalid: list[pcsv.InvalidRow], header: bool,
+           file: CsvFile | None = None, hints: Mapping[int, str] | None = None) -> T:
     """``call()``, with pyarrow's errors turned into one-line DataErrors that name the line and column."""
     try:
         return call()
     except UnicodeDecodeError:
         raise DataError(_not_utf8(path) or f"Cannot read {path}: it is not UTF-8 text. Save it as UTF-8 CSV.") from None
     except pa.ArrowInvalid as exc:
-        raise DataError(_explain(path, str(exc), invalid, header, file, hints)) from None
+        raise DataError(_explain(path, str(exc), invalid, header, file, hints or {})) from None
     except OSError as exc:  # a missing file, or a truncated or broken gzip stream
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DataError(f"Cannot read {path}: {first}. Check the file (a .gz file must be complete gzip).") from None
 
 
-def _explain(path: Path, message: str, invalid: list, header: bool, file: CsvFile | None,
+def _explain(path: Path, message: str, invalid: list[pcsv.InvalidRow], header: bool, file: CsvFile | None,
              hints: Mapping[int, str]) -> str:
     """The one-line message of a file pyarrow refused: encoding first (it causes the rest), then the row."""
     not_utf8 = _not_utf8(path)

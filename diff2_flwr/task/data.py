@@ -15,8 +15,14 @@ Datasets: ``synthetic`` (in-package, deterministic by seed: the embedded default
 ``examples`` extra), whose 64 pixel intensities 0..16 are divided by 16 into [0, 1] and not
 standardised (a CNN reads them as a 1×8×8 image; per-pixel standardisation would blow up the
 nearly always blank border pixels).
-For classification the target is a class index and is not scaled. Non-IID shards (Dirichlet,
-pathological, size-skewed) come from :mod:`diff2_flwr.task.partitions`.
+For classification the target is a class index and is not scaled: labels that are all numbers must be
+integers (``1`` and ``1.0`` are class 1; classes ordered by value), other labels are text (ordered as text).
+Non-IID shards (Dirichlet, pathological, size-skewed) come from :mod:`diff2_flwr.task.partitions`.
+
+Every CSV file is read by pyarrow through :mod:`diff2_flwr.task.csvfile`, chosen because its number parser
+is correctly rounded (the arrays are bit for bit those of the hand-written reader it replaced) and it names
+the row of a malformed line; messages name the file's 1-based line (header = line 1, empty lines skipped
+but counted).
 """
 
 from __future__ import annotations
