@@ -284,6 +284,27 @@ def test_client_argument_errors_name_the_argument():
         diff2_flwr.make_client(**{**ok, "data": Stream()})
 
 
+def test_a_loss_that_cannot_take_float_class_labels_fails_at_once_naming_the_fix():
+    """Issue 21: float labels (0.0, 1.0) with one's own cross-entropy failed in every round with `gather(): Expected
+    dtype int32/int64 for index` (1,460 log lines); now make_client refuses in one line and says what to do."""
+    x = torch.randn(6, 3, dtype=torch.float64)
+    labels = (x[:, 0] > 0).to(torch.float64)
+    model = TanhMLP(in_features=3, out_features=2)
+
+    def own(output, target):
+        return torch.nn.functional.cross_entropy(output, target, reduction="none")
+
+    with pytest.raises(ConfigError, match=r"^diff2_flwr.make_client: argument `loss`: expected a loss that takes this "
+                                          r"client's targets \(floating-point targets arrive as torch.float64, .*"
+                                          r"y.astype\(int\), or convert in the loss with target.long\(\)\)\. "
+                                          r"Found 'RuntimeError: [^\n]*'\.$"):
+        diff2_flwr.make_client(model=model, loss=own, data=(x, labels), partition_id=0)
+    x0 = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()]).astype(np.float64)
+    for loss, targets in ((own, labels.long()), (cross_entropy, labels), ("cross_entropy", labels)):
+        client = diff2_flwr.make_client(model=model, loss=loss, data=(x, targets), partition_id=0)
+        assert np.isfinite(client.worker.contribute(1.0, x0, None).mean).all()
+
+
 def test_the_clients_model_is_copied_not_changed():
     model = TanhMLP(in_features=3, out_features=1)  # float32
     before = [p.detach().clone() for p in model.parameters()]

@@ -690,7 +690,27 @@ def make_worker(
     records = as_records(data, dtype=torch_dtype, chunk_size=options.chunk_size)
     if records.num_samples == 0:
         raise ValueError(f"Partition {partition_id} holds no samples: an empty shard cannot contribute a ClippedMean.")
+    _check_first_records(_function, model, loss, records, torch_dtype)
     return Worker(partition_id, grads, records)
+
+
+def _check_first_records(function: str, model: torch.nn.Module, loss: LossFn, records: TensorRecords | DatasetRecords,
+                         dtype: torch.dtype) -> None:
+    """The loss on the first two records, so that a target the loss cannot take fails here, in one line."""
+    x, y = (records.features[:2], records.targets[:2]) if isinstance(records, TensorRecords) else next(records.chunks())
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):  # no draw from torch's global generator leaks out
+        try:
+            output = copy.deepcopy(model).to(dtype)(x[:2])
+        except Exception:  # noqa: BLE001 - the model's own failure is reported where the gradients run it
+            return
+        try:
+            loss(output, y[:2])
+        except Exception as exc:  # noqa: BLE001 - any failure of the loss is reported, in one line
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise _argument_error(function, "loss", "a loss that takes this client's targets (floating-point "
+                                  f"targets arrive as {dtype}, integer ones as they are: give class labels as "
+                                  "integers, e.g. y.astype(int), or convert in the loss with target.long())",
+                                  f"{type(exc).__name__}: {first}") from None
 
 
 # -------------------------------------------------------------------- builders

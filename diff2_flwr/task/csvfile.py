@@ -3,9 +3,10 @@
 Why pyarrow (not pandas, not our own reader): its CSV reader converts numbers with a correctly rounded
 parser, so every cell is the same float64 as Python's ``float`` gave the earlier hand-written reader (the
 published results are bit-for-bit reproducible; ``tests/test_csvfile.py`` checks the paper's datasets
-against that reader), reads gzip files by their ``.gz`` name, and names the row of a ragged line. pandas'
-default C parser was not correctly rounded (its ``float_precision="round_trip"`` is deprecated in pandas 3)
-and fills a short row with NaN without a word.
+against that reader), reads gzip files by their ``.gz`` name, and reports a ragged line with its row
+number and text. pandas (which can use pyarrow underneath) adds little here: its C parser was correctly
+rounded only with ``float_precision="round_trip"`` before pandas 3, and it fills a short row with NaN
+without a word. pyarrow is a main dependency (pyproject.toml).
 
 Conventions of every message: a *line* is a line of the file, 1-based, the header (if any) being line 1;
 a record is named by the line it starts on (exact unless a quoted value holds a line break, which numeric
