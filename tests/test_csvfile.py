@@ -140,7 +140,7 @@ def test_a_ragged_row_in_a_file_without_header_says_the_first_line(tmp_path: Pat
 
 def test_a_line_of_spaces_is_a_ragged_row_not_an_empty_line(tmp_path: Path) -> None:
     path = _csv(tmp_path, "a,b,y\n1,2,3\n   \n4,5,6\n")
-    _refused(lambda: load_csv(path, target="y", task="regression"), r"line 3 has 1 fields, the header \(line 1\) has 3")
+    _refused(lambda: load_csv(path, target="y", task="regression"), r"line 3 has 1 field, the header \(line 1\) has 3")
 
 
 def test_empty_lines_are_skipped_anywhere(tmp_path: Path) -> None:

@@ -225,7 +225,7 @@ def test_missing_gas_turbine_year_names_that_file(tmp_path: Path) -> None:
 
 def test_nan_cell_names_file_and_column(tmp_path: Path) -> None:
     path = _write_cal(tmp_path, ["1,2,3,4,5,6,7,8,9", "1,2,3,4,nan,6,7,8,9"])
-    with pytest.raises(DataError, match=rf"{re.escape(str(path))}: 1 NaN or infinite values \(first at line 3, column 'total_bedrooms': nan\)"):
+    with pytest.raises(DataError, match=rf"{re.escape(str(path))}: 1 NaN or infinite value \(first at line 3, column 'total_bedrooms': nan\)"):
         load_raw("california_housing", data_dir=tmp_path)
 
 

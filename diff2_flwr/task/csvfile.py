@@ -90,7 +90,7 @@ class CsvFile:
              hints: Mapping[int, str] | None = None) -> "CsvTable":
         """Columns ``columns`` as float64 and ``text`` as strings (others are not converted); one-line errors.
 
-        ``hints`` adds a sentence to the message about a non-number in that column (e.g. for a target).
+        ``hints`` replaces the advice of the message about a non-number in that column (e.g. for a target).
         """
         numeric, text = sorted(set(columns)), sorted(set(text))
         types = {self.arrow_names[j]: pa.float64() for j in numeric} | {self.arrow_names[j]: pa.string() for j in text}
@@ -128,7 +128,8 @@ class CsvTable:
         bad = ~np.isfinite(x)
         if bad.any():
             row, k = map(int, np.argwhere(bad)[0])
-            raise DataError(f"{self.file.path}: {int(bad.sum())} NaN or infinite values (first at line "
+            count = int(bad.sum())
+            raise DataError(f"{self.file.path}: {count} NaN or infinite value{'s' if count > 1 else ''} (first at line "
                             f"{self.file.line(row)}, {self.file.label(columns[k])}: {x[row, k]}). {_CLEAN}")
         return x
 
@@ -182,15 +183,15 @@ def _explain(path: Path, message: str, invalid: list[pcsv.InvalidRow], header: b
         if row.text.count('"') % 2:
             return _open_quote(path, line, f"in {row.actual_columns} fields where {row.expected_columns} were expected")
         first = "the header (line 1)" if header else "the first line"
-        return (f"{path}: line {line} has {row.actual_columns} fields, {first} has {row.expected_columns}. Every line "
+        fields = f"{row.actual_columns} field{'s' if row.actual_columns != 1 else ''}"
+        return (f"{path}: line {line} has {fields}, {first} has {row.expected_columns}. Every line "
                 "needs one value per column: fix or remove that line.")
     found = _CONVERSION.search(message)
     if found and file is not None and int(found[1]) < len(file.names):
         column, line, value = int(found[1]), _file_line(path, int(found[2])), found[3]  # column #: of the file
         if "\n" in value:
             return _open_quote(path, line, file.label(column))
-        hint = f" {hints[column]}" if column in hints else ""
-        return f"{path}: line {line}, {file.label(column)} holds {value!r}, not a number.{hint} {_CLEAN}"
+        return f"{path}: line {line}, {file.label(column)} holds {value!r}, not a number. {hints.get(column, _CLEAN)}"
     return f"Cannot read {path}: {message.splitlines()[0] if message else 'pyarrow refused it'}."
 
 
