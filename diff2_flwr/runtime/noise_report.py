@@ -33,8 +33,8 @@ NOISE_RATIO_LIMIT = 1.0
 #: "Far above x_0's": a final loss more than this many times the round-0 loss.
 LOSS_RISE_LIMIT = 2.0
 
-_WHAT_TO_DO = ("raise privacy.epsilon, give each client more records (more data, or fewer clients with larger "
-               "shards: σ ∝ 1/(n_min·P)), train a smaller model (fewer parameters d), or plan fewer rounds "
+_WHAT_TO_DO = ("raise privacy.epsilon, train on more records (σ ∝ 1/(n_min·P), about 1/n; a skewed partition's "
+               "small n_min raises it), train a smaller model (fewer parameters d), or plan fewer rounds "
                "(training.rounds)")
 
 

@@ -855,7 +855,8 @@ def _probe(cfg: ExperimentConfig, data: PreparedData, model: torch.nn.Module) ->
                          gradients=cfg.training.gradients, _function=cfg.source)
     x0 = _initial_point(cfg.source, model, None)[1]
     try:
-        contribution = worker.contribute(1.0, x0, None)
+        records = worker.records  # in memory: a (features, targets) pair
+        contribution = worker.gradients.clipped_mean(x0, records.features, records.targets, 1.0)
     except Exception as err:  # noqa: BLE001 (the user's forward or loss: any error is the user's to fix)
         raise PreflightError(
             f"{cfg.source}: the model (model.name {cfg.model.name}) and loss {cfg.loss} fail on the first {k} {where} "
