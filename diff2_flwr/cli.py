@@ -108,6 +108,10 @@ def _run(args: argparse.Namespace) -> int:
             # Said now, in seconds; the ServerApp says it again (the console shows each of our lines once).
             for line in (*checked.lines, *(f"[diff2] WARNING: {w}" for w in checked.warnings)):
                 console.message(line)
+            from .runtime.session import load_data
+
+            del checked  # the simulation's own processes load the data: this one need not hold it meanwhile
+            load_data.cache_clear()
             try:
                 result = run_simulation(args.config, timeout_s=args.timeout, console=console, set_keys=overrides,
                                         env=env)
