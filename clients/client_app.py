@@ -13,17 +13,15 @@ from flwr.common import Context
 
 from diff2_flwr.fl.client import Diff2Client
 from diff2_flwr.runtime.compute import pin_threads
-from diff2_flwr.runtime.config import ExperimentConfig, load_config, run_config_overrides
+from diff2_flwr.runtime.config import ExperimentConfig, load_run_config
 from diff2_flwr.runtime.node_guard import NodeGuard
-from diff2_flwr.runtime.paths import resolve_config_path
 from diff2_flwr.runtime.policy import NODE_CONFIG_KEY, NodePolicy, load_policy, policy_path
 from diff2_flwr.runtime.session import build_worker
 
 
 @functools.lru_cache(maxsize=8)
 def _config(run_config: tuple[tuple[str, bool | int | float | str], ...]) -> ExperimentConfig:
-    values = dict(run_config)
-    return load_config(resolve_config_path(str(values["config"])), run_config_overrides(values))
+    return load_run_config(dict(run_config))
 
 
 @functools.lru_cache(maxsize=4)

@@ -55,34 +55,63 @@ def _node_policy_env(args: argparse.Namespace) -> dict[str, str]:
     return {ENV_VAR: str(path)}
 
 
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def _refused(args: argparse.Namespace, err: BaseException, wall_time_s: float) -> int:
+    """A run refused before it started: one line on stderr, the same text as the JSON's ``error``."""
+    message = _one_line(err)
+    print(f"diff2 run: error: {message}", file=sys.stderr)
+    print(json.dumps(to_json({"engine": args.engine, "run_id": None, "output_dir": None, "wall_time_s": wall_time_s,
+                              "status": "failed", "error": message})))
+    return 2
+
+
 def _run(args: argparse.Namespace) -> int:
-    """Progress and the end-of-run summary on stderr; one JSON object (the run's key figures) on stdout."""
+    """Progress and the end-of-run summary on stderr; one JSON object (the run's key figures) on stdout.
+
+    Both engines first build and check everything that needs no transport (``session.preflight``): a mistake
+    is one line on stderr and the JSON's ``error`` within seconds, before Flower (or any round) starts.
+    """
     import time
 
-    from .runtime.config import parse_assignment
+    started = time.perf_counter()
+    try:
+        from .runtime.config import load_config, parse_assignment
+        from .runtime.paths import resolve_config_path
+        from .runtime.session import preflight
+
+        overrides = dict(parse_assignment(text) for text in args.set or ())
+        env = _node_policy_env(args)
+        cfg = load_config(resolve_config_path(args.config), overrides)
+        checked = preflight(cfg)
+    except (ValueError, FileNotFoundError) as err:
+        return _refused(args, err, time.perf_counter() - started)
+
     from .runtime.console import RunConsole, run_report, summary_block, verbose_from_env
     from .runtime.launch import SimulationFailed, run_simulation
 
-    overrides = dict(parse_assignment(text) for text in args.set or ())
-    env = _node_policy_env(args)
-
     console = RunConsole(verbose=args.verbose or verbose_from_env())
-    started = time.perf_counter()
     run_id, failure = None, None
     try:
         if args.engine == "inprocess":
-            from .runtime.config import load_config
             from .runtime.driver import run_inprocess
-            from .runtime.paths import resolve_config_path
 
             try:
-                server = run_inprocess(load_config(resolve_config_path(args.config), overrides),
-                                       progress=console.message)
+                server = run_inprocess(cfg, progress=console.message, checked=checked)
             except RuntimeError as err:  # a refused round or a diverged iterate: the run folder says so
                 failure = f"{type(err).__name__}: {err}"
             else:
                 console.output_dir = Path(server.run_info["output_dir"]) if server.run_info.get("output_dir") else None
         else:
+            # Said now, in seconds; the ServerApp says it again (the console shows each of our lines once).
+            for line in (*checked.lines, *(f"[diff2] WARNING: {w}" for w in checked.warnings)):
+                console.message(line)
+            from .runtime.session import load_data
+
+            del checked  # the simulation's own processes load the data: this one need not hold it meanwhile
+            load_data.cache_clear()
             try:
                 result = run_simulation(args.config, timeout_s=args.timeout, console=console, set_keys=overrides,
                                         env=env)

@@ -47,6 +47,7 @@ __all__ = [
     "calibrate",
     "composed_epsilon",
     "count_rounds",
+    "expected_noise_norm",
     "gdp_delta",
     "gdp_epsilon",
     "gdp_mu",
@@ -123,6 +124,22 @@ def noise_multiplier(sigma: float, n_min: int, clients: int) -> float:
 def sigma_from_multiplier(z: float, n_min: int, clients: int) -> float:
     """σ = 2z / (n_min P), the inverse of :func:`noise_multiplier`."""
     return 2 * z / (n_min * clients)
+
+
+def expected_noise_norm(sigma: float, dim: int) -> float:
+    """E‖N(0, σ² I_d)‖ = σ √2 Γ((d+1)/2) / Γ(d/2): the mean of a chi distribution with d degrees of freedom
+    (just below σ√d), the expected norm of the noise a release adds in d coordinates with std σ each.
+
+    References:
+        Johnson, Kotz & Balakrishnan (1994), Continuous Univariate Distributions vol. 1, §18.9 (the chi mean).
+    """
+    if not (math.isfinite(sigma) and sigma >= 0):
+        raise ValueError(f"`sigma` must be a finite number >= 0. Found {sigma!r}.")
+    if not (isinstance(dim, int) and dim >= 1):
+        raise ValueError(f"`dim` must be an integer >= 1. Found {dim!r}.")
+    if sigma == 0:
+        return 0.0
+    return sigma * math.sqrt(2.0) * math.exp(math.lgamma((dim + 1) / 2) - math.lgamma(dim / 2))
 
 
 def count_rounds(rounds: int, restart_every: int) -> tuple[int, int]:

@@ -52,6 +52,7 @@ __all__ = [
     "parse_assignment",
     "apply_overrides",
     "run_config_overrides",
+    "load_run_config",
     "yaml_text",
     "from_arguments",
     "parse_section",
@@ -855,6 +856,26 @@ def run_config_overrides(run_config: Mapping[str, Any]) -> dict[str, Any]:
             continue
         out[key] = _yaml_value(value, key, "--run-config") if isinstance(value, str) else value
     return out
+
+
+def load_run_config(run_config: Mapping[str, Any]) -> ExperimentConfig:
+    """The experiment of a Flower run config: the file named by key ``config``, the other keys as overrides.
+
+    A bad override is reported as the run-config key it is, in one line: "--run-config key `training.rounds`:
+    expected an integer. Found 'five' (experiment file configs/default.yaml)." (the file as the run config names
+    it, not the installed app's copy).
+    """
+    from .paths import resolve_config_path
+
+    given = str(run_config.get("config", ""))
+    overrides = run_config_overrides(run_config)
+    try:
+        return load_config(resolve_config_path(given), overrides)
+    except ConfigError as err:
+        if err.key is None or err.key not in overrides:
+            raise
+        raise ConfigError(f"--run-config key `{err.key}`: expected {err.expected}. Found {err.found!r} (experiment "
+                          f"file {given}).", key=err.key, expected=err.expected, found=err.found) from None
 
 
 def parse_section(cls: type, data: Any, source: str) -> Any:

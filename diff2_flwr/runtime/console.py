@@ -90,6 +90,7 @@ class RunConsole:
         self._keep_continuation = True
         self._progress: ProgressReporter | None = None
         self._rounds_seen = 0
+        self._said: set[str] = set()
 
     # ---------------------------------------------------------------- input
     def feed(self, line: str) -> None:
@@ -105,7 +106,13 @@ class RunConsole:
             self._keep_continuation = True
             parsed = parse_round_line(plain)
             if parsed is None:
-                self._write(plain)
+                # Once each: `diff2 run`'s pre-flight said the shard report and the warnings before Flower started,
+                # and the ServerApp says them again.
+                if plain in self._said:
+                    self.dropped += 1
+                else:
+                    self._said.add(plain)
+                    self._write(plain)
             else:
                 self._round(*parsed)
             return
@@ -207,6 +214,9 @@ def run_report(output_dir: str | os.PathLike[str] | None, *, run_id: int | None 
     clients = ((summary.get("config") or {}).get("training") or {}).get("clients")
     report["clients"] = clients
     report["routine"] = summary.get("routine")
+    report["warnings"] = list(summary.get("warnings") or ())
+    if summary.get("loss_rise"):
+        report["loss_rise"] = summary["loss_rise"]
     return report
 
 
@@ -225,6 +235,10 @@ def summary_block(report: dict) -> str:
     lines = [head]
     if report.get("error"):
         lines.append(f"  error        {report['error']}")
+    rise = report.get("loss_rise")
+    if rise:
+        lines.append(f"  WARNING      {rise['metric']} ended at {_fmt(rise['final'])}, {_fmt(rise['ratio'])}× x_0's "
+                     f"{_fmt(rise['initial'])}: the model got worse (see the WARNING above; warnings in the JSON)")
     final, best = report.get("final") or {}, report.get("best") or {}
     keys = [k for k in ("train_loss", "test_loss", "grad_norm_sq") if k in final or k in best]
     keys += sorted(k for k in {*final, *best} if k not in keys)

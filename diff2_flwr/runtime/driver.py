@@ -16,23 +16,24 @@ from typing import Callable
 from ..core.local import LocalTask
 from .compute import pinned_threads
 from .config import ExperimentConfig
-from .session import Diff2Server, Diverged, build_server, build_worker
+from .session import Diff2Server, Diverged, Preflight, build_server, build_worker
 
 __all__ = ["run_inprocess"]
 
 
 def run_inprocess(
     cfg: ExperimentConfig, *, output_root: str | Path | None = None, record: bool = True,
-    progress: Callable[[str], None] | None = print, stop_on_divergence: bool = False,
+    progress: Callable[[str], None] | None = print, stop_on_divergence: bool = False, checked: Preflight | None = None,
 ) -> Diff2Server:
     """Run ``cfg`` to completion in this process; return the server (state, history, ledger).
 
     A diverging run (the iterate, the radius or the workers' gradients no longer finite) raises
     :class:`Diverged`, or with ``stop_on_divergence`` returns the server stopped at the round that
-    diverged (``server.diverged_at``; its summary says so). Privacy rejections always raise.
+    diverged (``server.diverged_at``; its summary says so). Privacy rejections always raise. ``checked``: the
+    :func:`~diff2_flwr.runtime.session.preflight` of this ``cfg`` when the caller ran it already.
     """
     with pinned_threads(cfg.training.threads):  # as the ServerApp and every ClientApp
-        server = build_server(cfg, output_root=output_root, record=record, progress=progress)
+        server = build_server(cfg, output_root=output_root, record=record, progress=progress, checked=checked)
         workers = [build_worker(cfg, p) for p in range(cfg.training.clients)]
         while not server.done:
             try:

@@ -27,7 +27,7 @@ from ..core.estimator import (DIVERGENCE_ADVICE, Diverged, Mechanism, Release, R
                               plan_round, server_step)
 from ..core.local import LocalMechanism, LocalTask, choose_worker, local_seed, run_local_phase
 from ..core.closed_form import PaperMLPGradients
-from ..core.gradients import Contribution, LossFn, PerSampleGradients
+from ..core.gradients import Contribution, LossFn, PerSampleGradients, check_per_sample_safe
 from ..core.layout import ParameterLayout
 from ..core.privacy import PLD_DISCRETIZATION, Calibration, PrivacyLedger
 from ..core.routines import Routine, describe_routine
@@ -38,11 +38,12 @@ from ..task.models import PaperMLP, build_model
 from ..task.records import DatasetRecords, TensorRecords, as_records
 from .checkpoint import Checkpoint, CheckpointError, config_fingerprint, load_checkpoint, save_checkpoint
 from .config import ConfigError, ExperimentConfig, RoutineConfig, TrainingConfig, from_arguments
+from .noise_report import loss_rise, loss_rise_warning, noise_summary, noise_warning
 from .outputs import RunRecorder, new_run_dir, to_json
 from .shard_report import check_shards, shard_lines
 
-__all__ = ["Diff2Server", "Worker", "Diverged", "check_mechanism", "load_data", "make_server", "make_worker",
-           "build_server", "build_worker"]
+__all__ = ["Diff2Server", "Worker", "Diverged", "Preflight", "PreflightError", "check_mechanism", "load_data",
+           "make_server", "make_worker", "preflight", "build_server", "build_worker"]
 
 
 #: Relative slack of the budget guard: the exact composition may exceed the target by float rounding only.
@@ -91,6 +92,15 @@ def check_mechanism(mechanism: Mechanism, calibration: Calibration, *, rounds: i
         raise ValueError("The mechanism disagrees with the calibration the ledger accounts for: " + "; ".join(problems)
                          + ". The ε reported would not be the ε spent: build the mechanism from this calibration "
                          "(ExperimentConfig.mechanism) or calibrate for this mechanism.")
+
+
+def check_planned_budget(calibration: Calibration, source: str, section: str = "") -> None:
+    """Refuse a schedule whose planned ε exceeds the target (float rounding aside): the run would not start."""
+    planned = calibration.planned_epsilon
+    if planned > calibration.epsilon * (1 + BUDGET_RTOL):
+        raise ValueError(f"{source}: the planned schedule would spend ε = {planned:.6g}, above the target "
+                         f"{section}epsilon = {calibration.epsilon:g} by {planned - calibration.epsilon:.3g}; the run "
+                         "does not start.")
 
 
 class Diff2Server:
@@ -281,11 +291,23 @@ class Diff2Server:
             raise err
         if self.done:
             self._status = "completed"
+            self._check_outcome()
             if self.recorder:
                 self.recorder.parameters(self.state.x)
             self._write_summary()
             self._draw_curves()
         return release
+
+    def _check_outcome(self) -> None:
+        """A completed run whose loss ended far above x_0's says so (console, summary): completed is not learned."""
+        rise = loss_rise(self.history)
+        if rise is None:
+            return
+        warning = loss_rise_warning(rise, private=self.calibration is not None)
+        self.run_info["loss_rise"] = rise.as_dict()
+        self.run_info["warnings"] = [*self.run_info.get("warnings", ()), warning]
+        if self.progress:
+            self.progress(f"[diff2] WARNING: {warning}")
 
     def _checkpoint(self, release_row: dict) -> None:
         if self.checkpoint_path is not None:
@@ -574,11 +596,7 @@ def make_server(
     n_min = spec.privacy.n_min
     calibration = spec.calibration(n_min)
     if calibration is not None:
-        planned = calibration.planned_epsilon
-        if planned > calibration.epsilon * (1 + BUDGET_RTOL):
-            raise ValueError(f"{_function}: the planned schedule would spend ε = {planned:.6g}, above the target "
-                             f"{_section}epsilon = {calibration.epsilon:g} by {planned - calibration.epsilon:.3g}; the run "
-                             "does not start.")
+        check_planned_budget(calibration, _function, _section)
     evaluator = None
     if evaluate_fn is not None:
         def evaluator(x: np.ndarray) -> dict[str, float]:
@@ -802,28 +820,104 @@ def build_worker(cfg: ExperimentConfig, partition_id: int, data_path: str | None
                        chunk_size=cfg.training.chunk_size, gradients=cfg.training.gradients, _function=cfg.source)
 
 
-def build_server(
-    cfg: ExperimentConfig, *, output_root: str | Path | None = None, record: bool = True,
-    progress: Callable[[str], None] | None = print,
-) -> Diff2Server:
-    """The server of ``cfg``: calibration from the data's n_min, x_0, evaluator, run folder.
+class PreflightError(ValueError):
+    """The first problem of a run found before any transport; the message is one line (file or key, what was
+    expected, what was found, what to do)."""
 
-    With ``dataset.shards`` (a deployment) the server reads only ``server.npz`` there: the test
-    split and the shard sizes, no training sample (so no train metrics).
+
+#: Records of the probe: one clipped per-sample gradient at x_0 through the workers' own code.
+PROBE_RECORDS = 4
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What a run of a config is built from, checked before any transport (see :func:`preflight`)."""
+
+    data: PreparedData  # the dataset; in a deployment (dataset.shards) the server's test split and shard sizes
+    n_min: int
+    calibration: Calibration | None  # None for method gd
+    gradients: PerSampleGradients  # the model (factory imported and called, layers checked) and its loss
+    lines: tuple[str, ...]  # what is said before training: the shards, n_min and σ
+    warnings: tuple[str, ...]  # what the run releases or assumes outside ε, and noise that drowns the signal
+    noise: dict[str, float | int] | None  # E‖noise‖ / C per kind of round (None for gd)
+
+
+def _server_data(cfg: ExperimentConfig) -> PreparedData:
+    """The data the server holds: the whole prepared dataset, or in a deployment only ``server.npz``."""
+    if not cfg.dataset.shards:
+        return load_data(cfg)
+    from .shard_files import SERVER_FILE, read_server_data
+
+    sdata = read_server_data(Path(cfg.dataset.shards).expanduser() / SERVER_FILE, cfg)
+    if len(sdata.shard_sizes) != cfg.training.clients:
+        raise ValueError(f"{cfg.source}: the shards are for {len(sdata.shard_sizes)} workers, "
+                         f"training.clients = {cfg.training.clients}.")
+    return PreparedData(name=cfg.dataset.name, x_train=np.zeros((0, sdata.x_test.shape[1])), y_train=np.zeros(0),
+                        x_test=sdata.x_test, y_test=sdata.y_test,
+                        shard_bounds=tuple((0, n) for n in sdata.shard_sizes), target_scale=sdata.target_scale,
+                        task=sdata.task, classes=sdata.classes)
+
+
+def _probe(cfg: ExperimentConfig, data: PreparedData, model: torch.nn.Module) -> None:
+    """One clipped per-sample gradient at x_0 on the first records the server holds, through a worker built as the
+    workers build theirs: a forward that does not fit the data, or targets the loss cannot take, fail here."""
+    if data.x_train.shape[0]:
+        features, targets = data.shard(0)
+        where = "training records of partition 0"
+    else:  # a deployment's server holds the test split only
+        features, targets = data.x_test, data.y_test
+        where = "test records"
+    k = min(PROBE_RECORDS, int(features.shape[0]))
+    if k == 0:
+        return
+    worker = make_worker(model=model, loss=get_loss(cfg.loss), data=(features[:k], targets[:k]), partition_id=0,
+                         dtype=cfg.training.dtype, chunk_size=cfg.training.chunk_size,
+                         gradients=cfg.training.gradients, _function=cfg.source)
+    x0 = _initial_point(cfg.source, model, None)[1]
+    try:
+        records = worker.records  # in memory: a (features, targets) pair
+        contribution = worker.gradients.clipped_mean(x0, records.features, records.targets, 1.0)
+    except Exception as err:  # noqa: BLE001 (the user's forward or loss: any error is the user's to fix)
+        raise PreflightError(
+            f"{cfg.source}: the model (model.name {cfg.model.name}) and loss {cfg.loss} fail on the first {k} {where} "
+            f"at x_0: {type(err).__name__}: {' '.join(str(err).split())}. The model is called on features of shape "
+            f"[n, {data.num_features}] and must return [n, {data.num_outputs}] outputs; "
+            + ("cross_entropy takes integer class indices as targets." if cfg.loss == "cross_entropy" else
+               "half_squared_error takes one real target per record.")) from None
+    if contribution.overflow:
+        raise PreflightError(f"{cfg.source}: the per-sample gradients at x_0 are not finite on the first {k} {where}; "
+                             "check the model's initialisation (model.init_seed, the factory) and the data's scale.")
+
+
+def _checked_gradients(cfg: ExperimentConfig, data: PreparedData) -> PerSampleGradients:
+    """The model (factory imported and called) and its per-sample gradients; a refusal names the file and key."""
+    try:
+        model = _model(cfg, data.num_features, data.num_outputs)
+    except ValueError as err:
+        raise PreflightError(f"{cfg.source}: {err}") from None
+    try:
+        check_per_sample_safe(model)
+    except ValueError as err:
+        raise PreflightError(f"{cfg.source}: key `model.name`: the model {cfg.model.name!r} cannot be trained "
+                             f"privately: {err}") from None
+    return PerSampleGradients(model, get_loss(cfg.loss), dtype=_DTYPES[cfg.training.dtype],
+                              chunk_size=cfg.training.chunk_size)
+
+
+def preflight(cfg: ExperimentConfig) -> Preflight:
+    """Build and check everything a run of ``cfg`` needs that no transport does, and raise the first problem.
+
+    In order: the data (files, columns, values, target), the partition (shard sizes, n_min, ``privacy.n_min``),
+    the local routine's limits (``local.batch_size`` <= n_min), the calibration (σ above
+    ``dataset.partitioner.max_sigma``, the planned ε), the model (factory imported and called, a
+    ``torch.nn.Module`` without batch-norm, finite x_0) and one clipped per-sample gradient at x_0 on a few
+    records. Each problem is a ``ValueError`` (``DataError``, ``ConfigError``, :class:`PreflightError`, ...)
+    whose message names the file or key, what was expected and what was found. Both engines of ``diff2 run``
+    and the ServerApp call it first (:func:`build_server` does); it writes nothing. The returned
+    :class:`Preflight` holds what :func:`build_server` goes on with, what to say before training and the
+    estimate of the noise against the clipping radius (:mod:`~diff2_flwr.runtime.noise_report`).
     """
-    if cfg.dataset.shards:
-        from .shard_files import SERVER_FILE, read_server_data
-
-        sdata = read_server_data(Path(cfg.dataset.shards).expanduser() / SERVER_FILE, cfg)
-        if len(sdata.shard_sizes) != cfg.training.clients:
-            raise ValueError(f"{cfg.source}: the shards are for {len(sdata.shard_sizes)} workers, "
-                             f"training.clients = {cfg.training.clients}.")
-        data = PreparedData(name=cfg.dataset.name, x_train=np.zeros((0, sdata.x_test.shape[1])), y_train=np.zeros(0),
-                            x_test=sdata.x_test, y_test=sdata.y_test,
-                            shard_bounds=tuple((0, n) for n in sdata.shard_sizes), target_scale=sdata.target_scale,
-                            task=sdata.task, classes=sdata.classes)
-    else:
-        data = load_data(cfg)
+    data = _server_data(cfg)
     check_shards(cfg, data.shard_sizes)  # an empty (or too small) shard: refused before any calibration
     n_min = cfg.privacy.n_min or data.n_min
     if n_min > data.n_min:
@@ -835,12 +929,39 @@ def build_server(
         raise ConfigError(f"{cfg.source}: key `local.batch_size`: expected at most n_min = {n_min} (the smallest shard: "
                           f"every worker samples each record with probability b / n_p <= 1). Found {cfg.local.batch_size}.",
                           key="local.batch_size", expected=f"an integer <= {n_min}", found=cfg.local.batch_size)
-    calibration = cfg.calibration(n_min)  # make_server calibrates the same way; here for the shard report
+    calibration = cfg.calibration(n_min)  # make_server calibrates the same way; here for the checks and the report
     check_shards(cfg, data.shard_sizes, calibration)
+    if calibration is not None:
+        check_planned_budget(calibration, cfg.source, "privacy.")
+    gradients = _checked_gradients(cfg, data)
+    _initial_point(cfg.source, gradients.model, None)  # parameters to train, finite
+    _probe(cfg, data, _model(cfg, data.num_features, data.num_outputs))
+    warnings = privacy_warnings(cfg, n_train=sum(data.shard_sizes))
+    noise = None
+    if calibration is not None:
+        noise = noise_summary(calibration, gradients.layout.dim)
+        drowned = noise_warning(calibration, gradients.layout.dim)
+        if drowned:
+            warnings.append(drowned)
+    lines = shard_lines(cfg, data.shard_sizes, n_min, calibration, available=data.train_available)
+    return Preflight(data, n_min, calibration, gradients, tuple(lines), tuple(warnings), noise)
+
+
+def build_server(
+    cfg: ExperimentConfig, *, output_root: str | Path | None = None, record: bool = True,
+    progress: Callable[[str], None] | None = print, checked: Preflight | None = None,
+) -> Diff2Server:
+    """The server of ``cfg``: calibration from the data's n_min, x_0, evaluator, run folder.
+
+    :func:`preflight` first (or ``checked``, its result for this very ``cfg``): every mistake it can find is
+    raised before anything is written. With ``dataset.shards`` (a deployment) the server reads only
+    ``server.npz`` there: the test split and the shard sizes, no training sample (so no train metrics).
+    """
+    pre = preflight(cfg) if checked is None else checked
+    data, n_min, gradients = pre.data, pre.n_min, pre.gradients
     if progress:
-        for line in shard_lines(cfg, data.shard_sizes, n_min, calibration, available=data.train_available):
+        for line in pre.lines:
             progress(line)
-    gradients = _gradients(cfg, data.num_features, data.num_outputs)
     evaluate_fn = None
     if cfg.evaluation.train_metrics or cfg.evaluation.test_metrics:
         evaluator = Evaluator.of(gradients, data, train_metrics=cfg.evaluation.train_metrics,
@@ -852,10 +973,11 @@ def build_server(
                     "shard_sizes": list(data.shard_sizes), **subsample_info(cfg, data),
                     "partitioner": cfg.dataset.partitioner.describe(
                         cfg.dataset.split_seed, cfg.dataset.task_kind, cfg.training.clients)}}
-    warnings = privacy_warnings(cfg, n_train=sum(data.shard_sizes))
-    if warnings:
-        run_info["warnings"] = warnings
-    for warning in warnings:
+    if pre.noise is not None:
+        run_info["noise_to_radius"] = pre.noise
+    if pre.warnings:
+        run_info["warnings"] = list(pre.warnings)
+    for warning in pre.warnings:
         if progress:
             progress(f"[diff2] WARNING: {warning}")
     p, t = cfg.privacy, cfg.training

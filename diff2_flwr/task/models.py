@@ -87,6 +87,10 @@ class DigitsCNN(nn.Module):
         return self.out(h.flatten(1))
 
 
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
 def load_factory(path: str, *, key: str = "model.name") -> Callable[..., Any]:
     """The callable named by ``"package.module:attribute"``; an error naming ``key`` if it cannot be found."""
     module_name, _, attribute = path.partition(":")
@@ -96,6 +100,9 @@ def load_factory(path: str, *, key: str = "model.name") -> Callable[..., Any]:
         raise ValueError(f"key `{key}`: cannot import module {module_name!r} of the model factory {path!r} "
                          f"({type(err).__name__}: {err}). Make the module importable (install its package, or put "
                          "it on PYTHONPATH; in a Flower app, inside the app's directory), or fix the path.") from err
+    except Exception as err:  # noqa: BLE001 (the user's module failed while being imported: a SyntaxError, ...)
+        raise ValueError(f"key `{key}`: importing module {module_name!r} of the model factory {path!r} raised "
+                         f"{type(err).__name__}: {_one_line(err)}. Fix that module.") from err
     for part in attribute.split("."):
         if not hasattr(target, part):
             raise ValueError(f"key `{key}`: module {module_name!r} has no attribute {attribute!r} (the model factory "
@@ -115,7 +122,12 @@ def _call_factory(path: str, factory: Callable[..., Any], kwargs: Mapping[str, A
                          "Give it these keyword parameters, or change model.kwargs.") from None
     except ValueError:  # no signature (a builtin): let the call itself tell
         pass
-    model = factory(**kwargs)
+    try:
+        model = factory(**kwargs)
+    except Exception as err:  # noqa: BLE001 (the user's factory: whatever it raises is the user's to fix)
+        shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise ValueError(f"key `model.name`: the model factory {path!r} raised {type(err).__name__}: "
+                         f"{_one_line(err)} (called as factory({shown})). Fix the factory or model.kwargs.") from err
     if not isinstance(model, nn.Module):
         raise ValueError(f"key `model.name`: the model factory {path!r} returned a {type(model).__name__}, not a "
                          "torch.nn.Module.")
