@@ -64,15 +64,20 @@ MISTAKES = {
     "local.batch_size above n_min": (lambda tmp: _tiny(local={"steps": 2, "batch_size": 500}),
                                      "key `local.batch_size`: expected at most n_min = 160"),
     "CSV with NaN": (lambda tmp: _tiny(dataset={"name": "csv", "path": str(_csv(tmp / "nan.csv", "nan")), "target": "y",
-                                                "num_samples": 10_000}),
-                     "nan.csv: 1 missing, NaN or infinite values (first at data row 18, column 'b')"),
+                                                "task": "regression", "num_samples": 10_000}),
+                     "nan.csv: 1 NaN or infinite value (first at line 19, column 'b': nan)"),
     "CSV with text in a numeric column": (
         lambda tmp: _tiny(dataset={"name": "csv", "path": str(_csv(tmp / "text.csv", "hello")), "target": "y",
-                                   "num_samples": 10_000}),
-        "text.csv: data row 18, column 'b' holds 'hello', not a number"),
+                                   "task": "regression", "num_samples": 10_000}),
+        "text.csv: line 19, column 'b' holds 'hello', not a number"),
+    "CSV with a ragged row": (
+        lambda tmp: _tiny(dataset={"name": "csv", "path": str(_csv(tmp / "ragged.csv", "0.5,0.25")), "target": "y",
+                                   "task": "regression", "num_samples": 10_000}),
+        "ragged.csv: line 19 has 4 fields, the header (line 1) has 3"),
     "misspelt target column": (lambda tmp: _tiny(dataset={"name": "csv", "path": str(_csv(tmp / "ok.csv")),
-                                                          "target": "why", "num_samples": 10_000}),
-                               "`dataset.target` names column(s) ['why'] that the header lacks"),
+                                                          "target": "why", "task": "regression",
+                                                          "num_samples": 10_000}),
+                               "`dataset.target` column 'why' not found in the header"),
 }
 
 
