@@ -5,4 +5,4 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup.sh"
 cd "$root"
-exec "$root/.venv/bin/python" -m pytest "$@"
+exec "$root/.venv/bin/python" -m pytest --durations=15 "$@"
