@@ -10,8 +10,8 @@ if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; t
   exit 0
 fi
 python="${PYTHON:-python3}"
-if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
-  echo "diff2-flwr needs Python >= 3.10; found $("$python" --version 2>&1). Set PYTHON=/path/to/python3.11." >&2
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "diff2-flwr needs Python >= 3.11 (as pyproject.toml's requires-python; Flower 1.42 needs 3.11); found $("$python" --version 2>&1). Set PYTHON=/path/to/python3.11 (or newer)." >&2
   exit 1
 fi
 echo "[setup] creating $venv and installing diff2-flwr (first time: a few minutes)..." >&2
