@@ -68,6 +68,25 @@ def _refused(args: argparse.Namespace, err: BaseException, wall_time_s: float) -
     return 2
 
 
+#: The experiment file of ``diff2 run`` when none is given.
+DEFAULT_CONFIG = "configs/default.yaml"
+
+
+def _assignments(args: argparse.Namespace) -> list[str]:
+    """The ``KEY=VALUE`` texts of every ``--set``, and ``args.config`` settled.
+
+    ``--set`` takes several assignments, so in ``diff2 run --set a=1 CONFIG`` it swallows the file too: a
+    last word without ``=`` is the experiment file when no other was given (any other such word is refused
+    by :func:`parse_assignment`, naming it).
+    """
+    texts = list(args.set or ())
+    if args.config is None and texts and "=" not in texts[-1]:
+        args.config = texts.pop()
+    if args.config is None:
+        args.config = DEFAULT_CONFIG
+    return texts
+
+
 def _run(args: argparse.Namespace) -> int:
     """Progress and the end-of-run summary on stderr; one JSON object (the run's key figures) on stdout.
 
@@ -82,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
         from .runtime.paths import resolve_config_path
         from .runtime.session import preflight
 
-        overrides = dict(parse_assignment(text) for text in args.set or ())
+        overrides = dict(parse_assignment(text) for text in _assignments(args))
         env = _node_policy_env(args)
         cfg = load_config(resolve_config_path(args.config), overrides)
         checked = preflight(cfg)
@@ -372,13 +391,13 @@ def build_parser() -> argparse.ArgumentParser:
     noise.set_defaults(func=_noise)
 
     run = sub.add_parser("run", help="run an experiment file as a Flower simulation (`flwr run`)")
-    run.add_argument("config", nargs="?", default="configs/default.yaml", help="experiment YAML (default: %(default)s)")
+    run.add_argument("config", nargs="?", default=None, help=f"experiment YAML (default: {DEFAULT_CONFIG})")
     run.add_argument("--timeout", type=float, default=6 * 3600, help="give up after this many seconds")
     run.add_argument("--engine", choices=("flower", "inprocess"), default="flower",
                      help="flower: `flwr run` simulation (default); inprocess: the same code without transport")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE",
-                     help="override one key of the experiment file, e.g. --set training.rounds=200 --set "
-                          "privacy.epsilon=8 (the value is read as YAML; validated like the file)")
+    run.add_argument("--set", action="extend", nargs="+", metavar="KEY=VALUE",
+                     help="override keys of the experiment file, e.g. --set training.rounds=200 privacy.epsilon=8 "
+                          "(or --set once per key; each value is read as YAML; validated like the file)")
     run.add_argument("--verbose", action="store_true",
                      help="show every line of Flower's log (also: DIFF2_VERBOSE=1); default: ours and warnings only")
     run.add_argument("--node-policy", metavar="FILE",

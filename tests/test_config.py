@@ -398,6 +398,27 @@ def test_diff2_run_set_overrides_the_file(tmp_path: Path, capsys) -> None:
     assert "key `training.rounds`: expected an integer >= 1. Found 0" in capsys.readouterr().err
 
 
+def test_one_set_takes_several_assignments_and_the_file_may_follow(tmp_path: Path, capsys) -> None:
+    """``--set a=1 b=2`` sets both (with a repeated ``--set`` too); ``--set a=1 CONFIG`` still reads CONFIG; a word
+    without ``=`` elsewhere is refused naming it."""
+    import json
+
+    from diff2_flwr.cli import main
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(f"name: tiny\ndataset: {{name: synthetic, num_samples: 300}}\ntraining: {{rounds: 9, "
+                    f"restart_every: 3, clients: 2, seed: 1}}\noutput: {{dir: {tmp_path / 'out'}}}\n")
+    assert main(["run", str(path), "--engine", "inprocess", "--set", "training.rounds=4", "name=both",
+                 "--set", "training.restart_every=2"]) == 0
+    assert main(["run", "--engine", "inprocess", "--set", "training.rounds=3", "name=after", str(path)]) == 0
+    runs = {d.name.split("-")[0]: json.loads((d / "summary.json").read_text()) for d in (tmp_path / "out").iterdir()}
+    assert runs["both"]["rounds_released"] == 4 and runs["both"]["config"]["training"]["restart_every"] == 2
+    assert runs["after"]["rounds_released"] == 3 and runs["after"]["config_file"].startswith(f"{path} (with overrides")
+    capsys.readouterr()
+    assert main(["run", str(path), "--engine", "inprocess", "--set", "training.rounds=4", "rounds", "name=x"]) == 2
+    assert "--set: expected KEY=VALUE (e.g. training.rounds=200). Found 'rounds'." in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- training.routine
 
 def test_routine_is_a_name_or_a_mapping_and_builds_the_core_routine(tmp_path: Path) -> None:
