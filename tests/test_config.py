@@ -227,6 +227,31 @@ def test_malformed_yaml_names_the_file(tmp_path: Path) -> None:
         load_config(path)
 
 
+@pytest.mark.parametrize("text, line, column", [
+    ("training:\n\trounds: 5\n", 2, 1),
+    ("training:\n  rounds: 5\n  \tseed: 1\n", 3, 3),
+    ("name:\tfoo\n", 1, 6),
+])
+def test_a_tab_says_yaml_indents_with_spaces(tmp_path: Path, text: str, line: int, column: int) -> None:
+    """PyYAML says only "found character '\\t' that cannot start any token": we say where, and what to do."""
+    path = tmp_path / "tabbed.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert str(caught.value) == (f"{path}: not valid YAML: line {line}, column {column}: a tab character. YAML "
+                                 "indents with spaces, not tabs: replace the tab with spaces.")
+
+
+def test_a_tab_in_a_study_file_says_the_same(tmp_path: Path) -> None:
+    from diff2_flwr.lab.study import StudyError, load_study
+
+    path = tmp_path / "study.yaml"
+    path.write_text("name: s\nmethods:\n\t- name: GD\n")
+    with pytest.raises(StudyError, match=r"study.yaml: not valid YAML: line 3, column 1: a tab character\. YAML "
+                                         r"indents with spaces, not tabs"):
+        load_study(path)
+
+
 @pytest.mark.parametrize("text, key, first, second", [
     ("privacy:\n  epsilon: 3\n  delta: 1.0e-5\n  epsilon: 8\ntraining:\n  restart_every: 2\n", "epsilon", 2, 4),
     ("training: {rounds: 3, rounds: 5, restart_every: 2}\n", "rounds", 1, 1),

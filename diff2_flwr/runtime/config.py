@@ -743,7 +743,22 @@ def read_yaml(path: str | Path, what: str = "experiment", error: type[ConfigErro
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as exc:
+        tab = _tab_at(exc, text)
+        if tab is not None:  # PyYAML's own words ("cannot start any token") do not say what to do
+            raise error(f"{path}: not valid YAML: line {tab[0]}, column {tab[1]}: a tab character. YAML indents "
+                        "with spaces, not tabs: replace the tab with spaces.") from exc
         raise error(f"{path}: not valid YAML: {exc}") from exc
+
+
+def _tab_at(exc: yaml.YAMLError, text: str) -> tuple[int, int] | None:
+    """(line, column), both from 1, of the tab character the parser stopped at; None if it stopped elsewhere."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is None:
+        return None
+    lines = text.splitlines()
+    if mark.line < len(lines) and lines[mark.line][mark.column:mark.column + 1] == "\t":
+        return mark.line + 1, mark.column + 1
+    return None
 
 
 def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> ExperimentConfig:
