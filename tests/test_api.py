@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import re
 import subprocess
 import sys
@@ -474,6 +475,34 @@ def test_the_readme_quotes_the_tested_example():
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
     assert EXAMPLE.read_text() in blocks, "README.md must quote examples/python_api.py verbatim"
+
+
+def _readme_signatures() -> dict[str, list[tuple[str, object]]]:
+    """The README's ``diff2_flwr.make_*(...) -> T`` lines, parsed as Python: name -> [(parameter, default)]."""
+    import ast
+
+    readme = (ROOT / "README.md").read_text()
+    found = {}
+    for name, params in re.findall(r"diff2_flwr\.(make_\w+)\((\*,.*?)\) ->", readme, flags=re.S):
+        (fn,) = ast.parse(f"def {name}({params}): pass").body
+        defaults = [None] * (len(fn.args.kwonlyargs) - len(fn.args.kw_defaults)) + fn.args.kw_defaults
+        found[name] = [(a.arg, inspect.Parameter.empty if d is None else
+                        d.id if isinstance(d, ast.Name) else ast.literal_eval(d))
+                       for a, d in zip(fn.args.kwonlyargs, defaults)]
+    return found
+
+
+def test_the_readmes_signatures_are_the_functions():
+    """Every keyword argument of make_strategy and make_client, in order, with its default (a name such as
+    ``print`` by its name), as the README lists them."""
+    listed = _readme_signatures()
+    assert set(listed) == {"make_strategy", "make_client"}
+    for name, params in listed.items():
+        signature = inspect.signature(getattr(diff2_flwr, name)).parameters.values()
+        actual = [(p.name, p.default.__name__ if callable(p.default) and p.default is not p.empty else p.default)
+                  for p in signature]
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in signature)
+        assert params == actual, f"README.md's {name} signature differs from the function's"
 
 
 def test_the_example_runs_through_its_server_fn_and_client_fn():
