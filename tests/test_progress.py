@@ -65,4 +65,31 @@ def test_a_study_logs_plain_lines_when_stderr_is_not_a_terminal(tmp_path, capsys
     err = capsys.readouterr().err
     assert "\r" not in err
     runs = [line for line in err.splitlines() if line.startswith("[diff2] runs ")]
-    assert runs and runs[-1].startswith("[diff2] runs 4/4 (100 %)"), runs
+    assert runs and runs[-1].startswith("[diff2] runs 6/6 (100 %)"), runs
+
+
+def test_a_studys_total_never_goes_down(tmp_path, monkeypatch):
+    """The smallest study where both criteria pick one point (the plan's 6 runs are 4 distinct ones): the total
+    stays 6 and ends 6/6 (it used to fall to 4); run again, every run is reused and it ends 6/6 at once."""
+    import diff2_flwr.lab.study as study_module
+
+    seen: list[tuple[float, float]] = []
+
+    class Spy(ProgressReporter):
+        def update(self, done, status=None):
+            seen.append((self.total, done))
+            super().update(done, status)
+
+    monkeypatch.setattr(study_module, "ProgressReporter", Spy)
+    data = {"name": "tiny", "dataset": {"name": "synthetic", "num_samples": 300}, "clients": 2, "rounds": 3,
+            "epsilons": [3.0], "eval_every": 1, "seeds": {"tune": [9], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"},
+            "methods": [{"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.2, 0.4]}}]}
+    summary = run_study(parse_study(data, "s.yaml"), output_root=tmp_path, show_progress=False, make_plots=False)
+    picks = summary["epsilons"]["3.0"]["methods"]["DP-GD"]["criteria"]
+    assert picks["train_loss"]["point"] == picks["grad_norm_sq"]["point"]  # the case that made the total fall
+    assert len(list((tmp_path / "tiny" / "runs").glob("*.json"))) == 4
+    totals, done = [t for t, _ in seen], [d for _, d in seen]
+    assert set(totals) == {6} and done == sorted(done) and done[-1] == 6
+    seen.clear()
+    run_study(parse_study(data, "s.yaml"), output_root=tmp_path, show_progress=False, make_plots=False)
+    assert {t for t, _ in seen} == {6} and seen[-1] == (6, 6)

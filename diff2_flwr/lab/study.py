@@ -430,11 +430,26 @@ class _Job:
 
 
 class _Progress:
-    """Runs done / total with an ETA on stderr: a live bar on a terminal, plain periodic lines otherwise."""
+    """Runs done / total with an ETA on stderr: a live bar on a terminal, plain periodic lines otherwise.
+
+    The total never goes down: it is the plan (every grid point on the tuning seeds, and per method and
+    selection criterion its pick on the evaluation seeds), grown only when a grid extends (:meth:`grow`).
+    Runs found done (reused, by other drivers, or shared by two criteria that picked one point) count as done.
+    """
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done = total, 0
+        self._total, self.done = total, 0
         self._reporter = ProgressReporter(total, label="runs", enabled=enabled)
+
+    @property
+    def total(self) -> int:
+        return self._total
+
+    def grow(self, runs: int) -> None:
+        """``runs`` more runs to do than planned (a grid extension)."""
+        if runs < 0:
+            raise ValueError(f"`runs`: the study's total of runs only grows. Found {runs}.")
+        self._total += runs
 
     def show(self, fraction_of_batch: float = 0.0, batch: int = 0) -> None:
         if self._reporter.total != self.total:
@@ -744,7 +759,8 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
                                "engine": study.engine, "dtype": study.dtype, "threads": study.threads,
                                "workers": study.workers, "epsilons": {}}
     n_tune = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds) * len(study.epsilons)
-    progress = _Progress(n_tune + 2 * len(study.methods) * len(study.eval_seeds) * len(study.epsilons), show_progress)
+    n_eval = 2 * len(study.methods) * len(study.eval_seeds) * len(study.epsilons)
+    progress = _Progress(n_tune + n_eval, show_progress)
     tally = {"computed": 0, "by_others": 0, "reused": 0}
     if ray_address is not None and study.workers > 1:
         print(f"[diff2] study {study.name}: `workers: {study.workers}` is for this machine; on the Ray cluster the "
@@ -768,8 +784,11 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
                     if rid not in seen:
                         seen.add(rid)
                         eval_jobs.append(_Job(rid, m, p, epsilon, s, study.experiment(m, p, epsilon, s)))
-        progress.total -= 2 * len(study.methods) * len(study.eval_seeds) - len(eval_jobs)
         _execute(study, eval_jobs, runs_dir, progress, executor, book, tally)
+        # Planned per selection criterion (train loss, ‖∇f‖²); where both picked one point, its runs are done with
+        # their twins.
+        progress.done += 2 * len(study.methods) * len(study.eval_seeds) - len(eval_jobs)
+        progress.show()
         # 4. summary
         summary["epsilons"][str(epsilon)] = _summarise(study, epsilon, chosen, searched, runs_dir, data.n_min,
                                                        sum(data.shard_sizes), rows)
@@ -848,7 +867,7 @@ def _tune(study: Study, epsilon: float, data: Any, runs_dir: Path, progress: _Pr
                     made[m.name].append({"key": key, "value": new, "side": side, "because": c, "point": point})
                     print(f"[diff2] study {study.name}, ε = {epsilon:g}: {m.name} picked {key} = {value:g} on the "
                           f"{side} edge of its line for {c}: tuning {key} = {new:g} there", file=sys.stderr)
-                    progress.total += len(study.tune_seeds)
+                    progress.grow(len(study.tune_seeds))
                     grown = True
         if not grown:
             break
