@@ -242,13 +242,10 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from .runtime.curves import CURVES_FILE, plot_runs, read_rows, run_label
+    from .runtime.curves import CURVES_FILE, plot_runs, read_rows, run_labels
 
     dirs = [Path(d).expanduser() for d in args.run_dirs]
-    labels = [run_label(d) for d in dirs]
-    if len(set(labels)) < len(labels):  # two runs of one config: tell them apart by folder
-        labels = [f"{label} {d.name.rsplit('-', 1)[-1]}" for label, d in zip(labels, dirs)]
-    runs = [(label, read_rows(d)) for label, d in zip(labels, dirs)]
+    runs = [(label, read_rows(d)) for label, d in zip(run_labels(dirs), dirs)]
     out = Path(args.out).expanduser() if args.out else (dirs[0] / CURVES_FILE if len(dirs) == 1 else
                                                            Path("curves-comparison.png"))
     print(plot_runs(runs, out, title=args.title))

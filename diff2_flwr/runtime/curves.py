@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["CURVES_FILE", "read_rows", "run_label", "panels", "plot_runs"]
+__all__ = ["CURVES_FILE", "read_rows", "run_label", "run_labels", "run_settings", "panels", "plot_runs"]
 
 CURVES_FILE = "curves.png"
 
@@ -51,6 +51,83 @@ def run_label(run_dir: str | os.PathLike[str]) -> str:
         return f"{summary['name']} ({summary['method']})"
     except (OSError, ValueError, KeyError, TypeError):
         return Path(run_dir).name
+
+
+#: Settings a legend names briefly (dotted keys of the experiment file), first in this order.
+_SHORT = {
+    "method": "", "privacy.epsilon": "ε", "privacy.delta": "δ", "training.restart_every": "T",
+    "training.learning_rate": "η", "training.clip_restart": "C₁", "training.clip_diff": "C₂",
+    "training.rounds": "R", "training.clients": "P", "training.routine.name": "routine", "local.steps": "K",
+    "training.seed": "seed", "dataset.name": "data",
+}
+#: At most this many differing settings in a label (then "…").
+_MAX_SETTINGS = 4
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flatten(item, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: json.dumps(value, sort_keys=True) if isinstance(value, list) else value}
+
+
+def run_settings(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a run ran, as dotted keys of the experiment file, from its ``summary.json``; {} without one.
+
+    A YAML run's summary has its whole config; a Python API run's (``make_strategy(output_dir=...)``) has
+    the method, the calibration and the routine, read into the same keys.
+    """
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(summary, dict):
+        return {}
+    if isinstance(summary.get("config"), dict):
+        settings = _flatten(summary["config"])
+    else:
+        calibration = (summary.get("privacy") or {}).get("calibration") or {}
+        routine = summary.get("routine") or {}
+        settings = {"method": summary.get("method"), "privacy.epsilon": calibration.get("epsilon"),
+                    "privacy.delta": calibration.get("delta"), "training.rounds": calibration.get("rounds"),
+                    "training.restart_every": calibration.get("restart_every"),
+                    "training.clients": calibration.get("clients"), "training.learning_rate": routine.get("learning_rate")}
+        settings |= {f"training.routine.{k}": v for k, v in routine.items() if k != "learning_rate"}
+    if not isinstance(settings.get("training.routine.name"), str) and isinstance(settings.get("training.routine"), str):
+        settings["training.routine.name"] = settings.pop("training.routine")  # `routine: adam` is `routine.name: adam`
+    # The name and the output keys say where a run was written, not what it ran.
+    return {k: v for k, v in settings.items() if k != "name" and not k.startswith("output.")}
+
+
+def _show(key: str, value: Any) -> str:
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    short = _SHORT.get(key, key)
+    return text if key == "method" else f"{short}={text}"
+
+
+def run_labels(run_dirs: Sequence[str | os.PathLike[str]]) -> list[str]:
+    """A legend label per run: the settings in which the runs differ (``diff2, ε=8``), else the run's name and
+    method; runs still alike get their folder's id (``tiny (diff2) 2ae21b``).
+
+    One run is labelled by :func:`run_label`.
+    """
+    dirs = [Path(d) for d in run_dirs]
+    names = [run_label(d) for d in dirs]
+    if len(dirs) < 2:
+        return names
+    settings = [run_settings(d) for d in dirs]
+    # A setting differs when the runs whose summaries have it disagree (one unknown is not a difference).
+    keys = list(dict.fromkeys(k for s in settings for k in s))
+    differ = [k for k in keys if len({json.dumps(s[k], sort_keys=True, default=str) for s in settings if k in s}) > 1]
+    differ.sort(key=lambda k: list(_SHORT).index(k) if k in _SHORT else len(_SHORT))
+    labels = []
+    for name, s in zip(names, settings):
+        shown = [_show(k, s[k]) for k in differ if k in s]
+        more = ", …" if len(shown) > _MAX_SETTINGS else ""
+        labels.append(", ".join(shown[:_MAX_SETTINGS]) + more if shown else name)
+    if len(set(labels)) < len(labels):  # alike in everything the summaries say: tell them apart by folder
+        labels = [f"{label} {d.name.rsplit('-', 1)[-1]}" if labels.count(label) > 1 else label
+                  for label, d in zip(labels, dirs)]
+    return labels
 
 
 def panels(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> list[str]:
