@@ -5,6 +5,12 @@ Three clients each hold 400 records of a regression task; the model is a small t
 level over 20 rounds of DIFF2 (a restart every 5 rounds).
 
 Run it as a Flower simulation:  python examples/python_api.py
+It ends with the run's summary (status, rounds, ε spent, test loss from x_0 to x_R).
+
+Flower 1.42 has no in-process simulation that is not deprecated: `flwr.simulation.run_simulation` (used
+below; it prints a deprecation warning) and `start_simulation` both point to `flwr run`, which runs an app
+folder. In your own Flower project, point `[tool.flwr.app.components]` at `server_app` and `client_app`
+and type `flwr run .`.
 """
 
 import torch
@@ -49,12 +55,25 @@ def evaluate(arrays) -> dict[str, float]:
         return {"test_loss": float(per_sample_loss(model(TEST[0]), TEST[1]).mean())}
 
 
+STRATEGIES = []  # those server_fn built (one per run): each one's server holds its run's summary
+
+
 def server_fn(context: Context) -> ServerAppComponents:
     strategy = diff2_flwr.make_strategy(
         epsilon=3.0, delta=1e-5, rounds=20, restart_every=5, clients=CLIENTS, n_min=RECORDS,
         clip_restart=1.0, clip_diff=3.0, learning_rate=0.5, model=make_model(), evaluate_fn=evaluate,
     )
+    STRATEGIES.append(strategy)
     return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=strategy.num_rounds))
+
+
+def summary_line(strategy) -> str:
+    """The run's key figures (all of them: ``strategy.server.summary()``, as summary.json has them)."""
+    s = strategy.server.summary()
+    privacy, first = s["privacy"], strategy.server.history[0]
+    return (f"[diff2] run {s['status']}: {s['rounds_released']}/{s['rounds_planned']} rounds, "
+            f"ε spent {privacy['epsilon_spent']:.4g} of {privacy['epsilon_target']:g} (δ = {privacy['delta']:g}), "
+            f"test_loss {first['test_loss']:.4g} (x_0) -> {s['final']['test_loss']:.4g} (x_R)")
 
 
 def client_fn(context: Context):
@@ -71,3 +90,4 @@ if __name__ == "__main__":
     from flwr.simulation import run_simulation
 
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=CLIENTS)
+    print(summary_line(STRATEGIES[-1]))

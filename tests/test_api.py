@@ -519,6 +519,11 @@ def test_the_example_runs_through_its_server_fn_and_client_fn():
     assert rows[-1]["test_loss"] < 0.5 * rows[0]["test_loss"]
     assert strategy.server.epsilon_spent == pytest.approx(3.0, rel=1e-9)
     assert lines[-1].startswith("[diff2] round 20/20 (difference)")
+    # what `python examples/python_api.py` prints last: the summary of the run server_fn built
+    assert example.STRATEGIES == [strategy]
+    assert example.summary_line(strategy) == (
+        f"[diff2] run completed: 20/20 rounds, ε spent 3 of 3 (δ = 1e-05), test_loss {rows[0]['test_loss']:.4g} (x_0) "
+        f"-> {rows[-1]['test_loss']:.4g} (x_R)")
 
 
 @pytest.mark.flower
@@ -527,6 +532,8 @@ def test_the_example_runs_as_a_flower_simulation():
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
     assert "[diff2] round 20/20 (difference)" in text and "epsilon_spent=3 " in text
+    assert any(line.startswith("[diff2] run completed: 20/20 rounds, ε spent 3 of 3 (δ = 1e-05), test_loss ")
+               for line in out.stdout.splitlines()), out.stdout[-3000:]
 
 
 def test_the_api_is_loaded_lazily_at_the_package_top():
