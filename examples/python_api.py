@@ -70,10 +70,12 @@ def server_fn(context: Context) -> ServerAppComponents:
 def summary_line(strategy) -> str:
     """The run's key figures (all of them: ``strategy.server.summary()``, as summary.json has them)."""
     s = strategy.server.summary()
-    privacy, first = s["privacy"], strategy.server.history[0]
-    return (f"[diff2] run {s['status']}: {s['rounds_released']}/{s['rounds_planned']} rounds, "
-            f"ε spent {privacy['epsilon_spent']:.4g} of {privacy['epsilon_target']:g} (δ = {privacy['delta']:g}), "
-            f"test_loss {first['test_loss']:.4g} (x_0) -> {s['final']['test_loss']:.4g} (x_R)")
+    privacy, losses = s["privacy"], [r["test_loss"] for r in strategy.server.history if "test_loss" in r]
+    line = (f"[diff2] run {s['status']}: {s['rounds_released']}/{s['rounds_planned']} rounds, "
+            f"ε spent {privacy['epsilon_spent']:.4g} of {privacy['epsilon_target']:g} (δ = {privacy['delta']:g})")
+    if losses:
+        line += f", test_loss {losses[0]:.4g} (x_0) -> {losses[-1]:.4g} (last released)"
+    return line + (f"; {s['error']}" if s["error"] else "")
 
 
 def client_fn(context: Context):
@@ -90,4 +92,5 @@ if __name__ == "__main__":
     from flwr.simulation import run_simulation
 
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=CLIENTS)
-    print(summary_line(STRATEGIES[-1]))
+    for strategy in STRATEGIES:  # none if the ServerApp failed before building its strategy
+        print(summary_line(strategy))

@@ -523,7 +523,7 @@ def test_the_example_runs_through_its_server_fn_and_client_fn():
     assert example.STRATEGIES == [strategy]
     assert example.summary_line(strategy) == (
         f"[diff2] run completed: 20/20 rounds, ε spent 3 of 3 (δ = 1e-05), test_loss {rows[0]['test_loss']:.4g} (x_0) "
-        f"-> {rows[-1]['test_loss']:.4g} (x_R)")
+        f"-> {rows[-1]['test_loss']:.4g} (last released)")
 
 
 @pytest.mark.flower
