@@ -522,8 +522,8 @@ def test_the_example_runs_through_its_server_fn_and_client_fn():
     # what `python examples/python_api.py` prints last: the summary of the run server_fn built
     assert example.STRATEGIES == [strategy]
     assert example.summary_line(strategy) == (
-        f"[diff2] run completed: 20/20 rounds, ε spent 3 of 3 (δ = 1e-05), test_loss {rows[0]['test_loss']:.4g} (x_0) "
-        f"-> {rows[-1]['test_loss']:.4g} (last released)")
+        "[diff2] run completed: 20/20 rounds, ε spent 3 of 3 (δ = 1e-05), "
+        f"test_loss {rows[0]['test_loss']:.4g} (x_0) -> {rows[-1]['test_loss']:.4g} (last released)")
 
 
 @pytest.mark.flower

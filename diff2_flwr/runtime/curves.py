@@ -65,6 +65,7 @@ _MAX_SETTINGS = 4
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists as JSON text (comparable, hashable)."""
     if isinstance(value, dict):
         return {k: v for key, item in value.items() for k, v in _flatten(item, f"{prefix}{key}.").items()}
     return {prefix[:-1]: json.dumps(value, sort_keys=True) if isinstance(value, list) else value}
@@ -90,7 +91,8 @@ def run_settings(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
         settings = {"method": summary.get("method"), "privacy.epsilon": calibration.get("epsilon"),
                     "privacy.delta": calibration.get("delta"), "training.rounds": calibration.get("rounds"),
                     "training.restart_every": calibration.get("restart_every"),
-                    "training.clients": calibration.get("clients"), "training.learning_rate": routine.get("learning_rate")}
+                    "training.clients": calibration.get("clients"),
+                    "training.learning_rate": routine.get("learning_rate")}
         settings |= {f"training.routine.{k}": v for k, v in routine.items() if k != "learning_rate"}
     if not isinstance(settings.get("training.routine.name"), str) and isinstance(settings.get("training.routine"), str):
         settings["training.routine.name"] = settings.pop("training.routine")  # `routine: adam` is `routine.name: adam`
@@ -99,6 +101,7 @@ def run_settings(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _show(key: str, value: Any) -> str:
+    """``ε=8``, ``η=0.25``; a method by its name alone."""
     text = f"{value:g}" if isinstance(value, float) else str(value)
     short = _SHORT.get(key, key)
     return text if key == "method" else f"{short}={text}"
