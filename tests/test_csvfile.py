@@ -72,7 +72,8 @@ def _same(new: np.ndarray, old: np.ndarray) -> None:
 def test_paper_datasets_load_to_the_old_readers_arrays(data_dir: Path) -> None:
     x, y = load_raw("california_housing", data_dir=data_dir)
     ox, oy = _old_split(data_dir / "california_housing" / "cal_housing.csv", "median_house_value")
-    _same(x, ox), _same(y, oy)
+    _same(x, ox)
+    _same(y, oy)
     assert x.flags.c_contiguous
     x, y = load_raw("gas_turbine", data_dir=data_dir)
     parts = [_old_split(data_dir / "gas_turbine" / f"gt_{year}.csv", "CO", ("NOX",)) for year in range(2011, 2016)]
@@ -81,7 +82,8 @@ def test_paper_datasets_load_to_the_old_readers_arrays(data_dir: Path) -> None:
     x, y, classes = load_classification("kddcup99", data_dir=data_dir)
     ox, oy, oclasses = _old_kddcup(kdd)
     assert classes == oclasses == ("attack", "normal")
-    _same(x, ox), _same(y, oy)
+    _same(x, ox)
+    _same(y, oy)
     assert x.shape == (494_021, 118) and x.flags.c_contiguous
 
 
@@ -99,7 +101,8 @@ def test_hard_decimals_parse_to_pythons_correctly_rounded_floats(tmp_path: Path)
     expected = np.array([float(c) for c in cells]).reshape(-1, 4)
     assert x.tobytes() == expected[:, :3].copy().tobytes() and y.tobytes() == expected[:, 3].copy().tobytes()
     ox, oy = _old_split(path, "y")
-    _same(x, ox), _same(y, oy)
+    _same(x, ox)
+    _same(y, oy)
 
 
 # ----------------------------------------------------------------- malformed files: one line, naming line and column
@@ -120,15 +123,26 @@ def _csv(tmp_path: Path, text: str | bytes, name: str = "f.csv") -> Path:
     return path
 
 
-def test_a_row_with_too_many_fields_names_its_file_line(tmp_path: Path) -> None:
-    path = _csv(tmp_path, "a,b,y\n1,2,3\n\n4,5,6,7\n")  # line 3 is empty (skipped, but counted)
-    _refused(lambda: load_csv(path, target="y", task="regression"),
-             rf"^{path}: line 4 has 4 fields, the header \(line 1\) has 3\. Every line needs one value per column")
+RAGGED = {  # a file of a, b, y (or a, y) and the one-line refusal that names its file line
+    "too many fields": ("a,b,y\n1,2,3\n\n4,5,6,7\n",  # line 3 is empty (skipped, but counted)
+                        r"line 4 has 4 fields, the header \(line 1\) has 3\. Every line needs one value per column"),
+    "too few fields": ("a,b,y\n1,2,3\n4,5\n7,8,9\n", r"line 3 has 2 fields, the header \(line 1\) has 3"),
+    "a line of spaces is ragged, not empty": ("a,b,y\n1,2,3\n   \n4,5,6\n",
+                                              r"line 3 has 1 field, the header \(line 1\) has 3"),
+    "an unbalanced quote inside a line": (
+        'a,b,y\n1,2,3\n4,"5,6\n7,8,9\n',
+        r'line 3, in 2 fields where 3 were expected: an unbalanced quote \("\): the quoted value is not closed'),
+    "an unbalanced quote that runs to the end": (  # the quote swallows the last line: still 2 fields
+        'a,y\n1,2\n3,"4\n5,6\n', r"line 3, column 'y': an unbalanced quote .*Close the quote, or remove it\.$"),
+}
 
 
-def test_a_row_with_too_few_fields_names_its_file_line(tmp_path: Path) -> None:
-    path = _csv(tmp_path, "a,b,y\n1,2,3\n4,5\n7,8,9\n")
-    _refused(lambda: load_csv(path, target="y", task="regression"), r"line 3 has 2 fields, the header \(line 1\) has 3")
+@pytest.mark.parametrize("case", list(RAGGED))
+def test_a_ragged_or_misquoted_row_names_its_file_line(case: str, tmp_path: Path) -> None:
+    text, pattern = RAGGED[case]
+    path = _csv(tmp_path, text)
+    message = _refused(lambda: load_csv(path, target="y", task="regression"), pattern)
+    assert message.startswith(f"{path}: "), message
 
 
 def test_a_ragged_row_in_a_file_without_header_says_the_first_line(tmp_path: Path) -> None:
@@ -138,27 +152,11 @@ def test_a_ragged_row_in_a_file_without_header_says_the_first_line(tmp_path: Pat
     _refused(lambda: load_raw("blogfeedback", data_dir=tmp_path), r"line 3 has 2 fields, the first line has 3")
 
 
-def test_a_line_of_spaces_is_a_ragged_row_not_an_empty_line(tmp_path: Path) -> None:
-    path = _csv(tmp_path, "a,b,y\n1,2,3\n   \n4,5,6\n")
-    _refused(lambda: load_csv(path, target="y", task="regression"), r"line 3 has 1 field, the header \(line 1\) has 3")
-
-
 def test_empty_lines_are_skipped_anywhere(tmp_path: Path) -> None:
     path = _csv(tmp_path, "a,b,y\n\n1,2,3\n\n\n4,5,6\n\n")
     x, y, _ = load_csv(path, target="y", task="regression")
-    np.testing.assert_array_equal(x, [[1, 2], [4, 5]]) and np.testing.assert_array_equal(y, [3, 6])
-
-
-def test_an_unbalanced_quote_inside_a_line(tmp_path: Path) -> None:
-    path = _csv(tmp_path, 'a,b,y\n1,2,3\n4,"5,6\n7,8,9\n')
-    _refused(lambda: load_csv(path, target="y", task="regression"),
-             r'line 3, in 2 fields where 3 were expected: an unbalanced quote \("\): the quoted value is not closed')
-
-
-def test_an_unbalanced_quote_that_runs_to_the_end_of_the_file(tmp_path: Path) -> None:
-    path = _csv(tmp_path, 'a,y\n1,2\n3,"4\n5,6\n')  # the quote swallows the last line: still 2 fields
-    _refused(lambda: load_csv(path, target="y", task="regression"),
-             r"line 3, column 'y': an unbalanced quote .*Close the quote, or remove it\.$")
+    np.testing.assert_array_equal(x, [[1, 2], [4, 5]])
+    np.testing.assert_array_equal(y, [3, 6])
 
 
 def test_an_unbalanced_quote_in_a_text_column(tmp_path: Path) -> None:
@@ -169,7 +167,8 @@ def test_an_unbalanced_quote_in_a_text_column(tmp_path: Path) -> None:
 def test_quoted_values_are_read(tmp_path: Path) -> None:
     path = _csv(tmp_path, 'a,"the, target"\n"1.5",2\n3,"4"\n')
     x, y, _ = load_csv(path, target="the, target", task="regression")
-    np.testing.assert_array_equal(x, [[1.5], [3]]) and np.testing.assert_array_equal(y, [2, 4])
+    np.testing.assert_array_equal(x, [[1.5], [3]])
+    np.testing.assert_array_equal(y, [2, 4])
 
 
 @pytest.mark.parametrize("header", [True, False])
