@@ -97,13 +97,20 @@ def _run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     try:
-        from .runtime.config import load_config, parse_assignment
+        from .runtime.config import AUTO_CLIENTS_DEFAULT, load_config, parse_assignment
         from .runtime.paths import resolve_config_path
         from .runtime.session import preflight
+
+        auto_line = None
 
         overrides = dict(parse_assignment(text) for text in _assignments(args))
         env = _node_policy_env(args)
         cfg = load_config(resolve_config_path(args.config), overrides)
+        if cfg.clients_auto:  # diff2 run starts the SuperNodes (or the in-process workers): it says how many
+            cfg = cfg.with_clients(AUTO_CLIENTS_DEFAULT, "diff2 run's SuperNodes")
+            overrides["training.clients"] = AUTO_CLIENTS_DEFAULT
+            auto_line = (f"[diff2] training.clients: auto -> P = {AUTO_CLIENTS_DEFAULT} (the SuperNodes diff2 run "
+                         "simulates; --set training.clients=N for another number)")
         checked = preflight(cfg)
     except (ValueError, FileNotFoundError) as err:
         return _refused(args, err, time.perf_counter() - started)
@@ -112,6 +119,8 @@ def _run(args: argparse.Namespace) -> int:
     from .runtime.launch import SimulationFailed, run_simulation
 
     console = RunConsole(verbose=args.verbose or verbose_from_env())
+    if auto_line:
+        console.message(auto_line)
     run_id, failure = None, None
     try:
         if args.engine == "inprocess":

@@ -18,7 +18,11 @@ DEFAULT_YAML = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
 
 def _default_dict() -> dict[str, Any]:
-    return yaml.safe_load(DEFAULT_YAML.read_text())
+    """configs/default.yaml with P = 10, as `diff2 run` resolves its ``training.clients: auto``."""
+    data = yaml.safe_load(DEFAULT_YAML.read_text())
+    assert data["training"]["clients"] == "auto"
+    data["training"]["clients"] = 10
+    return data
 
 
 def _write(tmp_path: Path, data: Any, name: str = "exp.yaml") -> Path:
@@ -67,6 +71,35 @@ def test_default_yaml_loads_with_its_values() -> None:
     assert cfg.private
 
 
+def test_the_default_leaves_p_to_the_federation_and_says_so_where_a_number_is_needed() -> None:
+    """configs/default.yaml says `clients: auto`: P is resolved by whoever runs it (with_clients), re-checked with
+    that P; a number asked of an unresolved config is a ConfigError naming the key and what resolves it."""
+    cfg = load_config(DEFAULT_YAML)
+    assert cfg.clients_auto and cfg.training.clients == "auto"
+    with pytest.raises(ConfigError, match=r"key `training.clients`: expected the number of clients P here\. Found "
+                       r"'auto', which only a federation resolves \(a Flower simulation: its SuperNodes; `diff2 run`: "
+                       r"10, or --set training.clients=N\)"):
+        cfg.calibration(N_MIN)
+    two = cfg.with_clients(2)
+    assert two.clients == 2 and not two.clients_auto and two.source == cfg.source
+    assert two.calibration(N_MIN).clients == 2 and two.calibration(N_MIN) != cfg.with_clients(10).calibration(N_MIN)
+    assert two == load_config(DEFAULT_YAML, {"training.clients": 2})  # as if the file said 2
+
+
+def test_a_resolved_p_is_checked_like_a_declared_one(tmp_path: Path) -> None:
+    """The checks that need P run when auto is resolved, naming where the number came from."""
+    path = _variant(tmp_path, dataset={"train_samples": 100, "partitioner": {"name": "iid", "min_samples": 20}},
+                    training={"clients": "auto"})
+    cfg = load_config(path)  # no P yet: nothing to check against
+    assert cfg.with_clients(5).clients == 5
+    with pytest.raises(ConfigError, match=re.escape(f"{path} (P = 6: the simulation's SuperNodes): key "
+                                                    "`dataset.train_samples`: expected at least training.clients × "
+                                                    "dataset.partitioner.min_samples = 6 × 20 = 120 records")):
+        cfg.with_clients(6, "the simulation's SuperNodes")
+    with pytest.raises(ConfigError, match=r"key `training.clients`: expected an integer >= 1, or auto"):
+        cfg.with_clients(0)
+
+
 def test_config_is_frozen() -> None:
     """Assigning to the config or a section raises FrozenInstanceError."""
     cfg = load_config(DEFAULT_YAML)
@@ -106,7 +139,7 @@ def test_unknown_key_in_section_is_qualified(tmp_path: Path) -> None:
         ("training", "rounds", "10", "an integer", "'10'"),
         ("training", "rounds", 10.0, "an integer", r"10\.0"),
         ("training", "rounds", 2.5, "an integer", r"2\.5"),
-        ("training", "clients", True, "an integer", "True"),
+        ("training", "clients", True, "an integer or 'auto'", "True"),
         ("privacy", "epsilon", False, "a number", "False"),
         ("training", "seed", "abc", "an integer or null", "'abc'"),
         ("privacy", "mode", "approx", "one of 'exact', 'rdp'", "'approx'"),
@@ -315,7 +348,7 @@ def test_mechanism_for_dpgd(tmp_path: Path) -> None:
 
 def test_mechanism_for_diff2(tmp_path: Path) -> None:
     """DIFF2: T and both σ come from the calibration; clips from the file."""
-    cfg = load_config(DEFAULT_YAML)
+    cfg = load_config(DEFAULT_YAML).with_clients(10)
     cal = cfg.calibration(N_MIN)
     assert cal is not None
     assert cal.restart_every == 10 and cal.restart_rounds == 10 and cal.difference_rounds == 90
@@ -329,7 +362,7 @@ def test_mechanism_for_diff2(tmp_path: Path) -> None:
 
 def test_calibration_depends_on_n_min() -> None:
     """Larger shards need less noise per unit radius."""
-    cfg = load_config(DEFAULT_YAML)
+    cfg = load_config(DEFAULT_YAML).with_clients(10)
     small, large = cfg.calibration(N_MIN), cfg.calibration(4 * N_MIN)
     assert small is not None and large is not None
     assert large.sigma1 < small.sigma1 and large.sigma2 < small.sigma2

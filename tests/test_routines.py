@@ -287,7 +287,7 @@ def test_the_adam_example_is_the_default_run_with_adam():
     assert d["training"].pop("routine") == "gd"
     for c in (a, d):
         c.pop("name"), c["training"].pop("learning_rate")
-    assert a == d and adam.calibration(900) == default.calibration(900)
+    assert a == d and adam.with_clients(10).calibration(900) == default.with_clients(10).calibration(900)
     server = run_inprocess(load_config(configs / "adam.yaml", {"training.rounds": 12, "training.seed": 1}),
                            record=False, progress=None)
     assert server.done and server.history[-1]["train_loss"] < server.history[0]["train_loss"]

@@ -123,6 +123,11 @@ def deployment_config(config: str | os.PathLike[str], workdir: Path, rounds: int
     """Write the shards of ``config`` into ``workdir`` and a config that reads them (server: no train data)."""
     cfg = load_config(resolve_config_path(config))
     data = cfg.to_dict()
+    if clients is None and cfg.clients_auto:  # this deployment starts the SuperNodes: it says how many
+        clients = AUTO_CLIENTS_DEFAULT
+        if echo:
+            print(f"[diff2] training.clients: auto -> P = {clients} SuperNodes (--clients N for another number)",
+                  flush=True)
     if clients is not None:
         data["training"]["clients"] = clients
         cfg = parse_config(data, str(config))

@@ -344,10 +344,12 @@ class ComposeStack:
         0700, owned by 49999), and for TLS the certificates and the P node keys (keys owned by 49999; all on this one
         machine, as a test does). Returns the shard folder."""
         cfg = load_config(config, set_keys)
-        if cfg.training.clients != self.clients:
-            raise ValueError(f"{config}: training.clients = {cfg.training.clients} but {self.file} has "
+        if cfg.clients_auto:  # P = the compose file's SuperNodes
+            cfg = cfg.with_clients(self.clients, f"the SuperNodes of {self.file}")
+        if cfg.clients != self.clients:
+            raise ValueError(f"{config}: training.clients = {cfg.clients} but {self.file} has "
                              f"{self.clients} SuperNodes; regenerate it with `diff2 compose --clients "
-                             f"{cfg.training.clients}` or set training.clients = {self.clients}.")
+                             f"{cfg.clients}` or set training.clients = {self.clients}.")
         shards = self.deploy / "shards"
         write_shards(cfg, shards)
         self.outputs.mkdir(parents=True, exist_ok=True)
@@ -526,6 +528,8 @@ def run_compose_deployment(config: str, *, tls: bool, set_keys: Mapping[str, Any
     log(f"[diff2] Flower images: {report.source} ({report.seconds:.0f} s)")
     with ComposeStack(project_dir, tls=tls, log=log) as stack:
         stack.prepare(Path(project_dir) / config, set_keys)
+        if load_config(Path(project_dir) / config, set_keys).clients_auto:  # the ServerApp of a deployment needs P
+            set_keys = {**(set_keys or {}), "training.clients": stack.clients}
         if not resume:
             stack.fresh()
         log(f"[diff2] built the app images in {stack.build():.0f} s")

@@ -78,7 +78,7 @@ def _unit_data(cfg: Any) -> tuple[Any, str]:
 
     from ..runtime.session import load_data
 
-    key = json.dumps({"dataset": cfg.to_dict()["dataset"], "clients": cfg.training.clients}, sort_keys=True,
+    key = json.dumps({"dataset": cfg.to_dict()["dataset"], "clients": cfg.clients}, sort_keys=True,
                      default=str)
     if key not in _DATA:
         if len(_DATA) >= 2:  # a study uses one dataset; keep memory bounded all the same

@@ -34,6 +34,8 @@ from ..task.losses import LOSSES
 
 __all__ = [
     "ConfigError",
+    "CLIENTS_AUTO",
+    "AUTO_CLIENTS_DEFAULT",
     "Kwargs",
     "DatasetConfig",
     "PartitionerConfig",
@@ -363,6 +365,17 @@ class RoutineConfig:
         return {"name": self.name, **params} if params else self.name
 
 
+#: ``training.clients: auto``: P is the number of SuperNodes of the federation that runs the config. A Flower
+#: simulation resolves it (``flwr run .`` simulates 2 SuperNodes unless ``--federation-config "num-supernodes=N"``),
+#: and so do the launchers that start the SuperNodes themselves (``diff2 run``: :data:`AUTO_CLIENTS_DEFAULT` unless
+#: ``--set training.clients=N``; ``diff2 deploy-local``: ``--clients``; the compose deployment: its SuperNodes). A
+#: deployment's ServerApp refuses it: its SuperNodes come and go, and the calibration needs P before round 1.
+CLIENTS_AUTO = "auto"
+
+#: P for ``training.clients: auto`` where our own launcher starts the SuperNodes (``diff2 run``, ``deploy-local``).
+AUTO_CLIENTS_DEFAULT = 10
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     rounds: int = 100
@@ -371,7 +384,7 @@ class TrainingConfig:
     clip_diff: float = 1.0  # C2
     learning_rate: float = 0.25
     routine: RoutineConfig = field(default_factory=RoutineConfig)  # x_r from ṽ_r: gd, momentum, nesterov, adam, adamw
-    clients: int = 10  # P
+    clients: int | Literal["auto"] = 10  # P; auto: the SuperNodes of the federation that runs it (see CLIENTS_AUTO)
     seed: int | None = None  # noise seed; null draws the noise key from OS entropy
     dtype: Literal["float64", "float32"] = "float64"
     chunk_size: int = 1024  # samples per vmap chunk (bounds memory)
@@ -388,7 +401,8 @@ class TrainingConfig:
             _require(v > 0, key, "a number > 0 (.inf only for method gd)", v)
         lr = self.learning_rate
         _require(math.isfinite(lr) and lr > 0, "learning_rate", "a finite number > 0", lr)
-        _require(self.clients >= 1, "clients", "an integer >= 1", self.clients)
+        _require(self.clients == CLIENTS_AUTO or self.clients >= 1, "clients",
+                 "an integer >= 1, or auto (P = the SuperNodes of the federation that runs it)", self.clients)
         _require(self.seed is None or self.seed >= 0, "seed", "null or an integer >= 0", self.seed)
         _require(self.chunk_size >= 1, "chunk_size", "an integer >= 1", self.chunk_size)
         _require(self.round_timeout_s is None or self.round_timeout_s > 0, "round_timeout_s", "null or a number > 0",
@@ -470,21 +484,8 @@ class ExperimentConfig:
             )
         _require(self.restart_every <= t.rounds, "training.restart_every",
                  f"at most training.rounds = {t.rounds} (T > R never restarts)", t.restart_every)
-        part, sizes = self.dataset.partitioner, self.dataset.partitioner.sizes
-        if part.name == "pathological" and self.dataset.task_kind == "regression":
-            bins = part.num_bins(t.clients)
-            _require(part.classes_per_client <= bins, "dataset.partitioner.classes_per_client",
-                     f"at most the {bins} target bins of dataset {self.dataset.name} (dataset.partitioner.bins"
-                     f"{'' if part.bins else ', null: one per client'})", part.classes_per_client)
-        if part.name == "size":
-            _require(len(sizes) == t.clients, "dataset.partitioner.sizes",
-                     f"one size per client: training.clients = {t.clients} sizes", list(sizes))
-        need = t.clients * part.min_samples
-        if self.dataset.train_samples is not None:
-            _require(self.dataset.train_samples >= need, "dataset.train_samples",
-                     f"at least training.clients × dataset.partitioner.min_samples = {t.clients} × "
-                     f"{part.min_samples} = {need} records (every client needs {part.min_samples}); keep more "
-                     "records or use fewer clients", self.dataset.train_samples)
+        if t.clients != CLIENTS_AUTO:  # else checked when a federation resolves P (with_clients)
+            self._check_clients(t.clients)
         if self.dataset.shards:
             _require(not self.evaluation.train_metrics, "evaluation.train_metrics",
                      "false with dataset.shards (in a deployment the server holds no training data)",
@@ -521,6 +522,51 @@ class ExperimentConfig:
                 _require(math.isfinite(u) and u > 1, "privacy.u", "a finite number > 1 when restart_every > 1 "
                          "(the paper uses 1.25)", u)
 
+    def _check_clients(self, clients: int) -> None:
+        """The checks that depend on P."""
+        part, sizes = self.dataset.partitioner, self.dataset.partitioner.sizes
+        if part.name == "pathological" and self.dataset.task_kind == "regression":
+            bins = part.num_bins(clients)
+            _require(part.classes_per_client <= bins, "dataset.partitioner.classes_per_client",
+                     f"at most the {bins} target bins of dataset {self.dataset.name} (dataset.partitioner.bins"
+                     f"{'' if part.bins else ', null: one per client'})", part.classes_per_client)
+        if part.name == "size":
+            _require(len(sizes) == clients, "dataset.partitioner.sizes",
+                     f"one size per client: training.clients = {clients} sizes", list(sizes))
+        need = clients * part.min_samples
+        if self.dataset.train_samples is not None:
+            _require(self.dataset.train_samples >= need, "dataset.train_samples",
+                     f"at least training.clients × dataset.partitioner.min_samples = {clients} × "
+                     f"{part.min_samples} = {need} records (every client needs {part.min_samples}); keep more "
+                     "records or use fewer clients", self.dataset.train_samples)
+
+    @property
+    def clients_auto(self) -> bool:
+        """Whether P is ``auto``: the SuperNodes of the federation that runs the config (see :data:`CLIENTS_AUTO`)."""
+        return self.training.clients == CLIENTS_AUTO
+
+    @property
+    def clients(self) -> int:
+        """P. A config with ``training.clients: auto`` has none until a federation resolves it (:meth:`with_clients`):
+        asking for it then is an error that says so."""
+        if self.clients_auto:
+            raise ConfigError(
+                f"{self.source}: key `training.clients`: expected the number of clients P here. Found 'auto', which "
+                "only a federation resolves (a Flower simulation: its SuperNodes; `diff2 run`: "
+                f"{AUTO_CLIENTS_DEFAULT}, or --set training.clients=N). Set training.clients to the number of data "
+                "owners.", key="training.clients", expected="the number of clients P", found=CLIENTS_AUTO)
+        return int(self.training.clients)
+
+    def with_clients(self, clients: int, origin: str = "") -> ExperimentConfig:
+        """This config with P = ``clients`` (how ``training.clients: auto`` is resolved; also a fixed P), checked again
+        with that P; ``origin`` says where the number came from in an error (e.g. "the simulation's SuperNodes")."""
+        try:
+            return dataclasses.replace(self, training=dataclasses.replace(self.training, clients=clients))
+        except _Invalid as err:
+            because = f" (P = {clients}: {origin})" if origin else ""
+            raise _key_error(self.source + because, err.key if "." in err.key else f"training.{err.key}",
+                             err.expected, err.found) from None
+
     @property
     def private(self) -> bool:
         return self.method != "gd"
@@ -551,7 +597,7 @@ class ExperimentConfig:
         p = self.privacy
         return calibrate(
             epsilon=p.epsilon, delta=p.delta, rounds=self.training.rounds, restart_every=self.restart_every,
-            u=p.u, n_min=n_min, clients=self.training.clients, mode=p.mode,
+            u=p.u, n_min=n_min, clients=self.clients, mode=p.mode,
             **({"local_steps": self.local.steps, "local_batch_size": self.local.batch_size,
                 "local_share": self.local.share} if self.local.enabled else {}),
         )
@@ -630,7 +676,8 @@ def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
 def _describe(hint: Any) -> str:
     origin = typing.get_origin(hint)
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+        args = typing.get_args(hint)
+        return repr(args[0]) if len(args) == 1 else "one of " + ", ".join(repr(a) for a in args)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(hint))
     if origin is tuple:

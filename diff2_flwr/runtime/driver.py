@@ -15,7 +15,7 @@ from typing import Callable
 
 from ..core.local import LocalTask
 from .compute import pinned_threads
-from .config import ExperimentConfig
+from .config import AUTO_CLIENTS_DEFAULT, ExperimentConfig
 from .session import Diff2Server, Diverged, Preflight, build_server, build_worker
 
 __all__ = ["run_inprocess"]
@@ -30,11 +30,14 @@ def run_inprocess(
     A diverging run (the iterate, the radius or the workers' gradients no longer finite) raises
     :class:`Diverged`, or with ``stop_on_divergence`` returns the server stopped at the round that
     diverged (``server.diverged_at``; its summary says so). Privacy rejections always raise. ``checked``: the
-    :func:`~diff2_flwr.runtime.session.preflight` of this ``cfg`` when the caller ran it already.
+    :func:`~diff2_flwr.runtime.session.preflight` of this ``cfg`` when the caller ran it already. With
+    ``training.clients: auto`` this driver, which makes the workers, makes :data:`AUTO_CLIENTS_DEFAULT` of them.
     """
+    if cfg.clients_auto:
+        cfg = cfg.with_clients(AUTO_CLIENTS_DEFAULT, "the in-process driver's workers")
     with pinned_threads(cfg.training.threads):  # as the ServerApp and every ClientApp
         server = build_server(cfg, output_root=output_root, record=record, progress=progress, checked=checked)
-        workers = [build_worker(cfg, p) for p in range(cfg.training.clients)]
+        workers = [build_worker(cfg, p) for p in range(cfg.clients)]
         while not server.done:
             try:
                 plan = server.plan()

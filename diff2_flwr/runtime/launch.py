@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .config import load_config, yaml_text
+from .config import AUTO_CLIENTS_DEFAULT, load_config, yaml_text
 from .console import RunConsole, verbose_from_env
 from .paths import APP_DIR, resolve_config_path
 from .secret_files import make_superexec_secret
@@ -232,14 +232,20 @@ def run_simulation(
     Relative output paths in the config resolve against ``cwd`` (default: the current directory).
     ``set_keys`` overrides single keys of the experiment file (``{"training.rounds": 200}``): they travel
     as Flower run-config keys, so the ServerApp and every ClientApp apply the same ones.
-    For another Flower app (``config=None``), give ``clients`` and its ``run_config`` overrides.
+    For another Flower app (``config=None``), give ``clients`` and its ``run_config`` overrides. A config with
+    ``training.clients: auto`` runs with ``clients`` SuperNodes (default :data:`AUTO_CLIENTS_DEFAULT`).
     With ``echo``, the run's log goes to ``console`` (default: a filtering :class:`RunConsole` on stderr).
     """
     app_dir = Path(app_dir).resolve()
     overrides = dict(run_config or {})
     if config is not None:
         config_path = resolve_config_path(config, app_dir)
-        clients = load_config(config_path, set_keys).training.clients  # validated here, before anything starts
+        cfg = load_config(config_path, set_keys)  # validated here, before anything starts
+        if cfg.clients_auto:  # this launcher starts the SuperNodes: P is their number, and every app is told it
+            clients = clients or AUTO_CLIENTS_DEFAULT
+            set_keys = {**(set_keys or {}), "training.clients": clients}
+        else:
+            clients = cfg.clients
         overrides["config"] = str(config_path)
         overrides.update({k: yaml_text(v) for k, v in (set_keys or {}).items()})
     if clients is None:

@@ -630,7 +630,7 @@ def make_server(
     return Diff2Server(
         mechanism=spec.mechanism(calibration),
         routine=spec.training.routine.build(spec.training.learning_rate),
-        layout=layout, x0=x0, rounds=spec.training.rounds, clients=spec.training.clients, n_min=n_min,
+        layout=layout, x0=x0, rounds=spec.training.rounds, clients=spec.clients, n_min=n_min,
         calibration=calibration, seed=spec.training.seed, evaluator=evaluator, eval_every=spec.evaluation.every,
         recorder=recorder, run_info=info, progress=progress, checkpoint_path=checkpoint_path,
         fingerprint=fingerprint, resume=resume, local=spec.local_mechanism(calibration),
@@ -760,9 +760,9 @@ def load_data(cfg: ExperimentConfig) -> PreparedData:
         x, y = load_raw(d.name, data_dir=d.dir, num_samples=d.num_samples, num_features=d.num_features,
                         seed=d.generator_seed)
     try:
-        return prepare(d.name, x, y, clients=cfg.training.clients, test_fraction=d.test_fraction,
+        return prepare(d.name, x, y, clients=cfg.clients, test_fraction=d.test_fraction,
                        split_seed=d.split_seed, classes=classes,
-                       partitioner=d.partitioner.arguments(d.split_seed, d.task_kind, cfg.training.clients),
+                       partitioner=d.partitioner.arguments(d.split_seed, d.task_kind, cfg.clients),
                        train_samples=d.train_samples, subsample_seed=d.subsample_seed)
     except DataError as exc:  # say which experiment file asked for it
         raise DataError(f"{cfg.source}: {exc}") from None
@@ -808,7 +808,7 @@ def build_worker(cfg: ExperimentConfig, partition_id: int, data_path: str | None
     if data_path is not None:
         from .shard_files import read_shard
 
-        shard = read_shard(data_path, cfg, partition_id, cfg.training.clients)
+        shard = read_shard(data_path, cfg, partition_id, cfg.clients)
         features, targets = shard.features, shard.targets
         num_outputs = _num_outputs(cfg, shard.classes)
     else:
@@ -849,9 +849,9 @@ def _server_data(cfg: ExperimentConfig) -> PreparedData:
     from .shard_files import SERVER_FILE, read_server_data
 
     sdata = read_server_data(Path(cfg.dataset.shards).expanduser() / SERVER_FILE, cfg)
-    if len(sdata.shard_sizes) != cfg.training.clients:
+    if len(sdata.shard_sizes) != cfg.clients:
         raise ValueError(f"{cfg.source}: the shards are for {len(sdata.shard_sizes)} workers, "
-                         f"training.clients = {cfg.training.clients}.")
+                         f"training.clients = {cfg.clients}.")
     return PreparedData(name=cfg.dataset.name, x_train=np.zeros((0, sdata.x_test.shape[1])), y_train=np.zeros(0),
                         x_test=sdata.x_test, y_test=sdata.y_test,
                         shard_bounds=tuple((0, n) for n in sdata.shard_sizes), target_scale=sdata.target_scale,
@@ -972,7 +972,7 @@ def build_server(
         "dataset": {"name": data.name, "train": sum(data.shard_sizes), "test": int(data.x_test.shape[0]),
                     "shard_sizes": list(data.shard_sizes), **subsample_info(cfg, data),
                     "partitioner": cfg.dataset.partitioner.describe(
-                        cfg.dataset.split_seed, cfg.dataset.task_kind, cfg.training.clients)}}
+                        cfg.dataset.split_seed, cfg.dataset.task_kind, cfg.clients)}}
     if pre.noise is not None:
         run_info["noise_to_radius"] = pre.noise
     if pre.warnings:

@@ -33,7 +33,7 @@ class ShardError(ValueError):
 
 def data_fingerprint(cfg: ExperimentConfig) -> str:
     """A hash of the dataset settings and P: what decides which samples a shard holds."""
-    relevant = {"dataset": cfg.to_dict()["dataset"], "clients": cfg.training.clients}
+    relevant = {"dataset": cfg.to_dict()["dataset"], "clients": cfg.clients}
     for key in ("dir", "shards"):  # where the files lie does not change the shards
         relevant["dataset"].pop(key, None)
     if relevant["dataset"].get("train_samples") is None:  # no subsample: as before the keys existed (old files match)
