@@ -1,5 +1,8 @@
 """Flower ClientApp: one worker per SuperNode, holding shard ``partition-id`` of ``num-partitions``.
 
+With ``training.clients: auto``, P is ``num-partitions`` (in a simulation, Flower's number of SuperNodes: the same
+number the ServerApp resolved).
+
 The node's operator may give it a policy (node config ``policy``, or ``$DIFF2_NODE_POLICY`` in a simulation):
 see :mod:`diff2_flwr.runtime.policy`. The run is checked against it before any record is read.
 """
@@ -43,10 +46,12 @@ def client_fn(context: Context) -> Client:
             f"Node config key {err.args[0]!r} is missing: every SuperNode needs "
             "--node-config \"partition-id=<i> num-partitions=<P>\"."
         ) from None
-    if num_partitions != cfg.training.clients:
+    if cfg.clients_auto:  # P = the federation's partitions, as the ServerApp resolved it from the same simulation
+        cfg = cfg.with_clients(num_partitions, "the node config's num-partitions")
+    if num_partitions != cfg.clients:
         raise ValueError(
             f"Node config num-partitions = {num_partitions} but {cfg.source} has training.clients = "
-            f"{cfg.training.clients}; they must match (in a simulation, num-supernodes = training.clients)."
+            f"{cfg.clients}; they must match (in a simulation, num-supernodes = training.clients)."
         )
     data_path = context.node_config.get("data-path")  # a deployment: this node's own shard file only
     policy = _policy(policy_path(context.node_config))

@@ -3,6 +3,10 @@
 First thing, it builds and checks everything that needs no transport (``session.preflight``, as ``diff2 run``
 does before Flower starts): a mistake is one ``[diff2] pre-flight failed: ...`` line at the top of the
 ServerApp's log (Flower's traceback follows it) and the run's status details.
+
+With ``training.clients: auto`` (the embedded default) P is the number of SuperNodes the simulation registered
+(``flwr run .`` simulates 2 unless ``--federation-config "num-supernodes=N"``); the shards and the calibration
+follow from it. A deployment must declare P.
 """
 
 from __future__ import annotations
@@ -11,28 +15,36 @@ import os
 from typing import Any, Mapping
 
 from flwr.common import Context
-from flwr.server import ServerApp, ServerAppComponents, ServerConfig
+from flwr.server import Grid, ServerApp, ServerAppComponents, ServerConfig
+from flwr.server.compat import start_grid
 
+from diff2_flwr.fl.federation import simulation_supernodes
 from diff2_flwr.fl.strategy import Diff2Strategy
 from diff2_flwr.runtime.compute import pin_threads
 from diff2_flwr.runtime.config import ExperimentConfig, load_run_config
 from diff2_flwr.runtime.session import Preflight, PreflightError, build_server, preflight
 
 
-def checked_config(run_config: Mapping[str, Any]) -> tuple[ExperimentConfig, Preflight]:
-    """The run config's experiment and its pre-flight; the first mistake in one line, then raised."""
+def checked_config(run_config: Mapping[str, Any], grid: Grid | None = None) -> tuple[ExperimentConfig, Preflight]:
+    """The run config's experiment (P resolved from ``grid`` when it is ``auto``) and its pre-flight; the first
+    mistake in one line, then raised."""
     try:
         cfg = load_run_config(run_config)
+        if cfg.clients_auto:
+            p = simulation_supernodes(grid)
+            cfg = cfg.with_clients(p, "the simulation's SuperNodes")
+            print(f"[diff2] training.clients: auto -> P = {p}, the SuperNodes of this simulation", flush=True)
         pin_threads(cfg.training.threads)  # the evaluation's reductions add in the same order as the in-process driver's
         return cfg, preflight(cfg)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError) as err:  # FederationError and ConfigError are ValueErrors
         message = " ".join(str(err).split())
         print(f"[diff2] pre-flight failed: {message}", flush=True)
         raise PreflightError(message) from None
 
 
-def server_fn(context: Context) -> ServerAppComponents:
-    cfg, checked = checked_config(context.run_config)
+def server_fn(context: Context, grid: Grid | None = None) -> ServerAppComponents:
+    """The strategy and the server config of this run (``grid`` resolves ``training.clients: auto``)."""
+    cfg, checked = checked_config(context.run_config, grid)
     server = build_server(cfg, checked=checked)  # resumes from output.checkpoint when it exists
     t = cfg.training
     # Fault injection for crash/resume tests: the server dies right after releasing (and checkpointing) round k.
@@ -44,4 +56,15 @@ def server_fn(context: Context) -> ServerAppComponents:
                                config=ServerConfig(num_rounds=strategy.num_rounds, round_timeout=t.round_timeout_s))
 
 
-app = ServerApp(server_fn=server_fn)
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """What ``ServerApp(server_fn=...)`` does (Flower's ``start_grid`` with the strategy), with the grid known
+    before the strategy is built: a simulation's SuperNodes give P for ``training.clients: auto``."""
+    components = server_fn(context, grid)
+    start_grid(grid=grid, strategy=components.strategy, config=components.config)
+
+
+__all__ = ["app", "checked_config", "server_fn"]

@@ -31,12 +31,10 @@ from ..core.estimator import Release
 from ..core.local import LocalTask
 from ..runtime.session import Diff2Server
 from . import protocol
+from .federation import SIMULATION_SETTLE_S, is_simulation
 
 __all__ = ["Diff2Strategy", "SIMULATION_SETTLE_S"]
 
-#: A simulation registers all its virtual SuperNodes at once, before the first round: once their
-#: number has held for this long it is final, and a wrong number fails the run at once.
-SIMULATION_SETTLE_S = 1.0
 _POLL_S = 0.25
 
 
@@ -246,16 +244,8 @@ class Diff2Strategy(Strategy):
 
 
 def _simulated(available: dict[str, ClientProxy]) -> bool:
-    """Whether the nodes are a simulation's virtual SuperNodes: their proxies talk to Flower's in-memory grid.
-
-    ``flwr run`` runs a simulation's ServerApp on an ``InMemoryGrid`` and a deployment's on an
-    ``HttpGrid`` (Flower 1.42); the class is matched by name so that no private module is imported.
-    """
-    for proxy in available.values():
-        grid = getattr(proxy, "grid", None)
-        if grid is not None and any(cls.__name__ == "InMemoryGrid" for cls in type(grid).__mro__):
-            return True
-    return False
+    """Whether the nodes are a simulation's virtual SuperNodes: their proxies talk to Flower's in-memory grid."""
+    return any(is_simulation(getattr(proxy, "grid", None)) for proxy in available.values())
 
 
 def _client_count_problem(p: int, available: dict[str, ClientProxy]) -> str:
@@ -265,7 +255,8 @@ def _client_count_problem(p: int, available: dict[str, ClientProxy]) -> str:
         return (f"the config has training.clients = {p} but this simulation has {n} SuperNodes (`flwr run` "
                 f"simulates 2 unless told otherwise). Every round needs exactly P = {p} workers. Run it again with\n"
                 f"    flwr run . --federation-config \"num-supernodes={p}\"\n"
-                "(keep any other options you gave), or use ./scripts/run.sh / `diff2 run CONFIG`, which set it.")
+                "(keep any other options you gave), or use ./scripts/run.sh / `diff2 run CONFIG`, which set it, or "
+                "let P follow the simulation: --run-config \"training.clients='auto'\".")
     return (f"the config has training.clients = {p} but {n} clients are connected. Every round needs exactly "
             f"P = {p}; in a simulation pass --federation-config \"num-supernodes={p}\", in a deployment start "
             f"one SuperNode per data owner ({p}).")
