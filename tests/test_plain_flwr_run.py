@@ -1,14 +1,15 @@
-"""`flwr run .` exactly as a Flower user types it, with a fresh FLWR_HOME (Flower 1.42).
+"""`flwr run .` exactly as a Flower user types it: the venv activated, a fresh FLWR_HOME, no flag (Flower 1.42).
 
-Flower then creates ``$FLWR_HOME/config.toml`` whose default connection ``local`` has the address
-``:local:``, starts a detached local SuperLink (``--database $FLWR_HOME/local-superlink/state.db``)
-and submits the run with its default federation config: 2 simulated SuperNodes. The embedded
-default needs P = 10, so the run must fail within seconds (not after the strategy's 5-minute wait
-for clients that never come) and name the flag; the command it names must then work as typed.
+Flower then creates ``$FLWR_HOME/config.toml`` whose default connection ``local`` has the address ``:local:``,
+starts a detached local SuperLink (``--database $FLWR_HOME/local-superlink/state.db``) and submits the run with
+its default federation config: 2 simulated SuperNodes. The embedded default says ``training.clients: auto``, so P
+is those 2 SuperNodes (shards and calibration from there) and the run completes.
 
-The SuperLink ports come from Flower's own environment variables (free ports: other test runs may
-share the machine); the command line is the user's. Flower leaves the SuperLink running: the test
-finds it by its FLWR_HOME in its command line and stops its process group.
+The shell is a fresh ``bash`` that sources ``.venv/bin/activate`` (which, by ``scripts/setup.sh``, also turns off
+Flower's per-run dependency install) from an environment that has neither the venv on PATH nor any ``FLWR_*``
+variable. The only variables the test adds are ``FLWR_HOME`` (fresh) and the two that move the local SuperLink's
+ports to free ones (other test runs may share the machine; they change nothing else). Flower leaves the SuperLink
+running: the test finds it by its FLWR_HOME in its command line and stops its process group.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import pytest
 
 from diff2_flwr.runtime.launch import _free_ports
 
-pytestmark = pytest.mark.flower
-
 REPO = Path(__file__).resolve().parents[1]
-#: The strategy waits 300 s for clients in a deployment; a simulation with the wrong count must fail well before.
+VENV = Path(sys.executable).parent.parent
+ACTIVATE = VENV / "bin" / "activate"
+OFFLINE = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"
+#: A simulation with the wrong number of SuperNodes must fail long before the strategy's 5-minute deployment wait.
 FAIL_WITHIN_S = 120
 
 
@@ -44,6 +46,23 @@ def _copy_app(dest: Path) -> Path:
     for name in ("diff2_flwr", "server", "clients", "configs"):
         shutil.copytree(REPO / name, dest / name, ignore=ignore)
     return dest
+
+
+def _user_env(home: Path) -> dict[str, str]:
+    """A shell before activation: the venv off PATH, no FLWR_* or DIFF2_* variable but a fresh FLWR_HOME and the
+    local SuperLink's ports."""
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if Path(p) != VENV / "bin")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FLWR_", "DIFF2_", "VIRTUAL_ENV", "PYTHONPATH"))}
+    env.update(PATH=path, FLWR_HOME=str(home))
+    env.update(zip(("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"), map(str, _free_ports(2))))
+    return env
+
+
+def _activated(command: str, env: dict[str, str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``command`` typed in a bash that has just sourced the venv's activate script."""
+    return subprocess.run(["bash", "-c", f"source {shlex.quote(str(ACTIVATE))} && {command}"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _superlink_pids(home: Path) -> list[int]:
@@ -68,8 +87,7 @@ def _stop_group(pid: int) -> None:
 
 
 def _status(env: dict[str, str], cwd: Path, run_id: int) -> dict:
-    listing = subprocess.run(["flwr", "ls", "--run-id", str(run_id), "--format", "json"], cwd=cwd, env=env,
-                             capture_output=True, text=True, timeout=60)
+    listing = _activated(f"flwr ls --run-id {run_id} --format json", env, cwd, timeout=60)
     try:
         return json.loads(listing.stdout)["runs"][0]
     except (ValueError, KeyError, IndexError):
@@ -87,43 +105,90 @@ def _wait_finished(env: dict[str, str], cwd: Path, run_id: int, timeout_s: float
         time.sleep(2)
 
 
-def _flwr(argv: list[str], env: dict[str, str], cwd: Path) -> int:
-    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"{shlex.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}"
+def _flwr_run(command: str, env: dict[str, str], cwd: Path) -> int:
+    done = _activated(command, env, cwd)
+    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout}{done.stderr}"
     started = re.search(r"Successfully started run (\d+)", done.stdout)
-    assert started, f"{shlex.join(argv)} started no run:\n{done.stdout}{done.stderr}"
+    assert started, f"{command} started no run:\n{done.stdout}{done.stderr}"
     return int(started.group(1))
 
 
-def test_plain_flwr_run_fails_within_seconds_naming_the_flag_and_that_command_works(tmp_path):
+def _summaries(app: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((app / "outputs").glob("default-*/summary.json"))]
+
+
+def test_activating_the_venv_turns_flowers_per_run_install_off_and_deactivate_restores_the_shell(tmp_path):
+    """scripts/setup.sh's activate lines: on when the shell had no value, the user's own value kept, both undone."""
+    env = _user_env(tmp_path / "home")
+    show = f'echo "${{{OFFLINE}-unset}}"'
+    done = _activated(f"{show}; command -v flwr; deactivate; {show}", env, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", str(VENV / "bin" / "flwr"), "unset"]
+    done = _activated(f"{show}; deactivate; {show}", {**env, OFFLINE: "0"}, tmp_path)
+    assert done.stdout.split() == ["0", "0"]  # a user who wants Flower's install keeps it
+
+
+def test_without_the_variable_flowers_own_dependency_step_resolves(tmp_path):
+    """What `flwr run .` does without FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION: Flower 1.42 runs `uv sync` on the
+    installed app's pyproject.toml. Its resolution (requires-python against every dependency's) must succeed; the
+    install itself is not run (it would download a second copy of every dependency, on Linux the CUDA torch)."""
+    installer = (Path(__import__("flwr").__file__).parent / "supercore" / "superexec" / "dependency_installer.py")
+    flags = ["sync", "--python", "--no-install-project", "--no-install-package", "--inexact"]
+    source = installer.read_text()
+    assert all(f'"{flag}"' in source for flag in flags), "Flower's uv command changed: update this test"
+    app = _copy_app(tmp_path / "app")
+    env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(tmp_path / "runtime-env"), "UV_CACHE_DIR": str(tmp_path / "uv")}
+    cmd = [sys.executable, "-m", "uv", "sync", "--python", sys.executable, "--no-install-project",
+           "--no-install-package", "flwr", "--inexact", "--dry-run"]
+    done = subprocess.run(cmd, cwd=app, env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    if done.returncode != 0 and re.search(r"(?i)failed to fetch|dns error|connection|network|offline", out):
+        pytest.skip(f"no package index reachable for uv's resolution: {out.strip().splitlines()[-1]}")
+    assert done.returncode == 0, out
+    assert re.search(r"Resolved \d+ packages", out), out
+    assert "unsatisfiable" not in out and not (tmp_path / "runtime-env").exists()  # resolved, nothing installed
+
+
+@pytest.mark.flower
+def test_plain_flwr_run_completes_with_p_the_simulations_supernodes(tmp_path):
     app = _copy_app(tmp_path / "app")
     home = tmp_path / "flwr-home"
-    env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
-           "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "FLWR_DISABLE_UPDATE_CHECK": "1",  # loopback only
-           **dict(zip(("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"), map(str, _free_ports(2))))}
-    env.pop("DIFF2_FAULT_CRASH_AFTER_ROUND", None)
+    env = _user_env(home)
     try:
         typed = time.monotonic()
-        run_id = _flwr(["flwr", "run", "."], env, app)  # exactly as typed
-        info = _wait_finished(env, app, run_id, FAIL_WITHIN_S)
+        run_id = _flwr_run("flwr run .", env, app)  # exactly as typed
+        info = _wait_finished(env, app, run_id, 600)
         took = time.monotonic() - typed
+        assert info["status"] == "finished:completed", info
+        (summary,) = _summaries(app)
+        assert summary["status"] == "completed" and summary["rounds_released"] == 100, summary
+        assert summary["config"]["training"]["clients"] == 2 and summary["privacy"]["calibration"]["clients"] == 2
+        first = json.loads((Path(summary["output_dir"]) / "metrics.jsonl").read_text().splitlines()[0])
+        assert first["round"] == 0 and summary["final"]["train_loss"] < first["train_loss"], summary
+        log = _activated(f"flwr log {run_id} --show", env, app, timeout=60).stdout
+        assert "training.clients: auto -> P = 2, the SuperNodes of this simulation" in log, log[-3000:]
+        print(f"plain `flwr run .` completed in {took:.0f} s (run {info['elapsed']:.0f} s)")
+
+        # Another federation size, from Flower's own flag: P follows it.
+        run_id = _flwr_run('flwr run . --federation-config "num-supernodes=3" '
+                           '--run-config "training.rounds=4 training.restart_every=2"', env, app)
+        assert _wait_finished(env, app, run_id, 300)["status"] == "finished:completed"
+        three = [s for s in _summaries(app) if s["config"]["training"]["rounds"] == 4]
+        assert [(s["status"], s["privacy"]["calibration"]["clients"]) for s in three] == [("completed", 3)]
+
+        # A config that fixes P fails within seconds naming the flag, and that command, as typed, completes.
+        typed = time.monotonic()
+        fixed = '--run-config "training.clients=4 training.rounds=3 training.restart_every=3"'
+        run_id = _flwr_run(f"flwr run . {fixed}", env, app)
+        info = _wait_finished(env, app, run_id, FAIL_WITHIN_S)
         assert info["status"] == "finished:failed", info
         details = info["status-details"]
-        assert "training.clients = 10 but this simulation has 2 SuperNodes" in details, details
-        assert took < FAIL_WITHIN_S, f"the failure took {took:.0f} s"
-        print(f"plain `flwr run .` failed after {took:.0f} s (run {info['elapsed']:.0f} s): {details}")
-
-        # The command the error names, as typed, completes the embedded default.
+        assert "training.clients = 4 but this simulation has 2 SuperNodes" in details, details
+        assert time.monotonic() - typed < FAIL_WITHIN_S
         named = re.search(r"^\s*(flwr run \. .*)$", details, re.MULTILINE)
-        assert named, details
-        assert named.group(1) == 'flwr run . --federation-config "num-supernodes=10"'
-        run_id = _flwr(shlex.split(named.group(1)), env, app)
-        info = _wait_finished(env, app, run_id, 600)
-        assert info["status"] == "finished:completed", info
-        summaries = sorted((app / "outputs").glob("default-*/summary.json"))
-        completed = [json.loads(p.read_text()) for p in summaries]
-        assert [s["status"] for s in completed].count("completed") == 1, [s["status"] for s in completed]
+        assert named and named.group(1) == 'flwr run . --federation-config "num-supernodes=4"', details
+        run_id = _flwr_run(f"{named.group(1)} {fixed}", env, app)
+        assert _wait_finished(env, app, run_id, 300)["status"] == "finished:completed"
     finally:
         for pid in _superlink_pids(home):
             _stop_group(pid)
