@@ -72,21 +72,6 @@ def _refused(args: argparse.Namespace, err: BaseException, wall_time_s: float) -
 DEFAULT_CONFIG = "configs/default.yaml"
 
 
-def _assignments(args: argparse.Namespace) -> list[str]:
-    """The ``KEY=VALUE`` texts of every ``--set``, and ``args.config`` settled.
-
-    ``--set`` takes several assignments, so in ``diff2 run --set a=1 CONFIG`` it swallows the file too: a
-    last word without ``=`` is the experiment file when no other was given (any other such word is refused
-    by :func:`parse_assignment`, naming it).
-    """
-    texts = list(args.set or ())
-    if args.config is None and texts and "=" not in texts[-1]:
-        args.config = texts.pop()
-    if args.config is None:
-        args.config = DEFAULT_CONFIG
-    return texts
-
-
 def _run(args: argparse.Namespace) -> int:
     """Progress and the end-of-run summary on stderr; one JSON object (the run's key figures) on stdout.
 
@@ -97,13 +82,13 @@ def _run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     try:
-        from .runtime.config import AUTO_CLIENTS_DEFAULT, load_config, parse_assignment
+        from .runtime.config import AUTO_CLIENTS_DEFAULT, load_config, set_assignments
         from .runtime.paths import resolve_config_path
         from .runtime.session import preflight
 
         auto_line = None
-
-        overrides = dict(parse_assignment(text) for text in _assignments(args))
+        # `--set a=1 CONFIG`: the last word without `=` is the file when none other was given
+        args.config, overrides = set_assignments(args.set, args.config, DEFAULT_CONFIG)
         env = _node_policy_env(args)
         cfg = load_config(resolve_config_path(args.config), overrides)
         if cfg.clients_auto:  # diff2 run starts the SuperNodes (or the in-process workers): it says how many

@@ -13,6 +13,10 @@
 # Usage: scripts/deploy_compose.sh [--tls] [--resume] [--set KEY=VALUE ...] [CONFIG]
 #   CONFIG    a config inside the app folder (default configs/deploy.yaml, the one the compose files
 #             are written for: P = 3, shards under /data/shards, outputs under /outputs)
+#   --set     override keys of CONFIG, as in `diff2 run`: one --set takes several
+#             (--set training.rounds=40 privacy.epsilon=8), repeating --set works too, and a last
+#             word without `=` after --set is CONFIG when none other was given; checked (unknown
+#             keys, types, ranges) before anything is built: a mistake is one line, exit 2
 #   --resume  continue from ./deploy/outputs/checkpoint.npz; without it a left checkpoint is removed
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -91,3 +91,51 @@ def test_the_standin_images_have_flowers_entrypoints_user_and_workdir(target, en
     assert "--uid 49999 app" in base and "WORKDIR /app\nUSER app\nENV HOME=/app" in base
     assert "PATH=/python/venv/bin:$PATH" in base and "chown -R app:app /app /python/venv" in base
     assert set(podman.STANDIN_TARGETS) == {"base", "superlink", "supernode", "superexec", "serverapp", "clientapp"}
+
+
+def _podman_run(argv, monkeypatch, capsys):
+    """``python -m diff2_flwr.deploy.podman run ARGV`` with the deployment replaced: its exit code, what it would have
+    deployed (CONFIG and the overrides; None when refused) and its last line on stderr. Nothing of Podman runs."""
+    from diff2_flwr.runtime.launch import LaunchResult
+
+    deployed = []
+
+    def deploy(config, *, tls, set_keys, resume, log):
+        deployed.append((config, set_keys))
+        return LaunchResult(run_id=1, status="completed", details="", log="", output_dir=None)
+
+    monkeypatch.setattr(podman, "run_compose_deployment", deploy)
+    code = podman._main(["run", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, (deployed[0] if deployed else None), (err[-1] if err else "")
+
+
+@pytest.mark.parametrize("argv,config,overrides", [
+    (["--set", "training.rounds=10", "name=both"], "configs/deploy.yaml", {"training.rounds": 10, "name": "both"}),
+    (["--set", "training.rounds=10", "--set", "name=both"], "configs/deploy.yaml",
+     {"training.rounds": 10, "name": "both"}),
+    (["--set", "training.rounds=10", "configs/deploy.yaml"], "configs/deploy.yaml", {"training.rounds": 10}),
+    (["--tls", "--set", "training.rounds=10", "privacy.epsilon=8", "configs/default.yaml"], "configs/default.yaml",
+     {"training.rounds": 10, "privacy.epsilon": 8}),
+    (["configs/default.yaml", "--set", "name=x"], "configs/default.yaml", {"name": "x"}),
+], ids=["one-set-two-keys", "set-repeated", "file-after-set", "other-file-after-set", "file-first"])
+def test_one_set_takes_several_assignments_and_the_file_may_follow(argv, config, overrides, monkeypatch, capsys):
+    """The compose deployment's ``--set`` reads as ``diff2 run``'s (tests/test_config.py)."""
+    assert _podman_run(argv, monkeypatch, capsys) == (0, (config, overrides), "")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--set", "rounds=4"], "unknown key rounds in the overrides. Did you mean training.rounds?"),
+    (["--set", "training.rounds=10", "rounds", "name=x"],
+     "--set: expected KEY=VALUE (e.g. training.rounds=200). Found 'rounds'."),
+    (["configs/deploy.yaml", "--set", "training.rounds=10", "configs/default.yaml"],
+     "--set: expected KEY=VALUE (e.g. training.rounds=200). Found 'configs/default.yaml'."),
+], ids=["unknown-key", "malformed", "second-file"])
+def test_a_bad_set_is_refused_before_podman_in_diff2_runs_words(argv, message, monkeypatch, capsys):
+    from diff2_flwr.cli import main
+
+    code, deployed, line = _podman_run(argv, monkeypatch, capsys)
+    assert (code, deployed) == (2, None) and line.startswith("[diff2] FAILED: ") and line.endswith(message)
+    config = [] if argv[0] == "configs/deploy.yaml" else ["configs/deploy.yaml"]
+    assert main(["run", *config, "--engine", "inprocess", *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == line.replace("[diff2] FAILED: ", "diff2 run: error: ")

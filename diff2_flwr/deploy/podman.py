@@ -16,7 +16,13 @@ constraints file) is mounted read-only at the same place, with the host's networ
 header says (shards, outputs owned by UID 49999, certificates and node keys for TLS), builds, brings
 the stack up, registers the SuperNode keys (TLS), submits runs with ``flwr run`` to 127.0.0.1:8000,
 and brings everything down again, also on failure. ``python -m diff2_flwr.deploy.podman`` exposes it
-(``images``: build the stand-ins; ``run``: the whole deployment of a config; ``down``).
+(``images``: build the stand-ins; ``run``: the whole deployment of a config; ``down``)::
+
+    python -m diff2_flwr.deploy.podman run [--tls] [--resume] [--set KEY=VALUE ...] [CONFIG]
+
+``--set`` works as in ``diff2 run``: one ``--set`` takes several assignments (``--set training.rounds=40
+privacy.epsilon=8``), repeating it works too, and in ``--set a=1 CONFIG`` the last word without ``=`` is CONFIG
+when no other was given. CONFIG and the overrides are checked before any image is built or pulled.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from typing import Any
 
 import yaml
 
-from ..runtime.config import load_config, yaml_text
+from ..runtime.config import load_config, set_assignments, yaml_text
 from ..runtime.launch import (
     _CONNECTION,
     LaunchResult,
@@ -537,20 +543,37 @@ def run_compose_deployment(config: str, *, tls: bool, set_keys: Mapping[str, Any
         return stack.run(config, set_keys, echo=echo)
 
 
-def _main(argv: list[str] | None = None) -> int:
-    from ..runtime.config import parse_assignment
+#: The config of ``run`` when none is given: the one the compose files are written for.
+DEPLOY_CONFIG = "configs/deploy.yaml"
 
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diff2_flwr.deploy.podman", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     images = sub.add_parser("images", help="build the stand-ins for Flower's images unless present")
     images.add_argument("--force", action="store_true", help="rebuild them (and the Debian base)")
     run = sub.add_parser("run", help="bring the compose file up, run CONFIG with flwr run, bring it down")
-    run.add_argument("config", nargs="?", default="configs/deploy.yaml", help="a config inside the app folder")
+    run.add_argument("config", nargs="?", default=None,
+                     help=f"a config inside the app folder (default: {DEPLOY_CONFIG})")
     run.add_argument("--tls", action="store_true", help="docker-compose.tls.yml (TLS, SuperNode authentication)")
     run.add_argument("--resume", action="store_true", help="continue from deploy/outputs/checkpoint.npz")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one config key (repeatable)")
+    run.add_argument("--set", action="extend", nargs="+", metavar="KEY=VALUE",
+                     help="override keys of CONFIG, e.g. --set training.rounds=40 privacy.epsilon=8 "
+                          "(or --set once per key; each value is read as YAML; validated like the file)")
     sub.add_parser("down", help="bring a leftover project down")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run_request(args: argparse.Namespace, project_dir: Path = APP_DIR) -> tuple[str, dict[str, Any]]:
+    """CONFIG and the overrides of ``run``, settled as ``diff2 run`` settles them (``--set a=1 CONFIG``) and
+    checked the same way (malformed assignments, unknown keys, types, ranges) before any podman command."""
+    config, overrides = set_assignments(args.set, args.config, DEPLOY_CONFIG)
+    load_config(Path(project_dir) / config, overrides)
+    return config, overrides
+
+
+def _main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     try:
         if args.command == "images":
@@ -561,8 +584,12 @@ def _main(argv: list[str] | None = None) -> int:
             print(json.dumps({"source": report.source, "seconds": round(report.seconds, 1),
                               "steps": {k: round(v, 1) for k, v in report.steps.items()}}))
         elif args.command == "run":
-            overrides = dict(parse_assignment(text) for text in args.set or ())
-            result = run_compose_deployment(args.config, tls=args.tls, set_keys=overrides, resume=args.resume, log=log)
+            try:
+                config, overrides = _run_request(args)
+            except ValueError as err:  # refused before anything started: one line, in diff2 run's words
+                print(f"[diff2] FAILED: {' '.join(str(err).split())}", file=sys.stderr)
+                return 2
+            result = run_compose_deployment(config, tls=args.tls, set_keys=overrides, resume=args.resume, log=log)
             print(json.dumps({"run_id": result.run_id, "status": result.status,
                               "output_dir": str(result.output_dir) if result.output_dir else None}))
         else:

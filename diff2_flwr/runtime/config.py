@@ -22,7 +22,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
@@ -52,6 +52,7 @@ __all__ = [
     "read_yaml",
     "config_keys",
     "parse_assignment",
+    "set_assignments",
     "apply_overrides",
     "run_config_overrides",
     "load_run_config",
@@ -865,6 +866,20 @@ def parse_assignment(text: str, source: str = "--set") -> tuple[str, Any]:
     if not sep or not key:
         raise ConfigError(f"{source}: expected KEY=VALUE (e.g. training.rounds=200). Found {text!r}.")
     return key, _yaml_value(value, key, source)
+
+
+def set_assignments(words: Sequence[str] | None, config: str | None, default: str) -> tuple[str, dict[str, Any]]:
+    """The experiment file and the overrides of a command line whose ``--set`` takes several assignments.
+
+    ``words`` are every ``--set``'s words in order (argparse ``action="extend", nargs="+"``), ``config`` the
+    positional file or ``None``. ``--set`` swallows the file too in ``--set a=1 CONFIG``: a last word without
+    ``=`` is the experiment file when no other was given (any other such word is refused by
+    :func:`parse_assignment`, naming it); no file at all is ``default``.
+    """
+    texts = list(words or ())
+    if config is None and texts and "=" not in texts[-1]:
+        config = texts.pop()
+    return (default if config is None else config), dict(parse_assignment(text) for text in texts)
 
 
 def apply_overrides(data: Any, overrides: Mapping[str, Any], source: str = "<overrides>") -> dict:
