@@ -418,7 +418,7 @@ def test_a_factory_model_with_batch_norm_is_refused(tmp_path):
 
 @pytest.mark.parametrize("model,message", [
     ({"name": "no_such_package.models:make"}, r"key `model.name`: cannot import module 'no_such_package.models' of "
-                                              r"the model factory .*Make the module importable"),
+                                              r"the model factory .*put the module in the app's custom/ folder"),
     ({"name": "diff2_flwr.task.models:Nope"}, r"key `model.name`: module 'diff2_flwr.task.models' has no attribute "
                                               r"'Nope'"),
     ({"name": "diff2_flwr.task.models:__doc__"}, r"key `model.name`: .* is a str, not a callable"),

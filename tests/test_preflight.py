@@ -53,6 +53,10 @@ def _csv(path: Path, cell: str | None = None) -> Path:
 MISTAKES = {
     "misspelt factory": (lambda tmp: _tiny(model={"name": "preflight_models:no_such_factory"}),
                          "key `model.name`: module 'preflight_models' has no attribute 'no_such_factory'"),
+    "factory module not found": (lambda tmp: _tiny(model={"name": "mypkg.models:make"}),
+                                 "key `model.name`: cannot import module 'mypkg.models' of the model factory "
+                                 "'mypkg.models:make' (ModuleNotFoundError: No module named 'mypkg'). `flwr run` "
+                                 "imports only what its FAB ships"),
     "factory returns a non-module": (lambda tmp: _tiny(model={"name": "preflight_models:not_a_module"}),
                                      "returned a dict, not a torch.nn.Module"),
     "factory raises": (lambda tmp: _tiny(model={"name": "preflight_models:raises"}),
@@ -128,6 +132,24 @@ def test_a_forward_that_does_not_fit_the_data_is_caught_by_the_probe(monkeypatch
                        r"half_squared_error fail on the first 4 training records of partition 0 at x_0: RuntimeError: "
                        r".*features of shape \[n, 8\] and must return \[n, 1\] outputs"):
         preflight(cfg)
+
+
+@pytest.mark.parametrize("source,name,message", [
+    (None, "mypkg.models:make", r"cannot import module 'mypkg.models' .*put the module in the app's custom/ folder "
+                                r"\(e.g. custom/models.py, named 'custom.models:make'\) or in a folder added to "
+                                r"fab-include, or install its package into every node's environment"),
+    (None, "custom.no_such_file:make", r"cannot import module 'custom.no_such_file' .*The app's custom/ folder has no "
+                                       r"no_such_file.py \(Flower also leaves files named test_\*.py"),
+    ("import no_such_dependency\n", "uses_a_missing_package:make",
+     r"module 'uses_a_missing_package' of the model factory 'uses_a_missing_package:make' imports "
+     r"'no_such_dependency', which is not installed .*Install it into every node's environment"),
+])
+def test_a_model_module_that_is_not_found_says_where_it_must_live(source, name, message, tmp_path, monkeypatch):
+    if source is not None:
+        (tmp_path / f"{name.partition(':')[0]}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PreflightError, match=r"key `model.name`: " + message):
+        preflight(parse_config(_tiny(model={"name": name})))
 
 
 def test_a_model_module_that_fails_to_import_says_so(tmp_path, monkeypatch):

@@ -91,15 +91,44 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
+def _where_modules_live(module_name: str, attribute: str, missing: str) -> str:
+    """What to do when the factory's own module is not found. Under `flwr run` the ServerApp and the ClientApps
+    import from the app folder as shipped in the FAB (what ``fab-include`` lists) and from their own environment."""
+    if module_name.startswith("custom.") and missing != "custom":
+        return (f"The app's custom/ folder has no {module_name[len('custom.'):].replace('.', '/')}.py (Flower also "
+                "leaves files named test_*.py or *_test.py out of the FAB): check the file's name and the path.")
+    leaf = module_name.rpartition(".")[2]
+    return ("`flwr run` imports only what its FAB ships (the app folder's files listed by fab-include in "
+            "pyproject.toml) and packages installed on the nodes, never PYTHONPATH: put the module in the app's "
+            f"custom/ folder (e.g. custom/{leaf}.py, named 'custom.{leaf}:{attribute}') or in a folder added to "
+            "fab-include, or install its package into every node's environment (where the ServerApp and the "
+            "ClientApps run); or fix the path.")
+
+
+def _not_found(key: str, path: str, err: ModuleNotFoundError) -> ValueError:
+    """The factory's module itself missing, or present but importing a package that is not installed."""
+    module_name, _, attribute = path.partition(":")
+    missing = err.name or module_name
+    found = f"{type(err).__name__}: {_one_line(err)}"
+    if module_name == missing or module_name.startswith(missing + "."):
+        return ValueError(f"key `{key}`: cannot import module {module_name!r} of the model factory {path!r} "
+                          f"({found}). {_where_modules_live(module_name, attribute, missing)}")
+    return ValueError(f"key `{key}`: module {module_name!r} of the model factory {path!r} imports {missing!r}, which "
+                      f"is not installed ({found}). Install it into every node's environment (where the ServerApp and "
+                      "the ClientApps run), or drop that import.")
+
+
 def load_factory(path: str, *, key: str = "model.name") -> Callable[..., Any]:
-    """The callable named by ``"package.module:attribute"``; an error naming ``key`` if it cannot be found."""
+    """The callable named by ``"package.module:attribute"``; an error naming ``key`` if it cannot be found.
+
+    A module that is not found gets an error saying where it must live for `flwr run`: the app's ``custom/``
+    folder, a folder in ``fab-include``, or a package installed where the apps run.
+    """
     module_name, _, attribute = path.partition(":")
     try:
         target: Any = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"key `{key}`: cannot import module {module_name!r} of the model factory {path!r} "
-                         f"({type(err).__name__}: {err}). Make the module importable (install its package, or put "
-                         "it on PYTHONPATH; in a Flower app, inside the app's directory), or fix the path.") from err
+    except ModuleNotFoundError as err:
+        raise _not_found(key, path, err) from err
     except Exception as err:  # noqa: BLE001 (the user's module failed while being imported: a SyntaxError, ...)
         raise ValueError(f"key `{key}`: importing module {module_name!r} of the model factory {path!r} raised "
                          f"{type(err).__name__}: {_one_line(err)}. Fix that module.") from err
