@@ -1,0 +1,110 @@
+"""Helpers for tests that run the app with Flower's own commands (`flwr build`, `flwr run`, `flwr ls`).
+
+A copy of the app as a user has it, a fresh ``FLWR_HOME`` on free loopback ports, the run's status from
+`flwr ls`, and the local SuperLink that `flwr run` leaves behind stopped by PID. These are the helpers of
+tests/test_plain_flwr_run.py, shared here (that file keeps its own copy for now); not a test module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+from diff2_flwr.runtime.launch import _free_ports
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fab_folders(root: Path = REPO) -> list[str]:
+    """The top-level folders that ``fab-include`` in ``root``'s pyproject.toml ships (``custom/**/*.py`` -> custom)."""
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["fab-include"]
+    return sorted({p.lstrip("/").split("/")[0] for p in patterns if "/" in p.lstrip("/")})
+
+
+def copy_app(dest: Path) -> Path:
+    """The Flower app as a user has it (no outputs, no venv, no .gitignore): what `flwr run .` builds its FAB from."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    dest.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, dest / name)
+    for name in fab_folders():
+        shutil.copytree(REPO / name, dest / name, ignore=ignore)
+    return dest
+
+
+def flwr_env(home: Path) -> dict[str, str]:
+    """This environment with the venv's `flwr` first, a fresh FLWR_HOME, free SuperLink ports and no per-run install."""
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+           "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "FLWR_DISABLE_UPDATE_CHECK": "1",  # loopback only
+           **dict(zip(("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"), map(str, _free_ports(2))))}
+    env.pop("DIFF2_FAULT_CRASH_AFTER_ROUND", None)
+    return env
+
+
+def superlink_pids(home: Path) -> list[int]:
+    """The local SuperLink(s) that `flwr` started for this FLWR_HOME (their command line names its database)."""
+    found = subprocess.run(["pgrep", "-f", re.escape(str(home / "local-superlink"))], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def stop_group(pid: int) -> None:
+    """SIGTERM, then SIGKILL, the process group of ``pid``; returns once it is gone."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)  # Flower starts it with start_new_session: its group holds its children too
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def stop_superlinks(home: Path) -> None:
+    """Stop every local SuperLink of this FLWR_HOME, by PID."""
+    for pid in superlink_pids(home):
+        stop_group(pid)
+
+
+def status(env: dict[str, str], cwd: Path, run_id: int) -> dict:
+    """The run as `flwr ls --format json` lists it (``status``, ``status-details``, ``elapsed``, ...)."""
+    listing = subprocess.run(["flwr", "ls", "--run-id", str(run_id), "--format", "json"], cwd=cwd, env=env,
+                             capture_output=True, text=True, timeout=60)
+    try:
+        return json.loads(listing.stdout)["runs"][0]
+    except (ValueError, KeyError, IndexError):
+        raise AssertionError(f"`flwr ls` did not list run {run_id}: {listing.stdout}{listing.stderr}") from None
+
+
+def wait_finished(env: dict[str, str], cwd: Path, run_id: int, timeout_s: float) -> dict:
+    """Poll `flwr ls` until the run's status is ``finished:*``; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = status(env, cwd, run_id)
+        if info["status"].startswith("finished"):
+            return info
+        if time.monotonic() > deadline:
+            raise AssertionError(f"run {run_id} still {info['status']} after {timeout_s:.0f} s")
+        time.sleep(2)
+
+
+def start_run(argv: list[str], env: dict[str, str], cwd: Path) -> int:
+    """Run a `flwr run ...` command line; the id of the run it started."""
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{shlex.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}"
+    started = re.search(r"Successfully started run (\d+)", done.stdout)
+    assert started, f"{shlex.join(argv)} started no run:\n{done.stdout}{done.stderr}"
+    return int(started.group(1))
