@@ -21,7 +21,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from diff2_flwr.runtime.launch import _free_ports
+from diff2_flwr.runtime.launch import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def flwr_env(home: Path) -> dict[str, str]:
     env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
            "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "FLWR_DISABLE_UPDATE_CHECK": "1",  # loopback only
-           **dict(zip(("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"), map(str, _free_ports(2))))}
+           **dict(zip(("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"), map(str, free_ports(2))))}
     env.pop("DIFF2_FAULT_CRASH_AFTER_ROUND", None)
     return env
 

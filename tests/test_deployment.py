@@ -151,7 +151,7 @@ def test_free_ports_are_distinct_even_when_the_kernel_reuses_a_released_port(mon
 
     monkeypatch.setattr(launch.socket, "socket", _ReusingSocket)
     _ReusingSocket.held = set()
-    ports = launch._free_ports(n)
+    ports = launch.free_ports(n)
     assert len(set(ports)) == n and not _ReusingSocket.held  # distinct, and every probe released
 
 

@@ -90,6 +90,27 @@ def test_imports_run_one_way(path):
     assert not bad, f"{path.relative_to(PKG)}: " + "; ".join(bad)
 
 
+def _private_names_from_other_modules(path: Path) -> list[str]:
+    """``from ..x import _name`` lines of ``path`` that take a private name of another module of the package."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [f"line {node.lineno}: {alias.name} from {'.' * node.level}{node.module or ''}"
+            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and (node.level or
+                                                                               (node.module or "").startswith("diff2_flwr"))
+            for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+
+
+@pytest.mark.parametrize("path", sorted((PKG / "deploy").glob("*.py")), ids=lambda p: p.name)
+def test_deployment_code_uses_only_public_names_of_other_modules(path):
+    """What deploy/ needs from runtime/launch.py (and from its siblings) is public API (issue 22, item 5)."""
+    assert not _private_names_from_other_modules(path)
+
+
+def test_the_private_name_checker_sees_one(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from ..runtime.launch import _tool, flwr_run\n")
+    assert _private_names_from_other_modules(bad) == ["line 1: _tool from ..runtime.launch"]
+
+
 def test_no_circle_between_files():
     known = {_module_name(f) for f in FILES}
     graph: dict[str, set[str]] = {}

@@ -71,6 +71,8 @@ def test_the_fab_carries_custom_and_nothing_else_of_the_users(tmp_path):
     leaked = sorted(n for n in names if n.startswith(("outputs/", ".venv/", "data/", "custom/outputs/", "mypkg/"))
                     or n.endswith((".npz", ".npy", ".csv", ".cfg")) or n == "custom/test_mymodel.py")
     assert not leaked, leaked
+    # The apps' code only: the CLI, the experiments and the deployment tooling stay home (fab-exclude).
+    assert not [n for n in names if n == "diff2_flwr/cli.py" or n.startswith(("diff2_flwr/lab/", "diff2_flwr/deploy/"))]
 
     # Another folder of one's own goes in as the README says: one more pattern in fab-include.
     pyproject = app / "pyproject.toml"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from diff2_flwr.runtime.launch import _free_ports
+from diff2_flwr.runtime.launch import free_ports
 from flwr_app import SLOW_START, copy_app, superlink_pids, stop_superlinks
 
 VENV = Path(sys.executable).parent.parent
@@ -42,7 +42,7 @@ def _user_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FLWR_", "DIFF2_", "VIRTUAL_ENV", "PYTHONPATH"))}
     env.update(PATH=path, FLWR_HOME=str(home))
-    env.update(zip(("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"), map(str, _free_ports(2))))
+    env.update(zip(("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"), map(str, free_ports(2))))
     return env
 
 

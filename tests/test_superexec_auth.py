@@ -17,7 +17,7 @@ import pytest
 from diff2_flwr.cli import main
 from diff2_flwr.deploy.native import start_superlink
 from diff2_flwr.runtime.secret_files import make_superexec_secret, private_folder, write_private
-from diff2_flwr.runtime.launch import _free_ports, _stop, _tool, _wait_healthy, flwr_env, start
+from diff2_flwr.runtime.launch import free_ports, stop_process, tool, wait_healthy, flwr_env, start
 
 pytestmark = [pytest.mark.flower]
 
@@ -51,13 +51,13 @@ def superlink(tmp_path):
     """A SuperLink started by our launch code (the native deployment's flags), stopped by PID."""
     home = tmp_path / "home"
     home.mkdir()
-    port, health = _free_ports(2)
+    port, health = free_ports(2)
     secret = make_superexec_secret(tmp_path / "secrets" / "superlink.secret")
     proc = start_superlink(tmp_path, flwr_env(home), port, health, secret)
     try:
         yield port, secret
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 def test_unsigned_or_wrongly_signed_runtime_requests_are_refused(superlink, tmp_path):
@@ -81,16 +81,16 @@ def test_the_check_catches_an_unauthenticated_superlink(tmp_path, flags):
     deployments use process isolation), the SuperLink answers an unsigned AcquireTask."""
     home = tmp_path / "home"
     home.mkdir()
-    port, health = _free_ports(2)
+    port, health = free_ports(2)
     secret = str(make_superexec_secret(tmp_path / "secrets" / "s.secret"))
-    proc = start([_tool("flower-superlink"), "--insecure", *[secret if f == "SECRET" else f for f in flags],
+    proc = start([tool("flower-superlink"), "--insecure", *[secret if f == "SECRET" else f for f in flags],
                   "--host", "127.0.0.1", "--port", str(port), "--health-server-address", f"127.0.0.1:{health}"],
                  tmp_path / "open.log", flwr_env(home))
     try:
-        _wait_healthy(port, proc, tmp_path / "open.log")
+        wait_healthy(port, proc, tmp_path / "open.log")
         assert acquire_task(port, None) == 200
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 def _mode(path: Path) -> int:
@@ -163,8 +163,8 @@ def test_a_simulation_superlink_refuses_unsigned_runtime_requests(tmp_path, monk
 
     from diff2_flwr.runtime import launch
 
-    ports = _free_ports(2)
-    monkeypatch.setattr(launch, "_free_ports", lambda n: ports[:n])
+    ports = free_ports(2)
+    monkeypatch.setattr(launch, "free_ports", lambda n: ports[:n])
     path = tmp_path / "sim.yaml"
     path.write_text(yaml.safe_dump({
         "name": "sim", "method": "diff2", "dataset": {"name": "synthetic", "num_samples": 300},

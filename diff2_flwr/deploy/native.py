@@ -41,13 +41,13 @@ import yaml
 
 from ..runtime.config import load_config, parse_config
 from ..runtime.launch import (
-    _CONNECTION,
+    CONNECTION,
     LaunchResult,
     SimulationFailed,
-    _free_ports,
-    _stop,
-    _tool,
-    _wait_healthy,
+    free_ports,
+    stop_process,
+    tool,
+    wait_healthy,
     flwr_env,
     flwr_run,
     run_config_arg,
@@ -62,7 +62,7 @@ from .compose import CONTAINER_OUTPUTS
 from .shards import write_shards
 
 __all__ = ["DeploymentResult", "Intruder", "LiveDeployment", "run_local_deployment", "default_run_folder",
-           "start_superexec", "start_superlink", "INTRUDER_KINDS"]
+           "start_superexec", "start_superlink", "register_node", "list_nodes", "INTRUDER_KINDS"]
 
 #: Fault injection for tests (``intruders=``): a SuperNode posing as data owner 0 with no key of its own
 #: (Flower then self-registers an ephemeral one) or with a key pair the operator never registered.
@@ -177,9 +177,9 @@ def _fresh_or_resume(checkpoint: str | None, workdir: Path, resume: bool, echo: 
                      "Pass --resume to continue that run, or delete the file to start fresh.")
 
 
-def _register(public_key: Path, env: dict[str, str], partition: int) -> int:
+def register_node(public_key: Path, env: dict[str, str], partition: int) -> int:
     """``flwr supernode register`` through the SuperLink's Control API; the new node id."""
-    done = subprocess.run([_tool("flwr"), "supernode", "register", str(public_key), _CONNECTION, "--name",
+    done = subprocess.run([tool("flwr"), "supernode", "register", str(public_key), CONNECTION, "--name",
                            f"data-owner-{partition}", "--format", "json"],
                           env=env, capture_output=True, text=True, timeout=120)
     try:
@@ -190,8 +190,9 @@ def _register(public_key: Path, env: dict[str, str], partition: int) -> int:
                                f"{done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}") from None
 
 
-def _list_nodes(env: dict[str, str]) -> list[dict]:
-    done = subprocess.run([_tool("flwr"), "supernode", "ls", _CONNECTION, "--format", "json"],
+def list_nodes(env: dict[str, str]) -> list[dict]:
+    """The SuperNodes the SuperLink knows (``flwr supernode ls --format json``), each a dict of Flower's fields."""
+    done = subprocess.run([tool("flwr"), "supernode", "ls", CONNECTION, "--format", "json"],
                           env=env, capture_output=True, text=True, timeout=120)
     try:
         return list(json.loads(done.stdout[done.stdout.index("{"):])["nodes"])
@@ -205,13 +206,13 @@ def start_superlink(work: Path, env: dict[str, str], port: int, health: int, sec
     security = (["--ssl-certfile", str(certs.cert), "--ssl-keyfile", str(certs.key), "--ssl-ca-certfile",
                  str(certs.ca)] if certs else ["--insecure"])
     log = work / "superlink.log"
-    proc = start([_tool("flower-superlink"), *security, *(["--enable-supernode-auth"] if node_auth else []),
+    proc = start([tool("flower-superlink"), *security, *(["--enable-supernode-auth"] if node_auth else []),
                   "--isolation", "process", "--superexec-auth-secret-file", str(secret), "--host", "127.0.0.1",
                   "--port", str(port), "--health-server-address", f"127.0.0.1:{health}"], log, env)
     try:
-        _wait_healthy(port, proc, log, ca_file=certs.ca if certs else None)
+        wait_healthy(port, proc, log, ca_file=certs.ca if certs else None)
     except SimulationFailed:
-        _stop(proc)
+        stop_process(proc)
         raise
     return proc
 
@@ -221,7 +222,7 @@ def start_superexec(runtime: subprocess.Popen, runtime_port: int, secret: Path, 
     """``flower-superexec`` for the runtime API of ``runtime`` on 127.0.0.1:``runtime_port``, signing with
     ``secret``; it exits with ``runtime`` (``--parent-pid``) should this process die before stopping it."""
     security = ["--root-certificates", str(ca)] if ca else ["--insecure"]
-    return start([_tool("flower-superexec"), *security, "--superexec-auth-secret-file", str(secret),
+    return start([tool("flower-superexec"), *security, "--superexec-auth-secret-file", str(secret),
                   "--runtime-api-address", f"127.0.0.1:{runtime_port}", "--parent-pid", str(runtime.pid)], log, env)
 
 
@@ -307,7 +308,7 @@ def run_local_deployment(
         shutil.rmtree(home, ignore_errors=True)
         home.mkdir()
         # all distinct: the SuperLink's API and health server, each SuperNode's and each intruder's
-        port, health, *node_ports = _free_ports(2 + clients + len(intruders))
+        port, health, *node_ports = free_ports(2 + clients + len(intruders))
         certs = make_certificates(work / "certs") if tls else None
         keys = make_node_keys(work / "certs", clients) if node_auth else []
         secrets = _secrets(work, clients)
@@ -317,7 +318,7 @@ def run_local_deployment(
         apps = {"superexec-serverapp": start_superexec(processes[0], port, secrets["superlink"],
                                                        work / "superexec-serverapp.log", env, certs.ca if certs else None)}
         processes.append(apps["superexec-serverapp"])
-        node_ids = [_register(key.public, env, p) for p, key in enumerate(keys)]
+        node_ids = [register_node(key.public, env, p) for p, key in enumerate(keys)]
         client_security = ["--root-certificates", str(certs.ca)] if certs else ["--insecure"]
         shards = Path(cfg.dataset.shards or "")
         policies = owner_policies(node_policy, work, clients) if node_policy is not None else []
@@ -328,7 +329,7 @@ def run_local_deployment(
             if policies:
                 node_config += f' policy="{policies[p]}"'
             auth = ["--auth-supernode-private-key", str(key)] if key is not None else []
-            proc = start([_tool("flower-supernode"), *client_security, *auth, "--superlink", f"127.0.0.1:{port}",
+            proc = start([tool("flower-supernode"), *client_security, *auth, "--superlink", f"127.0.0.1:{port}",
                           "--isolation", "process", "--superexec-auth-secret-file", str(secret),
                           "--host", "127.0.0.1", "--port", str(node_port), "--node-config", node_config], log, env)
             processes.append(proc)
@@ -361,7 +362,7 @@ def run_local_deployment(
 
             def on_line(line: str) -> None:
                 if marker in line:
-                    _stop(nodes[victim])
+                    stop_process(nodes[victim])
 
         result = flwr_run(Path(app_dir).resolve(), env, ["--run-config", run_config_arg({"config": str(dep_config)})],
                           timeout_s=timeout_s, echo=echo, on_line=on_line)
@@ -370,7 +371,7 @@ def run_local_deployment(
             rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
         elapsed = [r["elapsed_s"] for r in rows]
         return DeploymentResult(result, dep_config, [b - a for a, b in zip(elapsed, elapsed[1:])], work, node_auth,
-                                node_ids, _list_nodes(env), intruder_outcomes)
+                                node_ids, list_nodes(env), intruder_outcomes)
     finally:
         for proc in reversed(processes):
-            _stop(proc)
+            stop_process(proc)

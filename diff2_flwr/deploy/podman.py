@@ -50,10 +50,10 @@ import yaml
 
 from ..runtime.config import load_config, set_assignments, yaml_text
 from ..runtime.launch import (
-    _CONNECTION,
+    CONNECTION,
     LaunchResult,
     SimulationFailed,
-    _tool,
+    tool,
     flwr_env,
     flwr_run,
     run_config_arg,
@@ -62,7 +62,7 @@ from ..runtime.launch import (
 from ..runtime.paths import APP_DIR
 from .certs import make_certificates, make_node_keys
 from .compose import CONTAINER_OUTPUTS, FLWR_VERSION, SUPERLINK_PORT, certificate_hosts
-from .native import _list_nodes, _register
+from .native import list_nodes, register_node
 from ..runtime.secret_files import make_superexec_secret, private_folder
 from .shards import write_shards
 
@@ -114,7 +114,7 @@ def podman(*args: str, timeout: float = 600, check: bool = True) -> subprocess.C
 
 def podman_compose_tool() -> str | None:
     try:
-        return _tool("podman-compose")
+        return tool("podman-compose")
     except FileNotFoundError:
         return None
 
@@ -400,7 +400,7 @@ class ComposeStack:
         if self.node_auth:
             keys = sorted(self.certs.glob("supernode-*.pub"), key=lambda p: int(p.stem.split("-")[1]))
             env = flwr_env(self.home)
-            self.node_ids = {i: _register(key, env, i) for i, key in enumerate(keys)}
+            self.node_ids = {i: register_node(key, env, i) for i, key in enumerate(keys)}
         self._wait_nodes(deadline)
         return time.perf_counter() - started
 
@@ -487,10 +487,10 @@ class ComposeStack:
 
     def nodes(self) -> list[dict]:
         """``flwr supernode ls``: the SuperLink's nodes."""
-        return _list_nodes(flwr_env(self.home))
+        return list_nodes(flwr_env(self.home))
 
     def stop_run(self, run_id: int) -> None:
-        subprocess.run([_tool("flwr"), "stop", str(run_id), _CONNECTION], env=flwr_env(self.home),
+        subprocess.run([tool("flwr"), "stop", str(run_id), CONNECTION], env=flwr_env(self.home),
                        capture_output=True, text=True, timeout=120)
 
     def find_files_with_content(self, service: str, files: Iterable[Path]) -> dict[str, list[str]]:

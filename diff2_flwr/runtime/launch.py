@@ -35,9 +35,11 @@ from .console import RunConsole, verbose_from_env
 from .paths import APP_DIR, resolve_config_path
 from .secret_files import make_superexec_secret
 
-__all__ = ["LaunchResult", "SimulationDiverged", "SimulationFailed", "run_simulation"]
+__all__ = ["CONNECTION", "LaunchResult", "SimulationDiverged", "SimulationFailed", "flwr_env", "flwr_run", "free_ports",
+           "run_config_arg", "run_simulation", "start", "stop_process", "tool", "wait_healthy", "write_connection"]
 
-_CONNECTION = "diff2-local"
+#: The name of the one SuperLink connection in a private ``$FLWR_HOME/config.toml`` (:func:`write_connection`).
+CONNECTION = "diff2-local"
 
 
 class SimulationFailed(RuntimeError):
@@ -79,7 +81,7 @@ def _toml(value: str | int | float) -> str:
     return repr(value)
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """``n`` distinct loopback ports that were free a moment ago: all bound at once, then released (two separate
     probes may be handed the same port — a SuperLink given one port for its API and its health server then fails
     to bind)."""
@@ -95,7 +97,8 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _tool(name: str) -> str:
+def tool(name: str) -> str:
+    """The path of Flower's command ``name``: beside this Python (its venv) first, else on PATH."""
     local = Path(sys.executable).with_name(name)
     found = str(local) if local.exists() else shutil.which(name)
     if not found:
@@ -103,7 +106,7 @@ def _tool(name: str) -> str:
     return found
 
 
-def _wait_healthy(port: int, process: subprocess.Popen, log_path: Path, timeout_s: float = 60,
+def wait_healthy(port: int, process: subprocess.Popen, log_path: Path, timeout_s: float = 60,
                   ca_file: Path | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     scheme = "https" if ca_file else "http"
@@ -122,7 +125,7 @@ def _wait_healthy(port: int, process: subprocess.Popen, log_path: Path, timeout_
     raise SimulationFailed(f"flower-superlink did not become healthy within {timeout_s:.0f} s; log: {log_path}")
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop_process(process: subprocess.Popen) -> None:
     if process.poll() is not None:
         return
     try:
@@ -147,7 +150,7 @@ def write_connection(home: Path, port: int, root_certificates: Path | None = Non
     """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default."""
     tls = f'root-certificates = "{root_certificates}"\n' if root_certificates else "insecure = true\n"
     (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{_CONNECTION}"\n\n[superlink.{_CONNECTION}]\naddress = "127.0.0.1:{port}"\n{tls}'
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{port}"\n{tls}'
     )
 
 
@@ -164,7 +167,7 @@ def flwr_run(app_dir: Path, run_env: dict[str, str], extra: list[str], *, cwd=No
     With ``echo`` the stream goes to ``console`` (default: a :class:`RunConsole` on stderr that drops
     Flower's INFO chatter unless ``DIFF2_VERBOSE=1``); ``on_line`` sees every raw line.
     """
-    run_cmd = [_tool("flwr"), "run", str(app_dir), _CONNECTION, "--stream", *extra]
+    run_cmd = [tool("flwr"), "run", str(app_dir), CONNECTION, "--stream", *extra]
     own_console = echo and console is None
     if own_console:
         console = RunConsole(verbose=verbose_from_env())
@@ -188,7 +191,7 @@ def flwr_run(app_dir: Path, run_env: dict[str, str], extra: list[str], *, cwd=No
                 raise SimulationFailed(f"`flwr run` exceeded {timeout_s:.0f} s.")
         proc.wait(timeout=60)
     finally:
-        _stop(proc)
+        stop_process(proc)
         if own_console:
             console.close()
     output = "".join(lines)
@@ -196,7 +199,7 @@ def flwr_run(app_dir: Path, run_env: dict[str, str], extra: list[str], *, cwd=No
     if proc.returncode != 0 or not match:
         raise SimulationFailed(f"`flwr run` exited with code {proc.returncode} before starting a run:\n{output[-3000:]}")
     run_id = int(match.group(1))
-    listing = subprocess.run([_tool("flwr"), "ls", _CONNECTION, "--run-id", str(run_id), "--format", "json"],
+    listing = subprocess.run([tool("flwr"), "ls", CONNECTION, "--run-id", str(run_id), "--format", "json"],
                              env=run_env, capture_output=True, text=True, timeout=60)
     try:
         info = json.loads(listing.stdout)["runs"][0]
@@ -251,18 +254,18 @@ def run_simulation(
     if clients is None:
         raise ValueError("run_simulation needs `clients` when no experiment config is given.")
     home = Path(tempfile.mkdtemp(prefix="diff2-flwr-home-"))
-    port, health = _free_ports(2)
+    port, health = free_ports(2)
     write_connection(home, port)
     run_env = flwr_env(home, env)
     log_path = home / "superlink.log"
     secret = str(make_superexec_secret(home / "secrets" / "superlink.secret"))
-    superlink = start([_tool("flower-superlink"), "--insecure", "--simulation", "--isolation", "process",
+    superlink = start([tool("flower-superlink"), "--insecure", "--simulation", "--isolation", "process",
                        "--superexec-auth-secret-file", secret, "--host", "127.0.0.1", "--port", str(port),
                        "--health-server-address", f"127.0.0.1:{health}"], log_path, run_env, cwd)
     superexec = None
     try:
-        _wait_healthy(port, superlink, log_path)
-        superexec = start([_tool("flower-superexec"), "--insecure", "--superexec-auth-secret-file", secret,
+        wait_healthy(port, superlink, log_path)
+        superexec = start([tool("flower-superexec"), "--insecure", "--superexec-auth-secret-file", secret,
                            "--runtime-api-address", f"127.0.0.1:{port}", "--parent-pid", str(superlink.pid)],
                           home / "superexec.log", run_env, cwd)  # --parent-pid: it exits with the SuperLink
         extra = ["--federation-config", f"num-supernodes={clients}"]
@@ -271,8 +274,8 @@ def run_simulation(
         return flwr_run(app_dir, run_env, extra, cwd=cwd, timeout_s=timeout_s, echo=echo, console=console)
     finally:
         if superexec is not None:
-            _stop(superexec)
-        _stop(superlink)
+            stop_process(superexec)
+        stop_process(superlink)
         shutil.rmtree(home, ignore_errors=True)
 
 
