@@ -34,25 +34,27 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
-import itertools
 import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 import yaml
 
-from ..core.routines import ROUTINES, routine_parameters
+from ..core.routines import ROUTINES
 from .inference import paired_ttest
-from .analysis import MAX_EXTENSIONS, Analysis, correct_families, endpoint_value, parse_analysis
-from ..runtime.config import ConfigError, ExperimentConfig, parse_config, read_yaml
+from .analysis import MAX_EXTENSIONS, correct_families, endpoint_value
+from ..runtime.config import ConfigError, ExperimentConfig
 from ..runtime.outputs import to_json
 from ..runtime.progress import ProgressReporter
 from .claims import STALE_AFTER_S, ClaimBook, Owner, atomic_write_text
+from .study_spec import ACCURACY, CRITERIA, GRID_KEYS, LOCAL_KEYS, ROUTINE_GRID_KEYS, MethodSpec, Study, StudyError
+from .study_spec import load_study, parse_study, test_pairs
+from .study_spec import slug as _slug
 
 __all__ = [
     "ACCURACY",
@@ -66,307 +68,6 @@ __all__ = [
     "select",
     "paired_one_sided_ttest",
 ]
-
-CRITERIA = ("train_loss", "grad_norm_sq", "test_loss")
-#: Reported, never selected on: larger is better, taken at the train-loss-best point (classification only).
-ACCURACY = "test_accuracy"
-GRID_KEYS = ("learning_rate", "clip_restart", "clip_diff", "restart_every", "local.steps", "local.clip", "local.share")
-#: Grid keys that are a routine's parameters (``training.routine.<key>``); each routine takes some of them.
-ROUTINE_GRID_KEYS = tuple(dict.fromkeys(k for name in ROUTINES for k in routine_parameters(name)))
-#: A method's fixed settings of the local routine (``local:`` beside ``grid``; see ExperimentConfig.local).
-LOCAL_KEYS = ("steps", "batch_size", "clip", "share")
-Engine = Literal["batch", "inprocess", "flower"]
-
-
-class StudyError(ConfigError):
-    """An invalid study file; the message names the file, the key, and what was found."""
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """One compared method: a base method, its routine and its hyper-parameter grid.
-
-    ``routine`` names the routine and ``routine_params`` fixes some of its parameters; the grid may
-    range over the others (``grid: {beta1: [0.8, 0.9]}``).
-    """
-
-    name: str
-    method: Literal["gd", "dpgd", "diff2"]
-    grid: tuple[tuple[str, tuple[float, ...]], ...]
-    u: float = 1.25
-    routine: str = "gd"
-    routine_params: tuple[tuple[str, float], ...] = ()
-    local: tuple[tuple[str, float], ...] = ()  # fixed keys of the local routine (empty: off unless gridded)
-    rounds: int | None = None  # this method's R (None: the study's); ε is the same for every R
-    #: added to every seed of this method (noise, sampling, initialisation): an independent replicate arm, e.g. the
-    #: second arm of an A/A (null) study; 0 pairs the methods by seed (common random numbers)
-    seed_offset: int = 0
-
-    def routine_of(self, point: Mapping[str, float]) -> dict[str, Any]:
-        """The routine of one grid point, as ``training.routine`` (fixed parameters, then the point's)."""
-        params = dict(self.routine_params) | {k: float(v) for k, v in point.items() if k not in GRID_KEYS}
-        return {"name": self.routine, **params}
-
-    def describe_routine(self) -> str:
-        """``adam(beta1=0.9)``, or ``gd``."""
-        params = ", ".join(f"{k}={v:g}" for k, v in self.routine_params)
-        return f"{self.routine}({params})" if params else self.routine
-
-    def points(self, grid: Mapping[str, Sequence[float]] | None = None) -> list[dict[str, float]]:
-        """The grid's points (of ``grid``, e.g. the grid as extended by the analysis, else the declared one)."""
-        items = list(grid.items()) if grid is not None else list(self.grid)
-        keys = [k for k, _ in items]
-        return [dict(zip(keys, values)) for values in itertools.product(*(v for _, v in items))]
-
-
-@dataclass(frozen=True)
-class Study:
-    name: str
-    dataset: Mapping[str, Any]
-    clients: int
-    rounds: int
-    delta: float
-    epsilons: tuple[float, ...]
-    mode: Literal["exact", "rdp"]
-    eval_every: int
-    tune_seeds: tuple[int, ...]
-    eval_seeds: tuple[int, ...]
-    methods: tuple[MethodSpec, ...]
-    hidden: int = 10
-    model: str = "paper_mlp"  # or a factory "package.module:callable" (then model_kwargs, not hidden)
-    model_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    engine: Engine = "batch"
-    dtype: Literal["float64", "float32"] = "float64"
-    compile: bool = False
-    batch_size: int = 32
-    threads: int = 1  # torch/BLAS threads of every unit (training.threads of every run): results depend on it
-    workers: int = 1  # processes that compute units side by side on this machine (runs are independent)
-    #: (treatment, control) method names of the one-sided paired t-tests; empty: every diff2 method vs the first dpgd
-    tests: tuple[tuple[str, str], ...] = ()
-    #: the method whose utility the cost report measures the others' rounds and gradient evaluations against
-    reference: str | None = None
-    #: the analysis plan (protocol, primary endpoints, grid extension), declared before the study runs
-    analysis: Analysis = field(default_factory=Analysis)
-    output_dir: str = "outputs/studies"
-    source: str = field(default="<memory>", compare=False)
-
-    def rounds_of(self, method: MethodSpec) -> int:
-        """R of ``method``: its own ``rounds`` or the study's."""
-        return method.rounds or self.rounds
-
-    def experiment(self, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int) -> ExperimentConfig:
-        """The single-run config of one (method, grid point, ε, seed); the run uses seed + the method's seed_offset."""
-        seed = seed + method.seed_offset
-        training = {"rounds": self.rounds_of(method), "clients": self.clients, "seed": seed, "dtype": "float64",
-                    "threads": self.threads,
-                    **{k: (int(v) if k == "restart_every" else float(v)) for k, v in point.items()
-                       if k in GRID_KEYS and not k.startswith("local.")},
-                    "routine": method.routine_of(point)}
-        local = dict(method.local) | {k.removeprefix("local."): v for k, v in point.items() if k.startswith("local.")}
-        local = {k: (int(v) if k in ("steps", "batch_size") else float(v)) for k, v in local.items()}
-        return parse_config({
-            "name": f"{self.name}-{_slug(method.name)}", "method": method.method, "dataset": dict(self.dataset),
-            "model": ({"hidden": self.hidden} if self.model == "paper_mlp" else
-                      {"name": self.model, "kwargs": dict(self.model_kwargs)}) | {"init_seed": seed},
-            "privacy": {"epsilon": epsilon, "delta": self.delta, "mode": self.mode, "u": method.u},
-            "training": training, "evaluation": {"every": self.eval_every}, **({"local": local} if local else {}),
-        }, source=f"{self.source} (method {method.name!r}, point {dict(point)})")
-
-
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in text).strip("-").lower()
-
-
-# ------------------------------------------------------------------------------- loading
-
-_TOP_KEYS = {"name", "dataset", "clients", "rounds", "delta", "epsilons", "mode", "eval_every", "seeds", "methods",
-             "hidden", "model", "engine", "dtype", "compile", "batch_size", "output", "threads",
-             "workers", "tests", "reference", "analysis"}
-
-
-def parse_study(data: Any, source: str = "<memory>") -> Study:
-    """Validate a study mapping; every error names the file and the key."""
-    def fail(key: str, expected: str, found: Any) -> StudyError:
-        return StudyError(f"{source}: key `{key}`: expected {expected}. Found {found!r}.")
-
-    if not isinstance(data, Mapping):
-        raise StudyError(f"{source}: a study must be a mapping of keys to values. Found {data!r}.")
-    unknown = sorted(set(map(str, data)) - _TOP_KEYS)
-    if unknown:
-        raise StudyError(f"{source}: unknown key(s) {', '.join(unknown)}. Allowed: {', '.join(sorted(_TOP_KEYS))}.")
-    for key in ("name", "dataset", "rounds", "epsilons", "methods", "seeds"):
-        if key not in data:
-            raise fail(key, "a value (required)", None)
-    seeds = data["seeds"]
-    if not isinstance(seeds, Mapping) or set(seeds) - {"tune", "evaluate"}:
-        raise fail("seeds", "a mapping with keys tune and evaluate", seeds)
-    tune, evaluate = seeds.get("tune", []), seeds.get("evaluate", [])
-    for key, values in (("seeds.tune", tune), ("seeds.evaluate", evaluate)):
-        if not isinstance(values, list) or not values or not all(isinstance(v, int) and v >= 0 for v in values):
-            raise fail(key, "a non-empty list of integers >= 0", values)
-        if len(set(values)) != len(values):
-            raise fail(key, "distinct seeds", values)
-    if set(tune) & set(evaluate):
-        raise fail("seeds.evaluate", "seeds disjoint from seeds.tune (selection must not see the evaluation noise)",
-                   sorted(set(tune) & set(evaluate)))
-    epsilons = data["epsilons"]
-    if not isinstance(epsilons, list) or not epsilons or not all(isinstance(e, (int, float)) and e > 0 for e in epsilons):
-        raise fail("epsilons", "a non-empty list of numbers > 0", epsilons)
-    rounds = data["rounds"]
-    if not isinstance(rounds, int) or rounds < 1:
-        raise fail("rounds", "an integer >= 1", rounds)
-    methods_raw = data["methods"]
-    if not isinstance(methods_raw, list) or not methods_raw:
-        raise fail("methods", "a non-empty list of methods", methods_raw)
-    methods = []
-    for i, m in enumerate(methods_raw):
-        where = f"methods[{i}]"
-        if (not isinstance(m, Mapping) or set(m) - {"name", "method", "grid", "u", "routine", "local", "rounds", "seed_offset"}
-                or "name" not in m or "method" not in m):
-            raise fail(where, "a mapping with name, method, grid (and optionally u, routine, local, rounds, seed_offset)", m)
-        offset = m.get("seed_offset", 0)
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise fail(f"{where}.seed_offset", "an integer >= 0 (added to every seed of this method)", offset)
-        own_rounds = m.get("rounds")
-        if own_rounds is not None and (not isinstance(own_rounds, int) or isinstance(own_rounds, bool)
-                                       or own_rounds < 1):
-            raise fail(f"{where}.rounds", "an integer >= 1 (this method's R; the same ε is spent over it)", own_rounds)
-        local = m.get("local") or {}
-        if not isinstance(local, Mapping) or set(local) - set(LOCAL_KEYS) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in local.values()):
-            raise fail(f"{where}.local", f"a mapping of numbers with keys among {', '.join(LOCAL_KEYS)}", local)
-        if m["method"] not in ("gd", "dpgd", "diff2"):
-            raise fail(f"{where}.method", "one of 'gd', 'dpgd', 'diff2'", m["method"])
-        routine = m.get("routine", "gd")
-        routine = {"name": routine} if isinstance(routine, str) else routine
-        if not isinstance(routine, Mapping) or routine.get("name") not in ROUTINES:
-            raise fail(f"{where}.routine", "a routine name or a mapping with name and its parameters, name one of "
-                       + ", ".join(repr(n) for n in ROUTINES), m.get("routine"))
-        own = routine_parameters(routine["name"])
-        fixed = {str(k): v for k, v in routine.items() if k != "name"}
-        if set(fixed) - set(own):
-            raise fail(f"{where}.routine", f"parameters of routine {routine['name']} among "
-                       f"{', '.join(own) or 'none (its step is the learning rate)'}", sorted(set(fixed) - set(own)))
-        grid = m.get("grid") or {}
-        if not isinstance(grid, Mapping):
-            raise fail(f"{where}.grid", "a mapping of hyper-parameter -> list of values", grid)
-        bad = sorted(set(grid) - set(GRID_KEYS) - set(own))
-        if bad:
-            ranged = [k for k in bad if k in ROUTINE_GRID_KEYS]
-            extra = (f" (and the parameters of its routine {routine['name']}: {', '.join(own) or 'none'}; "
-                     f"{', '.join(ranged)} belong to another routine: set routine)") if ranged else \
-                (f" and the parameters of its routine {routine['name']}: {', '.join(own)}" if own else "")
-            raise fail(f"{where}.grid", f"keys among {', '.join(GRID_KEYS)}{extra}", bad)
-        twice = sorted(set(grid) & set(fixed))
-        if twice:
-            raise fail(f"{where}.grid", f"no key that {where}.routine already fixes", twice)
-        items = []
-        for key, values in grid.items():
-            if not isinstance(values, list) or not values:
-                raise fail(f"{where}.grid.{key}", "a non-empty list (an empty grid runs nothing)", values)
-            low, what = (0, ">= 0") if key in own else (None, "> 0")  # momentum 0 is GD, weight decay 0 none
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and (v > 0 or v == low) for v in values):
-                raise fail(f"{where}.grid.{key}", f"numbers {what}", values)
-            if key == "restart_every" and any(v > (own_rounds or rounds) or int(v) != v for v in values):
-                raise fail(f"{where}.grid.restart_every", f"integers T <= rounds = {own_rounds or rounds}", values)
-            items.append((key, tuple(values)))
-        if m["method"] == "diff2" and "restart_every" not in grid:
-            raise fail(f"{where}.grid.restart_every", "a list of T values for a diff2 method", None)
-        if m["method"] != "diff2" and "restart_every" in grid:
-            raise fail(f"{where}.grid.restart_every", f"no T for method {m['method']} (T = 1)", grid["restart_every"])
-        methods.append(MethodSpec(name=str(m["name"]), method=m["method"], grid=tuple(items), u=float(m.get("u", 1.25)),
-                                  routine=str(routine["name"]), routine_params=tuple(sorted(fixed.items())),
-                                  local=tuple(sorted((str(k), v) for k, v in local.items())), rounds=own_rounds,
-                                  seed_offset=offset))
-    names = [m.name for m in methods]
-    if len(set(names)) != len(names):
-        raise fail("methods", "distinct method names", names)
-    tests = data.get("tests") or []
-    pairs = []
-    for i, pair in enumerate(tests if isinstance(tests, list) else [tests]):
-        if (not isinstance(pair, Mapping) or set(pair) != {"treatment", "control"}
-                or not {pair["treatment"], pair["control"]} <= set(names) or pair["treatment"] == pair["control"]):
-            raise fail(f"tests[{i}]" if isinstance(tests, list) else "tests",
-                       f"a mapping {{treatment: NAME, control: NAME}} of two different method names among {names}", pair)
-        pairs.append((str(pair["treatment"]), str(pair["control"])))
-    reference = data.get("reference")
-    if reference is not None and reference not in names:
-        raise fail("reference", f"a method name among {names}", reference)
-    model = data.get("model") or {}
-    if not isinstance(model, Mapping) or set(model) - {"name", "kwargs"} or not isinstance(model.get("kwargs") or {}, Mapping):
-        raise fail("model", "a mapping with name (a factory 'package.module:callable') and optionally kwargs", model)
-    if "hidden" in data and model.get("name", "paper_mlp") != "paper_mlp":
-        raise fail("hidden", f"nothing with model {model.get('name')!r} (pass its sizes in model.kwargs)", data["hidden"])
-    analysis = parse_analysis(data.get("analysis"), fail, tune_seeds=len(tune), rounds=rounds)
-    output = data.get("output") or {}
-    if not isinstance(output, Mapping) or set(output) - {"dir"}:
-        raise fail("output", "a mapping with key dir", output)
-    study = Study(
-        name=str(data["name"]), dataset=dict(data["dataset"]), clients=int(data.get("clients", 10)), rounds=rounds,
-        delta=float(data.get("delta", 1e-5)), epsilons=tuple(float(e) for e in epsilons),
-        mode=data.get("mode", "exact"), eval_every=int(data.get("eval_every", 1)), tune_seeds=tuple(tune),
-        eval_seeds=tuple(evaluate), methods=tuple(methods), hidden=int(data.get("hidden", 10)),
-        model=str(model.get("name", "paper_mlp")), model_kwargs=dict(model.get("kwargs") or {}),
-        engine=data.get("engine", "batch"), dtype=data.get("dtype", "float64"), compile=bool(data.get("compile", False)),
-        batch_size=int(data.get("batch_size", 32)), output_dir=str(output.get("dir", "outputs/studies")), source=source,
-        threads=data.get("threads", 1), workers=data.get("workers", 1),
-        tests=tuple(pairs), reference=reference, analysis=analysis,
-    )
-    if study.engine not in ("batch", "inprocess", "flower"):
-        raise fail("engine", "one of 'batch', 'inprocess', 'flower'", study.engine)
-    if not isinstance(study.threads, int) or isinstance(study.threads, bool) or study.threads < 1:
-        raise fail("threads", "an integer >= 1 (threads of each computing process; results depend on it)",
-                   study.threads)
-    if study.dtype not in ("float64", "float32"):
-        raise fail("dtype", "'float64' or 'float32'", study.dtype)
-    if study.mode not in ("exact", "rdp"):
-        raise fail("mode", "'exact' or 'rdp'", study.mode)
-    if not isinstance(study.workers, int) or isinstance(study.workers, bool) or study.workers < 1:
-        raise fail("workers", "an integer >= 1 (processes that compute runs side by side; 2 uses both cores of a "
-                   "2-core machine with threads: 1)",
-                   study.workers)
-    if study.workers > 1 and study.engine == "flower":
-        raise fail("workers", "1 with engine 'flower' (each run is a Flower simulation with its own SuperLink; "
-                   "use engine 'inprocess', which equals it bit for bit, to run several at once)", study.workers)
-    if study.batch_size < 1:
-        raise fail("batch_size", "an integer >= 1", study.batch_size)
-    if analysis.corrected:
-        _check_symmetric(study, fail)
-    # Validate every run config once, up front: bad values fail before hours of compute.
-    for method in study.methods:
-        for point in method.points():
-            try:
-                study.experiment(method, point, study.epsilons[0], study.tune_seeds[0])
-            except ConfigError as err:
-                raise StudyError(f"{source}: method {method.name!r}: {err}") from None
-    return study
-
-
-#: Hyper-parameters that both methods of a pair can tune (a shared routine parameter is added per pair).
-_SHARED_KEYS = ("learning_rate", "clip_restart", "local.steps", "local.clip", "local.share")
-
-
-def _check_symmetric(study: Study, fail: Callable[[str, str, Any], Exception]) -> None:
-    """The corrected protocol's symmetric grids: the two methods of a tested pair tune every hyper-parameter both
-    have (learning rate; C₁ unless one of them has no clipping, i.e. GD; a shared routine's parameters) with grids of
-    the same size. A hyper-parameter one method tunes and the other holds fixed gives the first more chances."""
-    by_name = {m.name: m for m in study.methods}
-    for treat, control in test_pairs(study):
-        a, b = by_name[treat], by_name[control]
-        keys = [k for k in _SHARED_KEYS if not (k == "clip_restart" and "gd" in (a.method, b.method))]
-        keys += [k for k in routine_parameters(a.routine) if k in routine_parameters(b.routine)]
-        ga, gb = dict(a.grid), dict(b.grid)
-        for k in keys:
-            na, nb = len(ga.get(k, (None,))), len(gb.get(k, (None,)))
-            if na != nb:
-                raise fail("methods", f"symmetric grids under the corrected protocol: {treat!r} and {control!r} are "
-                           f"compared, so both tune `{k}` with grids of the same size (or set `analysis: {{protocol: "
-                           f"paper}}`)", {treat: list(ga.get(k, ["fixed"])), control: list(gb.get(k, ["fixed"]))})
-
-
-def load_study(path: str | Path) -> Study:
-    """Read and validate a study YAML file."""
-    return parse_study(read_yaml(path, "study", StudyError), str(path))
 
 
 # ------------------------------------------------------------------------------- statistics
@@ -925,13 +626,6 @@ def _select_method(study: Study, m: MethodSpec, points: Sequence[Mapping[str, fl
     picks = select(table)
     return {c: json.loads(picks[c]) for c in CRITERIA}
 
-
-def test_pairs(study: Study) -> list[tuple[str, str]]:
-    """The (treatment, control) pairs of the study's t-tests: its ``tests``, or every diff2 method vs the first dpgd."""
-    if study.tests:
-        return list(study.tests)
-    controls = [m for m in study.methods if m.method == "dpgd"]
-    return [(m.name, controls[0].name) for m in study.methods if controls and m.method == "diff2"]
 
 
 def _data_info(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, Any]:
