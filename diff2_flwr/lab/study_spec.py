@@ -166,25 +166,30 @@ class _Refused(ValueError):
         self.key, self.expected, self.found = key, expected, found
 
 
+#: The default of a key the file must give (the parser type-checks only given values; a missing one stays this).
+REQUIRED: Any = None
+
+
 @dataclass(frozen=True)
 class StudyFile:
-    """A study file's keys, as written (``object``: a nested block, checked and parsed in ``__post_init__``).
+    """A study file's keys, as written (``object``: a nested block, checked and parsed in ``__post_init__``;
+    :data:`REQUIRED`: a key without a default).
 
     Parsed by :func:`~diff2_flwr.runtime.config.parse_section`; after it, ``seeds`` is ``(tune, evaluate)``,
     ``methods`` a tuple of :class:`MethodSpec`, ``tests`` a tuple of pairs and ``analysis`` an
     :class:`~.analysis.Analysis`.
     """
 
-    name: str | None = None
-    dataset: object = None
+    name: str = REQUIRED
+    dataset: object = REQUIRED
     clients: int = 10
-    rounds: int | None = None
+    rounds: int = REQUIRED
     delta: float = 1e-5
-    epsilons: tuple[float, ...] | None = None
+    epsilons: tuple[float, ...] = REQUIRED
     mode: Literal["exact", "rdp"] = "exact"
     eval_every: int = 1
-    seeds: object = None
-    methods: object = None
+    seeds: object = REQUIRED
+    methods: object = REQUIRED
     hidden: int | None = None
     model: object = None
     engine: Engine = "batch"
@@ -200,7 +205,7 @@ class StudyFile:
 
     def __post_init__(self) -> None:
         for key in ("name", "dataset", "rounds", "epsilons", "methods", "seeds"):
-            require(getattr(self, key) is not None, key, "a value (required)", None)
+            require(getattr(self, key) is not REQUIRED, key, "a value (required)", None)
         require(isinstance(self.dataset, Mapping), "dataset", "a mapping of the dataset's keys", self.dataset)
         object.__setattr__(self, "seeds", _seeds(self.seeds))
         require(bool(self.epsilons) and all(e > 0 for e in self.epsilons), "epsilons",
