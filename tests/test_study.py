@@ -204,7 +204,7 @@ def test_two_worker_processes_give_the_same_study(tmp_path):
 def test_units_are_balanced_shared_by_the_workers_and_largest_first(monkeypatch):
     from types import SimpleNamespace
 
-    from diff2_flwr.lab import study as study_mod
+    from diff2_flwr.lab import study_plan as study_mod
     from diff2_flwr.lab.study import _Job, plan_units
 
     monkeypatch.setattr(study_mod, "batchable", lambda study, cfg: True)
