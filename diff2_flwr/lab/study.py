@@ -41,14 +41,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..runtime.config import ExperimentConfig
 from ..runtime.outputs import to_json
 from .claims import STALE_AFTER_S, ClaimBook, atomic_write_text
 from .scheduler import Progress, Tally, execute, load_runs, make_executor
 from .study_analysis import inference, select_method, summarise
-from .study_plan import GridSearch, check_point, eval_jobs, planned_runs, tune_jobs
+from .study_plan import GridSearch, Job, check_point, eval_jobs, planned_runs, tune_jobs
 from .study_spec import MethodSpec, Study, StudyError, load_study, parse_study
 
 # Names that code and tests import from here, each defined in its part (``X as X``: re-exported).
@@ -56,7 +56,6 @@ from .scheduler import compute_unit as compute_unit
 from .study_analysis import cost_summary as cost_summary, paired_one_sided_ttest as paired_one_sided_ttest
 from .study_analysis import select as select
 from .study_plan import Unit as Unit, batchable as batchable, plan_units as plan_units
-from .study_plan import Job as _Job, run_id as _run_id  # noqa: F401 (the names tests knew before the split)
 from .study_spec import ACCURACY as ACCURACY, CRITERIA as CRITERIA, GRID_KEYS as GRID_KEYS
 from .study_spec import LOCAL_KEYS as LOCAL_KEYS, ROUTINE_GRID_KEYS as ROUTINE_GRID_KEYS, test_pairs as test_pairs
 
@@ -135,7 +134,7 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
     executor = make_executor(study, ray_address, probe)
     cleanup.callback(executor.close)
 
-    def run(jobs: list[_Job], table: dict[str, dict]) -> None:
+    def run(jobs: list[Job], table: dict[str, dict]) -> None:
         execute(study, jobs, runs_dir, progress, executor, book, tally)
         load_runs(runs_dir, (j.run_id for j in jobs), table)
 
@@ -161,8 +160,8 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
     return _finish(study, summary, root, runs_dir, executor, book, tally, make_plots)
 
 
-def _tune(study: Study, epsilon: float, data: Any, run: Any, table: dict[str, dict],
-          progress: Progress) -> tuple[dict[str, dict[str, dict]], dict[str, dict]]:
+def _tune(study: Study, epsilon: float, data: Any, run: Callable[[list[Job], dict[str, dict]], None],
+          table: dict[str, dict], progress: Progress) -> tuple[dict[str, dict[str, dict]], dict[str, dict]]:
     """Tune every method at ``epsilon``: run its grid on the tuning seeds, pick per criterion, and extend where a
     pick lies on an edge (:class:`~.study_plan.GridSearch`), until no pick moves outward.
 
