@@ -143,7 +143,7 @@ def test_a_method_sets_a_routine_and_its_grid_ranges_over_the_routines_parameter
 
 def test_a_plain_gd_methods_run_ids_are_unchanged_by_routines():
     """Run files of studies run before routines existed are reused (ids pinned from that version)."""
-    from diff2_flwr.lab.study import _run_id
+    from diff2_flwr.lab.study_plan import run_id as _run_id
 
     study = load_study(SMOKE)
     diff2, gd = study.methods[2], study.methods[0]
@@ -204,8 +204,8 @@ def test_two_worker_processes_give_the_same_study(tmp_path):
 def test_units_are_balanced_shared_by_the_workers_and_largest_first(monkeypatch):
     from types import SimpleNamespace
 
-    from diff2_flwr.lab import study as study_mod
-    from diff2_flwr.lab.study import _Job, plan_units
+    from diff2_flwr.lab import study_plan as study_mod
+    from diff2_flwr.lab.study_plan import Job as _Job, plan_units
 
     monkeypatch.setattr(study_mod, "batchable", lambda study, cfg: True)
 
@@ -394,7 +394,7 @@ def test_a_method_runs_its_own_rounds_at_the_same_epsilon_and_the_cost_report_co
 
 
 def test_run_ids_of_methods_at_the_studys_rounds_are_unchanged_and_own_rounds_change_them():
-    from diff2_flwr.lab.study import _run_id
+    from diff2_flwr.lab.study_plan import run_id as _run_id
 
     study = load_study(SMOKE)
     diff2 = study.methods[2]

@@ -1,7 +1,7 @@
 """Where a study's units run: in the driver's process, or as tasks of a Ray cluster.
 
-A *unit* (:class:`~diff2_flwr.lab.study.Unit`) is a batch of runs of the batched engine or one
-run of another engine; :func:`~diff2_flwr.lab.study.compute_unit` computes it in whatever process
+A *unit* (:class:`~diff2_flwr.lab.study_plan.Unit`) is a batch of runs of the batched engine or one
+run of another engine; :func:`~diff2_flwr.lab.scheduler.compute_unit` computes it in whatever process
 calls it, with every thread pool pinned to the study's ``threads``. The driver claims the runs of a
 unit (:mod:`~diff2_flwr.lab.claims`), hands the unit to an executor, and writes the results it
 gets back. Two executors share one small interface (``has_capacity``, ``submit``, ``completed``,
@@ -157,7 +157,7 @@ class PoolExecutor:
     """Computes units in ``workers`` spawned processes of this machine, as many at a time as there are workers.
 
     Spawned, not forked: torch's thread pools do not survive a fork. Each unit pins its own thread
-    pools to the study's ``threads`` (:func:`~diff2_flwr.lab.study.compute_unit`), so a unit gives
+    pools to the study's ``threads`` (:func:`~diff2_flwr.lab.scheduler.compute_unit`), so a unit gives
     the same bits in a worker as in the driver. Progress within a unit is not reported across
     processes; the driver reports runs as units finish.
     """

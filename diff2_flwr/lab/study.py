@@ -25,34 +25,39 @@ an interrupted study resumes where it stopped. Runs are computed in units (:func
 :func:`compute_unit`) here or on a Ray cluster (:mod:`.cluster`), each run claimed first
 (:mod:`.claims`), so several drivers may share one output folder without computing a run twice.
 
+A study is four parts, and this module runs them in order: the spec (:mod:`.study_spec`: the file,
+validated by the experiment file's validator), the plan (:mod:`.study_plan`: run ids, units, the
+grid's extension), the scheduler (:mod:`.scheduler`: claims, executors, run files) and the analysis
+(:mod:`.study_analysis`: pure functions of the loaded table of runs).
+
 References:
     Murata & Suzuki (2023), Section 6; DIFF2.md, "The paper's experiments".
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import hashlib
-import itertools
 import json
-import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable
 
-import numpy as np
-import yaml
-
-from ..core.routines import ROUTINES, routine_parameters
-from .inference import paired_ttest
-from .analysis import MAX_EXTENSIONS, Analysis, correct_families, endpoint_value, parse_analysis
-from ..runtime.config import ConfigError, ExperimentConfig, parse_config, read_yaml
+from ..runtime.config import ExperimentConfig
 from ..runtime.outputs import to_json
-from ..runtime.progress import ProgressReporter
-from .claims import STALE_AFTER_S, ClaimBook, Owner, atomic_write_text
+from .claims import STALE_AFTER_S, ClaimBook, atomic_write_text
+from .scheduler import Progress, Tally, execute, load_runs, make_executor
+from .study_analysis import inference, select_method, summarise
+from .study_plan import GridSearch, Job, check_point, eval_jobs, planned_runs, tune_jobs
+from .study_spec import MethodSpec, Study, StudyError, load_study, parse_study
+
+# Names that code and tests import from here, each defined in its part (``X as X``: re-exported).
+from .scheduler import compute_unit as compute_unit
+from .study_analysis import cost_summary as cost_summary, paired_one_sided_ttest as paired_one_sided_ttest
+from .study_analysis import select as select
+from .study_plan import Unit as Unit, batchable as batchable, plan_units as plan_units
+from .study_spec import ACCURACY as ACCURACY, CRITERIA as CRITERIA, GRID_KEYS as GRID_KEYS
+from .study_spec import LOCAL_KEYS as LOCAL_KEYS, ROUTINE_GRID_KEYS as ROUTINE_GRID_KEYS, test_pairs as test_pairs
 
 __all__ = [
     "ACCURACY",
@@ -66,639 +71,6 @@ __all__ = [
     "select",
     "paired_one_sided_ttest",
 ]
-
-CRITERIA = ("train_loss", "grad_norm_sq", "test_loss")
-#: Reported, never selected on: larger is better, taken at the train-loss-best point (classification only).
-ACCURACY = "test_accuracy"
-GRID_KEYS = ("learning_rate", "clip_restart", "clip_diff", "restart_every", "local.steps", "local.clip", "local.share")
-#: Grid keys that are a routine's parameters (``training.routine.<key>``); each routine takes some of them.
-ROUTINE_GRID_KEYS = tuple(dict.fromkeys(k for name in ROUTINES for k in routine_parameters(name)))
-#: A method's fixed settings of the local routine (``local:`` beside ``grid``; see ExperimentConfig.local).
-LOCAL_KEYS = ("steps", "batch_size", "clip", "share")
-Engine = Literal["batch", "inprocess", "flower"]
-
-
-class StudyError(ConfigError):
-    """An invalid study file; the message names the file, the key, and what was found."""
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """One compared method: a base method, its routine and its hyper-parameter grid.
-
-    ``routine`` names the routine and ``routine_params`` fixes some of its parameters; the grid may
-    range over the others (``grid: {beta1: [0.8, 0.9]}``).
-    """
-
-    name: str
-    method: Literal["gd", "dpgd", "diff2"]
-    grid: tuple[tuple[str, tuple[float, ...]], ...]
-    u: float = 1.25
-    routine: str = "gd"
-    routine_params: tuple[tuple[str, float], ...] = ()
-    local: tuple[tuple[str, float], ...] = ()  # fixed keys of the local routine (empty: off unless gridded)
-    rounds: int | None = None  # this method's R (None: the study's); ε is the same for every R
-    #: added to every seed of this method (noise, sampling, initialisation): an independent replicate arm, e.g. the
-    #: second arm of an A/A (null) study; 0 pairs the methods by seed (common random numbers)
-    seed_offset: int = 0
-
-    def routine_of(self, point: Mapping[str, float]) -> dict[str, Any]:
-        """The routine of one grid point, as ``training.routine`` (fixed parameters, then the point's)."""
-        params = dict(self.routine_params) | {k: float(v) for k, v in point.items() if k not in GRID_KEYS}
-        return {"name": self.routine, **params}
-
-    def describe_routine(self) -> str:
-        """``adam(beta1=0.9)``, or ``gd``."""
-        params = ", ".join(f"{k}={v:g}" for k, v in self.routine_params)
-        return f"{self.routine}({params})" if params else self.routine
-
-    def points(self, grid: Mapping[str, Sequence[float]] | None = None) -> list[dict[str, float]]:
-        """The grid's points (of ``grid``, e.g. the grid as extended by the analysis, else the declared one)."""
-        items = list(grid.items()) if grid is not None else list(self.grid)
-        keys = [k for k, _ in items]
-        return [dict(zip(keys, values)) for values in itertools.product(*(v for _, v in items))]
-
-
-@dataclass(frozen=True)
-class Study:
-    name: str
-    dataset: Mapping[str, Any]
-    clients: int
-    rounds: int
-    delta: float
-    epsilons: tuple[float, ...]
-    mode: Literal["exact", "rdp"]
-    eval_every: int
-    tune_seeds: tuple[int, ...]
-    eval_seeds: tuple[int, ...]
-    methods: tuple[MethodSpec, ...]
-    hidden: int = 10
-    model: str = "paper_mlp"  # or a factory "package.module:callable" (then model_kwargs, not hidden)
-    model_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    engine: Engine = "batch"
-    dtype: Literal["float64", "float32"] = "float64"
-    compile: bool = False
-    batch_size: int = 32
-    threads: int = 1  # torch/BLAS threads of every unit (training.threads of every run): results depend on it
-    workers: int = 1  # processes that compute units side by side on this machine (runs are independent)
-    #: (treatment, control) method names of the one-sided paired t-tests; empty: every diff2 method vs the first dpgd
-    tests: tuple[tuple[str, str], ...] = ()
-    #: the method whose utility the cost report measures the others' rounds and gradient evaluations against
-    reference: str | None = None
-    #: the analysis plan (protocol, primary endpoints, grid extension), declared before the study runs
-    analysis: Analysis = field(default_factory=Analysis)
-    output_dir: str = "outputs/studies"
-    source: str = field(default="<memory>", compare=False)
-
-    def rounds_of(self, method: MethodSpec) -> int:
-        """R of ``method``: its own ``rounds`` or the study's."""
-        return method.rounds or self.rounds
-
-    def experiment(self, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int) -> ExperimentConfig:
-        """The single-run config of one (method, grid point, ε, seed); the run uses seed + the method's seed_offset."""
-        seed = seed + method.seed_offset
-        training = {"rounds": self.rounds_of(method), "clients": self.clients, "seed": seed, "dtype": "float64",
-                    "threads": self.threads,
-                    **{k: (int(v) if k == "restart_every" else float(v)) for k, v in point.items()
-                       if k in GRID_KEYS and not k.startswith("local.")},
-                    "routine": method.routine_of(point)}
-        local = dict(method.local) | {k.removeprefix("local."): v for k, v in point.items() if k.startswith("local.")}
-        local = {k: (int(v) if k in ("steps", "batch_size") else float(v)) for k, v in local.items()}
-        return parse_config({
-            "name": f"{self.name}-{_slug(method.name)}", "method": method.method, "dataset": dict(self.dataset),
-            "model": ({"hidden": self.hidden} if self.model == "paper_mlp" else
-                      {"name": self.model, "kwargs": dict(self.model_kwargs)}) | {"init_seed": seed},
-            "privacy": {"epsilon": epsilon, "delta": self.delta, "mode": self.mode, "u": method.u},
-            "training": training, "evaluation": {"every": self.eval_every}, **({"local": local} if local else {}),
-        }, source=f"{self.source} (method {method.name!r}, point {dict(point)})")
-
-
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in text).strip("-").lower()
-
-
-# ------------------------------------------------------------------------------- loading
-
-_TOP_KEYS = {"name", "dataset", "clients", "rounds", "delta", "epsilons", "mode", "eval_every", "seeds", "methods",
-             "hidden", "model", "engine", "dtype", "compile", "batch_size", "output", "threads",
-             "workers", "tests", "reference", "analysis"}
-
-
-def parse_study(data: Any, source: str = "<memory>") -> Study:
-    """Validate a study mapping; every error names the file and the key."""
-    def fail(key: str, expected: str, found: Any) -> StudyError:
-        return StudyError(f"{source}: key `{key}`: expected {expected}. Found {found!r}.")
-
-    if not isinstance(data, Mapping):
-        raise StudyError(f"{source}: a study must be a mapping of keys to values. Found {data!r}.")
-    unknown = sorted(set(map(str, data)) - _TOP_KEYS)
-    if unknown:
-        raise StudyError(f"{source}: unknown key(s) {', '.join(unknown)}. Allowed: {', '.join(sorted(_TOP_KEYS))}.")
-    for key in ("name", "dataset", "rounds", "epsilons", "methods", "seeds"):
-        if key not in data:
-            raise fail(key, "a value (required)", None)
-    seeds = data["seeds"]
-    if not isinstance(seeds, Mapping) or set(seeds) - {"tune", "evaluate"}:
-        raise fail("seeds", "a mapping with keys tune and evaluate", seeds)
-    tune, evaluate = seeds.get("tune", []), seeds.get("evaluate", [])
-    for key, values in (("seeds.tune", tune), ("seeds.evaluate", evaluate)):
-        if not isinstance(values, list) or not values or not all(isinstance(v, int) and v >= 0 for v in values):
-            raise fail(key, "a non-empty list of integers >= 0", values)
-        if len(set(values)) != len(values):
-            raise fail(key, "distinct seeds", values)
-    if set(tune) & set(evaluate):
-        raise fail("seeds.evaluate", "seeds disjoint from seeds.tune (selection must not see the evaluation noise)",
-                   sorted(set(tune) & set(evaluate)))
-    epsilons = data["epsilons"]
-    if not isinstance(epsilons, list) or not epsilons or not all(isinstance(e, (int, float)) and e > 0 for e in epsilons):
-        raise fail("epsilons", "a non-empty list of numbers > 0", epsilons)
-    rounds = data["rounds"]
-    if not isinstance(rounds, int) or rounds < 1:
-        raise fail("rounds", "an integer >= 1", rounds)
-    methods_raw = data["methods"]
-    if not isinstance(methods_raw, list) or not methods_raw:
-        raise fail("methods", "a non-empty list of methods", methods_raw)
-    methods = []
-    for i, m in enumerate(methods_raw):
-        where = f"methods[{i}]"
-        if (not isinstance(m, Mapping) or set(m) - {"name", "method", "grid", "u", "routine", "local", "rounds", "seed_offset"}
-                or "name" not in m or "method" not in m):
-            raise fail(where, "a mapping with name, method, grid (and optionally u, routine, local, rounds, seed_offset)", m)
-        offset = m.get("seed_offset", 0)
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise fail(f"{where}.seed_offset", "an integer >= 0 (added to every seed of this method)", offset)
-        own_rounds = m.get("rounds")
-        if own_rounds is not None and (not isinstance(own_rounds, int) or isinstance(own_rounds, bool)
-                                       or own_rounds < 1):
-            raise fail(f"{where}.rounds", "an integer >= 1 (this method's R; the same ε is spent over it)", own_rounds)
-        local = m.get("local") or {}
-        if not isinstance(local, Mapping) or set(local) - set(LOCAL_KEYS) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in local.values()):
-            raise fail(f"{where}.local", f"a mapping of numbers with keys among {', '.join(LOCAL_KEYS)}", local)
-        if m["method"] not in ("gd", "dpgd", "diff2"):
-            raise fail(f"{where}.method", "one of 'gd', 'dpgd', 'diff2'", m["method"])
-        routine = m.get("routine", "gd")
-        routine = {"name": routine} if isinstance(routine, str) else routine
-        if not isinstance(routine, Mapping) or routine.get("name") not in ROUTINES:
-            raise fail(f"{where}.routine", "a routine name or a mapping with name and its parameters, name one of "
-                       + ", ".join(repr(n) for n in ROUTINES), m.get("routine"))
-        own = routine_parameters(routine["name"])
-        fixed = {str(k): v for k, v in routine.items() if k != "name"}
-        if set(fixed) - set(own):
-            raise fail(f"{where}.routine", f"parameters of routine {routine['name']} among "
-                       f"{', '.join(own) or 'none (its step is the learning rate)'}", sorted(set(fixed) - set(own)))
-        grid = m.get("grid") or {}
-        if not isinstance(grid, Mapping):
-            raise fail(f"{where}.grid", "a mapping of hyper-parameter -> list of values", grid)
-        bad = sorted(set(grid) - set(GRID_KEYS) - set(own))
-        if bad:
-            ranged = [k for k in bad if k in ROUTINE_GRID_KEYS]
-            extra = (f" (and the parameters of its routine {routine['name']}: {', '.join(own) or 'none'}; "
-                     f"{', '.join(ranged)} belong to another routine: set routine)") if ranged else \
-                (f" and the parameters of its routine {routine['name']}: {', '.join(own)}" if own else "")
-            raise fail(f"{where}.grid", f"keys among {', '.join(GRID_KEYS)}{extra}", bad)
-        twice = sorted(set(grid) & set(fixed))
-        if twice:
-            raise fail(f"{where}.grid", f"no key that {where}.routine already fixes", twice)
-        items = []
-        for key, values in grid.items():
-            if not isinstance(values, list) or not values:
-                raise fail(f"{where}.grid.{key}", "a non-empty list (an empty grid runs nothing)", values)
-            low, what = (0, ">= 0") if key in own else (None, "> 0")  # momentum 0 is GD, weight decay 0 none
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and (v > 0 or v == low) for v in values):
-                raise fail(f"{where}.grid.{key}", f"numbers {what}", values)
-            if key == "restart_every" and any(v > (own_rounds or rounds) or int(v) != v for v in values):
-                raise fail(f"{where}.grid.restart_every", f"integers T <= rounds = {own_rounds or rounds}", values)
-            items.append((key, tuple(values)))
-        if m["method"] == "diff2" and "restart_every" not in grid:
-            raise fail(f"{where}.grid.restart_every", "a list of T values for a diff2 method", None)
-        if m["method"] != "diff2" and "restart_every" in grid:
-            raise fail(f"{where}.grid.restart_every", f"no T for method {m['method']} (T = 1)", grid["restart_every"])
-        methods.append(MethodSpec(name=str(m["name"]), method=m["method"], grid=tuple(items), u=float(m.get("u", 1.25)),
-                                  routine=str(routine["name"]), routine_params=tuple(sorted(fixed.items())),
-                                  local=tuple(sorted((str(k), v) for k, v in local.items())), rounds=own_rounds,
-                                  seed_offset=offset))
-    names = [m.name for m in methods]
-    if len(set(names)) != len(names):
-        raise fail("methods", "distinct method names", names)
-    tests = data.get("tests") or []
-    pairs = []
-    for i, pair in enumerate(tests if isinstance(tests, list) else [tests]):
-        if (not isinstance(pair, Mapping) or set(pair) != {"treatment", "control"}
-                or not {pair["treatment"], pair["control"]} <= set(names) or pair["treatment"] == pair["control"]):
-            raise fail(f"tests[{i}]" if isinstance(tests, list) else "tests",
-                       f"a mapping {{treatment: NAME, control: NAME}} of two different method names among {names}", pair)
-        pairs.append((str(pair["treatment"]), str(pair["control"])))
-    reference = data.get("reference")
-    if reference is not None and reference not in names:
-        raise fail("reference", f"a method name among {names}", reference)
-    model = data.get("model") or {}
-    if not isinstance(model, Mapping) or set(model) - {"name", "kwargs"} or not isinstance(model.get("kwargs") or {}, Mapping):
-        raise fail("model", "a mapping with name (a factory 'package.module:callable') and optionally kwargs", model)
-    if "hidden" in data and model.get("name", "paper_mlp") != "paper_mlp":
-        raise fail("hidden", f"nothing with model {model.get('name')!r} (pass its sizes in model.kwargs)", data["hidden"])
-    analysis = parse_analysis(data.get("analysis"), fail, tune_seeds=len(tune), rounds=rounds)
-    output = data.get("output") or {}
-    if not isinstance(output, Mapping) or set(output) - {"dir"}:
-        raise fail("output", "a mapping with key dir", output)
-    study = Study(
-        name=str(data["name"]), dataset=dict(data["dataset"]), clients=int(data.get("clients", 10)), rounds=rounds,
-        delta=float(data.get("delta", 1e-5)), epsilons=tuple(float(e) for e in epsilons),
-        mode=data.get("mode", "exact"), eval_every=int(data.get("eval_every", 1)), tune_seeds=tuple(tune),
-        eval_seeds=tuple(evaluate), methods=tuple(methods), hidden=int(data.get("hidden", 10)),
-        model=str(model.get("name", "paper_mlp")), model_kwargs=dict(model.get("kwargs") or {}),
-        engine=data.get("engine", "batch"), dtype=data.get("dtype", "float64"), compile=bool(data.get("compile", False)),
-        batch_size=int(data.get("batch_size", 32)), output_dir=str(output.get("dir", "outputs/studies")), source=source,
-        threads=data.get("threads", 1), workers=data.get("workers", 1),
-        tests=tuple(pairs), reference=reference, analysis=analysis,
-    )
-    if study.engine not in ("batch", "inprocess", "flower"):
-        raise fail("engine", "one of 'batch', 'inprocess', 'flower'", study.engine)
-    if not isinstance(study.threads, int) or isinstance(study.threads, bool) or study.threads < 1:
-        raise fail("threads", "an integer >= 1 (threads of each computing process; results depend on it)",
-                   study.threads)
-    if study.dtype not in ("float64", "float32"):
-        raise fail("dtype", "'float64' or 'float32'", study.dtype)
-    if study.mode not in ("exact", "rdp"):
-        raise fail("mode", "'exact' or 'rdp'", study.mode)
-    if not isinstance(study.workers, int) or isinstance(study.workers, bool) or study.workers < 1:
-        raise fail("workers", "an integer >= 1 (processes that compute runs side by side; 2 uses both cores of a "
-                   "2-core machine with threads: 1)",
-                   study.workers)
-    if study.workers > 1 and study.engine == "flower":
-        raise fail("workers", "1 with engine 'flower' (each run is a Flower simulation with its own SuperLink; "
-                   "use engine 'inprocess', which equals it bit for bit, to run several at once)", study.workers)
-    if study.batch_size < 1:
-        raise fail("batch_size", "an integer >= 1", study.batch_size)
-    if analysis.corrected:
-        _check_symmetric(study, fail)
-    # Validate every run config once, up front: bad values fail before hours of compute.
-    for method in study.methods:
-        for point in method.points():
-            try:
-                study.experiment(method, point, study.epsilons[0], study.tune_seeds[0])
-            except ConfigError as err:
-                raise StudyError(f"{source}: method {method.name!r}: {err}") from None
-    return study
-
-
-#: Hyper-parameters that both methods of a pair can tune (a shared routine parameter is added per pair).
-_SHARED_KEYS = ("learning_rate", "clip_restart", "local.steps", "local.clip", "local.share")
-
-
-def _check_symmetric(study: Study, fail: Callable[[str, str, Any], Exception]) -> None:
-    """The corrected protocol's symmetric grids: the two methods of a tested pair tune every hyper-parameter both
-    have (learning rate; C₁ unless one of them has no clipping, i.e. GD; a shared routine's parameters) with grids of
-    the same size. A hyper-parameter one method tunes and the other holds fixed gives the first more chances."""
-    by_name = {m.name: m for m in study.methods}
-    for treat, control in test_pairs(study):
-        a, b = by_name[treat], by_name[control]
-        keys = [k for k in _SHARED_KEYS if not (k == "clip_restart" and "gd" in (a.method, b.method))]
-        keys += [k for k in routine_parameters(a.routine) if k in routine_parameters(b.routine)]
-        ga, gb = dict(a.grid), dict(b.grid)
-        for k in keys:
-            na, nb = len(ga.get(k, (None,))), len(gb.get(k, (None,)))
-            if na != nb:
-                raise fail("methods", f"symmetric grids under the corrected protocol: {treat!r} and {control!r} are "
-                           f"compared, so both tune `{k}` with grids of the same size (or set `analysis: {{protocol: "
-                           f"paper}}`)", {treat: list(ga.get(k, ["fixed"])), control: list(gb.get(k, ["fixed"]))})
-
-
-def load_study(path: str | Path) -> Study:
-    """Read and validate a study YAML file."""
-    return parse_study(read_yaml(path, "study", StudyError), str(path))
-
-
-# ------------------------------------------------------------------------------- statistics
-
-def paired_one_sided_ttest(treatment: Sequence[float], control: Sequence[float]) -> float:
-    """p-value of the paired t-test with H1: mean(treatment - control) < 0 (n - 1 degrees of freedom)."""
-    return paired_ttest(treatment, control, "less")
-
-
-def _score(values: Sequence[float]) -> float:
-    arr = np.asarray(values, dtype=float)
-    return float(np.mean(arr)) if np.all(np.isfinite(arr)) else math.inf
-
-
-def select(table: Mapping[str, Mapping[str, Sequence[float]]]) -> dict[str, str]:
-    """Choose a grid point per criterion from ``table[point][criterion] = per-seed minima``.
-
-    train_loss and grad_norm_sq each pick their own best (smallest mean over seeds, diverged =
-    inf; ties go to the first point); test_loss uses the train-loss-best point.
-    """
-    if not table:
-        raise ValueError("Nothing to select from: the grid is empty.")
-    chosen = {}
-    for criterion in ("train_loss", "grad_norm_sq"):
-        chosen[criterion] = min(table, key=lambda point: _score(table[point][criterion]))
-    chosen["test_loss"] = chosen["train_loss"]
-    return chosen
-
-
-# ------------------------------------------------------------------------------- running
-
-def _method_key(method: MethodSpec) -> dict:
-    """What identifies a method's runs; a plain-GD method's is as before routines existed (its run files are reused)."""
-    key = asdict(method)
-    if method.routine == "gd" and not method.routine_params:
-        del key["routine"], key["routine_params"]
-    if not method.local:  # run ids of methods without a local routine are as before it existed
-        del key["local"]
-    if method.rounds is None:  # nor are those of methods that run the study's R
-        del key["rounds"]
-    if not method.seed_offset:
-        del key["seed_offset"]
-    return key
-
-
-def _run_id(phase: str, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int, study: Study) -> str:
-    key = json.dumps({"phase": phase, "method": _method_key(method), "point": dict(point), "epsilon": epsilon, "seed": seed,
-                      "rounds": study.rounds, "delta": study.delta, "mode": study.mode, "dataset": dict(study.dataset),
-                      "clients": study.clients, "eval_every": study.eval_every, "hidden": study.hidden}, sort_keys=True)
-    return f"{phase}-{_slug(method.name)}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-
-
-@dataclass
-class _Job:
-    run_id: str
-    method: MethodSpec
-    point: dict
-    epsilon: float
-    seed: int
-    cfg: ExperimentConfig
-
-
-class _Progress:
-    """Runs done / total with an ETA on stderr: a live bar on a terminal, plain periodic lines otherwise.
-
-    The total never goes down: it is the plan (every grid point on the tuning seeds, and per method and
-    selection criterion its pick on the evaluation seeds), grown only when a grid extends (:meth:`grow`).
-    Runs found done (reused, by other drivers, or shared by two criteria that picked one point) count as done.
-    """
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self._total, self.done = total, 0
-        self._reporter = ProgressReporter(total, label="runs", enabled=enabled)
-
-    @property
-    def total(self) -> int:
-        return self._total
-
-    def grow(self, runs: int) -> None:
-        """``runs`` more runs to do than planned (a grid extension)."""
-        if runs < 0:
-            raise ValueError(f"`runs`: the study's total of runs only grows. Found {runs}.")
-        self._total += runs
-
-    def show(self, fraction_of_batch: float = 0.0, batch: int = 0) -> None:
-        if self._reporter.total != self.total:
-            self._reporter.set_total(self.total)
-        self._reporter.update(self.done + fraction_of_batch * batch)
-
-    def finish(self) -> None:
-        self._reporter.finish()
-
-
-@dataclass(frozen=True)
-class Unit:
-    """Runs computed together, in one process: one batch of the batched engine, or one run of another engine."""
-
-    engine: str
-    jobs: tuple[_Job, ...]
-
-
-def plan_units(study: Study, jobs: Sequence[_Job]) -> list[Unit]:
-    """Split ``jobs`` into units, deterministically (the same jobs always give the same units).
-
-    The batched engine takes batches of at most ``study.batch_size`` runs: a batch whose runs all
-    restart every round (T = 1) skips the previous iterate's pass, so T = 1 runs never share a
-    batch with T > 1 runs; within a group, batches are balanced (no batch much smaller than the
-    others), sorted by T, and as many as a multiple of ``study.workers`` where there are runs
-    enough, so that every worker process has its share. Runs the batched engine cannot run (a
-    model that is not an MLP, a routine that computes on private data, the local routine) are
-    units of one ``inprocess`` run. Units are ordered by their cost, largest first, so that no
-    worker is left with a big one at the end.
-    """
-    engine = study.engine
-    if engine != "batch":
-        return [Unit(engine, (j,)) for j in jobs]
-    mlp = bool(jobs) and batchable(study, jobs[0].cfg)  # one model and dataset per study
-    fits = [j for j in jobs if mlp and ROUTINES[j.cfg.training.routine.name].post_processing
-            and not j.cfg.local.enabled]
-    units = [Unit("inprocess", (j,)) for j in jobs if j not in fits]
-    groups = {(j.cfg.training.rounds, j.cfg.restart_every == 1): None for j in fits}  # a batch shares R
-    for rounds, every in groups:
-        group = [j for j in fits if (j.cfg.training.rounds, j.cfg.restart_every == 1) == (rounds, every)]
-        group.sort(key=lambda j: j.cfg.restart_every)
-        if group:
-            count = -(-len(group) // study.batch_size)
-            count = min(len(group), -(-count // study.workers) * study.workers)
-            size = -(-len(group) // count)
-            units += [Unit(engine, tuple(group[i:i + size])) for i in range(0, len(group), size)]
-    return sorted(units, key=_unit_cost, reverse=True)  # stable: equal costs keep their order
-
-
-def _unit_cost(unit: Unit) -> float:
-    """Relative cost of a unit, in batched-engine restart rounds of one run: a difference round does a little more
-    than a restart round; one run on the per-run path costs about as much as a batch of twenty."""
-    if unit.engine != "batch":
-        return 20.0 * sum(j.cfg.training.rounds for j in unit.jobs)
-    return sum((1.0 if j.cfg.restart_every == 1 else 1.5) * j.cfg.training.rounds for j in unit.jobs)
-
-
-def batchable(study: Study, cfg: ExperimentConfig) -> bool:
-    """Whether the batched engine has closed forms for this study's model and loss (an MLP; see
-    :func:`~diff2_flwr.task.models.mlp_shape`)."""
-    from .cluster import unit_data
-    from .sweep import batch_model
-
-    try:
-        batch_model(unit_data(cfg), model=study.model, hidden=study.hidden, model_kwargs=study.model_kwargs,
-                    loss=cfg.loss)
-    except ValueError:
-        return False
-    return True
-
-
-def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None] | None = None) -> list[dict]:
-    """Compute the runs of ``unit`` in this process; one ``{"metrics", "diverged_at", "engine"}`` per run.
-
-    Every thread pool is pinned to ``study.threads`` while it computes (the inprocess and flower
-    engines pin ``training.threads``, which the study sets to the same): on one machine a unit
-    gives the same bits wherever it runs, in the driver, in a worker process or in a task on a
-    cluster node.
-    """
-    from ..runtime.compute import pinned_threads
-    from .cluster import unit_data
-
-    if unit.engine != "batch":
-        out = []
-        for j in unit.jobs:
-            metrics, diverged = _run_single(j.cfg, unit.engine)
-            out.append({"metrics": metrics, "diverged_at": diverged, "engine": unit.engine})
-        return out
-    import torch
-
-    from .sweep import RunSpec, run_batch
-
-    batch = unit.jobs
-    with pinned_threads(study.threads):
-        cfg = batch[0].cfg
-        data = unit_data(cfg)
-        n_min = data.n_min
-        dtype = torch.float32 if study.dtype == "float32" else torch.float64
-        specs = []
-        for j in batch:
-            mech = j.cfg.mechanism(j.cfg.calibration(n_min))
-            routine = j.cfg.training.routine
-            specs.append(RunSpec(mech.restart_every, j.cfg.training.learning_rate, mech.clip_restart,
-                                 mech.clip_diff, mech.sigma_restart, mech.sigma_diff, j.cfg.training.seed,
-                                 j.cfg.model.init_seed,
-                                 routine=routine.name, routine_params=tuple(sorted(routine.params().items()))))
-        results = run_batch(data, specs, rounds=cfg.training.rounds, hidden=study.hidden, model=study.model,
-                            model_kwargs=study.model_kwargs, loss=cfg.loss, eval_every=study.eval_every,
-                            dtype=dtype, compile=study.compile, progress=progress)
-    out = []
-    for res in results:
-        metrics = {"rounds": res.rounds.tolist(), "train_loss": res.train_loss.tolist(),
-                   "grad_norm_sq": res.grad_norm_sq.tolist(), "test_loss": res.test_loss.tolist()}
-        if res.test_accuracy is not None:
-            metrics[ACCURACY] = res.test_accuracy.tolist()
-        out.append({"metrics": metrics, "diverged_at": res.diverged_at, "engine": "batch"})
-    return out
-
-
-#: Seconds between two looks at runs that other drivers are computing.
-POLL_S = 1.0
-
-
-def _execute(study: Study, jobs: list[_Job], runs_dir: Path, progress: _Progress, executor: Any,
-             book: ClaimBook, tally: dict[str, int]) -> None:
-    """Compute every job whose result file is missing, each exactly once across the drivers sharing ``runs_dir``.
-
-    Units are planned from the missing runs and claimed run by run (:class:`ClaimBook`); a unit is
-    computed (by ``executor``: here, or as tasks of a Ray cluster) for the runs this driver won,
-    and each result is written atomically. Runs held by other drivers are waited for; when their
-    claims turn stale (the driver died) they are planned again and taken over.
-    """
-    todo = [j for j in jobs if not book.done(j.run_id)]
-    if len(todo) < len(jobs):
-        book.sweep_finished(j.run_id for j in jobs if j not in todo)
-    tally["reused"] += len(jobs) - len(todo)
-    progress.done += len(jobs) - len(todo)
-    progress.show()
-    queue = collections.deque(plan_units(study, todo))
-    waiting: list[_Job] = []  # held by other drivers
-    announced = False
-    while queue or executor.in_flight or waiting:
-        while queue and executor.has_capacity():
-            unit = queue.popleft()
-            mine = set(book.claim([j.run_id for j in unit.jobs]))
-            others = [j for j in unit.jobs if j.run_id not in mine]
-            waiting += [j for j in others if not book.done(j.run_id)]
-            tally["by_others"] += len(others) - sum(1 for j in others if j in waiting)
-            progress.done += len(others) - sum(1 for j in others if j in waiting)
-            if mine:
-                got = Unit(unit.engine, tuple(j for j in unit.jobs if j.run_id in mine))
-                executor.submit(study, got, lambda r, total, n=len(got.jobs): (
-                    progress.show(r / total, n) if r % 20 == 0 else None))
-        if executor.in_flight:
-            for unit, outcomes in executor.completed(timeout=POLL_S):
-                for j, outcome in zip(unit.jobs, outcomes):
-                    _write_run(runs_dir, j, outcome["metrics"], outcome["diverged_at"], outcome["engine"],
-                               {"driver": book.owner.driver, "host": outcome.get("host", book.owner.host)})
-                    book.finish(j.run_id)
-                tally["computed"] += len(unit.jobs)
-                progress.done += len(unit.jobs)
-                progress.show()
-        if waiting:
-            finished = [j for j in waiting if book.done(j.run_id)]
-            tally["by_others"] += len(finished)
-            progress.done += len(finished)
-            if finished:
-                progress.show()
-            waiting = [j for j in waiting if not book.done(j.run_id)]
-            if not waiting or executor.in_flight or queue:
-                continue
-            if not announced:
-                holders = {_describe(book.held_by_other(j.run_id)) for j in waiting}
-                print(f"[diff2] study {study.name}: waiting for {len(waiting)} run(s) held by other driver(s) "
-                      f"({', '.join(sorted(holders))})", file=sys.stderr)
-                announced = True
-            book.refresh()
-            stale = [j for j in waiting if not book.held_by_other(j.run_id)]
-            if stale:  # their driver is gone: take them over
-                waiting = [j for j in waiting if j not in stale]
-                queue.extend(plan_units(study, stale))
-            else:
-                time.sleep(POLL_S)
-
-
-def _describe(owner: Any) -> str:
-    if isinstance(owner, Owner):
-        return f"{owner.host} pid {owner.pid}"
-    return "a driver whose claim is being written" if owner else "released"
-
-
-def _run_single(cfg: ExperimentConfig, engine: str) -> tuple[dict, int | None]:
-    from ..runtime.driver import run_inprocess
-
-    if engine == "flower":
-        import tempfile
-
-        from ..runtime.launch import SimulationDiverged, run_simulation
-
-        with tempfile.TemporaryDirectory(prefix="diff2-study-") as tmp:
-            path = Path(tmp) / "run.yaml"
-            data = cfg.to_dict()
-            data["output"] = {"dir": tmp}
-            path.write_text(yaml.safe_dump(data))
-            try:
-                result, diverged = run_simulation(str(path), echo=False), None
-            except SimulationDiverged as err:  # a training failure: the study records it and goes on
-                result, diverged = err.result, err.diverged_at
-            rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
-    else:
-        server = run_inprocess(cfg, record=False, progress=None, stop_on_divergence=True)
-        rows = server.history
-        diverged = server.diverged_at
-    rows = [r for r in rows if "train_loss" in r or "test_loss" in r]
-    accuracy = any(ACCURACY in r for r in rows)
-    if diverged is not None:  # the diverged iterate has no finite metrics: its criteria are inf from then on
-        rows.append({"round": diverged, **{c: math.inf for c in CRITERIA}, ACCURACY: math.nan})
-    metrics = {"rounds": [r["round"] for r in rows], **{c: [r.get(c, math.inf) for r in rows] for c in CRITERIA}}
-    if accuracy:  # a diverged iterate's accuracy is unknown (NaN), never counted as a best
-        metrics[ACCURACY] = [r.get(ACCURACY, math.nan) for r in rows]
-    return metrics, diverged
-
-
-def _write_run(runs_dir: Path, job: _Job, metrics: dict, diverged: int | None, engine: str,
-               computed_by: Mapping[str, str] | None = None) -> None:
-    record = {"run_id": job.run_id, "method": job.method.name, "base_method": job.method.method,
-              "routine": job.method.routine_of(job.point), "point": job.point,
-              "epsilon": job.epsilon, "seed": job.seed, "engine": engine, "diverged_at": diverged, **metrics,
-              "computed_by": dict(computed_by or {})}
-    atomic_write_text(runs_dir / f"{job.run_id}.json", json.dumps(to_json(record)))
-
-
-def _load_run(runs_dir: Path, run_id: str) -> dict:
-    record = json.loads((runs_dir / f"{run_id}.json").read_text())
-    for c in CRITERIA:  # null = inf/NaN (a diverged run)
-        record[c] = [math.inf if v is None else v for v in record[c]]
-    if ACCURACY in record:
-        record[ACCURACY] = [math.nan if v is None else v for v in record[ACCURACY]]
-    return record
-
-
-def _best_accuracy(values: Sequence[float]) -> float:
-    """The largest finite accuracy over rounds (NaN if none: the run diverged before any evaluation)."""
-    finite = [v for v in values if math.isfinite(v)]
-    return max(finite) if finite else math.nan
-
-
-def _point_key(point: Mapping[str, float]) -> str:
-    return json.dumps(dict(point), sort_keys=True)
 
 
 def run_study(
@@ -722,25 +94,31 @@ def run_study(
     # On the way out (done, error, Ctrl-C): the executor stops first, then every claim still held is released.
     with ClaimBook(runs_dir, stale_after_s=stale_after_s) as book, contextlib.ExitStack() as cleanup:
         if fresh:
-            live = book.live_foreign_claims()
-            if live:
-                path, owner = live[0]
-                who = f"driver on {owner.host} (pid {owner.pid})" if owner else "another driver"
-                raise StudyError(
-                    f"{study.source}: --fresh would delete the runs of {runs_dir}, but {len(live)} run(s) there are "
-                    f"claimed by a live {who}, e.g. {path.name}. Stop that driver first (or, if it is gone and "
-                    "ran on another machine, delete runs/*.claim-*), or run without --fresh to share its work.")
-            for f in runs_dir.glob("*.json"):
-                f.unlink()
-            book.clear()
+            _start_afresh(study, runs_dir, book)
         return _run_study(study, root, runs_dir, book, cleanup, ray_address=ray_address, show_progress=show_progress,
                           make_plots=make_plots)
 
 
+def _start_afresh(study: Study, runs_dir: Path, book: ClaimBook) -> None:
+    """``--fresh``: delete the run files and claims, unless a live driver holds some of them."""
+    live = book.live_foreign_claims()
+    if live:
+        path, owner = live[0]
+        who = f"driver on {owner.host} (pid {owner.pid})" if owner else "another driver"
+        raise StudyError(
+            f"{study.source}: --fresh would delete the runs of {runs_dir}, but {len(live)} run(s) there are "
+            f"claimed by a live {who}, e.g. {path.name}. Stop that driver first (or, if it is gone and "
+            "ran on another machine, delete runs/*.claim-*), or run without --fresh to share its work.")
+    for f in runs_dir.glob("*.json"):
+        f.unlink()
+    book.clear()
+
+
 def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanup: contextlib.ExitStack, *,
                ray_address: str | None, show_progress: bool, make_plots: bool) -> dict:
-    from ..runtime.shard_report import check_shards
-    from .cluster import LocalExecutor, PoolExecutor, RayExecutor, code_fingerprint, node_report, unit_data
+    """Spec → plan → scheduler → analysis, per ε: tune (and extend), select, evaluate, summarise; then the
+    study's inference, its summary.json and its report."""
+    from .cluster import unit_data
 
     started = time.perf_counter()
     probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
@@ -750,188 +128,69 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
     for epsilon in study.epsilons:
         for m in study.methods:
             for p in m.points():
-                cfg = study.experiment(m, p, epsilon, study.tune_seeds[0])
-                check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
-    summary: dict[str, Any] = {"study": study.name, "source": study.source, "rounds": study.rounds, "delta": study.delta,
-                               "mode": study.mode, "clients": study.clients, "n_min": data.n_min,
-                               "dataset": _data_info(study, probe, data),
-                               "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds),
-                               "engine": study.engine, "dtype": study.dtype, "threads": study.threads,
-                               "workers": study.workers, "epsilons": {}}
-    n_tune = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds) * len(study.epsilons)
-    n_eval = 2 * len(study.methods) * len(study.eval_seeds) * len(study.epsilons)
-    progress = _Progress(n_tune + n_eval, show_progress)
-    tally = {"computed": 0, "by_others": 0, "reused": 0}
-    if ray_address is not None and study.workers > 1:
-        print(f"[diff2] study {study.name}: `workers: {study.workers}` is for this machine; on the Ray cluster the "
-              "cluster's CPUs set how many units run at once", file=sys.stderr)
-    executor = (LocalExecutor(compute_unit) if ray_address is None and study.workers == 1 else
-                PoolExecutor(compute_unit, study.workers, study.source) if ray_address is None else
-                RayExecutor(ray_address, compute_unit, threads=study.threads,
-                            expect={"code": code_fingerprint(), "data": node_report(probe)["data"]}))
+                check_point(study, m, p, epsilon, data)
+    summary = _header(study, probe, data)
+    progress, tally = Progress(sum(planned_runs(study)), show_progress), Tally()
+    executor = make_executor(study, ray_address, probe)
     cleanup.callback(executor.close)
+
+    def run(jobs: list[Job], table: dict[str, dict]) -> None:
+        execute(study, jobs, runs_dir, progress, executor, book, tally)
+        load_runs(runs_dir, (j.run_id for j in jobs), table)
+
     rows: list[dict] = []  # every test of the study, across ε: the families are corrected over all of them
     for epsilon in study.epsilons:
+        table: dict[str, dict] = {}  # this ε's runs, read once: what the analysis sees
         # 1. tuning, and 2. selection on the tuning seeds' mean; an edge pick extends its axis and re-tunes
-        chosen, searched = _tune(study, epsilon, data, runs_dir, progress, executor, book, tally)
+        chosen, searched = _tune(study, epsilon, data, run, table, progress)
         # 3. evaluation
-        eval_jobs, seen = [], set()
-        for m in study.methods:
-            for c in CRITERIA:
-                p = chosen[m.name][c]
-                for s in study.eval_seeds:
-                    rid = _run_id("eval", m, p, epsilon, s, study)
-                    if rid not in seen:
-                        seen.add(rid)
-                        eval_jobs.append(_Job(rid, m, p, epsilon, s, study.experiment(m, p, epsilon, s)))
-        _execute(study, eval_jobs, runs_dir, progress, executor, book, tally)
+        jobs = eval_jobs(study, chosen, epsilon)
+        run(jobs, table)
         # Planned per selection criterion (train loss, ‖∇f‖²); where both picked one point, its runs are done with
         # their twins.
-        progress.done += 2 * len(study.methods) * len(study.eval_seeds) - len(eval_jobs)
+        progress.done += 2 * len(study.methods) * len(study.eval_seeds) - len(jobs)
         progress.show()
         # 4. summary
-        summary["epsilons"][str(epsilon)] = _summarise(study, epsilon, chosen, searched, runs_dir, data.n_min,
-                                                       sum(data.shard_sizes), rows)
-    summary["inference"] = _inference(study, rows)
+        summary["epsilons"][str(epsilon)], found = summarise(study, epsilon, chosen, searched, table, data.n_min,
+                                                             sum(data.shard_sizes))
+        rows += found
+    summary["inference"] = inference(study, rows)
     progress.finish()
     summary["wall_time_s"] = time.perf_counter() - started
-    # Who computed what, as this driver saw it (drivers sharing the folder each rewrite the summary, whole).
-    summary["execution"] = {**executor.describe(), "driver": book.owner.driver, "host": book.owner.host,
-                            "runs_computed_here": tally["computed"], "runs_by_other_drivers": tally["by_others"],
-                            "runs_reused": tally["reused"]}
-    print(f"[diff2] study {study.name}: {tally['computed']} run(s) computed by this driver "
-          f"({summary['execution']['executor']}), {tally['by_others']} by other drivers, {tally['reused']} reused",
-          file=sys.stderr)
-    atomic_write_text(root / "summary.json", json.dumps(to_json(summary), indent=2) + "\n")
-    from .report import write_report
-
-    write_report(study, summary, root, runs_dir, make_plots=make_plots)
-    return summary
+    return _finish(study, summary, root, runs_dir, executor, book, tally, make_plots)
 
 
-def _tune(study: Study, epsilon: float, data: Any, runs_dir: Path, progress: _Progress, executor: Any,
-          book: ClaimBook, tally: dict[str, int]) -> tuple[dict[str, dict[str, dict]], dict[str, dict]]:
+def _tune(study: Study, epsilon: float, data: Any, run: Callable[[list[Job], dict[str, dict]], None],
+          table: dict[str, dict], progress: Progress) -> tuple[dict[str, dict[str, dict]], dict[str, dict]]:
     """Tune every method at ``epsilon``: run its grid on the tuning seeds, pick per criterion, and extend where a
-    pick lies on an edge, until no pick moves outward.
-
-    The extension is a line search: when the pick's value of a key is the smallest or largest among the tuned
-    points that agree with the pick on every other key (its *line*), the point one geometric step further along
-    that key is tuned too (within the analysis's ``extend`` bounds, at most ``MAX_EXTENSIONS`` steps per key and
-    side), and the picks are made again over every tuned point. One new point per step: extending the whole
-    product would multiply the cost by every axis that moves at once.
+    pick lies on an edge (:class:`~.study_plan.GridSearch`), until no pick moves outward.
 
     Returns the picks (method -> criterion -> point) and, per method, the values searched per key, the points
     tuned, the extensions made and the picks that stay on an edge (with the reason).
     """
-    from ..runtime.shard_report import check_shards
-
-    tuned = {m.name: m.points() for m in study.methods}
-    made: dict[str, list[dict]] = {m.name: [] for m in study.methods}
-    count: dict[tuple[str, str, str], int] = collections.Counter()
-    refused: dict[tuple[str, str, str], str] = {}
+    search = GridSearch.start(study)
     done: set[str] = set()
     while True:
-        jobs = [_Job(_run_id("tune", m, p, epsilon, s, study), m, p, epsilon, s, study.experiment(m, p, epsilon, s))
-                for m in study.methods for p in tuned[m.name] for s in study.tune_seeds]
-        jobs = [j for j in jobs if j.run_id not in done]  # each extension tunes its new points only
-        done.update(j.run_id for j in jobs)
-        _execute(study, jobs, runs_dir, progress, executor, book, tally)
-        chosen = {m.name: _select_method(study, m, tuned[m.name], epsilon, runs_dir) for m in study.methods}
-        grown = False
-        for m in study.methods:
-            for c in ("train_loss", "grad_norm_sq"):
-                pick = chosen[m.name][c]
-                for key, value in pick.items():
-                    line = _line(tuned[m.name], pick, key)
-                    bounds = study.analysis.bounds(key)
-                    if len(line) < 2 or bounds is None or value not in (line[0], line[-1]):
-                        continue
-                    side = "high" if value == line[-1] else "low"
-                    if count[m.name, key, side] >= MAX_EXTENSIONS or (m.name, key, side) in refused:
-                        continue
-                    new = _step_out(line, side, key)
-                    if not bounds[0] <= new <= bounds[1]:
-                        refused[m.name, key, side] = f"the bound {bounds[0 if side == 'low' else 1]:g} of analysis.extend"
-                        continue
-                    point = dict(pick) | {key: new}
-                    if point in tuned[m.name]:
-                        continue
-                    try:  # the new point must pass the partition's refusal rule like the declared ones
-                        cfg = study.experiment(m, point, epsilon, study.tune_seeds[0])
-                        check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
-                    except (ConfigError, ValueError) as err:
-                        refused[m.name, key, side] = f"{new:g} is refused: {str(err).splitlines()[0]}"
-                        continue
-                    tuned[m.name].append(point)
-                    count[m.name, key, side] += 1
-                    made[m.name].append({"key": key, "value": new, "side": side, "because": c, "point": point})
-                    print(f"[diff2] study {study.name}, ε = {epsilon:g}: {m.name} picked {key} = {value:g} on the "
-                          f"{side} edge of its line for {c}: tuning {key} = {new:g} there", file=sys.stderr)
-                    progress.grow(len(study.tune_seeds))
-                    grown = True
-        if not grown:
-            break
-    searched = {}
-    for m in study.methods:
-        edges = {}
-        for c in ("train_loss", "grad_norm_sq"):
-            hits = []
-            for key, value in chosen[m.name][c].items():
-                line = _line(tuned[m.name], chosen[m.name][c], key)
-                if len(line) > 1 and value in (line[0], line[-1]):
-                    side = "high" if value == line[-1] else "low"
-                    why = (refused.get((m.name, key, side))
-                           or ("at most " + str(MAX_EXTENSIONS) + " extensions per key and side"
-                               if count[m.name, key, side] >= MAX_EXTENSIONS else
-                               "not extended: no bound in analysis.extend" + (" (the paper's protocol extends nothing)"
-                                                                             if not study.analysis.corrected else "")))
-                    hits.append({"key": key, "value": value, "side": side, "why": why})
-            if hits:
-                edges[c] = hits
-        values = {k: sorted({float(p[k]) for p in tuned[m.name]}) for k, _ in m.grid}
-        searched[m.name] = {"grid": values, "points": len(tuned[m.name]), "extensions": made[m.name], "edges": edges}
-    return chosen, searched
+        jobs = [j for j in tune_jobs(study, search.tuned, epsilon) if j.run_id not in done]
+        done.update(j.run_id for j in jobs)  # each extension tunes its new points only
+        run(jobs, table)
+        chosen = {m.name: select_method(study, m, search.tuned[m.name], epsilon, table) for m in study.methods}
+        steps = search.extend(study, chosen, lambda m, point: check_point(study, m, point, epsilon, data))
+        for step in steps:
+            print(f"[diff2] study {study.name}, ε = {epsilon:g}: {step['method']} picked {step['key']} = "
+                  f"{step['from']:g} on the {step['side']} edge of its line for {step['because']}: tuning "
+                  f"{step['key']} = {step['value']:g} there", file=sys.stderr)
+            progress.grow(len(study.tune_seeds))
+        if not steps:
+            return chosen, search.searched(study, chosen)
 
 
-def _line(points: Sequence[Mapping[str, float]], pick: Mapping[str, float], key: str) -> list[float]:
-    """The sorted values of ``key`` among the points that agree with ``pick`` on every other key."""
-    return sorted({float(p[key]) for p in points if all(p[k] == v for k, v in pick.items() if k != key)})
-
-
-def _step_out(axis: Sequence[float], side: str, key: str) -> float:
-    """One geometric step past an edge of a grid axis: the ratio of its two outermost values on that side."""
-    if side == "high":
-        new = axis[-1] * axis[-1] / axis[-2]
-    else:
-        new = axis[0] * axis[0] / axis[1]
-    if key == "restart_every":
-        new = float(round(new))
-        if new in axis:
-            new = axis[-1] + 1 if side == "high" else axis[0] - 1
-    return float(new)
-
-
-def _select_method(study: Study, m: MethodSpec, points: Sequence[Mapping[str, float]], epsilon: float,
-                   runs_dir: Path) -> dict[str, dict]:
-    """Per criterion, the point with the best mean over the tuning seeds of the criterion's selection endpoint."""
-    table: dict[str, dict[str, list[float]]] = {}
-    for p in points:
-        records = [_load_run(runs_dir, _run_id("tune", m, p, epsilon, s, study)) for s in study.tune_seeds]
-        table[_point_key(p)] = {}
-        for c in ("train_loss", "grad_norm_sq"):
-            e = study.analysis.selection(c)
-            table[_point_key(p)][c] = [endpoint_value(r, c, e.at, e.scale) for r in records]
-        table[_point_key(p)]["test_loss"] = table[_point_key(p)]["train_loss"]
-    picks = select(table)
-    return {c: json.loads(picks[c]) for c in CRITERIA}
-
-
-def test_pairs(study: Study) -> list[tuple[str, str]]:
-    """The (treatment, control) pairs of the study's t-tests: its ``tests``, or every diff2 method vs the first dpgd."""
-    if study.tests:
-        return list(study.tests)
-    controls = [m for m in study.methods if m.method == "dpgd"]
-    return [(m.name, controls[0].name) for m in study.methods if controls and m.method == "diff2"]
+def _header(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, Any]:
+    """The summary's description of the study, before any result."""
+    return {"study": study.name, "source": study.source, "rounds": study.rounds, "delta": study.delta,
+            "mode": study.mode, "clients": study.clients, "n_min": data.n_min, "dataset": _data_info(study, probe, data),
+            "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds), "engine": study.engine,
+            "dtype": study.dtype, "threads": study.threads, "workers": study.workers, "epsilons": {}}
 
 
 def _data_info(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, Any]:
@@ -946,161 +205,18 @@ def _data_info(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, An
             "outputs": data.num_outputs}
 
 
-def _stats(values: Sequence[float]) -> dict[str, Any]:
-    return {"mean": _mean(values), "std": _std(values), "per_seed": list(values)}
+def _finish(study: Study, summary: dict, root: Path, runs_dir: Path, executor: Any, book: ClaimBook, tally: Tally,
+            make_plots: bool) -> dict:
+    """Say who computed what, write summary.json (whole) and the report; return the summary."""
+    # Who computed what, as this driver saw it (drivers sharing the folder each rewrite the summary, whole).
+    summary["execution"] = {**executor.describe(), "driver": book.owner.driver, "host": book.owner.host,
+                            "runs_computed_here": tally.computed, "runs_by_other_drivers": tally.by_others,
+                            "runs_reused": tally.reused}
+    print(f"[diff2] study {study.name}: {tally.computed} run(s) computed by this driver "
+          f"({summary['execution']['executor']}), {tally.by_others} by other drivers, {tally.reused} reused",
+          file=sys.stderr)
+    atomic_write_text(root / "summary.json", json.dumps(to_json(summary), indent=2) + "\n")
+    from .report import write_report
 
-
-def _summarise(study: Study, epsilon: float, chosen: dict, searched: dict, runs_dir: Path, n_min: int, n_train: int,
-               rows: list[dict]) -> dict:
-    """One ε's summary: per method and criterion the chosen point and the endpoint values over the evaluation seeds;
-    per tested pair the paired t-tests (appended to ``rows``, corrected over the whole study afterwards)."""
-    analysis = study.analysis
-    out: dict[str, Any] = {"methods": {}, "tests": {}}
-    runs_of: dict[tuple[str, str], list[dict]] = {}
-    for m in study.methods:
-        entry: dict[str, Any] = {"base_method": m.method, "u": m.u, "routine": m.routine_of({}),
-                                 "rounds": study.rounds_of(m), "seed_offset": m.seed_offset,
-                                 "grid": {k: list(v) for k, v in m.grid}, "grid_searched": searched[m.name]["grid"],
-                                 "points_tuned": searched[m.name]["points"],
-                                 "extensions": searched[m.name]["extensions"], "edges": searched[m.name]["edges"],
-                                 "criteria": {}}
-        for c in CRITERIA:
-            point = chosen[m.name][c]
-            runs = [_load_run(runs_dir, _run_id("eval", m, point, epsilon, s, study)) for s in study.eval_seeds]
-            runs_of[m.name, c] = runs
-            cfg = study.experiment(m, point, epsilon, study.eval_seeds[0])
-            cal = cfg.calibration(n_min)
-            info: dict[str, Any] = {
-                "point": point, "run_ids": [r["run_id"] for r in runs], "selected_by": (
-                    analysis.selection(c).as_dict() if c != "test_loss" else {"criterion": "train_loss", "at": "the "
-                                                                              "train-loss pick"}),
-                "diverged": sum(r["diverged_at"] is not None for r in runs),
-                "calibration": None if cal is None else {k: cal.as_dict()[k] for k in ("sigma1", "sigma2", "z1", "z2", "mode")},
-                "at": {}}
-            for at in analysis.reported_at(c):
-                info["at"][at] = _stats([endpoint_value(r, c, at) for r in runs])
-            for name, at in (("min", "best"), ("train_best", "train_best"), ("final", "final")):
-                if at in info["at"]:
-                    info[f"{name}_mean"], info[f"{name}_std"] = info["at"][at]["mean"], info["at"][at]["std"]
-            info["reported"] = {"at": analysis.reported_at(c)[0], **info["at"][analysis.reported_at(c)[0]]}
-            entry["criteria"][c] = info
-        runs = runs_of[m.name, "train_loss"]
-        if all(ACCURACY in r for r in runs):
-            runs_of[m.name, ACCURACY] = runs
-            at_values = {at: _stats([endpoint_value(r, ACCURACY, at) for r in runs])
-                         for at in analysis.reported_at(ACCURACY)}
-            first = analysis.reported_at(ACCURACY)[0]
-            entry["accuracy"] = {"at_point": "train_loss", "point": chosen[m.name]["train_loss"],
-                                 "run_ids": [r["run_id"] for r in runs], "at": at_values,
-                                 "reported": {"at": first, **at_values[first]},
-                                 "final_mean": at_values["final"]["mean"], "final_std": at_values["final"]["std"]}
-            if "best" in at_values:  # the paper's protocol: each run's best accuracy over rounds
-                entry["accuracy"]["best_mean"], entry["accuracy"]["best_std"] = (at_values["best"]["mean"],
-                                                                                 at_values["best"]["std"])
-            else:
-                entry["accuracy"]["train_best_mean"] = at_values["train_best"]["mean"]
-        out["methods"][m.name] = entry
-    for treat, control in test_pairs(study):
-        pair = f"{treat} vs {control}"
-        out["tests"][pair] = {}
-        for c in (*CRITERIA, ACCURACY):
-            if (treat, c) not in runs_of or (control, c) not in runs_of:
-                continue
-            ats = list(dict.fromkeys([*analysis.reported_at(c), *(e.at for e in analysis.primary if e.criterion == c)]))
-            per: dict[str, Any] = {"df": len(study.eval_seeds) - 1, "rows": {}}
-            for at in ats:
-                declared = analysis.primary_for(c, at)
-                scale = declared.scale if declared else "linear"
-                alternative = declared.alternative if declared else analysis.alternative
-                a = [endpoint_value(r, c, at, scale) for r in runs_of[treat, c]]
-                b = [endpoint_value(r, c, at, scale) for r in runs_of[control, c]]
-                row = {"epsilon": epsilon, "pair": pair, "treatment": treat, "control": control, "criterion": c,
-                       "at": at, "scale": scale, "alternative": alternative,
-                       "family": "primary" if declared else "exploratory",
-                       "p_value": paired_ttest(a, b, alternative), "df": len(a) - 1,
-                       "treatment_mean": _mean(a), "control_mean": _mean(b),
-                       "mean_difference": _mean(np.subtract(a, b)) if len(a) == len(b) else math.nan}
-                per["rows"][at] = row
-                rows.append(row)
-            per["p_value"] = per["rows"][ats[0]]["p_value"]
-            per["p_value_final"] = per["rows"]["final"]["p_value"]
-            out["tests"][pair][c] = per
-    out["cost"] = cost_summary(study, epsilon, out["methods"], runs_dir, n_train)
-    return out
-
-
-def _inference(study: Study, rows: list[dict]) -> dict[str, Any]:
-    """Correct the study's tests (in place: each row gains p_adjusted) and list the primary results."""
-    families = correct_families(rows)
-    alpha = study.analysis.alpha
-    primary = [dict(r, significant=bool(math.isfinite(r["p_adjusted"]) and r["p_adjusted"] < alpha),
-                    lower=("treatment" if r["mean_difference"] < 0 else "control" if r["mean_difference"] > 0
-                           else "neither"))
-               for r in rows if r["family"] == "primary"]
-    exploratory = [r for r in rows if r["family"] == "exploratory"]
-    return {**study.analysis.as_dict(), "families": families, "primary_results": primary,
-            "exploratory_below_alpha": sum(1 for r in exploratory if math.isfinite(r["p_adjusted"])
-                                           and r["p_adjusted"] < alpha),
-            "exploratory_raw_below_alpha": sum(1 for r in exploratory if math.isfinite(r["p_value"])
-                                               and r["p_value"] < alpha)}
-
-
-def cost_summary(study: Study, epsilon: float, methods: Mapping[str, dict], runs_dir: Path, n_train: int) -> dict:
-    """What each method's evaluated runs cost, and what it cost them to reach the reference's utility.
-
-    Per method and criterion (at the criterion's chosen point): R, the per-sample gradient
-    evaluations of the whole run (:func:`~diff2_flwr.core.cost.gradient_evaluations`), and the
-    curve of the seed-mean of the running minimum against rounds and evaluations. With a reference
-    method (the study's ``reference``, else its first diff2 method with GD and no local routine),
-    the first evaluated round at which that curve is within ``TARGET_SLACK`` of the reference's
-    mean minimum, and the evaluations spent by then ("rounds/evaluations to the reference's utility").
-    """
-    from ..core.cost import gradient_evaluations
-    from .report import aligned_metric
-
-    reference = study.reference or next((m.name for m in study.methods if m.method == "diff2" and m.routine == "gd"
-                                         and not m.local and m.rounds is None), None)
-    # the running minimum of a test metric is the test-set oracle: the corrected protocol costs the training criteria
-    criteria = CRITERIA if not study.analysis.corrected else ("train_loss", "grad_norm_sq")
-    out: dict[str, Any] = {"reference": reference, "target_slack": TARGET_SLACK, "n_train": n_train, "methods": {}}
-    for m in study.methods:
-        entry = methods[m.name]
-        per: dict[str, Any] = {}
-        for c in criteria:
-            info = entry["criteria"][c]
-            cfg = study.experiment(m, info["point"], epsilon, study.eval_seeds[0])
-            rounds, values = aligned_metric([_load_run(runs_dir, rid) for rid in info["run_ids"]], c)
-            running = np.minimum.accumulate(values, axis=1)  # a run that diverged keeps its best from before
-            curve = np.mean(running, axis=0) if np.all(np.isfinite(running[:, -1])) else np.full(len(rounds), math.inf)
-            per[c] = {"rounds": rounds.tolist(), "gradient_evaluations": gradient_evaluations(
-                          rounds=int(rounds[-1]), restart_every=cfg.restart_every, n=n_train,
-                          local_steps=cfg.local.steps if cfg.local.enabled else 1,
-                          local_batch=cfg.local.batch_size if cfg.local.enabled else 0, at=rounds).tolist(),
-                      "running_min_mean": curve.tolist(),
-                      # each local phase is one more exchange, with one client
-                      "local_exchanges": int(rounds[-1]) if cfg.local.enabled else 0}
-        out["methods"][m.name] = {"rounds": study.rounds_of(m), "criteria": per}
-    if reference is not None:
-        for c in criteria:
-            target = methods[reference]["criteria"][c]["min_mean"] * (1 + TARGET_SLACK)
-            for name, entry in out["methods"].items():
-                curve = entry["criteria"][c]
-                hit = next((i for i, v in enumerate(curve["running_min_mean"]) if v <= target), None)
-                curve["target"] = target if math.isfinite(target) else None
-                curve["round_to_target"] = None if hit is None else curve["rounds"][hit]
-                curve["evaluations_to_target"] = None if hit is None else curve["gradient_evaluations"][hit]
-    return out
-
-
-#: How close to the reference's mean minimum a method's curve must come to count as reaching its utility.
-TARGET_SLACK = 0.05
-
-
-def _mean(values: Sequence[float]) -> float:
-    arr = np.asarray(values, dtype=float)
-    return float(np.mean(arr)) if np.all(np.isfinite(arr)) else math.inf
-
-
-def _std(values: Sequence[float]) -> float:
-    arr = np.asarray(values, dtype=float)
-    return float(np.std(arr, ddof=1)) if arr.size > 1 and np.all(np.isfinite(arr)) else math.nan
+    write_report(study, summary, root, runs_dir, make_plots=make_plots)
+    return summary

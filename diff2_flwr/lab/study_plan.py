@@ -1,0 +1,282 @@
+"""A study's plan: which runs it needs (their ids), how they are grouped into units, and how a grid grows.
+
+A run is one (phase, method, grid point, ε, seed); its id is a hash of what identifies it, so a run
+file found under that id is the same run and is reused (ids of studies run before a setting existed
+stay as they were: :func:`method_key`). Runs are computed in :class:`Unit` s (a batch of the batched
+engine, or one run of another engine); :func:`plan_units` makes them, deterministically. The
+corrected protocol's grid extension (:class:`GridSearch`) plans the points a pick on an edge adds.
+
+References:
+    Murata & Suzuki (2023), Section 6; :mod:`.analysis` (the protocol, the extension's bounds).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from ..core.routines import ROUTINES
+from ..runtime.config import ConfigError, ExperimentConfig
+from .analysis import MAX_EXTENSIONS
+from .study_spec import CRITERIA, MethodSpec, Study, slug
+
+__all__ = ["GridSearch", "Job", "Unit", "batchable", "check_point", "eval_jobs", "method_key", "plan_units",
+           "planned_runs", "run_id", "tune_jobs"]
+
+#: The criteria that pick a grid point (the test loss is read at the train-loss pick).
+SELECTING = ("train_loss", "grad_norm_sq")
+
+
+def method_key(method: MethodSpec) -> dict:
+    """What identifies a method's runs; a plain-GD method's is as before routines existed (its run files are reused)."""
+    key = asdict(method)
+    if method.routine == "gd" and not method.routine_params:
+        del key["routine"], key["routine_params"]
+    if not method.local:  # run ids of methods without a local routine are as before it existed
+        del key["local"]
+    if method.rounds is None:  # nor are those of methods that run the study's R
+        del key["rounds"]
+    if not method.seed_offset:
+        del key["seed_offset"]
+    return key
+
+
+def run_id(phase: str, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int, study: Study) -> str:
+    """The id of one run: ``{phase}-{method slug}-{12 hex digits of the hash of what identifies it}``."""
+    key = json.dumps({"phase": phase, "method": method_key(method), "point": dict(point), "epsilon": epsilon,
+                      "seed": seed, "rounds": study.rounds, "delta": study.delta, "mode": study.mode,
+                      "dataset": dict(study.dataset), "clients": study.clients, "eval_every": study.eval_every,
+                      "hidden": study.hidden}, sort_keys=True)
+    return f"{phase}-{slug(method.name)}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+@dataclass
+class Job:
+    """One run to compute: its id, what it is, and its validated config."""
+
+    run_id: str
+    method: MethodSpec
+    point: dict
+    epsilon: float
+    seed: int
+    cfg: ExperimentConfig
+
+
+def _job(phase: str, study: Study, m: MethodSpec, point: dict, epsilon: float, seed: int) -> Job:
+    return Job(run_id(phase, m, point, epsilon, seed, study), m, point, epsilon, seed,
+               study.experiment(m, point, epsilon, seed))
+
+
+def tune_jobs(study: Study, tuned: Mapping[str, Sequence[dict]], epsilon: float) -> list[Job]:
+    """The tuning phase at ``epsilon``: every tuned point of every method on every tuning seed."""
+    return [_job("tune", study, m, p, epsilon, s) for m in study.methods for p in tuned[m.name]
+            for s in study.tune_seeds]
+
+
+def eval_jobs(study: Study, chosen: Mapping[str, Mapping[str, dict]], epsilon: float) -> list[Job]:
+    """The evaluation phase at ``epsilon``: each method's pick per criterion on every evaluation seed, each run once
+    (two criteria that picked one point share its runs)."""
+    jobs: dict[str, Job] = {}
+    for m in study.methods:
+        for c in CRITERIA:
+            for s in study.eval_seeds:
+                if run_id("eval", m, chosen[m.name][c], epsilon, s, study) not in jobs:
+                    job = _job("eval", study, m, chosen[m.name][c], epsilon, s)
+                    jobs[job.run_id] = job
+    return list(jobs.values())
+
+
+def planned_runs(study: Study) -> tuple[int, int]:
+    """(tuning runs, evaluation runs) of the declared grids: every point on the tuning seeds, and per method and
+    selecting criterion its pick on the evaluation seeds (a grid extension adds to the first)."""
+    tune = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds) * len(study.epsilons)
+    return tune, len(SELECTING) * len(study.methods) * len(study.eval_seeds) * len(study.epsilons)
+
+
+def check_point(study: Study, m: MethodSpec, point: Mapping[str, float], epsilon: float, data: Any) -> None:
+    """Refuse a grid point whose partition or calibration the refusal rule refuses (min_samples, max_sigma)."""
+    from ..runtime.shard_report import check_shards
+
+    cfg = study.experiment(m, point, epsilon, study.tune_seeds[0])
+    check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
+
+
+# ------------------------------------------------------------------------------- units
+
+@dataclass(frozen=True)
+class Unit:
+    """Runs computed together, in one process: one batch of the batched engine, or one run of another engine."""
+
+    engine: str
+    jobs: tuple[Job, ...]
+
+
+def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
+    """Split ``jobs`` into units, deterministically (the same jobs always give the same units).
+
+    The batched engine takes batches of at most ``study.batch_size`` runs: a batch whose runs all
+    restart every round (T = 1) skips the previous iterate's pass, so T = 1 runs never share a
+    batch with T > 1 runs; within a group, batches are balanced (no batch much smaller than the
+    others), sorted by T, and as many as a multiple of ``study.workers`` where there are runs
+    enough, so that every worker process has its share. Runs the batched engine cannot run (a
+    model that is not an MLP, a routine that computes on private data, the local routine) are
+    units of one ``inprocess`` run. Units are ordered by their cost, largest first, so that no
+    worker is left with a big one at the end.
+    """
+    engine = study.engine
+    if engine != "batch":
+        return [Unit(engine, (j,)) for j in jobs]
+    mlp = bool(jobs) and batchable(study, jobs[0].cfg)  # one model and dataset per study
+    fits = [j for j in jobs if mlp and ROUTINES[j.cfg.training.routine.name].post_processing
+            and not j.cfg.local.enabled]
+    units = [Unit("inprocess", (j,)) for j in jobs if j not in fits]
+    groups = {(j.cfg.training.rounds, j.cfg.restart_every == 1): None for j in fits}  # a batch shares R
+    for rounds, every in groups:
+        group = [j for j in fits if (j.cfg.training.rounds, j.cfg.restart_every == 1) == (rounds, every)]
+        group.sort(key=lambda j: j.cfg.restart_every)
+        if group:
+            count = -(-len(group) // study.batch_size)
+            count = min(len(group), -(-count // study.workers) * study.workers)
+            size = -(-len(group) // count)
+            units += [Unit(engine, tuple(group[i:i + size])) for i in range(0, len(group), size)]
+    return sorted(units, key=unit_cost, reverse=True)  # stable: equal costs keep their order
+
+
+def unit_cost(unit: Unit) -> float:
+    """Relative cost of a unit, in batched-engine restart rounds of one run: a difference round does a little more
+    than a restart round; one run on the per-run path costs about as much as a batch of twenty."""
+    if unit.engine != "batch":
+        return 20.0 * sum(j.cfg.training.rounds for j in unit.jobs)
+    return sum((1.0 if j.cfg.restart_every == 1 else 1.5) * j.cfg.training.rounds for j in unit.jobs)
+
+
+def batchable(study: Study, cfg: ExperimentConfig) -> bool:
+    """Whether the batched engine has closed forms for this study's model and loss (an MLP; see
+    :func:`~diff2_flwr.task.models.mlp_shape`)."""
+    from .cluster import unit_data
+    from .sweep import batch_model
+
+    try:
+        batch_model(unit_data(cfg), model=study.model, hidden=study.hidden, model_kwargs=study.model_kwargs,
+                    loss=cfg.loss)
+    except ValueError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------- the grid's extension
+
+def line(points: Sequence[Mapping[str, float]], pick: Mapping[str, float], key: str) -> list[float]:
+    """The sorted values of ``key`` among the points that agree with ``pick`` on every other key."""
+    return sorted({float(p[key]) for p in points if all(p[k] == v for k, v in pick.items() if k != key)})
+
+
+def step_out(axis: Sequence[float], side: str, key: str) -> float:
+    """One geometric step past an edge of a grid axis: the ratio of its two outermost values on that side."""
+    if side == "high":
+        new = axis[-1] * axis[-1] / axis[-2]
+    else:
+        new = axis[0] * axis[0] / axis[1]
+    if key == "restart_every":
+        new = float(round(new))
+        if new in axis:
+            new = axis[-1] + 1 if side == "high" else axis[0] - 1
+    return float(new)
+
+
+def _edge(points: Sequence[Mapping[str, float]], pick: Mapping[str, float], key: str) -> tuple[list[float], str | None]:
+    """The pick's line along ``key`` and the edge it lies on (``high``, ``low``, or None: interior or a single value)."""
+    axis = line(points, pick, key)
+    if len(axis) < 2 or pick[key] not in (axis[0], axis[-1]):
+        return axis, None
+    return axis, "high" if pick[key] == axis[-1] else "low"
+
+
+@dataclass
+class GridSearch:
+    """One ε's tuned points per method, grown by the line search of the corrected protocol.
+
+    When a pick's value of a key is the smallest or largest among the tuned points that agree with the
+    pick on every other key (its *line*), the point one geometric step further along that key is
+    tuned too (within the analysis's ``extend`` bounds, at most ``MAX_EXTENSIONS`` steps per key and
+    side). One new point per step: extending the whole product would multiply the cost by every axis
+    that moves at once.
+    """
+
+    tuned: dict[str, list[dict]]
+    made: dict[str, list[dict]]
+    count: collections.Counter = field(default_factory=collections.Counter)
+    refused: dict[tuple[str, str, str], str] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, study: Study) -> GridSearch:
+        """The declared grids, nothing extended."""
+        return cls({m.name: m.points() for m in study.methods}, {m.name: [] for m in study.methods})
+
+    def extend(self, study: Study, chosen: Mapping[str, Mapping[str, dict]],
+               admit: Callable[[MethodSpec, dict], None]) -> list[dict]:
+        """Add the next point of every pick on an edge (``admit`` refuses a point by raising); return the new ones."""
+        new = []
+        for m in study.methods:
+            for c in SELECTING:
+                for key in chosen[m.name][c]:
+                    step = self._step(study, m, c, chosen[m.name][c], key, admit)
+                    if step is not None:
+                        new.append(step)
+        return new
+
+    def _step(self, study: Study, m: MethodSpec, criterion: str, pick: dict, key: str,
+              admit: Callable[[MethodSpec, dict], None]) -> dict | None:
+        axis, side = _edge(self.tuned[m.name], pick, key)
+        bounds = study.analysis.bounds(key)
+        if side is None or bounds is None:
+            return None
+        if self.count[m.name, key, side] >= MAX_EXTENSIONS or (m.name, key, side) in self.refused:
+            return None
+        new = step_out(axis, side, key)
+        if not bounds[0] <= new <= bounds[1]:
+            self.refused[m.name, key, side] = f"the bound {bounds[0 if side == 'low' else 1]:g} of analysis.extend"
+            return None
+        point = dict(pick) | {key: new}
+        if point in self.tuned[m.name]:
+            return None
+        try:  # the new point must pass the partition's refusal rule like the declared ones
+            admit(m, point)
+        except (ConfigError, ValueError) as err:
+            self.refused[m.name, key, side] = f"{new:g} is refused: {str(err).splitlines()[0]}"
+            return None
+        self.tuned[m.name].append(point)
+        self.count[m.name, key, side] += 1
+        step = {"key": key, "value": new, "side": side, "because": criterion, "point": point}
+        self.made[m.name].append(step)
+        return {**step, "method": m.name, "from": pick[key]}
+
+    def searched(self, study: Study, chosen: Mapping[str, Mapping[str, dict]]) -> dict[str, dict]:
+        """Per method: the values searched per key, the points tuned, the extensions made and the picks that stay
+        on an edge (with the reason)."""
+        out = {}
+        for m in study.methods:
+            edges = {}
+            for c in SELECTING:
+                hits = [self._why(study, m, chosen[m.name][c], key) for key in chosen[m.name][c]]
+                if any(hits):
+                    edges[c] = [h for h in hits if h]
+            values = {k: sorted({float(p[k]) for p in self.tuned[m.name]}) for k, _ in m.grid}
+            out[m.name] = {"grid": values, "points": len(self.tuned[m.name]), "extensions": self.made[m.name],
+                           "edges": edges}
+        return out
+
+    def _why(self, study: Study, m: MethodSpec, pick: dict, key: str) -> dict | None:
+        """A pick that stays on an edge of ``key``, and why it was not extended further (None: interior)."""
+        _, side = _edge(self.tuned[m.name], pick, key)
+        if side is None:
+            return None
+        why = (self.refused.get((m.name, key, side))
+               or ("at most " + str(MAX_EXTENSIONS) + " extensions per key and side"
+                   if self.count[m.name, key, side] >= MAX_EXTENSIONS else
+                   "not extended: no bound in analysis.extend" + (" (the paper's protocol extends nothing)"
+                                                                  if not study.analysis.corrected else "")))
+        return {"key": key, "value": pick[key], "side": side, "why": why}
