@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from diff2_flwr.runtime.launch import free_ports
-from flwr_app import SLOW_START, copy_app, superlink_pids, stop_superlinks
+from flwr_app import SLOW_START, copy_app, superlink_pids, stop_superlinks, wait_finished
 
 VENV = Path(sys.executable).parent.parent
 ACTIVATE = VENV / "bin" / "activate"
@@ -52,23 +52,9 @@ def _activated(command: str, env: dict[str, str], cwd: Path, timeout: float = 12
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _status(env: dict[str, str], cwd: Path, run_id: int) -> dict:
-    listing = _activated(f"flwr ls --run-id {run_id} --format json", env, cwd, timeout=60)
-    try:
-        return json.loads(listing.stdout)["runs"][0]
-    except (ValueError, KeyError, IndexError):
-        raise AssertionError(f"`flwr ls` did not list run {run_id}: {listing.stdout}{listing.stderr}") from None
-
-
 def _wait_finished(env: dict[str, str], cwd: Path, run_id: int, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = _status(env, cwd, run_id)
-        if info["status"].startswith("finished"):
-            return info
-        if time.monotonic() > deadline:
-            raise AssertionError(f"run {run_id} still {info['status']} after {timeout_s:.0f} s")
-        time.sleep(2)
+    """The run's final `flwr ls` entry (read with the venv's flwr; only the runs were typed in the activated shell)."""
+    return wait_finished({**env, "PATH": f"{VENV / 'bin'}{os.pathsep}{env['PATH']}"}, cwd, run_id, timeout_s)
 
 
 def _flwr_run(command: str, env: dict[str, str], cwd: Path) -> int:
