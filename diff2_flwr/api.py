@@ -40,8 +40,8 @@ __all__ = ["make_strategy", "make_client"]
 #: make_strategy's arguments that set no key of the experiment: x_0, callables, where the run writes, the
 #: Strategy's patience. Every other argument is a setting, validated and named by its declaration
 #: (:func:`~diff2_flwr.runtime.spec.argument_names`): a new setting is a new keyword argument, no new plumbing.
-_NOT_SETTINGS = frozenset({"model", "initial_parameters", "evaluate_fn", "output_dir", "name", "checkpoint",
-                           "progress", "wait_for_clients_s"})
+_NOT_SETTINGS = frozenset({"model", "initial_parameters", "evaluate_fn", "output_dir", "checkpoint", "progress",
+                           "wait_for_clients_s"})
 
 
 def make_strategy(
@@ -126,7 +126,7 @@ def make_strategy(
     # a resumed run may retry more or less than the run it resumes.
     server_spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training, round_retries=0))
     server = make_server(server_spec, model=model, initial_parameters=initial_parameters, evaluate_fn=evaluate_fn,
-                         output_dir=output_dir, name=name, checkpoint=checkpoint, progress=progress, source=function)
+                         output_dir=output_dir, checkpoint=checkpoint, progress=progress, source=function)
     return Diff2Strategy(server=server, round_retries=spec.training.round_retries,
                          wait_for_clients_s=wait_for_clients_s)
 

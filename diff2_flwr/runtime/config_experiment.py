@@ -25,7 +25,7 @@ Method = Literal["gd", "dpgd", "diff2"]
 class ExperimentConfig:
     """One experiment: dataset, model, method, privacy budget and training schedule."""
 
-    name: str = setting("experiment", "prefix of the run folder")
+    name: str = setting("experiment", "prefix of the run folder (no path separators)")
     method: Method = setting("diff2", "gd (no privacy: no clipping, no noise, T = 1), dpgd (T = 1), diff2")
     dataset: DatasetConfig = setting(factory=DatasetConfig, help="the data and how it is sharded")
     model: ModelConfig = setting(factory=ModelConfig, help="the model and its per-sample loss")
@@ -37,6 +37,8 @@ class ExperimentConfig:
     source: str = field(default="<memory>", compare=False)
 
     def __post_init__(self) -> None:
+        require(bool(self.name) and "/" not in self.name and "\\" not in self.name, "name",
+                "a non-empty string without path separators (the run folder's prefix)", self.name)
         d = self.dataset
         if d.name == "csv" and d.task is None:  # said by the loss, or required: a column of 0s and 1s may be either
             require(self.model.loss != "auto", "dataset.task", "regression or classification for dataset csv (or "

@@ -521,7 +521,6 @@ def make_server(
     initial_parameters: Sequence[np.ndarray] | None = None,
     evaluate_fn: Callable[[list[np.ndarray]], Mapping[str, float]] | None = None,
     output_dir: str | Path | None = None,
-    name: str = "diff2",
     checkpoint: str | Path | None = None,
     progress: Callable[[str], None] | None = print,
     run_info: Mapping[str, Any] | None = None,
@@ -535,7 +534,7 @@ def make_server(
     with fewer is refused. x_0 is ``model``'s trainable parameters or ``initial_parameters`` (one array per tensor).
     ``evaluate_fn(arrays) -> {metric: value}`` evaluates each released iterate (every ``evaluation.every`` rounds,
     and always rounds 0 and R). With ``output_dir`` each round's row and a summary go into a new folder
-    ``output_dir/<name>-<time>-<random>``. With ``checkpoint`` the server's state is durable after every round, and
+    ``output_dir/<spec.name>-<time>-<random>``. With ``checkpoint`` the server's state is durable after every round, and
     an existing checkpoint of the same run is resumed. ``run_info``: extra fields of the summary; its ``"config"``
     (the experiment file, on the YAML path) also identifies the run for a checkpoint. Errors name ``source`` and
     the budget's keys with ``section`` (``"privacy."`` on the YAML path).
@@ -543,7 +542,7 @@ def make_server(
     References:
         Murata & Suzuki (2023), Algorithm 1 (server lines); Theorem 4.1 (the noise for (ε, δ)).
     """
-    _check_server_arguments(spec, source, name, evaluate_fn)
+    _check_server_arguments(spec, source, evaluate_fn)
     layout, x0 = _initial_point(source, model, initial_parameters)
     n_min = spec.privacy.n_min
     calibration = spec.calibration(n_min)
@@ -555,7 +554,7 @@ def make_server(
             return {str(k): float(v) for k, v in evaluate_fn(layout.split(x)).items()}
 
     info = dict(run_info or {})
-    info.setdefault("name", name)
+    info.setdefault("name", spec.name)
     info.setdefault("method", spec.method)
     described = info.get("config") or spec.to_dict()
     fingerprint = hashlib.sha256((config_fingerprint(described, n_min) + hashlib.sha256(x0.tobytes()).hexdigest())
@@ -565,7 +564,7 @@ def make_server(
     if checkpoint_path is not None and checkpoint_path.exists():
         resume = load_checkpoint(checkpoint_path, fingerprint,
                                  routine=spec.training.routine.build(spec.training.learning_rate), x0=x0)
-    recorder = _recorder(output_dir, name, resume, info, progress)
+    recorder = _recorder(output_dir, spec.name, resume, info, progress)
     warnings = _announce(spec, calibration, progress)
     if warnings:
         info["warnings"] = [*info.get("warnings", ()), *warnings]
@@ -580,11 +579,8 @@ def make_server(
     )
 
 
-def _check_server_arguments(spec: ExperimentConfig, source: str, name: Any, evaluate_fn: Any) -> None:
-    """What :func:`make_server` needs beyond a valid experiment: n_min, the run folder's name, a callable."""
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name:
-        raise argument_error(source, "name", "a non-empty string without path separators (the run folder's "
-                             "prefix)", name)
+def _check_server_arguments(spec: ExperimentConfig, source: str, evaluate_fn: Any) -> None:
+    """What :func:`make_server` needs beyond a valid experiment: n_min, a callable."""
     if spec.privacy.n_min is None:
         raise argument_error(source, "n_min", "an integer >= 1 (the fewest records any client holds; the noise "
                              "is calibrated for it)", None)
@@ -955,6 +951,6 @@ def build_server(
     spec = dataclasses.replace(cfg, privacy=dataclasses.replace(cfg.privacy, n_min=n_min))
     return make_server(
         spec, model=_model(cfg, data.num_features, data.num_outputs), evaluate_fn=evaluate_fn,
-        output_dir=(output_root or cfg.output.dir) if record else None, name=cfg.name,
+        output_dir=(output_root or cfg.output.dir) if record else None,
         checkpoint=cfg.output.checkpoint, progress=progress, run_info=run_info, source=cfg.source, section="privacy.",
     )
