@@ -62,7 +62,7 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory: Call
             argument: str | None = None, **extra: Any) -> Any:
     """A field's declaration: its default (or ``factory``), its help text, and the Python API argument that sets
     it when that is not the field's own name (``argument="eval_every"`` for ``evaluation.every``); ``extra``
-    holds what one consumer alone needs (a CLI flag's ``choices``)."""
+    holds what one consumer alone needs (``cli_default``: a CLI flag's default computed when the parser is built)."""
     metadata = {"help": help, **({"argument": argument} if argument else {}), **extra}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
