@@ -21,6 +21,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -31,10 +32,16 @@ from flwr.common import Parameters, parameters_to_ndarrays
 from .core.gradients import LossFn
 from .fl.client import Diff2Client
 from .fl.strategy import Diff2Strategy
-from .runtime.config import TrainingConfig, from_arguments
+from .runtime.config import experiment_from_arguments
 from .runtime.session import make_server, make_worker
 
 __all__ = ["make_strategy", "make_client"]
+
+#: make_strategy's arguments that set no key of the experiment: x_0, callables, where the run writes, the
+#: Strategy's patience. Every other argument is a setting, validated and named by its declaration
+#: (:func:`~diff2_flwr.runtime.spec.argument_names`): a new setting is a new keyword argument, no new plumbing.
+_NOT_SETTINGS = frozenset({"model", "initial_parameters", "evaluate_fn", "output_dir", "checkpoint", "progress",
+                           "wait_for_clients_s"})
 
 
 def make_strategy(
@@ -109,19 +116,19 @@ def make_strategy(
         ConfigError: an argument is invalid (the message names it, what was expected and what was found),
             or the schedule cannot meet the budget.
     """
+    given = dict(locals())  # first: the keyword arguments as called, and nothing else
     function = "diff2_flwr.make_strategy"
-    from_arguments(function, {"round_retries": round_retries}, TrainingConfig)  # the YAML key's check and message
+    spec = experiment_from_arguments(function, {k: v for k, v in given.items() if k not in _NOT_SETTINGS},
+                                     method="diff2")
     if isinstance(initial_parameters, Parameters):
         initial_parameters = parameters_to_ndarrays(initial_parameters)
-    server = make_server(
-        epsilon=epsilon, delta=delta, rounds=rounds, restart_every=restart_every, clients=clients, n_min=n_min,
-        clip_restart=clip_restart, clip_diff=clip_diff, learning_rate=learning_rate, routine=routine, model=model,
-        initial_parameters=initial_parameters, u=u, mode=mode, seed=seed, evaluate_fn=evaluate_fn,
-        eval_every=eval_every, output_dir=output_dir, name=name, checkpoint=checkpoint, progress=progress,
-        local_steps=local_steps, local_batch_size=local_batch_size, local_clip=local_clip, local_share=local_share,
-        clip_stats=clip_stats, _function=function,
-    )
-    return Diff2Strategy(server=server, round_retries=round_retries, wait_for_clients_s=wait_for_clients_s)
+    # round_retries is the Strategy's: left out of the server's spec (and so of a checkpoint's fingerprint), so that
+    # a resumed run may retry more or less than the run it resumes.
+    server_spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training, round_retries=0))
+    server = make_server(server_spec, model=model, initial_parameters=initial_parameters, evaluate_fn=evaluate_fn,
+                         output_dir=output_dir, checkpoint=checkpoint, progress=progress, source=function)
+    return Diff2Strategy(server=server, round_retries=spec.training.round_retries,
+                         wait_for_clients_s=wait_for_clients_s)
 
 
 def make_client(

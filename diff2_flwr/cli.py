@@ -12,8 +12,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from .runtime.outputs import to_json
+from .runtime.spec import add_setting_flags, setting_names
 
 __all__ = ["main"]
 
@@ -215,13 +217,7 @@ def _ledger(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     from .lab.audit import AuditSpec, run_audit, stderr_progress
 
-    spec = AuditSpec(
-        method=args.method, epsilon=args.epsilon, delta=args.delta, rounds=args.rounds,
-        restart_every=args.restart_every, u=args.u, clients=args.clients, samples=args.samples,
-        noise_scale=args.noise_scale, local_batch_size=args.local_batch_size, local_share=args.local_share,
-        local_clip=args.local_clip, local_noise_scale=args.local_noise_scale, trials=args.trials, alpha=args.alpha,
-        seed=args.seed, workers=args.workers,
-    )
+    spec = AuditSpec(**{name: getattr(args, name) for name in setting_names(AuditSpec)})
     result = run_audit(spec, progress=None if args.quiet else stderr_progress)
     text = json.dumps(to_json(result), indent=2)
     if args.out:
@@ -365,11 +361,8 @@ def _compose(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diff2", description="DIFF2 differentially private federated training on Flower.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_run_commands(sub: Any) -> None:
+    """The commands noise, run, experiment: a calibration, a run, a study."""
     noise = sub.add_parser("noise", help="print the noise calibration (σ1, σ2, z1, z2) as JSON")
     noise.add_argument("--epsilon", type=float, required=True, help="target ε (> 0)")
     noise.add_argument("--delta", type=float, required=True, help="target δ in (0, 1)")
@@ -412,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default %(default)s; a driver on this machine that died is noticed at once)")
     exp.set_defaults(func=_experiment)
 
+
+def _add_study_commands(sub: Any) -> None:
+    """The commands family, regime, plot: what is read from finished runs and studies."""
     fam = sub.add_parser("family", help="Holm across the primary tests of several finished studies (a "
                                         "pre-registered family, e.g. configs/confirm/family.yaml): family.json, "
                                         "family.md, JSON on stdout")
@@ -450,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--title", default=None, help="figure title")
     plot.set_defaults(func=_plot)
 
+
+def _add_deploy_commands(sub: Any) -> None:
+    """The commands shard, deploy-local, certs: a deployment's data, a local one, its certificates."""
     shard = sub.add_parser("shard", help="write one shard file per data owner (and the server's) for a deployment")
     shard.add_argument("config", help="experiment YAML whose dataset and training.clients define the shards")
     shard.add_argument("--out", required=True, help="output folder")
@@ -488,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     certs.set_defaults(func=lambda a: _certs(argparse.Namespace(out=a.out, host=a.host or ["127.0.0.1", "localhost"],
                                                                 clients=a.clients, node_pub=a.node_pub)))
 
+
+def _add_secret_commands(sub: Any) -> None:
+    """The commands node-key, secret, compose: what each party of a deployment holds, and its compose file."""
     node_key = sub.add_parser("node-key", help="(data owner) make this SuperNode's key pair; send only the .pub")
     node_key.add_argument("--out", required=True, help="folder (made 0700), e.g. deploy/certs")
     node_key.add_argument("--name", default="supernode",
@@ -515,39 +517,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="address the SuperNodes dial (default %(default)s; multi-host: <SuperLink host>:8000)")
     comp.set_defaults(func=_compose)
 
-    import dataclasses
 
-    from .lab.audit_spec import AuditSpec, default_workers
+def _add_lab_commands(sub: Any) -> None:
+    """The commands audit (its flags derived from AuditSpec), bench, ledger."""
+    from .lab.audit_spec import AuditSpec
 
-    # The defaults without building an AuditSpec (that would calibrate, i.e. import scipy, for --help).
-    d = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(AuditSpec)})
     aud = sub.add_parser("audit", help="empirically audit the (ε, δ) guarantee of the real server path (JSON; exit 3 "
                                        "if the audit proves it false)")
-    aud.add_argument("--method", choices=("dpgd", "diff2", "diff2-bvr"), default=d.method,
-                     help="mechanism; diff2-bvr: DIFF2 with its private BVR-L-SGD local routine, K = 2 (default "
-                          "%(default)s)")
-    aud.add_argument("--epsilon", type=float, default=d.epsilon, help="claimed ε (default %(default)s)")
-    aud.add_argument("--delta", type=float, default=d.delta, help="δ (default %(default)s)")
-    aud.add_argument("--rounds", type=int, default=d.rounds, help="R, rounds per run (default %(default)s)")
-    aud.add_argument("--restart-every", type=int, default=d.restart_every,
-                     help="T for diff2 (default %(default)s; dpgd is T = 1)")
-    aud.add_argument("--u", type=float, default=d.u, help="budget split u (default %(default)s)")
-    aud.add_argument("--clients", type=int, default=d.clients, help="P, workers (default %(default)s)")
-    aud.add_argument("--samples", type=int, default=d.samples, help="records per worker (default %(default)s)")
-    aud.add_argument("--trials", type=int, default=d.trials, help="runs on each of D and D' (default %(default)s)")
-    aud.add_argument("--alpha", type=float, default=d.alpha, help="1 - confidence (default %(default)s)")
-    aud.add_argument("--noise-scale", type=float, default=d.noise_scale,
-                     help="multiply the calibrated noise (< 1 breaks the mechanism on purpose; default 1)")
-    aud.add_argument("--local-batch-size", type=int, default=d.local_batch_size,
-                     help="diff2-bvr: b, each record sampled with probability b / samples (default %(default)s)")
-    aud.add_argument("--local-share", type=float, default=d.local_share,
-                     help="diff2-bvr: fraction of the budget μ² left to the local steps (default %(default)s)")
-    aud.add_argument("--local-clip", type=float, default=d.local_clip,
-                     help="diff2-bvr: C3, local radius C3 ||y_1 - y_0|| (default %(default)s)")
-    aud.add_argument("--local-noise-scale", type=float, default=d.local_noise_scale,
-                     help="diff2-bvr: multiply the calibrated local noise σ3 (< 1 breaks it on purpose; default 1)")
-    aud.add_argument("--seed", type=int, default=None, help="reproducible noise (default: OS entropy per run)")
-    aud.add_argument("--workers", type=int, default=default_workers(), help="processes (default %(default)s)")
+    add_setting_flags(aud, AuditSpec)
     aud.add_argument("--out", default=None, help="also write the JSON here")
     aud.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     aud.set_defaults(func=_audit)
@@ -567,6 +544,15 @@ def build_parser() -> argparse.ArgumentParser:
     led.add_argument("--delta", type=float, default=None,
                      help="δ at which the runs are composed (default: the δ_L of the last admission, in the file)")
     led.set_defaults(func=_ledger)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diff2", description="DIFF2 differentially private federated training on Flower.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    for add in (_add_run_commands, _add_study_commands, _add_deploy_commands, _add_secret_commands, _add_lab_commands):
+        add(sub)
     return parser
 
 

@@ -266,3 +266,17 @@ def test_cli_refuses_bad_arguments(argv, match, capsys):
         assert rc == 2
     assert re.search(match, capsys.readouterr().err)
 
+
+
+def test_the_audit_flags_are_the_specs_fields(capsys):
+    """``diff2 audit``'s options are derived from AuditSpec's declaration: one flag per field, its help and default."""
+    import dataclasses
+
+    from diff2_flwr.lab.audit_spec import AuditSpec
+
+    with pytest.raises(SystemExit):
+        main(["audit", "--help"])
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(AuditSpec):
+        assert f"--{f.name.replace('_', '-')}" in text and f.metadata["help"].split(" (")[0][:20] in text
+    assert "{dpgd,diff2,diff2-bvr}" in text

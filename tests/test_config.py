@@ -400,8 +400,48 @@ def test_every_config_key_is_a_declared_flower_run_config_key() -> None:
 
     declared = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     app_config = declared["tool"]["flwr"]["app"]["config"]
-    assert [k for k in app_config if k != "config"] == config_keys()
+    assert [k for k in app_config if k != "config"] == config_keys(), "run scripts/run_config_keys.py"
     assert all(app_config[k] == "" for k in config_keys())
+
+
+def test_the_run_config_list_is_the_generators_output() -> None:
+    import runpy
+
+    generator = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "run_config_keys.py"))
+    assert generator["main"](["--check"]) == 0, "pyproject.toml's run-config list is stale: run scripts/run_config_keys.py"
+
+
+def test_every_settable_key_has_help_text() -> None:
+    """The declaration is the documentation's source: each key says what it means."""
+    from diff2_flwr.runtime.config import ExperimentConfig, config_keys, help_of
+
+    missing = [key for key in config_keys() if len(help_of(ExperimentConfig, key).strip()) < 3]
+    assert not missing, f"keys without help text: {missing}"
+
+
+def test_the_python_apis_setting_arguments_are_declared_keys() -> None:
+    """make_strategy's keyword arguments (but x_0, callables and where the run writes) are settings: each one sets
+    the key its declaration names, and an error about it names the argument."""
+    import inspect
+
+    import diff2_flwr
+    from diff2_flwr.api import _NOT_SETTINGS
+    from diff2_flwr.runtime.config import ExperimentConfig, argument_names
+    from diff2_flwr.runtime.spec import nest_arguments
+
+    def key_of(data: dict, prefix: str = "") -> str:
+        ((name, value),) = data.items()
+        return key_of(value, f"{prefix}{name}.") if isinstance(value, dict) else prefix + name
+
+    names = argument_names(ExperimentConfig)
+    settings = [p for p in inspect.signature(diff2_flwr.make_strategy).parameters if p not in _NOT_SETTINGS]
+    assert len(settings) >= 20
+    for argument in settings:
+        assert names[key_of(nest_arguments(ExperimentConfig, {argument: 0}))] == argument
+    assert {"local.share": "local_share", "evaluation.every": "eval_every", "training.seed": "seed",
+            "training.routine.beta1": "routine.beta1"}.items() <= names.items()
+    with pytest.raises(TypeError, match="argument 'wait_for_clients_s' sets no key"):
+        nest_arguments(ExperimentConfig, {"wait_for_clients_s": 300})
 
 
 def test_overrides_change_single_keys_and_are_validated_like_the_file(tmp_path: Path) -> None:

@@ -1,18 +1,24 @@
-"""What one audit runs (``diff2 audit`` options): light to import, so ``diff2 --help`` shows its defaults fast."""
+"""What one audit runs: light to import, so ``diff2 --help`` shows its defaults fast.
+
+Each field is declared once (:func:`~diff2_flwr.runtime.spec.setting`: default and help; the type by its annotation)
+and checked with :func:`~diff2_flwr.runtime.spec.require`; ``diff2 audit``'s flags are derived from the fields.
+"""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
+
+from ..runtime.spec import Invalid, require, setting
 
 if TYPE_CHECKING:
     from ..core.privacy import Calibration
 
 __all__ = ["LOCAL_STEPS", "AuditSpec", "default_workers"]
 
-_METHODS = ("dpgd", "diff2", "diff2-bvr")
+_METHODS = ("dpgd", "diff2", "diff2-bvr")  # AuditSpec.method's Literal, checked also when built in Python
 
 #: K of the audited local routine: one private local step per round, so that x_r = y_2 reveals that step's
 #: output exactly (with K > 2 only y_K is released and the K - 1 steps' outputs are mixed; the ledger charges each).
@@ -35,62 +41,63 @@ class AuditSpec:
     server's rounds leave to the local steps, and ``local_noise_scale`` multiplies σ3 only.
     """
 
-    method: str = "diff2"
-    epsilon: float = 3.0
-    delta: float = 1e-5
-    rounds: int = 10
-    restart_every: int = 5
-    u: float = 1.25
-    clients: int = 2
-    samples: int = 16
-    dim: int = 4
-    learning_rate: float = 0.5
-    clip_restart: float = 1.0
-    clip_diff: float = 1.0
-    noise_scale: float = 1.0
-    local_batch_size: int = 8
-    local_share: float = 0.98
-    local_clip: float = 1.0
-    local_noise_scale: float = 1.0
-    trials: int = 10_000
-    alpha: float = 0.05
-    seed: int | None = None
-    workers: int = 1
+    method: Literal["dpgd", "diff2", "diff2-bvr"] = setting(
+        "diff2", "mechanism; diff2-bvr: DIFF2 with its private BVR-L-SGD local routine, K = 2")
+    epsilon: float = setting(3.0, "claimed ε")
+    delta: float = setting(1e-5, "δ")
+    rounds: int = setting(10, "R, rounds per run")
+    restart_every: int = setting(5, "T for diff2 (dpgd is T = 1)")
+    u: float = setting(1.25, "budget split u")
+    clients: int = setting(2, "P, workers")
+    samples: int = setting(16, "records per worker")
+    dim: int = setting(4, "model dimension: one canary axis and dim - 1 benign coordinates")
+    learning_rate: float = setting(0.5, "η of the audited GD step")
+    clip_restart: float = setting(1.0, "C1, the radius of restart rounds")
+    clip_diff: float = setting(1.0, "C2, the radius of difference rounds (C2 ||x_(r-1) - x_(r-2)||)")
+    noise_scale: float = setting(1.0, "multiply the calibrated noise (< 1 breaks the mechanism on purpose)")
+    local_batch_size: int = setting(8, "diff2-bvr: b, each record sampled with probability b / samples")
+    local_share: float = setting(0.98, "diff2-bvr: fraction of the budget μ² left to the local steps")
+    local_clip: float = setting(1.0, "diff2-bvr: C3, local radius C3 ||y_1 - y_0||")
+    local_noise_scale: float = setting(1.0, "diff2-bvr: multiply the calibrated local noise σ3 (< 1 breaks it on "
+                                            "purpose)")
+    trials: int = setting(10_000, "runs on each of D and D'")
+    alpha: float = setting(0.05, "1 - confidence")
+    seed: int | None = setting(None, "reproducible noise (default: OS entropy per run)")
+    workers: int = setting(1, "processes", cli_default=lambda: default_workers())
 
     def __post_init__(self) -> None:
-        def bad(key: str, expected: str) -> ValueError:
-            return ValueError(f"`--{key.replace('_', '-')}` must be {expected}. Found {getattr(self, key)!r}.")
+        try:
+            self._check()
+        except Invalid as err:  # the same check as every section's, said as the audit's flag
+            raise ValueError(f"`--{err.key.replace('_', '-')}` must be {err.expected}. Found {err.found!r}.") from None
+        self.calibration()  # ε, δ, u: the calibration's own checks, with their messages
 
-        if self.method not in _METHODS:
-            raise bad("method", f"one of {_METHODS}")
+    def _check(self) -> None:
+        require(self.method in _METHODS, "method", f"one of {_METHODS}", self.method)
         for key in ("rounds", "restart_every", "clients", "samples", "dim", "workers", "local_batch_size"):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise bad(key, "an integer >= 1")
-        if self.dim < 2:
-            raise bad("dim", "at least 2 (one canary axis and at least one benign coordinate)")
-        if not isinstance(self.trials, int) or self.trials < 20:
-            raise bad("trials", "an integer >= 20")
-        if not (math.isfinite(self.noise_scale) and self.noise_scale > 0):
-            raise bad("noise_scale", "a finite number > 0 (1 = the calibrated noise)")
-        if not (math.isfinite(self.local_noise_scale) and self.local_noise_scale > 0):
-            raise bad("local_noise_scale", "a finite number > 0 (1 = the calibrated local noise σ3)")
-        if self.local_noise_scale != 1.0 and not self.local:
-            raise bad("local_noise_scale", "1 unless --method is diff2-bvr (only diff2-bvr has local steps)")
-        if self.local and self.local_batch_size > self.samples:
-            raise bad("local_batch_size", f"at most --samples = {self.samples} (each record is sampled with "
-                                          "probability b / samples)")
-        if not (math.isfinite(self.local_share) and 0 < self.local_share < 1):
-            raise bad("local_share", "in (0, 1): the fraction of the budget left to the local steps")
-        if not 0 < self.alpha < 1:
-            raise bad("alpha", "in (0, 1)")
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, key, "an integer >= 1",
+                    value)
+        require(self.dim >= 2, "dim", "at least 2 (one canary axis and at least one benign coordinate)", self.dim)
+        require(isinstance(self.trials, int) and self.trials >= 20, "trials", "an integer >= 20", self.trials)
+        require(math.isfinite(self.noise_scale) and self.noise_scale > 0, "noise_scale",
+                "a finite number > 0 (1 = the calibrated noise)", self.noise_scale)
+        require(math.isfinite(self.local_noise_scale) and self.local_noise_scale > 0, "local_noise_scale",
+                "a finite number > 0 (1 = the calibrated local noise σ3)", self.local_noise_scale)
+        require(self.local_noise_scale == 1.0 or self.local, "local_noise_scale",
+                "1 unless --method is diff2-bvr (only diff2-bvr has local steps)", self.local_noise_scale)
+        require(not self.local or self.local_batch_size <= self.samples, "local_batch_size",
+                f"at most --samples = {self.samples} (each record is sampled with probability b / samples)",
+                self.local_batch_size)
+        require(math.isfinite(self.local_share) and 0 < self.local_share < 1, "local_share",
+                "in (0, 1): the fraction of the budget left to the local steps", self.local_share)
+        require(0 < self.alpha < 1, "alpha", "in (0, 1)", self.alpha)
         for key in ("clip_restart", "clip_diff", "learning_rate", "local_clip"):
-            if not (math.isfinite(getattr(self, key)) and getattr(self, key) > 0):
-                raise bad(key, "a finite number > 0")
-        if self.method in ("diff2", "diff2-bvr") and (self.restart_every < 2 or self.restart_every >= self.rounds):
-            raise bad("restart_every", f"between 2 and rounds - 1 = {self.rounds - 1} for {self.method} (restarts "
-                                       "and difference rounds both audited)")
-        self.calibration()  # ε, δ, u: the calibration's own checks, with their messages
+            require(math.isfinite(getattr(self, key)) and getattr(self, key) > 0, key, "a finite number > 0",
+                    getattr(self, key))
+        require(self.method == "dpgd" or 2 <= self.restart_every < self.rounds, "restart_every",
+                f"between 2 and rounds - 1 = {self.rounds - 1} for {self.method} (restarts and difference rounds "
+                "both audited)", self.restart_every)
 
     @property
     def period(self) -> int:

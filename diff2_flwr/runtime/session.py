@@ -37,7 +37,7 @@ from ..task.losses import LOSSES, get_loss, half_squared_error
 from ..task.models import PaperMLP, build_model
 from ..task.records import DatasetRecords, TensorRecords, as_records
 from .checkpoint import Checkpoint, CheckpointError, config_fingerprint, load_checkpoint, save_checkpoint
-from .config import ConfigError, ExperimentConfig, RoutineConfig, TrainingConfig, from_arguments
+from .config import ConfigError, ExperimentConfig, TrainingConfig, argument_error, from_arguments
 from .noise_report import loss_rise, loss_rise_warning, noise_summary, noise_warning
 from .outputs import RunRecorder, new_run_dir, to_json
 from .shard_report import check_shards, shard_lines
@@ -480,12 +480,6 @@ class Worker:
 # -------------------------------------------------------------------- from plain arguments (the Python API)
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
-_ROUTINE_KEYS = tuple(f.name for f in dataclasses.fields(RoutineConfig))
-
-
-def _argument_error(function: str, argument: str, expected: str, found: Any) -> ConfigError:
-    return ConfigError(f"{function}: argument `{argument}`: expected {expected}. Found {found!r}.", key=argument,
-                       expected=expected, found=found)
 
 
 def _initial_point(function: str, model: torch.nn.Module | None,
@@ -497,7 +491,7 @@ def _initial_point(function: str, model: torch.nn.Module | None,
                           f"{'both' if model is not None else 'neither'}.")
     if model is not None:
         if not isinstance(model, torch.nn.Module):
-            raise _argument_error(function, "model", "a torch.nn.Module", type(model).__name__)
+            raise argument_error(function, "model", "a torch.nn.Module", type(model).__name__)
         layout = ParameterLayout.of(model)
         tensors = [p for _, p in model.named_parameters() if p.requires_grad]
         x0 = np.concatenate([p.detach().to(torch.float64).reshape(-1).numpy() for p in tensors]) if tensors else np.zeros(0)
@@ -505,10 +499,10 @@ def _initial_point(function: str, model: torch.nn.Module | None,
         try:
             arrays = [np.asarray(a) for a in initial_parameters]  # type: ignore[union-attr]
         except TypeError:
-            raise _argument_error(function, "initial_parameters", "a list of numpy arrays (one per model tensor)",
+            raise argument_error(function, "initial_parameters", "a list of numpy arrays (one per model tensor)",
                                   type(initial_parameters).__name__) from None
         if not all(np.issubdtype(a.dtype, np.floating) for a in arrays):
-            raise _argument_error(function, "initial_parameters", "floating-point arrays",
+            raise argument_error(function, "initial_parameters", "floating-point arrays",
                                   [str(a.dtype) for a in arrays])
         layout = ParameterLayout(tuple(f"parameter_{i}" for i in range(len(arrays))), tuple(a.shape for a in arrays))
         x0 = layout.flatten(arrays)
@@ -521,89 +515,46 @@ def _initial_point(function: str, model: torch.nn.Module | None,
 
 
 def make_server(
+    spec: ExperimentConfig,
     *,
-    epsilon: float,
-    delta: float,
-    rounds: int,
-    restart_every: int | None,
-    clients: int,
-    n_min: int,
-    clip_restart: float,
-    clip_diff: float,
-    learning_rate: float,
     model: torch.nn.Module | None = None,
     initial_parameters: Sequence[np.ndarray] | None = None,
-    u: float = 1.25,
-    mode: str = "exact",
-    method: str = "diff2",
-    routine: str | Mapping[str, Any] = "gd",
-    seed: int | None = None,
-    local_steps: int = 0,
-    local_batch_size: int = 64,
-    local_clip: float = 1.0,
-    local_share: float = 0.5,
     evaluate_fn: Callable[[list[np.ndarray]], Mapping[str, float]] | None = None,
-    eval_every: int = 1,
     output_dir: str | Path | None = None,
-    name: str = "diff2",
     checkpoint: str | Path | None = None,
     progress: Callable[[str], None] | None = print,
     run_info: Mapping[str, Any] | None = None,
-    clip_stats: bool = False,
-    _function: str = "diff2_flwr.make_server",
-    _section: str = "",
+    source: str = "diff2_flwr.make_server",
+    section: str = "",
 ) -> Diff2Server:
-    """The trusted server of a DIFF2 run from plain arguments, validated at once; the YAML path calls it too.
+    """The trusted server of a DIFF2 run of ``spec`` (validated: :func:`~diff2_flwr.runtime.config.from_arguments`
+    on the Python API's path, the experiment file on the YAML path); x_0 and what the server writes are given here.
 
-    Arguments are named as the experiment file's keys (``privacy.*``, ``training.*``) and checked by the same
-    dataclasses, with the same messages. ``n_min`` is the fewest records any of the ``clients`` holds: the noise
-    is calibrated for it and every reply with fewer is refused. x_0 is ``model``'s trainable parameters or
-    ``initial_parameters`` (one array per tensor). ``evaluate_fn(arrays) -> {metric: value}`` evaluates each
-    released iterate (every ``eval_every`` rounds, and always rounds 0 and R). With ``output_dir`` each round's
-    row and a summary go into a new folder ``output_dir/<name>-<time>-<random>``. With ``checkpoint`` the
-    server's state is durable after every round, and an existing checkpoint of the same run is resumed.
-    ``run_info``: extra fields of the summary; its ``"config"`` (the experiment file, on the YAML path) also
-    identifies the run for a checkpoint. ``routine``: ``training.routine``'s value (a name, or a mapping with
-    ``name`` and the routine's parameters); its step is ``learning_rate``. ``clip_stats``: release each round's
-    ``clip_fraction`` (``evaluation.clip_stats``; off by default: it is not covered by ε, and is announced as such).
+    ``spec.privacy.n_min`` is the fewest records any client holds: the noise is calibrated for it and every reply
+    with fewer is refused. x_0 is ``model``'s trainable parameters or ``initial_parameters`` (one array per tensor).
+    ``evaluate_fn(arrays) -> {metric: value}`` evaluates each released iterate (every ``evaluation.every`` rounds,
+    and always rounds 0 and R). With ``output_dir`` each round's row and a summary go into a new folder
+    ``output_dir/<spec.name>-<time>-<random>``. With ``checkpoint`` the server's state is durable after every round, and
+    an existing checkpoint of the same run is resumed. ``run_info``: extra fields of the summary; its ``"config"``
+    (the experiment file, on the YAML path) also identifies the run for a checkpoint. Errors name ``source`` and
+    the budget's keys with ``section`` (``"privacy."`` on the YAML path).
 
     References:
         Murata & Suzuki (2023), Algorithm 1 (server lines); Theorem 4.1 (the noise for (ε, δ)).
     """
-    privacy = {"epsilon": epsilon, "delta": delta, "mode": mode, "u": u, "n_min": n_min}
-    training = {"rounds": rounds, "restart_every": restart_every, "clip_restart": clip_restart,
-                "clip_diff": clip_diff, "learning_rate": learning_rate, "routine": routine, "clients": clients,
-                "seed": seed}
-    local = {"steps": local_steps, "batch_size": local_batch_size, "clip": local_clip, "share": local_share}
-    spec: ExperimentConfig = from_arguments(_function, {"method": method, "privacy": privacy, "training": training,
-                                                        "local": local, "evaluation": {"every": eval_every,
-                                                                                       "clip_stats": clip_stats}},
-                                            renamed={"evaluation.every": "eval_every",
-                                                     "evaluation.clip_stats": "clip_stats", "local.steps": "local_steps",
-                                                     "local.batch_size": "local_batch_size", "local.clip": "local_clip",
-                                                     "local.share": "local_share",
-                                                     **{f"training.routine.{k}": f"routine.{k}" for k in _ROUTINE_KEYS}})
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name:
-        raise _argument_error(_function, "name", "a non-empty string without path separators (the run folder's "
-                              "prefix)", name)
-    if spec.privacy.n_min is None:
-        raise _argument_error(_function, "n_min", "an integer >= 1 (the fewest records any client holds; the noise "
-                              "is calibrated for it)", n_min)
-    if evaluate_fn is not None and not callable(evaluate_fn):
-        raise _argument_error(_function, "evaluate_fn", "None or a callable evaluate_fn(arrays) -> {metric: value}",
-                              type(evaluate_fn).__name__)
-    layout, x0 = _initial_point(_function, model, initial_parameters)
+    _check_server_arguments(spec, source, evaluate_fn)
+    layout, x0 = _initial_point(source, model, initial_parameters)
     n_min = spec.privacy.n_min
     calibration = spec.calibration(n_min)
     if calibration is not None:
-        check_planned_budget(calibration, _function, _section)
+        check_planned_budget(calibration, source, section)
     evaluator = None
     if evaluate_fn is not None:
         def evaluator(x: np.ndarray) -> dict[str, float]:
             return {str(k): float(v) for k, v in evaluate_fn(layout.split(x)).items()}
 
     info = dict(run_info or {})
-    info.setdefault("name", name)
+    info.setdefault("name", spec.name)
     info.setdefault("method", spec.method)
     described = info.get("config") or spec.to_dict()
     fingerprint = hashlib.sha256((config_fingerprint(described, n_min) + hashlib.sha256(x0.tobytes()).hexdigest())
@@ -613,17 +564,7 @@ def make_server(
     if checkpoint_path is not None and checkpoint_path.exists():
         resume = load_checkpoint(checkpoint_path, fingerprint,
                                  routine=spec.training.routine.build(spec.training.learning_rate), x0=x0)
-    recorder = None
-    if output_dir is not None:
-        if resume is not None and resume.run_dir:  # a resumed run continues in its own folder
-            run_dir = Path(resume.run_dir)
-            recorder = RunRecorder(run_dir, keep_through_round=resume.state.round)
-        else:
-            run_dir = new_run_dir(output_dir, name)
-            recorder = RunRecorder(run_dir)
-        info["output_dir"] = str(run_dir)
-        if progress:
-            progress(f"[diff2] writing per-round metrics and summary to {run_dir}")
+    recorder = _recorder(output_dir, spec.name, resume, info, progress)
     warnings = _announce(spec, calibration, progress)
     if warnings:
         info["warnings"] = [*info.get("warnings", ()), *warnings]
@@ -636,6 +577,33 @@ def make_server(
         fingerprint=fingerprint, resume=resume, local=spec.local_mechanism(calibration),
         clip_stats=spec.evaluation.clip_stats,
     )
+
+
+def _check_server_arguments(spec: ExperimentConfig, source: str, evaluate_fn: Any) -> None:
+    """What :func:`make_server` needs beyond a valid experiment: n_min, a callable."""
+    if spec.privacy.n_min is None:
+        raise argument_error(source, "n_min", "an integer >= 1 (the fewest records any client holds; the noise "
+                             "is calibrated for it)", None)
+    if evaluate_fn is not None and not callable(evaluate_fn):
+        raise argument_error(source, "evaluate_fn", "None or a callable evaluate_fn(arrays) -> {metric: value}",
+                             type(evaluate_fn).__name__)
+
+
+def _recorder(output_dir: str | Path | None, name: str, resume: Checkpoint | None, info: dict[str, Any],
+              progress: Callable[[str], None] | None) -> RunRecorder | None:
+    """The run folder's writer (None without ``output_dir``); a resumed run continues in its own folder."""
+    if output_dir is None:
+        return None
+    if resume is not None and resume.run_dir:
+        run_dir = Path(resume.run_dir)
+        recorder = RunRecorder(run_dir, keep_through_round=resume.state.round)
+    else:
+        run_dir = new_run_dir(output_dir, name)
+        recorder = RunRecorder(run_dir)
+    info["output_dir"] = str(run_dir)
+    if progress:
+        progress(f"[diff2] writing per-round metrics and summary to {run_dir}")
+    return recorder
 
 
 def _announce(spec: ExperimentConfig, calibration: Calibration | None,
@@ -684,22 +652,22 @@ def make_worker(
     options: TrainingConfig = from_arguments(_function, {"dtype": dtype, "chunk_size": chunk_size,
                                                          "gradients": gradients}, TrainingConfig)
     if not isinstance(partition_id, int) or isinstance(partition_id, bool) or partition_id < 0:
-        raise _argument_error(_function, "partition_id", "an integer >= 0", partition_id)
+        raise argument_error(_function, "partition_id", "an integer >= 0", partition_id)
     if not isinstance(model, torch.nn.Module):
-        raise _argument_error(_function, "model", "a torch.nn.Module", type(model).__name__)
+        raise argument_error(_function, "model", "a torch.nn.Module", type(model).__name__)
     if isinstance(loss, str):
         if loss not in LOSSES:
-            raise _argument_error(_function, "loss", f"a callable loss(output, target) -> per-sample losses, or one "
+            raise argument_error(_function, "loss", f"a callable loss(output, target) -> per-sample losses, or one "
                                   f"of {sorted(LOSSES)}", loss)
         loss = get_loss(loss)
     if not callable(loss):
-        raise _argument_error(_function, "loss", "a callable loss(output, target) -> per-sample losses",
+        raise argument_error(_function, "loss", "a callable loss(output, target) -> per-sample losses",
                               type(loss).__name__)
     torch_dtype = _DTYPES[options.dtype]
     generic = PerSampleGradients(copy.deepcopy(model), loss, dtype=torch_dtype, chunk_size=options.chunk_size)
     closed_form = _closed_form_applies(model, loss)
     if options.gradients == "closed_form" and not closed_form:
-        raise _argument_error(_function, "gradients", "'auto' or 'torch_func' unless the model is the paper MLP "
+        raise argument_error(_function, "gradients", "'auto' or 'torch_func' unless the model is the paper MLP "
                               "(PaperMLP, one output) with loss half_squared_error (the closed form is for that model)",
                               options.gradients)
     grads: PerSampleGradients | PaperMLPGradients = generic
@@ -725,7 +693,7 @@ def _check_first_records(function: str, model: torch.nn.Module, loss: LossFn, re
             loss(output, y[:2])
         except Exception as exc:  # noqa: BLE001 - any failure of the loss is reported, in one line
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise _argument_error(function, "loss", "a loss that takes this client's targets (floating-point "
+            raise argument_error(function, "loss", "a loss that takes this client's targets (floating-point "
                                   f"targets arrive as {dtype}, integer ones as they are: give class labels as "
                                   "integers, e.g. y.astype(int), or convert in the loss with target.long())",
                                   f"{type(exc).__name__}: {first}") from None
@@ -980,16 +948,9 @@ def build_server(
     for warning in pre.warnings:
         if progress:
             progress(f"[diff2] WARNING: {warning}")
-    p, t = cfg.privacy, cfg.training
+    spec = dataclasses.replace(cfg, privacy=dataclasses.replace(cfg.privacy, n_min=n_min))
     return make_server(
-        epsilon=p.epsilon, delta=p.delta, rounds=t.rounds, restart_every=cfg.restart_every, clients=t.clients,
-        n_min=n_min, clip_restart=t.clip_restart, clip_diff=t.clip_diff, learning_rate=t.learning_rate,
-        model=_model(cfg, data.num_features, data.num_outputs), u=p.u, mode=p.mode, method=cfg.method, routine=t.routine.to_yaml(), seed=t.seed,
-        local_steps=cfg.local.steps, local_batch_size=cfg.local.batch_size, local_clip=cfg.local.clip,
-        local_share=cfg.local.share,
-        evaluate_fn=evaluate_fn, eval_every=cfg.evaluation.every,
-        output_dir=(output_root or cfg.output.dir) if record else None, name=cfg.name,
-        checkpoint=cfg.output.checkpoint, progress=progress, run_info=run_info,
-        clip_stats=cfg.evaluation.clip_stats, _function=cfg.source,
-        _section="privacy.",
+        spec, model=_model(cfg, data.num_features, data.num_outputs), evaluate_fn=evaluate_fn,
+        output_dir=(output_root or cfg.output.dir) if record else None,
+        checkpoint=cfg.output.checkpoint, progress=progress, run_info=run_info, source=cfg.source, section="privacy.",
     )
