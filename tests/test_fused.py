@@ -248,13 +248,13 @@ def test_clients_in_groups_give_the_runs_of_one_group(monkeypatch):
     studies): one client per group, with the first layer's sums by a matrix product (as for many features), gives
     the same runs, to 1e-12 (float64; the forward's matrix product may add in another order for another number
     of samples)."""
-    from diff2_flwr.lab import sweep
+    from diff2_flwr.lab import backend
 
     if fused.load() is None:
         pytest.skip("no C++ compiler here: the kernel cannot be built")
     data, specs = _specs()
     whole = run_batch(data, specs, rounds=ROUNDS, eval_every=4)
-    groups = sweep._Batch.groups
+    groups = backend.Batch.groups
     seen = []
 
     def one_client_each(self, runs, width, cap=32 << 20):
@@ -262,8 +262,8 @@ def test_clients_in_groups_give_the_runs_of_one_group(monkeypatch):
         seen.append(len(out))
         return out
 
-    monkeypatch.setattr(sweep._Batch, "groups", one_client_each)
-    monkeypatch.setattr(sweep, "KERNEL_W1_FEATURES", 0)  # and the first layer's sums by a matrix product
+    monkeypatch.setattr(backend.Batch, "groups", one_client_each)
+    monkeypatch.setattr(backend, "KERNEL_W1_FEATURES", 0)  # and the first layer's sums by a matrix product
     for a, b in zip(whole, run_batch(data, specs, rounds=ROUNDS, eval_every=4)):
         np.testing.assert_allclose(a.final_x, b.final_x, rtol=0, atol=1e-12)
         np.testing.assert_allclose(a.grad_norm_sq, b.grad_norm_sq, rtol=1e-10)
@@ -280,7 +280,7 @@ def _one_sample_clients(engine: str, request, mlp: MLP, x, xp, feats, y, radius:
     x64, mask, rad = feats.T.contiguous(), torch.ones(n, dtype=torch.float64), torch.tensor([radius], dtype=torch.float64)
     sq = (x64 * x64).sum(0)
     if engine == "torch":
-        from diff2_flwr.lab.sweep import _round_core
+        from diff2_flwr.lab.backend import _round_core
 
         prev = ghost.forward(mlp, xp, x64, y)
         sums, over, *_ = _round_core(mlp, x64, feats.reshape(n, 1, -1), y, sq, mask, x, prev.inputs, prev.grads,

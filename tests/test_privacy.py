@@ -172,7 +172,7 @@ def test_incremental_pld_equals_a_fresh_composition_and_a_resumed_ledger():
     acc.compose(dp_event.GaussianDpEvent(cal.z2), 35)
     assert values[-1] == pytest.approx(acc.get_epsilon(1e-6), rel=1e-6)
     assert values == sorted(values)  # ε spent never decreases
-    privacy._PLD_EPSILONS.clear()  # no cached value: the rebuilt ledger composes from its first event
+    privacy.PLD_MEMO.clear()  # no cached value: the rebuilt ledger composes from its first event
     rebuilt = PrivacyLedger(1e-6, ledger.events[:25])
     assert rebuilt.epsilon_pld == values[24]
     assert rebuilt.record(ledger.events[25]).epsilon_pld == values[25]

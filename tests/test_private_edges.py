@@ -18,7 +18,7 @@ from diff2_flwr.core.estimator import Diff2State, Diverged, Mechanism, RoundPlan
 from diff2_flwr.core.gradients import PerSampleGradients
 from diff2_flwr.core.layout import ParameterLayout
 from diff2_flwr.fl import protocol
-from diff2_flwr.lab import sweep
+from diff2_flwr.lab import backend, sweep
 from diff2_flwr.lab.study import parse_study, run_study
 from diff2_flwr.runtime.config import parse_config
 from diff2_flwr.runtime.driver import run_inprocess
@@ -128,17 +128,17 @@ def test_float32_batched_client_means_never_exceed_the_radius(path):
     data = PreparedData(name="identical", x_train=np.tile(row, (P * n, 1)), y_train=np.full(P * n, 0.3),
                         x_test=np.tile(row, (3, 1)), y_test=np.full(3, 0.3),
                         shard_bounds=((0, n), (n, 2 * n)), target_scale=1.0, task="regression", classes=())
-    b = sweep._Batch(data, torch.float32)
+    b = backend.Batch(data, torch.float32)
     mlp = MLP((F, H, 1), ("softplus",), "half_squared_error")
     for _ in range(5):
         x = torch.as_tensor(rng.normal(size=(K, mlp.dim)))
         radius = rng.uniform(1e-4, 1e-2, size=K)
         restart = torch.ones(K, dtype=torch.bool)
         if kernel is None:
-            sums, overflow, *_ = sweep._round_core(mlp, b.a_t, b.a64, b.y, b.sq_a, b.mask, x, (), (), restart,
+            sums, overflow, *_ = backend._round_core(mlp, b.a_t, b.a64, b.y, b.sq_a, b.mask, x, (), (), restart,
                                                    torch.as_tensor(radius), False)
         else:
-            sums, overflow, *_ = sweep._fused_rounds(kernel, sweep._head(mlp, False), mlp, b.groups(K, H), x, None,
+            sums, overflow, *_ = backend._fused_rounds(kernel, backend._head(mlp, False), mlp, b.groups(K, H), x, None,
                                                      None, torch.as_tensor(radius))
         means = sums / b.n.reshape(P, 1, 1)
         alive, diverged = torch.ones(K, dtype=torch.bool), [None] * K

@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Parts", "FusedKernel", "build", "load", "clipped_sums"]
+__all__ = ["Parts", "FusedKernel", "build", "load", "unload", "clipped_sums"]
 
 SOURCE = Path(__file__).with_name("fused_ghost.cpp")
 #: IEEE arithmetic in the order written (no contraction into FMA, no fast-math); errno and traps off only
@@ -139,6 +139,7 @@ def build(capability: str | None = None, verbose: bool = False) -> Path:
     return target
 
 
+#: This process's kernel once :func:`load` has tried (None: it could not), in one slot; :func:`unload` empties it.
 _LOADED: list[FusedKernel | None] = []
 
 
@@ -153,6 +154,12 @@ def load() -> FusedKernel | None:
                   file=sys.stderr, flush=True)
             _LOADED.append(None)
     return _LOADED[0]
+
+
+def unload() -> None:
+    """Forget this process's kernel (or its failure to load): the next :func:`load` finds or builds it again and
+    warns again if it cannot. The library already loaded stays mapped; a test's way to start afresh."""
+    _LOADED.clear()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -29,7 +29,7 @@ import hashlib
 import math
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 from scipy.optimize import brentq
@@ -42,6 +42,8 @@ __all__ = [
     "LocalEvent",
     "calibrate_local",
     "PrivacyLedger",
+    "PldMemo",
+    "PLD_MEMO",
     "CalibrationMode",
     "RunEvents",
     "calibrate",
@@ -436,36 +438,59 @@ def _gaussian_pld(noise_multiplier: float) -> Any:
         standard_deviation=noise_multiplier, sensitivity=1.0, value_discretization_interval=PLD_DISCRETIZATION)
 
 
-class _PldChain:
-    """The PLD composed along one ledger lineage so far: each new round costs one composition.
-
-    Shared (mutable) by the successive ledgers of one run; a ledger whose events do not extend
-    the chain's (a branch, a ledger read back from a checkpoint) composes from its first event.
-    Composition is a left fold in release order, so a resumed run reproduces the same values.
-    """
-
-    __slots__ = ("multipliers", "pld")
-
-    def __init__(self) -> None:
-        self.multipliers: tuple[float, ...] = ()
-        self.pld: Any = None
-
-
 class _BoundedCache(OrderedDict):
     def __init__(self, size: int) -> None:
         super().__init__()
         self.size = size
 
-    def put(self, key: Any, value: float) -> None:
+    def put(self, key: Any, value: Any) -> None:
         self[key] = value
         self.move_to_end(key)
         while len(self) > self.size:
             self.popitem(last=False)
 
 
-# ε by (δ, digest of the multipliers in order): the runs of one schedule (a study's seeds, an audit's trials)
-# release the same events, so the PLD of each prefix is composed once per process.
-_PLD_EPSILONS = _BoundedCache(16384)
+class PldMemo:
+    """What a process remembers of its ledgers' PLD accounting: the one mutable part of it, owned here.
+
+    A :class:`PrivacyLedger` is a value (δ and its events). Its PLD ε needs the events' PLDs composed in release
+    order, one FFT convolution each; a run asks after every round, so composing from the first event every time
+    would cost O(R²). The memo keeps the composed PLD of the last ``chains`` event sequences: a ledger whose events
+    extend one composes only its new events. Composition is a left fold in release order either way, so the value
+    is the same bits as a fresh composition (a resumed run reproduces it). And ε by (δ, the events): the runs of
+    one schedule (a study's seeds, an audit's trials) release the same events, so each prefix's ε is computed once.
+    Values never depend on what the memo holds; ``clear()`` forgets everything.
+
+    Args:
+        epsilons: how many ε values to keep (least recently stored dropped first).
+        chains: how many composed PLDs to keep (each a few MB for thousands of events).
+    """
+
+    def __init__(self, *, epsilons: int = 16384, chains: int = 4) -> None:
+        self.epsilons = _BoundedCache(epsilons)
+        self.chains = _BoundedCache(chains)  # events' keys -> their composed PLD
+
+    def clear(self) -> None:
+        self.epsilons.clear()
+        self.chains.clear()
+
+    def longest_prefix(self, keys: tuple[tuple[float, float, int], ...]) -> tuple[Any, int]:
+        """The composed PLD of the longest remembered sequence that ``keys`` starts with, and its length
+        (None, 0 if there is none)."""
+        best: tuple[Any, int] = (None, 0)
+        for chain, pld in self.chains.items():
+            if best[1] < len(chain) <= len(keys) and keys[:len(chain)] == chain:
+                best = (pld, len(chain))
+        return best
+
+    def extend(self, keys: tuple[tuple[float, float, int], ...], start: int, pld: Any) -> None:
+        """Remember ``pld``, the composition of ``keys``, in place of the sequence of its first ``start`` keys."""
+        self.chains.pop(keys[:start], None)
+        self.chains.put(keys, pld)
+
+
+#: The process-wide memo of :attr:`PrivacyLedger.epsilon_pld`.
+PLD_MEMO = PldMemo()
 
 
 def schedule_cross_check(cal: Calibration) -> dict[str, float]:
@@ -510,15 +535,16 @@ class PrivacyLedger:
     replace-one Poisson subsampling, so a local step enters it unamplified (a full-batch Gaussian with
     multiplier σ3 b / 2 over the replace-one sensitivity 2c/b): a valid, looser upper bound.
     ``noise_multiplier = 0`` (a non-private event) makes every ε infinite.
+
+    A value: δ and the events, nothing else. What its PLD composition remembers across ledgers lives in a
+    :class:`PldMemo` (the process-wide :data:`PLD_MEMO`), which never changes a value.
     """
 
     delta: float
     events: tuple[GaussianEvent | LocalEvent, ...] = ()
-    _chain: _PldChain | None = field(default=None, compare=False, repr=False)
 
     def record(self, *events: GaussianEvent | LocalEvent) -> "PrivacyLedger":
-        chain = self._chain if self._chain is not None else _PldChain()
-        return PrivacyLedger(self.delta, self.events + tuple(events), chain)
+        return PrivacyLedger(self.delta, self.events + tuple(events))
 
     @property
     def exact(self) -> bool:
@@ -558,23 +584,23 @@ class PrivacyLedger:
     @property
     def epsilon_pld(self) -> float:
         """ε spent per dp-accounting's PLD accountant (an independent, slightly pessimistic bound)."""
+        return self.pld_epsilon(PLD_MEMO)
+
+    def pld_epsilon(self, memo: PldMemo) -> float:
+        """:attr:`epsilon_pld`, composing only the events ``memo`` has not composed yet, and remembering in it."""
         if (trivial := self._degenerate()) is not None:
             return trivial
         keys = tuple(_event_key(e) for e in self.events)
         flat = [v for k in keys for v in k]
         key = (self.delta, len(keys), hashlib.blake2b(struct.pack(f"{len(flat)}d", *flat), digest_size=32).digest())
-        if key in _PLD_EPSILONS:
-            return _PLD_EPSILONS[key]
-        chain = self._chain
-        pld, start = None, 0
-        if chain is not None and chain.pld is not None and keys[:len(chain.multipliers)] == chain.multipliers:
-            pld, start = chain.pld, len(chain.multipliers)
+        if key in memo.epsilons:
+            return memo.epsilons[key]
+        pld, start = memo.longest_prefix(keys)
         for e in self.events[start:]:
             pld = _event_pld(e) if pld is None else pld.compose(_event_pld(e))
-        if chain is not None:
-            chain.multipliers, chain.pld = keys, pld
+        memo.extend(keys, start, pld)
         epsilon = float(pld.get_epsilon_for_delta(self.delta))
-        _PLD_EPSILONS.put(key, epsilon)
+        memo.epsilons.put(key, epsilon)
         return epsilon
 
     @property
