@@ -39,7 +39,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from ..runtime.config import load_config, parse_config
+from ..runtime.config import AUTO_CLIENTS_DEFAULT, load_config, parse_config
 from ..runtime.launch import (
     CONNECTION,
     LaunchResult,

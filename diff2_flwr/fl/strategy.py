@@ -1,4 +1,5 @@
-"""DIFF2 as a Flower ``Strategy``: thin glue around :class:`~diff2_flwr.runtime.session.Diff2Server`.
+"""DIFF2 as a Flower ``Strategy``: thin glue around :class:`~diff2_flwr.runtime.server.Diff2Server`
+(its pure core, :mod:`~diff2_flwr.runtime.server_core`, decides; its journal records).
 
 Every round uses all P clients. ``configure_fit`` ships x_{r-1} (and x_{r-2} and the radius
 on difference rounds); ``aggregate_fit`` requires exactly P successful replies and hands them
@@ -29,7 +30,7 @@ from flwr.server.strategy import Strategy
 from ..core.aggregation import RoundRejected
 from ..core.estimator import Release
 from ..core.local import LocalTask
-from ..runtime.session import Diff2Server
+from ..runtime.server import Diff2Server
 from . import protocol
 from .federation import SIMULATION_SETTLE_S, is_simulation
 
@@ -128,8 +129,7 @@ class Diff2Strategy(Strategy):
             if self.retries_left > 0:
                 self.retries_left -= 1
                 self._retried += 1  # the next Flower round retries this DIFF2 round; nothing was released
-                if self.server.progress:
-                    self.server.progress(f"[diff2] {error} Retrying the round ({self.retries_left} retries left).")
+                self.server.journal.say(f"[diff2] {error} Retrying the round ({self.retries_left} retries left).")
                 return None, {}
             self._stop(error)
         replies = []

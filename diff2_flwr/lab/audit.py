@@ -56,7 +56,6 @@ References:
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -81,7 +80,7 @@ from ..fl.client import Diff2Client
 from ..fl.strategy import Diff2Strategy
 from ..runtime.session import Diff2Server, Worker
 from ..task.records import TensorRecords
-from .audit_spec import LOCAL_STEPS, AuditSpec, default_workers
+from .audit_spec import LOCAL_STEPS, AuditSpec
 
 __all__ = ["AuditSpec", "GradientCanaryShard", "audit_scores", "claimed_score_moments", "clopper_pearson_upper",
            "epsilon_lower_bound", "local_log_likelihood_ratio", "run_audit", "score_grid", "threshold_grid"]

@@ -16,7 +16,8 @@ from typing import Callable
 from ..core.local import LocalTask
 from .compute import pinned_threads
 from .config import AUTO_CLIENTS_DEFAULT, ExperimentConfig
-from .session import Diff2Server, Diverged, Preflight, build_server, build_worker
+from .server import Diff2Server
+from .session import Diverged, Preflight, build_server, build_worker
 
 __all__ = ["run_inprocess"]
 

@@ -1,9 +1,10 @@
 """The two sides of a DIFF2 run without any transport, and how to build them from a config.
 
-:class:`Diff2Server` is the trusted server: it plans each round, checks and averages the
-workers' replies (failing closed), adds the noise and steps the estimator, keeps the privacy
-ledger, evaluates and records. :class:`Worker` is one data owner: its shard and the
-per-sample gradient machinery. The Flower Strategy and NumPyClient are thin wrappers around
+:class:`Diff2Server` (:mod:`~diff2_flwr.runtime.server`) is the trusted server: its pure core
+(:mod:`~diff2_flwr.runtime.server_core`) plans each round, checks and averages the workers' replies
+(failing closed), adds the noise, steps the estimator and keeps the privacy ledger; its journal
+(:mod:`~diff2_flwr.runtime.journal`) evaluates and records. :class:`Worker` is one data owner: its shard
+and the per-sample gradient machinery. The Flower Strategy and NumPyClient are thin wrappers around
 these two; an in-process driver makes the same calls in the same order.
 """
 
@@ -13,8 +14,6 @@ import copy
 import dataclasses
 import functools
 import hashlib
-import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -22,37 +21,30 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..core.aggregation import Reply, RoundRejected, average_contributions, check_local_reply
-from ..core.estimator import (DIVERGENCE_ADVICE, Diverged, Mechanism, Release, RoundPlan, advance, estimate, init_state,
-                              plan_round, server_step)
-from ..core.local import LocalMechanism, LocalTask, choose_worker, local_seed, run_local_phase
+from ..core.aggregation import Reply
+from ..core.estimator import Diverged, RoundPlan
+from ..core.local import LocalTask, run_local_phase
 from ..core.closed_form import PaperMLPGradients
 from ..core.gradients import Contribution, LossFn, PerSampleGradients, check_per_sample_safe
 from ..core.layout import ParameterLayout
-from ..core.privacy import PLD_DISCRETIZATION, Calibration, PrivacyLedger
-from ..core.routines import Routine, describe_routine
+from ..core.privacy import Calibration
 from ..task.data import CLASSIFICATION, DataError, PreparedData, load_classification, load_csv, load_raw, prepare
 from ..task.evaluation import Evaluator
 from ..task.losses import LOSSES, get_loss, half_squared_error
 from ..task.models import PaperMLP, build_model
 from ..task.records import DatasetRecords, TensorRecords, as_records
-from .checkpoint import Checkpoint, CheckpointError, config_fingerprint, load_checkpoint, save_checkpoint
+from .checkpoint import Checkpoint, config_fingerprint, load_checkpoint
 from .config import ConfigError, ExperimentConfig, TrainingConfig, argument_error, from_arguments
-from .noise_report import loss_rise, loss_rise_warning, noise_summary, noise_warning
-from .outputs import RunRecorder, new_run_dir, to_json
+from .noise_report import noise_summary, noise_warning
+from .outputs import RunRecorder, new_run_dir
+from .server import Diff2Server
+from .server_core import check_mechanism, check_planned_budget
 from .shard_report import check_shards, shard_lines
 
 __all__ = ["Diff2Server", "Worker", "Diverged", "Preflight", "PreflightError", "check_mechanism", "load_data",
            "make_server", "make_worker", "preflight", "build_server", "build_worker"]
 
 
-#: Relative slack of the budget guard: the exact composition may exceed the target by float rounding only.
-BUDGET_RTOL = 1e-9
-#: ... and the PLD accountant by its (pessimistic) discretisation only.
-PLD_RTOL = 0.01
-#: Row keys computed from the private records without noise, released only with ``evaluation.clip_stats``
-#: (the server itself uses the workers' clip counts only to check each reply).
-CLIP_STATS = ("clip_fraction",)
 CLIP_STATS_WARNING = ("evaluation.clip_stats is on: each round's clip_fraction (the share of the private training "
                       "records whose gradient or gradient difference was clipped) is counted on the private data "
                       "without noise; it leaks and is NOT covered by ε. Research only: set evaluation.clip_stats: "
@@ -60,354 +52,6 @@ CLIP_STATS_WARNING = ("evaluation.clip_stats is on: each round's clip_fraction (
 SEED_WARNING = ("training.seed is set, so the noise is reproducible by anyone who knows the seed; use seeds for "
                 "research only. The seed is the noise key: whoever knows it (from the config, the run config, the "
                 "summary or the checkpoint) can subtract the noise from the released iterates.")
-
-
-def check_mechanism(mechanism: Mechanism, calibration: Calibration, *, rounds: int, clients: int, n_min: int,
-                    local: LocalMechanism | None = None) -> None:
-    """Refuse a server whose mechanism is not the one its calibration (and so its ledger) describes.
-
-    The ledger charges each round the calibration's multiplier z; that is the truth only if the noise
-    actually added is σ·radius with the calibration's σ, for the schedule, P and n_min it was computed for.
-    """
-    problems = []
-    for what, have, want in (("rounds", rounds, calibration.rounds), ("clients (P)", clients, calibration.clients),
-                             ("n_min", n_min, calibration.n_min),
-                             ("restart_every (T)", mechanism.restart_every, calibration.restart_every),
-                             ("sigma_restart (σ1)", mechanism.sigma_restart, calibration.sigma1)):
-        if have != want:
-            problems.append(f"{what} is {have!r}, the calibration's {want!r}")
-    if calibration.difference_rounds and mechanism.sigma_diff != calibration.sigma2:
-        problems.append(f"sigma_diff (σ2) is {mechanism.sigma_diff!r}, the calibration's {calibration.sigma2!r}")
-    if not math.isfinite(mechanism.clip_restart) or (calibration.difference_rounds and not math.isfinite(mechanism.clip_diff)):
-        problems.append("a clipping radius is infinite (the sensitivity would be unbounded)")
-    cl = calibration.local
-    if (local is None) != (cl is None):
-        problems.append(f"the local routine is {'on' if local else 'off'}, the calibration's {'on' if cl else 'off'}")
-    elif local is not None and cl is not None:
-        for what, have, want in (("local steps (K)", local.steps, cl.steps), ("local batch size (b)", local.batch_size,
-                                 cl.batch_size), ("local sigma (σ3)", local.sigma, cl.sigma3)):
-            if have != want:
-                problems.append(f"{what} is {have!r}, the calibration's {want!r}")
-    if problems:
-        raise ValueError("The mechanism disagrees with the calibration the ledger accounts for: " + "; ".join(problems)
-                         + ". The ε reported would not be the ε spent: build the mechanism from this calibration "
-                         "(ExperimentConfig.mechanism) or calibrate for this mechanism.")
-
-
-def check_planned_budget(calibration: Calibration, source: str, section: str = "") -> None:
-    """Refuse a schedule whose planned ε exceeds the target (float rounding aside): the run would not start."""
-    planned = calibration.planned_epsilon
-    if planned > calibration.epsilon * (1 + BUDGET_RTOL):
-        raise ValueError(f"{source}: the planned schedule would spend ε = {planned:.6g}, above the target "
-                         f"{section}epsilon = {calibration.epsilon:g} by {planned - calibration.epsilon:.3g}; the run "
-                         "does not start.")
-
-
-class Diff2Server:
-    """The trusted server's side of DIFF2 (Algorithm 1, server lines), transport-free."""
-
-    def __init__(
-        self,
-        *,
-        mechanism: Mechanism,
-        routine: Routine,
-        layout: ParameterLayout,
-        x0: np.ndarray,
-        rounds: int,
-        clients: int,
-        n_min: int,
-        calibration: Calibration | None,
-        seed: int | None,
-        evaluator: Callable[[np.ndarray], dict[str, float]] | None = None,
-        eval_every: int = 1,
-        recorder: RunRecorder | None = None,
-        run_info: dict | None = None,
-        progress: Callable[[str], None] | None = print,
-        checkpoint_path: Path | None = None,
-        fingerprint: str = "",
-        resume: Checkpoint | None = None,
-        local: LocalMechanism | None = None,
-        clip_stats: bool = False,
-    ) -> None:
-        if layout.dim != x0.size:
-            raise ValueError(f"x0 has {x0.size} entries but the model has {layout.dim} parameters.")
-        if calibration is not None:
-            check_mechanism(mechanism, calibration, rounds=rounds, clients=clients, n_min=n_min, local=local)
-        elif local is not None:
-            raise ValueError("A local routine needs a calibration: its steps touch private data and must be accounted.")
-        if local is not None and resume is not None:
-            raise CheckpointError("Checkpoints of the local routine are not supported yet.")
-        self.mechanism, self.routine, self.layout = mechanism, routine, layout
-        self.local = local
-        self.clip_stats = clip_stats  # release CLIP_STATS (unaccounted) in the rows
-        self.pending: tuple[RoundPlan, np.ndarray, Any, LocalTask] | None = None  # a round awaiting its local phase
-        self.rounds, self.clients, self.n_min = rounds, clients, n_min
-        self.calibration = calibration
-        self.evaluator, self.eval_every = evaluator, eval_every
-        self.recorder, self.progress = recorder, progress
-        self.run_info = dict(run_info or {})
-        self.checkpoint_path, self.fingerprint = checkpoint_path, fingerprint
-        self._started = time.perf_counter()
-        self._status, self._error = "running", None
-        self.diverged_at: int | None = None  # the round at which the optimisation diverged, if it did
-        if resume is not None:
-            if resume.state.x.shape != x0.shape:
-                raise CheckpointError(f"The checkpoint's iterate has shape {resume.state.x.shape}, the model {x0.shape}.")
-            self.state, self.ledger = resume.state, resume.ledger
-            self.history = list(recorder.kept) if recorder else []
-            if progress:
-                progress(f"[diff2] resumed from {checkpoint_path} after round {self.state.round} "
-                         f"(ε spent so far {self.epsilon_spent:.4g})")
-            recorded = {r["round"] for r in self.history}
-            if recorder is not None and resume.release_row is not None and self.state.round not in recorded:
-                # Died after round r's checkpoint, before its row: write the row now (x_r is released already).
-                self._record_release(dict(resume.release_row), bool(np.all(np.isfinite(self.state.x))))
-            return
-        self.state = init_state(x0, routine, seed)
-        self.ledger = PrivacyLedger(calibration.delta) if calibration else None
-        self.history = []
-        initial = {"round": 0, "kind": "init"}
-        self._checkpoint(initial)  # the noise key is durable before anything is written or released
-        self._record_release(initial, True)
-
-    # ---------------------------------------------------------------- rounds
-    @property
-    def done(self) -> bool:
-        return self.state.round >= self.rounds
-
-    @property
-    def epsilon_spent(self) -> float:
-        """ε spent so far: the exact μ-GDP composition of the ledger's Gaussian events (cheap, every round), or
-        with a local routine (subsampled steps, no closed form) dp-accounting's PLD accountant."""
-        return self.ledger.epsilon if self.ledger else math.inf
-
-    @property
-    def epsilon_pld(self) -> float:
-        """ε spent so far per dp-accounting's PLD accountant (independent; one composition per round)."""
-        return self.ledger.epsilon_pld if self.ledger else math.inf
-
-    @property
-    def epsilon_rdp(self) -> float:
-        """ε spent so far per dp-accounting's RDP accountant (looser; for comparison)."""
-        return self.ledger.epsilon_rdp if self.ledger else math.inf
-
-    def _guard(self, plan: RoundPlan) -> PrivacyLedger | None:
-        """The ledger after this round; refuse the round (release nothing) if it would exceed the target ε.
-
-        The exact GDP composition must stay within the target (float rounding aside); dp-accounting's
-        PLD accountant, computed independently, must agree within its discretisation (1 %).
-        """
-        if self.ledger is None or self.calibration is None:
-            return None
-        after = self.ledger.record(*self.calibration.round_events(plan.restart))
-        target = self.calibration.epsilon
-        checks = ((("exact GDP", after.epsilon, BUDGET_RTOL), ("dp-accounting PLD", after.epsilon_pld, PLD_RTOL))
-                  if after.exact else (("dp-accounting PLD, local steps included", after.epsilon_pld, BUDGET_RTOL),))
-        for name, spent, slack in checks:
-            if spent > target * (1 + slack):
-                raise RoundRejected(plan.round, "budget", f"releasing it would bring ε spent ({name} accountant) to "
-                                    f"{spent:.6g}, above the target ε = {target:g} by {spent - target:.3g}; the run "
-                                    "stops here.")
-        return after
-
-    def plan(self) -> RoundPlan:
-        """The next round's plan (kind, radius, iterates); derived from released values only."""
-        if self.done:
-            raise RuntimeError(f"All {self.rounds} rounds are released; there is no round {self.state.round + 1}.")
-        if self.pending is not None:
-            raise RuntimeError(f"Round {self.pending[0].round} awaits its local phase (finish_local) before the next plan.")
-        try:
-            return plan_round(self.state, self.mechanism)
-        except Diverged as err:  # a radius or noise std that is not finite: nothing to ask the workers
-            self.fail(err)
-            raise
-
-    def local_worker(self, r: int) -> int:
-        """p_r, the worker that runs round r's local phase: uniform over the P workers, from the noise key.
-
-        The ledger charges every record every local phase, whichever worker runs it (no amplification by the
-        choice), so the analysis holds for any p_r; the audit (:mod:`diff2_flwr.lab.audit`) overrides this in a
-        subclass of its own to force the canary's worker, the worst case. No config reaches that override.
-        """
-        return choose_worker(self.state.noise_key, r, self.clients)
-
-    def release(self, replies: Sequence[Reply]) -> Release | LocalTask:
-        """Check and average the replies, add noise, step: release round r (or nothing, raising).
-
-        With the local routine the round is released in two steps: this returns the :class:`LocalTask` for
-        the worker drawn at random (ṽ_r leaves the server, and the ledger is charged for the server's round
-        and the local steps), and :meth:`finish_local` takes its y_K as x_r.
-        """
-        plan = self.plan()
-        try:
-            ledger = self._guard(plan)
-            aggregate = average_contributions(plan, self.layout, replies, clients=self.clients, n_min=self.n_min)
-            if self.local is not None:
-                plan, v = estimate(self.state, self.mechanism, aggregate.mean)
-                key = self.state.noise_key
-                task = LocalTask(round=plan.round, partition_id=self.local_worker(plan.round),
-                                 x_start=self.state.x, v=v, mechanism=self.local,
-                                 seed=local_seed(key, plan.round) if self.state.noise_seeded else None,
-                                 n_min=self.n_min, sampling_prob=self.calibration.local.sampling_prob)
-            else:
-                self.state, release = server_step(self.state, self.mechanism, self.routine, aggregate.mean)
-        except Exception as err:
-            self.fail(err)
-            raise
-        if ledger is not None:
-            self.ledger = ledger
-        if self.local is not None:
-            self.pending = (plan, v, aggregate, task)
-            return task
-        return self._released(plan, aggregate, release, {})
-
-    def finish_local(self, reply: Reply) -> Release:
-        """Take the chosen worker's y_K as x_r (after the checks) and release round r."""
-        if self.pending is None:
-            raise RuntimeError("No round awaits a local phase.")
-        plan, v, aggregate, task = self.pending
-        try:
-            y = check_local_reply(task, self.layout, reply, self.n_min)
-        except Exception as err:
-            self.fail(err)
-            raise
-        self.pending = None
-        self.state, release = advance(self.state, plan, v, y, self.state.routine_state)
-        return self._released(plan, aggregate, release, {"local_worker": task.partition_id})
-
-    def _released(self, plan: RoundPlan, aggregate: Any, release: Release, extra: dict) -> Release:
-        row = {
-            "round": plan.round, "kind": plan.kind, "radius": plan.radius, "noise_std": plan.noise_std,
-            "clip_fraction": aggregate.clip_fraction, "epsilon_spent": self.epsilon_spent,
-            "epsilon_pld": self.epsilon_pld, "epsilon_rdp": self.epsilon_rdp,
-            "update_norm": float(np.linalg.norm(release.x - plan.x_current)), **extra,
-        }
-        self._checkpoint(row)  # durable before anything of round r is written elsewhere
-        finite = bool(np.all(np.isfinite(release.x)))
-        self._record_release(row, finite)
-        if not finite:
-            err = Diverged(plan.round, "iterate", "the iterate is no longer finite. " + DIVERGENCE_ADVICE)
-            self.fail(err)
-            raise err
-        if self.done:
-            self._status = "completed"
-            self._check_outcome()
-            if self.recorder:
-                self.recorder.parameters(self.state.x)
-            self._write_summary()
-            self._draw_curves()
-        return release
-
-    def _check_outcome(self) -> None:
-        """A completed run whose loss ended far above x_0's says so (console, summary): completed is not learned."""
-        rise = loss_rise(self.history)
-        if rise is None:
-            return
-        warning = loss_rise_warning(rise, private=self.calibration is not None)
-        self.run_info["loss_rise"] = rise.as_dict()
-        self.run_info["warnings"] = [*self.run_info.get("warnings", ()), warning]
-        if self.progress:
-            self.progress(f"[diff2] WARNING: {warning}")
-
-    def _checkpoint(self, release_row: dict) -> None:
-        if self.checkpoint_path is not None:
-            run_dir = str(self.recorder.directory) if self.recorder else None
-            save_checkpoint(self.checkpoint_path, Checkpoint(self.fingerprint, self.state, self.ledger, run_dir,
-                                                             to_json(release_row), describe_routine(self.routine)))
-
-    def _record_release(self, row: dict, finite: bool) -> None:
-        """Evaluate x_r (when due and finite) and record round r's row."""
-        if finite:
-            row.update(self._evaluate(self.state.x, force=self.done or self.state.round == 0))
-        self._record(row)
-
-    def fail(self, error: BaseException) -> None:
-        """Record that the run stopped with ``error`` (nothing more is released)."""
-        self._status, self._error = "failed", f"{type(error).__name__}: {error}"
-        if isinstance(error, Diverged):
-            self._status, self.diverged_at = "diverged", error.round
-        if self.progress:
-            self.progress(f"[diff2] run failed: {self._error}")
-        self._write_summary()
-        self._draw_curves()
-
-    def _draw_curves(self) -> None:
-        """``curves.png`` at the end of a run (completed or failed); a drawing failure never fails the run."""
-        if self.recorder is None or not self.history:
-            return
-        name = self.run_info.get("name", "run")
-        title = f"{name}: {self.run_info.get('method', '')}, {self._status}, round {self.state.round}/{self.rounds}"
-        try:
-            self.recorder.curves(self.history, title)
-        except Exception as err:  # noqa: BLE001 (a picture must not fail a private run)
-            if self.progress:
-                self.progress(f"[diff2] WARNING: curves.png not drawn ({type(err).__name__}: {err})")
-
-    # ---------------------------------------------------------------- helpers
-    def _evaluate(self, x: np.ndarray, force: bool) -> dict[str, float]:
-        if self.evaluator is None or not (force or self.state.round % self.eval_every == 0):
-            return {}
-        return self.evaluator(x)
-
-    def _record(self, row: dict) -> None:
-        """Release round r's row: history, metrics.jsonl, the console (without the clip statistics unless opted in)."""
-        if not self.clip_stats:
-            for key in CLIP_STATS:
-                row.pop(key, None)
-        row["elapsed_s"] = time.perf_counter() - self._started
-        self.history.append(row)
-        if self.recorder:
-            self.recorder.row(row)
-            if row["round"] == 0:
-                self._write_summary()
-        if self.progress:
-            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                             if k not in ("round", "kind", "elapsed_s"))
-            self.progress(f"[diff2] round {row['round']}/{self.rounds} ({row['kind']}) {shown}")
-
-    def summary(self) -> dict:
-        evaluated = [r for r in self.history if "train_loss" in r or "test_loss" in r]
-        final = evaluated[-1] if evaluated else {}
-        metric_keys = ("train_loss", "grad_norm_sq", "test_loss")
-        accuracy_keys = tuple(k for k in ("train_accuracy", "test_accuracy") if any(k in r for r in evaluated))
-        # Losses and ‖∇f‖²: best = smallest; accuracies: best = largest (each over the evaluated rounds).
-        best = {k: min((r[k] for r in evaluated if k in r and math.isfinite(r[k])), default=None) for k in metric_keys}
-        best |= {k: max((r[k] for r in evaluated if k in r and math.isfinite(r[k])), default=None) for k in accuracy_keys}
-        metric_keys += accuracy_keys
-        return {
-            **self.run_info,
-            "status": self._status,
-            "error": self._error,
-            "rounds_planned": self.rounds,
-            "rounds_released": self.state.round,
-            "diverged_at": self.diverged_at,
-            "routine": describe_routine(self.routine),
-            "privacy": {
-                "private": self.calibration is not None,
-                "guarantee": "record-level (ε, δ)-DP, replace-one adjacency, central DP (trusted server adds the noise)"
-                if self.calibration else "none (method gd: no clipping, no noise)",
-                "epsilon_spent": self.epsilon_spent,
-                "epsilon_accountant": "exact μ-GDP composition (Dong, Roth & Su 2019)" if self.local is None else
-                "dp-accounting PLD (local steps: Poisson-subsampled Gaussian, replace-one)",
-                "epsilon_pld": self.epsilon_pld if self.ledger else None,
-                "epsilon_pld_accountant": f"dp-accounting PLD, pessimistic, discretisation {PLD_DISCRETIZATION:g}",
-                "epsilon_rdp": self.epsilon_rdp if self.ledger else None,
-                **({"epsilon_rdp_note": "dp-accounting's RDP accountant has no replace-one Poisson subsampling: local "
-                    "steps enter it unamplified (a valid, looser bound)"} if self.local is not None else {}),
-                "delta": self.calibration.delta if self.calibration else None,
-                "epsilon_target": self.calibration.epsilon if self.calibration else None,
-                "calibration": self.calibration.as_dict() if self.calibration else None,
-                "noise_key": "seed (reproducible by anyone who knows it)" if self.state.noise_seeded else "os-entropy",
-                "n_min": self.n_min,
-            },
-            "final": {k: final.get(k) for k in metric_keys} | {"round": final.get("round")},
-            "best": best,
-            "wall_time_s": time.perf_counter() - self._started,
-        }
-
-    def _write_summary(self) -> None:
-        if self.recorder:
-            self.recorder.summary(self.summary())
 
 
 @dataclass(frozen=True)

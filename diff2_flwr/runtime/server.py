@@ -1,0 +1,231 @@
+"""The trusted server of a DIFF2 run: the pure core and the journal, driven together.
+
+:class:`Diff2Server` holds the run's :class:`~diff2_flwr.runtime.server_core.ServerSpec`, its current
+:class:`~diff2_flwr.runtime.server_core.ServerState` and its :class:`~diff2_flwr.runtime.journal.Journal`. Each
+call hands the state to a pure function of :mod:`~diff2_flwr.runtime.server_core`, keeps the state it returns,
+and gives it to the journal to make durable and visible; a refused round (any exception but a call out of turn)
+is recorded as the run's failure and raised, with nothing released. The Flower Strategy and the in-process
+driver make the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..core.aggregation import Reply
+from ..core.estimator import Diff2State, Diverged, Mechanism, Release, RoundPlan
+from ..core.layout import ParameterLayout
+from ..core.local import LocalMechanism, LocalTask, choose_worker
+from ..core.privacy import Calibration, PrivacyLedger
+from ..core.routines import Routine
+from . import server_core
+from .checkpoint import Checkpoint
+from .journal import Journal
+from .outputs import RunRecorder
+from .server_core import OutOfTurn, PendingLocal, Released, ServerSpec, ServerState
+
+__all__ = ["Diff2Server"]
+
+
+def _spec_field(name: str) -> property:
+    """The spec's field ``name``; setting it (tests only: "as if calibrated otherwise") replaces the spec."""
+    return property(lambda self: getattr(self.spec, name),
+                    lambda self, value: setattr(self, "spec", dataclasses.replace(self.spec, **{name: value})),
+                    doc=f"The run's ``{name}`` (see :class:`ServerSpec`).")
+
+
+def _journal_field(name: str) -> property:
+    return property(lambda self: getattr(self.journal, name), lambda self, value: setattr(self.journal, name, value),
+                    doc=f"The journal's ``{name}`` (see :class:`Journal`).")
+
+
+class Diff2Server:
+    """The trusted server's side of DIFF2 (Algorithm 1, server lines), transport-free.
+
+    Args:
+        mechanism, routine, layout, rounds, clients, n_min, calibration, local: the
+            :class:`~diff2_flwr.runtime.server_core.ServerSpec` (checked against the calibration).
+        x0: the initial iterate (a flat vector of ``layout.dim`` entries).
+        seed: the noise key (None: OS entropy).
+        evaluator, eval_every, recorder, run_info, progress, checkpoint_path, fingerprint, clip_stats: the
+            :class:`~diff2_flwr.runtime.journal.Journal`'s.
+        resume: a checkpoint of this run to continue from (its state and ledger).
+
+    References:
+        Murata & Suzuki (2023), Algorithm 1 (server lines).
+    """
+
+    def __init__(
+        self,
+        *,
+        mechanism: Mechanism,
+        routine: Routine,
+        layout: ParameterLayout,
+        x0: np.ndarray,
+        rounds: int,
+        clients: int,
+        n_min: int,
+        calibration: Calibration | None,
+        seed: int | None,
+        evaluator: Callable[[np.ndarray], dict[str, float]] | None = None,
+        eval_every: int = 1,
+        recorder: RunRecorder | None = None,
+        run_info: dict | None = None,
+        progress: Callable[[str], None] | None = print,
+        checkpoint_path: Path | None = None,
+        fingerprint: str = "",
+        resume: Checkpoint | None = None,
+        local: LocalMechanism | None = None,
+        clip_stats: bool = False,
+    ) -> None:
+        spec = server_core.check_spec(ServerSpec(mechanism=mechanism, routine=routine, layout=layout, rounds=rounds,
+                                                 clients=clients, n_min=n_min, calibration=calibration, local=local))
+        self.journal = Journal(spec=spec, evaluator=evaluator, eval_every=eval_every, recorder=recorder,
+                               run_info=run_info, progress=progress, checkpoint_path=checkpoint_path,
+                               fingerprint=fingerprint, clip_stats=clip_stats)
+        if resume is not None:
+            self.core = server_core.resume(self.spec, x0, resume)
+            self.journal.resume(self.core, resume)
+        else:
+            self.core = server_core.init(self.spec, x0, seed)
+            self.journal.start(self.core)  # the noise key is durable before anything is written or released
+
+    mechanism = _spec_field("mechanism")
+    routine = _spec_field("routine")
+    layout = _spec_field("layout")
+    rounds = _spec_field("rounds")
+    clients = _spec_field("clients")
+    n_min = _spec_field("n_min")
+    calibration = _spec_field("calibration")
+    local = _spec_field("local")
+    history = _journal_field("history")
+    recorder = _journal_field("recorder")
+    run_info = _journal_field("run_info")
+    progress = _journal_field("progress")
+    evaluator = _journal_field("evaluator")
+    eval_every = _journal_field("eval_every")
+    clip_stats = _journal_field("clip_stats")
+    checkpoint_path = _journal_field("checkpoint_path")
+    fingerprint = _journal_field("fingerprint")
+
+    # ---------------------------------------------------------------- the state
+    @property
+    def spec(self) -> ServerSpec:
+        """What the server is (the journal records the same spec)."""
+        return self.journal.spec
+
+    @spec.setter
+    def spec(self, value: ServerSpec) -> None:
+        self.journal.spec = value
+
+    @property
+    def state(self) -> Diff2State:
+        """The estimator's state: x_r, x_{r-1}, ṽ_r, the routine's state, the noise key."""
+        return self.core.estimator
+
+    @state.setter
+    def state(self, value: Diff2State) -> None:
+        self.core = dataclasses.replace(self.core, estimator=value)
+
+    @property
+    def ledger(self) -> PrivacyLedger | None:
+        return self.core.ledger
+
+    @ledger.setter
+    def ledger(self, value: PrivacyLedger | None) -> None:
+        self.core = dataclasses.replace(self.core, ledger=value)
+
+    @property
+    def pending(self) -> PendingLocal | None:
+        """The round awaiting its local phase (plan, ṽ_r, aggregate, task), if any."""
+        return self.core.pending
+
+    @property
+    def diverged_at(self) -> int | None:
+        """The round at which the optimisation diverged, if it did."""
+        return self.core.diverged_at
+
+    @property
+    def done(self) -> bool:
+        return server_core.is_done(self.spec, self.core)
+
+    @property
+    def epsilon_spent(self) -> float:
+        """ε spent so far: the exact μ-GDP composition of the ledger's Gaussian events (cheap, every round), or
+        with a local routine (subsampled steps, no closed form) dp-accounting's PLD accountant."""
+        return self.core.epsilon_spent
+
+    @property
+    def epsilon_pld(self) -> float:
+        """ε spent so far per dp-accounting's PLD accountant (independent; one composition per round)."""
+        return self.core.epsilon_pld
+
+    @property
+    def epsilon_rdp(self) -> float:
+        """ε spent so far per dp-accounting's RDP accountant (looser; for comparison)."""
+        return self.core.epsilon_rdp
+
+    # ---------------------------------------------------------------- rounds
+    def plan(self) -> RoundPlan:
+        """The next round's plan (kind, radius, iterates); derived from released values only."""
+        try:
+            return server_core.next_plan(self.spec, self.core)
+        except Diverged as err:  # a radius or noise std that is not finite: nothing to ask the workers
+            self.fail(err)
+            raise
+
+    def local_worker(self, r: int) -> int:
+        """p_r, the worker that runs round r's local phase: uniform over the P workers, from the noise key.
+
+        The ledger charges every record every local phase, whichever worker runs it (no amplification by the
+        choice), so the analysis holds for any p_r; the audit (:mod:`diff2_flwr.lab.audit`) overrides this in a
+        subclass of its own to force the canary's worker, the worst case. No config reaches that override.
+        """
+        return choose_worker(self.state.noise_key, r, self.clients)
+
+    def release(self, replies: Sequence[Reply]) -> Release | LocalTask:
+        """Check and average the replies, add noise, step: release round r (or nothing, raising).
+
+        With the local routine the round is released in two steps: this returns the :class:`LocalTask` for
+        the worker drawn at random (ṽ_r leaves the server, and the ledger is charged for the server's round
+        and the local steps), and :meth:`finish_local` takes its y_K as x_r.
+        """
+        out = self._step(server_core.release, replies, self.local_worker)
+        return out if isinstance(out, LocalTask) else self._publish(out)
+
+    def finish_local(self, reply: Reply) -> Release:
+        """Take the chosen worker's y_K as x_r (after the checks) and release round r."""
+        return self._publish(self._step(server_core.finish_local, reply))
+
+    def fail(self, error: BaseException) -> None:
+        """Record that the run stopped with ``error`` (nothing more is released)."""
+        self.core = server_core.fail(self.core, error)
+        self.journal.failed(self.core)
+
+    def summary(self) -> dict:
+        return self.journal.summary(self.core)
+
+    def _step(self, step: Callable[..., tuple[ServerState, Any]], *args: Any) -> Any:
+        """``step(spec, state, *args)``; its new state is kept, its refusal recorded as the run's failure."""
+        try:
+            self.core, out = step(self.spec, self.core, *args)
+        except OutOfTurn:  # no round is due: nothing changed, the run goes on
+            raise
+        except Exception as err:
+            self.fail(err)
+            raise
+        return out
+
+    def _publish(self, out: Released) -> Release:
+        """Round r released: the journal records it; a diverged iterate stops the run, round R completes it."""
+        self.journal.released(self.core, out)
+        if out.diverged is not None:
+            self.fail(out.diverged)
+            raise out.diverged
+        if self.core.status == "completed":
+            self.journal.completed(self.core)
+        return out.release
