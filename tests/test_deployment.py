@@ -167,3 +167,16 @@ def test_a_deployment_node_refuses_a_run_above_its_policy_and_nothing_is_release
     assert summary["status"] == "failed"
     assert "(owner) refused: rule `max_epsilon`: the run asks ε = 3 (privacy.epsilon)" in summary["error"], summary
     print(f"refusal in a deployment: {info.value}")
+
+
+def test_deploy_local_starts_ten_supernodes_for_auto_unless_told(tmp_path, capsys):
+    """`diff2 deploy-local` starts the SuperNodes, so it resolves the default's `training.clients: auto`: 10, or
+    --clients; the file it hands the deployment's ServerApp declares that P (a deployment refuses auto)."""
+    from diff2_flwr.deploy.native import deployment_config
+
+    default = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+    assert load_config(default).clients_auto
+    written = load_config(deployment_config(default, tmp_path / "ten", rounds=2, echo=True))
+    assert written.clients == 10 and len(list((tmp_path / "ten" / "shards").glob("shard-*.npz"))) == 10
+    assert "training.clients: auto -> P = 10 SuperNodes (--clients N for another number)" in capsys.readouterr().out
+    assert load_config(deployment_config(default, tmp_path / "three", rounds=2, clients=3)).clients == 3
