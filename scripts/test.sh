@@ -1,8 +1,21 @@
 #!/usr/bin/env bash
-# Run the test suite (sets up ./.venv first when needed). Extra arguments go to pytest,
-# e.g. scripts/test.sh -m "not flower" for the fast tests only.
+# Run the test suite (sets up ./.venv first when needed). Extra arguments go to pytest.
+#   scripts/test.sh           the full suite (what CI runs), in parallel processes; prints the 15 slowest tests
+#   scripts/test.sh --fast    the developer's tier (a few minutes on 2 cores): no Flower processes, no
+#                             deployments, no Ray cluster, no real datasets; the privacy path end to end in-process
+# DIFF2_TEST_WORKERS sets the number of processes (default 4: most slow tests wait on Flower's processes;
+# 0 runs in this process, which `pytest --pdb` needs).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup.sh"
 cd "$root"
-exec "$root/.venv/bin/python" -m pytest --durations=15 "$@"
+workers="${DIFF2_TEST_WORKERS:-4}"
+tier=()
+if [[ "${1:-}" == "--fast" ]]; then
+  shift
+  tier=(-m "not (flower or deployment or compose or cluster or realdata or slow)")
+  workers="${DIFF2_TEST_WORKERS:-2}"
+fi
+parallel=()
+[[ "$workers" != 0 ]] && parallel=(-n "$workers" --dist loadgroup)
+exec "$root/.venv/bin/python" -m pytest --durations=15 "${parallel[@]}" "${tier[@]}" "$@"

@@ -31,3 +31,27 @@ def data_dir() -> Path:
     if found is None:
         pytest.skip("the paper's datasets are not available (set DIFF2_DATA_DIR or put shared/ beside the clone)")
     return found
+
+
+# The full suite runs in parallel processes (pytest-xdist, `--dist loadgroup`: scripts/test.sh). Most slow tests
+# wait on Flower's processes (SuperLink start, heartbeats, round trips) more than they compute, and each one has
+# its own FLWR_HOME, free ports and tmp_path. Two kinds share a machine-wide resource and so run one at a time,
+# in one worker: the compose tests (Podman's images, networks and project names) and the Ray cluster tests.
+_SERIAL_GROUPS = {"compose": "podman", "cluster": "ray-cluster"}
+# Slowest first, so the long tests start at once and the short ones fill the gaps at the end.
+_ORDER = ("compose", "deployment", "flower", "cluster", "realdata")
+
+
+def _rank(item: pytest.Item) -> int:
+    names = {m.name for m in item.iter_markers()}
+    return next((i for i, name in enumerate(_ORDER) if name in names), len(_ORDER))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items if config.pluginmanager.hasplugin("xdist") else ():
+        names = {m.name for m in item.iter_markers()}
+        for marker, group in _SERIAL_GROUPS.items():
+            if marker in names:
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
+    items.sort(key=_rank)  # stable: the collection order within a rank
