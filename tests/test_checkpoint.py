@@ -327,3 +327,59 @@ def test_the_images_never_receive_outputs_or_checkpoints():
             if line.split()[:1] in (["COPY"], ["ADD"]):
                 sources = [s for s in line.split()[1:-1] if not s.startswith("--")]
                 assert all(s.rstrip("/") in ("pyproject.toml", "README.md", "diff2_flwr") for s in sources), line
+
+
+def test_a_checkpoint_resumes_across_keys_that_do_not_change_the_run_and_refuses_one_that_does(tmp_path):
+    """The fingerprint hashes what the declarations say identifies a run (spec.run_identity): the name, the
+    evaluation, the output and Flower's timeouts may change across a resume; the learning rate may not."""
+    cfg = config(tmp_path)
+    reference = drive(cfg, build_server(cfg, progress=None), ROUNDS).state.x.copy()
+    for f in (tmp_path / "state.npz", *(tmp_path / "out").iterdir()):
+        shutil.rmtree(f) if f.is_dir() else f.unlink()
+    drive(cfg, build_server(cfg, progress=None), 3)
+    data = cfg.to_dict()
+    data.update(name="renamed", evaluation={**data["evaluation"], "every": 2})
+    data["training"].update(round_timeout_s=30.0, round_retries=2)
+    changed = parse_config(data)
+    with pytest.raises(CheckpointError, match="another configuration"):
+        build_server(parse_config({**data, "training": {**data["training"], "learning_rate": 0.3}}), progress=None)
+    resumed = build_server(changed, progress=None)
+    assert resumed.state.round == 3
+    np.testing.assert_array_equal(drive(changed, resumed, ROUNDS).state.x, reference)
+
+
+def test_a_checkpoint_written_by_the_earlier_fingerprint_rule_still_resumes(tmp_path):
+    """A checkpoint without `fingerprint_rule` (written before it) is compared by the legacy rule: an interrupted
+    run of an earlier version resumes; one of another configuration is still refused."""
+    import hashlib
+    import io
+
+    from diff2_flwr.runtime.checkpoint import legacy_config_fingerprint
+
+    cfg = config(tmp_path)
+    reference = drive(cfg, build_server(cfg, progress=None), ROUNDS).state.x.copy()
+    for f in (tmp_path / "state.npz", *(tmp_path / "out").iterdir()):
+        shutil.rmtree(f) if f.is_dir() else f.unlink()
+    first = drive(cfg, build_server(cfg, progress=None), 3)
+    path = tmp_path / "state.npz"
+    with np.load(path) as data:
+        arrays = {k: data[k] for k in data.files}
+    meta = json.loads(str(arrays["meta"]))
+    assert meta.pop("fingerprint_rule") == "declared/1"
+    fresh = parse_config({**cfg.to_dict(), "output": {"dir": str(tmp_path / "fresh"), "checkpoint": None}})
+    x0 = build_server(fresh, progress=None).state.x  # x_0: the state before round 0
+    assert first.state.round == 3 and not np.array_equal(x0, first.state.x)
+    x0_hash = hashlib.sha256(x0.tobytes()).hexdigest()
+    from diff2_flwr.runtime.session import preflight
+
+    legacy = legacy_config_fingerprint(cfg.to_dict(), preflight(cfg).n_min)  # n_min: the fewest records of a shard
+    meta["fingerprint"] = hashlib.sha256((legacy + x0_hash).encode()).hexdigest()
+    assert meta["fingerprint"] != json.loads(str(arrays["meta"]))["fingerprint"]  # the rules differ
+    buffer = io.BytesIO()
+    np.savez(buffer, **{**arrays, "meta": np.array(json.dumps(meta))})
+    path.write_bytes(buffer.getvalue())
+    with pytest.raises(CheckpointError, match="another configuration"):
+        build_server(config(tmp_path, clip_diff=2.0), progress=None)
+    resumed = build_server(cfg, progress=None)
+    assert resumed.state.round == 3
+    np.testing.assert_array_equal(drive(cfg, resumed, ROUNDS).state.x, reference)

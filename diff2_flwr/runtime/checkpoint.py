@@ -43,10 +43,12 @@ import numpy as np
 from ..core.estimator import Diff2State
 from ..core.routines import Routine, describe_routine
 from ..core.privacy import GaussianEvent, PrivacyLedger
+from .config_experiment import ExperimentConfig
 from .secret_files import fsync_folder
+from .spec import run_identity
 
-__all__ = ["CheckpointError", "Checkpoint", "config_fingerprint", "save_checkpoint", "load_checkpoint",
-           "check_owner_only", "OWNER_ONLY", "PRIVATE_DIR"]
+__all__ = ["CheckpointError", "Checkpoint", "config_fingerprint", "legacy_config_fingerprint", "FINGERPRINT_RULE",
+           "save_checkpoint", "load_checkpoint", "check_owner_only", "OWNER_ONLY", "PRIVATE_DIR"]
 
 _FORMAT = "diff2-checkpoint/3"
 #: Formats still read: 2 had no routine state (it refused to write any, so it is always GD's).
@@ -62,8 +64,23 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: unreadable, corrupted, or from another configuration."""
 
 
+#: The rule a checkpoint's fingerprint was made by, in its metadata (``fingerprint_rule``); a checkpoint without
+#: it was written by :func:`legacy_config_fingerprint`'s rule and is still resumed by it.
+FINGERPRINT_RULE = "declared/1"
+
+
 def config_fingerprint(config: dict[str, Any], n_min: int) -> str:
-    """A hash of everything that determines the trajectory and the privacy accounting."""
+    """A hash of everything that determines the trajectory and the privacy accounting: the experiment's keys as
+    their declarations say (:func:`~diff2_flwr.runtime.spec.run_identity`: not the name, the evaluation, the
+    output or Flower's timeouts; a key added later only once it leaves its ``before`` value), and n_min."""
+    relevant = run_identity(ExperimentConfig, config)
+    relevant["n_min"] = n_min
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
+
+
+def legacy_config_fingerprint(config: dict[str, Any], n_min: int) -> str:
+    """The fingerprint of checkpoints written before :data:`FINGERPRINT_RULE` (five sections hashed whole): an
+    interrupted run of an earlier version still resumes."""
     relevant = {k: config[k] for k in ("method", "dataset", "model", "privacy", "training")}
     dataset = relevant["dataset"]
     if isinstance(dataset, dict) and dataset.get("train_samples") is None:  # no subsample: as before the keys existed
@@ -89,7 +106,7 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     s = checkpoint.state
     routine_scalars, routine_arrays = _split_routine_state(s.routine_state)
     meta = {
-        "format": _FORMAT, "fingerprint": checkpoint.fingerprint, "round": s.round, "noise_key": str(s.noise_key),
+        "format": _FORMAT, "fingerprint": checkpoint.fingerprint, "fingerprint_rule": FINGERPRINT_RULE, "round": s.round, "noise_key": str(s.noise_key),
         "noise_seeded": s.noise_seeded, "run_dir": checkpoint.run_dir, "release_row": checkpoint.release_row,
         "ledger": None if checkpoint.ledger is None else {
             "delta": checkpoint.ledger.delta,
@@ -219,8 +236,11 @@ def _routine_state(path: Path, meta: dict, stored_arrays: dict[str, np.ndarray],
 
 
 def load_checkpoint(path: Path, fingerprint: str, *, routine: Routine | None = None,
-                    x0: np.ndarray | None = None) -> Checkpoint:
+                    x0: np.ndarray | None = None, legacy_fingerprint: str | None = None) -> Checkpoint:
     """Read a checkpoint; refuse a corrupted one or one written for another configuration.
+
+    ``fingerprint`` identifies this run by :data:`FINGERPRINT_RULE`; a checkpoint written before that rule (no
+    ``fingerprint_rule`` in its metadata) is compared with ``legacy_fingerprint`` instead, when given.
 
     ``routine`` is the run's routine: the checkpoint must have been written by the same routine with
     the same parameters, and its state is rebuilt (shaped like ``routine.init(x0)``). Without
@@ -241,6 +261,8 @@ def load_checkpoint(path: Path, fingerprint: str, *, routine: Routine | None = N
         ) from None
     if meta.get("format") not in _READABLE:
         raise CheckpointError(f"Checkpoint {path} has format {meta.get('format')!r}; expected one of {list(_READABLE)}.")
+    if "fingerprint_rule" not in meta and legacy_fingerprint is not None:
+        fingerprint = legacy_fingerprint
     if meta["fingerprint"] != fingerprint:
         have = _stored_routine(meta)
         want = None if routine is None else describe_routine(routine)

@@ -112,8 +112,8 @@ class DatasetConfig:
     test_fraction: float = setting(0.2, "held-out fraction")
     split_seed: int = setting(0, "seed of the train/test split (the shards follow from it)")
     train_samples: int | None = setting(None, "keep a uniform random subset of this many train records, drawn "
-                                         "before standardising and sharding (null: all)")
-    subsample_seed: int = setting(0, "seed of that subset (the subsets of one seed are nested)")
+                                         "before standardising and sharding (null: all)", before=None)
+    subsample_seed: int = setting(0, "seed of that subset (the subsets of one seed are nested)", before=0)
     num_samples: int = setting(10_000, "synthetic only: records")
     num_features: int = setting(8, "synthetic only: features")
     generator_seed: int = setting(0, "synthetic only: the generator's seed")

@@ -25,15 +25,16 @@ Method = Literal["gd", "dpgd", "diff2"]
 class ExperimentConfig:
     """One experiment: dataset, model, method, privacy budget and training schedule."""
 
-    name: str = setting("experiment", "prefix of the run folder (no path separators)")
+    name: str = setting("experiment", "prefix of the run folder (no path separators)", identifies=False)
     method: Method = setting("diff2", "gd (no privacy: no clipping, no noise, T = 1), dpgd (T = 1), diff2")
     dataset: DatasetConfig = setting(factory=DatasetConfig, help="the data and how it is sharded")
     model: ModelConfig = setting(factory=ModelConfig, help="the model and its per-sample loss")
     privacy: PrivacyConfig = setting(factory=PrivacyConfig, help="the target (ε, δ) and its accounting")
     training: TrainingConfig = setting(factory=TrainingConfig, help="the schedule, clipping, routine and clients")
     local: LocalConfig = setting(factory=LocalConfig, help="DIFF2's private BVR-L-SGD local routine")
-    evaluation: EvaluationConfig = setting(factory=EvaluationConfig, help="what is measured on each released x_r")
-    output: OutputConfig = setting(factory=OutputConfig, help="where the run writes")
+    evaluation: EvaluationConfig = setting(factory=EvaluationConfig, help="what is measured on each released x_r",
+                                           identifies=False)
+    output: OutputConfig = setting(factory=OutputConfig, help="where the run writes", identifies=False)
     source: str = field(default="<memory>", compare=False)
 
     def __post_init__(self) -> None:

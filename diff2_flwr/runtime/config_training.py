@@ -113,8 +113,10 @@ class TrainingConfig:
     chunk_size: int = setting(1024, "samples per vmap chunk (bounds memory)")
     gradients: Literal["auto", "torch_func", "closed_form"] = setting(
         "auto", "per-sample gradient path: torch_func, closed_form (the paper MLP), auto (closed form when it applies)")
-    round_timeout_s: float | None = setting(None, "Flower: a client silent this long fails the round")
-    round_retries: int = setting(0, "Flower: failed rounds retried (releasing nothing) before the run stops")
+    round_timeout_s: float | None = setting(None, "Flower: a client silent this long fails the round",
+                                            identifies=False)
+    round_retries: int = setting(0, "Flower: failed rounds retried (releasing nothing) before the run stops",
+                                 identifies=False)
     threads: int = setting(1, "torch/BLAS threads of every computing process (the bit-for-bit claims need equal "
                               "counts)")
 

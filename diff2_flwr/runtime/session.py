@@ -33,7 +33,7 @@ from ..task.evaluation import Evaluator
 from ..task.losses import LOSSES, get_loss, half_squared_error
 from ..task.models import PaperMLP, build_model
 from ..task.records import DatasetRecords, TensorRecords, as_records
-from .checkpoint import Checkpoint, config_fingerprint, load_checkpoint
+from .checkpoint import Checkpoint, config_fingerprint, legacy_config_fingerprint, load_checkpoint
 from .config import ConfigError, ExperimentConfig, TrainingConfig, argument_error, from_arguments
 from .noise_report import noise_summary, noise_warning
 from .outputs import RunRecorder, new_run_dir
@@ -201,12 +201,13 @@ def make_server(
     info.setdefault("name", spec.name)
     info.setdefault("method", spec.method)
     described = info.get("config") or spec.to_dict()
-    fingerprint = hashlib.sha256((config_fingerprint(described, n_min) + hashlib.sha256(x0.tobytes()).hexdigest())
-                                 .encode()).hexdigest()
+    x0_hash = hashlib.sha256(x0.tobytes()).hexdigest()
+    fingerprint, legacy = (hashlib.sha256((rule(described, n_min) + x0_hash).encode()).hexdigest()
+                           for rule in (config_fingerprint, legacy_config_fingerprint))
     checkpoint_path = Path(checkpoint).expanduser().resolve() if checkpoint else None
     resume = None
     if checkpoint_path is not None and checkpoint_path.exists():
-        resume = load_checkpoint(checkpoint_path, fingerprint,
+        resume = load_checkpoint(checkpoint_path, fingerprint, legacy_fingerprint=legacy,
                                  routine=spec.training.routine.build(spec.training.learning_rate), x0=x0)
     recorder = _recorder(output_dir, spec.name, resume, info, progress)
     warnings = _announce(spec, calibration, progress)

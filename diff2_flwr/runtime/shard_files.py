@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from .config import ExperimentConfig
+from .config_data import DatasetConfig
+from .spec import run_identity
 
 __all__ = ["ShardError", "Shard", "ServerData", "data_fingerprint", "save_npz", "read_shard", "read_server_data",
            "shard_name", "SERVER_FILE", "FORMAT"]
@@ -33,12 +35,10 @@ class ShardError(ValueError):
 
 def data_fingerprint(cfg: ExperimentConfig) -> str:
     """A hash of the dataset settings and P: what decides which samples a shard holds."""
-    relevant = {"dataset": cfg.to_dict()["dataset"], "clients": cfg.clients}
+    # the dataset's keys as declared (run_identity: a key added later leaves old files matching at its `before`)
+    relevant = {"dataset": run_identity(DatasetConfig, cfg.to_dict()["dataset"]), "clients": cfg.clients}
     for key in ("dir", "shards"):  # where the files lie does not change the shards
         relevant["dataset"].pop(key, None)
-    if relevant["dataset"].get("train_samples") is None:  # no subsample: as before the keys existed (old files match)
-        relevant["dataset"].pop("train_samples", None)
-        relevant["dataset"].pop("subsample_seed", None)
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
 
 

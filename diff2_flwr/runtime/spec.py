@@ -17,7 +17,7 @@ from typing import Any, Callable, Literal, Mapping
 
 __all__ = ["ConfigError", "Kwargs", "Invalid", "require", "setting", "help_of", "settable_keys", "argument_names",
            "nest_arguments", "parse_section", "from_arguments", "argument_error", "describe_type", "type_ok",
-           "setting_names", "add_setting_flags", "key_error", "is_int"]
+           "setting_names", "add_setting_flags", "key_error", "is_int", "run_identity"]
 
 
 class ConfigError(ValueError):
@@ -62,7 +62,10 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory: Call
             argument: str | None = None, **extra: Any) -> Any:
     """A field's declaration: its default (or ``factory``), its help text, and the Python API argument that sets
     it when that is not the field's own name (``argument="eval_every"`` for ``evaluation.every``); ``extra``
-    holds what one consumer alone needs (``cli_default``: a CLI flag's default computed when the parser is built)."""
+    holds what one consumer alone needs (``cli_default``: a CLI flag's default computed when the parser is built;
+    ``identifies=False``: the key does not change what a run computes or spends, so a checkpoint resumes across a
+    change of it; ``before=VALUE``: the key came later, and VALUE reproduces the runs made before it existed —
+    see :func:`run_identity`)."""
     metadata = {"help": help, **({"argument": argument} if argument else {}), **extra}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
@@ -139,6 +142,24 @@ def nest_arguments(cls: type, arguments: Mapping[str, Any]) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[last] = value
     return data
+
+
+def run_identity(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a section's plain values (``to_dict()``) that identifies a run: what a checkpoint's and a shard
+    file's fingerprint hash. Every declared key is kept except those declared ``identifies=False`` and those still
+    at their declared ``before`` value (a key added later, at the value that reproduces earlier runs: the files
+    written before it existed still match); sections recursively; undeclared keys (a factory's kwargs) whole.
+    So a new key is one declaration: at its ``before`` value it leaves every fingerprint as it was."""
+    declared = {f.name: f for f in _fields(cls)}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        f = declared.get(key)
+        if f is not None and (f.metadata.get("identifies", True) is False
+                              or ("before" in f.metadata and value == f.metadata["before"])):
+            continue
+        sub = _section(cls, key) if f is not None else None
+        out[key] = run_identity(sub, value) if sub is not None and isinstance(value, Mapping) else value
+    return out
 
 
 class Kwargs(tuple):
