@@ -221,3 +221,29 @@ def test_the_run_and_the_study_report_the_subsample(tmp_path):
     assert info["parameters"] == 8 * 10 + 10 + 10 + 1 and info["settings"] == dataset
     report = (tmp_path / "studies" / "s" / "report.md").read_text()
     assert "(n = 400 training records: a uniform subsample (`train_samples`, seed 2) of the train split's 800" in report
+
+
+def test_dataset_standardise_is_one_declaration_and_leaves_earlier_files_matching():
+    """`dataset.standardise` (added after checkpoints and shard files existed): false keeps the raw features,
+    null (its default) standardises as before; at null every fingerprint is the one of a config without the key."""
+    from diff2_flwr.runtime.checkpoint import config_fingerprint
+    from diff2_flwr.runtime.config import config_keys
+    from diff2_flwr.runtime.shard_files import data_fingerprint
+
+    base = {"name": "synthetic", "num_samples": 1000}
+    default, raw = _cfg(base), _cfg({**base, "standardise": False})
+    scaled, kept = load_data(default), load_data(raw)
+    np.testing.assert_allclose(scaled.x_train.mean(axis=0), 0, atol=1e-12)
+    np.testing.assert_allclose(scaled.x_train.std(axis=0), 1, atol=1e-12)
+    assert np.abs(kept.x_train.mean(axis=0)).max() > 1e-3  # the generator's features, as they came
+    mean, std = scaled.feature_mean, scaled.feature_std
+    np.testing.assert_allclose((kept.x_train - mean) / std, scaled.x_train, atol=1e-12)  # same records, same order
+    assert default.dataset.standardise is None and _cfg({**base, "standardise": True}).dataset.standardise is True
+    with pytest.raises(ConfigError, match=r"key `dataset.standardise`: expected"):
+        _cfg({**base, "standardise": "yes"})
+    assert "dataset.standardise" in config_keys()  # --set, Flower's run config (pyproject.toml is checked equal)
+    without = default.to_dict()
+    del without["dataset"]["standardise"]
+    assert config_fingerprint(without, 100) == config_fingerprint(default.to_dict(), 100)
+    assert config_fingerprint(raw.to_dict(), 100) != config_fingerprint(default.to_dict(), 100)
+    assert data_fingerprint(raw) != data_fingerprint(default)

@@ -114,6 +114,8 @@ class DatasetConfig:
     train_samples: int | None = setting(None, "keep a uniform random subset of this many train records, drawn "
                                          "before standardising and sharding (null: all)", before=None)
     subsample_seed: int = setting(0, "seed of that subset (the subsets of one seed are nested)", before=0)
+    standardise: bool | None = setting(None, "scale each feature to mean 0, std 1 on the train split (null: yes, "
+                                             "except digits, whose pixels arrive scaled to [0, 1])", before=None)
     num_samples: int = setting(10_000, "synthetic only: records")
     num_features: int = setting(8, "synthetic only: features")
     generator_seed: int = setting(0, "synthetic only: the generator's seed")

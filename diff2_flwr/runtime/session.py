@@ -376,7 +376,7 @@ def load_data(cfg: ExperimentConfig) -> PreparedData:
         return prepare(d.name, x, y, clients=cfg.clients, test_fraction=d.test_fraction,
                        split_seed=d.split_seed, classes=classes,
                        partitioner=d.partitioner.arguments(d.split_seed, d.task_kind, cfg.clients),
-                       train_samples=d.train_samples, subsample_seed=d.subsample_seed)
+                       standardise=d.standardise, train_samples=d.train_samples, subsample_seed=d.subsample_seed)
     except DataError as exc:  # say which experiment file asked for it
         raise DataError(f"{cfg.source}: {exc}") from None
 
