@@ -259,6 +259,50 @@ def owner_policies(policy: str | os.PathLike[str], work: Path, clients: int) -> 
     return paths
 
 
+def _check_deployment_arguments(tls: bool, node_auth: bool | None, intruders: tuple[str, ...]) -> bool:
+    """Whether SuperNodes authenticate (default: with TLS); refuse authentication without TLS and unknown intruders."""
+    node_auth = tls if node_auth is None else node_auth
+    if node_auth and not tls:
+        raise ValueError("SuperNode authentication needs TLS: Flower refuses `--enable-supernode-auth` on an "
+                         "insecure SuperLink (the keys would prove nothing over plain text). Add --tls, or pass "
+                         "--no-node-auth.")
+    unknown = [k for k in intruders if k not in INTRUDER_KINDS]
+    if unknown:
+        raise ValueError(f"`intruders`: unknown kind(s) {unknown}; expected some of {list(INTRUDER_KINDS)}.")
+    return node_auth
+
+
+def _run_intruders(intruders: tuple[str, ...], work: Path, supernode: Callable[..., subprocess.Popen],
+                   ports: list[int]) -> list[Intruder]:
+    """Start one SuperNode per intruder kind, posing as data owner 0 (each with its own port and SuperExec
+    secret), and return how each ended within 30 s (a refused one exits; one still running is None)."""
+    runs = []
+    for n, kind in enumerate(intruders):
+        key = make_node_keys(work / "intruders" / f"{n}-{kind}", 1)[0].private if kind == "unregistered-key" else None
+        log = work / f"intruder-{n}-{kind}.log"
+        own = make_superexec_secret(work / "intruders" / f"{n}-{kind}" / "superexec.secret")
+        runs.append((kind, supernode(0, log, key, ports[n], own), log))
+    deadline = time.monotonic() + 30
+    while runs and time.monotonic() < deadline and any(p.poll() is None for _, p, _ in runs):
+        time.sleep(0.2)
+    return [Intruder(kind, proc.poll(), log) for kind, proc, log in runs]
+
+
+def _node_killer(kill_node_after_round: tuple[int, int] | None,
+                 nodes: list[subprocess.Popen]) -> Callable[[str], None] | None:
+    """For fault injection: a stream reader that stops SuperNode i once round k's line is released."""
+    if kill_node_after_round is None:
+        return None
+    victim, after = kill_node_after_round
+    marker = f"[diff2] round {after}/"
+
+    def on_line(line: str) -> None:
+        if marker in line:
+            stop_process(nodes[victim])
+
+    return on_line
+
+
 def run_local_deployment(
     config: str | os.PathLike[str],
     *,
@@ -287,14 +331,7 @@ def run_local_deployment(
     SuperNode gets a copy of this policy through its node config (``policy=...``), each with a lifetime ledger of
     its own (see :func:`owner_policies`).
     """
-    node_auth = tls if node_auth is None else node_auth
-    if node_auth and not tls:
-        raise ValueError("SuperNode authentication needs TLS: Flower refuses `--enable-supernode-auth` on an "
-                         "insecure SuperLink (the keys would prove nothing over plain text). Add --tls, or pass "
-                         "--no-node-auth.")
-    unknown = [k for k in intruders if k not in INTRUDER_KINDS]
-    if unknown:
-        raise ValueError(f"`intruders`: unknown kind(s) {unknown}; expected some of {list(INTRUDER_KINDS)}.")
+    node_auth = _check_deployment_arguments(tls, node_auth, intruders)
     work = Path(workdir) if workdir is not None else default_run_folder(config)
     work = work.expanduser().resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -343,29 +380,11 @@ def run_local_deployment(
             processes.append(apps[name])
         time.sleep(2)
         _check_alive({**{f"supernode-{p}": proc for p, proc in enumerate(nodes)}, **apps}, work)
-        intruder_runs = []
-        for n, kind in enumerate(intruders):
-            key = make_node_keys(work / "intruders" / f"{n}-{kind}", 1)[0].private if kind == "unregistered-key" else None
-            log = work / f"intruder-{n}-{kind}.log"
-            own = make_superexec_secret(work / "intruders" / f"{n}-{kind}" / "superexec.secret")
-            intruder_runs.append((kind, supernode(0, log, key, node_ports[clients + n], own), log))
-        deadline = time.monotonic() + 30
-        while intruder_runs and time.monotonic() < deadline and any(p.poll() is None for _, p, _ in intruder_runs):
-            time.sleep(0.2)
-        intruder_outcomes = [Intruder(kind, proc.poll(), log) for kind, proc, log in intruder_runs]
+        intruder_outcomes = _run_intruders(intruders, work, supernode, node_ports[clients:])
         if on_ready is not None:
             on_ready(LiveDeployment(port, work, env, certs, keys, node_ids, secrets, node_ports[:clients]))
-        on_line = None
-        if kill_node_after_round is not None:
-            victim, after = kill_node_after_round
-            marker = f"[diff2] round {after}/"
-
-            def on_line(line: str) -> None:
-                if marker in line:
-                    stop_process(nodes[victim])
-
         result = flwr_run(Path(app_dir).resolve(), env, ["--run-config", run_config_arg({"config": str(dep_config)})],
-                          timeout_s=timeout_s, echo=echo, on_line=on_line)
+                          timeout_s=timeout_s, echo=echo, on_line=_node_killer(kill_node_after_round, nodes))
         rows = []
         if result.output_dir is not None:
             rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
