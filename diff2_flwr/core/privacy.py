@@ -1,39 +1,54 @@
-"""Noise calibration for DIFF2 and the privacy spent so far.
+"""The privacy spent so far (a run's ledger, runs composed), and where to import privacy from.
 
-Every round of DIFF2 is a Gaussian mechanism on (1/P) Σ_p ClippedMean_p. Replacing one
-sample of worker p moves that average by at most 2C/(n_min P), so with noise std σC the
-round has noise multiplier (std / sensitivity)
-
-    z = σ n_min P / 2.
-
-With m1 = ceil(R/T) restart rounds (multiplier z1) and m2 = R - m1 difference rounds (z2),
-full-batch composition is exactly μ-GDP with μ² = m1/z1² + m2/z2², and μ-GDP implies
-(ε, δ(ε))-DP with δ(ε) = Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2).
-
-Calibration splits a budget B with u > 1: m1/z1² = B/u and m2/z2² = B(u-1)/u (no split when
-m2 = 0). Mode ``exact`` takes B = μ², μ solving δ(ε; μ) = δ (tight); mode ``rdp`` takes
-B = 2ρ with ε = ρ + 2 sqrt(ρ ln(1/δ)) (zCDP, Bun & Steinke 2016; the paper's style).
+:class:`PrivacyLedger` holds the events a run has released and reports ε by three accountants;
+:class:`RunEvents` is a run's whole planned schedule by counts and :func:`composed_epsilon` composes the
+runs a data owner's node has taken part in. The calibration of the noise (the closed forms of Gaussian DP,
+σ of a schedule) lives in :mod:`~diff2_flwr.core.calibration`, the events and dp-accounting's distributions
+of them in :mod:`~diff2_flwr.core.accounting`; both are importable from here too (``__all__``).
 
 References:
-    Murata & Suzuki (2023), sensitivity of ClippedMean and the budget split by u.
-    Dong, Roth & Su (2019), "Gaussian Differential Privacy", Cor. 2.13 (δ(ε) of μ-GDP)
-    and Cor. 3.3 (composition of Gaussian mechanisms).
-    Bun & Steinke (2016), Prop. 1.3 (zCDP to (ε, δ)-DP) and Prop. 1.6 (Gaussian is ρ-zCDP).
+    Dong, Roth & Su (2019), "Gaussian Differential Privacy", Cor. 2.13 and Cor. 3.3.
+    Koskela, Jälkö & Honkela (2020) and dp-accounting's ``privacy_loss_distribution`` (PLD composition).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import math
 import struct
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
-from scipy.optimize import brentq
-from scipy.special import log_ndtr, ndtr
+from .accounting import (
+    PLD_DISCRETIZATION,
+    PLD_MEMO,
+    GaussianEvent,
+    LocalEvent,
+    PldMemo,
+    event_key,
+    event_pld,
+    gaussian_pld,
+    local_pld,
+    rdp_epsilon,
+)
+from .calibration import (
+    Calibration,
+    CalibrationMode,
+    LocalCalibration,
+    calibrate,
+    calibrate_local,
+    count_rounds,
+    expected_noise_norm,
+    gdp_delta,
+    gdp_epsilon,
+    gdp_mu,
+    gdp_mu_of_multipliers,
+    noise_multiplier,
+    schedule_cross_check,
+    sigma_from_multiplier,
+    zcdp_rho,
+)
 
 __all__ = [
     "Calibration",
@@ -59,467 +74,6 @@ __all__ = [
     "sigma_from_multiplier",
     "zcdp_rho",
 ]
-
-CalibrationMode = Literal["exact", "rdp"]
-
-#: Discretisation of dp-accounting's privacy-loss distributions (pessimistic: an upper bound on ε).
-PLD_DISCRETIZATION = 1e-4
-_MODES = ("exact", "rdp")
-
-
-def gdp_delta(epsilon: float, mu: float) -> float:
-    """δ(ε) of μ-GDP: Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2) (Dong, Roth & Su 2019, Cor. 2.13)."""
-    if mu == 0:
-        return 0.0
-    if math.isinf(mu):
-        return 1.0
-    a = -epsilon / mu + mu / 2
-    b = -epsilon / mu - mu / 2
-    # e^ε Φ(b) in log space: e^ε alone overflows long before the product does.
-    return max(0.0, float(ndtr(a) - math.exp(epsilon + log_ndtr(b))))
-
-
-def gdp_mu(epsilon: float, delta: float) -> float:
-    """The μ whose μ-GDP guarantee gives exactly δ at ε (δ(ε; μ) is increasing in μ)."""
-    _check_epsilon_delta(epsilon, delta)
-    lo, hi = 1e-8, 1.0
-    while gdp_delta(epsilon, hi) < delta:
-        hi *= 2
-        if hi > 1e6:  # pragma: no cover - unreachable for delta < 1
-            raise ValueError(f"No μ reaches δ = {delta} at ε = {epsilon}.")
-    return float(brentq(lambda m: gdp_delta(epsilon, m) - delta, lo, hi, xtol=1e-15, rtol=1e-14, maxiter=500))
-
-
-def gdp_epsilon(mu: float, delta: float) -> float:
-    """Smallest ε with δ(ε; μ) <= δ: the (ε, δ)-DP guarantee implied by μ-GDP."""
-    return _gdp_epsilon(float(mu), float(delta))
-
-
-@functools.lru_cache(maxsize=65536)  # pure; every run of one schedule asks for the same values
-def _gdp_epsilon(mu: float, delta: float) -> float:
-    if not 0 < delta < 1:
-        raise ValueError(f"`delta` must be in (0, 1). Found {delta}.")
-    if mu == 0:
-        return 0.0
-    if math.isinf(mu):
-        return math.inf
-    if gdp_delta(0.0, mu) <= delta:
-        return 0.0
-    hi = 1.0
-    while gdp_delta(hi, mu) > delta:
-        hi *= 2
-    return float(brentq(lambda e: gdp_delta(e, mu) - delta, 0.0, hi, xtol=1e-14, rtol=1e-14, maxiter=500))
-
-
-def zcdp_rho(epsilon: float, delta: float) -> float:
-    """ρ with ρ + 2 sqrt(ρ ln(1/δ)) = ε (Bun & Steinke 2016, Prop. 1.3, solved for ρ)."""
-    _check_epsilon_delta(epsilon, delta)
-    log_inv_delta = math.log(1 / delta)
-    return (math.sqrt(log_inv_delta + epsilon) - math.sqrt(log_inv_delta)) ** 2
-
-
-def noise_multiplier(sigma: float, n_min: int, clients: int) -> float:
-    """z = σ n_min P / 2: noise std over the sensitivity 2C/(n_min P) of the averaged ClippedMean."""
-    return sigma * n_min * clients / 2
-
-
-def sigma_from_multiplier(z: float, n_min: int, clients: int) -> float:
-    """σ = 2z / (n_min P), the inverse of :func:`noise_multiplier`."""
-    return 2 * z / (n_min * clients)
-
-
-def expected_noise_norm(sigma: float, dim: int) -> float:
-    """E‖N(0, σ² I_d)‖ = σ √2 Γ((d+1)/2) / Γ(d/2): the mean of a chi distribution with d degrees of freedom
-    (just below σ√d), the expected norm of the noise a release adds in d coordinates with std σ each.
-
-    References:
-        Johnson, Kotz & Balakrishnan (1994), Continuous Univariate Distributions vol. 1, §18.9 (the chi mean).
-    """
-    if not (math.isfinite(sigma) and sigma >= 0):
-        raise ValueError(f"`sigma` must be a finite number >= 0. Found {sigma!r}.")
-    if not (isinstance(dim, int) and dim >= 1):
-        raise ValueError(f"`dim` must be an integer >= 1. Found {dim!r}.")
-    if sigma == 0:
-        return 0.0
-    return sigma * math.sqrt(2.0) * math.exp(math.lgamma((dim + 1) / 2) - math.lgamma(dim / 2))
-
-
-def count_rounds(rounds: int, restart_every: int) -> tuple[int, int]:
-    """(m1, m2): restart rounds ceil(R/T) and difference rounds R - m1 among rounds 1..R."""
-    if rounds < 0 or restart_every < 1:
-        raise ValueError(f"Need rounds >= 0 and restart_every >= 1. Found {rounds}, {restart_every}.")
-    m1 = -(-rounds // restart_every)
-    return m1, rounds - m1
-
-
-def gdp_mu_of_multipliers(m1: int, z1: float, m2: int, z2: float | None) -> float:
-    """μ of the composition of m1 Gaussian rounds with multiplier z1 and m2 with z2 (Cor. 3.3)."""
-    total = 0.0
-    for m, z in ((m1, z1), (m2, z2)):
-        if m == 0:
-            continue
-        if z is None or z == 0:
-            return math.inf
-        total += m / z**2
-    return math.sqrt(total)
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Noise for a DIFF2 schedule: multipliers z, stds per unit radius σ, and their inputs."""
-
-    mode: CalibrationMode
-    epsilon: float
-    delta: float
-    rounds: int
-    restart_every: int
-    u: float
-    n_min: int
-    clients: int
-    restart_rounds: int  # m1
-    difference_rounds: int  # m2
-    budget: float  # B: μ² (exact) or 2ρ (rdp)
-    z1: float
-    z2: float | None
-    sigma1: float
-    sigma2: float | None
-    local: "LocalCalibration | None" = None
-
-    @property
-    def planned_epsilon(self) -> float:
-        """ε of the whole schedule: the exact GDP closed form, or with a local phase dp-accounting's PLD."""
-        if self.local is None:
-            return self.epsilon_spent(self.restart_rounds, self.difference_rounds)
-        return _schedule_pld_epsilon(self.delta, self.restart_rounds, self.z1, self.difference_rounds, self.z2,
-                                     self.local.z3, self.local.sampling_prob, self.local.steps - 1, self.rounds)
-
-    def round_events(self, restart: bool) -> tuple["GaussianEvent | LocalEvent", ...]:
-        """What one released round costs: its Gaussian event, then the local phase's steps (if any)."""
-        z = self.z1 if restart else self.z2
-        gaussian = GaussianEvent(float(z), "restart" if restart else "difference")  # type: ignore[arg-type]
-        return (gaussian,) if self.local is None else (gaussian, self.local.event)
-
-    @property
-    def mu(self) -> float:
-        """The exact GDP μ of the whole schedule (whatever the calibration mode)."""
-        return gdp_mu_of_multipliers(self.restart_rounds, self.z1, self.difference_rounds, self.z2)
-
-    def epsilon_spent(self, restart_rounds: int, difference_rounds: int) -> float:
-        """ε actually spent (exact GDP accounting) after the given numbers of released rounds."""
-        mu = gdp_mu_of_multipliers(restart_rounds, self.z1, difference_rounds, self.z2)
-        return gdp_epsilon(mu, self.delta)
-
-    def as_dict(self) -> dict[str, float | int | str | None]:
-        return {
-            "mode": self.mode, "epsilon": self.epsilon, "delta": self.delta, "rounds": self.rounds,
-            "restart_every": self.restart_every, "u": self.u, "n_min": self.n_min,
-            "clients": self.clients, "restart_rounds": self.restart_rounds,
-            "difference_rounds": self.difference_rounds, "budget": self.budget,
-            "z1": self.z1, "z2": self.z2, "sigma1": self.sigma1, "sigma2": self.sigma2,
-            "mu": self.mu, "epsilon_spent_at_end": self.planned_epsilon,
-            "local": None if self.local is None else self.local.as_dict(),
-        }
-
-
-def _check_epsilon_delta(epsilon: float, delta: float) -> None:
-    if not (math.isfinite(epsilon) and epsilon > 0):
-        raise ValueError(f"`epsilon` must be a finite number > 0. Found {epsilon}.")
-    if not 0 < delta < 1:
-        raise ValueError(f"`delta` must be in (0, 1). Found {delta}.")
-
-
-def calibrate(
-    *,
-    epsilon: float,
-    delta: float,
-    rounds: int,
-    restart_every: int,
-    u: float,
-    n_min: int,
-    clients: int,
-    mode: CalibrationMode = "exact",
-    local_steps: int | None = None,
-    local_batch_size: int | None = None,
-    local_share: float | None = None,
-) -> Calibration:
-    """Noise (σ1, σ2) so that R rounds of DIFF2 with restart period T are (ε, δ)-DP.
-
-    With ``local_steps`` = K (the BVR-L-SGD local routine: K - 1 private steps per round on one worker),
-    the server's rounds get the GDP budget (1 - local_share) μ² and σ3 is then the smallest noise with
-    which the whole schedule, composed by dp-accounting's PLD accountant, stays within ε (see
-    :func:`calibrate_local`); mode ``exact`` only.
-
-    Raises:
-        ValueError: on an invalid argument, naming it, with the value found.
-    """
-    _check_epsilon_delta(epsilon, delta)
-    if mode not in _MODES:
-        raise ValueError(f"`mode` must be one of {_MODES}. Found {mode!r}.")
-    for name, value in (("rounds", rounds), ("restart_every", restart_every), ("n_min", n_min), ("clients", clients)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"`{name}` must be an integer >= 1. Found {value!r}.")
-    m1, m2 = count_rounds(rounds, restart_every)
-    if m2 > 0 and not (math.isfinite(u) and u > 1):
-        raise ValueError(
-            f"`u` must be a finite number > 1 when there are difference rounds (T = {restart_every} > 1). "
-            f"Found {u}. The paper uses u = 1.25; T = 1 is DP-GD."
-        )
-    budget = gdp_mu(epsilon, delta) ** 2 if mode == "exact" else 2 * zcdp_rho(epsilon, delta)
-    if local_steps is not None:
-        if mode != "exact":
-            raise ValueError("The local routine is calibrated against dp-accounting's PLD accountant: use "
-                             f"privacy.mode 'exact'. Found {mode!r}.")
-        _check_local(local_steps, local_batch_size, local_share, n_min)
-        budget *= 1 - float(local_share)  # type: ignore[arg-type]
-    if m2 == 0:
-        z1, z2 = math.sqrt(m1 / budget), None
-    else:
-        z1 = math.sqrt(m1 * u / budget)
-        z2 = math.sqrt(m2 * u / (budget * (u - 1)))
-    server = Calibration(
-        mode=mode, epsilon=epsilon, delta=delta, rounds=rounds, restart_every=restart_every, u=u,
-        n_min=n_min, clients=clients, restart_rounds=m1, difference_rounds=m2, budget=budget,
-        z1=z1, z2=z2, sigma1=sigma_from_multiplier(z1, n_min, clients),
-        sigma2=None if z2 is None else sigma_from_multiplier(z2, n_min, clients),
-    )
-    if local_steps is None:
-        return server
-    return dataclasses.replace(server, local=calibrate_local(server, local_steps, local_batch_size, local_share))
-
-
-#: The local routine's σ3 is calibrated to ε (1 - LOCAL_MARGIN) by the PLD accountant composing the schedule
-#: by counts, so that the ledger's own composition (round by round, another discretisation path) stays within ε.
-LOCAL_MARGIN = 0.005
-
-
-@dataclass(frozen=True)
-class LocalCalibration:
-    """The local routine's noise: K - 1 Poisson-subsampled Gaussian steps per round (see :class:`LocalEvent`)."""
-
-    steps: int  # K
-    batch_size: int  # b: expected batch size and the fixed normaliser of the minibatch sum
-    share: float  # the fraction of the GDP budget μ² the server's rounds leave to the local steps
-    sampling_prob: float  # b / n_min: the largest per-record inclusion probability of any worker
-    z3: float  # std / (c / b), c = C3 ||y_k - y_(k-1)||
-    sigma3: float  # noise std per unit radius c: z3 / b
-
-    @property
-    def event(self) -> LocalEvent:
-        return LocalEvent(self.z3, self.sampling_prob, self.steps - 1)
-
-    def as_dict(self) -> dict[str, float | int | str]:
-        return {"steps": self.steps, "batch_size": self.batch_size, "share": self.share,
-                "sampling": "Poisson, each record with probability b / n_p; the sum is divided by b",
-                "adjacency": "replace-one (dp-accounting REPLACE_ONE, PoissonSampled Gaussian)",
-                "sampling_prob": self.sampling_prob, "z3": self.z3, "sigma3": self.sigma3}
-
-
-def _check_local(steps: int | None, batch_size: int | None, share: float | None, n_min: int) -> None:
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
-        raise ValueError(f"`local_steps` (K) must be an integer >= 2 (K - 1 local steps per round). Found {steps!r}.")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= n_min:
-        raise ValueError(f"`local_batch_size` (b) must be an integer in [1, n_min = {n_min}] (every worker samples "
-                         f"with probability b / n_p <= 1). Found {batch_size!r}.")
-    if share is None or not (math.isfinite(share) and 0 < share < 1):
-        raise ValueError(f"`local_share` must be a number in (0, 1): the fraction of the budget left to the local "
-                         f"steps. Found {share!r}.")
-
-
-#: Discretisation of the PLDs of the calibration's search (the result is then checked at PLD_DISCRETIZATION).
-SEARCH_DISCRETIZATION = 1e-3
-
-
-@functools.lru_cache(maxsize=64)
-def _local_pld_at(noise_multiplier: float, sampling_prob: float, steps: int, interval: float) -> Any:
-    """PLD of ``steps`` Poisson-subsampled Gaussian steps under replace-one (dp-accounting, pessimistic)."""
-    from dp_accounting import NeighboringRelation
-    from dp_accounting.pld import privacy_loss_distribution
-
-    one = privacy_loss_distribution.from_gaussian_mechanism(
-        standard_deviation=noise_multiplier, sensitivity=1.0, sampling_prob=sampling_prob,
-        neighboring_relation=NeighboringRelation.REPLACE_ONE, value_discretization_interval=interval)
-    return one.self_compose(steps) if steps > 1 else one
-
-
-@functools.lru_cache(maxsize=1024)
-def _schedule_pld_epsilon(delta: float, m1: int, z1: float, m2: int, z2: float | None, z3: float, q: float,
-                          local_steps: int, rounds: int, interval: float = PLD_DISCRETIZATION) -> float:
-    """ε (PLD, composed by counts) of m1 + m2 server rounds and ``rounds`` local phases of ``local_steps`` steps."""
-    from dp_accounting.pld import privacy_loss_distribution as plds
-
-    local = _local_pld_at(z3, q, local_steps, interval)
-    pld = local.self_compose(rounds) if rounds > 1 else local
-    for m, z in ((m1, z1), (m2, z2)):
-        if m:
-            assert z is not None
-            gauss = plds.from_gaussian_mechanism(standard_deviation=z / math.sqrt(m), sensitivity=1.0,
-                                                 value_discretization_interval=interval)
-            pld = pld.compose(gauss)
-    return float(pld.get_epsilon_for_delta(delta))
-
-
-def calibrate_local(server: Calibration, steps: int, batch_size: int | None, share: float | None) -> LocalCalibration:
-    """σ3: the smallest z3 (to about 0.2 %) with which the schedule's PLD ε stays within ε (1 - LOCAL_MARGIN).
-
-    ``server`` is the server's rounds calibrated to the budget (1 - share) μ²; ε(z3) decreases in z3. The search
-    runs on coarser (pessimistic) PLDs; the result is then checked, and raised if needed, at the ledger's
-    discretisation.
-    """
-    _check_local(steps, batch_size, share, server.n_min)
-    assert batch_size is not None and share is not None
-    q = batch_size / server.n_min
-    target = server.epsilon * (1 - LOCAL_MARGIN)
-
-    def eps(z3: float, interval: float = SEARCH_DISCRETIZATION) -> float:
-        return _schedule_pld_epsilon(server.delta, server.restart_rounds, server.z1, server.difference_rounds,
-                                     server.z2, z3, q, steps - 1, server.rounds, interval)
-
-    lo, hi = 0.5, 1.0
-    while eps(hi) > target:
-        lo, hi = hi, hi * 2
-        if hi > 1e7:
-            raise ValueError(f"No local noise keeps the schedule within ε = {server.epsilon}: raise local_share.")
-    while eps(lo) <= target and lo > 1e-3:
-        lo, hi = lo / 2, lo
-    root = math.exp(brentq(lambda t: eps(math.exp(t)) - target, math.log(lo), math.log(hi), xtol=1e-3))
-    hi = min(hi, root * 1.002)
-    while eps(hi) > target or eps(hi, PLD_DISCRETIZATION) > target:
-        hi *= 1.002
-    return LocalCalibration(steps=steps, batch_size=batch_size, share=float(share), sampling_prob=q, z3=hi,
-                            sigma3=hi / batch_size)
-
-
-@dataclass(frozen=True)
-class GaussianEvent:
-    """One released round: a Gaussian mechanism with this noise multiplier (std / sensitivity)."""
-
-    noise_multiplier: float
-    kind: str  # "restart" or "difference"
-
-
-@dataclass(frozen=True)
-class LocalEvent:
-    """The local phase of one round: ``steps`` Poisson-subsampled Gaussian mechanisms on one worker's shard.
-
-    Each local step samples every record of the chosen worker independently with probability
-    ``q_p = b / n_p <= sampling_prob = b / n_min``, sums the sampled records' clipped gradient
-    differences (each of norm <= c), divides by the *fixed* b and adds N(0, (σ3 c)² I). Under replace-one
-    adjacency one record's term changes from a to a' (both of norm <= c/b) if it is sampled: the pair
-    (1-q) N(0, s²) + q N(a, s²) vs (1-q) N(0, s²) + q N(a', s²), dominated by dp-accounting's
-    ``REPLACE_ONE`` Poisson-subsampled Gaussian with sensitivity c/b. ``noise_multiplier`` is in that
-    convention: std / (c/b) = σ3 b (not std over the replace-one sensitivity 2c/b, as for
-    :class:`GaussianEvent`). Every record is charged every local phase, whichever worker ran it.
-    """
-
-    noise_multiplier: float
-    sampling_prob: float
-    steps: int
-    kind: str = "local"
-
-
-
-def _event_pld(event: "GaussianEvent | LocalEvent") -> Any:
-    if isinstance(event, LocalEvent):
-        return _local_pld_at(event.noise_multiplier, event.sampling_prob, event.steps, PLD_DISCRETIZATION)
-    return _gaussian_pld(event.noise_multiplier)
-
-
-def _event_key(event: "GaussianEvent | LocalEvent") -> tuple[float, float, int]:
-    if isinstance(event, LocalEvent):
-        return (event.noise_multiplier, event.sampling_prob, event.steps)
-    return (event.noise_multiplier, 1.0, 0)
-
-
-@functools.lru_cache(maxsize=64)
-def _gaussian_pld(noise_multiplier: float) -> Any:
-    from dp_accounting.pld import privacy_loss_distribution
-
-    return privacy_loss_distribution.from_gaussian_mechanism(
-        standard_deviation=noise_multiplier, sensitivity=1.0, value_discretization_interval=PLD_DISCRETIZATION)
-
-
-class _BoundedCache(OrderedDict):
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.size = size
-
-    def put(self, key: Any, value: Any) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        while len(self) > self.size:
-            self.popitem(last=False)
-
-
-class PldMemo:
-    """What a process remembers of its ledgers' PLD accounting: the one mutable part of it, owned here.
-
-    A :class:`PrivacyLedger` is a value (δ and its events). Its PLD ε needs the events' PLDs composed in release
-    order, one FFT convolution each; a run asks after every round, so composing from the first event every time
-    would cost O(R²). The memo keeps the composed PLD of the last ``chains`` event sequences: a ledger whose events
-    extend one composes only its new events. Composition is a left fold in release order either way, so the value
-    is the same bits as a fresh composition (a resumed run reproduces it). And ε by (δ, the events): the runs of
-    one schedule (a study's seeds, an audit's trials) release the same events, so each prefix's ε is computed once.
-    Values never depend on what the memo holds; ``clear()`` forgets everything.
-
-    Args:
-        epsilons: how many ε values to keep (least recently stored dropped first).
-        chains: how many composed PLDs to keep (each a few MB for thousands of events).
-    """
-
-    def __init__(self, *, epsilons: int = 16384, chains: int = 4) -> None:
-        self.epsilons = _BoundedCache(epsilons)
-        self.chains = _BoundedCache(chains)  # events' keys -> their composed PLD
-
-    def clear(self) -> None:
-        self.epsilons.clear()
-        self.chains.clear()
-
-    def longest_prefix(self, keys: tuple[tuple[float, float, int], ...]) -> tuple[Any, int]:
-        """The composed PLD of the longest remembered sequence that ``keys`` starts with, and its length
-        (None, 0 if there is none)."""
-        best: tuple[Any, int] = (None, 0)
-        for chain, pld in self.chains.items():
-            if best[1] < len(chain) <= len(keys) and keys[:len(chain)] == chain:
-                best = (pld, len(chain))
-        return best
-
-    def extend(self, keys: tuple[tuple[float, float, int], ...], start: int, pld: Any) -> None:
-        """Remember ``pld``, the composition of ``keys``, in place of the sequence of its first ``start`` keys."""
-        self.chains.pop(keys[:start], None)
-        self.chains.put(keys, pld)
-
-
-#: The process-wide memo of :attr:`PrivacyLedger.epsilon_pld`.
-PLD_MEMO = PldMemo()
-
-
-def schedule_cross_check(cal: Calibration) -> dict[str, float]:
-    """ε of a whole calibrated schedule by dp-accounting's PLD and RDP accountants (composed by counts),
-    next to the closed form: what ``diff2 noise`` prints to cross-check a calibration."""
-    from dp_accounting import dp_event
-    from dp_accounting.pld import pld_privacy_accountant
-
-    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
-    counts = [(cal.z1, cal.restart_rounds), (cal.z2, cal.difference_rounds)]
-    for z, m in counts:
-        if m:
-            pld.compose(dp_event.GaussianDpEvent(z), m)
-    exact = cal.epsilon_spent(cal.restart_rounds, cal.difference_rounds)
-    epsilon_pld = float(pld.get_epsilon(cal.delta))
-    return {"epsilon_exact_gdp": exact, "epsilon_pld": epsilon_pld,
-            "epsilon_rdp": _rdp_epsilon(cal.delta, tuple((z, m) for z, m in counts if m)),
-            "pld_vs_exact_relative": epsilon_pld / exact - 1}
-
-
-@functools.lru_cache(maxsize=16384)
-def _rdp_epsilon(delta: float, counts: tuple[tuple[float, int], ...]) -> float:
-    from dp_accounting import dp_event
-    from dp_accounting.rdp import rdp_privacy_accountant
-
-    accountant = rdp_privacy_accountant.RdpAccountant()
-    for z, count in counts:
-        accountant.compose(dp_event.GaussianDpEvent(z), count)
-    return float(accountant.get_epsilon(delta))
 
 
 @dataclass(frozen=True)
@@ -590,14 +144,14 @@ class PrivacyLedger:
         """:attr:`epsilon_pld`, composing only the events ``memo`` has not composed yet, and remembering in it."""
         if (trivial := self._degenerate()) is not None:
             return trivial
-        keys = tuple(_event_key(e) for e in self.events)
+        keys = tuple(event_key(e) for e in self.events)
         flat = [v for k in keys for v in k]
         key = (self.delta, len(keys), hashlib.blake2b(struct.pack(f"{len(flat)}d", *flat), digest_size=32).digest())
         if key in memo.epsilons:
             return memo.epsilons[key]
         pld, start = memo.longest_prefix(keys)
         for e in self.events[start:]:
-            pld = _event_pld(e) if pld is None else pld.compose(_event_pld(e))
+            pld = event_pld(e) if pld is None else pld.compose(event_pld(e))
         memo.extend(keys, start, pld)
         epsilon = float(pld.get_epsilon_for_delta(self.delta))
         memo.epsilons.put(key, epsilon)
@@ -608,7 +162,7 @@ class PrivacyLedger:
         """ε spent per dp-accounting's RDP accountant (looser; for comparison)."""
         if (trivial := self._degenerate()) is not None:
             return trivial
-        return _rdp_epsilon(self.delta, self._counts())
+        return rdp_epsilon(self.delta, self._counts())
 
 
 @dataclass(frozen=True)
@@ -699,9 +253,9 @@ def composed_epsilon(runs: "Sequence[RunEvents]", delta: float) -> float:
 @functools.lru_cache(maxsize=4096)
 def _composed_epsilon(delta: float, mu_squared: float,
                       phases: tuple[tuple[tuple[float, float, int], int], ...]) -> float:
-    pld = _gaussian_pld(1 / math.sqrt(mu_squared)) if mu_squared > 0 else None
+    pld = gaussian_pld(1 / math.sqrt(mu_squared)) if mu_squared > 0 else None
     for (z3, q, steps), n in phases:
-        local = _local_pld_at(z3, q, steps, PLD_DISCRETIZATION)
+        local = local_pld(z3, q, steps, PLD_DISCRETIZATION)
         local = local.self_compose(n) if n > 1 else local
         pld = local if pld is None else pld.compose(local)
     return 0.0 if pld is None else float(pld.get_epsilon_for_delta(delta))

@@ -91,40 +91,13 @@ def partition(
         raise PartitionError(f"`dataset.partitioner.name`: expected one of {list(PARTITIONERS)}. Found {name!r}.")
     key = f"`dataset.partitioner` ({name})"
     if name in LABEL_PARTITIONERS:
-        if task == "classification":
-            column = np.asarray(y).astype(np.int64)
-        else:
-            column = quantile_bins(np.asarray(y, dtype=np.float64), bins or max(clients, 2))
-        found = np.unique(column)
-        if name == "dirichlet":
-            if alpha is None or not alpha > 0:
-                raise PartitionError(f"{key}: `alpha` must be a number > 0. Found {alpha!r}.")
-            params: dict[str, Any] = {"alpha": float(alpha), "min_partition_size": min_partition_size,
-                                      "self_balancing": self_balancing, "seed": seed}
-        else:
-            what = "classes" if task == "classification" else f"non-empty target bins (of {bins or max(clients, 2)} quantile bins)"
-            if classes_per_client is None or not 1 <= classes_per_client <= len(found):
-                raise PartitionError(f"{key}: `classes_per_client` must be in 1..{len(found)}: the train split has "
-                                     f"{len(found)} {what}. Found {classes_per_client!r}.")
-            params = {"num_classes_per_partition": classes_per_client, "class_assignment_mode": class_assignment,
-                      "seed": seed}
+        column, params = _label_column_and_params(
+            y, clients, name=name, key=key, task=task, seed=seed, alpha=alpha,
+            min_partition_size=min_partition_size, self_balancing=self_balancing,
+            classes_per_client=classes_per_client, class_assignment=class_assignment, bins=bins)
     else:
-        column, params = np.zeros(n, dtype=np.int64), {}
-        if name == "size":
-            if len(sizes) != clients or sum(sizes) != n or min(sizes, default=0) < 1:
-                raise PartitionError(f"{key}: `sizes` must list {clients} shard sizes (training.clients), each >= 1, "
-                                     f"summing to the {n} samples of the train split. Found {list(sizes)} "
-                                     f"(sum {sum(sizes)}).")
-            params = {"partition_sizes": tuple(int(s) for s in sizes)}
-        else:
-            shares = SIZE_FUNCTIONS[name](np.arange(1, clients + 1, dtype=np.float64))
-            planned = (shares / shares.sum() * n).astype(np.int64)
-            planned[-1] += n - planned.sum()  # Flower gives the rounding remainder to the last shard
-            if planned.min() < 1:
-                raise PartitionError(
-                    f"{key}: {n} train samples in {clients} shards with sizes ∝ {name}(p) leave shard(s) "
-                    f"{[int(p) for p in np.flatnonzero(planned < 1)]} empty (sizes {planned.tolist()}). Use fewer "
-                    "clients, more data, or a milder size skew (linear or square).")
+        column = np.zeros(n, dtype=np.int64)
+        params = _size_params(n, clients, name=name, key=key, sizes=sizes)
     try:
         parts = _flower(name, column, clients, **params)
     except PartitionError:
@@ -132,6 +105,64 @@ def partition(
     except ValueError as exc:  # Flower's own refusal (e.g. Dirichlet's min_partition_size never met)
         raise PartitionError(f"{key} with {params or 'defaults'} on {n} train samples, {clients} clients: "
                              f"Flower Datasets refused: {exc}") from None
+    _check_every_sample_placed(parts, column, key=key, class_assignment=class_assignment)
+    return parts
+
+
+def _label_column_and_params(
+    y: np.ndarray, clients: int, *, name: str, key: str, task: str, seed: int,
+    alpha: float | None, min_partition_size: int, self_balancing: bool,
+    classes_per_client: int | None, class_assignment: str, bins: int | None,
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """The column a label-based partitioner reads (class indices, or quantile bins of a real
+    target) and the Flower partitioner's arguments, checked."""
+    if task == "classification":
+        column = np.asarray(y).astype(np.int64)
+    else:
+        column = quantile_bins(np.asarray(y, dtype=np.float64), bins or max(clients, 2))
+    found = np.unique(column)
+    if name == "dirichlet":
+        if alpha is None or not alpha > 0:
+            raise PartitionError(f"{key}: `alpha` must be a number > 0. Found {alpha!r}.")
+        params: dict[str, Any] = {"alpha": float(alpha), "min_partition_size": min_partition_size,
+                                  "self_balancing": self_balancing, "seed": seed}
+    else:
+        what = ("classes" if task == "classification"
+                else f"non-empty target bins (of {bins or max(clients, 2)} quantile bins)")
+        if classes_per_client is None or not 1 <= classes_per_client <= len(found):
+            raise PartitionError(f"{key}: `classes_per_client` must be in 1..{len(found)}: the train split has "
+                                 f"{len(found)} {what}. Found {classes_per_client!r}.")
+        params = {"num_classes_per_partition": classes_per_client, "class_assignment_mode": class_assignment,
+                  "seed": seed}
+    return column, params
+
+
+def _size_params(n: int, clients: int, *, name: str, key: str,
+                 sizes: tuple[int, ...]) -> dict[str, Any]:
+    """The arguments of a size-skewed Flower partitioner, checked: no shard may be empty."""
+    params: dict[str, Any] = {}
+    if name == "size":
+        if len(sizes) != clients or sum(sizes) != n or min(sizes, default=0) < 1:
+            raise PartitionError(f"{key}: `sizes` must list {clients} shard sizes (training.clients), each >= 1, "
+                                 f"summing to the {n} samples of the train split. Found {list(sizes)} "
+                                 f"(sum {sum(sizes)}).")
+        params = {"partition_sizes": tuple(int(s) for s in sizes)}
+    else:
+        shares = SIZE_FUNCTIONS[name](np.arange(1, clients + 1, dtype=np.float64))
+        planned = (shares / shares.sum() * n).astype(np.int64)
+        planned[-1] += n - planned.sum()  # Flower gives the rounding remainder to the last shard
+        if planned.min() < 1:
+            raise PartitionError(
+                f"{key}: {n} train samples in {clients} shards with sizes ∝ {name}(p) leave shard(s) "
+                f"{[int(p) for p in np.flatnonzero(planned < 1)]} empty (sizes {planned.tolist()}). Use fewer "
+                "clients, more data, or a milder size skew (linear or square).")
+    return params
+
+
+def _check_every_sample_placed(parts: list[np.ndarray], column: np.ndarray, *, key: str,
+                               class_assignment: str) -> None:
+    """Refuse shards that are not disjoint or leave a train sample on no client."""
+    n = len(column)
     placed = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     if len(placed) != n or len(np.unique(placed)) != n:
         left = np.setdiff1d(np.arange(n), placed)
@@ -141,4 +172,3 @@ def partition(
             f"client with class_assignment {class_assignment!r}). Raise `classes_per_client`, use "
             "`class_assignment: first-deterministic` or `deterministic` with at least as many clients as classes, "
             "or fewer bins.")
-    return parts
