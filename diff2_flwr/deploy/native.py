@@ -39,7 +39,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from ..runtime.config import AUTO_CLIENTS_DEFAULT, load_config, parse_config
+from ..runtime.config import AUTO_CLIENTS_DEFAULT, ExperimentConfig, load_config, parse_config
 from ..runtime.launch import (
     CONNECTION,
     LaunchResult,
@@ -226,6 +226,27 @@ def start_superexec(runtime: subprocess.Popen, runtime_port: int, secret: Path, 
                   "--runtime-api-address", f"127.0.0.1:{runtime_port}", "--parent-pid", str(runtime.pid)], log, env)
 
 
+def node_config(p: int, clients: int, shards: Path, policy: Path | None = None) -> str:
+    """SuperNode ``p``'s ``--node-config``: its partition, the path of its shard file and (``policy``) of its node
+    policy."""
+    config = f'partition-id={p} num-partitions={clients} data-path="{shards / shard_name(p, clients)}"'
+    if policy is not None:
+        config += f' policy="{policy}"'
+    return config
+
+
+def start_supernode(port: int, node_port: int, node_config: str, secret: Path, log: Path, env: dict[str, str],
+                    ca: Path | None = None, key: Path | None = None) -> subprocess.Popen:
+    """``flower-supernode`` dialling the SuperLink on 127.0.0.1:``port`` (TLS verified with ``ca``, else insecure)
+    with process isolation and SuperExec authentication, its runtime API on 127.0.0.1:``node_port``; with ``key``
+    it authenticates with that private key."""
+    security = ["--root-certificates", str(ca)] if ca else ["--insecure"]
+    auth = ["--auth-supernode-private-key", str(key)] if key is not None else []
+    return start([tool("flower-supernode"), *security, *auth, "--superlink", f"127.0.0.1:{port}",
+                  "--isolation", "process", "--superexec-auth-secret-file", str(secret),
+                  "--host", "127.0.0.1", "--port", str(node_port), "--node-config", node_config], log, env)
+
+
 def _secrets(work: Path, clients: int) -> dict[str, Path]:
     """Fresh SuperExec secrets for this run: the SuperLink's and one per SuperNode (0600 in a 0700 folder)."""
     names = ["superlink", *(f"supernode-{p}" for p in range(clients))]
@@ -303,6 +324,28 @@ def _node_killer(kill_node_after_round: tuple[int, int] | None,
     return on_line
 
 
+def _prepare_run_folder(config: str | os.PathLike[str], work: Path, rounds: int | None, clients: int | None,
+                        resume: bool, echo: bool) -> tuple[Path, ExperimentConfig, Path]:
+    """The deployment config (and its shards) written into ``work``, a previous run's checkpoint settled (fresh
+    or resume) and an empty Flower home for ``flwr``: the config's path, the config, the home."""
+    dep_config = deployment_config(config, work, rounds, clients, echo=echo)
+    cfg = load_config(dep_config)
+    _fresh_or_resume(cfg.output.checkpoint, work, resume, echo)
+    home = work / "flwr-home"
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir()
+    return dep_config, cfg, home
+
+
+def _round_seconds(output_dir: Path | None) -> list[float]:
+    """The seconds between consecutive rounds, from the run's metrics.jsonl (none without an output folder)."""
+    rows = []
+    if output_dir is not None:
+        rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    elapsed = [r["elapsed_s"] for r in rows]
+    return [b - a for a, b in zip(elapsed, elapsed[1:])]
+
+
 def run_local_deployment(
     config: str | os.PathLike[str],
     *,
@@ -337,13 +380,8 @@ def run_local_deployment(
     work.mkdir(parents=True, exist_ok=True)
     processes = []
     try:
-        dep_config = deployment_config(config, work, rounds, clients, echo=echo)
-        cfg = load_config(dep_config)
-        _fresh_or_resume(cfg.output.checkpoint, work, resume, echo)
+        dep_config, cfg, home = _prepare_run_folder(config, work, rounds, clients, resume, echo)
         clients = cfg.training.clients
-        home = work / "flwr-home"
-        shutil.rmtree(home, ignore_errors=True)
-        home.mkdir()
         # all distinct: the SuperLink's API and health server, each SuperNode's and each intruder's
         port, health, *node_ports = free_ports(2 + clients + len(intruders))
         certs = make_certificates(work / "certs") if tls else None
@@ -356,21 +394,13 @@ def run_local_deployment(
                                                        work / "superexec-serverapp.log", env, certs.ca if certs else None)}
         processes.append(apps["superexec-serverapp"])
         node_ids = [register_node(key.public, env, p) for p, key in enumerate(keys)]
-        client_security = ["--root-certificates", str(certs.ca)] if certs else ["--insecure"]
         shards = Path(cfg.dataset.shards or "")
         policies = owner_policies(node_policy, work, clients) if node_policy is not None else []
 
         def supernode(p: int, log: Path, key: Path | None, node_port: int, secret: Path) -> subprocess.Popen:
-            node_config = (f'partition-id={p} num-partitions={clients} '
-                           f'data-path="{shards / shard_name(p, clients)}"')
-            if policies:
-                node_config += f' policy="{policies[p]}"'
-            auth = ["--auth-supernode-private-key", str(key)] if key is not None else []
-            proc = start([tool("flower-supernode"), *client_security, *auth, "--superlink", f"127.0.0.1:{port}",
-                          "--isolation", "process", "--superexec-auth-secret-file", str(secret),
-                          "--host", "127.0.0.1", "--port", str(node_port), "--node-config", node_config], log, env)
-            processes.append(proc)
-            return proc
+            own = node_config(p, clients, shards, policies[p] if policies else None)
+            processes.append(start_supernode(port, node_port, own, secret, log, env, certs.ca if certs else None, key))
+            return processes[-1]
 
         nodes = [supernode(p, work / f"supernode-{p}.log", keys[p].private if keys else None, node_ports[p],
                            secrets[f"supernode-{p}"]) for p in range(clients)]
@@ -385,12 +415,8 @@ def run_local_deployment(
             on_ready(LiveDeployment(port, work, env, certs, keys, node_ids, secrets, node_ports[:clients]))
         result = flwr_run(Path(app_dir).resolve(), env, ["--run-config", run_config_arg({"config": str(dep_config)})],
                           timeout_s=timeout_s, echo=echo, on_line=_node_killer(kill_node_after_round, nodes))
-        rows = []
-        if result.output_dir is not None:
-            rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
-        elapsed = [r["elapsed_s"] for r in rows]
-        return DeploymentResult(result, dep_config, [b - a for a, b in zip(elapsed, elapsed[1:])], work, node_auth,
-                                node_ids, list_nodes(env), intruder_outcomes)
+        return DeploymentResult(result, dep_config, _round_seconds(result.output_dir), work, node_auth, node_ids,
+                                list_nodes(env), intruder_outcomes)
     finally:
         for proc in reversed(processes):
             stop_process(proc)

@@ -23,18 +23,19 @@ and brings everything down again, also on failure. ``python -m diff2_flwr.deploy
 ``--set`` works as in ``diff2 run``: one ``--set`` takes several assignments (``--set training.rounds=40
 privacy.epsilon=8``), repeating it works too, and in ``--set a=1 CONFIG`` the last word without ``=`` is CONFIG
 when no other was given. CONFIG and the overrides are checked before any image is built or pulled.
+
+Running podman itself (its environment, errors, image names) is in :mod:`.containers`; the command line's
+parser in :mod:`.podman_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import re
 import shlex
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -48,7 +49,7 @@ from typing import Any
 
 import yaml
 
-from ..runtime.config import load_config, set_assignments, yaml_text
+from ..runtime.config import load_config, yaml_text
 from ..runtime.launch import (
     CONNECTION,
     LaunchResult,
@@ -62,16 +63,16 @@ from ..runtime.launch import (
 from ..runtime.paths import APP_DIR
 from .certs import make_certificates, make_node_keys
 from .compose import CONTAINER_OUTPUTS, FLWR_VERSION, SUPERLINK_PORT, certificate_hosts
+from .containers import (CONTAINERS_CONF, FIND_FILES_PROBE, STANDIN_DIR, PodmanError, copy_project, image_exists,
+                         image_label, official_name, podman, podman_compose_tool, podman_env, port_free, run_tool)
 from .native import list_nodes, register_node
+from .podman_cli import build_parser, run_request
 from ..runtime.secret_files import make_superexec_secret, private_folder
 from .shards import write_shards
 
-__all__ = ["ComposeStack", "ImageReport", "PodmanError", "STANDIN_TARGETS", "ensure_images", "podman_env",
-           "unavailable_reason"]
+__all__ = ["CONTAINERS_CONF", "ComposeStack", "ImageReport", "PodmanError", "STANDIN_DIR", "STANDIN_TARGETS",
+           "copy_project", "ensure_images", "podman_env", "unavailable_reason"]
 
-STANDIN_DIR = APP_DIR / "scripts" / "standin"
-#: runc instead of crun, no default ulimits: what these machines need (see the file).
-CONTAINERS_CONF = STANDIN_DIR / "containers.conf"
 #: Stage names in scripts/standin/Containerfile = the official image names flwr/<target>.
 STANDIN_TARGETS = ("base", "superlink", "supernode", "superexec", "serverapp", "clientapp")
 #: The images the compose files and our Dockerfiles name.
@@ -79,44 +80,6 @@ NEEDED = ("superlink", "supernode", "superexec")
 DEBIAN_BASE = "localhost/diff2-debian:bookworm"
 DEFAULT_PROJECT = "diff2-compose"
 APP_UID = 49999
-#: What the build context and the compose files need, copied into a scratch project folder.
-PROJECT_FILES = ("docker-compose.yml", "docker-compose.tls.yml", ".dockerignore", "pyproject.toml", "README.md",
-                 "server", "clients", "diff2_flwr", "configs")
-
-
-class PodmanError(RuntimeError):
-    """A podman or podman-compose command failed; the message carries the command and its output."""
-
-
-def podman_env() -> dict[str, str]:
-    """The environment for podman: ``CONTAINERS_CONF`` = this project's file unless already set."""
-    env = dict(os.environ)
-    env.setdefault("CONTAINERS_CONF", str(CONTAINERS_CONF))
-    return env
-
-
-def _run(cmd: list[str], *, timeout: float = 600, check: bool = True, cwd: Path | None = None,
-         input: str | bytes | None = None, text: bool = True) -> subprocess.CompletedProcess:
-    try:
-        done = subprocess.run(cmd, cwd=cwd, env=podman_env(), capture_output=True, text=text, timeout=timeout,
-                              input=input)
-    except subprocess.TimeoutExpired as err:
-        raise PodmanError(f"`{shlex.join(cmd)}` did not finish within {timeout:.0f} s.") from err
-    if check and done.returncode != 0:
-        out = (done.stdout or "") + (done.stderr or "") if text else ""
-        raise PodmanError(f"`{shlex.join(cmd)}` failed with code {done.returncode}:\n{out[-4000:]}")
-    return done
-
-
-def podman(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-    return _run(["podman", *args], timeout=timeout, check=check)
-
-
-def podman_compose_tool() -> str | None:
-    try:
-        return tool("podman-compose")
-    except FileNotFoundError:
-        return None
 
 
 def unavailable_reason() -> str | None:
@@ -137,19 +100,6 @@ def unavailable_reason() -> str | None:
                 "build their stand-ins, is not installed (`apt-get install debootstrap`)")
     return None
 
-
-def official_name(target: str) -> str:
-    return f"docker.io/flwr/{target}:{FLWR_VERSION}"
-
-
-def image_exists(name: str) -> bool:
-    return podman("image", "exists", name, check=False, timeout=60).returncode == 0
-
-
-def _image_label(name: str, label: str) -> str | None:
-    done = podman("image", "inspect", "--format", f'{{{{index .Labels "{label}"}}}}', name, check=False, timeout=60)
-    value = done.stdout.strip()
-    return value if done.returncode == 0 and value and value != "<no value>" else None
 
 
 # ---------------------------------------------------------------- the host's pip configuration in a build
@@ -219,8 +169,8 @@ def _make_debian_base(log: Callable[[str], None]) -> None:
     with tempfile.TemporaryDirectory(prefix="diff2-rootfs-") as tmp:
         root = Path(tmp) / "rootfs"
         log(f"[diff2] debootstrap bookworm from {mirror} (a minimal Debian 12 with Python 3.11; ~1 minute)")
-        _run([debootstrap, "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm",
-              str(root), mirror], timeout=1800)
+        run_tool([debootstrap, "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm",
+                  str(root), mirror], timeout=1800)
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
         try:
             imported = subprocess.run(["podman", "import", "-", DEBIAN_BASE], stdin=tar.stdout, env=podman_env(),
@@ -240,7 +190,7 @@ def ensure_images(*, force: bool = False, log: Callable[[str], None] = print) ->
     containerfile = STANDIN_DIR / "Containerfile"
     digest = hashlib.sha256(containerfile.read_bytes()).hexdigest()[:16]
     present = {t: image_exists(official_name(t)) for t in NEEDED}
-    ours = {t: _image_label(official_name(t), "diff2.standin.containerfile") for t in NEEDED}
+    ours = {t: image_label(official_name(t), "diff2.standin.containerfile") for t in NEEDED}
     if not force and all(present.values()) and not any(ours.values()):
         return ImageReport("official", time.perf_counter() - started, {})
     if not force and all(present.values()) and all(v == digest for v in ours.values()):
@@ -265,27 +215,6 @@ def ensure_images(*, force: bool = False, log: Callable[[str], None] = print) ->
 
 
 # ---------------------------------------------------------------- one compose project
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def copy_project(dest: Path, source: Path = APP_DIR) -> Path:
-    """The compose files and the build context (no caches, no venv) copied into ``dest``."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in PROJECT_FILES:
-        src = source / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), dirs_exist_ok=True)
-        elif src.is_file():
-            shutil.copy2(src, dest / name)
-    return dest
 
 
 class ComposeStack:
@@ -315,8 +244,8 @@ class ComposeStack:
 
     # -- plumbing
     def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-        return _run([self._tool, "--no-ansi", "-p", self.project, "-f", self.file, *args], cwd=self.dir,
-                    timeout=timeout, check=check)
+        return run_tool([self._tool, "--no-ansi", "-p", self.project, "-f", self.file, *args], cwd=self.dir,
+                        timeout=timeout, check=check)
 
     def container(self, service: str) -> str:
         return f"{self.project}_{service}_1"  # podman-compose's naming: <project>_<service>_<index>
@@ -391,7 +320,7 @@ class ComposeStack:
         registering their public keys). A leftover project of the same name is brought down first."""
         started = time.perf_counter()
         self.down(quiet=True)
-        if not _port_free(SUPERLINK_PORT):
+        if not port_free(SUPERLINK_PORT):
             raise PodmanError(f"127.0.0.1:{SUPERLINK_PORT} is in use: the compose files publish the SuperLink there. "
                               f"Stop what listens on it (`ss -ltnp 'sport = :{SUPERLINK_PORT}'`) and try again.")
         self.compose("up", "-d", "--no-build", timeout=600)
@@ -498,26 +427,8 @@ class ComposeStack:
         as {file name: [container paths]}; /proc, /sys and /dev are skipped."""
         wanted = {hashlib.sha256(Path(f).read_bytes()).hexdigest(): Path(f).name for f in files}
         sizes = sorted({Path(f).stat().st_size for f in files})
-        probe = (
-            "import hashlib, json, os, sys\n"
-            "wanted, sizes = json.loads(sys.argv[1]), set(json.loads(sys.argv[2]))\n"
-            "found = {}\n"
-            "for root, dirs, names in os.walk('/'):\n"
-            "    dirs[:] = [d for d in dirs if os.path.join(root, d) not in ('/proc', '/sys', '/dev')]\n"
-            "    for name in names:\n"
-            "        path = os.path.join(root, name)\n"
-            "        try:\n"
-            "            if os.path.islink(path) or os.path.getsize(path) not in sizes:\n"
-            "                continue\n"
-            "            with open(path, 'rb') as handle:\n"
-            "                digest = hashlib.sha256(handle.read()).hexdigest()\n"
-            "        except OSError:\n"
-            "            continue\n"
-            "        if digest in wanted:\n"
-            "            found.setdefault(wanted[digest], []).append(path)\n"
-            "print(json.dumps(found))\n"
-        )
-        done = self.exec(service, ["python3", "-c", probe, json.dumps(wanted), json.dumps(sizes)], check=True)
+        done = self.exec(service, ["python3", "-c", FIND_FILES_PROBE, json.dumps(wanted), json.dumps(sizes)],
+                         check=True)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -543,37 +454,8 @@ def run_compose_deployment(config: str, *, tls: bool, set_keys: Mapping[str, Any
         return stack.run(config, set_keys, echo=echo)
 
 
-#: The config of ``run`` when none is given: the one the compose files are written for.
-DEPLOY_CONFIG = "configs/deploy.yaml"
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m diff2_flwr.deploy.podman", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    images = sub.add_parser("images", help="build the stand-ins for Flower's images unless present")
-    images.add_argument("--force", action="store_true", help="rebuild them (and the Debian base)")
-    run = sub.add_parser("run", help="bring the compose file up, run CONFIG with flwr run, bring it down")
-    run.add_argument("config", nargs="?", default=None,
-                     help=f"a config inside the app folder (default: {DEPLOY_CONFIG})")
-    run.add_argument("--tls", action="store_true", help="docker-compose.tls.yml (TLS, SuperNode authentication)")
-    run.add_argument("--resume", action="store_true", help="continue from deploy/outputs/checkpoint.npz")
-    run.add_argument("--set", action="extend", nargs="+", metavar="KEY=VALUE",
-                     help="override keys of CONFIG, e.g. --set training.rounds=40 privacy.epsilon=8 "
-                          "(or --set once per key; each value is read as YAML; validated like the file)")
-    sub.add_parser("down", help="bring a leftover project down")
-    return parser
-
-
-def _run_request(args: argparse.Namespace, project_dir: Path = APP_DIR) -> tuple[str, dict[str, Any]]:
-    """CONFIG and the overrides of ``run``, settled as ``diff2 run`` settles them (``--set a=1 CONFIG``) and
-    checked the same way (malformed assignments, unknown keys, types, ranges) before any podman command."""
-    config, overrides = set_assignments(args.set, args.config, DEPLOY_CONFIG)
-    load_config(Path(project_dir) / config, overrides)
-    return config, overrides
-
-
 def _main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser(__doc__.split("\n")[0]).parse_args(argv)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     try:
         if args.command == "images":
@@ -585,7 +467,7 @@ def _main(argv: list[str] | None = None) -> int:
                               "steps": {k: round(v, 1) for k, v in report.steps.items()}}))
         elif args.command == "run":
             try:
-                config, overrides = _run_request(args)
+                config, overrides = run_request(args)
             except ValueError as err:  # refused before anything started: one line, in diff2 run's words
                 print(f"[diff2] FAILED: {' '.join(str(err).split())}", file=sys.stderr)
                 return 2

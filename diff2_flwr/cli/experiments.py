@@ -1,0 +1,221 @@
+"""The handlers of the ``diff2`` commands that compute, run and read experiments: noise, run, experiment,
+family, regime, plot, audit, bench (the parser is in :mod:`diff2_flwr.cli`).
+
+Each takes the parsed arguments and returns the exit code; each imports what it needs when it runs, so that
+``diff2 --help`` loads none of torch, scipy or Flower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..runtime.outputs import to_json
+from ..runtime.spec import setting_names
+
+__all__ = ["DEFAULT_CONFIG", "audit", "bench", "experiment", "family", "noise", "plot", "regime", "run"]
+
+
+def noise(args: argparse.Namespace) -> int:
+    from ..core.privacy import calibrate, schedule_cross_check
+
+    cal = calibrate(
+        epsilon=args.epsilon, delta=args.delta, rounds=args.rounds, restart_every=args.restart_every,
+        u=args.u, n_min=args.n_min, clients=args.clients, mode=args.mode,
+    )
+    print(json.dumps(to_json({**cal.as_dict(), "accountants": schedule_cross_check(cal)}), indent=2))
+    return 0
+
+
+def _node_policy_env(args: argparse.Namespace) -> dict[str, str]:
+    """``--node-policy FILE``: validated now, then given to every simulated node (``$DIFF2_NODE_POLICY``)."""
+    if not args.node_policy:
+        return {}
+    if args.engine != "flower":
+        raise ValueError("`--node-policy` is enforced by the simulated nodes' ClientApps: use it with --engine "
+                         f"flower (the default). Found --engine {args.engine}.")
+    from ..runtime.policy import ENV_VAR, load_policy
+
+    path = Path(args.node_policy).expanduser().resolve()
+    load_policy(path)  # a bad policy fails here, in one line, before Flower starts
+    return {ENV_VAR: str(path)}
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def _refused(args: argparse.Namespace, err: BaseException, wall_time_s: float) -> int:
+    """A run refused before it started: one line on stderr, the same text as the JSON's ``error``."""
+    message = _one_line(err)
+    print(f"diff2 run: error: {message}", file=sys.stderr)
+    print(json.dumps(to_json({"engine": args.engine, "run_id": None, "output_dir": None, "wall_time_s": wall_time_s,
+                              "status": "failed", "error": message})))
+    return 2
+
+
+#: The experiment file of ``diff2 run`` when none is given.
+DEFAULT_CONFIG = "configs/default.yaml"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Progress and the end-of-run summary on stderr; one JSON object (the run's key figures) on stdout.
+
+    Both engines first build and check everything that needs no transport (``session.preflight``): a mistake
+    is one line on stderr and the JSON's ``error`` within seconds, before Flower (or any round) starts.
+    """
+    import time
+
+    started = time.perf_counter()
+    try:
+        from ..runtime.config import AUTO_CLIENTS_DEFAULT, load_config, set_assignments
+        from ..runtime.paths import resolve_config_path
+        from ..runtime.session import preflight
+
+        auto_line = None
+        # `--set a=1 CONFIG`: the last word without `=` is the file when none other was given
+        args.config, overrides = set_assignments(args.set, args.config, DEFAULT_CONFIG)
+        env = _node_policy_env(args)
+        cfg = load_config(resolve_config_path(args.config), overrides)
+        if cfg.clients_auto:  # diff2 run starts the SuperNodes (or the in-process workers): it says how many
+            cfg = cfg.with_clients(AUTO_CLIENTS_DEFAULT, "diff2 run's SuperNodes")
+            overrides["training.clients"] = AUTO_CLIENTS_DEFAULT
+            auto_line = (f"[diff2] training.clients: auto -> P = {AUTO_CLIENTS_DEFAULT} (the SuperNodes diff2 run "
+                         "simulates; --set training.clients=N for another number)")
+        checked = preflight(cfg)
+    except (ValueError, FileNotFoundError) as err:
+        return _refused(args, err, time.perf_counter() - started)
+
+    from ..runtime.console import RunConsole, run_report, summary_block, verbose_from_env
+    from ..runtime.launch import SimulationFailed, run_simulation
+
+    console = RunConsole(verbose=args.verbose or verbose_from_env())
+    if auto_line:
+        console.message(auto_line)
+    run_id, failure = None, None
+    try:
+        if args.engine == "inprocess":
+            from ..runtime.driver import run_inprocess
+
+            try:
+                server = run_inprocess(cfg, progress=console.message, checked=checked)
+            except RuntimeError as err:  # a refused round or a diverged iterate: the run folder says so
+                failure = f"{type(err).__name__}: {err}"
+            else:
+                console.output_dir = Path(server.run_info["output_dir"]) if server.run_info.get("output_dir") else None
+        else:
+            # Said now, in seconds; the ServerApp says it again (the console shows each of our lines once).
+            for line in (*checked.lines, *(f"[diff2] WARNING: {w}" for w in checked.warnings)):
+                console.message(line)
+            from ..runtime.session import load_data
+
+            del checked  # the simulation's own processes load the data: this one need not hold it meanwhile
+            load_data.cache_clear()
+            try:
+                result = run_simulation(args.config, timeout_s=args.timeout, console=console, set_keys=overrides,
+                                        env=env)
+            except SimulationFailed as err:
+                failure = str(err)
+            else:
+                run_id, console.output_dir = result.run_id, result.output_dir or console.output_dir
+    finally:
+        console.close()
+    if failure:
+        print(f"[diff2] FAILED: {failure}", file=sys.stderr)
+    report = run_report(console.output_dir, run_id=run_id, engine=args.engine,
+                        wall_time_s=time.perf_counter() - started)
+    if console.output_dir is not None:
+        print(summary_block(report), file=sys.stderr)
+    if failure:
+        status = report.get("status") if report.get("status") in ("failed", "diverged") else "failed"
+        report["status"], report["error"] = status, report.get("error") or failure
+    print(json.dumps(to_json(report)))
+    return 1 if failure else 0
+
+
+def experiment(args: argparse.Namespace) -> int:
+    from ..lab.cluster import ClusterError
+    from ..lab.study import load_study, run_study
+
+    study = load_study(args.study)
+    if args.engine:
+        import dataclasses
+
+        study = dataclasses.replace(study, engine=args.engine)
+    if not args.stale_after > 0:
+        raise ValueError(f"`--stale-after`: expected a number of seconds > 0. Found {args.stale_after}.")
+    try:
+        summary = run_study(study, output_root=args.output, fresh=args.fresh, ray_address=args.ray,
+                            stale_after_s=args.stale_after)
+    except ClusterError as err:
+        print(f"diff2 experiment: error: {err}", file=sys.stderr)
+        return 2
+    root = Path(args.output or study.output_dir).expanduser().resolve() / study.name
+    print(f"[diff2] study {study.name} done in {summary['wall_time_s']:.0f} s: {root / 'report.md'}", file=sys.stderr)
+    inference = summary.get("inference", {})
+    print(json.dumps(to_json({"study": study.name, "summary": str(root / "summary.json"),
+                              "report": str(root / "report.md"), "wall_time_s": summary["wall_time_s"],
+                              "protocol": inference.get("protocol"),
+                              "primary_results": inference.get("primary_results", [])})))
+    return 0
+
+
+def family(args: argparse.Namespace) -> int:
+    from ..lab.family import run_family
+
+    print(json.dumps(to_json(run_family(args.family, output_root=args.output))))
+    return 0
+
+
+def regime(args: argparse.Namespace) -> int:
+    from ..lab.regime import BOOTSTRAP_REPLICATES, BOOTSTRAP_SEED, read_cells, write_regime
+
+    if not 0 < args.alpha < 1:
+        raise ValueError(f"`--alpha`: expected a significance level in (0, 1). Found {args.alpha}.")
+    replicates = BOOTSTRAP_REPLICATES if args.replicates is None else args.replicates
+    if replicates < 1:
+        raise ValueError(f"`--replicates`: expected a number of bootstrap replicates >= 1. Found {replicates}.")
+    cells = read_cells(args.study_dirs, diff2=args.diff2, control=args.control)
+    result = write_regime(cells, args.out, alpha=args.alpha, plots=not args.no_plots, replicates=replicates,
+                          seed=BOOTSTRAP_SEED if args.bootstrap_seed is None else args.bootstrap_seed)
+    print(json.dumps(to_json(result)))
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    from ..lab.bench import run_bench
+
+    result = run_bench(data_dir=args.data_dir, protocol=not args.skip_protocol, flower=not args.skip_flower,
+                       rounds=args.rounds, flower_rounds=args.flower_rounds)
+    print(json.dumps(to_json(result), indent=2))
+    return 0
+
+
+def audit(args: argparse.Namespace) -> int:
+    from ..lab.audit import AuditSpec, run_audit, stderr_progress
+
+    spec = AuditSpec(**{name: getattr(args, name) for name in setting_names(AuditSpec)})
+    result = run_audit(spec, progress=None if args.quiet else stderr_progress)
+    text = json.dumps(to_json(result), indent=2)
+    if args.out:
+        Path(args.out).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).expanduser().write_text(text + "\n")
+    print(text)
+    if result["violation"]:
+        print(f"diff2 audit: VIOLATION: ε̂ = {result['epsilon_lower_bound']:.4g} > claimed ε = "
+              f"{result['epsilon_claimed']:.4g} (confidence {result['confidence']:.0%})", file=sys.stderr)
+        return 3
+    return 0
+
+
+def plot(args: argparse.Namespace) -> int:
+    from ..runtime.curves import CURVES_FILE, plot_runs, read_rows, run_labels
+
+    dirs = [Path(d).expanduser() for d in args.run_dirs]
+    runs = [(label, read_rows(d)) for label, d in zip(run_labels(dirs), dirs)]
+    out = Path(args.out).expanduser() if args.out else (dirs[0] / CURVES_FILE if len(dirs) == 1 else
+                                                           Path("curves-comparison.png"))
+    print(plot_runs(runs, out, title=args.title))
+    return 0
