@@ -3,13 +3,13 @@
 #   scripts/test.sh           the full suite (what CI runs), in parallel processes; prints the 15 slowest tests
 #   scripts/test.sh --fast    the developer's tier (a few minutes on 2 cores): no Flower processes, no
 #                             deployments, no Ray cluster, no real datasets; the privacy path end to end in-process
-# DIFF2_TEST_WORKERS sets the number of processes (default 4: most slow tests wait on Flower's processes;
-# 0 runs in this process, which `pytest --pdb` needs).
+# DIFF2_TEST_WORKERS sets the number of processes (default 3: the slow tests wait on Flower's processes part of
+# the time; 0 runs in this process, which `pytest --pdb` needs).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup.sh"
 cd "$root"
-workers="${DIFF2_TEST_WORKERS:-4}"
+workers="${DIFF2_TEST_WORKERS:-3}"
 tier=()
 if [[ "${1:-}" == "--fast" ]]; then
   shift

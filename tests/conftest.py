@@ -35,9 +35,11 @@ def data_dir() -> Path:
 
 # The full suite runs in parallel processes (pytest-xdist, `--dist loadgroup`: scripts/test.sh). Most slow tests
 # wait on Flower's processes (SuperLink start, heartbeats, round trips) more than they compute, and each one has
-# its own FLWR_HOME, free ports and tmp_path. Two kinds share a machine-wide resource and so run one at a time,
-# in one worker: the compose tests (Podman's images, networks and project names) and the Ray cluster tests.
-_SERIAL_GROUPS = {"compose": "podman", "cluster": "ray-cluster"}
+# its own FLWR_HOME, free ports and tmp_path. Three kinds run one at a time, each kind in one worker: the compose
+# tests (they share Podman's images, networks and project names), the native deployments (a SuperLink, P SuperNodes,
+# P + 1 SuperExecs and a ClientApp process per message each: two at once starve each other's heartbeats on 2 cores)
+# and the Ray cluster tests (a head and a worker node each).
+_SERIAL_GROUPS = {"compose": "podman", "deployment": "native-deployment", "cluster": "ray-cluster"}
 # Slowest first, so the long tests start at once and the short ones fill the gaps at the end.
 _ORDER = ("compose", "deployment", "flower", "cluster", "realdata")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from diff2_flwr.runtime.launch import free_ports
-from flwr_app import SLOW_START, copy_app, superlink_pids, stop_superlinks, wait_finished
+from flwr_app import copy_app, missed_slow_start, start_local_superlink, superlink_pids, stop_superlinks, wait_finished
 
 VENV = Path(sys.executable).parent.parent
 ACTIVATE = VENV / "bin" / "activate"
@@ -60,8 +60,9 @@ def _wait_finished(env: dict[str, str], cwd: Path, run_id: int, timeout_s: float
 def _flwr_run(command: str, env: dict[str, str], cwd: Path) -> int:
     """``command`` typed in an activated shell; once more only if Flower's local SuperLink missed its 15 s start."""
     done = _activated(command, env, cwd)
-    if done.returncode != 0 and SLOW_START in re.sub(r"[\s│╭╮╰╯─]+", " ", done.stdout + done.stderr):
-        print(f"`{command}`: Flower's local SuperLink did not answer within 15 s; typed once more")
+    if missed_slow_start(done):
+        print(f"`{command}`: Flower's local SuperLink did not answer within 15 s; started it, typed again")
+        start_local_superlink({**env, "PATH": f"{VENV / 'bin'}{os.pathsep}{env['PATH']}"})
         done = _activated(command, env, cwd)
     assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout}{done.stderr}"
     started = re.search(r"Successfully started run (\d+)", done.stdout)
