@@ -32,9 +32,13 @@ def _fit_row(name: str, fit: Mapping[str, Any] | None) -> str:
 def markdown(cells: Sequence[Cell], result: Mapping[str, Any], alpha: float = ALPHA) -> str:
     """The cells and fits as Markdown."""
     rows = result["cells"]
-    explore = [e for e in ENDPOINTS if not ENDPOINTS[e].primary]
-    fits = result["fits"]
-    boot = (fits["pooled"] or {}).get("bootstrap") or {}
+    lines = [*_primary_table(cells, rows, alpha), *_exploratory_table(cells, rows), *_edge_lines(cells),
+             *_fit_section(result)]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _primary_table(cells: Sequence[Cell], rows: Sequence[Mapping[str, Any]], alpha: float) -> list[str]:
+    """The title, the legend and the table of the primary endpoint (Holm over the cells)."""
     lines = ["# Regime map: DIFF2-GD / DP-GD", "",
              "Ratio = DIFF2-GD's mean over seeds / DP-GD's; < 1: DIFF2-GD lower. p = two-sided paired t-test by seed "
              f"(on log10 values for ‖∇f‖²). {LEGEND} (α = {alpha:g}). n = training records (sum of the shard sizes), "
@@ -47,23 +51,41 @@ def markdown(cells: Sequence[Cell], result: Mapping[str, Any], alpha: float = AL
         lines.append(f"| {row['dataset']} | {row['n']} | {row['epsilon']:g} | {row['d']} | {row['x']:.4g} | "
                      f"{_fmt(e['ratio'])} | {_fmt(e['p_value'], 2)} | {_fmt(e['p_adjusted'], 2)} | {e['mark']} | "
                      f"{len(row['stalled_runs']) or ''} |")
-    lines += ["", "## Exploratory endpoints (descriptive; Benjamini–Hochberg q over all "
-              f"{len(explore) * len(cells)} exploratory tests; no slope is fitted to them)", "",
-              "| dataset | n | ε | " + " | ".join(f"{ENDPOINTS[e].label}: ratio (p, q)" for e in explore) + " |",
-              "|---|---|---|" + "---|" * len(explore)]
+    return lines
+
+
+def _exploratory_table(cells: Sequence[Cell], rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The exploratory endpoints' table: per cell and endpoint the ratio, its mark, p and BH q."""
+    explore = [e for e in ENDPOINTS if not ENDPOINTS[e].primary]
+    lines = ["", "## Exploratory endpoints (descriptive; Benjamini–Hochberg q over all "
+             f"{len(explore) * len(cells)} exploratory tests; no slope is fitted to them)", "",
+             "| dataset | n | ε | " + " | ".join(f"{ENDPOINTS[e].label}: ratio (p, q)" for e in explore) + " |",
+             "|---|---|---|" + "---|" * len(explore)]
     for row in rows:
         parts = [f"{_fmt(row['endpoints'][e]['ratio'])}{row['endpoints'][e]['mark']} "
                  f"({_fmt(row['endpoints'][e]['p_value'], 2)}, {_fmt(row['endpoints'][e]['p_adjusted'], 2)})"
                  for e in explore]
         lines.append(f"| {row['dataset']} | {row['n']} | {row['epsilon']:g} | " + " | ".join(parts) + " |")
+    return lines
+
+
+def _edge_lines(cells: Sequence[Cell]) -> list[str]:
+    """The points chosen at an edge of their grid, per cell and criterion (none: no lines)."""
     criteria = list(dict.fromkeys(s.criterion for s in ENDPOINTS.values()))
     edges = [f"- {cell.dataset}, n = {cell.n}, ε = {cell.epsilon:g}, point of {c}: " + "; ".join(
                  f"{m} {', '.join(hits)}" for m, hits in cell.edges(c).items())
              for cell in cells for c in criteria if cell.edges(c)]
-    if edges:
-        lines += ["", "Chosen at an edge of its grid (lowest or highest value of an axis; the grid may have been too "
-                  "narrow for that method there, so read the ratio with care):", "", *edges]
-    lines += ["", "Counts: " + "; ".join(
+    if not edges:
+        return []
+    return ["", "Chosen at an edge of its grid (lowest or highest value of an axis; the grid may have been too "
+            "narrow for that method there, so read the ratio with care):", "", *edges]
+
+
+def _fit_section(result: Mapping[str, Any]) -> list[str]:
+    """The counts of marks, the fits' table and what the fits leave out (non-finite cells, stalled runs)."""
+    fits = result["fits"]
+    boot = (fits["pooled"] or {}).get("bootstrap") or {}
+    lines = ["", "Counts: " + "; ".join(
         f"{ENDPOINTS[e].label}: {k['diff2_lower']} {MARK_BETTER}, {k['dpgd_lower']} {MARK_WORSE}, ratio < 1 in "
         f"{k['ratio_below_1']} of {k['cells']}" for e, k in result["counts"].items()), "",
         f"## Fit of {ENDPOINTS[PRIMARY].label}: {fits['model']}", "",
@@ -90,4 +112,4 @@ def markdown(cells: Sequence[Cell], result: Mapping[str, Any], alpha: float = AL
     lines += ["", "Cells left out of the sensitivity fit:" if excluded else "No cell has a stalled run.", ""]
     lines += [f"- {x['dataset']}, n = {x['n']}, ε = {x['epsilon']:g}: " + "; ".join(x["stalled_runs"])
               for x in excluded]
-    return "\n".join(lines).rstrip("\n") + "\n"
+    return lines
