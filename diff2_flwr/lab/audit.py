@@ -67,7 +67,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..core.privacy import Calibration, PrivacyLedger
+from ..core.privacy import Calibration, LocalCalibration, PrivacyLedger
 from .audit_spec import LOCAL_STEPS, AuditSpec
 from .audit_stats import (_local_loss_moments, claimed_score_moments, clopper_pearson_upper, epsilon_lower_bound,
                           local_log_likelihood_ratio, score_grid, threshold_grid)
@@ -113,21 +113,8 @@ def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) ->
         stats = epsilon_lower_bound(d, d_prime, delta=spec.delta, alpha=spec.alpha, thresholds=score_grid(mean, sd))
         stats["mu_lower_bound_gdp"] = stats["epsilon_lower_bound_gdp"] = None  # they assume a Gaussian trade-off
         scores.update({"mean_claimed": mean, "sd_claimed": sd})
-        local = calibration.local
-        schedule["local"] = {"steps": local.steps, "batch_size": local.batch_size, "sampling_prob": local.sampling_prob,
-                             "share": local.share, "z3": local.z3, "sigma3": local.sigma3, "clip": spec.local_clip,
-                             "noise_scale": spec.local_noise_scale,
-                             "worker": "0, forced (the canary's worker; a run draws it uniformly)"}
-        run = mechanism_run(spec, calibration)
-        extra = {
-            "epsilon_claimed_accountant": "the run's ledger: dp-accounting PLD, round by round (server Gaussian, "
-                                          "then the local step's replace-one Poisson-subsampled Gaussian)",
-            "epsilon_planned": calibration.planned_epsilon,
-            # what the trials actually ran, by the same ledger: ε̂ must not exceed it either (the audit's own check)
-            "epsilon_of_mechanism_run": eps_claimed if run is calibration else _ledger_epsilon(spec, run),
-            "path": "Diff2Server.plan -> Worker.reply -> Diff2Server.release -> Worker.local_phase (worker 0) -> "
-                    "Diff2Server.finish_local (the in-process driver's calls)",
-        }
+        schedule["local"] = _local_schedule(spec, calibration.local)
+        extra = _local_extra(spec, calibration, eps_claimed)
     result = {
         "epsilon_lower_bound": stats.pop("epsilon_lower_bound"),
         "epsilon_claimed": eps_claimed,
@@ -150,6 +137,29 @@ def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) ->
     result["ratio"] = result["epsilon_lower_bound"] / eps_claimed
     result["violation"] = result["epsilon_lower_bound"] > eps_claimed
     return result
+
+
+def _local_schedule(spec: AuditSpec, local: LocalCalibration) -> dict:
+    """The local routine's part of a diff2-bvr audit's ``schedule``: its calibration and the forced worker."""
+    return {"steps": local.steps, "batch_size": local.batch_size, "sampling_prob": local.sampling_prob,
+            "share": local.share, "z3": local.z3, "sigma3": local.sigma3, "clip": spec.local_clip,
+            "noise_scale": spec.local_noise_scale,
+            "worker": "0, forced (the canary's worker; a run draws it uniformly)"}
+
+
+def _local_extra(spec: AuditSpec, calibration: Calibration, eps_claimed: float) -> dict:
+    """What a diff2-bvr audit's result adds: the accountant of ε claimed, the planned ε, the ε of the mechanism the
+    trials ran (by the same ledger) and the path the trials took."""
+    run = mechanism_run(spec, calibration)
+    return {
+        "epsilon_claimed_accountant": "the run's ledger: dp-accounting PLD, round by round (server Gaussian, "
+                                      "then the local step's replace-one Poisson-subsampled Gaussian)",
+        "epsilon_planned": calibration.planned_epsilon,
+        # what the trials actually ran, by the same ledger: ε̂ must not exceed it either (the audit's own check)
+        "epsilon_of_mechanism_run": eps_claimed if run is calibration else _ledger_epsilon(spec, run),
+        "path": "Diff2Server.plan -> Worker.reply -> Diff2Server.release -> Worker.local_phase (worker 0) -> "
+                "Diff2Server.finish_local (the in-process driver's calls)",
+    }
 
 
 def stderr_progress(message: str) -> None:
