@@ -155,43 +155,61 @@ def parse_analysis(data: Any, fail: Callable[[str, str, Any], Exception], *, tun
     alternative = data.get("alternative", "two-sided")
     if alternative not in ALTERNATIVES:
         raise fail("analysis.alternative", f"one of {', '.join(ALTERNATIVES)}", alternative)
-    primary = []
-    raw = data.get("primary") or []
-    if not isinstance(raw, list):
-        raise fail("analysis.primary", "a list of endpoints {criterion, at, scale, alternative}", raw)
-    for i, e in enumerate(raw):
-        where = f"analysis.primary[{i}]"
-        if not isinstance(e, Mapping) or set(e) - {"criterion", "at", "scale", "alternative"} or "criterion" not in e:
-            raise fail(where, "a mapping with criterion and optionally at, scale, alternative", e)
-        if e["criterion"] not in METRICS:
-            raise fail(f"{where}.criterion", f"one of {', '.join(METRICS)}", e["criterion"])
-        at = e.get("at", "best")
-        if at not in AT:
-            raise fail(f"{where}.at", f"one of {', '.join(AT)}", at)
-        if protocol == "corrected" and e["criterion"] in TEST_METRICS and at == "best":
-            raise fail(f"{where}.at", "'train_best' or 'final' for a test metric (its own best over rounds lets the "
-                       "test set choose the round; the paper's protocol does that: analysis.protocol: paper)", at)
-        if e.get("scale", "linear") not in ("linear", "log"):
-            raise fail(f"{where}.scale", "'linear' or 'log'", e.get("scale"))
-        if e.get("alternative", "two-sided") not in ALTERNATIVES:
-            raise fail(f"{where}.alternative", f"one of {', '.join(ALTERNATIVES)} (of treatment − control)",
-                       e.get("alternative"))
-        endpoint = Endpoint(str(e["criterion"]), str(at), str(e.get("scale", "linear")),
-                            str(e.get("alternative", "two-sided")))
-        if any(p.matches(endpoint.criterion, endpoint.at) for p in primary):
-            raise fail(where, "each (criterion, at) once", e)
-        primary.append(endpoint)
+    primary = _parse_primary(data.get("primary") or [], protocol, fail)
     if protocol == "corrected" and tune_seeds < 3:
         raise fail("seeds.tune", "at least 3 tuning seeds under the corrected protocol (selection on one seed "
                    "picks that seed's noise); add seeds, or set `analysis: {protocol: paper}` for the paper's "
                    "one-seed rule", f"{tune_seeds} seed(s)")
-    extend_raw = data.get("extend")
+    extend = _parse_extend(data.get("extend"), protocol, fail, rounds)
+    return Analysis(protocol=protocol, alpha=float(alpha), primary=tuple(primary), alternative=str(alternative),
+                    extend=tuple((k, lo, hi) for k, (lo, hi) in sorted(extend.items())), declared=declared)
+
+
+def _parse_primary(raw: Any, protocol: str, fail: Callable[[str, str, Any], Exception]) -> list[Endpoint]:
+    """The ``analysis.primary`` list: each endpoint valid under ``protocol``, each (criterion, at) once."""
+    if not isinstance(raw, list):
+        raise fail("analysis.primary", "a list of endpoints {criterion, at, scale, alternative}", raw)
+    primary: list[Endpoint] = []
+    for i, e in enumerate(raw):
+        where = f"analysis.primary[{i}]"
+        endpoint = _parse_endpoint(e, where, protocol, fail)
+        if any(p.matches(endpoint.criterion, endpoint.at) for p in primary):
+            raise fail(where, "each (criterion, at) once", e)
+        primary.append(endpoint)
+    return primary
+
+
+def _parse_endpoint(e: Any, where: str, protocol: str, fail: Callable[[str, str, Any], Exception]) -> Endpoint:
+    """One entry of ``analysis.primary`` (at ``where``) as an :class:`Endpoint`."""
+    if not isinstance(e, Mapping) or set(e) - {"criterion", "at", "scale", "alternative"} or "criterion" not in e:
+        raise fail(where, "a mapping with criterion and optionally at, scale, alternative", e)
+    if e["criterion"] not in METRICS:
+        raise fail(f"{where}.criterion", f"one of {', '.join(METRICS)}", e["criterion"])
+    at = e.get("at", "best")
+    if at not in AT:
+        raise fail(f"{where}.at", f"one of {', '.join(AT)}", at)
+    if protocol == "corrected" and e["criterion"] in TEST_METRICS and at == "best":
+        raise fail(f"{where}.at", "'train_best' or 'final' for a test metric (its own best over rounds lets the "
+                   "test set choose the round; the paper's protocol does that: analysis.protocol: paper)", at)
+    if e.get("scale", "linear") not in ("linear", "log"):
+        raise fail(f"{where}.scale", "'linear' or 'log'", e.get("scale"))
+    if e.get("alternative", "two-sided") not in ALTERNATIVES:
+        raise fail(f"{where}.alternative", f"one of {', '.join(ALTERNATIVES)} (of treatment − control)",
+                   e.get("alternative"))
+    return Endpoint(str(e["criterion"]), str(at), str(e.get("scale", "linear")), str(e.get("alternative", "two-sided")))
+
+
+def _parse_extend(extend_raw: Any, protocol: str, fail: Callable[[str, str, Any], Exception],
+                  rounds: int) -> dict[str, tuple[float, float]]:
+    """Bounds of the grid extension per key: the defaults under the corrected protocol, updated by
+    ``analysis.extend`` (``false``: none); T's bounds clipped to [2, R]."""
     extend: dict[str, tuple[float, float]] = dict(DEFAULT_EXTEND) if protocol == "corrected" else {}
     if extend_raw is False:
         extend = {}
     elif extend_raw is not None:
         if not isinstance(extend_raw, Mapping):
-            raise fail("analysis.extend", "a mapping key -> [low, high] (bounds of the grid extension), or false", extend_raw)
+            raise fail("analysis.extend", "a mapping key -> [low, high] (bounds of the grid extension), or false",
+                       extend_raw)
         for key, bounds in extend_raw.items():
             if (not isinstance(bounds, list) or len(bounds) != 2 or not all(
                     isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0 for b in bounds)
@@ -201,8 +219,7 @@ def parse_analysis(data: Any, fail: Callable[[str, str, Any], Exception], *, tun
     if "restart_every" in extend:
         lo, hi = extend["restart_every"]
         extend["restart_every"] = (max(lo, 2.0), min(hi, float(rounds)))
-    return Analysis(protocol=protocol, alpha=float(alpha), primary=tuple(primary), alternative=str(alternative),
-                    extend=tuple((k, lo, hi) for k, (lo, hi) in sorted(extend.items())), declared=declared)
+    return extend
 
 
 def train_best_round(run: Mapping[str, Any]) -> int:

@@ -1,0 +1,289 @@
+"""The audit's trials: the neighbouring federations D and D′, and runs of the schedule through the real server path.
+
+A trial (:func:`_trial`, or :func:`_trial_local` for DIFF2 with its private local routine) runs the whole
+schedule through the production code and returns the likelihood-ratio score of what the server released;
+:func:`audit_scores` runs ``spec.trials`` of them on each federation, in worker processes if asked. The
+canary, the score and why they are the worst case: :mod:`.audit`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import replace
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
+from ..core.clipping import clipped_sum
+from ..core.estimator import Mechanism, difference_radius
+from ..core.gradients import Contribution
+from ..core.layout import ParameterLayout
+from ..core.local import LocalMechanism
+from ..core.privacy import Calibration
+from ..core.routines import make_routine
+from ..fl import protocol
+from ..fl.client import Diff2Client
+from ..fl.strategy import Diff2Strategy
+from ..runtime.session import Diff2Server, Worker
+from ..task.records import TensorRecords
+from .audit_spec import LOCAL_STEPS, AuditSpec
+from .audit_stats import local_log_likelihood_ratio
+
+__all__ = ["CANARY_MARGIN", "GradientCanaryShard", "audit_scores", "mechanism_run"]
+
+# ------------------------------------------------------------------------- the federation
+
+#: |canary gradient| / clipping radius is at least this (checked every round): it is always clipped.
+CANARY_MARGIN = 1e6
+
+
+class GradientCanaryShard:
+    """A worker's records as per-sample gradient functions; drop-in for ``PerSampleGradients``.
+
+    Benign record i has the loss ½ Σ_j a_ij x_j² + b_ij x_j on coordinates j ≥ 1 (so its
+    gradient difference is a_i ⊙ (x_{r−1} − x_{r−2})); coordinate 0 is the canary axis e. With
+    ``canary = ±1`` record 0 is the canary: gradient and gradient difference ``canary·K·e``,
+    K = CANARY_MARGIN × the round's radius. ClippedMean is the core's (``clipped_sum``). The
+    features passed in carry each record's index (column 0), so a minibatch of the local steps
+    holds exactly the records it names: the canary only when record 0 was sampled.
+    """
+
+    def __init__(self, a: np.ndarray, b: np.ndarray, canary: int) -> None:
+        if a.shape != b.shape or a.ndim != 2 or np.any(a[:, 0] != 0) or np.any(b[:, 0] != 0):
+            raise ValueError("benign records must be [n, d] arrays with a zero canary coordinate")
+        self.a, self.b, self.canary = a, b, canary
+        self.layout = ParameterLayout(("w",), ((a.shape[1],),))
+        self.dtype = torch.float64
+
+    def rows(self, radius: float, x_current: np.ndarray, x_previous: np.ndarray | None) -> np.ndarray:
+        if x_previous is None:
+            rows = self.a * x_current + self.b
+        else:
+            rows = self.a * (x_current - x_previous)
+        if self.canary:
+            rows[0] = 0.0
+            rows[0, 0] = self.canary * CANARY_MARGIN * max(radius, 1.0)
+        return rows
+
+    def clipped_mean(self, x_current: np.ndarray, features: torch.Tensor, targets: torch.Tensor, radius: float,
+                     x_previous: np.ndarray | None = None) -> Contribution:
+        index = features[:, 0].to(torch.int64).numpy()
+        rows = torch.from_numpy(self.rows(radius, x_current, x_previous)[index])
+        part = clipped_sum(rows, radius)
+        return Contribution(mean=(part.total / part.count).numpy(), num_samples=part.count, num_clipped=part.clipped)
+
+
+def _benign(spec: AuditSpec) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Fixed benign records (the same in D and D′, known to the auditor)."""
+    rng = np.random.default_rng(20230723)  # data, not noise: fixed on purpose
+    out = []
+    for _ in range(spec.clients):
+        a = rng.uniform(0.5, 2.0, (spec.samples, spec.dim))
+        b = rng.normal(0.0, 1.0, (spec.samples, spec.dim))
+        a[:, 0] = b[:, 0] = 0.0
+        out.append((a, b))
+    return out
+
+
+def _workers(spec: AuditSpec, canary: int) -> list[Worker]:
+    index = torch.arange(spec.samples, dtype=torch.float64)[:, None]  # record i's only feature is i
+    records = TensorRecords(index, torch.zeros(spec.samples, dtype=torch.float64))
+    return [Worker(p, GradientCanaryShard(a, b, canary if p == 0 else 0), records)
+            for p, (a, b) in enumerate(_benign(spec))]
+
+
+# ------------------------------------------------------------------------- one trial
+
+class _Proxy:
+    """Stands in for a ``ClientProxy``: the strategy reads only ``cid``."""
+
+    def __init__(self, cid: str) -> None:
+        self.cid = cid
+
+
+class _Manager:
+    """Stands in for a ``ClientManager`` with all P workers connected."""
+
+    def __init__(self, proxies: dict[str, _Proxy]) -> None:
+        self.proxies = proxies
+
+    def wait_for(self, num_clients: int, timeout: int) -> bool:
+        return len(self.proxies) >= num_clients
+
+    def all(self) -> dict[str, _Proxy]:
+        return self.proxies
+
+
+def _trial(spec: AuditSpec, calibration: Calibration, workers: Sequence[Worker], seed: int | None) -> float:
+    """One run of the schedule through the real Strategy; the LR score of what it released."""
+    mechanism = Mechanism(
+        restart_every=spec.period, clip_restart=spec.clip_restart, clip_diff=spec.clip_diff,
+        sigma_restart=calibration.sigma1 * spec.noise_scale,
+        sigma_diff=(calibration.sigma2 or 0.0) * spec.noise_scale,
+    )
+    layout = workers[0].gradients.layout
+    server = Diff2Server(mechanism=mechanism, routine=make_routine("gd", learning_rate=spec.learning_rate),
+                         layout=layout, x0=np.zeros(spec.dim), rounds=spec.rounds, clients=spec.clients,
+                         n_min=spec.samples, seed=seed, progress=None,
+                         # A mechanism broken on purpose (noise_scale != 1) is not the calibrated one: the server
+                         # refuses to account it as such, so it runs unaccounted (the audit's bound uses `claimed`).
+                         calibration=calibration if spec.noise_scale == 1.0 else None)
+    strategy = Diff2Strategy(server=server)
+    proxies = {f"node-{1000 + p}": _Proxy(f"node-{1000 + p}") for p in range(spec.clients)}
+    manager = _Manager(proxies)
+    clients = {cid: Diff2Client(w) for cid, w in zip(proxies, workers)}
+    claimed = {True: calibration.sigma1, False: calibration.sigma2}
+    sensitivity_per_radius = 2.0 / (spec.samples * spec.clients)
+    score, v_prev = 0.0, np.zeros(spec.dim)
+    for rnd in range(1, spec.rounds + 1):
+        instructions = strategy.configure_fit(rnd, None, manager)  # type: ignore[arg-type]
+        results = []
+        for proxy, ins in instructions:
+            arrays, n, metrics = clients[proxy.cid].fit(parameters_to_ndarrays(ins.parameters), ins.config)
+            results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), n, metrics)))
+        strategy.aggregate_fit(rnd, results, [])
+        # what the adversary sees: the announced radius and kind, and the released ṽ_r
+        config = instructions[0][1].config
+        restart, radius = config[protocol.KIND] == "restart", float(config[protocol.RADIUS])
+        if radius >= CANARY_MARGIN:
+            raise RuntimeError(f"round {rnd}: radius {radius:g} too large for the canary to be clipped")
+        v = server.state.v
+        increment = v if restart else v - v_prev
+        if radius > 0:  # radius 0: nothing depends on the data, nothing to score
+            s = claimed[restart] * radius
+            score += sensitivity_per_radius * radius / s**2 * float(increment[0])
+        v_prev = v
+    if server.state.round != spec.rounds:  # pragma: no cover - release() raises before this
+        raise RuntimeError("the audited run stopped early")
+    return score
+
+
+class _CanaryWorkerServer(Diff2Server):
+    """The production server with one change: worker 0, which holds the canary, runs every local phase.
+
+    A run draws p_r uniformly (:meth:`Diff2Server.local_worker`); its ledger charges every record every local
+    phase whichever worker ran it, so forcing the canary's worker is the worst case the accounting covers.
+    Only the audit builds this class; no config or API argument reaches it.
+    """
+
+    def local_worker(self, r: int) -> int:
+        return 0
+
+
+def mechanism_run(spec: AuditSpec, claimed: Calibration) -> Calibration:
+    """What the trials of a diff2-bvr audit run: the claimed calibration, or with noise scaled on purpose an honest
+    description of the broken mechanism (its own z's and σ's, so the server's ledger accounts it truly) with no
+    budget (ε = inf), so that the production budget guard lets it run."""
+    if spec.noise_scale == 1.0 and spec.local_noise_scale == 1.0:
+        return claimed
+    assert claimed.local is not None
+    s, ls = spec.noise_scale, spec.local_noise_scale
+    local = replace(claimed.local, z3=claimed.local.z3 * ls, sigma3=claimed.local.sigma3 * ls)
+    return replace(claimed, epsilon=math.inf, z1=claimed.z1 * s, sigma1=claimed.sigma1 * s,
+                   z2=None if claimed.z2 is None else claimed.z2 * s,
+                   sigma2=None if claimed.sigma2 is None else claimed.sigma2 * s, local=local)
+
+
+def _trial_local(spec: AuditSpec, claimed: Calibration, run: Calibration, workers: Sequence[Worker],
+                 seed: int | None) -> float:
+    """One run of DIFF2 with its local routine through the runtime's server and workers; the LR score.
+
+    The calls are the in-process driver's: ``plan`` -> each worker's ``reply`` -> ``release`` (ṽ_r, and the
+    local task for worker 0) -> ``local_phase`` -> ``finish_local`` (x_r). The adversary reads the released
+    ṽ_r and x_r and the announced radius, and scores them against the claimed noise.
+    """
+    assert claimed.local is not None and run.local is not None
+    mechanism = Mechanism(restart_every=spec.period, clip_restart=spec.clip_restart, clip_diff=spec.clip_diff,
+                          sigma_restart=run.sigma1, sigma_diff=run.sigma2 or 0.0)
+    local = LocalMechanism(steps=LOCAL_STEPS, batch_size=spec.local_batch_size, learning_rate=spec.learning_rate,
+                           clip=spec.local_clip, sigma=run.local.sigma3)
+    server = _CanaryWorkerServer(mechanism=mechanism, routine=make_routine("gd", learning_rate=spec.learning_rate),
+                                 layout=workers[0].gradients.layout, x0=np.zeros(spec.dim), rounds=spec.rounds,
+                                 clients=spec.clients, n_min=spec.samples, seed=seed, progress=None, calibration=run,
+                                 local=local)
+    claimed_sigma = {True: claimed.sigma1, False: claimed.sigma2}
+    sensitivity_per_radius = 2.0 / (spec.samples * spec.clients)
+    q, z3, eta = claimed.local.sampling_prob, claimed.local.z3, spec.learning_rate
+    score, v_prev, x_prev = 0.0, np.zeros(spec.dim), server.state.x
+    for rnd in range(1, spec.rounds + 1):
+        plan = server.plan()
+        task = server.release([w.reply(plan) for w in workers])
+        if task.partition_id != 0:  # pragma: no cover - the override above
+            raise RuntimeError(f"round {rnd}: the local phase went to worker {task.partition_id}, not the canary's")
+        release = server.finish_local(workers[0].local_phase(task))
+        v, x = release.v, release.x
+        # the server's round: the announced radius and the released ṽ_r
+        if plan.radius >= CANARY_MARGIN:
+            raise RuntimeError(f"round {rnd}: radius {plan.radius:g} too large for the canary to be clipped")
+        if plan.radius > 0:
+            s = claimed_sigma[plan.restart] * plan.radius
+            score += sensitivity_per_radius * plan.radius / s**2 * float((v if plan.restart else v - v_prev)[0])
+        # the local step, from x_(r-1), ṽ_r and x_r: y_1 = x_(r-1) - η ṽ_r, x_r = y_1 - η w_1
+        y1 = x_prev - eta * v
+        c = difference_radius(spec.local_clip, y1, x_prev)
+        if c >= CANARY_MARGIN:
+            raise RuntimeError(f"round {rnd}: local radius {c:g} too large for the canary to be clipped")
+        if c > 0:
+            output = (y1 - x) / eta - v  # (1/b) Σ_(sampled) clipped differences + noise
+            score += float(local_log_likelihood_ratio(output[0] / (c / spec.local_batch_size), q, z3))
+        v_prev, x_prev = v, x
+    if server.state.round != spec.rounds:  # pragma: no cover - release() raises before this
+        raise RuntimeError("the audited run stopped early")
+    return score
+
+
+def _seed(spec: AuditSpec, federation: int, index: int) -> int | None:
+    if spec.seed is None:
+        return None  # fresh OS entropy per trial, as in production
+    state = np.random.SeedSequence([spec.seed, federation, index]).generate_state(2, dtype=np.uint64)
+    return int(state[0]) << 64 | int(state[1])
+
+
+def _chunk(spec: AuditSpec, claimed: Calibration, run: Calibration, federation: int, start: int,
+           stop: int) -> np.ndarray:
+    torch.set_num_threads(1)
+    workers = _workers(spec, +1 if federation == 1 else -1)
+    if spec.local:
+        return np.array([_trial_local(spec, claimed, run, workers, _seed(spec, federation, i))
+                         for i in range(start, stop)])
+    return np.array([_trial(spec, claimed, workers, _seed(spec, federation, i)) for i in range(start, stop)])
+
+
+def audit_scores(spec: AuditSpec, progress: Callable[[str], None] | None = None,
+                 calibration: Calibration | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """LR scores of ``spec.trials`` runs on D (canary +) and on D′ (canary −); ``calibration``: the spec's, if
+    already computed (the local routine's PLD calibration is slow; the worker processes receive it)."""
+    claimed = calibration if calibration is not None else spec.calibration()
+    run = mechanism_run(spec, claimed) if spec.local else claimed
+    chunk = max(1, min(500, spec.trials // (4 * spec.workers)))
+    jobs = [(fed, s, min(s + chunk, spec.trials)) for s in range(0, spec.trials, chunk) for fed in (1, 0)]
+    out: dict[int, list[tuple[int, np.ndarray]]] = {1: [], 0: []}
+    started, done = time.perf_counter(), 0
+
+    def report(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            elapsed = time.perf_counter() - started
+            eta = elapsed / done * (2 * spec.trials - done)
+            progress(f"[audit] {done}/{2 * spec.trials} runs, {done / elapsed:.0f} runs/s, ETA {eta:.0f} s")
+
+    if spec.workers == 1:
+        for fed, s, e in jobs:
+            out[fed].append((s, _chunk(spec, claimed, run, fed, s, e)))
+            report(e - s)
+    else:
+        import multiprocessing
+
+        with ProcessPoolExecutor(spec.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_chunk, spec, claimed, run, fed, s, e): (fed, s, e) for fed, s, e in jobs}
+            for future in as_completed(futures):  # progress as chunks finish; results re-ordered below
+                fed, s, e = futures[future]
+                out[fed].append((s, future.result()))
+                report(e - s)
+    d, d_prime = (np.concatenate([a for _, a in sorted(out[f], key=lambda t: t[0])]) for f in (1, 0))
+    return d, d_prime
