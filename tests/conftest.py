@@ -44,12 +44,38 @@ _SERIAL_GROUPS = {"compose": "podman", "deployment": "native-deployment", "clust
 _ORDER = ("compose", "deployment", "flower", "cluster", "realdata")
 
 
+# In-process tests of more than ~5 s on a 2-core machine (measured with `scripts/test.sh --fast --durations=45`):
+# marked `slow`, so `scripts/test.sh --fast` leaves them out; the full suite runs them. A node id or its prefix.
+_SLOW = (
+    # the audit's 5,000-trial federations (a module fixture each: ~60-150 s) and its catches
+    "tests/test_audit.py::test_audit_of_diff2_", "tests/test_audit.py::test_audit_scores_follow",
+    "tests/test_audit.py::test_audit_of_dpgd", "tests/test_audit.py::test_audit_catches_",
+    "tests/test_node_policy.py::test_the_lifetime_budget_refuses",
+    "tests/test_node_policy.py::test_diff2_run_checks_the_policy_file",
+    "tests/test_study_drivers.py::test_a_killed_driver", "tests/test_study_drivers.py::test_two_driver_processes",
+    "tests/test_study.py::test_a_method_runs_its_own_rounds", "tests/test_study.py::test_two_worker_processes",
+    "tests/test_study.py::test_smoke_study", "tests/test_study.py::test_summary_statistics_follow",
+    "tests/test_study.py::test_a_classification_study_on_the_batch_engine",
+    "tests/test_local.py::test_local_steps_make_more_progress", "tests/test_node_ledger.py::test_concurrent_admissions",
+    "tests/test_api.py::test_the_api_is_loaded_lazily", "tests/test_analysis.py::test_a_family_holm_corrects",
+    # the preflight's `diff2 run` per mistake (~8 s each): the fast tier keeps two of them
+    *(f"tests/test_preflight.py::test_each_mistake_fails_diff2_run_in_one_line_before_flower_starts[{case}]"
+      for case in ("local.batch_size above n_min", "misspelt target column", "CSV with a ragged row",
+                   "CSV with text in a numeric column", "batch-norm model", "factory raises",
+                   "factory returns a non-module", "factory module not found")),
+    "tests/test_checkpoint.py::test_resumed_run_equals_an_uninterrupted_one[adam-seedNone]",
+)
+
+
 def _rank(item: pytest.Item) -> int:
     names = {m.name for m in item.iter_markers()}
     return next((i for i, name in enumerate(_ORDER) if name in names), len(_ORDER))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(_SLOW):
+            item.add_marker(pytest.mark.slow)
     for item in items if config.pluginmanager.hasplugin("xdist") else ():
         names = {m.name for m in item.iter_markers()}
         for marker, group in _SERIAL_GROUPS.items():
