@@ -17,5 +17,5 @@ if [[ "${1:-}" == "--fast" ]]; then
   workers="${DIFF2_TEST_WORKERS:-2}"
 fi
 parallel=()
-[[ "$workers" != 0 ]] && parallel=(-n "$workers" --dist loadgroup)
+[[ "$workers" != 0 ]] && parallel=(-n "$workers" --dist loadfile)  # a file per worker: tests/conftest.py
 exec "$root/.venv/bin/python" -m pytest --durations=15 "${parallel[@]}" "${tier[@]}" "$@"

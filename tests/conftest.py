@@ -33,14 +33,12 @@ def data_dir() -> Path:
     return found
 
 
-# The full suite runs in parallel processes (pytest-xdist, `--dist loadgroup`: scripts/test.sh). Most slow tests
-# wait on Flower's processes (SuperLink start, heartbeats, round trips) more than they compute, and each one has
-# its own FLWR_HOME, free ports and tmp_path. Three kinds run one at a time, each kind in one worker: the compose
-# tests (they share Podman's images, networks and project names), the native deployments (a SuperLink, P SuperNodes,
-# P + 1 SuperExecs and a ClientApp process per message each: two at once starve each other's heartbeats on 2 cores)
-# and the Ray cluster tests (a head and a worker node each).
-_SERIAL_GROUPS = {"compose": "podman", "deployment": "native-deployment", "cluster": "ray-cluster"}
-# Slowest first, so the long tests start at once and the short ones fill the gaps at the end.
+# The full suite runs in parallel processes (pytest-xdist, `--dist loadfile`: scripts/test.sh): each test file goes
+# whole to one worker, so a module's or class's fixture (a compose stack, the audit's 5,000-trial federations) is built
+# once, and the tests that share a machine-wide resource, each kind in one file, run one at a time: the compose tests
+# (Podman's images, networks and project names) and the Ray cluster tests. (xdist's `loadgroup` cannot group here:
+# it renames `item._nodeid`, which pytest 9 no longer reads.) Every other test has its own FLWR_HOME, free ports and
+# tmp_path. The files of the slowest tests are handed out first, so the short ones fill the gaps at the end.
 _ORDER = ("compose", "deployment", "flower", "cluster", "realdata")
 
 
@@ -72,14 +70,9 @@ def _rank(item: pytest.Item) -> int:
     return next((i for i, name in enumerate(_ORDER) if name in names), len(_ORDER))
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: `--fast` leaves out the `slow` tests marked here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.startswith(_SLOW):
             item.add_marker(pytest.mark.slow)
-    for item in items if config.pluginmanager.hasplugin("xdist") else ():
-        names = {m.name for m in item.iter_markers()}
-        for marker, group in _SERIAL_GROUPS.items():
-            if marker in names:
-                item.add_marker(pytest.mark.xdist_group(group))
-                break
-    items.sort(key=_rank)  # stable: the collection order within a rank
+    items.sort(key=_rank)  # stable: the collection order within a rank; a file is queued where it first appears
