@@ -19,10 +19,9 @@ import subprocess
 import sys
 import time
 import tomllib
-import urllib.request
 from pathlib import Path
 
-from diff2_flwr.runtime.launch import free_ports
+from diff2_flwr.runtime.launch import free_ports, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,17 +131,7 @@ def start_local_superlink(env: dict[str, str], timeout_s: float = 180) -> None:
          str(runtime / "state.db")],
         env={**env, "FLWR_DISABLE_UPDATE_CHECK": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"flower-superlink exited with {proc.returncode}; see {runtime / 'superlink.log'}"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=1) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"the local SuperLink did not answer within {timeout_s:.0f} s; see {runtime}")
+    wait_healthy(int(http), proc, runtime / "superlink.log", timeout_s)
 
 
 def start_run(argv: list[str], env: dict[str, str], cwd: Path) -> int:
