@@ -11,11 +11,13 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 workers="${DIFF2_TEST_WORKERS:-3}"
 tier=()
+dist=(--dist loadfile --no-loadscope-reorder)  # a file per worker, in tests/conftest.py's order (longest first)
 if [[ "${1:-}" == "--fast" ]]; then
   shift
   tier=(-m "not (flower or deployment or compose or cluster or realdata or slow)")
   workers="${DIFF2_TEST_WORKERS:-2}"
+  dist=(--dist load)  # no module-wide fixture worth keeping on one worker here: test by test balances best
 fi
 parallel=()
-[[ "$workers" != 0 ]] && parallel=(-n "$workers" --dist loadfile)  # a file per worker: tests/conftest.py
+[[ "$workers" != 0 ]] && parallel=(-n "$workers" "${dist[@]}")
 exec "$root/.venv/bin/python" -m pytest --durations=15 "${parallel[@]}" "${tier[@]}" "$@"

@@ -33,13 +33,24 @@ def data_dir() -> Path:
     return found
 
 
-# The full suite runs in parallel processes (pytest-xdist, `--dist loadfile`: scripts/test.sh): each test file goes
-# whole to one worker, so a module's or class's fixture (a compose stack, the audit's 5,000-trial federations) is built
-# once, and the tests that share a machine-wide resource, each kind in one file, run one at a time: the compose tests
-# (Podman's images, networks and project names) and the Ray cluster tests. (xdist's `loadgroup` cannot group here:
-# it renames `item._nodeid`, which pytest 9 no longer reads.) Every other test has its own FLWR_HOME, free ports and
-# tmp_path. The files of the slowest tests are handed out first, so the short ones fill the gaps at the end.
-_ORDER = ("compose", "deployment", "flower", "cluster", "realdata")
+# The full suite runs in parallel processes (pytest-xdist, `--dist loadfile --no-loadscope-reorder`: scripts/test.sh):
+# each test file goes whole to one worker, so a module's or class's fixture (a compose stack, the audit's 5,000-trial
+# federations) is built once, and the tests that share a machine-wide resource, each kind in one file, run one at a
+# time: the compose tests (Podman's images, networks, project names and host ports) and the Ray cluster tests.
+# (xdist's `loadgroup` cannot group here: it renames `item._nodeid`, which pytest 9 no longer reads.) Every other test
+# has its own FLWR_HOME, free ports and tmp_path.
+# Files are handed out longest first (a file not listed comes after these, in collection order), so the short ones
+# fill the gaps at the end. xdist's default would reorder the files by their number of tests, which put the compose
+# file (7 tests, ~20 min on one worker) last and ran CI out of its 90 minutes. Seconds of each file on one worker,
+# measured in a full parallel run on 2 cores (the compose file: warm images; its cold image build adds ~10 min).
+_FILE_SECONDS = {
+    "test_compose_podman.py": 1300, "test_flower_e2e.py": 820, "test_deployment.py": 726, "test_audit.py": 302,
+    "test_node_policy.py": 272, "test_plain_flwr_run.py": 225, "test_api.py": 145, "test_node_auth.py": 139,
+    "test_private_edges.py": 131, "test_cluster.py": 121, "test_own_code.py": 116, "test_console.py": 96,
+    "test_preflight.py": 91, "test_partitions.py": 89, "test_checkpoint.py": 84, "test_strategy.py": 77,
+    "test_csvfile.py": 63, "test_study.py": 56, "test_superexec_auth.py": 53, "test_node_ledger.py": 43,
+    "test_study_drivers.py": 36,
+}
 
 
 # In-process tests of more than ~5 s on a 2-core machine (measured with `scripts/test.sh --fast --durations=45`):
@@ -65,9 +76,8 @@ _SLOW = (
 )
 
 
-def _rank(item: pytest.Item) -> int:
-    names = {m.name for m in item.iter_markers()}
-    return next((i for i, name in enumerate(_ORDER) if name in names), len(_ORDER))
+def _rank(item: pytest.Item) -> float:
+    return -_FILE_SECONDS.get(item.path.name, 0)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: `--fast` leaves out the `slow` tests marked here
@@ -75,4 +85,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid.startswith(_SLOW):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=_rank)  # stable: the collection order within a rank; a file is queued where it first appears
+    items.sort(key=_rank)  # stable: a file's tests stay in their order, unlisted files in collection order
