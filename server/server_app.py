@@ -7,6 +7,9 @@ ServerApp's log (Flower's traceback follows it) and the run's status details.
 With ``training.clients: auto`` (the embedded default) P is the number of SuperNodes the simulation registered
 (``flwr run .`` simulates 2 unless ``--federation-config "num-supernodes=N"``); the shards and the calibration
 follow from it. A deployment must declare P.
+
+At the end, completed or failed, it prints the run's summary block (``[diff2] summary: run completed: ...``), so ``flwr log``
+ends with the outcome and where the files are.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from diff2_flwr.fl.federation import simulation_supernodes
 from diff2_flwr.fl.strategy import Diff2Strategy
 from diff2_flwr.runtime.compute import pin_threads
 from diff2_flwr.runtime.config import ExperimentConfig, load_run_config
+from diff2_flwr.runtime.console import run_report, summary_block
 from diff2_flwr.runtime.session import Preflight, PreflightError, build_server, preflight
 
 
@@ -64,7 +68,18 @@ def main(grid: Grid, context: Context) -> None:
     """What ``ServerApp(server_fn=...)`` does (Flower's ``start_grid`` with the strategy), with the grid known
     before the strategy is built: a simulation's SuperNodes give P for ``training.clients: auto``."""
     components = server_fn(context, grid)
-    start_grid(grid=grid, strategy=components.strategy, config=components.config)
+    try:
+        start_grid(grid=grid, strategy=components.strategy, config=components.config)
+    finally:  # `flwr log` ends with the outcome, completed or not (`diff2 run` prints its own from summary.json)
+        print_outcome(components.strategy)
 
 
-__all__ = ["app", "checked_config", "server_fn"]
+def print_outcome(strategy: Diff2Strategy) -> None:
+    """The run's summary block (status, final metrics, ε spent, files) from its ``summary.json``, when it has one."""
+    recorder = strategy.server.recorder
+    if recorder is not None and (recorder.directory / "summary.json").is_file():
+        block = summary_block(run_report(recorder.directory))
+        print(block.replace("[diff2] run ", "[diff2] summary: run ", 1), flush=True)
+
+
+__all__ = ["app", "checked_config", "print_outcome", "server_fn"]

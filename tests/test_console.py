@@ -15,7 +15,7 @@ import yaml
 
 from diff2_flwr import cli
 from diff2_flwr.runtime.config import parse_config
-from diff2_flwr.runtime.console import RunConsole, parse_round_line, verbose_from_env
+from diff2_flwr.runtime.console import RunConsole, parse_round_line, run_report, summary_block, verbose_from_env
 from diff2_flwr.runtime.driver import run_inprocess
 
 G, Y, R, Z = "\x1b[92m", "\x1b[93m", "\x1b[91m", "\x1b[0m"
@@ -103,6 +103,24 @@ def test_flower_info_noise_is_dropped_ours_and_warnings_are_kept():
     assert "\r" not in text
     assert console.dropped == 32
     assert len(lines) == 2 + 3 + 2 + 2 + 3  # ours, rounds, two warnings, two error records, the traceback
+
+
+def test_the_server_apps_summary_block_is_dropped_for_diff2_runs_own(tmp_path, capsys):
+    """The ServerApp ends its log with the run's summary block (for `flwr log`); `diff2 run` prints its own from
+    summary.json, so the ServerApp's copy is dropped, its indented lines too, and what follows is shown again."""
+    assert cli.main(["run", str(_tiny(tmp_path)), "--engine", "inprocess"]) == 0
+    run_dir = json.loads(capsys.readouterr().out)["output_dir"]
+    block = summary_block(run_report(run_dir)).replace("[diff2] run ", "[diff2] summary: run ", 1)
+    assert block.startswith("[diff2] summary: run completed: tiny") and "\n  ε spent " in block
+    out = io.StringIO()
+    console = RunConsole(stream=out)
+    feed(console, f"[diff2] round 6/6 (difference) epsilon_spent=3 train_loss=0.1\n{block}\n"
+                  f"{R}ERROR {Z}:     after the block\nTraceback (most recent call last):\n  File \"x.py\", line 1\n")
+    console.close()
+    lines = out.getvalue().splitlines()
+    assert not any("summary: run" in line or "ε spent" in line or "files " in line for line in lines), lines
+    assert console.dropped == len(block.splitlines())
+    assert lines[-3:] == [f"{R}ERROR {Z}:     after the block", "Traceback (most recent call last):", '  File "x.py", line 1']
 
 
 def test_the_eta_ignores_the_start_up_paid_by_the_first_round(monkeypatch):

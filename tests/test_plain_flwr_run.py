@@ -124,6 +124,9 @@ def test_plain_flwr_run_completes_with_p_the_simulations_supernodes(tmp_path):
         assert first["round"] == 0 and summary["final"]["train_loss"] < first["train_loss"], summary
         log = _activated(f"flwr log {run_id} --show", env, app, timeout=60).stdout
         assert "training.clients: auto -> P = 2, the SuperNodes of this simulation" in log, log[-3000:]
+        # the log ends with the outcome: the summary block, ε and where the files are
+        assert "[diff2] summary: run completed: default (diff2, P = 2, 100/100 rounds)" in log, log[-3000:]
+        assert f"  files        {summary['output_dir']}: " in log, log[-3000:]
         print(f"plain `flwr run .` completed in {took:.0f} s (run {info['elapsed']:.0f} s)")
 
         # Another federation size, from Flower's own flag: P follows it.

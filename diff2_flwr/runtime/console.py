@@ -36,6 +36,7 @@ _RAY_ACTOR = re.compile(r"^\(\w+ pid=\d+(?:, ip=[^)]*)?\)\s*")  # Ray prefixes w
 _ROUND = re.compile(r"^\[diff2\] round (\d+)/(\d+) \((\w+)\)\s*(.*)$")
 _PAIR = re.compile(r"(\w+)=(\S+)")
 _RUN_DIR = re.compile(r"^\[diff2\] writing per-round metrics and summary to (\S+)")
+_OUTCOME = re.compile(r"^\[diff2\] summary: ")  # the head of the summary block the ServerApp prints at its end
 
 #: Messages we cannot fix and that say nothing about this run (matched after colours are stripped).
 KNOWN_NOISE: tuple[re.Pattern[str], ...] = (
@@ -101,6 +102,10 @@ class RunConsole:
             self.output_dir = Path(found.group(1))
         if self.verbose:
             self._write(text)
+            return
+        if _OUTCOME.match(plain):  # the ServerApp's summary block: dropped with its lines, `diff2 run` prints its own
+            self._keep_continuation = False
+            self.dropped += 1
             return
         if plain.startswith("[diff2] "):
             self._keep_continuation = True
