@@ -112,6 +112,7 @@ def test_the_server_apps_summary_block_is_dropped_for_diff2_runs_own(tmp_path, c
     run_dir = json.loads(capsys.readouterr().out)["output_dir"]
     block = summary_block(run_report(run_dir)).replace("[diff2] run ", "[diff2] summary: run ", 1)
     assert block.startswith("[diff2] summary: run completed: tiny") and "\n  ε spent " in block
+    assert "\n  training     " in block and "wall time" not in block  # the ServerApp knows no launch time
     out = io.StringIO()
     console = RunConsole(stream=out)
     feed(console, f"[diff2] round 6/6 (difference) epsilon_spent=3 train_loss=0.1\n{block}\n"

@@ -260,9 +260,11 @@ def summary_block(report: dict) -> str:
             target = f"   (target ε = {_fmt(report['epsilon_target'])}, δ = {_fmt(report.get('delta'))})"
         lines.append(f"  ε spent      {_fmt(report.get('epsilon_spent'))} exact μ-GDP, "
                      f"{_fmt(report.get('epsilon_pld'))} PLD{target}")
-    if report.get("wall_time_s") is not None or report.get("training_time_s") is not None:
+    if report.get("wall_time_s") is not None:
         training = f" (training {_seconds(report.get('training_time_s'))})" if report.get("training_time_s") else ""
         lines.append(f"  wall time    {_seconds(report.get('wall_time_s'))}{training}")
+    elif report.get("training_time_s") is not None:  # the ServerApp's own block: it does not know the launch time
+        lines.append(f"  training     {_seconds(report['training_time_s'])}")
     if report.get("output_dir"):
         files = f": {', '.join(report['files'])}" if report.get("files") else ""
         lines.append(f"  files        {report['output_dir']}{files}")
