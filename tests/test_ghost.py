@@ -264,3 +264,21 @@ def test_difference_norms_do_not_cancel_with_activations_1e4(loss, classes, dept
     c = torch.where(got > radius, radius / got, 1.0).unsqueeze(0)
     clipped = scaled_row_norms(clipped_sums(cur, feats.unsqueeze(1), c, prev)[:, 0])
     assert float(clipped.max()) <= radius * (1 + 1e-11) and float(clipped.min()) >= radius * (1 - 1e-9)
+
+
+def test_an_eager_run_never_imports_dynamo_and_compiling_keeps_the_rescaling_eager(tmp_path):
+    """``torch.compiler.disable`` imports ``torch._dynamo`` (~1.7 s of every `diff2 run`, ServerApp and ClientApp
+    start): the rescaling is disabled for compilation only when something compiles (lab/backend.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom diff2_flwr.runtime.config import parse_config\nfrom diff2_flwr.runtime.session import preflight\n"
+            "from diff2_flwr.runtime.driver import run_inprocess\n"
+            "cfg = parse_config({'name': 't', 'dataset': {'name': 'synthetic', 'num_samples': 300}, 'training': "
+            "{'rounds': 2, 'restart_every': 2, 'clients': 2, 'seed': 1}})\n"
+            "preflight(cfg); run_inprocess(cfg, record=False, progress=None)\n"
+            "from diff2_flwr.core import ghost\nbefore = 'torch._dynamo' in sys.modules\n"
+            "ghost.prepare_for_compile(); f = ghost._rescale_unsafe; ghost.prepare_for_compile()\n"
+            "print(before, hasattr(f, '_torchdynamo_disable'), f is ghost._rescale_unsafe)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.split() == ["False", "True", "True"], out.stderr[-2000:]

@@ -64,7 +64,7 @@ from .clipping import scaled_row_norms
 from .closed_form import softplus_with_derivative
 
 __all__ = ["ACTIVATIONS", "LOSSES", "MLP", "Pass", "activate", "clipped_sums", "forward", "forward_head", "norms",
-           "sq_norms"]
+           "prepare_for_compile", "sq_norms"]
 
 LOSSES = ("half_squared_error", "cross_entropy")
 
@@ -314,17 +314,25 @@ def norms(cur: Pass, inputs: torch.Tensor, sq_input: torch.Tensor, prev: Pass | 
     return _rescale_unsafe(torch.sqrt(sq), sq, big, cur, inputs, prev)
 
 
-@torch.compiler.disable
 def _rescale_unsafe(out: torch.Tensor, sq: torch.Tensor, big: torch.Tensor, cur: Pass, inputs: torch.Tensor,
                     prev: Pass | None) -> torch.Tensor:
     """``out`` with the samples whose squares may have underflowed or overflowed taken again by scaling (eager
-    even in a compiled round: a data-dependent number of samples)."""
+    even in a compiled round, once :func:`prepare_for_compile` ran: a data-dependent number of samples)."""
     unsafe = ~((sq >= SAFE_SQ[0]) & (sq <= SAFE_SQ[1])) | (big > SAFE_MULTIPLIER)
     if not bool(unsafe.any()):
         return out
     k, m = torch.nonzero(unsafe, as_tuple=True)
     return out.index_put((k, m), _scaled_norms(cur, inputs, prev, k, m))
 
+
+def prepare_for_compile() -> None:
+    """Keep :func:`_rescale_unsafe` out of ``torch.compile``'d graphs (``torch.compiler.disable``); call it before
+    compiling anything that calls :func:`norms`. Not done at import: ``torch.compiler.disable`` imports
+    ``torch._dynamo`` (~1.7 s), which every process that only trains eagerly (``diff2 run``'s pre-flight, the
+    ServerApp, each ClientApp) would pay for nothing. Idempotent; eager results are the same either way."""
+    global _rescale_unsafe
+    if not hasattr(_rescale_unsafe, "_torchdynamo_disable"):
+        _rescale_unsafe = torch.compiler.disable(_rescale_unsafe)
 
 def _ldexp(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """x·2^e exactly (but for the final rounding), for any integer e: torch.ldexp multiplies by 2.0**e, which is

@@ -33,7 +33,7 @@ import torch
 
 from ..core import fused
 from ..core.clipping import clip_factors
-from ..core.ghost import MLP, Pass, clipped_sums, forward, forward_head, norms as ghost_norms
+from ..core.ghost import MLP, Pass, clipped_sums, forward, forward_head, norms as ghost_norms, prepare_for_compile
 from ..task.data import PreparedData
 
 __all__ = ["Batch", "ClientGroup", "RoundOut", "RoundBackend", "FusedBackend", "TorchBackend", "CompiledFunctions",
@@ -193,6 +193,7 @@ class CompiledFunctions:
     def get(self, role: str, mlp: MLP, fn: Callable) -> Callable:
         """The compiled ``fn`` for (role, mlp), compiling ``fn`` only if there is none yet."""
         if (role, mlp) not in self._fns:
+            prepare_for_compile()  # the norms' rescaling stays eager (a data-dependent number of samples)
             self._fns[role, mlp] = torch.compile(fn, dynamic=True)
         return self._fns[role, mlp]
 
