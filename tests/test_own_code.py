@@ -11,6 +11,7 @@ completes, so it came from the FAB.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shlex
@@ -82,6 +83,34 @@ def test_the_fab_carries_custom_and_nothing_else_of_the_users(tmp_path):
     names = _fab_names(app, tmp_path / "fab-mypkg")
     assert "mypkg/models.py" in names and not any(n.startswith((".venv/", "outputs/")) for n in names)
 
+
+def _fab_bytes(app: Path, where: Path) -> bytes:
+    _fab_names(app, where)
+    (fab,) = where.glob("*.fab")
+    return fab.read_bytes()
+
+
+def test_flwr_run_gets_the_same_fab_from_the_staged_app(tmp_path):
+    """Our launcher runs `flwr run` on a staged copy of the shippable files (runtime/app_stage.py: Flower walks every
+    file of the app folder, a checkout's .venv too): Flower builds the same FAB from it, byte for byte, with the
+    user's custom/ code, the extra folder fab-include names and a top-level file it names; the junk stays home."""
+    from diff2_flwr.runtime.app_stage import stage_app
+
+    app = _user_app(tmp_path / "app")
+    pyproject = app / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('"custom/**/*.py",', '"custom/**/*.py", "mypkg/**/*.py", '
+                                                                           '"README.md",'))
+    staged = stage_app(app, tmp_path / "staged")
+    assert staged == tmp_path / "staged"
+    assert not [p for p in staged.rglob("*") if p.is_file() and (p.suffix in (".npz", ".csv", ".cfg", ".json")
+                                                                 or p.parts[len(staged.parts)] in (".venv", "outputs", "data"))]
+    fab = _fab_bytes(staged, tmp_path / "fab-staged")
+    assert fab == _fab_bytes(app, tmp_path / "fab-app")
+    with zipfile.ZipFile(io.BytesIO(fab)) as bundle:
+        assert {"custom/mymodel.py", "mypkg/models.py", "README.md", "configs/deploy.yaml"} <= set(bundle.namelist())
+    # a fab-include that may select anywhere is not staged: Flower walks the folder itself
+    pyproject.write_text(pyproject.read_text().replace('"README.md",', '"*.md",'))
+    assert stage_app(app, tmp_path / "other") == app and not (tmp_path / "other").exists()
 
 def test_the_readme_shows_this_factory_and_pyprojects_fab_include():
     readme = (REPO / "README.md").read_text()

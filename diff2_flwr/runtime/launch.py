@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from .app_stage import stage_app
 from .config import AUTO_CLIENTS_DEFAULT, load_config, yaml_text
 from .console import RunConsole, verbose_from_env
 from .paths import APP_DIR, resolve_config_path
@@ -165,8 +166,20 @@ def flwr_run(app_dir: Path, run_env: dict[str, str], extra: list[str], *, cwd=No
     """``flwr run <app> <connection> --stream ...``, then the run's final status from ``flwr ls``.
 
     With ``echo`` the stream goes to ``console`` (default: a :class:`RunConsole` on stderr that drops
-    Flower's INFO chatter unless ``DIFF2_VERBOSE=1``); ``on_line`` sees every raw line.
+    Flower's INFO chatter unless ``DIFF2_VERBOSE=1``); ``on_line`` sees every raw line. Flower builds the FAB
+    from a staged copy of the app's shippable files (:func:`~diff2_flwr.runtime.app_stage.stage_app`: the same
+    FAB without walking the checkout's ``.venv``).
     """
+    staging = Path(tempfile.mkdtemp(prefix="diff2-flwr-app-"))
+    try:
+        return _flwr_run(stage_app(app_dir, staging / "diff2-flwr"), run_env, extra, cwd=cwd, timeout_s=timeout_s,
+                         echo=echo, on_line=on_line, console=console)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _flwr_run(app_dir: Path, run_env: dict[str, str], extra: list[str], *, cwd, timeout_s: float, echo: bool,
+              on_line, console: RunConsole | None) -> LaunchResult:
     run_cmd = [tool("flwr"), "run", str(app_dir), CONNECTION, "--stream", *extra]
     own_console = echo and console is None
     if own_console:
