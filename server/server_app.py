@@ -77,9 +77,14 @@ def main(grid: Grid, context: Context) -> None:
 def print_outcome(strategy: Diff2Strategy) -> None:
     """The run's summary block (status, final metrics, ε spent, files) from its ``summary.json``, when it has one."""
     recorder = strategy.server.recorder
-    if recorder is not None and (recorder.directory / "summary.json").is_file():
+    if recorder is None or not (recorder.directory / "summary.json").is_file():
+        return
+    try:
         block = summary_block(run_report(recorder.directory))
-        print(block.replace("[diff2] run ", "[diff2] summary: run ", 1), flush=True)
+    except (OSError, ValueError) as err:  # never in place of the run's own error (this runs in a `finally`)
+        print(f"[diff2] summary.json not readable for the summary: {err}", flush=True)
+        return
+    print(block.replace("[diff2] run ", "[diff2] summary: run ", 1), flush=True)
 
 
 __all__ = ["app", "checked_config", "print_outcome", "server_fn"]

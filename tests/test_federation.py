@@ -117,3 +117,28 @@ def test_diff2_run_and_the_in_process_driver_make_ten_workers_of_auto(tmp_path):
 
     server = run_inprocess(load_config(_tiny(tmp_path)), record=False, progress=None)
     assert server.clients == 10 and server.done
+
+
+def test_the_server_app_ends_with_the_runs_summary_and_never_masks_the_runs_error(tmp_path, capsys):
+    """`flwr log` ends with the run's summary block (what `flwr run .` users read); an unreadable summary.json is
+    one line, never an exception in place of the run's own (print_outcome runs in a `finally`)."""
+    from types import SimpleNamespace
+
+    from diff2_flwr.runtime.driver import run_inprocess
+
+    server_app = importlib.import_module("server.server_app")
+    cfg = load_config(_tiny(tmp_path)).with_clients(3)
+    run_inprocess(cfg, progress=None)
+    (run_dir,) = [p for p in (tmp_path / "out").iterdir() if p.is_dir()]
+    strategy = SimpleNamespace(server=SimpleNamespace(recorder=SimpleNamespace(directory=run_dir)))
+    capsys.readouterr()
+    server_app.print_outcome(strategy)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("[diff2] summary: run completed: ") and lines[-1].startswith(f"  files        {run_dir}: ")
+    (run_dir / "summary.json").write_text("{not json")
+    server_app.print_outcome(strategy)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("[diff2] summary.json not readable for the summary: ")
+    (run_dir / "summary.json").unlink()
+    server_app.print_outcome(strategy)  # a run that wrote no summary: nothing to say
+    assert capsys.readouterr().out == ""
