@@ -25,7 +25,7 @@ from diff2_flwr.fl.federation import simulation_supernodes
 from diff2_flwr.fl.strategy import Diff2Strategy
 from diff2_flwr.runtime.compute import pin_threads
 from diff2_flwr.runtime.config import ExperimentConfig, load_run_config
-from diff2_flwr.runtime.console import run_report, summary_block
+from diff2_flwr.runtime.console import run_report, server_summary_block
 from diff2_flwr.runtime.session import Preflight, PreflightError, build_server, preflight
 
 
@@ -80,11 +80,11 @@ def print_outcome(strategy: Diff2Strategy) -> None:
     if recorder is None or not (recorder.directory / "summary.json").is_file():
         return
     try:
-        block = summary_block(run_report(recorder.directory))
+        block = server_summary_block(run_report(recorder.directory))
     except (OSError, ValueError) as err:  # never in place of the run's own error (this runs in a `finally`)
         print(f"[diff2] summary.json not readable for the summary: {err}", flush=True)
         return
-    print(block.replace("[diff2] run ", "[diff2] summary: run ", 1), flush=True)
+    print(block, flush=True)
 
 
 __all__ = ["app", "checked_config", "print_outcome", "server_fn"]

@@ -68,6 +68,8 @@ _SLOW = (
     "tests/test_local.py::test_local_steps_make_more_progress", "tests/test_node_ledger.py::test_concurrent_admissions",
     "tests/test_api.py::test_the_api_is_loaded_lazily", "tests/test_analysis.py::test_a_family_holm_corrects",
     "tests/test_own_code.py::test_flwr_run_gets_the_same_fab",  # two `flwr build`s, one walking the checkout
+    # a fresh process (it checks which modules one imports): torch, a run, then torch._dynamo: ~10 s
+    "tests/test_ghost.py::test_an_eager_run_never_imports_dynamo",
     # the preflight's `diff2 run` per mistake (~8 s each): the fast tier keeps two of them
     *(f"tests/test_preflight.py::test_each_mistake_fails_diff2_run_in_one_line_before_flower_starts[{case}]"
       for case in ("local.batch_size above n_min", "misspelt target column", "CSV with a ragged row",

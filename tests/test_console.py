@@ -15,7 +15,7 @@ import yaml
 
 from diff2_flwr import cli
 from diff2_flwr.runtime.config import parse_config
-from diff2_flwr.runtime.console import RunConsole, parse_round_line, run_report, summary_block, verbose_from_env
+from diff2_flwr.runtime.console import RunConsole, parse_round_line, run_report, server_summary_block, verbose_from_env
 from diff2_flwr.runtime.driver import run_inprocess
 
 G, Y, R, Z = "\x1b[92m", "\x1b[93m", "\x1b[91m", "\x1b[0m"
@@ -110,7 +110,7 @@ def test_the_server_apps_summary_block_is_dropped_for_diff2_runs_own(tmp_path, c
     summary.json, so the ServerApp's copy is dropped, its indented lines too, and what follows is shown again."""
     assert cli.main(["run", str(_tiny(tmp_path)), "--engine", "inprocess"]) == 0
     run_dir = json.loads(capsys.readouterr().out)["output_dir"]
-    block = summary_block(run_report(run_dir)).replace("[diff2] run ", "[diff2] summary: run ", 1)
+    block = server_summary_block(run_report(run_dir))
     assert block.startswith("[diff2] summary: run completed: tiny") and "\n  ε spent " in block
     assert "\n  training     " in block and "wall time" not in block  # the ServerApp knows no launch time
     out = io.StringIO()

@@ -334,6 +334,7 @@ def prepare_for_compile() -> None:
     if not hasattr(_rescale_unsafe, "_torchdynamo_disable"):
         _rescale_unsafe = torch.compiler.disable(_rescale_unsafe)
 
+
 def _ldexp(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """x·2^e exactly (but for the final rounding), for any integer e: torch.ldexp multiplies by 2.0**e, which is
     inf or 0 beyond ±1023. Three factors of at most 2^800, all on one side of 1: no intermediate rounding."""

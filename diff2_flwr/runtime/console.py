@@ -24,7 +24,7 @@ from typing import Mapping, TextIO
 from .progress import ProgressReporter
 
 __all__ = ["VERBOSE_ENV", "KNOWN_NOISE", "RunConsole", "verbose_from_env", "parse_round_line", "run_report",
-           "summary_block"]
+           "summary_block", "server_summary_block"]
 
 VERBOSE_ENV = "DIFF2_VERBOSE"
 #: The ETA of the rounds is extrapolated from at least this many seconds of them.
@@ -36,7 +36,7 @@ _RAY_ACTOR = re.compile(r"^\(\w+ pid=\d+(?:, ip=[^)]*)?\)\s*")  # Ray prefixes w
 _ROUND = re.compile(r"^\[diff2\] round (\d+)/(\d+) \((\w+)\)\s*(.*)$")
 _PAIR = re.compile(r"(\w+)=(\S+)")
 _RUN_DIR = re.compile(r"^\[diff2\] writing per-round metrics and summary to (\S+)")
-_OUTCOME = re.compile(r"^\[diff2\] summary: ")  # the head of the summary block the ServerApp prints at its end
+_SERVER_SUMMARY = "[diff2] summary: "  # the head of the summary block the ServerApp prints at its end
 
 #: Messages we cannot fix and that say nothing about this run (matched after colours are stripped).
 KNOWN_NOISE: tuple[re.Pattern[str], ...] = (
@@ -103,7 +103,7 @@ class RunConsole:
         if self.verbose:
             self._write(text)
             return
-        if _OUTCOME.match(plain):  # the ServerApp's summary block: dropped with its lines, `diff2 run` prints its own
+        if plain.startswith(_SERVER_SUMMARY):  # the ServerApp's block: dropped with its lines, `diff2 run` prints its own
             self._keep_continuation = False
             self.dropped += 1
             return
@@ -225,10 +225,16 @@ def run_report(output_dir: str | os.PathLike[str] | None, *, run_id: int | None 
     return report
 
 
-def summary_block(report: dict) -> str:
+def server_summary_block(report: dict) -> str:
+    """:func:`summary_block` as the ServerApp ends its log with it (``[diff2] summary: run completed: ...``): a head
+    that :class:`RunConsole` knows, so that `diff2 run` drops this copy and prints its own."""
+    return summary_block(report, head=_SERVER_SUMMARY + "run")
+
+
+def summary_block(report: dict, *, head: str = "[diff2] run") -> str:
     """A short human-readable block: status, final and best metrics, ε by both accountants, time, files."""
     status = report.get("status", "unknown")
-    head = f"[diff2] run {status}"
+    head = f"{head} {status}"
     if report.get("name"):
         routine = (report.get("routine") or {}).get("name")
         head += f": {report['name']} ({report.get('method')}" + (f" + {routine}" if routine not in (None, "gd") else "")
