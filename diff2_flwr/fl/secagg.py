@@ -1,0 +1,86 @@
+"""DIFF2's integer messages through Flower's SecAgg+ unchanged (``privacy.noise: distributed``, issue 23).
+
+Flower's ``secaggplus_mod`` turns each float parameter into an integer before masking it: it multiplies by the
+client's weight ``round(num_examples / max_weight · q) / q``, clips to [-c, c], maps to [0, q] by
+``(x + c) · q / (2c)`` with stochastic rounding, and masks modulo R. Its workflow unmasks the sum and inverts the
+map, dividing by the summed weights. With
+
+* every client's weight 1 (``num_examples == max_weight``): the multiplier is exactly 1.0;
+* c = M/2 and q = M (``M = 2**bits``, the Skellam code's modulus): the map is ``x + M/2``, exact in float64;
+* each message centred into [-M/2, M/2) before it is handed over: nothing is clipped, and the stochastic rounding
+  of an integer is that integer (Flower draws it from NumPy's global generator, which then decides nothing);
+* R >= P·M: neither the masked sum nor the summed weights wrap around R,
+
+the workflow hands the strategy the mean of the centred messages, exactly up to one float division, and
+:func:`from_secagg` recovers the integer sum modulo M from it. Flower's quantiser casts to int32, so M <= 2**31.
+
+What this does not fix (see the README's threat model): Flower 1.42's ``pseudo_rand_gen`` folds each mask seed to
+32 bits and expands it with MT19937 (flwrlabs/flower#7522, open), so its masks are far weaker than its keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["SecAggSettings", "secagg_settings", "to_secagg", "from_secagg"]
+
+#: Flower's quantiser casts to int32: x + M/2 must stay below 2**31.
+MAX_BITS = 31
+
+
+@dataclass(frozen=True)
+class SecAggSettings:
+    """The quantisation settings of Flower's ``SecAggPlusWorkflow`` that pass integers mod 2**bits unchanged."""
+
+    clipping_range: float
+    quantization_range: int
+    modulus_range: int
+    max_weight: float = 1.0
+
+
+def secagg_settings(bits: int, clients: int) -> SecAggSettings:
+    """Settings for P = ``clients`` messages of ``bits`` bits (M = 2**bits): c = M/2, q = M, R the smallest
+    power of two >= 2·P·M (the masked sum of P values below M and the P weights of q each stay below R).
+
+    Raises:
+        ValueError: ``bits`` above 31 (Flower's int32 quantiser) or below 2, or fewer than 2 clients.
+    """
+    if not 2 <= bits <= MAX_BITS:
+        raise ValueError(f"`bits` must be in [2, {MAX_BITS}] for Flower's SecAgg+ (its quantiser casts to int32). "
+                         f"Found {bits}.")
+    if clients < 2:
+        raise ValueError(f"secure aggregation needs at least 2 clients. Found {clients}.")
+    modulus = 1 << bits
+    return SecAggSettings(clipping_range=modulus / 2, quantization_range=modulus,
+                          modulus_range=1 << (2 * clients * modulus - 1).bit_length())
+
+
+def to_secagg(message: np.ndarray, bits: int) -> np.ndarray:
+    """A client's Skellam message (integers in [0, M)) as the float64 array the SecAgg+ mod quantises: centred to
+    [-M/2, M/2) so that nothing is clipped."""
+    message = np.asarray(message)
+    modulus = 1 << bits
+    if message.dtype.kind not in "iu" or message.min(initial=0) < 0 or message.max(initial=0) >= modulus:
+        raise ValueError(f"a message must hold integers in [0, 2**{bits}). Found dtype {message.dtype}, range "
+                         f"[{message.min(initial=0)}, {message.max(initial=0)}].")
+    centred = np.where(message >= modulus // 2, message - modulus, message)
+    return centred.astype(np.float64)
+
+
+def from_secagg(mean: np.ndarray, clients: int, bits: int) -> np.ndarray:
+    """The integer sum mod 2**bits of the ``clients`` messages whose mean SecAgg+ returned.
+
+    Raises:
+        ValueError: the mean times P is not an integer vector (the count of contributions differs from
+            ``clients``, or a value was not sent through :func:`to_secagg` with these settings): nothing can be
+            decoded from it.
+    """
+    total = np.asarray(mean, dtype=np.float64) * clients
+    rounded = np.rint(total)
+    if not np.all(np.isfinite(total)) or np.max(np.abs(total - rounded), initial=0.0) > 1e-6:
+        raise ValueError(f"SecAgg+ returned a vector whose mean times the {clients} contributions is not an integer "
+                         f"vector (off by up to {np.max(np.abs(total - rounded), initial=0.0):.3g}): the number "
+                         "of contributions or the quantisation settings are not the ones the messages were made for.")
+    return np.mod(rounded.astype(np.int64), 1 << bits)
