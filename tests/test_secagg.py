@@ -18,11 +18,12 @@ from flwr.common.secure_aggregation.quantization import dequantize, quantize
 from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 
 from diff2_flwr.core import skellam as sk
-from diff2_flwr.fl.secagg import from_secagg, secagg_settings, to_secagg
+from diff2_flwr.fl.secagg import from_secagg, mask_stream, secagg_settings, to_secagg, use_secure_masks
 
 
-def _secaggplus_round(arrays: list[np.ndarray], settings) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The mean SecAgg+ hands the strategy, and what the server saw of each client (its masked vector)."""
+def _secaggplus_round(arrays: list[np.ndarray], settings, prg=pseudo_rand_gen) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The mean SecAgg+ hands the strategy, and what the server saw of each client (its masked vector); ``prg``
+    draws the masks (Flower's ``pseudo_rand_gen`` or :func:`mask_stream`)."""
     q, c, r = settings.quantization_range, settings.clipping_range, settings.modulus_range
     p = len(arrays)
     private = [os.urandom(32) for _ in range(p)]
@@ -34,17 +35,17 @@ def _secaggplus_round(arrays: list[np.ndarray], settings) -> tuple[np.ndarray, l
         params = quantize(parameters_multiply([array], q_ratio / q), c, q)
         params = factor_combine(q_ratio, params)
         shapes = [a.shape for a in params]
-        params = parameters_addition(params, pseudo_rand_gen(private[i], r, shapes))
+        params = parameters_addition(params, prg(private[i], r, shapes))
         for j in range(p):
             if j != i:
-                mask = pseudo_rand_gen(pair[min(i, j), max(i, j)], r, shapes)
+                mask = prg(pair[min(i, j), max(i, j)], r, shapes)
                 params = parameters_addition(params, mask) if i > j else parameters_subtraction(params, mask)
         masked.append(parameters_mod(params, r))
     total = masked[0]
     for m in masked[1:]:
         total = parameters_addition(total, m)
     for i in range(p):
-        total = parameters_subtraction(total, pseudo_rand_gen(private[i], r, [a.shape for a in total]))
+        total = parameters_subtraction(total, prg(private[i], r, [a.shape for a in total]))
     q_total, recon = factor_extract(parameters_mod(total, r))
     (vector,) = dequantize(recon, c, q)
     vector += -(p - 1) * c
@@ -52,8 +53,9 @@ def _secaggplus_round(arrays: list[np.ndarray], settings) -> tuple[np.ndarray, l
     return vector, [m[1] for m in masked]
 
 
+@pytest.mark.parametrize("prg", [pseudo_rand_gen, mask_stream], ids=["flowers-masks", "aes-masks"])
 @pytest.mark.parametrize("bits,clients", [(16, 3), (20, 10), (31, 2)])
-def test_skellam_messages_pass_through_secaggplus_and_decode_to_their_modular_sum(bits, clients):
+def test_skellam_messages_pass_through_secaggplus_and_decode_to_their_modular_sum(bits, clients, prg):
     rng = np.random.default_rng(bits)
     dim = 37
     code = sk.SkellamCode(dim=dim, scale=2.0 ** (bits - 12), rho=sk.rounding_bound(dim, 1e-6), bits=bits, seed=1)
@@ -62,7 +64,7 @@ def test_skellam_messages_pass_through_secaggplus_and_decode_to_their_modular_su
     # the extremes of the modulus too: 0, M/2 - 1, M/2 and M - 1 (the centring's edges)
     messages[0][:4] = [0, 2 ** (bits - 1) - 1, 2 ** (bits - 1), 2**bits - 1]
     settings = secagg_settings(bits, clients)
-    mean, seen = _secaggplus_round([to_secagg(m, bits) for m in messages], settings)
+    mean, seen = _secaggplus_round([to_secagg(m, bits) for m in messages], settings, prg)
     assert np.array_equal(from_secagg(mean, clients, bits), sk.modular_sum(messages, bits))
     # the server's view of one client is its masked vector: uniform-looking mod R, not its message
     assert not np.array_equal(seen[0] % 2**bits, messages[0])
@@ -88,3 +90,41 @@ def test_a_mean_over_another_number_of_contributions_is_refused():
     assert np.array_equal(from_secagg(mean, 3, bits), sk.modular_sum(messages, bits))
     with pytest.raises(ValueError, match="not an integer vector"):
         from_secagg(mean, 2, bits)  # a survivor count the workflow did not divide by
+
+
+def test_flowers_masks_keep_32_bits_of_their_seed_and_ours_keep_all_of_it():
+    """flwrlabs/flower#7522: two 32-byte seeds whose 4-byte words XOR to the same value give Flower's generator the
+    same masks (so 2**32 tries strip any mask); from the whole seed, ours differ."""
+    a = bytes(range(32))
+    b = bytes([a[0] ^ 0xA5, a[1], a[2], a[3], a[4] ^ 0xA5, *a[5:]])  # two words changed alike: the same XOR fold
+    shapes = [(64,), (3, 5)]
+    r = 2**32
+    assert all(np.array_equal(x, y) for x, y in zip(pseudo_rand_gen(a, r, shapes), pseudo_rand_gen(b, r, shapes)))
+    ours_a, ours_b = mask_stream(a, r, shapes), mask_stream(b, r, shapes)
+    assert [x.shape for x in ours_a] == [(64,), (3, 5)] and all(x.dtype == np.int64 for x in ours_a)
+    assert not np.array_equal(ours_a[0], ours_b[0])
+    assert all(np.array_equal(x, y) for x, y in zip(ours_a, mask_stream(a, r, shapes)))  # deterministic per seed
+
+
+def test_our_masks_are_uniform_on_the_whole_range():
+    r, n = 2**8, 256_000
+    (values,) = mask_stream(b"k" * 32, r, [(n,)])
+    counts = np.bincount(values, minlength=r)
+    assert len(counts) == r and counts.min() > 0  # every residue, R - 1 included
+    expected = n / r
+    assert np.abs(counts - expected).max() <= 5 * np.sqrt(expected)
+    (flowers,) = pseudo_rand_gen(b"k" * 32, r, [(n,)])
+    assert flowers.max() == r - 2  # Flower's draws stop below R - 1
+    with pytest.raises(ValueError, match="power of two"):
+        mask_stream(b"k" * 32, 1000, [(3,)])
+
+
+def test_use_secure_masks_installs_them_in_both_flower_modules(monkeypatch):
+    import importlib
+
+    modules = [importlib.import_module(name) for name in ("flwr.client.mod.secure_aggregation.secaggplus_mod",
+                                                          "flwr.server.workflow.secure_aggregation.secaggplus_workflow")]
+    for module in modules:
+        monkeypatch.setattr(module, "pseudo_rand_gen", module.pseudo_rand_gen)  # restored after the test
+    use_secure_masks()
+    assert all(module.pseudo_rand_gen is mask_stream for module in modules)

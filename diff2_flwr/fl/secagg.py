@@ -14,17 +14,23 @@ map, dividing by the summed weights. With
 the workflow hands the strategy the mean of the centred messages, exactly up to one float division, and
 :func:`from_secagg` recovers the integer sum modulo M from it. Flower's quantiser casts to int32, so M <= 2**31.
 
-What this does not fix (see the README's threat model): Flower 1.42's ``pseudo_rand_gen`` folds each mask seed to
-32 bits and expands it with MT19937 (flwrlabs/flower#7522, open), so its masks are far weaker than its keys.
+Flower 1.42's own mask generator, ``pseudo_rand_gen``, folds each 32-byte mask seed (a private seed or an ECDH
+shared key) to 32 bits by XOR and expands it with MT19937, drawing from [0, R - 1) (flwrlabs/flower#7522, open):
+a server that tries the 2**32 seeds of one mask can strip it. :func:`mask_stream` draws the masks from the whole
+seed with AES-256-CTR, uniform on [0, R); :func:`use_secure_masks` installs it in both Flower modules that draw
+masks (the client mod and the server workflow), which must then both run it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
-__all__ = ["SecAggSettings", "secagg_settings", "to_secagg", "from_secagg"]
+__all__ = ["SecAggSettings", "secagg_settings", "to_secagg", "from_secagg", "mask_stream", "use_secure_masks"]
 
 #: Flower's quantiser casts to int32: x + M/2 must stay below 2**31.
 MAX_BITS = 31
@@ -84,3 +90,46 @@ def from_secagg(mean: np.ndarray, clients: int, bits: int) -> np.ndarray:
                          f"vector (off by up to {np.max(np.abs(total - rounded), initial=0.0):.3g}): the number "
                          "of contributions or the quantisation settings are not the ones the messages were made for.")
     return np.mod(rounded.astype(np.int64), 1 << bits)
+
+
+_MASK_DOMAIN = b"diff2-flwr secagg+ mask v1"
+
+
+def mask_stream(seed: bytes, num_range: int, dimensions_list: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+    """SecAgg+ masks (``pseudo_rand_gen``'s signature): int64 arrays of the given shapes, uniform on [0, R).
+
+    The key is SHA-256 of the whole seed (domain-separated); the stream is AES-256-CTR from a zero counter, 8 bytes
+    per entry, of which the low log2(R) bits are kept (R a power of two: no modulo bias).
+
+    Raises:
+        ValueError: R is not a power of two in [2, 2**62].
+    """
+    if num_range < 2 or num_range > 1 << 62 or num_range & (num_range - 1):
+        raise ValueError(f"`num_range` must be a power of two in [2, 2**62] (SecAgg+'s modulus). Found {num_range}.")
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    key = hashlib.sha256(_MASK_DOMAIN + bytes(seed)).digest()
+    sizes = [math.prod(shape) for shape in dimensions_list]
+    encryptor = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
+    raw = np.frombuffer(encryptor.update(bytes(8 * sum(sizes))), dtype="<u8")
+    values = (raw & np.uint64(num_range - 1)).astype(np.int64)
+    out, start = [], 0
+    for shape, size in zip(dimensions_list, sizes):
+        out.append(values[start:start + size].reshape(shape))
+        start += size
+    return out
+
+
+def use_secure_masks() -> None:
+    """Make Flower's SecAgg+ client mod and server workflow draw their masks with :func:`mask_stream` (idempotent).
+    Both sides of a run must call it: the server unmasks with the masks the clients added."""
+    import importlib
+
+    # by module path: the packages re-export functions of the same names as these modules
+    for name in _MASKING_MODULES:
+        importlib.import_module(name).pseudo_rand_gen = mask_stream
+
+
+#: The modules of Flower 1.42 that draw SecAgg+ masks (each imports ``pseudo_rand_gen`` by name).
+_MASKING_MODULES = ("flwr.client.mod.secure_aggregation.secaggplus_mod",
+                    "flwr.server.workflow.secure_aggregation.secaggplus_workflow")
