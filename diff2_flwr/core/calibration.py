@@ -40,6 +40,7 @@ __all__ = [
     "LocalCalibration",
     "calibrate",
     "calibrate_local",
+    "check_epsilon_delta",
     "count_rounds",
     "expected_noise_norm",
     "gdp_delta",
@@ -49,6 +50,7 @@ __all__ = [
     "noise_multiplier",
     "schedule_cross_check",
     "sigma_from_multiplier",
+    "split_budget",
     "zcdp_rho",
 ]
 
@@ -71,7 +73,7 @@ def gdp_delta(epsilon: float, mu: float) -> float:
 
 def gdp_mu(epsilon: float, delta: float) -> float:
     """The μ whose μ-GDP guarantee gives exactly δ at ε (δ(ε; μ) is increasing in μ)."""
-    _check_epsilon_delta(epsilon, delta)
+    check_epsilon_delta(epsilon, delta)
     lo, hi = 1e-8, 1.0
     while gdp_delta(epsilon, hi) < delta:
         hi *= 2
@@ -103,7 +105,7 @@ def _gdp_epsilon(mu: float, delta: float) -> float:
 
 def zcdp_rho(epsilon: float, delta: float) -> float:
     """ρ with ρ + 2 sqrt(ρ ln(1/δ)) = ε (Bun & Steinke 2016, Prop. 1.3, solved for ρ)."""
-    _check_epsilon_delta(epsilon, delta)
+    check_epsilon_delta(epsilon, delta)
     log_inv_delta = math.log(1 / delta)
     return (math.sqrt(log_inv_delta + epsilon) - math.sqrt(log_inv_delta)) ** 2
 
@@ -140,6 +142,13 @@ def count_rounds(rounds: int, restart_every: int) -> tuple[int, int]:
         raise ValueError(f"Need rounds >= 0 and restart_every >= 1. Found {rounds}, {restart_every}.")
     m1 = -(-rounds // restart_every)
     return m1, rounds - m1
+
+
+def split_budget(budget: float, m1: int, m2: int, u: float) -> tuple[float, float | None]:
+    """(z1, z2) with m1/z1² = B/u and m2/z2² = B(u-1)/u; all of B to the restarts (z2 None) when m2 = 0."""
+    if m2 == 0:
+        return math.sqrt(m1 / budget), None
+    return math.sqrt(m1 * u / budget), math.sqrt(m2 * u / (budget * (u - 1)))
 
 
 def gdp_mu_of_multipliers(m1: int, z1: float, m2: int, z2: float | None) -> float:
@@ -211,7 +220,7 @@ class Calibration:
         }
 
 
-def _check_epsilon_delta(epsilon: float, delta: float) -> None:
+def check_epsilon_delta(epsilon: float, delta: float) -> None:
     if not (math.isfinite(epsilon) and epsilon > 0):
         raise ValueError(f"`epsilon` must be a finite number > 0. Found {epsilon}.")
     if not 0 < delta < 1:
@@ -242,7 +251,7 @@ def calibrate(
     Raises:
         ValueError: on an invalid argument, naming it, with the value found.
     """
-    _check_epsilon_delta(epsilon, delta)
+    check_epsilon_delta(epsilon, delta)
     if mode not in _MODES:
         raise ValueError(f"`mode` must be one of {_MODES}. Found {mode!r}.")
     for name, value in (("rounds", rounds), ("restart_every", restart_every), ("n_min", n_min), ("clients", clients)):
@@ -261,11 +270,7 @@ def calibrate(
                              f"privacy.mode 'exact'. Found {mode!r}.")
         _check_local(local_steps, local_batch_size, local_share, n_min)
         budget *= 1 - float(local_share)  # type: ignore[arg-type]
-    if m2 == 0:
-        z1, z2 = math.sqrt(m1 / budget), None
-    else:
-        z1 = math.sqrt(m1 * u / budget)
-        z2 = math.sqrt(m2 * u / (budget * (u - 1)))
+    z1, z2 = split_budget(budget, m1, m2, u)
     server = Calibration(
         mode=mode, epsilon=epsilon, delta=delta, rounds=rounds, restart_every=restart_every, u=u,
         n_min=n_min, clients=clients, restart_rounds=m1, difference_rounds=m2, budget=budget,

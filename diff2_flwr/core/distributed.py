@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from .calibration import count_rounds
+from .calibration import check_epsilon_delta, count_rounds, split_budget
 from .skellam import RDP_ORDERS, rdp_to_epsilon, skellam_rdp
 
 __all__ = ["SkellamEvent", "DistributedCalibration", "schedule_rdp", "schedule_epsilon", "calibrate_distributed",
@@ -94,12 +94,6 @@ class DistributedCalibration:
         return [self.event(True)] * self.restart_rounds + differences
 
 
-def _multipliers(budget: float, m1: int, m2: int, u: float) -> tuple[float, float | None]:
-    if m2 == 0:
-        return math.sqrt(m1 / budget), None
-    return math.sqrt(m1 * u / budget), math.sqrt(m2 * u / (budget * (u - 1)))
-
-
 def calibrate_distributed(*, epsilon: float, delta: float, rounds: int, restart_every: int, u: float, rho: float,
                           padded_dim: int) -> DistributedCalibration:
     """The least noise (largest budget B) whose schedule is (ε, δ)-DP by this module's accounting.
@@ -107,18 +101,15 @@ def calibrate_distributed(*, epsilon: float, delta: float, rounds: int, restart_
     Raises:
         ValueError: on an invalid argument, naming it, with the value found.
     """
-    if not (math.isfinite(epsilon) and epsilon > 0):
-        raise ValueError(f"`epsilon` must be a finite number > 0. Found {epsilon}.")
-    if not 0 < delta < 1:
-        raise ValueError(f"`delta` must be in (0, 1). Found {delta}.")
-    m1, m2 = count_rounds(rounds, restart_every)
+    check_epsilon_delta(epsilon, delta)
     if rounds < 1:
         raise ValueError(f"`rounds` must be >= 1. Found {rounds}.")
+    m1, m2 = count_rounds(rounds, restart_every)
     if m2 > 0 and not (math.isfinite(u) and u > 1):
         raise ValueError(f"`u` must be a finite number > 1 when there are difference rounds. Found {u}.")
 
     def spent(log_budget: float) -> float:
-        z1, z2 = _multipliers(math.exp(log_budget), m1, m2, u)
+        z1, z2 = split_budget(math.exp(log_budget), m1, m2, u)
         events = [SkellamEvent(z1, rho, padded_dim, "restart")] * m1
         events += [SkellamEvent(z2, rho, padded_dim, "difference")] * m2 if z2 is not None else []
         return schedule_epsilon(events, delta)
@@ -131,7 +122,7 @@ def calibrate_distributed(*, epsilon: float, delta: float, rounds: int, restart_
         lo, hi = (mid, hi) if spent(mid) <= epsilon else (lo, mid)
         if hi - lo < 1e-12:
             break
-    z1, z2 = _multipliers(math.exp(lo), m1, m2, u)
+    z1, z2 = split_budget(math.exp(lo), m1, m2, u)
     return DistributedCalibration(epsilon=epsilon, delta=delta, rounds=rounds, restart_every=restart_every, u=u,
                                   restart_rounds=m1, difference_rounds=m2, rho=rho, padded_dim=padded_dim, z1=z1,
                                   z2=z2, epsilon_spent=spent(lo))

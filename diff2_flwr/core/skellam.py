@@ -53,6 +53,7 @@ __all__ = [
     "encode",
     "modular_sum",
     "decode",
+    "centre",
     "sensitivity",
     "skellam_rdp",
     "rdp_to_epsilon",
@@ -193,9 +194,15 @@ def modular_sum(messages: Sequence[np.ndarray], bits: int) -> np.ndarray:
 
 def decode(total: np.ndarray, code: SkellamCode) -> np.ndarray:
     """The server's estimate of Σ x_p from the modular sum: centred to [-M/2, M/2), unrotated, unscaled."""
-    total = np.asarray(total, dtype=np.int64)
-    centred = np.where(total >= code.modulus // 2, total - code.modulus, total).astype(np.float64)
+    centred = centre(total, code.bits).astype(np.float64)
     return unrotate(centred, rotation_signs(code.seed, code.dim), code.dim) / code.scale
+
+
+def centre(values: np.ndarray, bits: int) -> np.ndarray:
+    """Integers mod 2**bits as their representatives in [-2**(bits-1), 2**(bits-1)) (int64)."""
+    values = np.asarray(values, dtype=np.int64)
+    half = 1 << (bits - 1)
+    return np.where(values >= half, values - 2 * half, values)
 
 
 def sensitivity(record_l2: float, code: SkellamCode) -> tuple[float, float]:
@@ -227,20 +234,17 @@ def skellam_rdp(order: int, l1: float, l2: float, variance: float) -> float:
 
 
 def rdp_to_epsilon(rdp: Sequence[float], orders: Sequence[int], delta: float) -> float:
-    """ε at ``delta`` of a mechanism with Rényi DP ``rdp[i]`` at ``orders[i]``, minimised over the orders.
-
-    ε = min_α rdp(α) + ln((α - 1)/α) - (ln δ + ln α) / (α - 1).
+    """ε at ``delta`` of a mechanism with Rényi DP ``rdp[i]`` at ``orders[i]``: dp-accounting's conversion,
+    min_α rdp(α) + ln((α - 1)/α) - (ln δ + ln α) / (α - 1).
 
     References:
-        Canonne, Kamath & Steinke (2020), Proposition 12; as dp-accounting's RDP accountant converts.
+        Canonne, Kamath & Steinke (2020), Proposition 12.
     """
     if not 0 < delta < 1:
         raise ValueError(f"`delta` must be in (0, 1). Found {delta}.")
-    best = math.inf
-    for r, a in zip(rdp, orders):
-        if math.isfinite(r):
-            best = min(best, r + math.log1p(-1 / a) - (math.log(delta) + math.log(a)) / (a - 1))
-    return max(best, 0.0)
+    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+    return float(compute_epsilon(list(orders), list(rdp), delta)[0])
 
 
 def _tail(t: float, variance: float) -> float:

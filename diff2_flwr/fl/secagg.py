@@ -30,6 +30,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..core.skellam import centre
+
 __all__ = ["SecAggSettings", "secagg_settings", "to_secagg", "from_secagg", "mask_stream", "use_secure_masks"]
 
 #: Flower's quantiser casts to int32: x + M/2 must stay below 2**31.
@@ -71,8 +73,7 @@ def to_secagg(message: np.ndarray, bits: int) -> np.ndarray:
     if message.dtype.kind not in "iu" or message.min(initial=0) < 0 or message.max(initial=0) >= modulus:
         raise ValueError(f"a message must hold integers in [0, 2**{bits}). Found dtype {message.dtype}, range "
                          f"[{message.min(initial=0)}, {message.max(initial=0)}].")
-    centred = np.where(message >= modulus // 2, message - modulus, message)
-    return centred.astype(np.float64)
+    return centre(message, bits).astype(np.float64)
 
 
 def from_secagg(mean: np.ndarray, clients: int, bits: int) -> np.ndarray:
