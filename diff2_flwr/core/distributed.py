@@ -29,11 +29,18 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from .calibration import check_epsilon_delta, count_rounds, split_budget
-from .skellam import RDP_ORDERS, rdp_to_epsilon, skellam_rdp
+import numpy as np
 
-__all__ = ["SkellamEvent", "DistributedCalibration", "schedule_rdp", "schedule_epsilon", "calibrate_distributed",
-           "client_variance"]
+from .calibration import check_epsilon_delta, count_rounds, split_budget
+from .skellam import (RDP_ORDERS, SkellamCode, choose_scale, decode, encode, rdp_to_epsilon, rounding_bound,
+                      sensitivity, skellam_rdp, wrap_probability)
+
+__all__ = ["ROUNDING_BETA", "SkellamEvent", "DistributedCalibration", "DistributedNoise", "SkellamLedger",
+           "schedule_rdp", "schedule_epsilon", "calibrate_distributed", "client_variance", "distributed_noise"]
+
+#: Conditional rounding's target: a draw is kept when its error norm is within ρ, which fails with probability at
+#: most β per draw (Kairouz, Liu & Steinke 2021 take e^-0.5). It changes only how often a client redraws.
+ROUNDING_BETA = math.exp(-0.5)
 
 
 @dataclass(frozen=True)
@@ -138,3 +145,117 @@ def client_variance(noise_multiplier: float, l2: float, clients: int, tolerated:
         raise ValueError(f"`tolerated` (t, clients that may drop out or collude) must be in [0, P - 1] = "
                          f"[0, {clients - 1}]. Found {tolerated}.")
     return (noise_multiplier * l2) ** 2 / (clients - tolerated)
+
+
+@dataclass(frozen=True)
+class SkellamLedger:
+    """The distributed-noise rounds released so far and ε spent: the Rényi DP of Corollary 3.6 composed and
+    converted by dp-accounting (:func:`schedule_epsilon`). It is the only accountant of this mechanism, so
+    ``epsilon_pld`` and ``epsilon_rdp`` (the names of the central ledger's cross-checks) report the same number;
+    the tests check it against dp-accounting's Gaussian RDP and the exact Skellam divergence."""
+
+    delta: float
+    events: tuple[SkellamEvent, ...] = ()
+
+    def record(self, *events: SkellamEvent) -> "SkellamLedger":
+        return SkellamLedger(self.delta, self.events + tuple(events))
+
+    exact = False
+
+    @property
+    def epsilon(self) -> float:
+        return schedule_epsilon(self.events, self.delta)
+
+    epsilon_pld = epsilon_rdp = epsilon
+
+
+@dataclass(frozen=True)
+class DistributedNoise:
+    """A run's public distributed-noise settings: what every client and the server derive each round's encoding
+    and noise from (nothing here is secret; each client draws its own noise).
+
+    Round r with clipping radius C_r: every client clips its mean to C_r, so Σ_p x_p has norm <= P·C_r and one
+    record moves one client's mean by at most 2 C_r / n_min. The round's code (:meth:`code`) is the finest grid
+    whose noised sum wraps around the modulus with probability <= ``wrap``; its rotation seed is r (public).
+    """
+
+    calibration: DistributedCalibration
+    dim: int
+    bits: int
+    clients: int
+    tolerated: int
+    n_min: int
+    wrap: float
+
+    @property
+    def threshold(self) -> int:
+        """The fewest surviving clients a round may release with: P - t (their shares alone carry the noise)."""
+        return self.clients - self.tolerated
+
+    def event(self, restart: bool) -> SkellamEvent:
+        return self.calibration.event(restart)
+
+    def code(self, r: int, restart: bool, radius: float) -> SkellamCode:
+        """Round r's encoding (scale, rounding bound, modulus, rotation seed r) for clipping radius ``radius``."""
+        if not (math.isfinite(radius) and radius >= 0):
+            raise ValueError(f"round {r}: distributed noise needs a finite clipping radius >= 0. Found {radius}.")
+        z, rho = self.event(restart).noise_multiplier, self.calibration.rho
+        if radius == 0:  # every clipped mean is 0: the grid carries no signal, only the noise of Δ₂ = 2ρ
+            code = SkellamCode(self.dim, 1.0, rho, self.bits, r)
+            if wrap_probability(code, 0.0, self.clients, (2 * z * rho) ** 2) > self.wrap:
+                raise ValueError(f"round {r}: `bits` = {self.bits} cannot hold the noise of {self.clients} clients.")
+            return code
+        return choose_scale(self.dim, self.bits, self.clients * radius, self.clients, z, 2 * radius / self.n_min,
+                            rho, self.wrap, r)
+
+    def total_variance(self, code: SkellamCode, restart: bool, radius: float) -> float:
+        """(z Δ₂)²: the variance the P - t honest clients' shares add up to, in integer units."""
+        l2 = sensitivity(2 * radius / self.n_min, code)[1]
+        return (self.event(restart).noise_multiplier * l2) ** 2
+
+    def share_variance(self, code: SkellamCode, restart: bool, radius: float) -> float:
+        """One client's share of the noise variance: (z Δ₂)² / (P - t)."""
+        return self.total_variance(code, restart, radius) / self.threshold
+
+    def encode(self, mean: np.ndarray, r: int, restart: bool, radius: float, rng: np.random.Generator) -> np.ndarray:
+        """One client's message of round r: its clipped mean (norm <= ``radius``) encoded with its noise share."""
+        code = self.code(r, restart, radius)
+        return encode(mean, code, self.share_variance(code, restart, radius), rng)
+
+    def decode(self, total: np.ndarray, r: int, restart: bool, radius: float, survivors: int) -> np.ndarray:
+        """The noised mean (1/k) Σ_p x_p + noise of the k = ``survivors`` clients whose messages add up to
+        ``total`` (mod 2**bits)."""
+        return decode(total, self.code(r, restart, radius)) / survivors
+
+    def noise_std(self, r: int, restart: bool, radius: float, survivors: int) -> float:
+        """The std per coordinate of the noise in :meth:`decode`'s mean (k shares of (zΔ₂)²/(P - t) each)."""
+        code = self.code(r, restart, radius)
+        return math.sqrt(survivors * self.share_variance(code, restart, radius)) / code.scale / survivors
+
+
+def distributed_noise(*, epsilon: float, delta: float, rounds: int, restart_every: int, u: float, dim: int,
+                      bits: int, clients: int, tolerated: int, n_min: int, wrap: float) -> DistributedNoise:
+    """The distributed-noise settings of a run, calibrated for (ε, δ) over its schedule and checked: parameters
+    under which the sum would wrap around at every grid, or the honest clients could not carry the noise, raise.
+
+    Raises:
+        ValueError: naming the parameter, the value found and what would do.
+    """
+    if not (isinstance(clients, int) and clients >= 2):
+        raise ValueError(f"distributed noise needs at least 2 clients (secure aggregation of one is its value). "
+                         f"Found P = {clients}.")
+    if not (isinstance(tolerated, int) and 0 <= 2 * tolerated < clients):
+        raise ValueError(f"`tolerated` (t, the clients that may drop out or collude) must satisfy 0 <= 2t < P = "
+                         f"{clients}: the P - t survivors needed to unmask must outnumber the t colluders. Found "
+                         f"t = {tolerated}.")
+    if not 0 < wrap < 1:
+        raise ValueError(f"`wrap` (the wrap-around probability per round) must be in (0, 1). Found {wrap}.")
+    if not (isinstance(n_min, int) and n_min >= 1) or not (isinstance(dim, int) and dim >= 1):
+        raise ValueError(f"`n_min` and `dim` must be integers >= 1. Found {n_min}, {dim}.")
+    rho = rounding_bound(dim, ROUNDING_BETA)
+    cal = calibrate_distributed(epsilon=epsilon, delta=delta, rounds=rounds, restart_every=restart_every, u=u,
+                                rho=rho, padded_dim=SkellamCode(dim, 1.0, rho, 2, 0).padded)
+    noise = DistributedNoise(cal, dim, bits, clients, tolerated, n_min, wrap)
+    for restart in (True, False) if cal.difference_rounds else (True,):
+        noise.code(1, restart, 1.0)  # the bits must hold the rounding and the noise at some grid (any radius)
+    return noise
