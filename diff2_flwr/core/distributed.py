@@ -24,7 +24,9 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
+import secrets
 from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
@@ -36,7 +38,7 @@ from .skellam import (RDP_ORDERS, SkellamCode, choose_scale, decode, encode, rdp
                       sensitivity, skellam_rdp, wrap_probability)
 
 __all__ = ["ROUNDING_BETA", "SkellamEvent", "DistributedCalibration", "DistributedNoise", "SkellamLedger",
-           "schedule_rdp", "schedule_epsilon", "calibrate_distributed", "client_variance", "distributed_noise"]
+           "schedule_rdp", "schedule_epsilon", "calibrate_distributed", "client_variance", "client_rng", "distributed_noise"]
 
 #: Conditional rounding's target: a draw is kept when its error norm is within ρ, which fails with probability at
 #: most β per draw (Kairouz, Liu & Steinke 2021 take e^-0.5). It changes only how often a client redraws.
@@ -197,6 +199,9 @@ class DistributedNoise:
 
     def code(self, r: int, restart: bool, radius: float) -> SkellamCode:
         """Round r's encoding (scale, rounding bound, modulus, rotation seed r) for clipping radius ``radius``."""
+        return _round_code(self, r, restart, radius)
+
+    def _code(self, r: int, restart: bool, radius: float) -> SkellamCode:
         if not (math.isfinite(radius) and radius >= 0):
             raise ValueError(f"round {r}: distributed noise needs a finite clipping radius >= 0. Found {radius}.")
         z, rho = self.event(restart).noise_multiplier, self.calibration.rho
@@ -233,6 +238,11 @@ class DistributedNoise:
         return math.sqrt(survivors * self.share_variance(code, restart, radius)) / code.scale / survivors
 
 
+@functools.lru_cache(maxsize=64)
+def _round_code(noise: DistributedNoise, r: int, restart: bool, radius: float) -> SkellamCode:
+    return noise._code(r, restart, radius)
+
+
 def distributed_noise(*, epsilon: float, delta: float, rounds: int, restart_every: int, u: float, dim: int,
                       bits: int, clients: int, tolerated: int, n_min: int, wrap: float) -> DistributedNoise:
     """The distributed-noise settings of a run, calibrated for (ε, δ) over its schedule and checked: parameters
@@ -259,3 +269,14 @@ def distributed_noise(*, epsilon: float, delta: float, rounds: int, restart_ever
     for restart in (True, False) if cal.difference_rounds else (True,):
         noise.code(1, restart, 1.0)  # the bits must hold the rounding and the noise at some grid (any radius)
     return noise
+
+
+_CLIENT_NOISE_DOMAIN = 0x5EC0A99
+
+
+def client_rng(seed: int | None, partition_id: int, r: int) -> np.random.Generator:
+    """A client's generator for round r's rounding and noise share: OS entropy (128 bits), or with ``seed`` one
+    derived from (seed, partition, round) alone, which anyone who knows the seed can rebuild (tests only)."""
+    entropy = secrets.randbits(128) if seed is None else seed
+    spawn = () if seed is None else (_CLIENT_NOISE_DOMAIN, partition_id, r)
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy=entropy, spawn_key=spawn)))

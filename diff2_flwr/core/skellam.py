@@ -266,12 +266,18 @@ def wrap_probability(code: SkellamCode, sum_l2: float, clients: int, variance: f
     if room <= 0:
         return 1.0
     d, signal = code.padded, code.scale * sum_l2
-    best = 1.0
-    for share in np.linspace(0.0, 1.0, 201):
-        s, t = share * room, (1 - share) * room
-        p_signal = 0.0 if signal == 0 else (1.0 if s <= 0 else min(1.0, 2 * math.exp(-s * s * d / (2 * signal**2))))
-        best = min(best, d * (p_signal + _tail(t, variance)))
-    return min(best, 1.0)
+    share = np.linspace(0.0, 1.0, 201)
+    s, t = share * room, (1 - share) * room
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        if signal == 0:
+            p_signal = np.zeros_like(s)
+        else:
+            p_signal = np.where(s <= 0, 1.0, np.minimum(1.0, 2 * np.exp(-s * s * d / (2 * signal**2))))
+        if variance > 0:
+            tail = np.where(t <= 0, 1.0, np.minimum(1.0, 2 * np.exp(-t * t / (2 * (variance + t / 3)))))
+        else:
+            tail = np.where(t <= 0, 1.0, 0.0)
+    return float(min(np.min(d * (p_signal + tail)), 1.0))
 
 
 def choose_scale(dim: int, bits: int, sum_l2: float, clients: int, noise_multiplier: float, record_l2: float,

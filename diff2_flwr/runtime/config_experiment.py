@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..core.distributed import DistributedNoise, distributed_noise
 from ..core.estimator import Mechanism
 from ..core.local import LocalMechanism
 from ..core.privacy import Calibration, calibrate
@@ -85,6 +86,8 @@ class ExperimentConfig:
             require(self.output.checkpoint is None, "output.checkpoint",
                      "null with local.steps > 0 (checkpoints of the local routine are not supported yet)",
                      self.output.checkpoint)
+        if self.privacy.distributed:
+            self._check_distributed()
         if self.private:
             for key in ("clip_restart", "clip_diff"):
                 v = getattr(t, key)
@@ -94,8 +97,28 @@ class ExperimentConfig:
                 require(math.isfinite(u) and u > 1, "privacy.u", "a finite number > 1 when restart_every > 1 "
                          "(the paper uses 1.25)", u)
 
+    def _check_distributed(self) -> None:
+        """What ``privacy.noise: distributed`` does not support (yet), with the reason."""
+        require(self.private, "privacy.noise", f"central for method {self.method} (no noise to distribute)",
+                self.privacy.noise)
+        require(not self.local.enabled, "local.steps",
+                "0 with privacy.noise: distributed (the local phase's y_K is one worker's output, sent to the server "
+                "in the clear with noise drawn from a seed the server may send: no secure sum hides it)",
+                self.local.steps)
+        require(not self.evaluation.clip_stats, "evaluation.clip_stats",
+                "false with privacy.noise: distributed (the server sees no client's clip count)",
+                self.evaluation.clip_stats)
+        require(self.output.checkpoint is None, "output.checkpoint",
+                "null with privacy.noise: distributed (checkpoints of the Skellam ledger are not supported yet)",
+                self.output.checkpoint)
+
     def _check_clients(self, clients: int) -> None:
         """The checks that depend on P."""
+        tolerated = self.privacy.tolerated
+        if self.privacy.distributed:
+            require(clients >= 2 and 2 * tolerated < clients, "privacy.tolerated",
+                    f"an integer t with 2t < P = {clients} (the P - t survivors SecAgg+ needs to unmask must outnumber "
+                    "the t colluders; P >= 2)", tolerated)
         part, sizes = self.dataset.partitioner, self.dataset.partitioner.sizes
         if part.name == "pathological" and self.dataset.task_kind == "regression":
             bins = part.num_bins(clients)
@@ -163,8 +186,9 @@ class ExperimentConfig:
         return 1 if self.method != "diff2" else int(self.training.restart_every or 1)
 
     def calibration(self, n_min: int) -> Calibration | None:
-        """The noise calibration for shards of at least ``n_min`` samples (None for gd)."""
-        if not self.private:
+        """The central noise calibration for shards of at least ``n_min`` samples (None for gd and for distributed
+        noise: :meth:`distributed_noise`)."""
+        if not self.private or self.privacy.distributed:
             return None
         p = self.privacy
         return calibrate(
@@ -174,9 +198,20 @@ class ExperimentConfig:
                 "local_share": self.local.share} if self.local.enabled else {}),
         )
 
+    def distributed_noise(self, n_min: int, dim: int) -> DistributedNoise:
+        """The public settings of ``privacy.noise: distributed`` for shards of at least ``n_min`` records and a
+        model of ``dim`` parameters: the Skellam calibration for (ε, δ), the bits, t, the wrap-around bound."""
+        p = self.privacy
+        return distributed_noise(epsilon=p.epsilon, delta=p.delta, rounds=self.training.rounds,
+                                 restart_every=self.restart_every, u=p.u, dim=dim, bits=p.bits, clients=self.clients,
+                                 tolerated=p.tolerated, n_min=n_min, wrap=p.wrap)
+
     def mechanism(self, calibration: Calibration | None) -> Mechanism:
-        """T, C1, C2, σ1, σ2 for the estimator: no clipping and no noise for gd."""
+        """T, C1, C2, σ1, σ2 for the estimator: no clipping and no noise for gd; clipping and no server noise with
+        distributed noise (the clients add it)."""
         t = self.training
+        if self.private and self.privacy.distributed:
+            return Mechanism(self.restart_every, t.clip_restart, t.clip_diff, 0.0, 0.0)
         if calibration is None:
             return Mechanism(self.restart_every, math.inf, math.inf, 0.0, 0.0)
         return Mechanism(self.restart_every, t.clip_restart, t.clip_diff,

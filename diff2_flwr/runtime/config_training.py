@@ -28,11 +28,30 @@ class PrivacyConfig:
     u: float = setting(1.25, "budget split: restart rounds get 1/u, difference rounds (u-1)/u; > 1 when T > 1")
     n_min: int | None = setting(None, "samples of the smallest shard (null: computed from the dataset); clients "
                                       "holding fewer make the server refuse the round")
+    noise: Literal["central", "distributed"] = setting(
+        "central", "who adds the noise: central (the server, trusted with each client's clipped mean) or "
+                   "distributed (each client adds a share of Skellam noise, the server learns only the sum through "
+                   "Flower's SecAgg+)")
+    bits: int = setting(20, "distributed: bits per coordinate of the secure sum (modulus 2**bits, at most 31 for "
+                            "Flower's SecAgg+)")
+    tolerated: int = setting(0, "distributed: t, the clients that may drop out or collude with the server; the "
+                                "other P - t carry the whole noise (P > 2t)")
+    wrap: float = setting(1e-6, "distributed: bound on the probability that a round's secure sum wraps around "
+                                "the modulus (the grid is the finest that keeps it)")
 
     def __post_init__(self) -> None:
         require(math.isfinite(self.epsilon) and self.epsilon > 0, "epsilon", "a finite number > 0", self.epsilon)
         require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
         require(self.n_min is None or self.n_min >= 1, "n_min", "null or an integer >= 1", self.n_min)
+        require(self.noise in ("central", "distributed"), "noise", "central or distributed", self.noise)
+        require(2 <= self.bits <= 31, "bits", "an integer in [2, 31] (Flower's SecAgg+ quantiser casts to int32)",
+                self.bits)
+        require(self.tolerated >= 0, "tolerated", "an integer >= 0", self.tolerated)
+        require(0 < self.wrap < 1, "wrap", "a probability in (0, 1)", self.wrap)
+
+    @property
+    def distributed(self) -> bool:
+        return self.noise == "distributed"
 
 
 @dataclass(frozen=True)

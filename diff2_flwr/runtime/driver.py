@@ -11,15 +11,32 @@ simulation's trajectory bit for bit: both pin every thread pool to ``training.th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
+import numpy as np
+
+from ..core.estimator import RoundPlan
 from ..core.local import LocalTask
+from ..core.skellam import modular_sum
 from .compute import pinned_threads
 from .config import AUTO_CLIENTS_DEFAULT, ExperimentConfig
 from .server import Diff2Server
 from .session import Diverged, Preflight, build_server, build_worker
+from .workers import Worker
 
-__all__ = ["run_inprocess"]
+__all__ = ["run_inprocess", "secure_sum"]
+
+
+def secure_sum(server: Diff2Server, plan: RoundPlan, workers: Sequence[Worker], seed: int | None) -> np.ndarray:
+    """Σ_p message_p mod 2**bits of the workers' round messages: what SecAgg+ unmasks (distributed noise)."""
+    noise = server.distributed
+    assert noise is not None
+    try:
+        messages = [w.message(noise, plan.round, plan.radius, plan.x_current, plan.x_previous, seed) for w in workers]
+    except Exception as err:
+        server.fail(err)
+        raise
+    return modular_sum(messages, noise.bits)
 
 
 def run_inprocess(
@@ -42,6 +59,9 @@ def run_inprocess(
         while not server.done:
             try:
                 plan = server.plan()
+                if server.distributed is not None:  # the secure sum, as SecAgg+ hands it over
+                    server.release_sum(secure_sum(server, plan, workers, cfg.training.seed), cfg.clients)
+                    continue
                 released = server.release([worker.reply(plan) for worker in workers])
                 if isinstance(released, LocalTask):  # the local routine: the chosen worker's private steps
                     try:

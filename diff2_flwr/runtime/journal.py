@@ -201,6 +201,8 @@ def summarize(spec: ServerSpec, state: ServerState, history: list[dict[str, Any]
 def _privacy(spec: ServerSpec, state: ServerState) -> dict[str, Any]:
     """The summary's ``privacy`` block: the guarantee, ε by each accountant, the calibration, the noise key's kind."""
     cal, ledger, local = spec.calibration, state.ledger, spec.local
+    if spec.distributed is not None:
+        return _distributed_privacy(spec, state)
     return {
         "private": cal is not None,
         "guarantee": "record-level (ε, δ)-DP, replace-one adjacency, central DP (trusted server adds the noise)"
@@ -217,5 +219,32 @@ def _privacy(spec: ServerSpec, state: ServerState) -> dict[str, Any]:
         "epsilon_target": cal.epsilon if cal else None,
         "calibration": cal.as_dict() if cal else None,
         "noise_key": "seed (reproducible by anyone who knows it)" if state.estimator.noise_seeded else "os-entropy",
+        "n_min": spec.n_min,
+    }
+
+
+def _distributed_privacy(spec: ServerSpec, state: ServerState) -> dict[str, Any]:
+    """The summary's ``privacy`` block under distributed noise: the Skellam accountant, the threat parameter."""
+    noise = spec.distributed
+    assert noise is not None
+    cal = noise.calibration
+    return {
+        "private": True,
+        "guarantee": f"record-level (ε, δ)-DP, replace-one adjacency, distributed noise: each client adds Skellam "
+                     f"noise, the server sees only the secure sum (Flower SecAgg+); holds if at most t = "
+                     f"{noise.tolerated} of the P = {noise.clients} clients drop out or collude with the server",
+        "noise": "distributed",
+        "epsilon_spent": state.epsilon_spent,
+        "epsilon_accountant": "Skellam Rényi DP (Agarwal, Kairouz & Liu 2021, Cor. 3.6) at Δ₂ = 2ρ, rounding "
+                              "included; dp-accounting's RDP-to-(ε, δ) conversion",
+        "epsilon_pld": None,
+        "epsilon_rdp": state.epsilon_spent,
+        "delta": cal.delta,
+        "epsilon_target": cal.epsilon,
+        "calibration": {"z1": cal.z1, "z2": cal.z2, "u": cal.u, "restart_rounds": cal.restart_rounds,
+                        "difference_rounds": cal.difference_rounds, "rho": cal.rho, "padded_dim": cal.padded_dim,
+                        "bits": noise.bits, "tolerated": noise.tolerated, "wrap": noise.wrap,
+                        "epsilon_planned": cal.epsilon_spent},
+        "noise_key": "each client's own (OS entropy, or training.seed per client and round)",
         "n_min": spec.n_min,
     }

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..core.aggregation import Reply
+from ..core.distributed import DistributedNoise
 from ..core.estimator import Diff2State, Diverged, Mechanism, Release, RoundPlan
 from ..core.layout import ParameterLayout
 from ..core.local import LocalMechanism, LocalTask, choose_worker
@@ -47,7 +48,7 @@ class Diff2Server:
     """The trusted server's side of DIFF2 (Algorithm 1, server lines), transport-free.
 
     Args:
-        mechanism, routine, layout, rounds, clients, n_min, calibration, local: the
+        mechanism, routine, layout, rounds, clients, n_min, calibration, local, distributed: the
             :class:`~diff2_flwr.runtime.server_core.ServerSpec` (checked against the calibration).
         x0: the initial iterate (a flat vector of ``layout.dim`` entries).
         seed: the noise key (None: OS entropy).
@@ -81,9 +82,11 @@ class Diff2Server:
         resume: Checkpoint | None = None,
         local: LocalMechanism | None = None,
         clip_stats: bool = False,
+        distributed: DistributedNoise | None = None,
     ) -> None:
         spec = server_core.check_spec(ServerSpec(mechanism=mechanism, routine=routine, layout=layout, rounds=rounds,
-                                                 clients=clients, n_min=n_min, calibration=calibration, local=local))
+                                                 clients=clients, n_min=n_min, calibration=calibration, local=local,
+                                                 distributed=distributed))
         self.journal = Journal(spec=spec, evaluator=evaluator, eval_every=eval_every, recorder=recorder,
                                run_info=run_info, progress=progress, checkpoint_path=checkpoint_path,
                                fingerprint=fingerprint, clip_stats=clip_stats)
@@ -102,6 +105,7 @@ class Diff2Server:
     n_min = _spec_field("n_min")
     calibration = _spec_field("calibration")
     local = _spec_field("local")
+    distributed = _spec_field("distributed")
     history = _journal_field("history")
     recorder = _journal_field("recorder")
     run_info = _journal_field("run_info")
@@ -196,6 +200,11 @@ class Diff2Server:
         """
         out = self._step(server_core.release, replies, self.local_worker)
         return out if isinstance(out, LocalTask) else self._publish(out)
+
+    def release_sum(self, total: np.ndarray, survivors: int) -> Release:
+        """Distributed noise: release round r from the secure sum of ``survivors`` clients' messages (or nothing,
+        raising; fewer than P - t survivors release nothing)."""
+        return self._publish(self._step(server_core.release_sum, total, survivors))
 
     def finish_local(self, reply: Reply) -> Release:
         """Take the chosen worker's y_K as x_r (after the checks) and release round r."""

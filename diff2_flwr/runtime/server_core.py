@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from ..core.aggregation import Aggregate, Reply, RoundRejected, average_contributions, check_local_reply
+from ..core.distributed import DistributedNoise, SkellamLedger
 from ..core.estimator import (DIVERGENCE_ADVICE, Diff2State, Diverged, Mechanism, Release, RoundPlan, advance,
                               estimate, init_state, plan_round, server_step)
 from ..core.layout import ParameterLayout
@@ -40,7 +41,7 @@ from .checkpoint import Checkpoint, CheckpointError
 
 __all__ = ["BUDGET_RTOL", "PLD_RTOL", "OutOfTurn", "PendingLocal", "Released", "ServerSpec", "ServerState", "charge",
            "check_mechanism", "check_planned_budget", "check_spec", "fail", "finish_local", "init", "is_done", "next_plan",
-           "release", "resume"]
+           "release", "release_sum", "resume"]
 
 
 #: Relative slack of the budget guard: the exact composition may exceed the target by float rounding only.
@@ -108,6 +109,8 @@ class ServerSpec:
         n_min: the fewest records a worker may hold (the noise is calibrated for it).
         calibration: the noise for (ε, δ), which the ledger charges; None for method gd (no privacy).
         local: the local routine's K, b, η, C3, σ3 (None: off); needs a calibration.
+        distributed: ``privacy.noise: distributed``: the clients add Skellam noise shares, the server receives
+            their modular sum (:func:`release_sum`) and adds none; its ledger is a :class:`SkellamLedger`.
 
     :func:`check_spec` checks that the mechanism is the calibration's (the server's constructor calls it).
     """
@@ -120,10 +123,19 @@ class ServerSpec:
     n_min: int
     calibration: Calibration | None
     local: LocalMechanism | None = None
+    distributed: DistributedNoise | None = None
 
 
 def check_spec(spec: ServerSpec) -> ServerSpec:
     """``spec`` if its ledger would account for its mechanism (see :func:`check_mechanism`), else ``ValueError``."""
+    if spec.distributed is not None:
+        m = spec.mechanism
+        if spec.calibration is not None or spec.local is not None or m.sigma_restart or m.sigma_diff:
+            raise ValueError("With distributed noise the server adds none: no central calibration, no local routine, "
+                             "σ1 = σ2 = 0.")
+        if spec.distributed.clients != spec.clients or spec.distributed.n_min != spec.n_min:
+            raise ValueError(f"The distributed noise is for P = {spec.distributed.clients}, n_min = "
+                             f"{spec.distributed.n_min}; the server has P = {spec.clients}, n_min = {spec.n_min}.")
     if spec.calibration is not None:
         check_mechanism(spec.mechanism, spec.calibration, rounds=spec.rounds, clients=spec.clients, n_min=spec.n_min,
                         local=spec.local)
@@ -147,7 +159,7 @@ class ServerState:
     how the run stands (``running``, ``completed``, ``failed`` or ``diverged``, with the error's text)."""
 
     estimator: Diff2State
-    ledger: PrivacyLedger | None
+    ledger: PrivacyLedger | SkellamLedger | None
     pending: PendingLocal | None = None
     status: str = "running"
     error: str | None = None
@@ -184,6 +196,8 @@ def init(spec: ServerSpec, x0: np.ndarray, seed: int | None) -> ServerState:
     if spec.layout.dim != x0.size:
         raise ValueError(f"x0 has {x0.size} entries but the model has {spec.layout.dim} parameters.")
     ledger = PrivacyLedger(spec.calibration.delta) if spec.calibration else None
+    if spec.distributed is not None:
+        ledger = SkellamLedger(spec.distributed.calibration.delta)
     return ServerState(init_state(x0, spec.routine, seed), ledger)
 
 
@@ -219,6 +233,8 @@ def charge(spec: ServerSpec, state: ServerState, plan: RoundPlan) -> PrivacyLedg
     The exact GDP composition must stay within the target (float rounding aside); dp-accounting's
     PLD accountant, computed independently, must agree within its discretisation (1 %).
     """
+    if spec.distributed is not None:
+        return _charge_distributed(spec.distributed, state, plan)
     if state.ledger is None or spec.calibration is None:
         return None
     after = state.ledger.record(*spec.calibration.round_events(plan.restart))
@@ -256,6 +272,44 @@ def release(spec: ServerSpec, state: ServerState, replies: Sequence[Reply],
                      seed=local_seed(key, plan.round) if seeded else None, n_min=spec.n_min,
                      sampling_prob=spec.calibration.local.sampling_prob)
     return dataclasses.replace(state, ledger=ledger, pending=PendingLocal(plan, v, aggregate, task)), task
+
+
+def _charge_distributed(noise: DistributedNoise, state: ServerState, plan: RoundPlan) -> SkellamLedger:
+    """The Skellam ledger after this round, or :class:`RoundRejected` ('budget') past the target ε."""
+    after = state.ledger.record(noise.event(plan.restart))  # type: ignore[union-attr]
+    target, spent = noise.calibration.epsilon, after.epsilon
+    if spent > target * (1 + BUDGET_RTOL):
+        raise RoundRejected(plan.round, "budget", f"releasing it would bring ε spent (Skellam RDP accountant) to "
+                            f"{spent:.6g}, above the target ε = {target:g}; the run stops here.")
+    return after
+
+
+def release_sum(spec: ServerSpec, state: ServerState, total: np.ndarray, survivors: int) -> tuple[ServerState, Released]:
+    """Round r from the secure sum of the clients' messages (distributed noise): decoded, stepped, released.
+
+    ``total`` is Σ_p message_p mod 2**bits over the ``survivors`` clients SecAgg+ unmasked. Fewer than P - t
+    survivors carry less than the calibrated noise: :class:`RoundRejected` ('survivors') and nothing released.
+    The server cannot check a client's clipping or noise here (it sees only the sum): see THREATS.md.
+    """
+    noise = spec.distributed
+    if noise is None:
+        raise OutOfTurn("release_sum is for distributed noise; this server adds the noise itself (release).")
+    plan = next_plan(spec, state)
+    if not noise.threshold <= survivors <= spec.clients:
+        raise RoundRejected(plan.round, "survivors", f"{survivors} of P = {spec.clients} clients' messages are in "
+                            f"the secure sum; the noise needs at least P - t = {noise.threshold} honest shares "
+                            f"(privacy.tolerated = {noise.tolerated}).")
+    total = np.asarray(total)
+    if total.shape != (noise.code(plan.round, plan.restart, plan.radius).padded,) or total.dtype.kind not in "iu":
+        raise RoundRejected(plan.round, "secure-sum", f"the secure sum must be {noise.code(1, True, 1.0).padded} "
+                            f"integers. Found shape {total.shape}, dtype {total.dtype}.")
+    ledger = charge(spec, state, plan)
+    mean = noise.decode(total, plan.round, plan.restart, plan.radius, survivors)
+    estimator, out = server_step(state.estimator, spec.mechanism, spec.routine, mean)
+    after = dataclasses.replace(state, estimator=estimator, ledger=ledger)
+    plan = dataclasses.replace(plan, noise_std=noise.noise_std(plan.round, plan.restart, plan.radius, survivors))
+    out = dataclasses.replace(out, plan=plan)
+    return _released(spec, after, plan, Aggregate(mean=mean, clip_fraction=math.nan), out, {"survivors": survivors})
 
 
 def finish_local(spec: ServerSpec, state: ServerState, reply: Reply) -> tuple[ServerState, Released]:

@@ -130,6 +130,7 @@ def make_server(
         recorder=recorder, run_info=info, progress=progress, checkpoint_path=checkpoint_path,
         fingerprint=fingerprint, resume=resume, local=spec.local_mechanism(calibration),
         clip_stats=spec.evaluation.clip_stats,
+        distributed=spec.distributed_noise(n_min, layout.dim) if spec.private and spec.privacy.distributed else None,
     )
 
 

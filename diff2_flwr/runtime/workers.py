@@ -13,8 +13,10 @@ import numpy as np
 import torch
 
 from ..core.aggregation import Reply
+from ..core.clipping import project_onto_ball, robust_norm
+from ..core.distributed import DistributedNoise, client_rng
 from ..core.closed_form import PaperMLPGradients
-from ..core.estimator import RoundPlan
+from ..core.estimator import Diverged, RoundPlan
 from ..core.gradients import Contribution, LossFn, PerSampleGradients
 from ..core.local import LocalTask, run_local_phase
 from ..task.losses import LOSSES, get_loss, half_squared_error
@@ -67,6 +69,26 @@ class Worker:
         return Reply(client=f"partition {self.partition_id}", partition_id=self.partition_id,
                      arrays=self.gradients.layout.split(c.mean), num_samples=c.num_samples, num_clipped=c.num_clipped,
                      overflow=c.overflow)
+
+    def message(self, noise: DistributedNoise, r: int, radius: float, x_current: np.ndarray,
+                x_previous: np.ndarray | None, seed: int | None) -> np.ndarray:
+        """``privacy.noise: distributed``: this worker's round-r message for the secure sum: its ClippedMean
+        (restart: x_previous None; difference otherwise), projected onto the radius's ball, rotated, rounded and
+        noised with this worker's share (int64 in [0, 2**bits)).
+
+        The noise comes from OS entropy, or with ``seed`` (``training.seed``) from (seed, partition, round): the
+        seed then reproduces every client's noise (tests only). A worker whose gradients overflow raises
+        :class:`~diff2_flwr.core.estimator.Diverged`: the secure sum then misses it and the round releases nothing.
+        """
+        c = self.contribute(radius, x_current, x_previous)
+        if c.overflow:
+            raise Diverged(r, "gradients", f"partition {self.partition_id}: per-sample gradients overflow at "
+                           f"x_{r - 1}; it sends no message, so the round releases nothing.")
+        mean = c.mean
+        norm = robust_norm(mean)
+        if norm > radius:  # no server checks a message: the worker's own mean must be within the radius
+            mean = project_onto_ball(mean, radius, norm)
+        return noise.encode(mean, r, x_previous is None, radius, client_rng(seed, self.partition_id, r))
 
     def local_phase(self, task: LocalTask) -> Reply:
         """The private local steps of the local routine (:mod:`diff2_flwr.core.local`) on this shard: y_K as a reply.
