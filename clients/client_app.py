@@ -14,7 +14,9 @@ import functools
 from flwr.client import Client, ClientApp
 from flwr.common import Context
 
+from diff2_flwr.core.distributed import DistributedNoise
 from diff2_flwr.fl.client import Diff2Client
+from diff2_flwr.fl.secagg import secure_sum_mod
 from diff2_flwr.runtime.compute import pin_threads
 from diff2_flwr.runtime.config import ExperimentConfig, load_run_config
 from diff2_flwr.runtime.node_guard import NodeGuard
@@ -60,8 +62,25 @@ def client_fn(context: Context) -> Client:
     guard = NodeGuard.admit_run(cfg, node=f"node {context.node_id} ({name})", partition_id=partition_id,
                                 run_id=context.run_id, policy=policy, deployment=data_path is not None,
                                 shared_policy=NODE_CONFIG_KEY not in context.node_config)
+    noise = None
+    if cfg.private and cfg.privacy.distributed:  # the node's own settings: its noise share follows its run config
+        noise = functools.partial(_distributed_noise, cfg)
     return Diff2Client(functools.partial(build_worker, cfg, partition_id, None if data_path is None else str(data_path)),
-                       guard).to_client()
+                       guard, noise=noise, seed=cfg.training.seed).to_client()
 
 
-app = ClientApp(client_fn=client_fn)
+@functools.lru_cache(maxsize=8)
+def _distributed_noise(cfg: ExperimentConfig, n_min: int, dim: int) -> DistributedNoise:
+    return cfg.distributed_noise(n_min, dim)
+
+
+def _secure_sum_settings(context: Context) -> tuple[int, int, int] | None:
+    """(P, t, bits) when this run's config asks for distributed noise (its messages then go through SecAgg+ only)."""
+    cfg = _config(tuple(sorted(context.run_config.items())))
+    if not (cfg.private and cfg.privacy.distributed):
+        return None
+    clients = int(context.node_config["num-partitions"]) if cfg.clients_auto else cfg.clients
+    return clients, cfg.privacy.tolerated, cfg.privacy.bits
+
+
+app = ClientApp(client_fn=client_fn, mods=[secure_sum_mod(_secure_sum_settings)])

@@ -12,6 +12,7 @@ import numpy as np
 from flwr.client import NumPyClient
 
 from ..core.aggregation import Reply
+from ..core.distributed import DistributedNoise
 from ..core.estimator import Diverged
 from ..runtime.node_guard import NodeGuard
 from ..runtime.session import Worker
@@ -28,9 +29,15 @@ class Diff2Client(NumPyClient):
     guard refuses never loads the data.
     """
 
-    def __init__(self, worker: Worker | Callable[[], Worker], guard: NodeGuard | None = None) -> None:
+    def __init__(self, worker: Worker | Callable[[], Worker], guard: NodeGuard | None = None, *,
+                 noise: Callable[[int, int], DistributedNoise] | None = None, seed: int | None = None) -> None:
+        """``noise(n_min, dim)``: the run's distributed-noise settings (``privacy.noise: distributed``; None:
+        central noise, the reply is the clipped mean). ``seed``: ``training.seed`` for the noise share (None: OS
+        entropy)."""
         self._worker = worker
         self.guard = guard
+        self.noise = noise
+        self.seed = seed
 
     @property
     def worker(self) -> Worker:
@@ -46,8 +53,18 @@ class Diff2Client(NumPyClient):
         if self.guard is not None:
             self.guard.check_task(task.round, task.radius, task.x_current, task.x_previous, task.n_min,
                                   self.worker.num_samples)
+        if self.noise is not None:  # distributed noise: only inside SecAgg+ (see clients/client_app.py)
+            return self._share(task)
         contribution = self.worker.contribute(task.radius, task.x_current, task.x_previous)
         return protocol.encode_reply(task, contribution, self.worker.partition_id, layout)
+
+    def _share(self, task: protocol.WorkerTask) -> tuple[list[np.ndarray], int, dict]:
+        """This worker's noised, encoded message for the secure sum (the noise settings recomputed by this node
+        from the run config and the task's n_min, which its guard checked)."""
+        w = self.worker
+        noise = self.noise(task.n_min, w.gradients.layout.dim)  # type: ignore[misc]
+        message = w.message(noise, task.round, task.radius, task.x_current, task.x_previous, self.seed)
+        return protocol.encode_share(task, message, w.partition_id, noise.bits)
 
     def _local_phase(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
         w = self.worker

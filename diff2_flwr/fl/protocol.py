@@ -7,6 +7,9 @@ Workers keep no state between messages (a deployment may start a fresh worker pr
 message); a worker checks every task against the run config before it touches its shard
 (:mod:`diff2_flwr.runtime.node_guard`).
 
+Under ``privacy.noise: distributed`` the same task is answered with a Skellam message inside Flower's SecAgg+
+(:func:`encode_share`; the server sees only the unmasked sum, :func:`decode_secure_sum`).
+
 Worker -> server (``FitRes``): parameters = the ClippedMean (float64, one array per tensor);
 num_examples = n_p; metrics = partition id, echoed round, number of clipped samples, and an
 overflow flag (1: the worker's per-sample gradients overflow at this iterate; the arrays are then
@@ -34,12 +37,14 @@ from ..core.estimator import RoundPlan
 from ..core.gradients import Contribution
 from ..core.layout import ParameterLayout
 from ..core.local import LocalMechanism, LocalTask
+from .secagg import from_secagg, to_secagg
 
 __all__ = [
     "ROUND", "KIND", "RADIUS", "N_MIN", "LOCAL_SAMPLING_PROB", "PARTITION_ID", "NUM_CLIPPED", "ECHO_ROUND", "OVERFLOW",
     "LOCAL", "LOCAL_STEPS", "LOCAL_BATCH_SIZE", "LOCAL_LEARNING_RATE", "LOCAL_CLIP", "LOCAL_SIGMA", "LOCAL_SEED",
     "ECHO_KIND", "WorkerTask", "encode_task", "decode_task", "encode_reply", "decode_reply", "is_local",
-    "encode_local_task", "decode_local_task", "encode_local_reply", "decode_local_reply",
+    "encode_local_task", "decode_local_task", "encode_local_reply", "decode_local_reply", "encode_share",
+    "decode_secure_sum",
 ]
 
 # FitIns.config
@@ -139,6 +144,45 @@ def decode_reply(
     return Reply(client=f"partition {metrics[PARTITION_ID]} ({client})", partition_id=metrics[PARTITION_ID],
                  arrays=list(arrays), num_samples=int(num_examples), num_clipped=metrics[NUM_CLIPPED],
                  overflow=bool(overflow))
+
+
+# ------------------------------------------------------------------------------ distributed noise (SecAgg+)
+
+def encode_share(task: WorkerTask, message: np.ndarray, partition_id: int, bits: int) -> tuple[list[np.ndarray], int, dict[str, int]]:
+    """A worker's reply under ``privacy.noise: distributed``, for Flower's ``secaggplus_mod`` to mask: parameters =
+    its message centred to [-M/2, M/2) (one float64 array, :func:`~diff2_flwr.fl.secagg.to_secagg`), num_examples
+    = 1 (every weight equal: the sum is not reweighted), metrics = partition id and echoed round only (the mod
+    sends metrics in the clear: no count of clipped records, no n_p beyond the public n_min check)."""
+    return [to_secagg(message, bits)], 1, {PARTITION_ID: partition_id, ECHO_ROUND: task.round}
+
+
+def decode_secure_sum(results: Sequence[tuple[str, Sequence[np.ndarray], Mapping]], expected_round: int, clients: int,
+                      bits: int) -> tuple[np.ndarray, int]:
+    """The modular sum and the number of survivors from SecAgg+'s results: one (node, arrays, metrics) per client
+    whose masked vector is in the sum, each carrying the same unmasked mean. A malformed one rejects the round."""
+    if not results:
+        raise RoundRejected(expected_round, "survivors", "SecAgg+ handed over no result: nothing to decode.")
+    seen: dict[int, str] = {}
+    for node, arrays, metrics in results:
+        for key in (PARTITION_ID, ECHO_ROUND):
+            if not isinstance(metrics.get(key), int) or isinstance(metrics.get(key), bool):
+                raise RoundRejected(expected_round, "protocol", f"metric {key!r} must be an integer; found "
+                                    f"{metrics.get(key)!r}.", node)
+        if metrics[ECHO_ROUND] != expected_round:
+            raise RoundRejected(expected_round, "round", f"the message is for round {metrics[ECHO_ROUND]}.", node)
+        p = metrics[PARTITION_ID]
+        if not 0 <= p < clients or p in seen:
+            raise RoundRejected(expected_round, "partition", f"partition id {p} is outside 0..{clients - 1} or "
+                                f"answered twice ({seen.get(p)} and {node}).", node)
+        seen[p] = node
+        if len(arrays) != 1:
+            raise RoundRejected(expected_round, "secure-sum", f"the secure sum carries 1 array; found {len(arrays)}.")
+    mean = results[0][1][0]
+    try:
+        total = from_secagg(mean, len(results), bits)
+    except ValueError as err:
+        raise RoundRejected(expected_round, "secure-sum", str(err)) from None
+    return total, len(results)
 
 
 # ------------------------------------------------------------------------------ the local phase

@@ -26,13 +26,14 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from ..core.skellam import centre
 
-__all__ = ["SecAggSettings", "secagg_settings", "to_secagg", "from_secagg", "mask_stream", "use_secure_masks"]
+__all__ = ["SecAggSettings", "secagg_settings", "to_secagg", "from_secagg", "mask_stream", "use_secure_masks",
+           "secure_sum_mod", "check_setup"]
 
 #: Flower's quantiser casts to int32: x + M/2 must stay below 2**31.
 MAX_BITS = 31
@@ -134,3 +135,54 @@ def use_secure_masks() -> None:
 #: The modules of Flower 1.42 that draw SecAgg+ masks (each imports ``pseudo_rand_gen`` by name).
 _MASKING_MODULES = ("flwr.client.mod.secure_aggregation.secaggplus_mod",
                     "flwr.server.workflow.secure_aggregation.secaggplus_workflow")
+
+
+def check_setup(configs: Mapping[str, Any], *, clients: int, tolerated: int, bits: int) -> None:
+    """A data owner's check of the server's SecAgg+ set-up message against its own run config: all P clients
+    sampled, every client a share holder, the reconstruction threshold at least P - t (so that the server and t
+    colluders cannot unmask one client), and the quantisation that passes its message unchanged.
+
+    Raises:
+        ValueError: naming the setting, the value the server sent and the value this node expects.
+    """
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    want = secagg_settings(bits, clients)
+    expected = {Key.SAMPLE_NUMBER: clients, Key.SHARE_NUMBER: clients, Key.CLIPPING_RANGE: want.clipping_range,
+                Key.TARGET_RANGE: want.quantization_range, Key.MOD_RANGE: want.modulus_range,
+                Key.MAX_WEIGHT: want.max_weight}
+    for key, value in expected.items():
+        if configs.get(key) != value:
+            raise ValueError(f"SecAgg+ set-up: `{key}` is {configs.get(key)!r}, this node's run config needs {value!r} "
+                             f"(P = {clients}, privacy.bits = {bits}): it sends no message under other settings.")
+    threshold = configs.get(Key.THRESHOLD)
+    if not isinstance(threshold, int) or threshold < clients - tolerated:
+        raise ValueError(f"SecAgg+ set-up: the reconstruction threshold is {threshold!r}, below P - t = "
+                         f"{clients - tolerated} (privacy.tolerated = {tolerated}): fewer clients than the noise needs "
+                         "could unmask the sum. This node sends no message.")
+
+
+def secure_sum_mod(settings: Callable[[Any], tuple[int, int, int] | None]) -> Callable:
+    """A ClientApp mod: where ``settings(context)`` gives (P, t, bits) (the run uses distributed noise) every
+    training message must be a SecAgg+ message, checked at set-up (:func:`check_setup`) and run through Flower's
+    ``secaggplus_mod`` with :func:`mask_stream`'s masks; a training message outside SecAgg+ is refused, so the
+    worker's message never leaves unmasked. Where ``settings`` gives None (central noise) messages pass through."""
+    def mod(msg: Any, ctxt: Any, call_next: Callable) -> Any:
+        from flwr.app.message_type import MessageType
+        from flwr.client.mod import secaggplus_mod
+        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+        found = settings(ctxt)
+        if found is None or msg.metadata.message_type != MessageType.TRAIN:
+            return call_next(msg, ctxt)
+        clients, tolerated, bits = found
+        configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
+        if configs is None or Key.STAGE not in configs:
+            raise ValueError("privacy.noise is distributed: this node answers training messages only inside Flower's "
+                             "SecAgg+ (the ServerApp must run SecAggPlusWorkflow); it sends nothing in the clear.")
+        if configs[Key.STAGE] == Stage.SETUP:
+            check_setup(configs, clients=clients, tolerated=tolerated, bits=bits)
+        use_secure_masks()
+        return secaggplus_mod(msg, ctxt, call_next)
+
+    return mod

@@ -63,6 +63,7 @@ class Diff2Strategy(Strategy):
         self.phases = 1 if server.local is None else 2
         self._retried = 0  # Flower rounds spent on retried (gradient) phases
         self._local: tuple[LocalTask, ClientProxy] | None = None  # the local phase due, and the chosen node
+        self._secure_released = False  # distributed noise: whether this Flower round's secure sum was released
 
     @property
     def num_rounds(self) -> int:
@@ -124,6 +125,8 @@ class Diff2Strategy(Strategy):
         r, local = self._position(server_round)
         if local:
             return self._aggregate_local(r, results, failures)
+        if self.server.distributed is not None:
+            return self._aggregate_secure(r, results, failures)
         if failures:
             error = RoundRejected(r, "client-failure", self._describe_failures(results, failures))
             if self.retries_left > 0:
@@ -146,6 +149,45 @@ class Diff2Strategy(Strategy):
             self._local = (released, nodes[released.partition_id])
             return None, {}
         return self._released(released), {}
+
+    def _aggregate_secure(
+        self, r: int, results: list[tuple[ClientProxy, FitRes]], failures: list[tuple[ClientProxy, FitRes] | BaseException]
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """Distributed noise: SecAgg+ hands over the unmasked sum (as a mean, with each survivor's metrics); the
+        server decodes it and releases round r, or nothing with fewer than P - t survivors."""
+        noise = self.server.distributed
+        assert noise is not None
+        named = [(f"node {proxy.cid}", self._arrays(r, proxy, res), res.metrics) for proxy, res in results]
+        try:
+            total, survivors = protocol.decode_secure_sum(named, r, self.server.clients, noise.bits)
+        except RoundRejected as err:
+            self._stop(err)
+        if failures:
+            self.server.journal.say(f"[diff2] round {r}: {self._describe_failures(results, failures)}; the secure sum "
+                                    f"holds {survivors} of P = {self.server.clients} clients' messages.")
+        self._secure_released = True
+        return self._released(self.server.release_sum(total, survivors)), {}
+
+    def secure_round_ended(self, server_round: int) -> None:
+        """Called by the SecAgg+ workflow after each Flower round: a round whose secure aggregation halted (too few
+        clients to reconstruct the sum, or a client's error) never reached :meth:`aggregate_fit` and released
+        nothing; it is retried while ``round_retries`` allow, else the run stops with the reason."""
+        released, self._secure_released = self._secure_released, False
+        if released or self.server.done or not self._asked:
+            return
+        r, _ = self._position(server_round)
+        noise = self.server.distributed
+        assert noise is not None
+        error = RoundRejected(r, "secure-aggregation", f"Flower's SecAgg+ halted before the sum was unmasked (fewer "
+                              f"than P - t = {noise.threshold} clients took part to the end, or a client failed: see "
+                              "the ServerApp's log); nothing was released.")
+        self._asked = set()
+        if self.retries_left > 0:
+            self.retries_left -= 1
+            self._retried += 1
+            self.server.journal.say(f"[diff2] {error} Retrying the round ({self.retries_left} retries left).")
+            return
+        self._stop(error)
 
     def _aggregate_local(
         self, r: int, results: list[tuple[ClientProxy, FitRes]], failures: list[tuple[ClientProxy, FitRes] | BaseException]
