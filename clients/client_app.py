@@ -10,11 +10,13 @@ see :mod:`diff2_flwr.runtime.policy`. The run is checked against it before any r
 from __future__ import annotations
 
 import functools
+import os
 
 from flwr.client import Client, ClientApp
 from flwr.common import Context
 
 from diff2_flwr.core.distributed import DistributedNoise
+from diff2_flwr.fl import protocol
 from diff2_flwr.fl.client import Diff2Client
 from diff2_flwr.fl.secagg import secure_sum_mod
 from diff2_flwr.runtime.compute import pin_threads
@@ -65,8 +67,26 @@ def client_fn(context: Context) -> Client:
     noise = None
     if cfg.private and cfg.privacy.distributed:  # the node's own settings: its noise share follows its run config
         noise = functools.partial(_distributed_noise, cfg)
-    return Diff2Client(functools.partial(build_worker, cfg, partition_id, None if data_path is None else str(data_path)),
-                       guard, noise=noise, seed=cfg.training.seed).to_client()
+    client = Diff2Client if _fault(partition_id) is None else _FaultyClient
+    return client(functools.partial(build_worker, cfg, partition_id, None if data_path is None else str(data_path)),
+                  guard, noise=noise, seed=cfg.training.seed).to_client()
+
+
+def _fault(partition_id: int) -> int | None:
+    """Fault injection (tests): ``DIFF2_FAULT_CLIENT_FAILS=p:r`` makes partition p fail its round-r task."""
+    spec = os.environ.get("DIFF2_FAULT_CLIENT_FAILS", "")
+    p, _, r = spec.partition(":")
+    return int(r) if p and int(p) == partition_id else None
+
+
+class _FaultyClient(Diff2Client):
+    """A worker that fails one round (:func:`_fault`): a node dropping out mid-run."""
+
+    def fit(self, parameters, config):
+        if config.get(protocol.ROUND) == _fault(self.worker.partition_id):
+            raise RuntimeError(f"fault injection: partition {self.worker.partition_id} fails round "
+                               f"{config.get(protocol.ROUND)}")
+        return super().fit(parameters, config)
 
 
 @functools.lru_cache(maxsize=8)

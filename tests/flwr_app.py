@@ -50,6 +50,7 @@ def flwr_env(home: Path) -> dict[str, str]:
            "FLWR_DISABLE_UPDATE_CHECK": "1",  # loopback only
            **dict(zip(("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"), map(str, free_ports(2))))}
     env.pop("DIFF2_FAULT_CRASH_AFTER_ROUND", None)
+    env.pop("DIFF2_FAULT_CLIENT_FAILS", None)
     return env
 
 

@@ -42,6 +42,7 @@ import numpy as np
 
 from ..core.estimator import Diff2State
 from ..core.routines import Routine, describe_routine
+from ..core.distributed import SkellamEvent, SkellamLedger
 from ..core.privacy import GaussianEvent, PrivacyLedger
 from .config_experiment import ExperimentConfig
 from .secret_files import fsync_folder
@@ -93,12 +94,27 @@ def legacy_config_fingerprint(config: dict[str, Any], n_min: int) -> str:
 class Checkpoint:
     fingerprint: str
     state: Diff2State
-    ledger: PrivacyLedger | None
+    ledger: PrivacyLedger | SkellamLedger | None
     run_dir: str | None
     #: Round ``state.round``'s metrics row without the evaluation (None before format 2).
     release_row: dict[str, Any] | None = None
     #: The routine that produced ``state.routine_state`` (:func:`describe_routine`; None before format 3).
     routine: dict[str, Any] | None = None
+
+
+def _ledger_meta(ledger: PrivacyLedger | SkellamLedger) -> dict[str, Any]:
+    """The ledger as JSON: Gaussian events as [z, kind]; distributed noise's Skellam events as [z, ρ, D, kind]."""
+    if isinstance(ledger, SkellamLedger):
+        return {"delta": ledger.delta, "mechanism": "skellam",
+                "events": [[e.noise_multiplier, e.rho, e.padded_dim, e.kind] for e in ledger.events]}
+    return {"delta": ledger.delta, "events": [[e.noise_multiplier, e.kind] for e in ledger.events]}
+
+
+def _ledger_of(meta: dict[str, Any]) -> PrivacyLedger | SkellamLedger:
+    if meta.get("mechanism") == "skellam":
+        return SkellamLedger(meta["delta"], tuple(SkellamEvent(float(z), float(rho), int(d), k)
+                                                  for z, rho, d, k in meta["events"]))
+    return PrivacyLedger(meta["delta"], tuple(GaussianEvent(float(z), k) for z, k in meta["events"]))
 
 
 def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
@@ -108,9 +124,7 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     meta = {
         "format": _FORMAT, "fingerprint": checkpoint.fingerprint, "fingerprint_rule": FINGERPRINT_RULE, "round": s.round, "noise_key": str(s.noise_key),
         "noise_seeded": s.noise_seeded, "run_dir": checkpoint.run_dir, "release_row": checkpoint.release_row,
-        "ledger": None if checkpoint.ledger is None else {
-            "delta": checkpoint.ledger.delta,
-            "events": [[e.noise_multiplier, e.kind] for e in checkpoint.ledger.events]},
+        "ledger": None if checkpoint.ledger is None else _ledger_meta(checkpoint.ledger),
         "routine": None if checkpoint.routine is None else {
             **checkpoint.routine, "state": routine_scalars, "arrays": sorted(routine_arrays)},
     }
@@ -286,7 +300,7 @@ def load_checkpoint(path: Path, fingerprint: str, *, routine: Routine | None = N
         a.flags.writeable = False
     ledger = None
     if meta["ledger"] is not None:
-        ledger = PrivacyLedger(meta["ledger"]["delta"], tuple(GaussianEvent(float(z), k) for z, k in meta["ledger"]["events"]))
+        ledger = _ledger_of(meta["ledger"])
         if len(ledger.events) != meta["round"]:
             raise CheckpointError(f"Checkpoint {path} is inconsistent: round {meta['round']} but "
                                   f"{len(ledger.events)} ledger events.")

@@ -108,9 +108,6 @@ class ExperimentConfig:
         require(not self.evaluation.clip_stats, "evaluation.clip_stats",
                 "false with privacy.noise: distributed (the server sees no client's clip count)",
                 self.evaluation.clip_stats)
-        require(self.output.checkpoint is None, "output.checkpoint",
-                "null with privacy.noise: distributed (checkpoints of the Skellam ledger are not supported yet)",
-                self.output.checkpoint)
 
     def _check_clients(self, clients: int) -> None:
         """The checks that depend on P."""

@@ -142,7 +142,7 @@ class Journal:
         rise = loss_rise(self.history)
         if rise is None:
             return
-        warning = loss_rise_warning(rise, private=self.spec.calibration is not None)
+        warning = loss_rise_warning(rise, private=self.spec.calibration is not None or self.spec.distributed is not None)
         self.run_info["loss_rise"] = rise.as_dict()
         self.run_info["warnings"] = [*self.run_info.get("warnings", ()), warning]
         self.say(f"[diff2] WARNING: {warning}")

@@ -147,6 +147,10 @@ class NodeGuard:
         except ValueError as err:
             self._refuse("calibration", f"the run config cannot be calibrated with n_min = {n_min}: {err}")
         if self.policy is not None and self.policy.lifetime.enabled:
+            if self.cfg.privacy.distributed:
+                self._refuse("lifetime budget", "this node keeps a lifetime budget, whose ledger composes central "
+                             "Gaussian runs; a run with privacy.noise: distributed (Skellam) is not charged to it yet, "
+                             "so it is refused.")
             self._charge(cal)
         return cal
 

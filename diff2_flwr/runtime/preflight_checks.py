@@ -155,6 +155,12 @@ def preflight(cfg: ExperimentConfig) -> Preflight:
         check_planned_budget(calibration, cfg.source, "privacy.")
     gradients = _checked_gradients(cfg, data)
     initial_point(cfg.source, gradients.model, None)  # parameters to train, finite
+    if cfg.private and cfg.privacy.distributed:  # the bits, P, t and the budget, as make_server will build them
+        try:
+            cfg.distributed_noise(n_min, gradients.layout.dim)
+        except ValueError as err:
+            raise ConfigError(f"{cfg.source}: privacy.noise: distributed: {err}", key="privacy.bits",
+                              expected="settings the secure sum can hold", found=cfg.privacy.bits) from None
     _probe(cfg, data, model_of(cfg, data.num_features, data.num_outputs))
     warnings = privacy_warnings(cfg, n_train=sum(data.shard_sizes))
     noise = None

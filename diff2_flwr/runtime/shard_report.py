@@ -52,6 +52,10 @@ def shard_lines(cfg: ExperimentConfig, sizes: Sequence[int], n_min: int, calibra
     lines = [f"[diff2] shards: {d.partitioner.describe(d.split_seed, d.task_kind, p)}; P = {p}, "
              f"{sum(sizes)} train samples{sub}, sizes {list(sizes)}"]
     where = f"client {_smallest(sizes)}" + (", privacy.n_min" if cfg.privacy.n_min else "")
+    if calibration is None and cfg.private and cfg.privacy.distributed:
+        lines.append(f"[diff2] n_min = {n_min} ({where}); distributed noise: each client adds Skellam noise, the "
+                     f"server learns only the SecAgg+ sum ({cfg.privacy.bits} bits, t = {cfg.privacy.tolerated})")
+        return lines
     if calibration is None:
         lines.append(f"[diff2] n_min = {n_min} ({where}); method {cfg.method}: no noise")
         return lines
