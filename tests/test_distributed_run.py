@@ -226,3 +226,21 @@ def test_a_checkpoint_keeps_the_skellam_ledger(tmp_path: Path):
     loaded = load_checkpoint(path, "f" * 64, routine=cfg.training.routine.build(cfg.training.learning_rate))
     assert loaded.ledger == server.ledger and loaded.ledger.epsilon == server.epsilon_spent
     assert dataclasses.astuple(loaded.ledger.events[1]) == dataclasses.astuple(server.ledger.events[1])
+
+
+def test_a_data_owner_who_does_not_trust_the_server_refuses_central_noise_and_too_few_honest_clients():
+    from diff2_flwr.runtime.policy import NodePolicy, Refused, check_run
+
+    policy = NodePolicy(max_epsilon=5.0, max_delta=1e-4, noise=("distributed",), min_honest=3)
+    central = parse_config({**CONFIG, "privacy": {"epsilon": 3.0, "delta": 1e-5}})
+    with pytest.raises(Refused, match="privacy.noise = 'central'.*does not trust the server") as err:
+        check_run(policy, central, "node 7")
+    assert err.value.rule == "noise"
+    check_run(policy, config(), "node 7")  # P - t = 3 honest clients: admitted
+    with pytest.raises(Refused, match=r"P - t = 3 - 1 = 2 honest clients") as err:
+        check_run(policy, config(tolerated=1), "node 7")
+    assert err.value.rule == "min_honest"
+    from diff2_flwr.runtime.spec import Invalid
+
+    with pytest.raises(Invalid, match="key `noise`"):
+        NodePolicy(max_epsilon=5.0, max_delta=1e-4, noise=("server",))

@@ -136,6 +136,15 @@ def test_plain_flwr_run_completes_with_p_the_simulations_supernodes(tmp_path):
         three = [s for s in _summaries(app) if s["config"]["training"]["rounds"] == 4]
         assert [(s["status"], s["privacy"]["calibration"]["clients"]) for s in three] == [("completed", 3)]
 
+        # The default with distributed noise: the clients' Skellam shares through Flower's SecAgg+ (issue 23).
+        run_id = _flwr_run("flwr run . --run-config \"privacy.noise='distributed'\"", env, app)
+        assert _wait_finished(env, app, run_id, 600)["status"] == "finished:completed"
+        (dist,) = [s for s in _summaries(app) if s["privacy"].get("noise") == "distributed"]
+        assert dist["status"] == "completed" and dist["rounds_released"] == 100
+        assert dist["privacy"]["noise"] == "distributed" and dist["privacy"]["epsilon_spent"] <= 3.0
+        log = _activated(f"flwr log {run_id} --show", env, app, timeout=60).stdout
+        assert "Secure aggregation completed" in log and "[diff2] summary: run completed" in log, log[-3000:]
+
         # A config that fixes P fails within seconds naming the flag, and that command, as typed, completes.
         typed = time.monotonic()
         fixed = '--run-config "training.clients=4 training.rounds=3 training.restart_every=3"'

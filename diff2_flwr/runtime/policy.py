@@ -17,6 +17,8 @@ Example (``configs/policy.yaml``)::
     models: [paper_mlp]      # model factories a run may call on this node (default: the built-in models)
     max_rounds: 2000         # the most rounds one run may take (null: no limit)
     local_routine: true      # whether the private local routine may run on this node's records
+    noise: [distributed]     # who may add the noise: central (the server, trusted) and/or distributed (SecAgg+)
+    min_honest: 3            # distributed: the fewest honest clients (P - t) whose shares carry the noise
     lifetime:                # a budget over every run this node takes part in, composed by PLD
       epsilon: 10.0
       delta: 1.0e-5
@@ -26,8 +28,9 @@ Trust (``THREATS.md``): the policy protects this node's records against a run su
 too much (ε, δ, method, model, rounds, the lifetime budget) and against a server whose tasks disagree with the
 mechanism the run config declares (radius, round kind, n_min, σ3, q, b, K: :mod:`~diff2_flwr.runtime.node_guard`).
 It cannot protect against an app bundle that is not ours (the ClientApp that enforces it comes from the bundle:
-pin bundles with Flower's trusted entities), nor against a server that sees the clipped means and adds less noise
-than declared (central noise: the server is trusted with them).
+pin bundles with Flower's trusted entities), nor, under central noise, against a server that sees the clipped means and adds
+less noise than declared. ``noise: [distributed]`` refuses central runs: the node's message then leaves only inside
+SecAgg+, with its own noise share (:mod:`diff2_flwr.fl.secagg`).
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ class NodePolicy:
     models: tuple[str, ...] = BUILTIN_MODELS
     max_rounds: int | None = None
     local_routine: bool = True
+    noise: tuple[str, ...] = ("central", "distributed")
+    min_honest: int = 1
     lifetime: LifetimeBudget = field(default_factory=LifetimeBudget)
     name: str | None = None
     source: str = field(default="<memory>", compare=False)
@@ -120,6 +125,12 @@ class NodePolicy:
         require(self.max_rounds is None or self.max_rounds >= 1, "max_rounds", "null or an integer >= 1",
                 self.max_rounds)
         require(self.name is None or bool(self.name.strip()), "name", "null or a non-empty name", self.name)
+        require(bool(self.noise) and set(self.noise) <= {"central", "distributed"}, "noise",
+                "a non-empty list of 'central' (the server adds the noise: trusted) and 'distributed' (each client "
+                "adds a share, the server sees only the SecAgg+ sum)", list(self.noise))
+        require(isinstance(self.min_honest, int) and self.min_honest >= 1, "min_honest",
+                "an integer >= 1: the fewest honest clients (P - t) whose noise shares must carry a distributed run",
+                self.min_honest)
 
     def ledger_path(self, partition_id: int, shared: bool) -> Path | None:
         """The node's ledger file; ``shared`` (simulated nodes reading one policy): one file per partition."""
@@ -168,6 +179,15 @@ def check_run(policy: NodePolicy, cfg: ExperimentConfig, node: str) -> None:
         raise Refused(node, "max_rounds", f"the run asks {cfg.training.rounds} rounds (training.rounds); this node "
                       f"allows at most {policy.max_rounds} {where}.")
     check_model(cfg, policy.models, node, where)
+    noise = cfg.privacy.noise
+    if cfg.private and noise not in policy.noise:
+        raise Refused(node, "noise", f"the run asks privacy.noise = {noise!r}; this node allows {list(policy.noise)} "
+                      f"{where}" + (": it does not trust the server with its clipped means. Ask for privacy.noise: "
+                                    "distributed." if noise == "central" else "."))
+    if cfg.private and noise == "distributed" and cfg.clients - cfg.privacy.tolerated < policy.min_honest:
+        raise Refused(node, "min_honest", f"the run counts on P - t = {cfg.clients} - {cfg.privacy.tolerated} = "
+                      f"{cfg.clients - cfg.privacy.tolerated} honest clients (training.clients, privacy.tolerated); "
+                      f"this node needs at least {policy.min_honest} {where}.")
     if cfg.local.enabled and not policy.local_routine:
         raise Refused(node, "local_routine", f"the run asks the private local routine (local.steps = "
                       f"{cfg.local.steps}); this node does not allow it {where}.")
