@@ -70,6 +70,18 @@ def test_skellam_messages_pass_through_secaggplus_and_decode_to_their_modular_su
     assert not np.array_equal(seen[0] % 2**bits, messages[0])
 
 
+def test_a_large_sum_of_many_clients_decodes_despite_the_float_division():
+    """31 bits, 13 clients, every message near M/2 (centred near -M/2): |Σ| ≈ 13·2**30, and the workflow's mean
+    times 13 is off its integer by ~2e-6 (a fixed 1e-6 tolerance refused the round)."""
+    bits, clients = 31, 13
+    rng = np.random.default_rng(0)
+    messages = [rng.integers(2 ** (bits - 1), 2 ** (bits - 1) + 4, size=64) for _ in range(clients)]
+    mean, _ = _secaggplus_round([to_secagg(m, bits) for m in messages], secagg_settings(bits, clients), mask_stream)
+    assert np.array_equal(from_secagg(mean, clients, bits), sk.modular_sum(messages, bits))
+    with pytest.raises(ValueError, match="not an integer vector"):
+        from_secagg(mean, clients - 1, bits)
+
+
 def test_the_settings_respect_flowers_limits_and_refuse_what_would_overflow():
     s = secagg_settings(20, 10)
     assert s.clipping_range == 2**19 and s.quantization_range == 2**20 and s.max_weight == 1.0
