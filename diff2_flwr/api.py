@@ -22,6 +22,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -31,11 +32,12 @@ from flwr.common import Parameters, parameters_to_ndarrays
 
 from .core.gradients import LossFn
 from .fl.client import Diff2Client
+from .fl.secagg import run_secure, secure_sum_mod
 from .fl.strategy import Diff2Strategy
 from .runtime.config import experiment_from_arguments
 from .runtime.session import make_server, make_worker
 
-__all__ = ["make_strategy", "make_client"]
+__all__ = ["make_strategy", "make_client", "run_secure", "secure_sum_mod"]
 
 #: make_strategy's arguments that set no key of the experiment: x_0, callables, where the run writes, the
 #: Strategy's patience. Every other argument is a setting, validated and named by its declaration
@@ -73,6 +75,10 @@ def make_strategy(
     local_clip: float = 1.0,
     local_share: float = 0.5,
     clip_stats: bool = False,
+    noise: str = "central",
+    bits: int = 20,
+    tolerated: int = 0,
+    wrap: float = 1e-6,
     progress: Callable[[str], None] | None = print,
 ) -> Diff2Strategy:
     """A Flower ``Strategy`` that runs DIFF2 with (ε, δ)-DP for ``rounds`` rounds over all ``clients``.
@@ -107,6 +113,12 @@ def make_strategy(
         clip_stats: release each round's ``clip_fraction`` (the share of records clipped) in the history,
             metrics and progress lines. Off by default: it is counted on the private data without noise,
             is not covered by ε, and is announced with a warning when on.
+        noise, bits, tolerated, wrap: who adds the noise, as the experiment file's ``privacy.*``: "central" (this
+            server, trusted with each client's clipped mean) or "distributed" (each client adds a Skellam share and
+            this server decodes only their SecAgg+ sum; ``bits`` per coordinate, t = ``tolerated`` clients may drop
+            out or collude, ``wrap`` bounds a round's wrap-around probability). With "distributed" the ServerApp
+            runs the rounds with :func:`diff2_flwr.run_secure` and every ClientApp has
+            :func:`diff2_flwr.secure_sum_mod` and a :func:`make_client` given the same ``distributed`` settings.
         progress: where progress lines go (None: silent).
 
     Returns:
@@ -140,6 +152,8 @@ def make_client(
     dtype: str = "float64",
     chunk_size: int = 1024,
     gradients: str = "auto",
+    distributed: Mapping[str, Any] | None = None,
+    seed: int | None = None,
 ) -> Diff2Client:
     """A Flower ``NumPyClient`` for one data owner: ClippedMean of its per-sample gradients (differences).
 
@@ -156,6 +170,12 @@ def make_client(
         chunk_size: records per ``torch.func`` batch (bounds memory).
         gradients: "auto" (closed form for the paper MLP with ½-squared error, ``torch.func`` otherwise),
             "torch_func", or "closed_form".
+        distributed: for a strategy with ``noise="distributed"``: the same run settings as its
+            :func:`make_strategy` call, from which this client computes its own noise share: ``epsilon``,
+            ``delta``, ``rounds``, ``restart_every``, ``clients`` and optionally ``u``, ``bits``, ``tolerated``,
+            ``wrap`` (its defaults). None: central noise (the reply is the clipped mean).
+        seed: with ``distributed``, reproducible noise shares from (seed, partition, round) (tests only; None:
+            OS entropy).
 
     Returns:
         A :class:`~diff2_flwr.fl.client.Diff2Client`; a ClientApp's ``client_fn`` returns ``.to_client()`` of it.
@@ -163,5 +183,28 @@ def make_client(
     Raises:
         ConfigError, ValueError: an argument is invalid (the message names it and says what to do).
     """
+    function = "diff2_flwr.make_client"
+    noise = None if distributed is None else _distributed_settings(function, distributed)
     return Diff2Client(make_worker(model=model, loss=loss, data=data, partition_id=partition_id, dtype=dtype,
-                                   chunk_size=chunk_size, gradients=gradients, _function="diff2_flwr.make_client"))
+                                   chunk_size=chunk_size, gradients=gradients, _function=function),
+                       noise=noise, seed=seed)
+
+
+_DISTRIBUTED_REQUIRED = ("epsilon", "delta", "rounds", "restart_every", "clients")
+_DISTRIBUTED_OPTIONAL = ("u", "bits", "tolerated", "wrap")
+
+
+def _distributed_settings(function: str, given: Mapping[str, Any]) -> Callable[[int, int], Any]:
+    """``make_client(distributed=...)``: the run's settings checked as the strategy's are (by the experiment
+    file's checks, named as the caller wrote them); the client's ``noise(n_min, dim)``."""
+    from .runtime.spec import argument_error
+
+    if not isinstance(given, Mapping) or set(given) - set(_DISTRIBUTED_REQUIRED + _DISTRIBUTED_OPTIONAL):
+        raise argument_error(function, "distributed", "a mapping of the strategy's " + ", ".join(
+            _DISTRIBUTED_REQUIRED + _DISTRIBUTED_OPTIONAL), given)
+    missing = [k for k in _DISTRIBUTED_REQUIRED if k not in given]
+    if missing:
+        raise argument_error(function, "distributed", f"the strategy's {', '.join(missing)} as well", dict(given))
+    spec = experiment_from_arguments(function, {**given, "noise": "distributed", "n_min": 1, "clip_restart": 1.0,
+                                                "clip_diff": 1.0, "learning_rate": 1.0}, method="diff2")
+    return functools.lru_cache(maxsize=8)(spec.distributed_noise)

@@ -19,13 +19,10 @@ from typing import Any, Mapping
 
 from flwr.common import Context
 from flwr.server import Grid, ServerApp, ServerAppComponents, ServerConfig
-from flwr.server.compat import LegacyContext, start_grid
-from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
-from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD
-from flwr.server.workflow.constant import Key as WorkflowKey
+from flwr.server.compat import start_grid
 
 from diff2_flwr.fl.federation import simulation_supernodes
-from diff2_flwr.fl.secagg import secagg_settings, use_secure_masks
+from diff2_flwr.fl.secagg import run_secure
 from diff2_flwr.fl.strategy import Diff2Strategy
 from diff2_flwr.runtime.compute import pin_threads
 from diff2_flwr.runtime.config import ExperimentConfig, load_run_config
@@ -81,32 +78,6 @@ def main(grid: Grid, context: Context) -> None:
         print_outcome(components.strategy)
 
 
-class _Diff2SecAggPlus(SecAggPlusWorkflow):
-    """Flower's SecAgg+ fit workflow, telling the strategy when a round ended (released or halted)."""
-
-    def __call__(self, grid: Grid, context: Context) -> None:
-        super().__call__(grid, context)
-        round_ = int(context.state.config_records[MAIN_CONFIGS_RECORD][WorkflowKey.CURRENT_ROUND])
-        context.strategy.secure_round_ended(round_)
-
-
-def run_secure(grid: Grid, context: Context, strategy: Diff2Strategy, config: ServerConfig) -> None:
-    """``privacy.noise: distributed``: the rounds through Flower's SecAgg+ (``DefaultWorkflow`` with
-    ``SecAggPlusWorkflow``, the strategy in a ``LegacyContext``). Every client is a share holder, the reconstruction
-    threshold is P - t, and the quantisation passes the clients' integer messages unchanged
-    (:func:`~diff2_flwr.fl.secagg.secagg_settings`); masks come from :func:`~diff2_flwr.fl.secagg.mask_stream`."""
-    noise = strategy.server.distributed
-    assert noise is not None
-    use_secure_masks()
-    q = secagg_settings(noise.bits, noise.clients)
-    fit = _Diff2SecAggPlus(num_shares=1.0, reconstruction_threshold=noise.threshold / noise.clients,
-                           clipping_range=q.clipping_range, quantization_range=q.quantization_range,
-                           modulus_range=q.modulus_range, max_weight=q.max_weight, timeout=config.round_timeout)
-    print(f"[diff2] distributed noise: each of the P = {noise.clients} clients adds a Skellam share; the server sees "
-          f"only the SecAgg+ sum (threshold P - t = {noise.threshold}, {noise.bits} bits per coordinate)", flush=True)
-    DefaultWorkflow(fit_workflow=fit)(grid, LegacyContext(context=context, config=config, strategy=strategy))
-
-
 def print_outcome(strategy: Diff2Strategy) -> None:
     """The run's summary block (status, final metrics, ε spent, files) from its ``summary.json``, when it has one."""
     recorder = strategy.server.recorder
@@ -120,4 +91,4 @@ def print_outcome(strategy: Diff2Strategy) -> None:
     print(block, flush=True)
 
 
-__all__ = ["app", "checked_config", "print_outcome", "run_secure", "server_fn"]
+__all__ = ["app", "checked_config", "print_outcome", "server_fn"]

@@ -7,6 +7,7 @@ test_skellam.py; SecAgg+ itself in test_secagg.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -244,3 +245,58 @@ def test_a_data_owner_who_does_not_trust_the_server_refuses_central_noise_and_to
 
     with pytest.raises(Invalid, match="key `noise`"):
         NodePolicy(max_epsilon=5.0, max_delta=1e-4, noise=("server",))
+
+
+def test_a_study_compares_central_and_distributed_noise_and_runs_the_distributed_arm_in_process(tmp_path):
+    """A method's ``privacy:`` block reaches its runs; on the batch engine its runs are in-process units (the batch
+    engine adds central Gaussian noise), which equal a single in-process run of the same config."""
+    from diff2_flwr.lab.study import run_study
+    from diff2_flwr.lab.study_plan import plan_units
+    from diff2_flwr.lab.study_spec import parse_study
+
+    grid = {"restart_every": [3], "learning_rate": [0.2], "clip_restart": [1.0], "clip_diff": [3.0]}
+    data = {"name": "noise", "dataset": {"name": "synthetic", "num_samples": 1500}, "clients": 3, "rounds": 6,
+            "epsilons": [3.0], "eval_every": 3, "seeds": {"tune": [7], "evaluate": [1]}, "engine": "batch",
+            "analysis": {"protocol": "paper"},
+            "methods": [{"name": "central", "method": "diff2", "grid": grid},
+                        {"name": "distributed", "method": "diff2", "grid": grid,
+                         "privacy": {"noise": "distributed", "tolerated": 1}}]}
+    study = parse_study(data, "noise.yaml")
+    cfg = study.experiment(study.methods[1], study.methods[1].points()[0], 3.0, 1)
+    assert cfg.privacy.distributed and cfg.privacy.tolerated == 1
+    result = run_study(study, output_root=tmp_path, show_progress=False, make_plots=False)
+    assert set(result["epsilons"]["3.0"]["methods"]) == {"central", "distributed"}
+    runs = [json.loads(r.read_text()) for r in (tmp_path / "noise" / "runs").glob("*.json")]
+    assert {(r["method"], r["engine"]) for r in runs} == {("central", "batch"), ("distributed", "inprocess")}
+    (run,) = [r for r in runs if r["method"] == "distributed" and r["run_id"].startswith("eval")]
+    single = run_inprocess(cfg, record=False, progress=None)  # the same config, seed and shares: the same run
+    assert run["train_loss"] == [r["train_loss"] for r in single.history if r["round"] in run["rounds"]]
+
+
+def test_the_python_api_with_distributed_noise_is_the_yaml_run_bit_for_bit():
+    """make_strategy(noise="distributed") and make_client(distributed=...) through a secure sum as SecAgg+ hands it
+    over (the mean of the survivors' centred messages) equal the in-process driver of the same config."""
+    import diff2_flwr
+    from diff2_flwr.runtime.loading import load_data
+    from diff2_flwr.task.losses import half_squared_error
+    from diff2_flwr.task.models import PaperMLP
+
+    cfg = config(tolerated=1)
+    reference = run_inprocess(cfg, record=False, progress=None)
+    data = load_data(cfg)
+    settings = dict(epsilon=3.0, delta=1e-5, rounds=6, restart_every=3, clients=3)
+    strategy = diff2_flwr.make_strategy(**settings, n_min=data.n_min, clip_restart=1.0, clip_diff=3.0,
+                                        learning_rate=0.2, model=PaperMLP(data.num_features, 10, 1, init_seed=0).double(),
+                                        noise="distributed", tolerated=1, seed=5, progress=None)
+    clients = [diff2_flwr.make_client(model=PaperMLP(data.num_features, 10, 1).double(), loss=half_squared_error,
+                                      data=data.shard(p), partition_id=p, distributed={**settings, "tolerated": 1},
+                                      seed=5) for p in range(3)]
+    for r in range(1, 7):
+        instructions = strategy.configure_fit(r, None, _Manager(3))
+        replies = [clients[int(proxy.cid) - 100].fit(parameters_to_ndarrays(ins.parameters), ins.config)
+                   for proxy, ins in instructions]
+        mean = np.mean([arrays[0] for arrays, _, _ in replies], axis=0)
+        strategy.aggregate_fit(r, [(proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters([mean]), n, metrics))
+                                   for (proxy, _), (_, n, metrics) in zip(instructions, replies)], [])
+    np.testing.assert_array_equal(strategy.server.state.x, reference.state.x)
+    assert strategy.server.epsilon_spent == reference.epsilon_spent

@@ -33,7 +33,7 @@ import numpy as np
 from ..core.skellam import centre
 
 __all__ = ["SecAggSettings", "secagg_settings", "to_secagg", "from_secagg", "mask_stream", "use_secure_masks",
-           "secure_sum_mod", "check_setup"]
+           "secure_sum_mod", "check_setup", "run_secure"]
 
 #: Flower's quantiser casts to int32: x + M/2 must stay below 2**31.
 MAX_BITS = 31
@@ -189,3 +189,42 @@ def secure_sum_mod(settings: Callable[[Any], tuple[int, int, int] | None]) -> Ca
         return secaggplus_mod(msg, ctxt, call_next)
 
     return mod
+
+
+def _secagg_workflow() -> type:
+    """Flower's SecAgg+ fit workflow, telling the strategy when a round ended (released or halted)."""
+    from flwr.server.workflow import SecAggPlusWorkflow
+    from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD
+    from flwr.server.workflow.constant import Key as WorkflowKey
+
+    class Diff2SecAggPlus(SecAggPlusWorkflow):
+        def __call__(self, grid: Any, context: Any) -> None:
+            super().__call__(grid, context)
+            round_ = int(context.state.config_records[MAIN_CONFIGS_RECORD][WorkflowKey.CURRENT_ROUND])
+            context.strategy.secure_round_ended(round_)
+
+    return Diff2SecAggPlus
+
+
+def run_secure(grid: Any, context: Any, strategy: Any, config: Any) -> None:
+    """``privacy.noise: distributed``: what a ServerApp's ``main`` calls to run ``strategy``'s rounds through
+    Flower's SecAgg+ (``DefaultWorkflow`` with ``SecAggPlusWorkflow``, the strategy in a ``LegacyContext``). Every client is a share holder, the reconstruction
+    threshold is P - t, and the quantisation passes the clients' integer messages unchanged
+    (:func:`secagg_settings`); masks come from :func:`mask_stream`. ``config``: Flower's ``ServerConfig`` (its
+    ``num_rounds`` = ``strategy.num_rounds``; its ``round_timeout`` bounds each SecAgg+ stage)."""
+    from flwr.server.compat import LegacyContext
+    from flwr.server.workflow import DefaultWorkflow
+
+    noise = strategy.server.distributed
+    if noise is None:
+        raise ValueError("run_secure needs a strategy with distributed noise (privacy.noise: distributed, or "
+                         "make_strategy(noise='distributed')); a central-noise strategy runs with start_grid.")
+    use_secure_masks()
+    q = secagg_settings(noise.bits, noise.clients)
+    fit = _secagg_workflow()(num_shares=1.0, reconstruction_threshold=noise.threshold / noise.clients,
+                             clipping_range=q.clipping_range, quantization_range=q.quantization_range,
+                             modulus_range=q.modulus_range, max_weight=q.max_weight, timeout=config.round_timeout)
+    strategy.server.journal.say(f"[diff2] distributed noise: each of the P = {noise.clients} clients adds a Skellam "
+                                f"share; the server sees only the SecAgg+ sum (threshold P - t = {noise.threshold}, "
+                                f"{noise.bits} bits per coordinate)")
+    DefaultWorkflow(fit_workflow=fit)(grid, LegacyContext(context=context, config=config, strategy=strategy))

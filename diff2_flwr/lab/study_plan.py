@@ -41,6 +41,8 @@ def method_key(method: MethodSpec) -> dict:
         del key["rounds"]
     if not method.seed_offset:
         del key["seed_offset"]
+    if not method.privacy:  # nor are those of methods with central noise
+        del key["privacy"]
     return key
 
 
@@ -122,7 +124,7 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
     batch with T > 1 runs; within a group, batches are balanced (no batch much smaller than the
     others), sorted by T, and as many as a multiple of ``study.workers`` where there are runs
     enough, so that every worker process has its share. Runs the batched engine cannot run (a
-    model that is not an MLP, a routine that computes on private data, the local routine) are
+    model that is not an MLP, a routine that computes on private data, the local routine, distributed noise) are
     units of one ``inprocess`` run. Units are ordered by their cost, largest first, so that no
     worker is left with a big one at the end.
     """
@@ -131,7 +133,7 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
         return [Unit(engine, (j,)) for j in jobs]
     mlp = bool(jobs) and batchable(study, jobs[0].cfg)  # one model and dataset per study
     fits = [j for j in jobs if mlp and ROUTINES[j.cfg.training.routine.name].post_processing
-            and not j.cfg.local.enabled]
+            and not j.cfg.local.enabled and not j.cfg.privacy.distributed]
     units = [Unit("inprocess", (j,)) for j in jobs if j not in fits]
     groups = {(j.cfg.training.rounds, j.cfg.restart_every == 1): None for j in fits}  # a batch shares R
     for rounds, every in groups:

@@ -32,7 +32,9 @@ GRID_KEYS = ("learning_rate", "clip_restart", "clip_diff", "restart_every", "loc
 ROUTINE_GRID_KEYS = tuple(dict.fromkeys(k for name in ROUTINES for k in routine_parameters(name)))
 #: A method's fixed settings of the local routine (``local:`` beside ``grid``; see ExperimentConfig.local).
 LOCAL_KEYS = ("steps", "batch_size", "clip", "share")
-METHOD_KEYS = ("name", "method", "grid", "u", "routine", "local", "rounds", "seed_offset")
+METHOD_KEYS = ("name", "method", "grid", "u", "routine", "local", "rounds", "seed_offset", "privacy")
+#: A method's own privacy keys (``privacy:`` beside ``grid``): who adds the noise, and the secure sum's settings.
+PRIVACY_KEYS = ("noise", "bits", "tolerated", "wrap")
 Engine = Literal["batch", "inprocess", "flower"]
 
 
@@ -59,6 +61,12 @@ class MethodSpec:
     #: added to every seed of this method (noise, sampling, initialisation): an independent replicate arm, e.g. the
     #: second arm of an A/A (null) study; 0 pairs the methods by seed (common random numbers)
     seed_offset: int = 0
+    #: this method's ``privacy.noise`` and the secure sum's settings (empty: central noise)
+    privacy: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def distributed(self) -> bool:
+        return dict(self.privacy).get("noise") == "distributed"
 
     def routine_of(self, point: Mapping[str, float]) -> dict[str, Any]:
         """The routine of one grid point, as ``training.routine`` (fixed parameters, then the point's)."""
@@ -126,7 +134,8 @@ class Study:
             "name": f"{self.name}-{slug(method.name)}", "method": method.method, "dataset": dict(self.dataset),
             "model": ({"hidden": self.hidden} if self.model == "paper_mlp" else
                       {"name": self.model, "kwargs": dict(self.model_kwargs)}) | {"init_seed": seed},
-            "privacy": {"epsilon": epsilon, "delta": self.delta, "mode": self.mode, "u": method.u},
+            "privacy": {"epsilon": epsilon, "delta": self.delta, "mode": self.mode, "u": method.u,
+                        **dict(method.privacy)},
             "training": training, "evaluation": {"every": self.eval_every}, **({"local": local} if local else {}),
         }, source=f"{self.source} (method {method.name!r}, point {dict(point)})")
 
@@ -306,6 +315,9 @@ def _method(i: int, m: Any, rounds: int) -> MethodSpec:
     own_rounds = m.get("rounds")
     require(own_rounds is None or (_is_int(own_rounds) and own_rounds >= 1), f"{where}.rounds",
             "an integer >= 1 (this method's R; the same ε is spent over it)", own_rounds)
+    privacy = m.get("privacy") or {}
+    require(isinstance(privacy, Mapping) and not set(privacy) - set(PRIVACY_KEYS), f"{where}.privacy",
+            f"a mapping with keys among {', '.join(PRIVACY_KEYS)} (the run config's privacy.*)", privacy)
     local = m.get("local") or {}
     require(isinstance(local, Mapping) and not set(local) - set(LOCAL_KEYS)
             and all(_is_number(v) for v in local.values()), f"{where}.local",
@@ -321,7 +333,7 @@ def _method(i: int, m: Any, rounds: int) -> MethodSpec:
     return MethodSpec(name=str(m["name"]), method=m["method"], grid=tuple((k, tuple(v)) for k, v in grid.items()),
                       u=float(m.get("u", 1.25)), routine=routine, routine_params=tuple(sorted(fixed.items())),
                       local=tuple(sorted((str(k), v) for k, v in local.items())), rounds=own_rounds,
-                      seed_offset=offset)
+                      seed_offset=offset, privacy=tuple(sorted(privacy.items())))
 
 
 def _routine(where: str, given: Any) -> tuple[str, dict[str, Any]]:
