@@ -45,6 +45,7 @@ def data_dir() -> Path:
 # measured in a full parallel run on 2 cores (the compose file: warm images; its cold image build adds ~10 min).
 _FILE_SECONDS = {
     "test_compose_podman.py": 1300, "test_flower_e2e.py": 820, "test_deployment.py": 726, "test_audit.py": 302,
+    "test_audit_distributed.py": 180,  # not from a full run: 171 s of CPU for its two audits, measured alone
     "test_node_policy.py": 272, "test_plain_flwr_run.py": 225, "test_api.py": 145, "test_node_auth.py": 139,
     "test_private_edges.py": 131, "test_cluster.py": 121, "test_own_code.py": 116, "test_console.py": 96,
     "test_preflight.py": 91, "test_partitions.py": 89, "test_checkpoint.py": 84, "test_strategy.py": 77,
@@ -59,6 +60,9 @@ _SLOW = (
     # the audit's 5,000-trial federations (a module fixture each: ~60-150 s) and its catches
     "tests/test_audit.py::test_audit_of_diff2_", "tests/test_audit.py::test_audit_scores_follow",
     "tests/test_audit.py::test_audit_of_dpgd", "tests/test_audit.py::test_audit_catches_",
+    # --noise distributed: 1,500 runs per federation each, the correct run (a module fixture) and the 4x catch
+    "tests/test_audit_distributed.py::test_audit_of_distributed_",
+    "tests/test_audit_distributed.py::test_audit_scores_", "tests/test_audit_distributed.py::test_audit_catches_",
     "tests/test_node_policy.py::test_the_lifetime_budget_refuses",
     "tests/test_node_policy.py::test_diff2_run_checks_the_policy_file",
     "tests/test_study_drivers.py::test_a_killed_driver", "tests/test_study_drivers.py::test_two_driver_processes",

@@ -6,6 +6,7 @@ and checked with :func:`~diff2_flwr.runtime.spec.require`; ``diff2 audit``'s fla
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -14,11 +15,16 @@ from typing import TYPE_CHECKING, Literal
 from ..runtime.spec import Invalid, require, setting
 
 if TYPE_CHECKING:
+    from ..core.distributed import DistributedNoise
     from ..core.privacy import Calibration
 
-__all__ = ["LOCAL_STEPS", "AuditSpec", "default_workers"]
+__all__ = ["LOCAL_STEPS", "WRAP", "AuditSpec", "default_workers"]
 
 _METHODS = ("dpgd", "diff2", "diff2-bvr")  # AuditSpec.method's Literal, checked also when built in Python
+_NOISES = ("central", "distributed")  # AuditSpec.noise's Literal
+
+#: The wrap-around bound of an audited distributed-noise round: ``privacy.wrap``'s default.
+WRAP = 1e-6
 
 #: K of the audited local routine: one private local step per round, so that x_r = y_2 reveals that step's
 #: output exactly (with K > 2 only y_K is released and the K - 1 steps' outputs are mixed; the ledger charges each).
@@ -39,6 +45,12 @@ class AuditSpec:
     ``local_batch_size / samples``, clips its gradient difference to C3 ||y_1 - y_0|| (``local_clip`` = C3),
     divides the sum by b and adds σ3-calibrated noise; ``local_share`` is the fraction of the GDP budget μ² the
     server's rounds leave to the local steps, and ``local_noise_scale`` multiplies σ3 only.
+
+    ``noise = "distributed"`` audits ``privacy.noise: distributed``: each client adds its share of Skellam noise to
+    its encoded clipped mean and the server decodes the modular sum (``bits`` per coordinate); ``tolerated`` = t of
+    the P clients (never worker 0, the canary's) drop out of every round, so that the sum carries exactly the
+    P - t shares the analysis counts on. There ``noise_scale`` multiplies every client's share std (the server and
+    its ledger keep the calibrated noise).
     """
 
     method: Literal["dpgd", "diff2", "diff2-bvr"] = setting(
@@ -54,7 +66,14 @@ class AuditSpec:
     learning_rate: float = setting(0.5, "η of the audited GD step")
     clip_restart: float = setting(1.0, "C1, the radius of restart rounds")
     clip_diff: float = setting(1.0, "C2, the radius of difference rounds (C2 ||x_(r-1) - x_(r-2)||)")
-    noise_scale: float = setting(1.0, "multiply the calibrated noise (< 1 breaks the mechanism on purpose)")
+    noise_scale: float = setting(1.0, "multiply the calibrated noise (< 1 breaks the mechanism on purpose); "
+                                      "distributed: every client's share std")
+    noise: Literal["central", "distributed"] = setting(
+        "central", "who adds the noise: central (the server) or distributed (each client a Skellam share, the "
+                   "server decodes the secure sum), as privacy.noise")
+    bits: int = setting(20, "distributed: bits per coordinate of the secure sum (modulus 2**bits), as privacy.bits")
+    tolerated: int = setting(0, "distributed: t, clients (never the canary's) that drop out of every round; the "
+                                "other P - t carry the whole noise (P > 2t), as privacy.tolerated")
     local_batch_size: int = setting(8, "diff2-bvr: b, each record sampled with probability b / samples")
     local_share: float = setting(0.98, "diff2-bvr: fraction of the budget μ² left to the local steps")
     local_clip: float = setting(1.0, "diff2-bvr: C3, local radius C3 ||y_1 - y_0||")
@@ -71,6 +90,8 @@ class AuditSpec:
         except Invalid as err:  # the same check as every section's, said as the audit's flag
             raise ValueError(f"`--{err.key.replace('_', '-')}` must be {err.expected}. Found {err.found!r}.") from None
         self.calibration()  # ε, δ, u: the calibration's own checks, with their messages
+        if self.distributed:
+            self.distributed_noise()  # the Skellam calibration's and the bits' own checks, with their messages
 
     def _check(self) -> None:
         require(self.method in _METHODS, "method", f"one of {_METHODS}", self.method)
@@ -92,6 +113,17 @@ class AuditSpec:
         require(math.isfinite(self.local_share) and 0 < self.local_share < 1, "local_share",
                 "in (0, 1): the fraction of the budget left to the local steps", self.local_share)
         require(0 < self.alpha < 1, "alpha", "in (0, 1)", self.alpha)
+        require(self.noise in _NOISES, "noise", f"one of {_NOISES}", self.noise)
+        require(not (self.distributed and self.local), "noise", "central for --method diff2-bvr (privacy.noise: "
+                "distributed has no local routine)", self.noise)
+        require(isinstance(self.bits, int) and 2 <= self.bits <= 31, "bits", "an integer in [2, 31] (Flower's "
+                "SecAgg+ quantiser casts to int32)", self.bits)
+        require(isinstance(self.tolerated, int) and self.tolerated >= 0 and 2 * self.tolerated < self.clients,
+                "tolerated", f"an integer t >= 0 with 2t < --clients = {self.clients}", self.tolerated)
+        require(self.tolerated == 0 or self.distributed, "tolerated", "0 unless --noise is distributed",
+                self.tolerated)
+        require(not self.distributed or self.clients >= 2, "clients", "at least 2 for --noise distributed (secure "
+                "aggregation of one client is its value)", self.clients)
         for key in ("clip_restart", "clip_diff", "learning_rate", "local_clip"):
             require(math.isfinite(getattr(self, key)) and getattr(self, key) > 0, key, "a finite number > 0",
                     getattr(self, key))
@@ -108,6 +140,16 @@ class AuditSpec:
         """Whether the audited mechanism has the private local routine (method diff2-bvr)."""
         return self.method == "diff2-bvr"
 
+    @property
+    def distributed(self) -> bool:
+        """Whether the clients add the noise (``privacy.noise: distributed``)."""
+        return self.noise == "distributed"
+
+    def distributed_noise(self) -> "DistributedNoise":
+        """The run's distributed-noise settings (``privacy.noise: distributed``) for this schedule and federation."""
+        return _distributed_noise(self.epsilon, self.delta, self.rounds, self.period, self.u, self.dim, self.bits,
+                                  self.clients, self.tolerated, self.samples)
+
     def calibration(self) -> "Calibration":
         """The claimed calibration: the one a run of this schedule would use (the local routine's σ3 by PLD)."""
         from ..core.privacy import calibrate
@@ -116,6 +158,16 @@ class AuditSpec:
                   "local_share": self.local_share} if self.local else {})
         return calibrate(epsilon=self.epsilon, delta=self.delta, rounds=self.rounds, restart_every=self.period,
                          u=self.u, n_min=self.samples, clients=self.clients, **local)
+
+
+@functools.lru_cache(maxsize=8)
+def _distributed_noise(epsilon: float, delta: float, rounds: int, restart_every: int, u: float, dim: int, bits: int,
+                       clients: int, tolerated: int, n_min: int) -> "DistributedNoise":
+    """:func:`~diff2_flwr.core.distributed.distributed_noise`, once per setting (its calibration takes seconds)."""
+    from ..core.distributed import distributed_noise
+
+    return distributed_noise(epsilon=epsilon, delta=delta, rounds=rounds, restart_every=restart_every, u=u, dim=dim,
+                             bits=bits, clients=clients, tolerated=tolerated, n_min=n_min, wrap=WRAP)
 
 
 def default_workers() -> int:

@@ -1,6 +1,7 @@
 """The audit's trials: the neighbouring federations D and D′, and runs of the schedule through the real server path.
 
-A trial (:func:`_trial`, or :func:`_trial_local` for DIFF2 with its private local routine) runs the whole
+A trial (:func:`_trial`, :func:`_trial_local` for DIFF2 with its private local routine, or :func:`_trial_distributed`
+for distributed noise) runs the whole
 schedule through the production code and returns the likelihood-ratio score of what the server released;
 :func:`audit_scores` runs ``spec.trials`` of them on each federation, in worker processes if asked. The
 canary, the score and why they are the worst case: :mod:`.audit`.
@@ -8,10 +9,11 @@ canary, the score and why they are the worst case: :mod:`.audit`.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -19,12 +21,14 @@ import torch
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
 from ..core.clipping import clipped_sum
+from ..core.distributed import DistributedNoise
 from ..core.estimator import Mechanism, difference_radius
 from ..core.gradients import Contribution
 from ..core.layout import ParameterLayout
 from ..core.local import LocalMechanism
 from ..core.privacy import Calibration
 from ..core.routines import make_routine
+from ..core.skellam import SkellamCode
 from ..fl import protocol
 from ..fl.client import Diff2Client
 from ..fl.strategy import Diff2Strategy
@@ -33,7 +37,7 @@ from ..task.records import TensorRecords
 from .audit_spec import LOCAL_STEPS, AuditSpec
 from .audit_stats import local_log_likelihood_ratio
 
-__all__ = ["CANARY_MARGIN", "GradientCanaryShard", "audit_scores", "mechanism_run"]
+__all__ = ["CANARY_MARGIN", "GradientCanaryShard", "audit_scores", "mechanism_run", "worker_noise"]
 
 # ------------------------------------------------------------------------- the federation
 
@@ -236,6 +240,116 @@ def _trial_local(spec: AuditSpec, claimed: Calibration, run: Calibration, worker
     return score
 
 
+# ------------------------------------------------------------------------- distributed noise
+
+@dataclass(frozen=True)
+class _ScaledShares(DistributedNoise):
+    """The run's distributed noise with every client's share of the variance multiplied by ``noise_scale``²: a
+    mechanism broken on purpose, for the workers only (the server decodes and accounts with the run's settings).
+
+    The round's code (scale, rounding bound, rotation) is the run's own, so that the server decodes what the workers
+    encoded; only :meth:`share_variance`, the noise each client adds, differs. Only the audit builds this class; no
+    config or API argument reaches it.
+    """
+
+    noise_scale: float = 1.0
+
+    @functools.cached_property
+    def run_noise(self) -> DistributedNoise:
+        return DistributedNoise(**{f.name: getattr(self, f.name) for f in fields(DistributedNoise)})
+
+    def code(self, r: int, restart: bool, radius: float) -> SkellamCode:
+        return self.run_noise.code(r, restart, radius)
+
+    def share_variance(self, code: SkellamCode, restart: bool, radius: float) -> float:
+        return self.run_noise.share_variance(code, restart, radius) * self.noise_scale**2
+
+
+def worker_noise(spec: AuditSpec, noise: DistributedNoise) -> DistributedNoise:
+    """The distributed noise the audited clients add: the run's, or with ``spec.noise_scale`` != 1 each share's std
+    scaled (:class:`_ScaledShares`)."""
+    if spec.noise_scale == 1.0:
+        return noise
+    return _ScaledShares(**{f.name: getattr(noise, f.name) for f in fields(DistributedNoise)},
+                         noise_scale=spec.noise_scale)
+
+
+def _secure_sum_results(results: list[tuple[_Proxy, FitRes]]) -> list[tuple[_Proxy, FitRes]]:
+    """What Flower's SecAgg+ workflow hands ``aggregate_fit``: each survivor's FitRes (its metrics) with its
+    parameters replaced by the unmasked mean of the survivors' centred messages (``Σ_p to_secagg(m_p) / k``).
+
+    The masks cancel exactly and the quantisation is the identity on these messages (:mod:`~diff2_flwr.fl.secagg`;
+    tests/test_secagg.py runs Flower's own arithmetic), so the audit forms the mean directly instead of masking.
+    """
+    arrays = [parameters_to_ndarrays(res.parameters) for _, res in results]
+    mean = [np.sum([a[i] for a in arrays], axis=0) / len(arrays) for i in range(len(arrays[0]))]
+    unmasked = ndarrays_to_parameters(mean)
+    return [(proxy, FitRes(res.status, unmasked, res.num_examples, res.metrics)) for proxy, res in results]
+
+
+def _trial_distributed(spec: AuditSpec, noise: DistributedNoise, shares: DistributedNoise, workers: Sequence[Worker],
+                       seed: int | None) -> float:
+    """One run of the schedule under distributed noise through the real Strategy and clients; the LR score.
+
+    ``configure_fit`` -> each surviving :class:`Diff2Client`'s ``fit`` with ``noise=`` (its clipped mean encoded
+    with its Skellam share: ``encode_share``) -> SecAgg+'s unmasked mean (:func:`_secure_sum_results`) ->
+    ``aggregate_fit`` (``decode_secure_sum`` -> :meth:`Diff2Server.release_sum`: decode, Skellam ledger, budget
+    guard). The last ``spec.tolerated`` clients (never worker 0) drop out every round. ``shares``: the noise the
+    clients add (:func:`worker_noise`); the server has the run's ``noise``.
+
+    The adversary reads the announced radius and the released ṽ_r and round row (its ``noise_std``, the std of the
+    decoded mean's noise, and the survivors k) and scores S = Σ_r (Δ_r / s_r²) ⟨ṽ_r − ṽ_{r−1}·[difference], e⟩ with
+    Δ_r = 2 C_r/(n_min k) and s_r = ``noise_std``: the central audit's statistic. The decoded noise is Skellam (plus
+    the rounding errors), not Gaussian, so this is the Gaussian-optimal linear test rather than the exact
+    Neyman–Pearson one; any fixed test's error rates bound ε from below, so the bound stays valid (and the Skellam
+    of variance (zΔ₂)² >> 1 is close to the Gaussian: little power is lost).
+    """
+    mechanism = Mechanism(restart_every=spec.period, clip_restart=spec.clip_restart, clip_diff=spec.clip_diff,
+                          sigma_restart=0.0, sigma_diff=0.0)  # the server adds none: the clients' shares are the noise
+    server = Diff2Server(mechanism=mechanism, routine=make_routine("gd", learning_rate=spec.learning_rate),
+                         layout=workers[0].gradients.layout, x0=np.zeros(spec.dim), rounds=spec.rounds,
+                         clients=spec.clients, n_min=spec.samples, calibration=None, seed=seed, progress=None,
+                         distributed=noise)
+    strategy = Diff2Strategy(server=server)
+    proxies = {f"node-{1000 + p}": _Proxy(f"node-{1000 + p}") for p in range(spec.clients)}
+    manager = _Manager(proxies)
+
+    def settings(n_min: int, dim: int) -> DistributedNoise:  # as the ClientApp rebuilds them from the run config
+        if (n_min, dim) != (shares.n_min, shares.dim):
+            raise RuntimeError(f"the task's n_min, dim = {n_min}, {dim}; the audit's are {shares.n_min}, {shares.dim}")
+        return shares
+
+    clients = {cid: Diff2Client(w, noise=settings, seed=seed) for cid, w in zip(proxies, workers)}
+    dropped = set(list(proxies)[spec.clients - spec.tolerated:])
+    score, v_prev = 0.0, np.zeros(spec.dim)
+    for rnd in range(1, spec.rounds + 1):
+        instructions = strategy.configure_fit(rnd, None, manager)  # type: ignore[arg-type]
+        results, failures = [], []
+        for proxy, ins in instructions:
+            if proxy.cid in dropped:
+                failures.append(ConnectionError(f"{proxy.cid} dropped out (the audit's t = {spec.tolerated})"))
+                continue
+            arrays, n, metrics = clients[proxy.cid].fit(parameters_to_ndarrays(ins.parameters), ins.config)
+            results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), n, metrics)))
+        strategy.aggregate_fit(rnd, _secure_sum_results(results), failures)  # type: ignore[arg-type]
+        row = server.history[-1]
+        config = instructions[0][1].config
+        restart, radius = config[protocol.KIND] == "restart", float(config[protocol.RADIUS])
+        if row["round"] != rnd or row["radius"] != radius:  # pragma: no cover - release_sum raises before this
+            raise RuntimeError(f"round {rnd}: the released row is not this round's")
+        if radius >= CANARY_MARGIN:
+            raise RuntimeError(f"round {rnd}: radius {radius:g} too large for the canary to be clipped")
+        v = server.state.v
+        increment = v if restart else v - v_prev
+        if radius > 0:  # radius 0: nothing depends on the data, nothing to score
+            sensitivity, s = 2.0 * radius / (spec.samples * row["survivors"]), row["noise_std"]
+            score += sensitivity / s**2 * float(increment[0])
+        v_prev = v
+    if server.state.round != spec.rounds:  # pragma: no cover - release_sum() raises before this
+        raise RuntimeError("the audited run stopped early")
+    return score
+
+
 def _seed(spec: AuditSpec, federation: int, index: int) -> int | None:
     if spec.seed is None:
         return None  # fresh OS entropy per trial, as in production
@@ -244,9 +358,13 @@ def _seed(spec: AuditSpec, federation: int, index: int) -> int | None:
 
 
 def _chunk(spec: AuditSpec, claimed: Calibration, run: Calibration, federation: int, start: int,
-           stop: int) -> np.ndarray:
+           stop: int, noise: DistributedNoise | None = None) -> np.ndarray:
     torch.set_num_threads(1)
     workers = _workers(spec, +1 if federation == 1 else -1)
+    if noise is not None:
+        shares = worker_noise(spec, noise)
+        return np.array([_trial_distributed(spec, noise, shares, workers, _seed(spec, federation, i))
+                         for i in range(start, stop)])
     if spec.local:
         return np.array([_trial_local(spec, claimed, run, workers, _seed(spec, federation, i))
                          for i in range(start, stop)])
@@ -259,6 +377,7 @@ def audit_scores(spec: AuditSpec, progress: Callable[[str], None] | None = None,
     already computed (the local routine's PLD calibration is slow; the worker processes receive it)."""
     claimed = calibration if calibration is not None else spec.calibration()
     run = mechanism_run(spec, claimed) if spec.local else claimed
+    noise = spec.distributed_noise() if spec.distributed else None
     chunk = max(1, min(500, spec.trials // (4 * spec.workers)))
     jobs = [(fed, s, min(s + chunk, spec.trials)) for s in range(0, spec.trials, chunk) for fed in (1, 0)]
     out: dict[int, list[tuple[int, np.ndarray]]] = {1: [], 0: []}
@@ -274,13 +393,13 @@ def audit_scores(spec: AuditSpec, progress: Callable[[str], None] | None = None,
 
     if spec.workers == 1:
         for fed, s, e in jobs:
-            out[fed].append((s, _chunk(spec, claimed, run, fed, s, e)))
+            out[fed].append((s, _chunk(spec, claimed, run, fed, s, e, noise)))
             report(e - s)
     else:
         import multiprocessing
 
         with ProcessPoolExecutor(spec.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(_chunk, spec, claimed, run, fed, s, e): (fed, s, e) for fed, s, e in jobs}
+            futures = {pool.submit(_chunk, spec, claimed, run, fed, s, e, noise): (fed, s, e) for fed, s, e in jobs}
             for future in as_completed(futures):  # progress as chunks finish; results re-ordered below
                 fed, s, e = futures[future]
                 out[fed].append((s, future.result()))
