@@ -164,11 +164,18 @@ class SkellamLedger:
 
     exact = False
 
-    @property
+    @functools.cached_property
     def epsilon(self) -> float:
+        """Computed once per ledger (a value): the budget guard and the round's row read it several times."""
         return schedule_epsilon(self.events, self.delta)
 
-    epsilon_pld = epsilon_rdp = epsilon
+    @property
+    def epsilon_pld(self) -> float:
+        return self.epsilon
+
+    @property
+    def epsilon_rdp(self) -> float:
+        return self.epsilon
 
 
 @dataclass(frozen=True)
