@@ -209,10 +209,11 @@ def test_units_are_balanced_shared_by_the_workers_and_largest_first(monkeypatch)
 
     monkeypatch.setattr(study_mod, "batchable", lambda study, cfg: True)
 
-    def jobs(ts, routine="gd", local=False):
-        return [_Job(f"{routine}{local}{i}", None, {}, 3.0, i, SimpleNamespace(
+    def jobs(ts, routine="gd", local=False, distributed=False):
+        return [_Job(f"{routine}{local}{distributed}{i}", None, {}, 3.0, i, SimpleNamespace(
             restart_every=t, training=SimpleNamespace(routine=SimpleNamespace(name=routine), rounds=2000),
-            local=SimpleNamespace(enabled=local))) for i, t in enumerate(ts)]
+            local=SimpleNamespace(enabled=local), privacy=SimpleNamespace(distributed=distributed)))
+            for i, t in enumerate(ts)]
 
     def sizes(js, batch_size=24, workers=1):
         units = plan_units(SimpleNamespace(engine="batch", batch_size=batch_size, workers=workers), js)
@@ -228,6 +229,9 @@ def test_units_are_balanced_shared_by_the_workers_and_largest_first(monkeypatch)
     # the local routine runs one by one on the per-run path, first (it is the costliest)
     mixed = sizes(jobs([20] * 4) + jobs([20, 20], local=True), workers=2)
     assert mixed == [("inprocess", 1), ("inprocess", 1), ("batch", 2), ("batch", 2)]
+    # so does distributed noise (each client's share is drawn and encoded on its own)
+    assert sizes(jobs([20] * 4) + jobs([20], distributed=True), workers=2) == [
+        ("inprocess", 1), ("batch", 2), ("batch", 2)]
     monkeypatch.setattr(study_mod, "batchable", lambda study, cfg: False)  # not an MLP: every run on its own
     assert sizes(jobs([20] * 3)) == [("inprocess", 1)] * 3
 
