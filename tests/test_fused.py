@@ -215,6 +215,146 @@ def _specs():
     return data, [RunSpec(T, 0.3, 1.0, 0.5, m.sigma_restart, m.sigma_diff, s, s) for T, s in ((3, 1), (1, 2), (4, 3))]
 
 
+# ------------------------------------------------------------ the forward pass in the kernel (issue 24, item 1)
+
+ACTIVATION_CASES = CASES + [("half_squared_error", 1, "sigmoid"), ("cross_entropy", 3, "relu"),
+                            ("half_squared_error", 1, "identity"), ("half_squared_error", 1, "tanh")]
+
+
+def _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius, prev=None, restart=None, **kw):
+    return fused.forward_sums(kernel, x.to(feats.dtype).contiguous(), feats, y, mlp.activations[0], mlp.loss, x64, sq,
+                              mask, radius, prev, restart, hidden=mlp.sizes[1], outputs=mlp.sizes[2], clients=P, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("loss,classes,activation", ACTIVATION_CASES)
+def test_the_kernels_forward_pass_equals_torchs_to_rounding(kernel, loss, classes, activation, dtype):
+    """forward_sums: a, φ', g_L and ℓ of the real samples equal ghost.forward_head's to a few units in the last place
+    of their scale (the kernel's exp and log1p are its own: 2e-15 in float64, 2e-6 in float32), the clipped sums
+    (restart, difference and mixed rows) to 1e-13 / 5e-6 of theirs; and the parts it returns, given back to the
+    backward-only entry, give its sums bit for bit (one pass, the same blocks)."""
+    mlp, x, x_prev, feats, y, x64, sq, mask = _case(loss, classes, activation, dtype)
+    tol, sums_tol = (2e-15, 1e-13) if dtype == torch.float64 else (2e-6, 5e-6)
+    real = mask > 0
+    radius = torch.tensor([0.05, 0.5, math.inf, 2.0], dtype=torch.float64)
+    cur, prev = _parts(mlp, x, feats, y), _parts(mlp, x_prev, feats, y)
+    _, _, _, ref_loss = ghost.forward_head(mlp, x, feats, y)
+    kprev = _forward(kernel, mlp, x_prev, feats, y, x64, sq, mask, radius)[2]
+    for restart in (None, torch.tensor([False, True, False, False]), torch.zeros(K, dtype=torch.bool)):
+        previous = None if restart is None else (prev, kprev)
+        ref, ref_over = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, previous and previous[0], restart,
+                                           clients=P)
+        got, over, parts, losses = _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius,
+                                            previous and previous[1], restart)
+        for name, a, b in (("a", parts.a, cur.a), ("dphi", parts.dphi, cur.dphi),
+                           ("grad_out", parts.grad_out, cur.grad_out), ("loss", losses, ref_loss)):
+            a, b = a[..., real], b[..., real]
+            torch.testing.assert_close(a, b, rtol=0, atol=tol * max(float(b.abs().max()), 1.0), msg=name)
+        assert torch.equal(parts.w_out, cur.w_out)
+        torch.testing.assert_close(got, ref, rtol=0, atol=sums_tol * float(ref.abs().max()))
+        assert torch.equal(over, ref_over) and not over.any()
+        again, _ = fused.clipped_sums(kernel, parts, x64, sq, mask, radius, previous and previous[1], restart,
+                                      clients=P)
+        assert torch.equal(again, got)
+
+
+def _mp_reference(name: str, h: float) -> tuple[float, float]:
+    import mpmath
+
+    with mpmath.workdps(60):
+        v = mpmath.mpf(h)
+        if name == "softplus":
+            if h > 20:
+                return h, 1.0
+            e = mpmath.exp(v)
+            return float(mpmath.log1p(e)), float(e / (1 + e))
+        if name == "tanh":
+            t = mpmath.tanh(v)
+            return float(t), float(1 - t * t)
+        s = 1 / (1 + mpmath.exp(-v))
+        return float(s), float(s * (1 - s))
+
+
+@pytest.mark.parametrize("name", ["softplus", "tanh", "sigmoid"])
+def test_the_kernels_activations_are_within_three_ulp_of_the_exact_values(kernel, name):
+    """φ and φ' of the kernel's forward pass against 60-digit values (mpmath) on 3,000 arguments from 1e-300 to 800
+    in magnitude, both signs: within 3 units in the last place of float64 (and of float32, for float32 inputs),
+    relative to the value (to 1 for φ' of tanh and sigmoid, whose 1 - t² and s(1 - s) cancel as torch's do) and
+    with subnormal results counted from 2^-1000 (2^-120). NaN stays NaN, ±inf gives the limits."""
+    gen = np.random.default_rng(24)
+    mags = np.concatenate([10.0 ** gen.uniform(-300, 0, 800), gen.uniform(0, 40, 1400), gen.uniform(40, 800, 300),
+                           [0.0, 1e-310, 20.0, np.nextafter(20.0, 21.0), 708.0, 709.8, 745.0, 760.0]])
+    hs = np.concatenate([mags, -mags])
+    for dtype, floor in ((np.float64, 2.0 ** -1000), (np.float32, 2.0 ** -120)):
+        h = hs.astype(dtype)
+        a, d = (t.numpy().astype(np.float64) for t in fused.activation(kernel, name, torch.from_numpy(h)))
+        ref = np.array([_mp_reference(name, float(v)) for v in h])
+        eps = float(np.finfo(dtype).eps)
+        ua = np.abs(a - ref[:, 0]) / np.maximum(np.abs(ref[:, 0]), floor) / eps
+        d_floor = 1.0 if name in ("tanh", "sigmoid") else floor
+        ud = np.abs(d - ref[:, 1]) / np.maximum(np.abs(ref[:, 1]), d_floor) / eps
+        assert ua.max() <= 3 and ud.max() <= 3, (dtype, h[ua.argmax()], ua.max(), h[ud.argmax()], ud.max())
+        a, d = fused.activation(kernel, name, torch.tensor([math.nan, -math.inf, math.inf], dtype=torch.from_numpy(h).dtype))
+        assert math.isnan(a[0]) and math.isnan(d[0])
+        limits = {"softplus": (0.0, math.inf, 0.0, 1.0), "tanh": (-1.0, 1.0, 0.0, 0.0), "sigmoid": (0.0, 1.0, 0.0, 0.0)}
+        assert (float(a[1]), float(a[2]), float(d[1]), float(d[2])) == limits[name]
+
+
+def test_the_kernels_forward_bits_do_not_depend_on_the_other_runs_nor_on_the_instruction_set(kernel):
+    """As the backward's: forward_sums on the baseline build (SSE2) gives the bits of this machine's build, parts
+    and losses included; a run alone, and a client alone, get their bits of the batch."""
+    baseline = fused.FusedKernel(fused.build("DEFAULT"))
+    for dtype in (torch.float64, torch.float32):
+        mlp, x, x_prev, feats, y, x64, sq, mask = _case("cross_entropy", 3, "softplus", dtype, seed=4)
+        radius = torch.tensor([0.05, 0.5, math.inf, 2.0], dtype=torch.float64)
+        restart = torch.tensor([False, True, False, False])
+        outs = {}
+        for name, kern in (("native", kernel), ("baseline", baseline)):
+            prev = _forward(kern, mlp, x_prev, feats, y, x64, sq, mask, radius)[2]
+            outs[name] = (prev, _forward(kern, mlp, x, feats, y, x64, sq, mask, radius, prev, restart))
+        (p1, (s1, o1, c1, l1)), (p2, (s2, o2, c2, l2)) = outs["native"], outs["baseline"]
+        assert torch.equal(s1, s2) and torch.equal(o1, o2) and torch.equal(l1, l2)
+        assert all(torch.equal(u, v) for u, v in zip(c1, c2)) and all(torch.equal(u, v) for u, v in zip(p1, p2))
+        sub = [2, 1]
+        pick = lambda p: fused.Parts(*(t[sub].contiguous() for t in p))  # noqa: E731
+        alone = fused.forward_sums(kernel, x[sub].to(dtype).contiguous(), feats, y, "softplus", "cross_entropy", x64,
+                                   sq, mask, radius[sub].contiguous(), pick(p1), restart[sub], hidden=H, outputs=3,
+                                   clients=P)
+        assert torch.equal(alone[0], s1[:, sub]) and torch.equal(alone[3], l1[sub])
+        cols = slice(N, 2 * N)
+        one = lambda p: fused.Parts(p.a[..., cols].contiguous(), p.dphi[..., cols].contiguous(),  # noqa: E731
+                                    p.grad_out[..., cols].contiguous(), p.w_out)
+        client = fused.forward_sums(kernel, x.to(dtype).contiguous(), feats[:, cols].contiguous(),
+                                    y[cols].contiguous(), "softplus", "cross_entropy", x64[:, cols].contiguous(),
+                                    sq[cols].contiguous(), mask[cols].contiguous(), radius, one(p1), restart,
+                                    hidden=H, outputs=3, clients=1)
+        assert torch.equal(client[0][0], s1[1]) and torch.equal(client[3], l1[:, cols])
+
+
+def test_the_engine_with_the_kernels_forward_equals_the_torch_forward(monkeypatch):
+    """The batched engine's default (the forward pass in the kernel) against the forward pass in torch, the same runs
+    otherwise: final iterates within 1e-12 (float64) and 1e-6 (float32) after the test's rounds, the evaluation's
+    losses and ‖∇f‖² to 1e-10 / 1e-5 relative: the claims the README makes for the kernel's forward."""
+    import functools
+
+    from diff2_flwr.lab import backend
+
+    if fused.load() is None:
+        pytest.skip("no C++ compiler here: the kernel cannot be built")
+    data, specs = _specs()
+    init = backend.FusedBackend.__init__
+    for dtype, tol, rtol in ((torch.float64, 1e-12, 1e-10), (torch.float32, 1e-6, 1e-5)):
+        kernel_runs = run_batch(data, specs, rounds=ROUNDS, eval_every=2, dtype=dtype)
+        monkeypatch.setattr(backend.FusedBackend, "__init__", functools.partialmethod(init, forward="torch"))
+        torch_runs = run_batch(data, specs, rounds=ROUNDS, eval_every=2, dtype=dtype)
+        monkeypatch.setattr(backend.FusedBackend, "__init__", init)
+        for a, b in zip(kernel_runs, torch_runs):
+            np.testing.assert_allclose(a.final_x, b.final_x, rtol=0, atol=tol)
+            assert not np.array_equal(a.final_x, b.final_x) or dtype == torch.float32  # two paths, not one
+            for key in ("train_loss", "grad_norm_sq", "test_loss"):
+                np.testing.assert_allclose(getattr(a, key), getattr(b, key), rtol=rtol)
+
+
 def test_the_engine_falls_back_to_the_torch_path_with_one_warning(monkeypatch, capsys):
     """Without a compiler, load() warns once on stderr and returns None, and the batched engine takes the torch
     path: the same runs as the fused path to 1e-12 (float64) and 1e-8 (float32: an iterate 1e-16 apart may round
@@ -285,15 +425,22 @@ def _one_sample_clients(engine: str, request, mlp: MLP, x, xp, feats, y, radius:
         prev = ghost.forward(mlp, xp, x64, y)
         sums, over, *_ = _round_core(mlp, x64, feats.reshape(n, 1, -1), y, sq, mask, x, prev.inputs, prev.grads,
                                      torch.tensor([False]), rad, False)
-    else:
+    elif engine == "fused":
         kernel = request.getfixturevalue("kernel")
         sums, over = fused.clipped_sums(kernel, _parts(mlp, x, x64, y), x64, sq, mask, rad, _parts(mlp, xp, x64, y),
                                         clients=n)
+    else:  # the kernel's own forward pass too
+        kernel = request.getfixturevalue("kernel")
+        H, O = mlp.sizes[1], mlp.sizes[2]
+        prev = fused.forward_sums(kernel, xp.contiguous(), x64, y, mlp.activations[0], mlp.loss, x64, sq, mask, rad,
+                                  hidden=H, outputs=O, clients=n)[2]
+        sums, over, _, _ = fused.forward_sums(kernel, x.contiguous(), x64, y, mlp.activations[0], mlp.loss, x64, sq,
+                                              mask, rad, prev, hidden=H, outputs=O, clients=n)
     assert not over.any()
     return sums[:, 0]
 
 
-@pytest.mark.parametrize("engine", ["fused", "torch"])
+@pytest.mark.parametrize("engine", ["fused", "fused-forward", "torch"])
 @pytest.mark.parametrize("loss,classes,kind", [(loss, c, kind) for loss, c, depth, kind in BIG if depth == 1])
 def test_clipped_difference_rows_never_exceed_the_radius_with_activations_1e4(engine, request, loss, classes, kind):
     """Hidden activations ~1e4 and close iterates (test_ghost's table, one hidden layer): without clipping each row is

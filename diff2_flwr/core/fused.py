@@ -51,7 +51,13 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Parts", "FusedKernel", "build", "load", "unload", "clipped_sums"]
+__all__ = ["Parts", "FusedKernel", "ACTIVATION_CODES", "LOSS_CODES", "build", "load", "unload", "clipped_sums",
+           "forward_sums", "activation"]
+
+#: The activations and losses whose forward pass the kernel computes itself (its ``Activation`` and ``Loss`` codes):
+#: every one :mod:`diff2_flwr.core.ghost` knows.
+ACTIVATION_CODES = {"softplus": 0, "tanh": 1, "sigmoid": 2, "relu": 3, "identity": 4}
+LOSS_CODES = {"half_squared_error": 0, "cross_entropy": 1}
 
 SOURCE = Path(__file__).with_name("fused_ghost.cpp")
 #: IEEE arithmetic in the order written (no contraction into FMA, no fast-math); errno and traps off only
@@ -89,6 +95,17 @@ class FusedKernel:
             fn.restype = None
             fn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 16
             self._entry[dtype] = fn
+        self._forward, self._activation = {}, {}
+        for dtype, suffix in ((torch.float32, "f32"), (torch.float64, "f64")):
+            fn = getattr(self._lib, f"diff2_forward_{suffix}")
+            fn.restype = None
+            fn.argtypes = ([ctypes.c_int64] * 6 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
+                           + [ctypes.c_void_p] * 19)
+            self._forward[dtype] = fn
+            fn = getattr(self._lib, f"diff2_activation_{suffix}")
+            fn.restype = None
+            fn.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+            self._activation[dtype] = fn
 
 
 def _cache_dir() -> Path:
@@ -183,40 +200,108 @@ def clipped_sums(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.T
     dtype = cur.a.dtype
     K, H, M = cur.a.shape
     O, F = cur.grad_out.shape[1], x.shape[0]
-    if clients < 1 or M % clients:
-        raise ValueError(f"fused.clipped_sums: {M} samples do not split into {clients} clients of equal size.")
-    shapes = {"a": (cur.a, (K, H, M)), "dphi": (cur.dphi, (K, H, M)), "grad_out": (cur.grad_out, (K, O, M)),
-              "w_out": (cur.w_out, (K, O, H))}
-    if prev is not None:
-        shapes.update({"prev.a": (prev.a, (K, H, M)), "prev.dphi": (prev.dphi, (K, H, M)),
-                       "prev.grad_out": (prev.grad_out, (K, O, M)), "prev.w_out": (prev.w_out, (K, O, H))})
-    for name, (t, shape) in shapes.items():
+    for name, t, shape in (("a", cur.a, (K, H, M)), ("dphi", cur.dphi, (K, H, M)),
+                           ("grad_out", cur.grad_out, (K, O, M)), ("w_out", cur.w_out, (K, O, H))):
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"fused.clipped_sums: {name} must be a contiguous {dtype} tensor of shape {shape}. "
                              f"Found {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
-    for name, t, shape in (("x", x, (F, M)), ("sq_x", sq_x, (M,)), ("mask", mask, (M,)), ("radius", radius, (K,))):
-        if t.dtype != torch.float64 or tuple(t.shape) != shape or not t.is_contiguous():
-            raise ValueError(f"fused.clipped_sums: {name} must be a contiguous float64 tensor of shape {shape}. "
-                             f"Found {t.dtype} {tuple(t.shape)}.")
     if dtype not in kernel._entry:
         raise ValueError(f"fused.clipped_sums: compute dtype must be float32 or float64. Found {dtype}.")
+    return _call(kernel, cur, x, sq_x, mask, radius, prev, restart, clients, x_rows, None, "fused.clipped_sums")
+
+
+def _call(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor,
+          radius: torch.Tensor, prev: Parts | None, restart: torch.Tensor | None, clients: int,
+          x_rows: torch.Tensor | None, forward: tuple | None, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel call of :func:`clipped_sums` (``forward`` None: ``cur`` is read) or :func:`forward_sums`
+    (``forward`` = (params, activation code, loss code, x_t, y, losses): ``cur`` and the losses are written);
+    ``cur``'s and the forward's arguments checked by the caller (``who``, named in the errors), the others here."""
+    dtype = cur.a.dtype
+    K, H, M = cur.a.shape
+    O, F = cur.grad_out.shape[1], x.shape[0]
+    if clients < 1 or M % clients:
+        raise ValueError(f"{who}: {M} samples do not split into {clients} clients of equal size.")
     N = M // clients
+    if prev is not None:
+        for name, t, shape in (("prev.a", prev.a, (K, H, M)), ("prev.dphi", prev.dphi, (K, H, M)),
+                               ("prev.grad_out", prev.grad_out, (K, O, M)), ("prev.w_out", prev.w_out, (K, O, H))):
+            if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError(f"{who}: {name} must be a contiguous {dtype} tensor of shape {shape}. Found "
+                                 f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
+    for name, t, shape in (("x", x, (F, M)), ("sq_x", sq_x, (M,)), ("mask", mask, (M,)), ("radius", radius, (K,))):
+        if t.dtype != torch.float64 or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{who}: {name} must be a contiguous float64 tensor of shape {shape}. "
+                             f"Found {t.dtype} {tuple(t.shape)}.")
     if x_rows is not None and (x_rows.dtype != torch.float64 or tuple(x_rows.shape) != (clients, N, F)
                                or not x_rows.is_contiguous()):
-        raise ValueError(f"fused.clipped_sums: x_rows must be a contiguous float64 tensor of shape {(clients, N, F)}. "
+        raise ValueError(f"{who}: x_rows must be a contiguous float64 tensor of shape {(clients, N, F)}. "
                          f"Found {x_rows.dtype} {tuple(x_rows.shape)}.")
     if restart is not None and (restart.dtype not in (torch.bool, torch.uint8) or tuple(restart.shape) != (K,)):
-        raise ValueError(f"fused.clipped_sums: restart must be a bool or uint8 tensor of shape ({K},). Found "
+        raise ValueError(f"{who}: restart must be a bool or uint8 tensor of shape ({K},). Found "
                          f"{restart.dtype} {tuple(restart.shape)}.")
     restart_u8 = None if restart is None or prev is None else restart.to(torch.uint8).contiguous()
     sums = torch.empty(clients, K, H * F + H + O * H + O, dtype=torch.float64)
     overflow = torch.empty(clients, K, dtype=torch.bool)  # written as bytes 0 / 1
     cd1 = None if x_rows is None else torch.empty(K, H, M, dtype=torch.float64)
     p = prev if prev is not None else Parts(None, None, None, None)  # type: ignore[arg-type]
-    kernel._entry[dtype](clients, K, H, O, F, N, _ptr(cur.a), _ptr(cur.dphi), _ptr(cur.grad_out),
-                         _ptr(cur.w_out), _ptr(p.a), _ptr(p.dphi), _ptr(p.grad_out), _ptr(p.w_out), _ptr(restart_u8),
-                         _ptr(x), _ptr(sq_x), _ptr(mask), _ptr(radius), _ptr(sums), _ptr(overflow), _ptr(cd1))
+    tail = (_ptr(cur.w_out), _ptr(p.a), _ptr(p.dphi), _ptr(p.grad_out), _ptr(p.w_out), _ptr(restart_u8),
+            _ptr(x), _ptr(sq_x), _ptr(mask), _ptr(radius), _ptr(sums), _ptr(overflow), _ptr(cd1))
+    if forward is None:
+        kernel._entry[dtype](clients, K, H, O, F, N, _ptr(cur.a), _ptr(cur.dphi), _ptr(cur.grad_out), *tail)
+    else:
+        params, act, loss, x_t, y, losses = forward
+        kernel._forward[dtype](clients, K, H, O, F, N, _ptr(params), act, loss, _ptr(x_t), _ptr(y), _ptr(cur.a),
+                               _ptr(cur.dphi), _ptr(cur.grad_out), _ptr(losses), *tail)
     if cd1 is not None:  # one product per client for every run: [K·H, N] @ [N, F]
         w1 = torch.bmm(cd1.reshape(K * H, clients, N).transpose(0, 1), x_rows)
         sums[:, :, :H * F] = w1.reshape(clients, K, H * F)
     return sums, overflow
+
+
+def forward_sums(kernel: FusedKernel, params: torch.Tensor, x_t: torch.Tensor, y: torch.Tensor, activation: str,
+                 loss: str, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor, radius: torch.Tensor,
+                 prev: Parts | None = None, restart: torch.Tensor | None = None, *, hidden: int, outputs: int,
+                 clients: int = 1, x_rows: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, Parts, torch.Tensor]:
+    """:func:`clipped_sums` with the forward pass in the kernel too: for the K runs' parameters ``params`` [K, d] (the
+    compute dtype, the flat (W_1, b_1, W_2, b_2) order) and the inputs ``x_t`` [F, M] and targets ``y`` [M] in the
+    compute dtype, the kernel computes per block of samples h = W_1 x + b_1, a = φ(h), φ'(h), z = W_2 a + b_2, the
+    output gradient and the loss (the maths of :func:`~diff2_flwr.core.ghost.forward_head`, with the kernel's own
+    exp and log1p: equal to torch's to a few units in the last place, not in bits), then the rest as
+    :func:`clipped_sums` — each block while it is in the caches. Returns the clipped sums [P, K, d] (float64), the
+    overflow flags [P, K], this pass's :class:`Parts` (for the next round's ``prev``) and the losses [K, M]."""
+    dtype = params.dtype
+    if dtype not in kernel._forward or params.dim() != 2:
+        raise ValueError(f"fused.forward_sums: params must be a [K, d] float32 or float64 tensor. Found {params.dtype} "
+                         f"{tuple(params.shape)}.")
+    K, d = params.shape
+    H, O, F, M = hidden, outputs, x_t.shape[0], x_t.shape[1]
+    if d != H * F + H + O * H + O:
+        raise ValueError(f"fused.forward_sums: parameters of width {d} do not make an MLP {F} -> {H} -> {O} "
+                         f"(expected {H * F + H + O * H + O}).")
+    if activation not in ACTIVATION_CODES or loss not in LOSS_CODES:
+        raise ValueError(f"fused.forward_sums: the kernel computes the activations {sorted(ACTIVATION_CODES)} and "
+                         f"the losses {sorted(LOSS_CODES)}. Found {activation!r} and {loss!r}.")
+    for name, t, shape in (("params", params, (K, d)), ("x_t", x_t, (F, M)), ("y", y, (M,))):
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"fused.forward_sums: {name} must be a contiguous {dtype} tensor of shape {shape}. "
+                             f"Found {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
+    w_out = params[:, H * F + H:H * F + H + O * H].reshape(K, O, H).contiguous()
+    cur = Parts(torch.empty(K, H, M, dtype=dtype), torch.empty(K, H, M, dtype=dtype),
+                torch.empty(K, O, M, dtype=dtype), w_out)
+    losses = torch.empty(K, M, dtype=dtype)
+    sums, overflow = _call(kernel, cur, x, sq_x, mask, radius, prev, restart, clients, x_rows,
+                           (params, ACTIVATION_CODES[activation], LOSS_CODES[loss], x_t, y, losses),
+                           "fused.forward_sums")
+    return sums, overflow, cur, losses
+
+
+def activation(kernel: FusedKernel, name: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """φ(h) and φ'(h) by the kernel's own functions (float32 or float64, any shape): what its forward pass uses."""
+    if name not in ACTIVATION_CODES or h.dtype not in kernel._activation:
+        raise ValueError(f"fused.activation: one of {sorted(ACTIVATION_CODES)} on float32 or float64. Found "
+                         f"{name!r} on {h.dtype}.")
+    flat = h.contiguous().reshape(-1)
+    a, d = torch.empty_like(flat), torch.empty_like(flat)
+    kernel._activation[h.dtype](ACTIVATION_CODES[name], flat.numel(), flat.data_ptr(), a.data_ptr(), d.data_ptr())
+    return a.reshape(h.shape), d.reshape(h.shape)

@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -90,6 +92,222 @@ inline double rank_two_norm(const std::vector<double>& dg, const std::vector<dou
       mat[o * a1.size() + h] = u * std::ldexp(a1[h], -e_a) + v * std::ldexp(da1[h], -e_da);
   }
   return std::ldexp(vnorm(mat.data(), static_cast<int64_t>(mat.size())), top);
+}
+
+// ------------------------------------------------------------------------------------------ the forward pass
+// Elementary functions for the forward pass, in IEEE operations only (no libm call, no FMA), so that a block's
+// loops vectorise and every lane's bits are the same whatever the vector width. Arguments of exp and expm1 are
+// ≤ 0 (every use below: exp(-|h|), exp(-2|h|), exp(z - max z)) or NaN; log1p's are in [0, 1] or NaN; log's ≥ 1.
+//   exp(x) = 2^k (1 + p(r)), expm1(x) = 2^k p(r) + (2^k - 1), x = k ln 2 + r, |r| ≤ ln 2 / 2 (Cody and Waite:
+//   k ln2_hi exact), p(r) = expm1(r) by its Taylor polynomial (degree 13 in double, 7 in float: truncation below
+//   the dtype's epsilon / 8); 2^k from the bits of x·log2(e) + 1.5·2^mant (round to nearest), in two steps where
+//   2^k is subnormal.
+//   log1p(t) = [t > √2 - 1] ln 2 + 2 atanh(f / (2 + f)), f = t or (t - 1) / 2: |f/(2+f)| ≤ 0.172, the atanh
+//   series to the dtype's epsilon / 8 (11 terms in double, 5 in float); log(s) = e ln 2 + log1p(m - 1), s = 2^e m.
+// Errors: a few units in the last place (a test compares them with float64 / mpmath references); the torch path's
+// SLEEF functions differ from them by as much: the fused forward is equal to torch's to rounding, not in bits.
+template <typename T> struct Elem;
+template <> struct Elem<double> {
+  using U = uint64_t;
+  static constexpr int MANT = 52;
+  static constexpr int64_t BIAS = 1023;
+  static constexpr double LOG2E = 0x1.71547652b82fep0, LN2HI = 0x1.62e42fee00000p-1, LN2LO = 0x1.a39ef35793c76p-33,
+                          LN2 = 0x1.62e42fefa39efp-1, SHIFT = 0x1.8p52, LOWEST = -1100.0, FAR = -1000.0,
+                          LIFT = 600.0, POST = 0x1p-600, SQRT2M1 = 0x1.a827999fcef34p-2;
+  // expm1(r) = r (1 + r (c[0] + r (c[1] + ...))): 1/2!, ..., 1/13!
+  static constexpr double EXPM1[] = {1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040, 1.0 / 40320,
+                                     1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600,
+                                     1.0 / 6227020800.0};
+  // 2 atanh(s) = 2 s + s z (c[0] + z (c[1] + ...)), z = s²: 2/3, 2/5, ..., 2/23
+  static constexpr double ATANH[] = {2.0 / 3, 2.0 / 5, 2.0 / 7, 2.0 / 9, 2.0 / 11, 2.0 / 13, 2.0 / 15, 2.0 / 17,
+                                     2.0 / 19, 2.0 / 21, 2.0 / 23};
+};
+template <> struct Elem<float> {
+  using U = uint32_t;
+  static constexpr int MANT = 23;
+  static constexpr int64_t BIAS = 127;
+  static constexpr float LOG2E = 0x1.715476p0f, LN2HI = 0x1.62ep-1f, LN2LO = 0x1.0bfbe8p-15f, LN2 = 0x1.62e43p-1f,
+                         SHIFT = 0x1.8p23f, LOWEST = -120.0f, FAR = -100.0f, LIFT = 50.0f, POST = 0x1p-50f,
+                         SQRT2M1 = 0x1.a8279ap-2f;
+  static constexpr float EXPM1[] = {1.0f / 2, 1.0f / 6, 1.0f / 24, 1.0f / 120, 1.0f / 720, 1.0f / 5040};
+  static constexpr float ATANH[] = {2.0f / 3, 2.0f / 5, 2.0f / 7, 2.0f / 9, 2.0f / 11};
+};
+
+template <typename T, size_t N>
+inline T horner(const T (&c)[N], T z) {
+  T p = c[N - 1];
+  for (size_t i = N - 1; i-- > 0;) p = c[i] + z * p;
+  return p;
+}
+
+template <typename T>
+inline T bits_to(typename Elem<T>::U u) { T v; std::memcpy(&v, &u, sizeof v); return v; }
+template <typename T>
+inline typename Elem<T>::U to_bits(T v) { typename Elem<T>::U u; std::memcpy(&u, &v, sizeof u); return u; }
+
+// For x ≤ 0 (or NaN): pm1 = expm1(r) and the scale 2^k (k ≥ FAR), x = k ln 2 + r; ``post`` = 1, or POST where
+// k < FAR (then exp(x) = (2^(k + LIFT) (1 + pm1)) POST).
+template <typename T>
+inline void exp_parts(T x, T& pm1, T& scale, T& post) {
+  using E = Elem<T>;
+  using U = typename E::U;
+  x = x < E::LOWEST ? E::LOWEST : x;  // NaN stays NaN
+  const T t = x * E::LOG2E + E::SHIFT;
+  const T kd = t - E::SHIFT;
+  const T r = (x - kd * E::LN2HI) - kd * E::LN2LO;
+  pm1 = r + r * (r * horner(E::EXPM1, r));
+  const bool far = kd < E::FAR;
+  // the bits of t are those of SHIFT plus k: 2^k's exponent field is k + BIAS
+  const U k = to_bits(t) - to_bits(E::SHIFT) + (far ? static_cast<U>(static_cast<int64_t>(E::LIFT)) : U(0));
+  scale = bits_to<T>(static_cast<U>(k + static_cast<U>(E::BIAS)) << E::MANT);
+  post = far ? E::POST : T(1);
+}
+
+template <typename T>
+inline T exp_neg(T x) {  // exp(x), x ≤ 0
+  T pm1, scale, post;
+  exp_parts(x, pm1, scale, post);
+  return (scale * (T(1) + pm1)) * post;
+}
+
+template <typename T>
+inline T expm1_neg(T x) {  // expm1(x), x ≤ 0: where k < FAR the result is -1 to rounding (post dropped)
+  T pm1, scale, post;
+  exp_parts(x, pm1, scale, post);
+  return scale * pm1 + (scale - T(1));
+}
+
+template <typename T>
+inline T log1p_unit(T t) {  // log1p(t), t in [0, 1]
+  using E = Elem<T>;
+  const bool big = t > E::SQRT2M1;
+  const T f = big ? (t - T(1)) * T(0.5) : t;
+  const T s = f / (T(2) + f);
+  const T z = s * s;
+  return (big ? E::LN2 : T(0)) + (T(2) * s + s * (z * horner(E::ATANH, z)));
+}
+
+template <typename T>
+inline T log_ge1(T v) {  // log(v), v ≥ 1 (finite)
+  using E = Elem<T>;
+  using U = typename E::U;
+  const U u = to_bits(v);
+  const U e = (u >> E::MANT) - static_cast<U>(E::BIAS);  // v = 2^e m, m in [1, 2)
+  const T m = bits_to<T>(u - (e << E::MANT));
+  const T f = m - T(1);  // exact, in [0, 1)
+  return static_cast<T>(static_cast<std::make_signed_t<U>>(e)) * E::LN2 + log1p_unit(f);
+}
+
+//: Activation codes (core/fused.py's ACTIVATION_CODES).
+enum Activation : int { SOFTPLUS = 0, TANH = 1, SIGMOID = 2, RELU = 3, IDENTITY = 4 };
+enum Loss : int { HALF_SQUARED_ERROR = 0, CROSS_ENTROPY = 1 };
+
+// φ(h) and φ'(h) of a block, each derivative as torch's autograd takes it (ghost.py's ACTIVATIONS): softplus
+// (beta 1, threshold 20) max(h, 0) + log1p(exp(-|h|)), φ' = 1 / (1 + t) or t / (1 + t); tanh = -expm1(-2|h|) /
+// (2 + expm1(-2|h|)) with h's sign, φ' = 1 - tanh²; sigmoid 1 / (1 + t) or t / (1 + t), φ' = s (1 - s); relu
+// (φ' = 0 at 0); identity.
+template <typename T>
+inline void activate(int act, const T* hp, T* a, T* d) {
+  switch (act) {
+    case SOFTPLUS:
+      for (int64_t j = 0; j < BLOCK; ++j) {
+        const T h = hp[j];
+        const T t = exp_neg(-std::fabs(h));
+        const bool linear = h > T(20);
+        a[j] = linear ? h : (h > T(0) ? h : T(0)) + log1p_unit(t);
+        d[j] = linear ? T(1) : (h >= T(0) ? T(1) / (T(1) + t) : t / (T(1) + t));
+      }
+      break;
+    case TANH:
+      for (int64_t j = 0; j < BLOCK; ++j) {
+        const T h = hp[j];
+        const T em = expm1_neg(T(-2) * std::fabs(h));
+        const T m = -em / (T(2) + em);
+        const T v = h < T(0) ? -m : m;
+        a[j] = v;
+        d[j] = T(1) - v * v;
+      }
+      break;
+    case SIGMOID:
+      for (int64_t j = 0; j < BLOCK; ++j) {
+        const T h = hp[j];
+        const T t = exp_neg(-std::fabs(h));
+        const T s = h >= T(0) ? T(1) / (T(1) + t) : t / (T(1) + t);
+        a[j] = s;
+        d[j] = s * (T(1) - s);
+      }
+      break;
+    case RELU:
+      for (int64_t j = 0; j < BLOCK; ++j) {
+        const T h = hp[j];
+        a[j] = h < T(0) ? T(0) : h;  // NaN stays NaN
+        d[j] = h > T(0) ? T(1) : T(0);
+      }
+      break;
+    default:  // IDENTITY
+      for (int64_t j = 0; j < BLOCK; ++j) { a[j] = hp[j]; d[j] = T(1); }
+  }
+}
+
+// The forward pass of one block of one run: h = W_1 x + b_1 (the sum over features in order, then the bias),
+// a = φ(h), φ'(h), z = W_2 a + b_2, and g_L = ∂ℓ/∂z, ℓ (ghost.py's _output_gradient: z - y and ½ e e; or
+// exp(log_softmax(z)) - onehot(y) and -log_softmax(z)[y]). ``par``: the run's parameters (W_1, b_1, W_2, b_2),
+// ``xt`` [F] rows ``sx`` apart, outputs a, φ' [H] and g_L [O] rows ``s`` apart, ℓ [1]; ``z`` [O, BLOCK] work.
+template <typename T>
+void forward_block(const T* par, int64_t H, int64_t O, int64_t F, int act, int loss, const T* xt, int64_t sx,
+                   const T* y, T* a, T* dphi, T* gl, T* ls, int64_t s, T* z) {
+  const T *w1 = par, *b1 = par + H * F, *w2 = b1 + H, *b2 = w2 + O * H;
+  T hp[BLOCK];
+  for (int64_t h = 0; h < H; ++h) {
+    const T* w = w1 + h * F;
+    for (int64_t j = 0; j < BLOCK; ++j) hp[j] = w[0] * xt[j];
+    for (int64_t f = 1; f < F; ++f) {
+      const T wf = w[f];
+      const T* xf = xt + f * sx;
+      for (int64_t j = 0; j < BLOCK; ++j) hp[j] = hp[j] + wf * xf[j];
+    }
+    for (int64_t j = 0; j < BLOCK; ++j) hp[j] = hp[j] + b1[h];
+    activate(act, hp, a + h * s, dphi + h * s);
+  }
+  for (int64_t o = 0; o < O; ++o) {
+    const T* w = w2 + o * H;
+    T* zo = z + o * BLOCK;
+    for (int64_t j = 0; j < BLOCK; ++j) zo[j] = w[0] * a[j];
+    for (int64_t h = 1; h < H; ++h) {
+      const T wh = w[h];
+      const T* ah = a + h * s;
+      for (int64_t j = 0; j < BLOCK; ++j) zo[j] = zo[j] + wh * ah[j];
+    }
+    for (int64_t j = 0; j < BLOCK; ++j) zo[j] = zo[j] + b2[o];
+  }
+  if (loss == HALF_SQUARED_ERROR) {
+    for (int64_t j = 0; j < BLOCK; ++j) {
+      const T e = z[j] - y[j];
+      gl[j] = e;
+      ls[j] = T(0.5) * e * e;
+    }
+    return;
+  }
+  T m[BLOCK], sum[BLOCK], lse[BLOCK], zy[BLOCK];
+  for (int64_t j = 0; j < BLOCK; ++j) m[j] = z[j];
+  for (int64_t o = 1; o < O; ++o)
+    for (int64_t j = 0; j < BLOCK; ++j) m[j] = z[o * BLOCK + j] > m[j] ? z[o * BLOCK + j] : m[j];
+  for (int64_t j = 0; j < BLOCK; ++j) sum[j] = T(0);
+  for (int64_t o = 0; o < O; ++o)
+    for (int64_t j = 0; j < BLOCK; ++j) sum[j] = sum[j] + exp_neg(z[o * BLOCK + j] - m[j]);
+  for (int64_t j = 0; j < BLOCK; ++j) lse[j] = sum[j] >= T(1) && sum[j] <= std::numeric_limits<T>::max()
+                                                   ? log_ge1(sum[j]) : std::numeric_limits<T>::quiet_NaN();
+  for (int64_t j = 0; j < BLOCK; ++j) zy[j] = T(0);
+  for (int64_t o = 0; o < O; ++o) {
+    T* g = gl + o * s;
+    for (int64_t j = 0; j < BLOCK; ++j) {
+      const T lp = (z[o * BLOCK + j] - m[j]) - lse[j];
+      const bool hit = y[j] == static_cast<T>(o);
+      g[j] = exp_neg(lp) - (hit ? T(1) : T(0));
+      zy[j] = hit ? lp : zy[j];
+    }
+  }
+  for (int64_t j = 0; j < BLOCK; ++j) ls[j] = -zy[j];
 }
 
 template <typename T>
@@ -310,12 +528,25 @@ struct Kernel {
   }
 };
 
+// The forward pass, when ``par`` is set: per run its parameters [K, d] in T, the activation and loss codes, the
+// inputs xt [F, M] and targets y [M] in T; it writes a, φ', g_L (the arrays a, dphi, gl) and ℓ [K, M] block by
+// block, each block just before its backward pass reads it from the caches.
+template <typename T>
+struct Forward {
+  const T* par;
+  int act, loss;
+  const T *xt, *y;
+  T* ls;
+};
+
 template <typename T>
 void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* a, const T* dphi,
            const T* gl, const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p,
            const uint8_t* restart, const double* x, const double* sqa, const double* mask, const double* radius,
-           double* sums, uint8_t* overflow, double* cd1) {
+           double* sums, uint8_t* overflow, double* cd1, const Forward<T>& fw = Forward<T>{}) {
   const int64_t d = H * F + H + O * H + O, M = P * N;
+  const bool forward = fw.par != nullptr;
+  std::vector<T> zw(O * BLOCK), txt(F * BLOCK, T(0)), ty(BLOCK, T(0)), tls(BLOCK, T(0));
   std::vector<double> tcd1(H * BLOCK);
   std::vector<double> acc(d * BLOCK), work((3 * H + 2 * O) * BLOCK);
   const int64_t full = N - N % BLOCK, tail = N - full;
@@ -328,6 +559,11 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
     for (int64_t f = 0; f < F; ++f)
       for (int64_t j = 0; j < tail; ++j) tx[f * BLOCK + j] = x[f * M + start + full + j];
     for (int64_t j = 0; j < tail; ++j) { tsqa[j] = sqa[start + full + j]; tmask[j] = mask[start + full + j]; }
+    if (forward) {
+      for (int64_t f = 0; f < F; ++f)
+        for (int64_t j = 0; j < tail; ++j) txt[f * BLOCK + j] = fw.xt[f * M + start + full + j];
+      for (int64_t j = 0; j < tail; ++j) ty[j] = fw.y[start + full + j];
+    }
     for (int64_t k = 0; k < K; ++k) {
       const bool diff = ap != nullptr && !(restart != nullptr && restart[k]);
       Kernel<T> ker{H, O, F, w2 + k * O * H, diff ? w2p + k * O * H : nullptr, radius[k], acc.data(), work.data(),
@@ -347,18 +583,38 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
         Block<T> in{ak + n, dk + n, gk + n, diff ? apk + n : nullptr, diff ? dpk + n : nullptr,
                     diff ? gpk + n : nullptr, x + start + n, sqa + start + n, mask + start + n, M, M};
         ker.cd1 = cdk == nullptr ? nullptr : cdk + n;
+        if (forward)
+          forward_block(fw.par + k * d, H, O, F, fw.act, fw.loss, fw.xt + start + n, M, fw.y + start + n,
+                        const_cast<T*>(ak + n), const_cast<T*>(dk + n), const_cast<T*>(gk + n),
+                        fw.ls + k * M + start + n, M, zw.data());
         bad |= ker.block(in);
       }
       if (tail) {
+        if (forward) {  // into the padded copies, then out; padding lanes back to 0 (no inf · 0 in a sum)
+          forward_block(fw.par + k * d, H, O, F, fw.act, fw.loss, txt.data(), BLOCK, ty.data(), ta.data(),
+                        tdphi.data(), tgl.data(), tls.data(), BLOCK, zw.data());
+          T* lk = fw.ls + k * M + start + full;
+          for (int64_t j = 0; j < tail; ++j) lk[j] = tls[j];
+          for (int64_t h = 0; h < H; ++h) {
+            T* ao = const_cast<T*>(ak) + h * M + full;
+            T* dout = const_cast<T*>(dk) + h * M + full;
+            for (int64_t j = 0; j < tail; ++j) { ao[j] = ta[h * BLOCK + j]; dout[j] = tdphi[h * BLOCK + j]; }
+            for (int64_t j = tail; j < BLOCK; ++j) { ta[h * BLOCK + j] = T(0); tdphi[h * BLOCK + j] = T(0); }
+          }
+          for (int64_t o = 0; o < O; ++o) {
+            T* go = const_cast<T*>(gk) + o * M + full;
+            for (int64_t j = 0; j < tail; ++j) go[j] = tgl[o * BLOCK + j];
+            for (int64_t j = tail; j < BLOCK; ++j) tgl[o * BLOCK + j] = T(0);
+          }
+        }
         for (int64_t h = 0; h < H; ++h)
           for (int64_t j = 0; j < tail; ++j) {
-            ta[h * BLOCK + j] = ak[h * M + full + j];
-            tdphi[h * BLOCK + j] = dk[h * M + full + j];
+            if (!forward) { ta[h * BLOCK + j] = ak[h * M + full + j]; tdphi[h * BLOCK + j] = dk[h * M + full + j]; }
             if (diff) { tap[h * BLOCK + j] = apk[h * M + full + j]; tdphip[h * BLOCK + j] = dpk[h * M + full + j]; }
           }
         for (int64_t o = 0; o < O; ++o)
           for (int64_t j = 0; j < tail; ++j) {
-            tgl[o * BLOCK + j] = gk[o * M + full + j];
+            if (!forward) tgl[o * BLOCK + j] = gk[o * M + full + j];
             if (diff) tglp[o * BLOCK + j] = gpk[o * M + full + j];
           }
         Block<T> in{ta.data(), tdphi.data(), tgl.data(), diff ? tap.data() : nullptr, diff ? tdphip.data() : nullptr,
@@ -400,5 +656,35 @@ int64_t diff2_fused_block() { return BLOCK; }
 
 DIFF2_FUSED_ENTRY(diff2_fused_f32, float)
 DIFF2_FUSED_ENTRY(diff2_fused_f64, double)
+
+// The same with the forward pass in the kernel (``Forward``): a, dphi, gl and ls are written, not read.
+#define DIFF2_FORWARD_ENTRY(NAME, T)                                                                            \
+  void NAME(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* par, int64_t act,       \
+            int64_t loss, const T* xt, const T* y, T* a, T* dphi, T* gl, T* ls, const T* w2, const T* ap,         \
+            const T* dphip, const T* glp, const T* w2p, const uint8_t* restart, const double* x,                 \
+            const double* sqa, const double* mask, const double* radius, double* sums, uint8_t* overflow,         \
+            double* cd1) {                                                                                        \
+    const Forward<T> fw{par, static_cast<int>(act), static_cast<int>(loss), xt, y, ls};                        \
+    fused<T>(P, K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums,      \
+             overflow, cd1, fw);                                                                                 \
+  }
+
+DIFF2_FORWARD_ENTRY(diff2_forward_f32, float)
+DIFF2_FORWARD_ENTRY(diff2_forward_f64, double)
+
+// φ(h) and φ'(h) of n values (the kernel's activations, for tests).
+#define DIFF2_ACTIVATION_ENTRY(NAME, T)                                                                         \
+  void NAME(int64_t act, int64_t n, const T* h, T* a, T* d) {                                                  \
+    T hb[BLOCK], ab[BLOCK], db[BLOCK];                                                                           \
+    for (int64_t i = 0; i < n; i += BLOCK) {                                                                     \
+      const int64_t m = std::min<int64_t>(BLOCK, n - i);                                                         \
+      for (int64_t j = 0; j < BLOCK; ++j) hb[j] = j < m ? h[i + j] : T(0);                                      \
+      activate<T>(static_cast<int>(act), hb, ab, db);                                                            \
+      for (int64_t j = 0; j < m; ++j) { a[i + j] = ab[j]; d[i + j] = db[j]; }                                    \
+    }                                                                                                            \
+  }
+
+DIFF2_ACTIVATION_ENTRY(diff2_activation_f32, float)
+DIFF2_ACTIVATION_ENTRY(diff2_activation_f64, double)
 
 }  // extern "C"

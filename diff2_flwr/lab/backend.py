@@ -169,13 +169,22 @@ def _fused_round(kernel: fused.FusedKernel, head: Callable, group: ClientGroup, 
     return sums, overflow, cur, loss
 
 
-def _fused_rounds(kernel: fused.FusedKernel, head: Callable, mlp: MLP, groups: Sequence[ClientGroup], x: torch.Tensor,
-                  prev: Sequence[fused.Parts] | None, restart: torch.Tensor | None,
+def _fused_rounds(kernel: fused.FusedKernel, head: Callable | None, mlp: MLP, groups: Sequence[ClientGroup],
+                  x: torch.Tensor, prev: Sequence[fused.Parts] | None, restart: torch.Tensor | None,
                   radius: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[fused.Parts], torch.Tensor]:
-    """:func:`_fused_round` for every group: sums [P, K, d], overflow [P, K], the parts per group, losses [K, M]."""
-    w_out = mlp.layers(x.to(groups[0].a_t.dtype))[1][0].contiguous()
-    outs = [_fused_round(kernel, head, group, x, w_out, None if prev is None else prev[i], restart, radius)
-            for i, group in enumerate(groups)]
+    """:func:`_fused_round` for every group: sums [P, K, d], overflow [P, K], the parts per group, losses [K, M].
+    ``head`` None: the forward pass too is the kernel's (:func:`~diff2_flwr.core.fused.forward_sums`)."""
+    if head is None:
+        params = x.to(groups[0].a_t.dtype).contiguous()
+        outs = [fused.forward_sums(kernel, params, group.a_t, group.y, mlp.activations[0], mlp.loss, group.x64_t,
+                                   group.sq_a, group.mask, radius, None if prev is None else prev[i], restart,
+                                   hidden=mlp.sizes[1], outputs=mlp.sizes[2], clients=group.clients,
+                                   x_rows=group.x_rows)
+                for i, group in enumerate(groups)]
+    else:
+        w_out = mlp.layers(x.to(groups[0].a_t.dtype))[1][0].contiguous()
+        outs = [_fused_round(kernel, head, group, x, w_out, None if prev is None else prev[i], restart, radius)
+                for i, group in enumerate(groups)]
     if len(outs) == 1:
         return outs[0][0], outs[0][1], [outs[0][2]], outs[0][3]
     return (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]), [o[2] for o in outs],
@@ -258,15 +267,19 @@ class TorchBackend:
 
 class FusedBackend:
     """Rounds of an MLP with one hidden layer by the fused kernel (:mod:`diff2_flwr.core.fused`), clients in the
-    groups of :meth:`Batch.groups`: per group one forward call (``head``) and one kernel call."""
+    groups of :meth:`Batch.groups`: per group one kernel call that does the forward pass too
+    (``forward="kernel"``, the default: each block of samples goes through the whole round while it is in the
+    caches), or one forward call in torch (``head``, compiled or not) and one kernel call (``forward="torch"``)."""
 
     def __init__(self, kernel: fused.FusedKernel, mlp: MLP, batch: Batch, runs: int, *, compile: bool = False,
-                 compiled: CompiledFunctions = COMPILED) -> None:
+                 compiled: CompiledFunctions = COMPILED, forward: str = "kernel") -> None:
         if len(mlp.sizes) != 3:
             raise ValueError(f"FusedBackend runs an MLP with one hidden layer. Found widths {mlp.sizes}; use "
                              "TorchBackend (or choose_backend) for it.")
+        if forward not in ("kernel", "torch"):
+            raise ValueError(f"FusedBackend: forward must be 'kernel' or 'torch'. Found {forward!r}.")
         self.kernel, self.mlp, self.batch, self.runs = kernel, mlp, batch, runs
-        self.head = _head(mlp, compile, compiled)
+        self.head = None if forward == "kernel" else _head(mlp, compile, compiled)
         self.groups = batch.groups(runs, max(mlp.sizes[1:]))
         self._no_clip = torch.full((runs,), math.inf, dtype=torch.float64)
         self._prev: list[fused.Parts] | None = None  # per group: the parts at x
