@@ -137,17 +137,20 @@ def test_medians_and_ratios_from_stand_in_timers():
     assert row["jax_vmap_rounds_per_s"] == pytest.approx(100 / 4.0)
     assert row["jax_ghost_rounds_per_s"] == pytest.approx(100 / 2.0)
     assert row["best_jax"] == "jax_ghost"
-    assert row["project_over_best_jax"] == pytest.approx(2.0)  # the project twice as fast
-    assert row["best_jax_over_project"] == pytest.approx(0.5)
-    assert row["meets_target"] is True and row["target"] == TARGET == 1.5
     assert row["project_marginal_rounds_per_s"] == pytest.approx(99 / 0.8)  # median of t_R - t_1: 0.8, 8.9, 0.7
+    assert row["project_over_best_jax"] == pytest.approx(99 / 0.8 / 50)  # the ratios use the marginal rate
+    assert row["best_jax_over_project"] == pytest.approx(50 / (99 / 0.8))
+    assert row["project_over_best_jax_whole_calls"] == pytest.approx(2.0)  # whole calls: twice as fast
+    assert row["meets_target"] is True and row["target"] == TARGET == 1.5
     assert "jax_ghost_map_rounds_per_s" not in row
 
     row = table["diff2:18:f64"]
     assert row["project_rounds_per_s"] == pytest.approx(10 / 3.0)
     assert row["best_jax"] == "jax_ghost_map" and row["jax_ghost_map_rounds_per_s"] == pytest.approx(10 / 1.0)
-    assert row["best_jax_over_project"] == pytest.approx(3.0)  # JAX three times as fast
-    assert row["project_over_best_jax"] == pytest.approx(1 / 3)
+    assert row["project_marginal_rounds_per_s"] == pytest.approx(9 / 2.5)  # t_R - t_1: 2.5, 2.5, -0.4
+    assert row["best_jax_over_project"] == pytest.approx(10 / 3.6)  # JAX faster
+    assert row["project_over_best_jax"] == pytest.approx(0.36)
+    assert row["project_over_best_jax_whole_calls"] == pytest.approx(1 / 3)
     assert row["meets_target"] is False
 
 
@@ -155,7 +158,7 @@ def test_a_cell_just_under_the_target_misses_it():
     cell = Cell("dpgd", 1, "f64")
     times = {("project", cell): [(1.0, 0.1)], ("jax_vmap", cell): [(5.0, None)], ("jax_ghost", cell): [(1.49, None)]}
     row = summarise([cell], times, {1: 10, 18: 10})["dpgd:1:f64"]
-    assert row["project_over_best_jax"] == pytest.approx(1.49) and row["meets_target"] is False
+    assert row["project_over_best_jax"] == pytest.approx(1.49) and row["meets_target"] is False  # 10 / (10 / 1.49)
 
 
 def test_parse_cells_keeps_the_tables_order():
