@@ -183,6 +183,7 @@ def test_a_real_run_against_jax(data_dir):
     assert agreement["agrees"], agreement
     assert 0 < agreement["clipped_fraction_run0"] <= 1  # the check exercises the clip
     assert row["warm"]["jax_ghost_compile_s"] > 0 and row["warm"]["project_first_call_s"] > 0
+    assert row["diverged"] == {}  # 4 rounds from the project's x_0: no side loses a run
     assert any("repetition 1 done" in line for line in lines)
     if affinity is not None:
         assert os.sched_getaffinity(0) == affinity  # unpinned again

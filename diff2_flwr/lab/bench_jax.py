@@ -1,15 +1,16 @@
 """The ``jax_peer`` section of ``diff2 bench``: the batched engine's speed against hand-written JAX, as ratios
 measured in the same run.
 
-Both sides do the same work on the same bits: California Housing as the project prepares it, P = 10 clients
-(the project's shards, padded as :class:`~diff2_flwr.lab.backend.Batch` pads them), the paper MLP 8 → 10 softplus → 1
+Both sides do the same work on the same bits: California Housing as the project prepares it, P = 10 clients (the
+project's shards, padded as :class:`~diff2_flwr.lab.backend.Batch` pads them), the paper MLP 8 → 10 softplus → 1
 with ½-squared error, full-batch rounds, x_0 from the project's init seeds. A cell is (round kind, K, dtype):
-DP-GD or DIFF2 (one restart round, then difference rounds), K = 1 or 18 configurations (η ∈ {0.125, 0.25, 0.5} ×
-C ∈ {0.5, 1, 2} × init seed ∈ {0, 1}), float32 or float64; σ from the project's own calibration for the rounds run.
+DP-GD or DIFF2 (one restart round, then difference rounds), K = 1 or 18 configurations (η ∈ {0.125, 0.25, 0.5}
+× C ∈ {0.5, 1, 2} × init seed ∈ {0, 1}), float32 or float64; σ from the project's own calibration for the rounds
+run.
 
-Sides: ``project`` = ``run_batch(..., compile=True)`` (as ``configs/paper/`` runs), ``project_eager`` = the same with
-``compile=False``, and the JAX variants of :mod:`diff2_flwr.lab.jax_peer` (``jax_vmap``, ``jax_ghost``,
-``jax_ghost_map`` at K = 18). The JAX side is a subprocess of an interpreter that has jax (this one, or
+Sides: ``project`` = ``run_batch(..., compile=True)`` (as ``configs/paper/`` runs), ``project_eager`` = the same
+with ``compile=False`` (``--jax-eager``), and the JAX variants of :mod:`diff2_flwr.lab.jax_peer` (``jax_vmap``,
+``jax_ghost``, ``jax_ghost_map`` at K = 18). The JAX side is a subprocess of an interpreter that has jax (this one, or
 ``--jax-python`` / ``DIFF2_JAX_PYTHON``): XLA's thread flags must be set before jax starts, and its thread pools
 stay out of torch's. The project runs in this process with one torch thread; both are pinned to one core.
 
@@ -19,8 +20,9 @@ reported). Then per repetition every side of every cell runs once, A/B/C in even
 also sets up and evaluates the loss at rounds 0 and R, which the JAX loop does not: each project call is paired
 with a 1-round call, and the ratios (``project_over_best_jax``, ``best_jax_over_project``, ``meets_target``) use
 the marginal rate (R - 1) / median(t_R - t_1), the per-round speed a 2,000-round sweep sees; whole calls' ratio is
-``project_over_best_jax_whole_calls`` (at the short default R it understates the project). Before timing, one round's update (DIFF2: the restart and the first difference round) without noise is
-compared between the project and each JAX variant.
+``project_over_best_jax_whole_calls`` (at the short default R it understates the project). Before timing, one
+round's update (DIFF2: the restart and the first difference round) without noise is compared between the project
+and each JAX variant; ``diverged`` names, per side, the runs a timed call found diverged (or left non-finite).
 """
 
 from __future__ import annotations
@@ -153,9 +155,10 @@ def summarise(cells: Sequence[Cell], times: Mapping[tuple[str, Cell], Sequence[T
                 row[f"{side}_marginal_rounds_per_s"] = (R - 1) / extra if extra > 0 else float("nan")
         best = max((v for v in sides_of(cell, eager) if v.startswith("jax")), key=lambda v: row[f"{v}_rounds_per_s"])
         ratio = row["project_marginal_rounds_per_s"] / row[f"{best}_rounds_per_s"]
+        whole = row["project_rounds_per_s"] / row[f"{best}_rounds_per_s"]
         out[cell.name] = {"rounds": R, **row, "best_jax": best, "best_jax_over_project": 1 / ratio,
                           "project_over_best_jax": ratio, "target": TARGET, "meets_target": bool(ratio >= TARGET),
-                          "project_over_best_jax_whole_calls": row["project_rounds_per_s"] / row[f"{best}_rounds_per_s"]}
+                          "project_over_best_jax_whole_calls": whole}
     return out
 
 
@@ -165,8 +168,8 @@ def find_jax_python(jax_python: str | None = None) -> str | None:
     for given, source in ((jax_python, "--jax-python"), (os.environ.get("DIFF2_JAX_PYTHON"), "DIFF2_JAX_PYTHON")):
         if given:
             if not os.access(given, os.X_OK) or os.path.isdir(given):
-                raise FileNotFoundError(f"{source}: {given!r} is not an executable file. Give a Python interpreter that "
-                                        f"has jax (e.g. JAXENV/bin/python), or pass --skip-jax.")
+                raise FileNotFoundError(f"{source}: {given!r} is not an executable file. Give a Python interpreter "
+                                        f"that has jax (e.g. JAXENV/bin/python), or pass --skip-jax.")
             return given
     return sys.executable if importlib.util.find_spec("jax") is not None else None
 
@@ -241,7 +244,7 @@ class _Project:
         return specs_for(cell, rounds, {k: self.sigmas[k, rounds] for k in ("dpgd", "diff2")}, zero_noise)
 
     def run(self, cell: Cell, specs: list[tuple], rounds: int, compile: bool) -> tuple[float, np.ndarray, list[int]]:
-        """Seconds of one ``run_batch`` call, the final iterates [K, d] and the runs that diverged."""
+        """Seconds of one ``run_batch`` call, the final iterates [K, d] and the runs it found diverged."""
         import torch
 
         from .sweep import RunSpec, run_batch
@@ -272,7 +275,7 @@ def _set_affinity(cores: set[int]) -> None:
     for tid in (int(t) for t in os.listdir(tasks)) if tasks.is_dir() else [0]:
         try:
             os.sched_setaffinity(tid, cores)
-        except (ProcessLookupError, OSError):  # a thread that ended meanwhile
+        except OSError:  # a thread that ended meanwhile
             pass
 
 
@@ -395,7 +398,7 @@ def run_jax_peer(plan: JaxPeerPlan, *, data_dir: str | None = None,
         run = _pinned_run(plan, project, warm, say)
     table = summarise(cells, run["times"], rounds, eager)
     for name, row in table.items():
-        row.update(warm=warm[name], agreement=run["agreement"][name])
+        row.update(warm=warm[name], agreement=run["agreement"][name], diverged=run["diverged"][name])
     return {"cells": table, "reps": plan.reps, "rounds": {f"K{k}": v for k, v in rounds.items()}, "core": run["core"],
             "jax": run["setup"]["jax"], "jax_python": python, "xla_flags": run["setup"]["xla_flags"],
             "sigmas": {f"{k}_R{R}": v for (k, R), v in project.sigmas.items()}, "target": TARGET,
@@ -416,17 +419,26 @@ def _pinned_run(plan: JaxPeerPlan, project: _Project, warm: dict[str, dict[str, 
             _build_jax(plan.cells, project, peer, rounds, warm, say)
             agreement = {c.name: _agreement(c, project, peer, rounds[c.K]) for c in plan.cells}
 
+            diverged: dict[str, dict[str, list[int]]] = {c.name: {} for c in plan.cells}
+
             def run_one(cell: Cell, side: str) -> Timing:
                 R = rounds[cell.K]
                 if side.startswith("jax"):
-                    return peer.ask("run", f"{side}@{cell.name}", R, False)["s"], None
-                specs, compiled = project.specs(cell, R), side == "project"
-                return project.run(cell, specs, R, compiled)[0], project.run(cell, specs, 1, compiled)[0]
+                    reply = peer.ask("run", f"{side}@{cell.name}", R, False)
+                    seconds, x, gone, t1 = reply["s"], reply["x"], [], None
+                else:
+                    specs, compiled = project.specs(cell, R), side == "project"
+                    seconds, x, gone = project.run(cell, specs, R, compiled)
+                    t1 = project.run(cell, specs, 1, compiled)[0]
+                bad = sorted(set(gone) | {int(k) for k in np.flatnonzero(~np.isfinite(x).all(1))})
+                if bad:
+                    diverged[cell.name][side] = bad
+                return seconds, t1
 
             times = measure(schedule(plan.cells, plan.reps, plan.eager), run_one, say)
         finally:
             peer.close()
-    return {"core": core, "setup": setup, "agreement": agreement, "times": times}
+    return {"core": core, "setup": setup, "agreement": agreement, "times": times, "diverged": diverged}
 
 
 def jax_peer_section(plan: JaxPeerPlan, *, data_dir: str | None = None,

@@ -59,8 +59,9 @@ def build_maths(jax: Any, jnp: Any, A: np.ndarray, Y: np.ndarray, mask: np.ndarr
     flat = A.reshape(-1, F)
     data = {}
     for name, dt in (("f32", jnp.float32), ("f64", jnp.float64)):
-        data[name] = {"A": jnp.asarray(flat, dt), "AT": jnp.asarray(flat.T.copy(), dt), "Y": jnp.asarray(Y.reshape(-1), dt),
-                      "mask": jnp.asarray(mask.reshape(-1), dt), "inv_n": jnp.asarray(1.0 / n, dt),
+        data[name] = {"A": jnp.asarray(flat, dt), "AT": jnp.asarray(flat.T.copy(), dt),
+                      "Y": jnp.asarray(Y.reshape(-1), dt), "mask": jnp.asarray(mask.reshape(-1), dt),
+                      "inv_n": jnp.asarray(1.0 / n, dt),
                       "sqA1": jnp.asarray((flat ** 2).sum(1) + 1.0, dt),
                       "w": jnp.asarray((mask / (P * n)[:, None]).reshape(-1), dt)}
 
