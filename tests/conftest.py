@@ -108,6 +108,8 @@ _SLOW = (
     "tests/test_plain_flwr_run.py::test_without_the_variable_flowers_own_dependency_step_resolves",
     "tests/test_strategy.py::test_a_simulation_with_the_wrong_number_of_supernodes_fails_at_once",
     "tests/test_own_code.py::test_the_fab_carries_custom_and_nothing_else_of_the_users",
+    # torch.compile's first call (~20-100 s cold) and a JAX subprocess; runs only where jax is found
+    "tests/test_bench.py::test_a_real_run_against_jax",
 )
 
 

@@ -209,6 +209,17 @@ def _add_lab_commands(sub: Any) -> None:
     bench.add_argument("--flower-rounds", type=int, default=30, help="rounds of each Flower simulation")
     bench.add_argument("--skip-protocol", action="store_true", help="do not time the full California ε = 3 study")
     bench.add_argument("--skip-flower", action="store_true", help="do not run the two Flower simulations")
+    bench.add_argument("--skip-jax", action="store_true", help="do not time the engine against hand-written JAX")
+    bench.add_argument("--jax-python", default=None, metavar="PATH",
+                       help="a Python with jax for the JAX side (default: $DIFF2_JAX_PYTHON, else this one if it has "
+                            "jax; none: the section is skipped)")
+    bench.add_argument("--jax-reps", type=int, default=2, metavar="N",
+                       help="timed repetitions per side and cell, A/B/C then C/B/A (default %(default)s)")
+    bench.add_argument("--jax-cells", default=None, metavar="CELLS",
+                       help="kind:K:dtype, comma-separated, of dpgd|diff2 : 1|18 : f32|f64 (default: all 8)")
+    bench.add_argument("--jax-rounds", default=None, metavar="R1,R18",
+                       help="rounds per timed call at K = 1 and K = 18 (default: 100,10)")
+    bench.add_argument("--jax-eager", action="store_true", help="also time the engine with compile=False")
     bench.set_defaults(func=experiments.bench)
 
     led = sub.add_parser("ledger", help="print a data owner's node ledger as JSON: the runs it charged, each run's ε, "

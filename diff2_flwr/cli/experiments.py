@@ -184,11 +184,20 @@ def regime(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_line(message: str) -> None:
+    print(f"[diff2 bench] {message}", file=sys.stderr, flush=True)
+
+
 def bench(args: argparse.Namespace) -> int:
     from ..lab.bench import run_bench
+    from ..lab.bench_jax import plan_jax_peer
 
+    jax_peer = None if args.skip_jax else plan_jax_peer(  # checked before anything is measured
+        jax_python=args.jax_python, reps=args.jax_reps, cells=args.jax_cells, rounds=args.jax_rounds,
+        eager=args.jax_eager)
     result = run_bench(data_dir=args.data_dir, protocol=not args.skip_protocol, flower=not args.skip_flower,
-                       rounds=args.rounds, flower_rounds=args.flower_rounds)
+                       rounds=args.rounds, flower_rounds=args.flower_rounds, jax_peer=jax_peer,
+                       progress=_bench_line)
     print(json.dumps(to_json(result), indent=2))
     return 0
 

@@ -11,7 +11,10 @@
   ``load_average``: the machine's 1-minute load before and after (other work skews every figure);
 - ``flower_round_s`` / ``flower_floor_round_s``: median seconds per round (rounds 2..N) of a
   10-client ``flwr run`` simulation of DIFF2-GD, and of a do-nothing NumPyClient app
-  (``benchmarks/floor_app``) measured in the same run: the framework's own floor.
+  (``benchmarks/floor_app``) measured in the same run: the framework's own floor;
+- ``jax_peer``: the batched engine (``compile=True``) against hand-written JAX on the same work, per cell (DP-GD /
+  DIFF2 × K = 1 / 18 × float32 / float64): rounds/s of each side and the ratios, against the target of 1.5
+  (:mod:`.bench_jax`); ``{"skipped": ...}`` when no interpreter with jax is found.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import yaml
 
 from ..runtime.paths import APP_DIR
+from .bench_jax import JaxPeerPlan, jax_peer_section
 
 __all__ = ["run_bench"]
 
@@ -144,8 +148,19 @@ def _flower(data_dir: str | None, rounds: int) -> dict[str, float]:
 
 
 def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: bool = True, rounds: int = 300,
-              flower_rounds: int = 30) -> dict[str, Any]:
-    """Measure and return the figures (see the module docstring)."""
+              flower_rounds: int = 30, jax_peer: JaxPeerPlan | None = None,
+              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure and return the figures (see the module docstring).
+
+    Args:
+        data_dir: the datasets' folder (None: ``$DIFF2_DATA_DIR``).
+        protocol: time the full California ε = 3 study.
+        flower: run the two Flower simulations.
+        rounds: rounds timed for ``diff2_rounds_per_s``.
+        flower_rounds: rounds of each Flower simulation.
+        jax_peer: the ``jax_peer`` section's plan (:func:`~diff2_flwr.lab.bench_jax.plan_jax_peer`); None: no section.
+        progress: called with one line per step of the ``jax_peer`` section, and with its skip line.
+    """
     out: dict[str, Any] = {"machine": _machine(), "load_average_before": os.getloadavg()[0]}
     out["matmul_gflops"] = {f"{name}_{label}": _matmul_gflops(dtype, threads)
                             for name, dtype in (("float32", torch.float32), ("float64", torch.float64))
@@ -180,6 +195,8 @@ def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: boo
     if flower:
         out.update(_flower(data_dir, flower_rounds))
         out["flower_target_ratio"] = 1.5
+    if jax_peer is not None:
+        out["jax_peer"] = jax_peer_section(jax_peer, data_dir=data_dir, progress=progress)
     out["load_average_after"] = os.getloadavg()[0]
     rounded = lambda v: float(np.round(v, 4)) if isinstance(v, float) else v  # noqa: E731
     return {k: ({a: rounded(b) for a, b in v.items()} if isinstance(v, dict) and k != "machine" else rounded(v))
