@@ -1,7 +1,5 @@
 """``python -m diff2_flwr.cli``: the ``diff2`` command."""
 
-import sys
+from . import console
 
-from . import main
-
-sys.exit(main())
+console()

@@ -53,6 +53,7 @@ def _refused(args: argparse.Namespace, err: BaseException, wall_time_s: float) -
     print(f"diff2 run: error: {message}", file=sys.stderr)
     print(json.dumps(to_json({"engine": args.engine, "run_id": None, "output_dir": None, "wall_time_s": wall_time_s,
                               "status": "failed", "error": message})))
+    args.started_nothing = True  # the command line's entry may end the process at once (cli.console)
     return 2
 
 

@@ -133,11 +133,15 @@ template <> struct Elem<float> {
   static constexpr float ATANH[] = {2.0f / 3, 2.0f / 5, 2.0f / 7, 2.0f / 9, 2.0f / 11};
 };
 
-template <typename T, size_t N>
+// c[0] + z (c[1] + z (... + z c[N - 1])), written out at compile time (a loop here keeps GCC from vectorising the
+// loop over lanes around it).
+template <size_t I = 0, typename T, size_t N>
 inline T horner(const T (&c)[N], T z) {
-  T p = c[N - 1];
-  for (size_t i = N - 1; i-- > 0;) p = c[i] + z * p;
-  return p;
+  if constexpr (I + 1 == N) {
+    return c[I];
+  } else {
+    return c[I] + z * horner<I + 1>(c, z);
+  }
 }
 
 template <typename T>
