@@ -253,6 +253,18 @@ inline void activate(int act, const T* hp, T* a, T* d) {
   }
 }
 
+// out = w · in + b for a block: in's n rows ``stride`` apart, the sum over rows in order, then the bias.
+template <typename T>
+inline void affine_row(const T* w, int64_t n, const T* in, int64_t stride, T b, T* out) {
+  for (int64_t j = 0; j < BLOCK; ++j) out[j] = w[0] * in[j];
+  for (int64_t i = 1; i < n; ++i) {
+    const T wi = w[i];
+    const T* row = in + i * stride;
+    for (int64_t j = 0; j < BLOCK; ++j) out[j] = out[j] + wi * row[j];
+  }
+  for (int64_t j = 0; j < BLOCK; ++j) out[j] = out[j] + b;
+}
+
 // The forward pass of one block of one run: h = W_1 x + b_1 (the sum over features in order, then the bias),
 // a = φ(h), φ'(h), z = W_2 a + b_2, and g_L = ∂ℓ/∂z, ℓ (ghost.py's _output_gradient: z - y and ½ e e; or
 // exp(log_softmax(z)) - onehot(y) and -log_softmax(z)[y]). ``par``: the run's parameters (W_1, b_1, W_2, b_2),
@@ -263,27 +275,10 @@ void forward_block(const T* par, int64_t H, int64_t O, int64_t F, int act, int l
   const T *w1 = par, *b1 = par + H * F, *w2 = b1 + H, *b2 = w2 + O * H;
   T hp[BLOCK];
   for (int64_t h = 0; h < H; ++h) {
-    const T* w = w1 + h * F;
-    for (int64_t j = 0; j < BLOCK; ++j) hp[j] = w[0] * xt[j];
-    for (int64_t f = 1; f < F; ++f) {
-      const T wf = w[f];
-      const T* xf = xt + f * sx;
-      for (int64_t j = 0; j < BLOCK; ++j) hp[j] = hp[j] + wf * xf[j];
-    }
-    for (int64_t j = 0; j < BLOCK; ++j) hp[j] = hp[j] + b1[h];
+    affine_row(w1 + h * F, F, xt, sx, b1[h], hp);
     activate(act, hp, a + h * s, dphi + h * s);
   }
-  for (int64_t o = 0; o < O; ++o) {
-    const T* w = w2 + o * H;
-    T* zo = z + o * BLOCK;
-    for (int64_t j = 0; j < BLOCK; ++j) zo[j] = w[0] * a[j];
-    for (int64_t h = 1; h < H; ++h) {
-      const T wh = w[h];
-      const T* ah = a + h * s;
-      for (int64_t j = 0; j < BLOCK; ++j) zo[j] = zo[j] + wh * ah[j];
-    }
-    for (int64_t j = 0; j < BLOCK; ++j) zo[j] = zo[j] + b2[o];
-  }
+  for (int64_t o = 0; o < O; ++o) affine_row(w2 + o * H, H, a, s, b2[o], z + o * BLOCK);
   if (loss == HALF_SQUARED_ERROR) {
     for (int64_t j = 0; j < BLOCK; ++j) {
       const T e = z[j] - y[j];
