@@ -62,9 +62,12 @@ class ClientGroup:
 
 
 class Batch:
-    """Padded shard tensors: samples innermost, client p's samples at m = p·N + n."""
+    """Padded shard tensors: samples innermost, client p's samples at m = p·N + n, on ``device`` (the CPU by
+    default; a CUDA device runs the torch backend there). The shard sizes ``n`` stay on the CPU, where the server's
+    step runs."""
 
-    def __init__(self, data: PreparedData, dtype: torch.dtype) -> None:
+    def __init__(self, data: PreparedData, dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device or "cpu")
         sizes = data.shard_sizes
         self.P, self.N, self.F = len(sizes), max(sizes), data.num_features
         a = torch.zeros(self.P, self.N, self.F, dtype=dtype)
@@ -75,6 +78,7 @@ class Batch:
             a[p, : len(ys)] = torch.as_tensor(xs, dtype=dtype)
             y[p, : len(ys)] = torch.as_tensor(ys, dtype=dtype)
             mask[p, : len(ys)] = 1
+        a, y, mask = a.to(self.device), y.to(self.device), mask.to(self.device)
         self.y, self.mask = y.reshape(-1), mask.reshape(-1).to(torch.float64)
         self.a64 = a.to(torch.float64)  # for the float64 clipped sums (exact from float32)
         self.a_t = a.reshape(-1, self.F).T.contiguous()  # [F, M]: samples innermost
@@ -87,8 +91,8 @@ class Batch:
                          self.y[p * self.N:(p + 1) * self.N], self.sq_a[p * self.N:(p + 1) * self.N],
                          self.mask[p * self.N:(p + 1) * self.N]) for p in range(self.P)]
         self.a64_t = a64_t
-        self.x_test_t = torch.as_tensor(data.x_test, dtype=dtype).T.contiguous()
-        self.y_test = torch.as_tensor(data.y_test, dtype=dtype)
+        self.x_test_t = torch.as_tensor(data.x_test, dtype=dtype).T.contiguous().to(self.device)
+        self.y_test = torch.as_tensor(data.y_test, dtype=dtype).to(self.device)
         self.dtype = dtype
 
     def groups(self, runs: int, width: int, cap: int = 32 << 20) -> list[ClientGroup]:
@@ -245,6 +249,8 @@ class TorchBackend:
     def round(self, x: torch.Tensor, restart: torch.Tensor, radius: torch.Tensor, *, train: bool) -> RoundOut:
         prev = [((), ())] * self.batch.P if bool(restart.all()) else self._prev
         flag = self._always_select or bool(restart.any())
+        device = self.batch.device  # the round on the batch's device; what it returns on the CPU (the server's)
+        x, restart, radius = x.to(device), restart.to(device), radius.to(device)
         parts = [self._core(*client, x, *prev[p], restart, radius, flag) for p, client in enumerate(self.batch.clients)]
         sums = torch.cat([part[0] for part in parts])
         overflow = torch.cat([part[1] for part in parts])
@@ -255,14 +261,14 @@ class TorchBackend:
             joined_pass = Pass(tuple(joined[:n_in]), tuple(joined[n_in:-1]), joined[-1], joined[-1])
             unclipped = self._unclipped(joined_pass.to64())
         self._prev = [(part[2], part[3]) for part in parts]  # the pass at x: the next round's previous iterate
-        return RoundOut(sums, overflow, unclipped)
+        return RoundOut(sums.cpu(), overflow.cpu(), unclipped)
 
     def train(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._unclipped(forward(self.mlp, x, self.batch.a_t, self.batch.y).to64())
+        return self._unclipped(forward(self.mlp, x.to(self.batch.device), self.batch.a_t, self.batch.y).to64())
 
     def _unclipped(self, cur: Pass) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unclipped gradient sums [P, K, d] and losses [K, M] of a float64 pass."""
-        return clipped_sums(cur, self.batch.a64, self.batch.mask.expand(self.runs, -1)), cur.loss
+        """Unclipped gradient sums [P, K, d] and losses [K, M] of a float64 pass (on the CPU)."""
+        return clipped_sums(cur, self.batch.a64, self.batch.mask.expand(self.runs, -1)).cpu(), cur.loss.cpu()
 
 
 class FusedBackend:
@@ -273,6 +279,9 @@ class FusedBackend:
 
     def __init__(self, kernel: fused.FusedKernel, mlp: MLP, batch: Batch, runs: int, *, compile: bool = False,
                  compiled: CompiledFunctions = COMPILED, forward: str = "kernel") -> None:
+        if batch.device.type != "cpu":
+            raise ValueError(f"FusedBackend runs on the CPU; this batch is on {batch.device}. Use TorchBackend (or "
+                             "choose_backend) for it.")
         if len(mlp.sizes) != 3:
             raise ValueError(f"FusedBackend runs an MLP with one hidden layer. Found widths {mlp.sizes}; use "
                              "TorchBackend (or choose_backend) for it.")
@@ -315,8 +324,8 @@ def choose_backend(mlp: MLP, batch: Batch, runs: int, *, compile: bool = False,
         compile: whether the torch parts are ``torch.compile``'d.
         compiled: where compiled functions are kept (the process-wide :data:`COMPILED` by default).
     """
-    kernel = fused.load() if len(mlp.sizes) == 3 else None
-    if kernel is None:
+    kernel = fused.load() if len(mlp.sizes) == 3 and batch.device.type == "cpu" else None
+    if kernel is None:  # deeper MLPs, no C++ compiler, or a batch on a GPU (the kernel is CPU code)
         return TorchBackend(mlp, batch, runs, compile=compile, compiled=compiled)
     return FusedBackend(kernel, mlp, batch, runs, compile=compile, compiled=compiled)
 

@@ -119,7 +119,7 @@ def _run_batch(study: Study, unit: Unit, progress: Callable[[int, int], None] | 
         results = run_batch(data, specs, rounds=cfg.training.rounds, hidden=study.hidden, model=study.model,
                             model_kwargs=study.model_kwargs, loss=cfg.loss, eval_every=study.eval_every,
                             dtype=torch.float32 if study.dtype == "float32" else torch.float64,
-                            compile=study.compile, progress=progress)
+                            compile=study.compile, progress=progress, device=study.device)
     out = []
     for res in results:
         metrics = {"rounds": res.rounds.tolist(), "train_loss": res.train_loss.tolist(),

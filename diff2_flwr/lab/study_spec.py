@@ -104,6 +104,8 @@ class Study:
     engine: Engine = "batch"
     dtype: Literal["float64", "float32"] = "float64"
     compile: bool = False
+    #: where the batched engine's rounds run: "cpu", "cuda", "cuda:N" or "auto" (a GPU if torch sees one)
+    device: str = "cpu"
     batch_size: int = 32
     threads: int = 1  # torch/BLAS threads of every unit (training.threads of every run): results depend on it
     workers: int = 1  # processes that compute units side by side on this machine (runs are independent)
@@ -204,6 +206,7 @@ class StudyFile:
     engine: Engine = "batch"
     dtype: Literal["float64", "float32"] = "float64"
     compile: bool = False
+    device: str = "cpu"
     batch_size: int = 32
     output: object = None
     threads: int = 1
@@ -261,6 +264,11 @@ class StudyFile:
                 "1 with engine 'flower' (each run is a Flower simulation with its own SuperLink; use engine "
                 "'inprocess', which equals it bit for bit, to run several at once)", self.workers)
         require(self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
+        require(self.device == "cpu" or self.engine == "batch", "device",
+                "'cpu' unless engine is 'batch' (only the batched engine runs on a GPU)", self.device)
+        require(self.device in ("cpu", "cuda", "auto") or (self.device.startswith("cuda:")
+                                                          and self.device[5:].isdigit()),
+                "device", "'cpu', 'cuda', 'cuda:N' or 'auto'", self.device)
 
     def study(self, source: str) -> Study:
         """The :class:`Study` this file declares."""
@@ -271,7 +279,7 @@ class StudyFile:
             tune_seeds=tune, eval_seeds=evaluate, methods=self.methods,
             hidden=10 if self.hidden is None else self.hidden, model=str(model.get("name", "paper_mlp")),
             model_kwargs=dict(model.get("kwargs") or {}), engine=self.engine, dtype=self.dtype, compile=self.compile,
-            batch_size=self.batch_size, output_dir=str((self.output or {}).get("dir", "outputs/studies")),
+            device=self.device, batch_size=self.batch_size, output_dir=str((self.output or {}).get("dir", "outputs/studies")),
             source=source, threads=self.threads, workers=self.workers, tests=self.tests, reference=self.reference,
             analysis=self.analysis)
 

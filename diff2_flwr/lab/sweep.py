@@ -50,7 +50,7 @@ from ..task.data import PreparedData
 from ..task.models import build_model, mlp_shape
 from .backend import Batch, choose_backend, retain_freed_memory
 
-__all__ = ["RunSpec", "RunResult", "batch_model", "run_batch"]
+__all__ = ["RunSpec", "RunResult", "batch_model", "resolve_device", "run_batch"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,28 @@ def batch_model(data: PreparedData, *, model: str = "paper_mlp", hidden: int = 1
                          f"loss {loss!r} is not one. Use engine: inprocess (any model) for it.")
     x0 = np.concatenate([p.detach().double().reshape(-1).numpy() for p in net.parameters()])
     return shape, x0
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device of ``device``: ``"cpu"``, ``"cuda"`` / ``"cuda:N"`` (an error saying so where torch sees no
+    such GPU), or ``"auto"`` (the first GPU if torch sees one, else the CPU)."""
+    if isinstance(device, torch.device):
+        dev = device
+    elif device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            dev = torch.device(device)
+        except RuntimeError as err:
+            raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto'. Found {device!r}.") from err
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"The batched engine runs on 'cpu' or 'cuda' devices. Found {str(dev)!r}.")
+    if dev.type == "cuda" and (not torch.cuda.is_available()
+                               or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device {str(dev)!r} was asked for, but torch sees {torch.cuda.device_count()} CUDA "
+                         f"device(s) (torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}). Use "
+                         "device 'cpu' or 'auto', or install a CUDA build of torch on a machine with a GPU.")
+    return dev
 
 
 def _plan_radii(r: int, specs: Sequence[RunSpec], restart: torch.Tensor, x: torch.Tensor, x_prev: torch.Tensor,
@@ -192,15 +214,15 @@ def _metrics(r: int, mlp: MLP, b: Batch, x: torch.Tensor, alive: torch.Tensor,
     sums, loss = train
     K, P = x.shape[0], b.P
     grad = (sums / b.n.reshape(P, 1, 1)).sum(0) / P  # ∇f = (1/P) Σ_p ∇f_p, unclipped
-    train_loss = ((loss * b.mask).reshape(K, P, b.N).sum(-1) / b.n).mean(1)  # f = (1/P) Σ_p f_p
-    test_pass = forward(mlp, x, b.x_test_t, b.y_test, backward=False)
-    test = test_pass.loss.to(torch.float64).mean(1)
+    train_loss = ((loss * b.mask.cpu()).reshape(K, P, b.N).sum(-1) / b.n).mean(1)  # f = (1/P) Σ_p f_p
+    test_pass = forward(mlp, x.to(b.device), b.x_test_t, b.y_test, backward=False)  # on the batch's device
+    test = test_pass.loss.to(torch.float64).mean(1).cpu()
     gn = (grad * grad).sum(1)
     for t in (train_loss, gn, test):
         t[~alive] = math.inf
     accuracy = None
     if mlp.loss == "cross_entropy":  # argmax: the first of tied classes, as the reference's evaluator
-        correct = (test_pass.outputs.argmax(dim=1) == b.y_test.long()).to(torch.float64).mean(1)
+        correct = (test_pass.outputs.argmax(dim=1) == b.y_test.long()).to(torch.float64).mean(1).cpu()
         correct[~alive] = math.nan
         accuracy = correct.numpy().copy()
     return r, train_loss.numpy().copy(), gn.numpy().copy(), test.numpy().copy(), accuracy
@@ -243,11 +265,15 @@ def run_batch(
     dtype: torch.dtype = torch.float64,
     compile: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    device: str | torch.device = "cpu",
 ) -> list[RunResult]:
     """Run every spec for ``rounds`` rounds on ``data``; return their evaluated metrics.
 
     ``model``, ``hidden``, ``model_kwargs``: as the run config's ``model`` (x_0 of run k from its
-    ``init_seed``); ``loss``: None for the task's (½-squared error or cross-entropy).
+    ``init_seed``); ``loss``: None for the task's (½-squared error or cross-entropy). ``device``: where the
+    rounds' forward and backward passes, norms and clipped sums run (:func:`resolve_device`: ``"cpu"``,
+    ``"cuda"``, ``"cuda:N"`` or ``"auto"``); on a GPU the torch backend runs there and the server's step
+    (radii, noise from the run's generator, routines) stays on the CPU in float64, as everywhere.
 
     References:
         Murata & Suzuki (2023), Algorithms 1-3, as in :mod:`diff2_flwr.core.estimator`.
@@ -257,7 +283,7 @@ def run_batch(
     retain_freed_memory()
     inits = [batch_model(data, model=model, hidden=hidden, model_kwargs=model_kwargs, loss=loss, init_seed=s.init_seed)
              for s in specs]
-    mlp, b = inits[0][0], Batch(data, dtype)
+    mlp, b = inits[0][0], Batch(data, dtype, resolve_device(device))
     x = torch.as_tensor(np.stack([x0 for _, x0 in inits]))  # [K, d] float64
     routines = _Routines(specs, x.numpy())
     backend = choose_backend(mlp, b, len(specs), compile=compile)
