@@ -100,7 +100,7 @@ inline double rank_two_norm(const std::vector<double>& dg, const std::vector<dou
 // ≤ 0 (every use below: exp(-|h|), exp(-2|h|), exp(z - max z)) or NaN; log1p's are in [0, 1] or NaN; log's ≥ 1.
 //   exp(x) = 2^k (1 + p(r)), expm1(x) = 2^k p(r) + (2^k - 1), x = k ln 2 + r, |r| ≤ ln 2 / 2 (Cody and Waite:
 //   k ln2_hi exact), p(r) = expm1(r) by its Taylor polynomial (degree 13 in double, 7 in float: truncation below
-//   the dtype's epsilon / 8); 2^k from the bits of x·log2(e) + 1.5·2^mant (round to nearest), in two steps where
+//   the dtype's epsilon / 8; evaluated by Estrin's scheme, ``poly``); 2^k from the bits of x·log2(e) + 1.5·2^mant (round to nearest), in two steps where
 //   2^k is subnormal.
 //   log1p(t) = [t > √2 - 1] ln 2 + 2 atanh(f / (2 + f)), f = t or (t - 1) / 2: |f/(2+f)| ≤ 0.172, the atanh
 //   series to the dtype's epsilon / 8 (11 terms in double, 5 in float); log(s) = e ln 2 + log1p(m - 1), s = 2^e m.
@@ -133,15 +133,32 @@ template <> struct Elem<float> {
   static constexpr float ATANH[] = {2.0f / 3, 2.0f / 5, 2.0f / 7, 2.0f / 9, 2.0f / 11};
 };
 
-// c[0] + z (c[1] + z (... + z c[N - 1])), written out at compile time (a loop here keeps GCC from vectorising the
-// loop over lanes around it).
-template <size_t I = 0, typename T, size_t N>
-inline T horner(const T (&c)[N], T z) {
-  if constexpr (I + 1 == N) {
+// c[0] + z c[1] + ... + z^(N - 1) c[N - 1] by Estrin's scheme, written out at compile time (a loop here keeps GCC
+// from vectorising the loop over lanes around it): the two halves side by side, joined by a power z^(2^k) (``zp`` =
+// z, z², z⁴, z⁸), a dependency chain of about 2 log2 N operations where Horner's is 2 N. A lane's chain, not the
+// arithmetic, bounds the activations' speed (one block's loop holds one or two vectors): measured 26 % less time
+// for float64 softplus than Horner, 10 % for float32; the same accuracy (tests/test_fused.py).
+template <size_t I, size_t L, typename T, size_t N>
+inline T estrin_part(const T (&c)[N], const T* zp) {
+  if constexpr (L == 1) {
     return c[I];
+  } else if constexpr (L == 2) {
+    return c[I] + zp[0] * c[I + 1];
   } else {
-    return c[I] + z * horner<I + 1>(c, z);
+    constexpr size_t m = L > 8 ? 8 : (L > 4 ? 4 : 2);
+    constexpr size_t k = m == 8 ? 3 : (m == 4 ? 2 : 1);
+    return estrin_part<I, m>(c, zp) + zp[k] * estrin_part<I + m, L - m>(c, zp);
   }
+}
+template <typename T, size_t N>
+inline T poly(const T (&c)[N], T z) {
+  static_assert(N <= 16, "poly: up to 16 coefficients (z⁸ is the largest power taken)");
+  T zp[4];
+  zp[0] = z;
+  zp[1] = z * z;
+  zp[2] = zp[1] * zp[1];
+  zp[3] = zp[2] * zp[2];
+  return estrin_part<0, N>(c, zp);
 }
 
 template <typename T>
@@ -159,7 +176,7 @@ inline void exp_parts(T x, T& pm1, T& scale, T& post) {
   const T t = x * E::LOG2E + E::SHIFT;
   const T kd = t - E::SHIFT;
   const T r = (x - kd * E::LN2HI) - kd * E::LN2LO;
-  pm1 = r + r * (r * horner(E::EXPM1, r));
+  pm1 = r + r * (r * poly(E::EXPM1, r));
   const bool far = kd < E::FAR;
   // the bits of t are those of SHIFT plus k: 2^k's exponent field is k + BIAS
   const U k = to_bits(t) - to_bits(E::SHIFT) + (far ? static_cast<U>(static_cast<int64_t>(E::LIFT)) : U(0));
@@ -188,7 +205,7 @@ inline T log1p_unit(T t) {  // log1p(t), t in [0, 1]
   const T f = big ? (t - T(1)) * T(0.5) : t;
   const T s = f / (T(2) + f);
   const T z = s * s;
-  return (big ? E::LN2 : T(0)) + (T(2) * s + s * (z * horner(E::ATANH, z)));
+  return (big ? E::LN2 : T(0)) + (T(2) * s + s * (z * poly(E::ATANH, z)));
 }
 
 template <typename T>
