@@ -61,7 +61,7 @@ def _add_run_commands(sub: Any) -> None:
                      help="show every line of Flower's log (also: DIFF2_VERBOSE=1); default: ours and warnings only")
     run.add_argument("--node-policy", metavar="FILE",
                      help="a data owner's node policy (YAML, e.g. configs/policy.yaml) held by every simulated node: "
-                          "each refuses a run or task outside it (see the README, 'Node policy')")
+                          "each refuses a run or task outside it (see docs/how-to/node-policy.md)")
     run.set_defaults(func=experiments.run)
 
     exp = sub.add_parser("experiment", help="run a study (grid search, seeds, t-tests, report, plots) from a YAML file")
