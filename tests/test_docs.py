@@ -149,3 +149,70 @@ def test_the_docs_extra_is_installed_by_setup():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(dep.startswith("mkdocs-material") for dep in extras["docs"])
     assert "docs]" in (ROOT / "scripts" / "setup.sh").read_text()
+
+
+# ------------------------------------------------------------------------------ the tutorials' commands
+
+#: Each kind of command a tutorial shows -> the tests that run it (file::function; a class's test as
+#: file::Class::function). A command a tutorial adds must be listed here with its test, or the test below fails.
+RUN_BY = {
+    "./scripts/run.sh": ["tests/test_console.py::test_diff2_run_console_through_flower_is_short_and_ends_with_the_summary",
+                         "tests/test_flower_e2e.py::test_california_housing_simulation"],  # run.sh = setup.sh + diff2 run
+    "./scripts/test.sh": [".ci/run"],  # CI runs it on a clean clone
+    "./scripts/setup.sh": [".ci/run"],  # scripts/test.sh runs it first
+    "source .venv/bin/activate": [
+        "tests/test_plain_flwr_run.py::test_activating_the_venv_turns_flowers_per_run_install_off_and_deactivate_"
+        "restores_the_shell"],
+    "flwr run . --stream": ["tests/test_plain_flwr_run.py::test_plain_flwr_run_completes_with_p_the_simulations_supernodes",
+                            "tests/test_own_code.py::test_flwr_run_imports_a_factory_from_custom_without_pythonpath"],
+    "flwr run . compose": ["tests/test_compose_podman.py::TestPlainCompose::test_a_run_completes_and_equals_the_in_process_"
+                           "driver"],
+    "flwr run . <connection>": ["tests/test_compose_podman.py::TestTlsCompose::test_a_tls_run_with_registered_node_keys_"
+                                "equals_the_in_process_driver"],
+    "flwr supernode register": ["tests/test_node_auth.py::test_only_registered_supernodes_join_and_the_run_completes_"
+                                "with_them"],
+    "diff2 shard": ["tests/test_shards.py::test_cli_shard"],
+    "diff2 secret": ["tests/test_superexec_auth.py::test_every_private_file_the_cli_writes_is_owner_only_under_umask_022"],
+    "diff2 node-key": ["tests/test_node_auth.py::test_operator_takes_data_owners_public_keys_and_refuses_anything_else"],
+    "diff2 certs": ["tests/test_node_auth.py::test_operator_takes_data_owners_public_keys_and_refuses_anything_else"],
+    "diff2 compose": ["tests/test_compose.py::test_multi_host_file_names_the_right_certificate_hosts_and_each_side_s_steps"],
+    "docker compose": ["tests/test_compose_podman.py::TestPlainCompose::test_a_run_completes_and_equals_the_in_process_"
+                       "driver", "tests/test_compose_podman.py::TestTlsCompose::test_a_tls_run_with_registered_node_keys_"
+                       "equals_the_in_process_driver"],  # with Podman, where it and root are available
+}
+#: Shell steps around the commands (files, ownership, variables), not commands of this project.
+SHELL = ("mkdir ", "sudo chown ", "cp ", "git clone ", "export ")
+
+
+def _tutorial_commands() -> list[tuple[str, str]]:
+    found = []
+    for page in sorted((DOCS / "tutorials").glob("*.md")):
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():  # a continued line is one command
+                command = re.sub(r"\s+#.*$", "", line).strip().removeprefix(".venv/bin/")
+                if command and not command.startswith("#"):
+                    found.append((page.name, command))
+    return found
+
+
+def test_every_tutorial_command_is_run_by_a_named_test():
+    commands = _tutorial_commands()
+    assert len(commands) > 20
+    for page, command in commands:
+        if command.startswith("for ") and "; do " in command:
+            command = command.split("; do ", 1)[1]
+        if command.startswith(SHELL):
+            continue
+        kinds = [kind for kind in RUN_BY if command.startswith(kind)]
+        assert kinds, f"{page}: `{command}` is run by no test listed in RUN_BY (tests/test_docs.py)"
+
+
+@pytest.mark.parametrize("test", sorted({t for tests in RUN_BY.values() for t in tests}))
+def test_the_tests_named_for_the_tutorials_exist(test):
+    path, *names = test.split("::")
+    text = (ROOT / path).read_text()
+    if not names:
+        assert "scripts/test.sh" in text
+        return
+    *classes, function = names
+    assert all(f"class {c}" in text for c in classes) and f"def {function}(" in text, test
