@@ -99,6 +99,16 @@ def test_a_setting_without_help_text_is_caught_and_fails_the_page(monkeypatch):
         docs.configuration_page()
 
 
+def test_run_config_keys_out_of_date_fail_the_page(tmp_path, monkeypatch):
+    assert docs.run_config_drift() == ""
+    stale = tmp_path / "pyproject.toml"
+    stale.write_text((ROOT / "pyproject.toml").read_text().replace('"output.checkpoint" = ""\n', ""))
+    assert docs.run_config_drift(stale) == "missing ['output.checkpoint'], not settings []"
+    monkeypatch.setattr(docs, "run_config_drift", lambda: "missing ['output.checkpoint'], not settings []")
+    with pytest.raises(ValueError, match="run `python scripts/run_config_keys.py`"):
+        docs.configuration_page()
+
+
 def test_the_configuration_page_is_every_key_with_its_declaration():
     page = docs.configuration_page()
     rows = re.findall(r"^\| `([^`]+)` \|", page, flags=re.M)

@@ -22,7 +22,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPO", "MKDOCS_YML", "GENERATED", "configuration_page", "cli_page", "missing_help", "build", "docs"]
+__all__ = ["REPO", "MKDOCS_YML", "GENERATED", "configuration_page", "cli_page", "missing_help", "run_config_drift",
+           "build", "docs"]
 
 #: The clone this package was imported from (``mkdocs.yml`` and ``docs/`` sit there, not in a wheel).
 REPO = Path(__file__).resolve().parents[2]
@@ -72,6 +73,21 @@ def missing_help(cls: type | None = None) -> list[str]:
     return [key for key in settable_keys(cls) if not help_of(cls, key).strip()]
 
 
+def run_config_drift(pyproject: Path = REPO / "pyproject.toml") -> str:
+    """"" if the Flower app's run-config keys (``[tool.flwr.app.config]`` but ``config``) are the experiment file's
+    keys, in order; else what differs."""
+    import tomllib
+
+    from ..runtime.config import config_keys
+
+    declared = [key for key in tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"] if key != "config"]
+    if declared == config_keys():
+        return ""
+    missing = [k for k in config_keys() if k not in declared]
+    extra = [k for k in declared if k not in config_keys()]
+    return f"missing {missing}, not settings {extra}" if missing or extra else "in another order"
+
+
 def configuration_page() -> str:
     """The Markdown of ``reference/configuration.md``: one table row per settable key, from its declaration."""
     from ..runtime.config import ExperimentConfig, config_keys
@@ -81,6 +97,10 @@ def configuration_page() -> str:
     if missing:
         raise ValueError(f"settings declared without help text: {', '.join(missing)}. Give each a help text in "
                          f"its setting(default, help) declaration (diff2_flwr/runtime/config_*.py).")
+    stale = run_config_drift()
+    if stale:
+        raise ValueError(f"pyproject.toml's [tool.flwr.app.config] does not declare the experiment file's keys "
+                         f"({stale}): run `python scripts/run_config_keys.py`")
     rows = []
     for key in config_keys():
         field, hint, _ = _field(ExperimentConfig, key)
