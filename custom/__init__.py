@@ -8,6 +8,6 @@ SuperLink anyway.
 
 Code only: data, outputs, keys and checkpoints never go here. Flower ships only .py, .toml, .md, .yaml,
 .yml, .json and .jsonl files (10 MB in all), and leaves out files named ``test_*.py`` or ``*_test.py``.
-Keep this ``__init__.py``: it makes ``custom`` one package, the app's own. README: "Your own code in a
-Flower app".
+Keep this ``__init__.py``: it makes ``custom`` one package, the app's own. See "Your own code in a Flower app"
+in docs/tutorials/own-model-and-data.md.
 """

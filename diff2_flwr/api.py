@@ -7,7 +7,7 @@ the experiment file's checks and messages (the keyword arguments are named as it
 both are thin: the YAML path builds the same server and worker with the same runtime functions
 (:func:`~diff2_flwr.runtime.session.make_server`, :func:`~diff2_flwr.runtime.session.make_worker`).
 
-Example (a ServerApp and a ClientApp; see the README, "Python API")::
+Example (a ServerApp and a ClientApp; see docs/tutorials/own-model-and-data.md)::
 
     strategy = diff2_flwr.make_strategy(epsilon=3.0, delta=1e-5, rounds=20, restart_every=5, clients=3,
                                         n_min=200, clip_restart=1.0, clip_diff=3.0, learning_rate=0.2,
@@ -108,7 +108,7 @@ def make_strategy(
         round_retries: rounds whose clients failed are retried (releasing nothing) this many times in all.
         wait_for_clients_s: how long each round waits for all P clients to connect.
         local_steps, local_batch_size, local_clip, local_share: DIFF2's private BVR-L-SGD local routine, as
-            the experiment file's ``local.*`` (0 steps: off; README "DIFF2 with a private local routine"). Each
+            the experiment file's ``local.*`` (0 steps: off; docs/how-to/local-routine.md). Each
             round then takes two Flower rounds: all P clients, then the one drawn for the K - 1 local steps.
         clip_stats: release each round's ``clip_fraction`` (the share of records clipped) in the history,
             metrics and progress lines. Off by default: it is counted on the private data without noise,

@@ -108,6 +108,9 @@ _SLOW = (
     "tests/test_plain_flwr_run.py::test_without_the_variable_flowers_own_dependency_step_resolves",
     "tests/test_strategy.py::test_a_simulation_with_the_wrong_number_of_supernodes_fails_at_once",
     "tests/test_own_code.py::test_the_fab_carries_custom_and_nothing_else_of_the_users",
+    # a strict build of the docs each (~8 s): the fast tier keeps the build and the broken link
+    "tests/test_docs.py::test_a_broken_link_fails_the_strict_build[broken anchor]",
+    "tests/test_docs.py::test_a_page_left_out_of_the_navigation_fails_the_strict_build",
     # torch.compile's first call (~20-100 s cold) and a JAX subprocess; runs only where jax is found
     "tests/test_bench.py::test_a_real_run_against_jax",
 )

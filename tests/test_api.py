@@ -2,7 +2,8 @@
 
 A run built from plain arguments must be the YAML run with the same settings, bit for bit (the YAML path
 is built on the same functions); bad arguments fail at once with the YAML path's messages; a torch Dataset
-is read in chunks with the same result as tensors; the README's example is the file we test and it runs.
+is read in chunks with the same result as tensors; the tutorial's example (docs/tutorials/own-model-and-data.md)
+is the file we test and it runs.
 """
 
 from __future__ import annotations
@@ -462,7 +463,11 @@ def test_factory_kwargs_round_trip_and_keep_the_config_hashable():
     assert cfg.to_dict()["model"]["kwargs"] == {"act": {"name": "tanh"}, "layers": [8, 4]}
 
 
-# ------------------------------------------------------------------------------ the README's example
+# ------------------------------------------------------------------------------ the tutorial's example
+
+#: The tutorial that shows the Python API (it was the README's "Python API" section).
+TUTORIAL = ROOT / "docs" / "tutorials" / "own-model-and-data.md"
+
 
 def load_example():
     spec = importlib.util.spec_from_file_location("python_api_example", EXAMPLE)
@@ -471,19 +476,19 @@ def load_example():
     return module
 
 
-def test_the_readme_quotes_the_tested_example():
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-    assert EXAMPLE.read_text() in blocks, "README.md must quote examples/python_api.py verbatim"
+def test_the_docs_quote_the_tested_example():
+    page = TUTORIAL.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert EXAMPLE.read_text() in blocks, f"{TUTORIAL.relative_to(ROOT)} must quote examples/python_api.py verbatim"
 
 
-def _readme_signatures() -> dict[str, list[tuple[str, object]]]:
-    """The README's ``diff2_flwr.make_*(...) -> T`` lines, parsed as Python: name -> [(parameter, default)]."""
+def _tutorial_signatures() -> dict[str, list[tuple[str, object]]]:
+    """The tutorial's ``diff2_flwr.make_*(...) -> T`` lines, parsed as Python: name -> [(parameter, default)]."""
     import ast
 
-    readme = (ROOT / "README.md").read_text()
+    page = TUTORIAL.read_text()
     found = {}
-    for name, params in re.findall(r"diff2_flwr\.(make_\w+)\((\*,.*?)\) ->", readme, flags=re.S):
+    for name, params in re.findall(r"diff2_flwr\.(make_\w+)\((\*,.*?)\) ->", page, flags=re.S):
         (fn,) = ast.parse(f"def {name}({params}): pass").body
         defaults = [None] * (len(fn.args.kwonlyargs) - len(fn.args.kw_defaults)) + fn.args.kw_defaults
         found[name] = [(a.arg, inspect.Parameter.empty if d is None else
@@ -492,17 +497,17 @@ def _readme_signatures() -> dict[str, list[tuple[str, object]]]:
     return found
 
 
-def test_the_readmes_signatures_are_the_functions():
+def test_the_tutorials_signatures_are_the_functions():
     """Every keyword argument of make_strategy and make_client, in order, with its default (a name such as
-    ``print`` by its name), as the README lists them."""
-    listed = _readme_signatures()
+    ``print`` by its name), as the tutorial lists them."""
+    listed = _tutorial_signatures()
     assert set(listed) == {"make_strategy", "make_client"}
     for name, params in listed.items():
         signature = inspect.signature(getattr(diff2_flwr, name)).parameters.values()
         actual = [(p.name, p.default.__name__ if callable(p.default) and p.default is not p.empty else p.default)
                   for p in signature]
         assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in signature)
-        assert params == actual, f"README.md's {name} signature differs from the function's"
+        assert params == actual, f"{TUTORIAL.relative_to(ROOT)}'s {name} signature differs from the function's"
 
 
 def test_the_example_runs_through_its_server_fn_and_client_fn():

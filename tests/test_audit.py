@@ -132,7 +132,7 @@ def test_audit_catches_a_mechanism_with_four_times_less_noise():
 # ------------------------------------------------------------------------------ DIFF2 with its private local routine
 
 # R = 4 (2 restarts, 2 differences), a local step every round on worker 0 with q = b/n = 8/16 and 98 % of the GDP
-# budget μ² left to the local steps: they dominate ε, so the audit is sensitive to them (see the README).
+# budget μ² left to the local steps: they dominate ε, so the audit is sensitive to them (see docs/how-to/audit.md).
 BVR = dict(method="diff2-bvr", epsilon=EPSILON, delta=DELTA, rounds=4, restart_every=2, local_batch_size=8,
            local_share=0.98)
 

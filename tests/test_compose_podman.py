@@ -27,7 +27,7 @@ from test_superexec_auth import acquire_task
 
 pytestmark = [pytest.mark.compose, pytest.mark.deployment, pytest.mark.flower]
 
-CONFIG = "configs/deploy.yaml"  # the config the compose files are written for, as the README runs it
+CONFIG = "configs/deploy.yaml"  # the config the compose files are written for, as docs/tutorials/deployment.md runs it
 SET = {"training.rounds": 2, "training.restart_every": 2, "training.seed": 4}  # a restart and a difference round
 
 

@@ -1,4 +1,4 @@
-"""Thread pinning: the condition of every bit-for-bit claim (README, "Reproducibility")."""
+"""Thread pinning: the condition of every bit-for-bit claim (docs/explanation/reproducibility.md)."""
 
 from __future__ import annotations
 

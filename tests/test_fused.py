@@ -335,7 +335,7 @@ def test_the_kernels_forward_bits_do_not_depend_on_the_other_runs_nor_on_the_ins
 def test_the_engine_with_the_kernels_forward_equals_the_torch_forward(monkeypatch):
     """The batched engine's default (the forward pass in the kernel) against the forward pass in torch, the same runs
     otherwise: final iterates within 1e-12 (float64) and 1e-6 (float32) after the test's rounds, the evaluation's
-    losses and ‖∇f‖² to 1e-10 / 1e-5 relative: the claims the README makes for the kernel's forward."""
+    losses and ‖∇f‖² to 1e-10 / 1e-5 relative: the claims docs/how-to/studies.md makes for the kernel's forward."""
     import functools
 
     from diff2_flwr.lab import backend

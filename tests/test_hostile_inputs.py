@@ -3,7 +3,7 @@
 The Strategy-level cases (client missing or answering twice, wrong number of arrays, shapes, dtype, NaN,
 over-norm, failures, wrong round, corrupt bytes) are in ``test_strategy.py::test_fail_closed``; ε, δ, T, u,
 YAML and unknown keys in ``test_config.py`` / ``test_privacy.py``; batch-norm in ``test_gradients.py``; the
-budget guard and δ >= 1/n in ``test_session.py``. The README's "Privacy guarantee" section lists them all.
+budget guard and δ >= 1/n in ``test_session.py``. docs/explanation/privacy.md lists them all.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from flwr_app import REPO, copy_app, flwr_env, start_run, stop_superlinks, super
 
 FLWR = Path(sys.executable).with_name("flwr")
 
-#: The user's factory, as the README shows it.
+#: The user's factory, as the tutorial (docs/tutorials/own-model-and-data.md) shows it.
+TUTORIAL = REPO / "docs" / "tutorials" / "own-model-and-data.md"
 MYMODEL = '''"""My own model: a factory named in the experiment as model.name: custom.mymodel:make."""
 
 from torch import nn
@@ -75,7 +76,7 @@ def test_the_fab_carries_custom_and_nothing_else_of_the_users(tmp_path):
     # The apps' code only: the CLI, the experiments and the deployment tooling stay home (fab-exclude).
     assert not [n for n in names if n == "diff2_flwr/cli.py" or n.startswith(("diff2_flwr/lab/", "diff2_flwr/deploy/"))]
 
-    # Another folder of one's own goes in as the README says: one more pattern in fab-include.
+    # Another folder of one's own goes in as the tutorial says: one more pattern in fab-include.
     pyproject = app / "pyproject.toml"
     text = pyproject.read_text()
     assert text.count('"custom/**/*.py",') == 1
@@ -112,9 +113,9 @@ def test_flwr_run_gets_the_same_fab_from_the_staged_app(tmp_path):
     pyproject.write_text(pyproject.read_text().replace('"README.md",', '"*.md",'))
     assert stage_app(app, tmp_path / "other") == app and not (tmp_path / "other").exists()
 
-def test_the_readme_shows_this_factory_and_pyprojects_fab_include():
-    readme = (REPO / "README.md").read_text()
-    assert MYMODEL in readme, "README.md must quote MYMODEL verbatim"
+def test_the_tutorial_shows_this_factory_and_pyprojects_fab_include():
+    readme = TUTORIAL.read_text()
+    assert MYMODEL in readme, f"{TUTORIAL.relative_to(REPO)} must quote MYMODEL verbatim"
     patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["fab-include"]
     assert "custom/**/*.py" in patterns and (REPO / "custom" / "__init__.py").is_file()
     assert f"fab-include = {json.dumps(patterns + ['mypkg/**/*.py'])}" in readme

@@ -1,4 +1,5 @@
-"""The published results survive multiplicity correction only where docs/results.md and the README say so (issue 20).
+"""The published results survive multiplicity correction only where docs/results.md, the README and the docs say so
+(issue 20).
 
 No training: scripts/adjust_published.py reads the published one-sided p-values and the regime cell table, and these
 tests pin the facts of the statistical review that can be checked from them, by hand as well (see the comments).
@@ -15,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
+#: Every page that may state a result: the README and the documentation site's pages (results.md among them).
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def _load():
@@ -142,7 +145,7 @@ def test_the_confirmation_table_is_holm_of_its_own_p_values(text):
     assert "<!-- CONFIRMATION STUDY SECTION -->" not in text
 
 
-@pytest.mark.parametrize("path", [RESULTS, README], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_significance_claim_is_adjusted_or_exploratory(path):
     # Rule: a prose line with "p =", "p ≤", "p′", "significant(ly)", … also names Holm, BH, "adjusted" or "exploratory".
     bad = ap.unqualified_claim_lines(path.read_text(encoding="utf-8"))

@@ -6,7 +6,8 @@
     diff2 audit --method diff2 --epsilon 3 --rounds 10 --trials 10000   # try to break the guarantee
 
 The commands' handlers are in :mod:`.experiments` (noise, run, experiment, family, regime, plot, audit,
-bench) and :mod:`.deployment` (shard, deploy-local, certs, node-key, secret, compose, ledger).
+bench), :mod:`.deployment` (shard, deploy-local, certs, node-key, secret, compose, ledger) and :mod:`.docs`
+(docs: the documentation site).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _add_run_commands(sub: Any) -> None:
                      help="show every line of Flower's log (also: DIFF2_VERBOSE=1); default: ours and warnings only")
     run.add_argument("--node-policy", metavar="FILE",
                      help="a data owner's node policy (YAML, e.g. configs/policy.yaml) held by every simulated node: "
-                          "each refuses a run or task outside it (see the README, 'Node policy')")
+                          "each refuses a run or task outside it (see docs/how-to/node-policy.md)")
     run.set_defaults(func=experiments.run)
 
     exp = sub.add_parser("experiment", help="run a study (grid search, seeds, t-tests, report, plots) from a YAML file")
@@ -231,12 +232,26 @@ def _add_lab_commands(sub: Any) -> None:
     led.set_defaults(func=deployment.ledger)
 
 
+def _add_docs_command(sub: Any) -> None:
+    """The command docs: build (and serve) this documentation site, offline."""
+    from . import docs
+
+    doc = sub.add_parser("docs", help="build the documentation site (mkdocs --strict, offline) and print where it is "
+                                      "as JSON; --serve then serves it on localhost")
+    doc.add_argument("--out", default=None, help="folder of the built site (default: site/ in the clone)")
+    doc.add_argument("--serve", action="store_true", help="after building, serve the site (rebuilt on changes) "
+                                                          "until Ctrl-C")
+    doc.add_argument("--port", type=int, default=8000, help="port of --serve on 127.0.0.1 (default 8000)")
+    doc.set_defaults(func=docs.docs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diff2", description="DIFF2 differentially private federated training on Flower.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    for add in (_add_run_commands, _add_study_commands, _add_deploy_commands, _add_secret_commands, _add_lab_commands):
+    for add in (_add_run_commands, _add_study_commands, _add_deploy_commands, _add_secret_commands, _add_lab_commands,
+                _add_docs_command):
         add(sub)
     return parser
 

@@ -11,7 +11,7 @@ resumed run and the in-process driver then add in the same order on one machine,
 The kernel family (torch's ``ATEN_CPU_CAPABILITY``: AVX-512, AVX2 or the default) is chosen
 per process at start-up from the CPU and the environment; every process we start inherits the
 environment, so both sides of a comparison run the same kernels. Across kernel families (two
-different machines) results agree to rounding only (README, "Reproducibility").
+different machines) results agree to rounding only (docs/explanation/reproducibility.md).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ class PartitionerConfig:
 
     name: Literal["iid", "dirichlet", "pathological", "size", "linear", "square", "exponential"] = setting(
         "iid", "how the train split is cut into P shards: iid, dirichlet, pathological, linear, square, exponential, "
-        "size (README, Partitions)")
+        "size (docs/how-to/partitions.md)")
     seed: int | None = setting(None, "seed of dirichlet and pathological; null: dataset.split_seed")
     alpha: float | None = setting(None, "dirichlet only: the concentration α > 0 (small = skewed)")
     min_partition_size: int = setting(10, "dirichlet only: Flower resamples (<= 10 times) until every shard has "
@@ -107,7 +107,7 @@ class PartitionerConfig:
 class DatasetConfig:
     name: Literal["synthetic", "california_housing", "gas_turbine", "blogfeedback", "kddcup99", "covertype", "digits",
                   "csv"] = setting("synthetic", "synthetic, california_housing, gas_turbine, blogfeedback, kddcup99, "
-                                   "covertype, digits, csv (README, Datasets)")
+                                   "covertype, digits, csv (docs/how-to/datasets.md)")
     dir: str | None = setting(None, "data directory of the real datasets; null: $DIFF2_DATA_DIR")
     test_fraction: float = setting(0.2, "held-out fraction")
     split_seed: int = setting(0, "seed of the train/test split (the shards follow from it)")
