@@ -332,6 +332,44 @@ def test_the_kernels_forward_bits_do_not_depend_on_the_other_runs_nor_on_the_ins
         assert torch.equal(client[0][0], s1[1]) and torch.equal(client[3], l1[:, cols])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_pass_not_kept_gives_the_same_bits_and_no_parts(kernel, dtype):
+    """keep=False (a round of plain gradients that no later round reads): the sums, overflow flags and losses are the
+    bits of the kept pass (padding and a partial last block included), no parts are returned, and a difference round
+    cannot ask for it; the engine, which passes keep=False before a round that restarts every run, gives the runs it
+    gave when every pass was kept."""
+    from diff2_flwr.lab import backend
+
+    for loss, classes in (("half_squared_error", 1), ("cross_entropy", 3)):
+        mlp, x, x_prev, feats, y, x64, sq, mask = _case(loss, classes, "softplus", dtype, seed=7)
+        radius = torch.tensor([0.05, 0.5, math.inf, 2.0], dtype=torch.float64)
+        kept = _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius)
+        lean = _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius, keep=False)
+        assert lean[2] is None and kept[2] is not None
+        assert torch.equal(lean[0], kept[0]) and torch.equal(lean[1], kept[1]) and torch.equal(lean[3], kept[3])
+        with pytest.raises(ValueError, match="keep=False is for a pass of plain gradients"):
+            _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius, kept[2], torch.zeros(K, dtype=torch.bool),
+                     keep=False)
+    data, specs = _specs()
+    round_ = backend.FusedBackend.round
+    for batch in ([s for s in specs if s.restart_every == 1], [s for s in specs if s.restart_every == 1] + specs[:1]):
+        lean_calls = []
+
+        def counted(self, *a, **kw):
+            lean_calls.append(not kw.get("keep", True))
+            return round_(self, *a, **kw)
+        try:
+            backend.FusedBackend.round = lambda self, *a, **kw: round_(self, *a, **{**kw, "keep": True})
+            kept_runs = run_batch(data, batch, rounds=ROUNDS, eval_every=3, dtype=dtype)
+            backend.FusedBackend.round = counted
+            lean_runs = run_batch(data, batch, rounds=ROUNDS, eval_every=3, dtype=dtype)
+        finally:
+            backend.FusedBackend.round = round_
+        assert sum(lean_calls) >= ROUNDS // 3, lean_calls  # keep=False was asked for (every round, or every third)
+        for a, b in zip(lean_runs, kept_runs):
+            assert np.array_equal(a.final_x, b.final_x) and np.array_equal(a.train_loss, b.train_loss)
+
+
 def test_the_engine_with_the_kernels_forward_equals_the_torch_forward(monkeypatch):
     """The batched engine's default (the forward pass in the kernel) against the forward pass in torch, the same runs
     otherwise: final iterates within 1e-12 (float64) and 1e-6 (float32) after the test's rounds, the evaluation's

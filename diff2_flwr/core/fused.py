@@ -207,18 +207,20 @@ def clipped_sums(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.T
                              f"Found {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
     if dtype not in kernel._entry:
         raise ValueError(f"fused.clipped_sums: compute dtype must be float32 or float64. Found {dtype}.")
-    return _call(kernel, cur, x, sq_x, mask, radius, prev, restart, clients, x_rows, None, "fused.clipped_sums")
+    return _call(kernel, cur, (dtype, K, H, O, M), x, sq_x, mask, radius, prev, restart, clients, x_rows, None,
+                 "fused.clipped_sums")
 
 
-def _call(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor,
-          radius: torch.Tensor, prev: Parts | None, restart: torch.Tensor | None, clients: int,
-          x_rows: torch.Tensor | None, forward: tuple | None, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _call(kernel: FusedKernel, cur: Parts, dims: tuple[torch.dtype, int, int, int, int], x: torch.Tensor,
+          sq_x: torch.Tensor, mask: torch.Tensor, radius: torch.Tensor, prev: Parts | None,
+          restart: torch.Tensor | None, clients: int, x_rows: torch.Tensor | None, forward: tuple | None,
+          who: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel call of :func:`clipped_sums` (``forward`` None: ``cur`` is read) or :func:`forward_sums`
-    (``forward`` = (params, activation code, loss code, x_t, y, losses): ``cur`` and the losses are written);
-    ``cur``'s and the forward's arguments checked by the caller (``who``, named in the errors), the others here."""
-    dtype = cur.a.dtype
-    K, H, M = cur.a.shape
-    O, F = cur.grad_out.shape[1], x.shape[0]
+    (``forward`` = (params, activation code, loss code, x_t, y, losses): ``cur`` and the losses are written; ``cur``'s
+    a, dphi and grad_out None: the pass is not kept); ``dims`` = (compute dtype, K, H, O, M); ``cur``'s and the
+    forward's arguments checked by the caller (``who``, named in the errors), the others here."""
+    dtype, K, H, O, M = dims
+    F = x.shape[0]
     if clients < 1 or M % clients:
         raise ValueError(f"{who}: {M} samples do not split into {clients} clients of equal size.")
     N = M // clients
@@ -261,15 +263,19 @@ def _call(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.Tensor, 
 def forward_sums(kernel: FusedKernel, params: torch.Tensor, x_t: torch.Tensor, y: torch.Tensor, activation: str,
                  loss: str, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor, radius: torch.Tensor,
                  prev: Parts | None = None, restart: torch.Tensor | None = None, *, hidden: int, outputs: int,
-                 clients: int = 1, x_rows: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, Parts, torch.Tensor]:
+                 clients: int = 1, x_rows: torch.Tensor | None = None, keep: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, Parts | None, torch.Tensor]:
     """:func:`clipped_sums` with the forward pass in the kernel too: for the K runs' parameters ``params`` [K, d] (the
     compute dtype, the flat (W_1, b_1, W_2, b_2) order) and the inputs ``x_t`` [F, M] and targets ``y`` [M] in the
     compute dtype, the kernel computes per block of samples h = W_1 x + b_1, a = φ(h), φ'(h), z = W_2 a + b_2, the
     output gradient and the loss (the maths of :func:`~diff2_flwr.core.ghost.forward_head`, with the kernel's own
     exp and log1p: equal to torch's to a few units in the last place, not in bits), then the rest as
     :func:`clipped_sums` — each block while it is in the caches. Returns the clipped sums [P, K, d] (float64), the
-    overflow flags [P, K], this pass's :class:`Parts` (for the next round's ``prev``) and the losses [K, M]."""
+    overflow flags [P, K], this pass's :class:`Parts` (for the next round's ``prev``) and the losses [K, M].
+
+    ``keep`` False (only without ``prev``: every row a plain gradient): no later round reads this pass, so its parts
+    are not written out — each block's stay in scratch rows in the caches — and None is returned for them; the sums,
+    flags and losses are the same bits."""
     dtype = params.dtype
     if dtype not in kernel._forward or params.dim() != 2:
         raise ValueError(f"fused.forward_sums: params must be a [K, d] float32 or float64 tensor. Found {params.dtype} "
@@ -286,14 +292,20 @@ def forward_sums(kernel: FusedKernel, params: torch.Tensor, x_t: torch.Tensor, y
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"fused.forward_sums: {name} must be a contiguous {dtype} tensor of shape {shape}. "
                              f"Found {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
+    if not keep and prev is not None:
+        raise ValueError("fused.forward_sums: keep=False is for a pass of plain gradients only (prev None): a "
+                         "difference round's parts are written where its rows are read.")
     w_out = params[:, H * F + H:H * F + H + O * H].reshape(K, O, H).contiguous()
-    cur = Parts(torch.empty(K, H, M, dtype=dtype), torch.empty(K, H, M, dtype=dtype),
-                torch.empty(K, O, M, dtype=dtype), w_out)
+    if keep:
+        cur = Parts(torch.empty(K, H, M, dtype=dtype), torch.empty(K, H, M, dtype=dtype),
+                    torch.empty(K, O, M, dtype=dtype), w_out)
+    else:
+        cur = Parts(None, None, None, w_out)  # type: ignore[arg-type]
     losses = torch.empty(K, M, dtype=dtype)
-    sums, overflow = _call(kernel, cur, x, sq_x, mask, radius, prev, restart, clients, x_rows,
+    sums, overflow = _call(kernel, cur, (dtype, K, H, O, M), x, sq_x, mask, radius, prev, restart, clients, x_rows,
                            (params, ACTIVATION_CODES[activation], LOSS_CODES[loss], x_t, y, losses),
                            "fused.forward_sums")
-    return sums, overflow, cur, losses
+    return sums, overflow, cur if keep else None, losses
 
 
 def activation(kernel: FusedKernel, name: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

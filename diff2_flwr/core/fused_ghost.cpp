@@ -562,6 +562,10 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
            double* sums, uint8_t* overflow, double* cd1, const Forward<T>& fw = Forward<T>{}) {
   const int64_t d = H * F + H + O * H + O, M = P * N;
   const bool forward = fw.par != nullptr;
+  // The forward pass without ``a`` (dphi, gl): this pass is not kept — no difference row of a later round reads it, and
+  // this call has none — so each block's a, φ', g_L stay in block-sized scratch rows, in the caches, never written out.
+  const bool keep = !forward || a != nullptr;
+  std::vector<T> ka(keep ? 0 : H * BLOCK), kd(keep ? 0 : H * BLOCK), kg(keep ? 0 : O * BLOCK);
   std::vector<T> zw(O * BLOCK), txt(F * BLOCK, T(0)), ty(BLOCK, T(0)), tls(BLOCK, T(0));
   std::vector<double> tcd1(H * BLOCK);
   std::vector<double> acc(d * BLOCK), work((3 * H + 2 * O) * BLOCK);
@@ -586,9 +590,9 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
                     work.data() + H * BLOCK, work.data() + 2 * H * BLOCK, work.data() + 3 * H * BLOCK,
                     work.data() + 3 * H * BLOCK + O * BLOCK};
       std::memset(acc.data(), 0, sizeof(double) * acc.size());
-      const T* ak = a + k * H * M + start;
-      const T* dk = dphi + k * H * M + start;
-      const T* gk = gl + k * O * M + start;
+      const T* ak = keep ? a + k * H * M + start : nullptr;
+      const T* dk = keep ? dphi + k * H * M + start : nullptr;
+      const T* gk = keep ? gl + k * O * M + start : nullptr;
       const T* apk = diff ? ap + k * H * M + start : nullptr;
       const T* dpk = diff ? dphip + k * H * M + start : nullptr;
       const T* gpk = diff ? glp + k * O * M + start : nullptr;
@@ -596,13 +600,17 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
       double* cdk = cd1 == nullptr ? nullptr : cd1 + k * H * M + start;  // [K, H, M] like a
       ker.cd1s = M;
       for (int64_t n = 0; n < full; n += BLOCK) {
-        Block<T> in{ak + n, dk + n, gk + n, diff ? apk + n : nullptr, diff ? dpk + n : nullptr,
-                    diff ? gpk + n : nullptr, x + start + n, sqa + start + n, mask + start + n, M, M};
+        const T* ab = keep ? ak + n : ka.data();
+        const T* db = keep ? dk + n : kd.data();
+        const T* gb = keep ? gk + n : kg.data();
+        const int64_t s = keep ? M : BLOCK;
+        Block<T> in{ab, db, gb, diff ? apk + n : nullptr, diff ? dpk + n : nullptr,
+                    diff ? gpk + n : nullptr, x + start + n, sqa + start + n, mask + start + n, s, M};
         ker.cd1 = cdk == nullptr ? nullptr : cdk + n;
         if (forward)
           forward_block(fw.par + k * d, H, O, F, fw.act, fw.loss, fw.xt + start + n, M, fw.y + start + n,
-                        const_cast<T*>(ak + n), const_cast<T*>(dk + n), const_cast<T*>(gk + n),
-                        fw.ls + k * M + start + n, M, zw.data());
+                        const_cast<T*>(ab), const_cast<T*>(db), const_cast<T*>(gb), fw.ls + k * M + start + n, s,
+                        zw.data());
         bad |= ker.block(in);
       }
       if (tail) {
@@ -612,14 +620,18 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
           T* lk = fw.ls + k * M + start + full;
           for (int64_t j = 0; j < tail; ++j) lk[j] = tls[j];
           for (int64_t h = 0; h < H; ++h) {
-            T* ao = const_cast<T*>(ak) + h * M + full;
-            T* dout = const_cast<T*>(dk) + h * M + full;
-            for (int64_t j = 0; j < tail; ++j) { ao[j] = ta[h * BLOCK + j]; dout[j] = tdphi[h * BLOCK + j]; }
+            if (keep) {
+              T* ao = const_cast<T*>(ak) + h * M + full;
+              T* dout = const_cast<T*>(dk) + h * M + full;
+              for (int64_t j = 0; j < tail; ++j) { ao[j] = ta[h * BLOCK + j]; dout[j] = tdphi[h * BLOCK + j]; }
+            }
             for (int64_t j = tail; j < BLOCK; ++j) { ta[h * BLOCK + j] = T(0); tdphi[h * BLOCK + j] = T(0); }
           }
           for (int64_t o = 0; o < O; ++o) {
-            T* go = const_cast<T*>(gk) + o * M + full;
-            for (int64_t j = 0; j < tail; ++j) go[j] = tgl[o * BLOCK + j];
+            if (keep) {
+              T* go = const_cast<T*>(gk) + o * M + full;
+              for (int64_t j = 0; j < tail; ++j) go[j] = tgl[o * BLOCK + j];
+            }
             for (int64_t j = tail; j < BLOCK; ++j) tgl[o * BLOCK + j] = T(0);
           }
         }
@@ -673,7 +685,8 @@ int64_t diff2_fused_block() { return BLOCK; }
 DIFF2_FUSED_ENTRY(diff2_fused_f32, float)
 DIFF2_FUSED_ENTRY(diff2_fused_f64, double)
 
-// The same with the forward pass in the kernel (``Forward``): a, dphi, gl and ls are written, not read.
+// The same with the forward pass in the kernel (``Forward``): a, dphi, gl and ls are written, not read; a, dphi and gl
+// null (with ap null): the pass is not kept (only the sums, overflow flags and ls are written).
 #define DIFF2_FORWARD_ENTRY(NAME, T)                                                                            \
   void NAME(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* par, int64_t act,       \
             int64_t loss, const T* xt, const T* y, T* a, T* dphi, T* gl, T* ls, const T* w2, const T* ap,         \

@@ -124,9 +124,11 @@ class RoundBackend(Protocol):
 
     batch: Batch
 
-    def round(self, x: torch.Tensor, restart: torch.Tensor, radius: torch.Tensor, *, train: bool) -> RoundOut:
+    def round(self, x: torch.Tensor, restart: torch.Tensor, radius: torch.Tensor, *, train: bool,
+              keep: bool = True) -> RoundOut:
         """Round of iterates x [K, d] (float64): rows with ``restart`` [K] take plain gradients, the others the
-        difference with the previous round's pass; ``radius`` [K] float64; ``train``: also the unclipped sums."""
+        difference with the previous round's pass; ``radius`` [K] float64; ``train``: also the unclipped sums;
+        ``keep`` False: the next round restarts every run, so this round's pass need not be kept for it."""
         ...
 
     def train(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,15 +177,17 @@ def _fused_round(kernel: fused.FusedKernel, head: Callable, group: ClientGroup, 
 
 def _fused_rounds(kernel: fused.FusedKernel, head: Callable | None, mlp: MLP, groups: Sequence[ClientGroup],
                   x: torch.Tensor, prev: Sequence[fused.Parts] | None, restart: torch.Tensor | None,
-                  radius: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[fused.Parts], torch.Tensor]:
+                  radius: torch.Tensor, keep: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[fused.Parts | None], torch.Tensor]:
     """:func:`_fused_round` for every group: sums [P, K, d], overflow [P, K], the parts per group, losses [K, M].
-    ``head`` None: the forward pass too is the kernel's (:func:`~diff2_flwr.core.fused.forward_sums`)."""
+    ``head`` None: the forward pass too is the kernel's (:func:`~diff2_flwr.core.fused.forward_sums`), which with
+    ``keep`` False (``prev`` None) does not keep its parts (None per group)."""
     if head is None:
         params = x.to(groups[0].a_t.dtype).contiguous()
         outs = [fused.forward_sums(kernel, params, group.a_t, group.y, mlp.activations[0], mlp.loss, group.x64_t,
                                    group.sq_a, group.mask, radius, None if prev is None else prev[i], restart,
                                    hidden=mlp.sizes[1], outputs=mlp.sizes[2], clients=group.clients,
-                                   x_rows=group.x_rows)
+                                   x_rows=group.x_rows, keep=keep or prev is not None)
                 for i, group in enumerate(groups)]
     else:
         w_out = mlp.layers(x.to(groups[0].a_t.dtype))[1][0].contiguous()
@@ -246,7 +250,8 @@ class TorchBackend:
         self._always_select = compile
         self._prev: list[tuple[tuple, tuple]] = [((), ())] * batch.P  # per client: the pass at x (inputs, grads)
 
-    def round(self, x: torch.Tensor, restart: torch.Tensor, radius: torch.Tensor, *, train: bool) -> RoundOut:
+    def round(self, x: torch.Tensor, restart: torch.Tensor, radius: torch.Tensor, *, train: bool,
+              keep: bool = True) -> RoundOut:
         prev = [((), ())] * self.batch.P if bool(restart.all()) else self._prev
         flag = self._always_select or bool(restart.any())
         device = self.batch.device  # the round on the batch's device; what it returns on the CPU (the server's)
@@ -298,10 +303,17 @@ class FusedBackend:
         self._no_clip = torch.full((runs,), math.inf, dtype=torch.float64)
         self._prev: list[fused.Parts] | None = None  # per group: the parts at x
 
-    def round(self, x: torch.Tensor, restart: torch.Tensor, radius: torch.Tensor, *, train: bool) -> RoundOut:
+    def round(self, x: torch.Tensor, restart: torch.Tensor, radius: torch.Tensor, *, train: bool,
+              keep: bool = True) -> RoundOut:
         prev = None if bool(restart.all()) else self._prev
+        if prev is not None and any(p is None for p in prev):
+            raise RuntimeError("FusedBackend: a difference round after a round whose pass was not kept (keep=False "
+                               "promised that the next round restarts every run).")
+        # The kernel's forward keeps no pass that no one reads: a round of plain gradients before one that restarts
+        # every run, not evaluated (the evaluation's unclipped sums read it).
+        keep = keep or train or prev is not None
         sums, overflow, self._prev, loss = _fused_rounds(self.kernel, self.head, self.mlp, self.groups, x, prev,
-                                                         restart, radius)
+                                                         restart, radius, keep)
         return RoundOut(sums, overflow, self._unclipped(self._prev, loss) if train else None)
 
     def train(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

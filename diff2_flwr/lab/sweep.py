@@ -297,7 +297,9 @@ def run_batch(
         live = alive.clone()  # alive at x_{r-1}, whose metrics this round's pass gives
         radius, std = _plan_radii(r, specs, restart, x, x_prev, alive, diverged)
         evaluated = (r - 1) % eval_every == 0 or r == 1
-        out = backend.round(x, restart, torch.as_tensor(radius), train=evaluated)
+        # the next round restarts every run (DP-GD, GD; DIFF2 before a restart): this round's pass is not read again
+        keep = not bool((r % T == 0).all())
+        out = backend.round(x, restart, torch.as_tensor(radius), train=evaluated, keep=keep)
         if evaluated:
             evals.append(_metrics(r - 1, mlp, b, x, live, out.train))
         client_means = out.sums / b.n.reshape(b.P, 1, 1)  # ClippedMean_p of every run [P, K, d]
