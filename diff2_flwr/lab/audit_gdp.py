@@ -30,6 +30,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -102,6 +103,7 @@ def _flag_probability(mu_true: float, mu_critical: float, n: int, a: float) -> f
     return float(nct.sf(t_crit, df, mu_true * c))
 
 
+@functools.lru_cache(maxsize=256)  # pure; repeated audits of one schedule ask for the same
 def detectable_noise_scale(mu_run: float, mu_critical: float, n: int, a: float, power: float = POWER) -> float:
     """The largest k such that a mechanism adding k times the calibrated noise (scores' μ = ``mu_run``/k) is flagged
     with probability ≥ ``power`` by the test at level ``a`` with ``n`` trials per federation (0 if none is)."""
