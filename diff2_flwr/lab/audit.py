@@ -138,6 +138,7 @@ def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) ->
                                     thresholds=threshold_grid(mu_gaussian))
         gdp = gdp_audit(d, d_prime, epsilon_claimed=eps_claimed, delta=spec.delta, a=spec.alpha / 2,
                         mu_run=mu_gaussian, mu_claimed=None)
+        power = gdp["power"]
         scores.update({"mu_empirical": float((np.mean(d) - np.mean(d_prime)) / pooled_sd),
                        "mu_gaussian": mu_gaussian})
         schedule.update({"z1": noise.calibration.z1, "z2": noise.calibration.z2})
@@ -156,6 +157,7 @@ def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) ->
                                     thresholds=threshold_grid(mu_claimed))
         gdp = gdp_audit(d, d_prime, epsilon_claimed=eps_claimed, delta=spec.delta, a=spec.alpha / 2,
                         mu_run=mu_claimed, mu_claimed=mu_claimed)
+        power = gdp["power"]
         scores["mu_empirical"] = float((np.mean(d) - np.mean(d_prime)) / pooled_sd)
         extra: dict = {"path": "Diff2Strategy.configure_fit -> Diff2Client.fit -> FitRes -> "
                                "Diff2Strategy.aggregate_fit"}
@@ -199,7 +201,7 @@ def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) ->
     result["violation_by"] = [name for name, hit in (("clopper_pearson", cp_violation),
                                                      ("gdp", bool(gdp and gdp["violation"]))) if hit]
     result["violation"] = bool(result["violation_by"])
-    result["power"] = gdp["power"] if gdp else power
+    result["power"] = power
     return result
 
 

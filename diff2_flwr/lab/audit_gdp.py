@@ -123,7 +123,9 @@ def gdp_audit(d: np.ndarray, d_prime: np.ndarray, *, epsilon_claimed: float, del
     """The μ-GDP estimate of the scores and its verdict on the claimed ε, at level ``a``.
 
     ``mu_run``: the μ of the scores were the audited mechanism the calibrated one (for a μ-GDP claim, the claimed μ;
-    for distributed noise, the Gaussian μ of the schedule): the unit of the power statement. ``mu_claimed``: the
+    for distributed noise, the Gaussian μ of the schedule): the unit of the power statement. (For distributed noise
+    the power is the Gaussian equivalent's: the Skellam shares are close to Gaussian, and the clients' rounding,
+    which ``--noise-scale`` does not scale, is far below the noise.) ``mu_claimed``: the
     claimed μ, if the claim is μ-GDP (``None`` otherwise).
     """
     n_d, n_p = len(d), len(d_prime)
