@@ -46,6 +46,7 @@ def data_dir() -> Path:
 _FILE_SECONDS = {
     "test_compose_podman.py": 1300, "test_flower_e2e.py": 820, "test_deployment.py": 726, "test_audit.py": 302,
     "test_audit_distributed.py": 180,  # not from a full run: 171 s of CPU for its two audits, measured alone
+    "test_audit_gdp.py": 60,  # not from a full run: ~50 s of CPU (four 1,000-trial audits, seeded simulations)
     "test_node_policy.py": 272, "test_plain_flwr_run.py": 225, "test_api.py": 145, "test_node_auth.py": 139,
     "test_private_edges.py": 131, "test_cluster.py": 121, "test_own_code.py": 116, "test_console.py": 96,
     "test_preflight.py": 91, "test_partitions.py": 89, "test_checkpoint.py": 84, "test_strategy.py": 77,
@@ -63,6 +64,8 @@ _SLOW = (
     # --noise distributed: 1,500 runs per federation each, the correct run (a module fixture) and the 4x catch
     "tests/test_audit_distributed.py::test_audit_of_distributed_",
     "tests/test_audit_distributed.py::test_audit_scores_", "tests/test_audit_distributed.py::test_audit_catches_",
+    # the μ-GDP test on the real path, both directions (four 1,000-trial audits: ~30 s)
+    "tests/test_audit_gdp.py::test_the_audit_flags_a_sqrt2_mistake",
     "tests/test_node_policy.py::test_the_lifetime_budget_refuses",
     "tests/test_node_policy.py::test_diff2_run_checks_the_policy_file",
     "tests/test_study_drivers.py::test_a_killed_driver", "tests/test_study_drivers.py::test_two_driver_processes",

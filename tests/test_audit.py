@@ -92,7 +92,7 @@ def test_canary_sits_on_the_clipping_radius_and_benign_records_never_touch_its_a
 @pytest.fixture(scope="module")
 def diff2_audit():
     spec = AuditSpec(method="diff2", epsilon=EPSILON, delta=DELTA, rounds=4, restart_every=2, trials=5000, seed=11,
-                     workers=2)
+                     workers=2, alpha=0.05)
     return run_audit(spec)
 
 
@@ -103,6 +103,11 @@ def test_audit_of_diff2_finds_no_violation_and_is_not_vacuous(diff2_audit):
     assert out["schedule"]["restart_rounds"] == 2 and out["schedule"]["difference_rounds"] == 2
     assert not out["violation"] and out["epsilon_lower_bound"] <= EPSILON
     assert out["epsilon_lower_bound"] >= 0.3 * EPSILON
+    # the μ-GDP estimate reaches the whole run's μ: its interval holds the claimed μ, and ε̂ is close to ε
+    gdp = out["gdp"]
+    assert gdp["mu_interval"][0] <= out["mu_claimed"] <= gdp["mu_interval"][1] and gdp["applicable"]
+    assert 0.9 <= gdp["fraction_of_claimed_epsilon"] <= 1.1 and gdp["level"] == 0.025
+    assert out["clopper_pearson"]["level"] == 0.025 and out["confidence"] == 0.95 and out["violation_by"] == []
 
 
 def test_audit_scores_follow_the_claimed_gaussian_trade_off(diff2_audit):
@@ -117,7 +122,8 @@ def test_audit_scores_follow_the_claimed_gaussian_trade_off(diff2_audit):
 
 
 def test_audit_of_dpgd_finds_no_violation_and_is_not_vacuous():
-    out = run_audit(AuditSpec(method="dpgd", epsilon=EPSILON, delta=DELTA, rounds=2, trials=5000, seed=12, workers=2))
+    out = run_audit(AuditSpec(method="dpgd", epsilon=EPSILON, delta=DELTA, rounds=2, trials=5000, seed=12, workers=2,
+                              alpha=0.05))
     assert out["schedule"]["restart_rounds"] == 2 and out["schedule"]["difference_rounds"] == 0
     assert not out["violation"]
     assert 0.3 * EPSILON <= out["epsilon_lower_bound"] <= EPSILON
@@ -125,8 +131,9 @@ def test_audit_of_dpgd_finds_no_violation_and_is_not_vacuous():
 
 def test_audit_catches_a_mechanism_with_four_times_less_noise():
     out = run_audit(AuditSpec(method="diff2", epsilon=EPSILON, delta=DELTA, rounds=4, restart_every=2, trials=1500,
-                              noise_scale=0.25, seed=13, workers=2))
+                              noise_scale=0.25, seed=13, workers=2, alpha=0.05))
     assert out["violation"] and out["epsilon_lower_bound"] > EPSILON
+    assert out["violation_by"] == ["clopper_pearson", "gdp"]  # both tests, each at α/2
 
 
 # ------------------------------------------------------------------------------ DIFF2 with its private local routine
@@ -134,7 +141,7 @@ def test_audit_catches_a_mechanism_with_four_times_less_noise():
 # R = 4 (2 restarts, 2 differences), a local step every round on worker 0 with q = b/n = 8/16 and 98 % of the GDP
 # budget μ² left to the local steps: they dominate ε, so the audit is sensitive to them (see docs/how-to/audit.md).
 BVR = dict(method="diff2-bvr", epsilon=EPSILON, delta=DELTA, rounds=4, restart_every=2, local_batch_size=8,
-           local_share=0.98)
+           local_share=0.98, alpha=0.05)  # the Clopper–Pearson bound alone (no μ-GDP test), at 95 %
 
 
 @pytest.mark.parametrize("q,z", [(0.5, 2.9), (0.125, 1.0), (1.0, 3.0)])

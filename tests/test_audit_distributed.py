@@ -71,7 +71,7 @@ def test_cli_audits_distributed_noise_with_dropouts(capsys):
 
 @pytest.fixture(scope="module")
 def distributed_audit():
-    return run_audit(AuditSpec(**SCHEDULE, trials=1500, seed=31, workers=2))
+    return run_audit(AuditSpec(**SCHEDULE, trials=1500, seed=31, workers=2, alpha=0.05))
 
 
 def test_audit_of_distributed_noise_finds_no_violation_and_is_not_vacuous(distributed_audit):
@@ -82,6 +82,11 @@ def test_audit_of_distributed_noise_finds_no_violation_and_is_not_vacuous(distri
     assert out["schedule"]["restart_rounds"] == 2 and out["schedule"]["difference_rounds"] == 2
     assert not out["violation"] and out["epsilon_lower_bound"] <= out["epsilon_claimed"]
     assert out["epsilon_lower_bound"] >= 0.15 * EPSILON
+    # the μ-GDP estimate: the Skellam ledger (RDP) claims more than the Gaussian μ of the schedule gives, so the
+    # correctly noised run reaches a fraction of the claim, and its interval holds the schedule's Gaussian μ
+    gdp = out["gdp"]
+    assert gdp["mu_interval"][0] <= out["scores"]["mu_gaussian"] <= gdp["mu_interval"][1]
+    assert gdp["mu_claimed"] is None and not gdp["violation"] and gdp["fraction_of_claimed_mu"] < 1
 
 
 def test_audit_scores_follow_the_gaussian_equivalent_of_the_skellam_noise(distributed_audit):
@@ -97,6 +102,7 @@ def test_audit_scores_follow_the_gaussian_equivalent_of_the_skellam_noise(distri
 
 
 def test_audit_catches_client_shares_with_four_times_less_noise():
-    out = run_audit(AuditSpec(**SCHEDULE, trials=1500, noise_scale=0.25, seed=31, workers=2))
+    out = run_audit(AuditSpec(**SCHEDULE, trials=1500, noise_scale=0.25, seed=31, workers=2, alpha=0.05))
     assert out["violation"] and out["epsilon_lower_bound"] > out["epsilon_claimed"]
     assert out["scores"]["sd_d"] == pytest.approx(out["scores"]["mu_gaussian"] / 4, rel=0.08)
+    assert "gdp" in out["violation_by"] and out["gdp"]["mu"] == pytest.approx(4 * out["scores"]["mu_gaussian"], rel=0.1)

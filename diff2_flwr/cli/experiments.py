@@ -204,7 +204,7 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def audit(args: argparse.Namespace) -> int:
-    from ..lab.audit import AuditSpec, run_audit, stderr_progress
+    from ..lab.audit import AuditSpec, run_audit, stderr_progress, summary_line
 
     spec = AuditSpec(**{name: getattr(args, name) for name in setting_names(AuditSpec)})
     result = run_audit(spec, progress=None if args.quiet else stderr_progress)
@@ -213,9 +213,13 @@ def audit(args: argparse.Namespace) -> int:
         Path(args.out).expanduser().parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).expanduser().write_text(text + "\n")
     print(text)
+    print(summary_line(result), file=sys.stderr)
     if result["violation"]:
-        print(f"diff2 audit: VIOLATION: ε̂ = {result['epsilon_lower_bound']:.4g} > claimed ε = "
-              f"{result['epsilon_claimed']:.4g} (confidence {result['confidence']:.0%})", file=sys.stderr)
+        found = " and ".join({"clopper_pearson": f"Clopper–Pearson ε̂ >= {result['epsilon_lower_bound']:.4g}",
+                              "gdp": f"μ-GDP ε̂ >= {(result['gdp'] or {}).get('epsilon_interval', [0])[0]:.4g}"}[k]
+                             for k in result["violation_by"])
+        print(f"diff2 audit: VIOLATION: {found} > claimed ε = {result['epsilon_claimed']:.4g} "
+              f"(confidence {result['confidence']:.2%})", file=sys.stderr)
         return 3
     return 0
 

@@ -80,7 +80,8 @@ class AuditSpec:
     local_noise_scale: float = setting(1.0, "diff2-bvr: multiply the calibrated local noise σ3 (< 1 breaks it on "
                                             "purpose)")
     trials: int = setting(10_000, "runs on each of D and D'")
-    alpha: float = setting(0.05, "1 - confidence")
+    alpha: float = setting(0.001, "probability of reporting a violation of a correct mechanism (split between the "
+                                  "Clopper-Pearson and the μ-GDP tests)")
     seed: int | None = setting(None, "reproducible noise (default: OS entropy per run)")
     workers: int = setting(1, "processes", cli_default=lambda: default_workers())
 
