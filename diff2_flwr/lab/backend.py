@@ -181,13 +181,13 @@ def _fused_rounds(kernel: fused.FusedKernel, head: Callable | None, mlp: MLP, gr
                   ) -> tuple[torch.Tensor, torch.Tensor, list[fused.Parts | None], torch.Tensor]:
     """:func:`_fused_round` for every group: sums [P, K, d], overflow [P, K], the parts per group, losses [K, M].
     ``head`` None: the forward pass too is the kernel's (:func:`~diff2_flwr.core.fused.forward_sums`), which with
-    ``keep`` False (``prev`` None) does not keep its parts (None per group)."""
+    ``keep`` False (the caller's promise: ``prev`` None, not evaluated) does not keep its parts (None per group)."""
     if head is None:
         params = x.to(groups[0].a_t.dtype).contiguous()
         outs = [fused.forward_sums(kernel, params, group.a_t, group.y, mlp.activations[0], mlp.loss, group.x64_t,
                                    group.sq_a, group.mask, radius, None if prev is None else prev[i], restart,
                                    hidden=mlp.sizes[1], outputs=mlp.sizes[2], clients=group.clients,
-                                   x_rows=group.x_rows, keep=keep or prev is not None)
+                                   x_rows=group.x_rows, keep=keep)
                 for i, group in enumerate(groups)]
     else:
         w_out = mlp.layers(x.to(groups[0].a_t.dtype))[1][0].contiguous()
