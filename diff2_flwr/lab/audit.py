@@ -121,8 +121,19 @@ def _ledger_epsilon(spec: AuditSpec, calibration: Calibration) -> float:
 def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) -> dict:
     """Run the audit; return the JSON-able result (see the module docstring for what it means)."""
     started = time.perf_counter()
-    calibration = spec.calibration()
-    d, d_prime = audit_scores(spec, progress, calibration)
+    if spec.canaries > 1:  # B canaries per run (audit_canaries); the run's n and d, the same claimed μ and ε
+        from .audit_canaries import canary_scores, canary_spec
+
+        calibration = canary_spec(spec).calibration()
+        if spec.path == "flower":
+            from .audit_flower import flower_canary_scores
+
+            d, d_prime = flower_canary_scores(spec, progress, calibration)
+        else:
+            d, d_prime = canary_scores(spec, progress, calibration)
+    else:
+        calibration = spec.calibration()
+        d, d_prime = audit_scores(spec, progress, calibration)
     m1, m2 = calibration.restart_rounds, calibration.difference_rounds
     schedule = {"rounds": spec.rounds, "restart_every": spec.period, "restart_rounds": m1, "difference_rounds": m2,
                 "z1": calibration.z1, "z2": calibration.z2, "noise_scale": spec.noise_scale}
@@ -161,6 +172,17 @@ def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) ->
         scores["mu_empirical"] = float((np.mean(d) - np.mean(d_prime)) / pooled_sd)
         extra: dict = {"path": "Diff2Strategy.configure_fit -> Diff2Client.fit -> FitRes -> "
                                "Diff2Strategy.aggregate_fit"}
+        if spec.path == "flower":
+            extra["path"] = ("a Flower simulation (flwr.simulation.run_simulation: InMemoryGrid, the Ray backend): "
+                             "the audit's ServerApp runs the real Diff2Strategy with start_grid, the audit's "
+                             "ClientApp the real Diff2Client; the messages are Flower's")
+        if spec.canaries > 1:
+            from .audit_canaries import canary_runs, canary_spec
+
+            run = canary_spec(spec)
+            extra["canaries"] = {"per_run": spec.canaries, "runs": canary_runs(spec), "records_per_client": run.samples,
+                                 "dim": run.dim, "independence": "exact: each canary on its own axis, Gaussian noise "
+                                 "independent across coordinates, a fixed μ per round (audit_canaries)"}
     else:
         mu_claimed = None  # a subsampled mechanism has no μ-GDP trade-off curve
         eps_claimed = _ledger_epsilon(spec, calibration)
@@ -178,7 +200,7 @@ def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) ->
         "ratio": None,
         "violation": None,
         "trials": spec.trials,
-        "runs": 2 * spec.trials,
+        "runs": 2 * spec.trials if spec.canaries == 1 else extra["canaries"]["runs"],
         "delta": spec.delta,
         "confidence": 1 - spec.alpha,
         "method": spec.method,

@@ -22,6 +22,7 @@ __all__ = ["LOCAL_STEPS", "WRAP", "AuditSpec", "default_workers"]
 
 _METHODS = ("dpgd", "diff2", "diff2-bvr")  # AuditSpec.method's Literal, checked also when built in Python
 _NOISES = ("central", "distributed")  # AuditSpec.noise's Literal
+_PATHS = ("in-process", "flower")  # AuditSpec.path's Literal
 
 #: The wrap-around bound of an audited distributed-noise round: ``privacy.wrap``'s default.
 WRAP = 1e-6
@@ -79,7 +80,14 @@ class AuditSpec:
     local_clip: float = setting(1.0, "diff2-bvr: C3, local radius C3 ||y_1 - y_0||")
     local_noise_scale: float = setting(1.0, "diff2-bvr: multiply the calibrated local noise σ3 (< 1 breaks it on "
                                             "purpose)")
-    trials: int = setting(10_000, "runs on each of D and D'")
+    trials: int = setting(10_000, "trials on each of D and D' (with --canaries 1: runs)")
+    canaries: int = setting(1, "B, canaries per run (dpgd, diff2; central): 1 = one run per trial; an even B > 1: "
+                               "B canaries on axes of their own in one run, each an independent trial "
+                               "(audit_canaries), so 2 x trials / B runs")
+    path: Literal["in-process", "flower"] = setting(
+        "in-process", "in-process: the Strategy's and the clients' calls in this process; flower: a Flower "
+                      "simulation of the audit's ServerApp (the real Diff2Strategy) and ClientApp (the real "
+                      "Diff2Client), with --canaries B > 1")
     alpha: float = setting(0.001, "probability of reporting a violation of a correct mechanism (split between the "
                                   "Clopper-Pearson and the μ-GDP tests)")
     seed: int | None = setting(None, "reproducible noise (default: OS entropy per run)")
@@ -114,6 +122,17 @@ class AuditSpec:
         require(math.isfinite(self.local_share) and 0 < self.local_share < 1, "local_share",
                 "in (0, 1): the fraction of the budget left to the local steps", self.local_share)
         require(0 < self.alpha < 1, "alpha", "in (0, 1)", self.alpha)
+        require(isinstance(self.canaries, int) and not isinstance(self.canaries, bool)
+                and (self.canaries == 1 or (self.canaries >= 2 and self.canaries % 2 == 0)), "canaries",
+                "1 or an even integer >= 2 (half the canaries on D, half on D')", self.canaries)
+        require(self.canaries == 1 or (self.method in ("dpgd", "diff2") and not self.distributed), "canaries",
+                "1 for --method diff2-bvr and --noise distributed (independent trials from one run need Gaussian "
+                "noise independent across coordinates and a fixed μ per round: central dpgd and diff2)",
+                self.canaries)
+        require(self.path in _PATHS, "path", f"one of {_PATHS}", self.path)
+        require(self.path == "in-process" or self.canaries >= 2, "path",
+                "in-process unless --canaries B >= 2 (a Flower run takes seconds: one per trial would take hours)",
+                self.path)
         require(self.noise in _NOISES, "noise", f"one of {_NOISES}", self.noise)
         require(not (self.distributed and self.local), "noise", "central for --method diff2-bvr (privacy.noise: "
                 "distributed has no local routine)", self.noise)

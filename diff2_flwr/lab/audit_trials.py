@@ -37,7 +37,8 @@ from ..task.records import TensorRecords
 from .audit_spec import LOCAL_STEPS, AuditSpec
 from .audit_stats import local_log_likelihood_ratio
 
-__all__ = ["CANARY_MARGIN", "GradientCanaryShard", "audit_scores", "mechanism_run", "worker_noise"]
+__all__ = ["CANARY_MARGIN", "GradientCanaryShard", "Scorer", "audit_scores", "audited_server", "mechanism_run",
+           "worker_noise"]
 
 # ------------------------------------------------------------------------- the federation
 
@@ -48,18 +49,27 @@ CANARY_MARGIN = 1e6
 class GradientCanaryShard:
     """A worker's records as per-sample gradient functions; drop-in for ``PerSampleGradients``.
 
-    Benign record i has the loss ½ Σ_j a_ij x_j² + b_ij x_j on coordinates j ≥ 1 (so its
-    gradient difference is a_i ⊙ (x_{r−1} − x_{r−2})); coordinate 0 is the canary axis e. With
-    ``canary = ±1`` record 0 is the canary: gradient and gradient difference ``canary·K·e``,
-    K = CANARY_MARGIN × the round's radius. ClippedMean is the core's (``clipped_sum``). The
-    features passed in carry each record's index (column 0), so a minibatch of the local steps
-    holds exactly the records it names: the canary only when record 0 was sampled.
+    Benign record i has the loss ½ Σ_j a_ij x_j² + b_ij x_j on its benign coordinates (so its
+    gradient difference is a_i ⊙ (x_{r−1} − x_{r−2})); the first B coordinates are canary axes. With
+    ``canary = ±1`` record 0 is the canary on axis e_0: gradient and gradient difference ``canary·K·e_0``,
+    K = CANARY_MARGIN × the round's radius; ``canary = 0``: no canary. With an array of signs s_0..s_(B−1)
+    (:mod:`.audit_canaries`: many canaries in one run) record k is the canary s_k·K·e_k. ClippedMean is the
+    core's (``clipped_sum``). The features passed in carry each record's index (column 0), so a minibatch of
+    the local steps holds exactly the records it names: a canary only when its record was sampled.
     """
 
-    def __init__(self, a: np.ndarray, b: np.ndarray, canary: int) -> None:
-        if a.shape != b.shape or a.ndim != 2 or np.any(a[:, 0] != 0) or np.any(b[:, 0] != 0):
-            raise ValueError("benign records must be [n, d] arrays with a zero canary coordinate")
-        self.a, self.b, self.canary = a, b, canary
+    def __init__(self, a: np.ndarray, b: np.ndarray, canary: int | np.ndarray) -> None:
+        signs = np.asarray(canary, dtype=np.int64).reshape(-1)
+        if signs.size == 1 and signs[0] == 0:
+            signs = signs[:0]
+        axes = max(1, signs.size)  # a worker without canary still leaves axis 0 (the audit's e) alone
+        if a.shape != b.shape or a.ndim != 2 or np.any(a[:, :axes] != 0) or np.any(b[:, :axes] != 0):
+            raise ValueError("benign records must be [n, d] arrays with zero canary coordinates")
+        if signs.size > min(a.shape) or np.any(np.abs(signs) != 1):
+            raise ValueError(f"canary signs must be +1 or -1, at most one per record and axis; found {signs.size} "
+                             f"for {a.shape[0]} records of dimension {a.shape[1]}")
+        self.a, self.b, self.signs = a, b, signs
+        self.canary = int(signs[0]) if signs.size == 1 else (0 if signs.size == 0 else None)
         self.layout = ParameterLayout(("w",), ((a.shape[1],),))
         self.dtype = torch.float64
 
@@ -68,9 +78,10 @@ class GradientCanaryShard:
             rows = self.a * x_current + self.b
         else:
             rows = self.a * (x_current - x_previous)
-        if self.canary:
-            rows[0] = 0.0
-            rows[0, 0] = self.canary * CANARY_MARGIN * max(radius, 1.0)
+        if self.signs.size:
+            k = np.arange(self.signs.size)
+            rows[k] = 0.0
+            rows[k, k] = self.signs * (CANARY_MARGIN * max(radius, 1.0))
         return rows
 
     def clipped_mean(self, x_current: np.ndarray, features: torch.Tensor, targets: torch.Tensor, radius: float,
@@ -122,27 +133,53 @@ class _Manager:
         return self.proxies
 
 
-def _trial(spec: AuditSpec, calibration: Calibration, workers: Sequence[Worker], seed: int | None) -> float:
-    """One run of the schedule through the real Strategy; the LR score of what it released."""
+def audited_server(spec: AuditSpec, calibration: Calibration, layout: ParameterLayout, seed: int | None) -> Diff2Server:
+    """The production server of one audited run: the calibrated mechanism (its noise times ``spec.noise_scale``)."""
     mechanism = Mechanism(
         restart_every=spec.period, clip_restart=spec.clip_restart, clip_diff=spec.clip_diff,
         sigma_restart=calibration.sigma1 * spec.noise_scale,
         sigma_diff=(calibration.sigma2 or 0.0) * spec.noise_scale,
     )
+    return Diff2Server(mechanism=mechanism, routine=make_routine("gd", learning_rate=spec.learning_rate),
+                       layout=layout, x0=np.zeros(layout.dim), rounds=spec.rounds, clients=spec.clients,
+                       n_min=spec.samples, seed=seed, progress=None,
+                       # A mechanism broken on purpose (noise_scale != 1) is not the calibrated one: the server
+                       # refuses to account it as such, so it runs unaccounted (the audit's bound uses `claimed`).
+                       calibration=calibration if spec.noise_scale == 1.0 else None)
+
+
+class Scorer:
+    """The adversary's likelihood-ratio scores of one run along its first ``axes`` coordinates (one per canary),
+    round by round from what the server announces (kind, radius) and releases (ṽ_r), against the claimed noise."""
+
+    def __init__(self, spec: AuditSpec, calibration: Calibration, dim: int, axes: int = 1) -> None:
+        self.claimed = {True: calibration.sigma1, False: calibration.sigma2}
+        self.sensitivity_per_radius = 2.0 / (spec.samples * spec.clients)
+        self.axes, self.rounds = axes, 0
+        self.score, self.v_prev = np.zeros(axes), np.zeros(dim)
+
+    def add(self, restart: bool, radius: float, v: np.ndarray) -> None:
+        self.rounds += 1
+        if radius >= CANARY_MARGIN:
+            raise RuntimeError(f"round {self.rounds}: radius {radius:g} too large for the canary to be clipped")
+        increment = v if restart else v - self.v_prev
+        if radius > 0:  # radius 0: nothing depends on the data, nothing to score
+            s = self.claimed[restart] * radius
+            self.score += self.sensitivity_per_radius * radius / s**2 * increment[:self.axes]
+        self.v_prev = v
+
+
+def _trial(spec: AuditSpec, calibration: Calibration, workers: Sequence[Worker], seed: int | None,
+           axes: int = 1) -> np.ndarray:
+    """One run of the schedule through the real Strategy; the LR scores of what it released along the first
+    ``axes`` coordinates (one per canary: :mod:`.audit_canaries`; one canary, on e_0, by default)."""
     layout = workers[0].gradients.layout
-    server = Diff2Server(mechanism=mechanism, routine=make_routine("gd", learning_rate=spec.learning_rate),
-                         layout=layout, x0=np.zeros(spec.dim), rounds=spec.rounds, clients=spec.clients,
-                         n_min=spec.samples, seed=seed, progress=None,
-                         # A mechanism broken on purpose (noise_scale != 1) is not the calibrated one: the server
-                         # refuses to account it as such, so it runs unaccounted (the audit's bound uses `claimed`).
-                         calibration=calibration if spec.noise_scale == 1.0 else None)
+    server = audited_server(spec, calibration, layout, seed)
     strategy = Diff2Strategy(server=server)
     proxies = {f"node-{1000 + p}": _Proxy(f"node-{1000 + p}") for p in range(spec.clients)}
     manager = _Manager(proxies)
     clients = {cid: Diff2Client(w) for cid, w in zip(proxies, workers)}
-    claimed = {True: calibration.sigma1, False: calibration.sigma2}
-    sensitivity_per_radius = 2.0 / (spec.samples * spec.clients)
-    score, v_prev = 0.0, np.zeros(spec.dim)
+    scorer = Scorer(spec, calibration, layout.dim, axes)
     for rnd in range(1, spec.rounds + 1):
         instructions = strategy.configure_fit(rnd, None, manager)  # type: ignore[arg-type]
         results = []
@@ -152,18 +189,10 @@ def _trial(spec: AuditSpec, calibration: Calibration, workers: Sequence[Worker],
         strategy.aggregate_fit(rnd, results, [])
         # what the adversary sees: the announced radius and kind, and the released ṽ_r
         config = instructions[0][1].config
-        restart, radius = config[protocol.KIND] == "restart", float(config[protocol.RADIUS])
-        if radius >= CANARY_MARGIN:
-            raise RuntimeError(f"round {rnd}: radius {radius:g} too large for the canary to be clipped")
-        v = server.state.v
-        increment = v if restart else v - v_prev
-        if radius > 0:  # radius 0: nothing depends on the data, nothing to score
-            s = claimed[restart] * radius
-            score += sensitivity_per_radius * radius / s**2 * float(increment[0])
-        v_prev = v
+        scorer.add(config[protocol.KIND] == "restart", float(config[protocol.RADIUS]), server.state.v)
     if server.state.round != spec.rounds:  # pragma: no cover - release() raises before this
         raise RuntimeError("the audited run stopped early")
-    return score
+    return scorer.score
 
 
 class _CanaryWorkerServer(Diff2Server):
@@ -368,7 +397,7 @@ def _chunk(spec: AuditSpec, claimed: Calibration, run: Calibration, federation: 
     if spec.local:
         return np.array([_trial_local(spec, claimed, run, workers, _seed(spec, federation, i))
                          for i in range(start, stop)])
-    return np.array([_trial(spec, claimed, workers, _seed(spec, federation, i)) for i in range(start, stop)])
+    return np.array([_trial(spec, claimed, workers, _seed(spec, federation, i))[0] for i in range(start, stop)])
 
 
 def audit_scores(spec: AuditSpec, progress: Callable[[str], None] | None = None,
