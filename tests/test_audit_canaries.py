@@ -93,6 +93,7 @@ def test_the_many_canary_audit_passes_a_calibrated_and_flags_a_sqrt2_mechanism(m
 
 @pytest.mark.parametrize("changes,message", [
     ({"canaries": 3}, "even integer"),
+    ({"canaries": 5000}, "at most 4096"),
     ({"canaries": 4, "method": "diff2-bvr", "rounds": 4, "restart_every": 2}, "diff2-bvr"),
     ({"canaries": 4, "noise": "distributed"}, "distributed"),
     ({"path": "flower"}, "--canaries B >= 2"),

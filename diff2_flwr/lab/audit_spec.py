@@ -24,6 +24,9 @@ _METHODS = ("dpgd", "diff2", "diff2-bvr")  # AuditSpec.method's Literal, checked
 _NOISES = ("central", "distributed")  # AuditSpec.noise's Literal
 _PATHS = ("in-process", "flower")  # AuditSpec.path's Literal
 
+#: The most canaries one run may carry (``--canaries``): a run's rows are dense, ~(B + 16)² float64 per client.
+MAX_CANARIES = 4096
+
 #: The wrap-around bound of an audited distributed-noise round: ``privacy.wrap``'s default.
 WRAP = 1e-6
 
@@ -125,6 +128,9 @@ class AuditSpec:
         require(isinstance(self.canaries, int) and not isinstance(self.canaries, bool)
                 and (self.canaries == 1 or (self.canaries >= 2 and self.canaries % 2 == 0)), "canaries",
                 "1 or an even integer >= 2 (half the canaries on D, half on D')", self.canaries)
+        require(self.canaries <= MAX_CANARIES, "canaries", f"at most {MAX_CANARIES} (a run's per-sample rows are dense, "
+                "(B + samples) x (B + dim - 1) per client: memory and time grow as B², trials per run as B; "
+                "1,000 is a good size)", self.canaries)
         require(self.canaries == 1 or (self.method in ("dpgd", "diff2") and not self.distributed), "canaries",
                 "1 for --method diff2-bvr and --noise distributed (independent trials from one run need Gaussian "
                 "noise independent across coordinates and a fixed μ per round: central dpgd and diff2)",
