@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from diff2_flwr.lab.audit import AuditSpec, GradientCanaryShard, run_audit
+from diff2_flwr.lab.audit import AuditSpec, GradientCanaryShard, run_audit, summary_line
 from diff2_flwr.lab.audit_canaries import _runs, canary_runs, canary_signs, canary_spec, canary_workers, split_scores
 from diff2_flwr.lab.audit_trials import CANARY_MARGIN
 
@@ -83,6 +83,7 @@ def test_the_many_canary_audit_passes_a_calibrated_and_flags_a_sqrt2_mechanism(m
     calibrated, broken = run_audit(spec), run_audit(AuditSpec(**{**spec.__dict__, "noise_scale": 0.7, "seed": 8}))
     mu = calibrated["mu_claimed"]
     assert calibrated["runs"] == 4 and calibrated["canaries"]["per_run"] == 1000
+    assert "1000 canaries per run, 4 runs): no violation" in summary_line(calibrated)
     assert not calibrated["violation"]
     lo, hi = calibrated["gdp"]["mu_interval"]
     assert lo < mu < hi

@@ -230,7 +230,12 @@ def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) ->
 def summary_line(result: dict) -> str:
     """The audit's verdict in one line for a person: both estimates, the claim, and the power."""
     verdict = "VIOLATION" if result["violation"] else "no violation"
-    text = (f"diff2 audit ({result['method']}, {result['noise_mode']}, {result['trials']} trials): {verdict} of "
+    how = ""
+    if result.get("canaries"):
+        how = f", {result['canaries']['per_run']} canaries per run, {result['canaries']['runs']} runs"
+    if result["spec"].get("path") == "flower":
+        how += ", through a Flower simulation"
+    text = (f"diff2 audit ({result['method']}, {result['noise_mode']}, {result['trials']} trials{how}): {verdict} of "
             f"claimed ε = {result['epsilon_claimed']:.4g} (δ = {result['delta']:g}); Clopper–Pearson ε̂ >= "
             f"{result['epsilon_lower_bound']:.3g}")
     gdp = result["gdp"]
