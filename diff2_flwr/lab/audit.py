@@ -121,10 +121,12 @@ def _ledger_epsilon(spec: AuditSpec, calibration: Calibration) -> float:
 def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) -> dict:
     """Run the audit; return the JSON-able result (see the module docstring for what it means)."""
     started = time.perf_counter()
+    canary_run = None
     if spec.canaries > 1:  # B canaries per run (audit_canaries); the run's n and d, the same claimed μ and ε
-        from .audit_canaries import canary_scores, canary_spec
+        from .audit_canaries import canary_runs, canary_scores, canary_spec
 
-        calibration = canary_spec(spec).calibration()
+        canary_run = canary_spec(spec)
+        calibration = canary_run.calibration()
         if spec.path == "flower":
             from .audit_flower import flower_canary_scores
 
@@ -176,13 +178,11 @@ def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) ->
             extra["path"] = ("a Flower simulation (flwr.simulation.run_simulation: InMemoryGrid, the Ray backend): "
                              "the audit's ServerApp runs the real Diff2Strategy with start_grid, the audit's "
                              "ClientApp the real Diff2Client; the messages are Flower's")
-        if spec.canaries > 1:
-            from .audit_canaries import canary_runs, canary_spec
-
-            run = canary_spec(spec)
-            extra["canaries"] = {"per_run": spec.canaries, "runs": canary_runs(spec), "records_per_client": run.samples,
-                                 "dim": run.dim, "independence": "exact: each canary on its own axis, Gaussian noise "
-                                 "independent across coordinates, a fixed μ per round (audit_canaries)"}
+        if canary_run is not None:
+            extra["canaries"] = {"per_run": spec.canaries, "runs": canary_runs(spec),
+                                 "records_per_client": canary_run.samples, "dim": canary_run.dim,
+                                 "independence": "exact: each canary on its own axis, Gaussian noise independent "
+                                                 "across coordinates, a fixed μ per round (audit_canaries)"}
     else:
         mu_claimed = None  # a subsampled mechanism has no μ-GDP trade-off curve
         eps_claimed = _ledger_epsilon(spec, calibration)

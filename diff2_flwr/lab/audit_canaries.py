@@ -28,9 +28,9 @@ independent); the local routine (``diff2-bvr``) is left to the one-canary audit.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from typing import Callable
 
@@ -41,7 +41,8 @@ from ..core.privacy import Calibration
 from ..runtime.session import Worker
 from ..task.records import TensorRecords
 from .audit_spec import AuditSpec
-from .audit_trials import GradientCanaryShard, _trial
+from .audit_trials import GradientCanaryShard, _trial, run_chunks
+from .audit_trials import _seed as trial_seed
 
 __all__ = ["canary_signs", "canary_spec", "canary_workers", "canary_scores", "canary_runs", "split_scores"]
 
@@ -79,16 +80,9 @@ def canary_workers(spec: AuditSpec) -> list[Worker]:
             a[:b] = c[:b] = 0.0  # the canary records (their rows are the canaries')
             shard = GradientCanaryShard(a, c, canary_signs(b))
         else:
-            shard = GradientCanaryShard(a, c, 0) if b == 1 else _benign_only(a, c, b)
+            shard = GradientCanaryShard(a, c, 0)  # its records are zero on every canary axis (above)
         workers.append(Worker(p, shard, records))
     return workers
-
-
-def _benign_only(a: np.ndarray, c: np.ndarray, axes: int) -> GradientCanaryShard:
-    """A worker without canaries whose records leave the first ``axes`` coordinates alone (checked)."""
-    if np.any(a[:, :axes] != 0) or np.any(c[:, :axes] != 0):  # pragma: no cover - canary_workers builds them so
-        raise ValueError("a benign worker's records touch a canary axis")
-    return GradientCanaryShard(a, c, 0)
 
 
 def split_scores(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -98,10 +92,8 @@ def split_scores(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _seed(spec: AuditSpec, run: int) -> int | None:
-    if spec.seed is None:
-        return None  # fresh OS entropy per run, as in production
-    state = np.random.SeedSequence([spec.seed, 2, run]).generate_state(2, dtype=np.uint64)
-    return int(state[0]) << 64 | int(state[1])
+    """Run ``run``'s noise key: the one-canary audit's derivation, as its federation 2 (D and D′ are one here)."""
+    return trial_seed(spec, 2, run)
 
 
 def _runs(spec: AuditSpec, calibration: Calibration, start: int, stop: int) -> np.ndarray:
@@ -119,32 +111,18 @@ def canary_scores(spec: AuditSpec, progress: Callable[[str], None] | None = None
     runs = canary_runs(spec)
     chunk = max(1, min(50, math.ceil(runs / (4 * spec.workers))))
     jobs = [(s, min(s + chunk, runs)) for s in range(0, runs, chunk)]
-    out: list[tuple[int, np.ndarray]] = []
     started, done = time.perf_counter(), 0
 
-    def report(n: int) -> None:
+    def report(job: tuple) -> None:
         nonlocal done
-        done += n
+        done += job[1] - job[0]
         if progress:
             elapsed = time.perf_counter() - started
             progress(f"[audit] {done}/{runs} runs of {spec.canaries} canaries, {done * spec.canaries / elapsed:.0f} "
                      f"trials/s, ETA {elapsed / done * (runs - done):.0f} s")
 
-    if spec.workers == 1 or len(jobs) == 1:
-        for s, e in jobs:
-            out.append((s, _runs(spec, calibration, s, e)))
-            report(e - s)
-    else:
-        import multiprocessing
-
-        with ProcessPoolExecutor(min(spec.workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(_runs, spec, calibration, s, e): (s, e) for s, e in jobs}
-            for future in as_completed(futures):
-                s, e = futures[future]
-                out.append((s, future.result()))
-                report(e - s)
-    scores = np.concatenate([a for _, a in sorted(out, key=lambda t: t[0])])  # [runs, B]
-    d, d_prime = split_scores(scores)
+    scores = np.concatenate(run_chunks(functools.partial(_runs, spec, calibration), jobs, spec.workers, report))
+    d, d_prime = split_scores(scores)  # [runs, B] -> the + and the − canaries
     return d.reshape(-1)[:spec.trials], d_prime.reshape(-1)[:spec.trials]
 
 

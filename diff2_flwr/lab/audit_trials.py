@@ -38,7 +38,7 @@ from .audit_spec import LOCAL_STEPS, AuditSpec
 from .audit_stats import local_log_likelihood_ratio
 
 __all__ = ["CANARY_MARGIN", "GradientCanaryShard", "Scorer", "audit_scores", "audited_server", "mechanism_run",
-           "worker_noise"]
+           "run_chunks", "worker_noise"]
 
 # ------------------------------------------------------------------------- the federation
 
@@ -400,6 +400,27 @@ def _chunk(spec: AuditSpec, claimed: Calibration, run: Calibration, federation: 
     return np.array([_trial(spec, claimed, workers, _seed(spec, federation, i))[0] for i in range(start, stop)])
 
 
+def run_chunks(work: Callable[..., np.ndarray], jobs: Sequence[tuple], workers: int,
+               finished: Callable[[tuple], None]) -> list[np.ndarray]:
+    """``work(*job)`` for every job, in ``workers`` spawned processes (in this one with 1 worker or 1 job), calling
+    ``finished(job)`` as each completes (progress); the results in the jobs' order. ``work`` must pickle."""
+    if workers == 1 or len(jobs) == 1:
+        results = []
+        for job in jobs:
+            results.append(work(*job))
+            finished(job)
+        return results
+    import multiprocessing
+
+    out: dict[int, np.ndarray] = {}
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(work, *job): i for i, job in enumerate(jobs)}
+        for future in as_completed(futures):  # progress as chunks finish; results re-ordered below
+            out[futures[future]] = future.result()
+            finished(jobs[futures[future]])
+    return [out[i] for i in range(len(jobs))]
+
+
 def audit_scores(spec: AuditSpec, progress: Callable[[str], None] | None = None,
                  calibration: Calibration | None = None) -> tuple[np.ndarray, np.ndarray]:
     """LR scores of ``spec.trials`` runs on D (canary +) and on D′ (canary −); ``calibration``: the spec's, if
@@ -408,30 +429,17 @@ def audit_scores(spec: AuditSpec, progress: Callable[[str], None] | None = None,
     run = mechanism_run(spec, claimed) if spec.local else claimed
     noise = spec.distributed_noise() if spec.distributed else None
     chunk = max(1, min(500, spec.trials // (4 * spec.workers)))
-    jobs = [(fed, s, min(s + chunk, spec.trials)) for s in range(0, spec.trials, chunk) for fed in (1, 0)]
-    out: dict[int, list[tuple[int, np.ndarray]]] = {1: [], 0: []}
+    jobs = [(fed, s, min(s + chunk, spec.trials), noise) for s in range(0, spec.trials, chunk) for fed in (1, 0)]
     started, done = time.perf_counter(), 0
 
-    def report(n: int) -> None:
+    def report(job: tuple) -> None:
         nonlocal done
-        done += n
+        done += job[2] - job[1]
         if progress:
             elapsed = time.perf_counter() - started
             eta = elapsed / done * (2 * spec.trials - done)
             progress(f"[audit] {done}/{2 * spec.trials} runs, {done / elapsed:.0f} runs/s, ETA {eta:.0f} s")
 
-    if spec.workers == 1:
-        for fed, s, e in jobs:
-            out[fed].append((s, _chunk(spec, claimed, run, fed, s, e, noise)))
-            report(e - s)
-    else:
-        import multiprocessing
-
-        with ProcessPoolExecutor(spec.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(_chunk, spec, claimed, run, fed, s, e, noise): (fed, s, e) for fed, s, e in jobs}
-            for future in as_completed(futures):  # progress as chunks finish; results re-ordered below
-                fed, s, e = futures[future]
-                out[fed].append((s, future.result()))
-                report(e - s)
-    d, d_prime = (np.concatenate([a for _, a in sorted(out[f], key=lambda t: t[0])]) for f in (1, 0))
+    results = run_chunks(functools.partial(_chunk, spec, claimed, run), jobs, spec.workers, report)
+    d, d_prime = (np.concatenate([a for job, a in zip(jobs, results) if job[0] == f]) for f in (1, 0))
     return d, d_prime
