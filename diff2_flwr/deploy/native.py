@@ -253,6 +253,55 @@ def _secrets(work: Path, clients: int) -> dict[str, Path]:
     return {name: make_superexec_secret(work / "secrets" / f"{name}.secret") for name in names}
 
 
+#: How long every data owner's SuperNode may take to connect before ``flwr run`` (slow starts under load).
+SUPERNODE_CONNECT_S = 240.0
+
+
+def _await_supernodes(nodes: list[subprocess.Popen], apps: dict[str, subprocess.Popen],
+                      rebind: Callable[[int], subprocess.Popen], work: Path,
+                      timeout_s: float = SUPERNODE_CONNECT_S) -> None:
+    """Return once every SuperNode has connected (its log names the node id the SuperLink gave it).
+
+    A SuperNode that could not bind its runtime port (taken between the probe and its bind) is started once more
+    on a fresh port by ``rebind(p)`` (its first log kept as ``supernode-<p>.bind-failed.log``); any other exit,
+    and a SuperNode still not connected after ``timeout_s``, raises with its log. Submitting the run before
+    every owner is connected would leave the ServerApp waiting for a node that is gone, then fail the round
+    without saying why.
+    """
+    rebound: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for p, node in enumerate(nodes):
+            log = work / f"supernode-{p}.log"
+            if node.poll() is not None and p not in rebound and _bind_failed(log):
+                log.replace(work / f"supernode-{p}.bind-failed.log")
+                rebound.add(p)
+                nodes[p] = rebind(p)
+        _check_alive({**{f"supernode-{p}": proc for p, proc in enumerate(nodes)}, **apps}, work)
+        waiting = [p for p in range(len(nodes)) if "SuperNode ID:" not in _read(work / f"supernode-{p}.log")]
+        if not waiting:
+            return
+        if time.monotonic() >= deadline:
+            p = waiting[0]
+            raise SimulationFailed(
+                f"SuperNode {p} (data owner {p}) did not connect to the SuperLink within {timeout_s:.0f} s "
+                f"(still waiting: {waiting}); its log: {work / f'supernode-{p}.log'}\n"
+                + _read(work / f"supernode-{p}.log")[-2000:])
+        time.sleep(0.5)
+
+
+def _bind_failed(log: Path) -> bool:
+    """Whether a Flower component's log says it could not bind its port."""
+    return "address already in use" in _read(log).lower()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def _check_alive(procs: dict[str, subprocess.Popen], work: Path) -> None:
     """Raise with the log of the first process (by log name) that has already exited."""
     for name, proc in procs.items():
@@ -402,14 +451,22 @@ def run_local_deployment(
             processes.append(start_supernode(port, node_port, own, secret, log, env, certs.ca if certs else None, key))
             return processes[-1]
 
-        nodes = [supernode(p, work / f"supernode-{p}.log", keys[p].private if keys else None, node_ports[p],
-                           secrets[f"supernode-{p}"]) for p in range(clients)]
-        for p in range(clients):
+        def owner(p: int) -> subprocess.Popen:
+            """Data owner p's SuperNode and the SuperExec of its ClientApp (on node_ports[p])."""
+            node = supernode(p, work / f"supernode-{p}.log", keys[p].private if keys else None, node_ports[p],
+                             secrets[f"supernode-{p}"])
             name = f"superexec-clientapp-{p}"
-            apps[name] = start_superexec(nodes[p], node_ports[p], secrets[f"supernode-{p}"], work / f"{name}.log", env)
+            apps[name] = start_superexec(node, node_ports[p], secrets[f"supernode-{p}"], work / f"{name}.log", env)
             processes.append(apps[name])
-        time.sleep(2)
-        _check_alive({**{f"supernode-{p}": proc for p, proc in enumerate(nodes)}, **apps}, work)
+            return node
+
+        nodes = [owner(p) for p in range(clients)]
+
+        def rebind(p: int) -> subprocess.Popen:
+            node_ports[p] = free_ports(1)[0]
+            return owner(p)
+
+        _await_supernodes(nodes, apps, rebind, work)
         intruder_outcomes = _run_intruders(intruders, work, supernode, node_ports[clients:])
         if on_ready is not None:
             on_ready(LiveDeployment(port, work, env, certs, keys, node_ids, secrets, node_ports[:clients]))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -83,19 +84,47 @@ def _toml(value: str | int | float) -> str:
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports that were free a moment ago: all bound at once, then released (two separate
+    """``n`` distinct loopback ports that were free a moment ago, all probed at once, then released (two separate
     probes may be handed the same port — a SuperLink given one port for its API and its health server then fails
-    to bind)."""
-    socks = []
+    to bind).
+
+    They are drawn below the kernel's ephemeral range (``ip_local_port_range``, 32768–60999 on Linux): between
+    this probe and the server's own bind, a port of that range can be taken by any outgoing connection on the
+    machine as its source port (a SuperNode of a deployment test once failed to bind that way while other tests
+    ran). Below it only an explicit bind can take a port. Where that range is unknown, or no port below it can be
+    bound, the kernel picks (port 0).
+    """
+    low, high = _UNASSIGNED_FROM, _ephemeral_low()
+    chooser = random.SystemRandom()
+    socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        tries = 0
+        while len(socks) < n:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            port = chooser.randrange(low, high) if high - low > 4 * n and tries < 50 * n else 0
+            tries += 1
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
-            s.bind(("127.0.0.1", 0))
         return [int(s.getsockname()[1]) for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+#: The lowest port ``free_ports`` draws (above the registered ports of common local services).
+_UNASSIGNED_FROM = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux), or ``_UNASSIGNED_FROM`` where it is unknown."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _UNASSIGNED_FROM
 
 
 def tool(name: str) -> str:
