@@ -202,6 +202,9 @@ def _add_lab_commands(sub: Any) -> None:
     add_setting_flags(aud, AuditSpec)
     aud.add_argument("--out", default=None, help="also write the JSON here")
     aud.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    aud.add_argument("--live", default=None, metavar="FOLDER",
+                     help="instead: score a data owner's canaries in a live run, from the run folder its policy's "
+                          "`canaries.state` holds (<state>/run-<run id>); any time while the run trains")
     aud.set_defaults(func=experiments.audit)
 
     bench = sub.add_parser("bench", help="measure speed (rounds/s, protocol wall time and GFLOP/s vs a plain "

@@ -206,6 +206,8 @@ def bench(args: argparse.Namespace) -> int:
 def audit(args: argparse.Namespace) -> int:
     from ..lab.audit import AuditSpec, run_audit, stderr_progress, summary_line
 
+    if args.live is not None:
+        return _live_audit(args)
     spec = AuditSpec(**{name: getattr(args, name) for name in setting_names(AuditSpec)})
     result = run_audit(spec, progress=None if args.quiet else stderr_progress)
     text = json.dumps(to_json(result), indent=2)
@@ -222,6 +224,29 @@ def audit(args: argparse.Namespace) -> int:
               f"(confidence {result['confidence']:.2%})", file=sys.stderr)
         return 3
     return 0
+
+
+def _live_audit(args: argparse.Namespace) -> int:
+    """``diff2 audit --live FOLDER``: the data owner's canaries scored (JSON; exit 3 on a finding, 2 unreadable)."""
+    from ..lab.audit_live import LiveAuditError, live_audit
+
+    try:
+        result = live_audit(Path(args.live).expanduser())
+    except LiveAuditError as err:
+        print(f"diff2 audit --live: {err}", file=sys.stderr)
+        return 2
+    text = json.dumps(to_json(result), indent=2)
+    if args.out:
+        Path(args.out).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).expanduser().write_text(text + "\n")
+    print(text)
+    k, mu = result["noise_scale"], result
+    print(f"diff2 audit --live: {result['rounds']['scored']} rounds x {result['canaries']} canaries: noise "
+          f"{k['estimate']:.3f} x calibrated (upper {k['interval'][1]:.3f}), μ̂ {mu['mu']:.3f} "
+          f"[{mu['mu_interval'][0]:.3f}, {mu['mu_interval'][1]:.3f}], ε̂ {mu['epsilon']:.3g} (claimed "
+          f"{result['epsilon_claimed']:g})" + (": VIOLATION: " + "; ".join(result["findings"]) if result["violation"]
+                                               else ": no violation"), file=sys.stderr)
+    return 3 if result["violation"] else 0
 
 
 def plot(args: argparse.Namespace) -> int:

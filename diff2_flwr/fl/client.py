@@ -56,6 +56,9 @@ class Diff2Client(NumPyClient):
         if self.noise is not None:  # distributed noise: only inside SecAgg+ (see clients/client_app.py)
             return self._share(task)
         contribution = self.worker.contribute(task.radius, task.x_current, task.x_previous)
+        if self.guard is not None:  # the node's own canary records, if its policy audits the run
+            contribution = self.guard.with_canaries(task.round, task.radius, task.x_current, task.x_previous,
+                                                    task.n_min, contribution, layout.dim, self.worker.num_samples)
         return protocol.encode_reply(task, contribution, self.worker.partition_id, layout)
 
     def _share(self, task: protocol.WorkerTask) -> tuple[list[np.ndarray], int, dict]:

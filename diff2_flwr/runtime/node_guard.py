@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.estimator import difference_radius, is_restart
+from ..core.gradients import Contribution
 from ..core.local import LocalTask
 from ..core.privacy import Calibration
 from .config import ExperimentConfig
@@ -111,6 +112,28 @@ class NodeGuard:
             return f"C1 = training.clip_restart = {t.clip_restart:g}"
         return f"C2 ||x_(r-1) - x_(r-2)|| of the iterates sent, C2 = training.clip_diff = {t.clip_diff:g}"
 
+    # ------------------------------------------------------------------ the owner's canaries
+    def with_canaries(self, r: int, radius: float, x_current: np.ndarray, x_previous: np.ndarray | None,
+                      n_min: int, contribution: Contribution, dim: int, num_samples: int) -> Contribution:
+        """The reply to a checked gradient task: with the policy's canary records added and round r observed
+        (:mod:`~diff2_flwr.runtime.canary_monitor`); without canaries in the policy, ``contribution`` itself."""
+        if self.policy is None or not self.policy.canaries.enabled:
+            return contribution
+        from .canary_monitor import CanaryMonitor
+
+        t = self.cfg.training
+        folder = self.policy.canary_folder(self.partition_id, self.shared_policy) / _folder_name(self.run_id)
+        meta = {"run_id": self.run_id, "node": self.node, "partition_id": self.partition_id, "method": self.cfg.method,
+                "epsilon": self.cfg.privacy.epsilon, "delta": self.cfg.privacy.delta, "rounds": t.rounds,
+                "restart_every": self.cfg.restart_every, "clients": self.cfg.clients, "n_min": n_min,
+                "num_samples": num_samples, "learning_rate": t.learning_rate}
+        monitor = CanaryMonitor.open(folder, count=self.policy.canaries.count, dim=dim, meta=meta)
+        cal = _calibration(self.cfg, n_min)
+        assert cal is not None  # a policy allows private methods only
+        restart = x_previous is None
+        sigma = cal.sigma1 if restart else cal.sigma2
+        return monitor.reply(r, restart, radius, float(sigma) * radius, x_current, contribution)
+
     # ------------------------------------------------------------------ the local routine
     def check_local_task(self, task: LocalTask, num_samples: int) -> None:
         """Refuse a local task whose K, b, η, C3, σ3, q or n_min disagrees with the run config's calibration."""
@@ -174,3 +197,8 @@ class NodeGuard:
 
     def _refuse(self, rule: str, detail: str) -> None:
         raise Refused(self.node, rule, detail)
+
+
+def _folder_name(run_id: str) -> str:
+    """The run's folder name: its id, with anything but letters, digits, '-' and '_' replaced."""
+    return "run-" + "".join(c if c.isalnum() or c in "-_" else "_" for c in run_id)

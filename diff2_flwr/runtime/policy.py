@@ -23,6 +23,9 @@ Example (``configs/policy.yaml``)::
       epsilon: 10.0
       delta: 1.0e-5
       ledger: ledger.json    # the node's durable ledger (owner-only); relative to this file's folder
+    canaries:                # audit each run live from this node (diff2 audit --live FOLDER; central noise, gd)
+      count: 64              # canary records added to this node's replies (even; 0: none)
+      state: canaries        # the owner-only folder of their secret seed and observations (relative: this file's)
 
 Trust (``THREATS.md``): the policy protects this node's records against a run submitter whose run config asks
 too much (ε, δ, method, model, rounds, the lifetime budget) and against a server whose tasks disagree with the
@@ -44,7 +47,7 @@ from typing import Any, Mapping
 
 from .config import ConfigError, ExperimentConfig, PAPER_MLP, parse_section, read_yaml, require
 
-__all__ = ["BUILTIN_MODELS", "ENV_VAR", "NODE_CONFIG_KEY", "LifetimeBudget", "NodePolicy", "PolicyError", "Refused",
+__all__ = ["BUILTIN_MODELS", "ENV_VAR", "NODE_CONFIG_KEY", "CanaryPolicy", "LifetimeBudget", "NodePolicy", "PolicyError", "Refused",
            "check_run", "load_policy", "policy_path"]
 
 #: Node config key (``--node-config "policy='/path/policy.yaml'"``) and environment variable naming the policy.
@@ -96,6 +99,26 @@ class LifetimeBudget:
 
 
 @dataclass(frozen=True)
+class CanaryPolicy:
+    """B canary records this node adds to its own replies, and the folder of their secret and observations
+    (:mod:`~diff2_flwr.runtime.canary_monitor`)."""
+
+    count: int = 0
+    state: str = "canaries"
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.count, int) and not isinstance(self.count, bool) and self.count >= 0
+                and self.count % 2 == 0, "count", "an even integer >= 0: canary records per reply, half + and half "
+                "- (0: no canaries)", self.count)
+        require(isinstance(self.state, str) and bool(self.state.strip()), "state",
+                "the folder (owner-only) of the canaries' secret seed and observations", self.state)
+
+    @property
+    def enabled(self) -> bool:
+        return self.count > 0
+
+
+@dataclass(frozen=True)
 class NodePolicy:
     """A data owner's limits (see the module). ``max_epsilon`` and ``max_delta`` are required."""
 
@@ -108,6 +131,7 @@ class NodePolicy:
     noise: tuple[str, ...] = ("central", "distributed")
     min_honest: int = 1
     lifetime: LifetimeBudget = field(default_factory=LifetimeBudget)
+    canaries: CanaryPolicy = field(default_factory=CanaryPolicy)
     name: str | None = None
     source: str = field(default="<memory>", compare=False)
 
@@ -131,6 +155,13 @@ class NodePolicy:
         require(isinstance(self.min_honest, int) and self.min_honest >= 1, "min_honest",
                 "an integer >= 1: the fewest honest clients (P - t) whose noise shares must carry a distributed run",
                 self.min_honest)
+
+    def canary_folder(self, partition_id: int, shared: bool) -> Path:
+        """The canaries' state folder; ``shared`` (simulated nodes reading one policy): one per partition."""
+        path = Path(self.canaries.state).expanduser()
+        if not path.is_absolute() and self.source not in ("<memory>", ""):
+            path = Path(self.source).resolve().parent / path
+        return path / f"partition-{partition_id}" if shared else path
 
     def ledger_path(self, partition_id: int, shared: bool) -> Path | None:
         """The node's ledger file; ``shared`` (simulated nodes reading one policy): one file per partition."""
@@ -191,6 +222,25 @@ def check_run(policy: NodePolicy, cfg: ExperimentConfig, node: str) -> None:
     if cfg.local.enabled and not policy.local_routine:
         raise Refused(node, "local_routine", f"the run asks the private local routine (local.steps = "
                       f"{cfg.local.steps}); this node does not allow it {where}.")
+    if policy.canaries.enabled:
+        _check_auditable(cfg, node, where)
+
+
+def _check_auditable(cfg: ExperimentConfig, node: str, where: str) -> None:
+    """A node that audits every run with canaries takes only the runs its audit reads: central noise, routine gd
+    (ṽ_r = (x_(r-1) - x_r)/η from the iterates it receives), no local routine (x_r is then not that step)."""
+    problems = []
+    if cfg.privacy.distributed:
+        problems.append("privacy.noise: distributed (its replies leave only inside SecAgg+, without canaries)")
+    if cfg.training.routine.name != "gd":
+        problems.append(f"training.routine {cfg.training.routine.name!r} (the audit reads ṽ_r from x_(r-1) - x_r, "
+                        "which only gd makes η ṽ_r)")
+    if cfg.local.enabled:
+        problems.append(f"the local routine (local.steps = {cfg.local.steps}: x_r is not x_(r-1) - η ṽ_r)")
+    if problems:
+        raise Refused(node, "canaries", f"this node audits every run with canary records {where}, and the run asks "
+                      + "; ".join(problems) + ". Ask for privacy.noise: central, routine gd and no local steps, or "
+                      "the node's operator removes `canaries` from its policy.")
 
 
 def check_model(cfg: ExperimentConfig, allowed: tuple[str, ...], node: str, where: str) -> None:
