@@ -4,6 +4,7 @@ adds less."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -20,6 +21,7 @@ from diff2_flwr.lab.audit_live import LiveAuditError, live_audit
 from diff2_flwr.runtime.config import parse_config
 from diff2_flwr.runtime.node_guard import NodeGuard
 from diff2_flwr.runtime.policy import NodePolicy, Refused, load_policy
+from diff2_flwr.runtime.server import Diff2Server
 from diff2_flwr.runtime.session import build_server, build_worker
 
 
@@ -50,12 +52,12 @@ def test_a_frame_that_cannot_be_built_says_why(count, dim, match):
         CanaryFrame(seed=1, count=count, dim=dim)
 
 
-def config(epsilon: float = 3.0, **training):
+def config(**training):
     return parse_config({
         "name": "live", "method": "diff2",
         "dataset": {"name": "synthetic", "num_samples": 1800, "num_features": 8},
         "model": {"name": "paper_mlp", "hidden": 10},
-        "privacy": {"epsilon": epsilon, "delta": 1e-5},
+        "privacy": {"epsilon": 3.0, "delta": 1e-5},
         "training": {"rounds": 13, "restart_every": 4, "clip_restart": 1.0, "clip_diff": 3.0, "learning_rate": 0.2,
                      "clients": 3, "seed": 11, **training},
         "evaluation": {"test_metrics": False},
@@ -68,14 +70,28 @@ def policy(tmp_path, count=64) -> NodePolicy:
     return load_policy(path)
 
 
-def run(tmp_path, server_epsilon: float, count: int = 64):
-    """13 rounds of a server built for ``server_epsilon``, whose owners all hold the claimed ε = 3 config; owner
-    0 adds canaries. The calls are the Flower strategy's and client's (protocol in between)."""
-    claimed, served = config(), config(server_epsilon)
-    server = build_server(served, record=False, progress=None)
-    guard = NodeGuard.admit_run(claimed, node="node 1 (owner 0)", partition_id=0, run_id=42,
+def server_adding(cfg, noise_scale: float) -> Diff2Server:
+    """The production server of ``cfg``, adding ``noise_scale`` times the calibrated noise (unaccounted unless 1)."""
+    built = build_server(cfg, record=False, progress=None)
+    if noise_scale == 1.0:
+        return built
+    m = built.mechanism
+    mechanism = dataclasses.replace(m, sigma_restart=m.sigma_restart * noise_scale,
+                                    sigma_diff=m.sigma_diff * noise_scale)
+    return Diff2Server(mechanism=mechanism, routine=built.routine, layout=built.layout, x0=built.state.x,
+                       rounds=built.rounds, clients=built.clients, n_min=built.n_min, calibration=None,
+                       seed=cfg.training.seed, progress=None)
+
+
+def run(tmp_path, noise_scale: float, count: int = 64, cfg=None):
+    """A run of ``cfg`` (default: 13 rounds) whose server adds ``noise_scale`` times the declared noise; every owner
+    holds the run config, owner 0 adds canaries. The calls are the Flower strategy's and client's (the protocol in
+    between)."""
+    cfg = cfg or config()
+    server = server_adding(cfg, noise_scale)
+    guard = NodeGuard.admit_run(cfg, node="node 1 (owner 0)", partition_id=0, run_id=42,
                                 policy=policy(tmp_path, count), deployment=True)
-    clients = [Diff2Client(build_worker(claimed, p), guard if p == 0 else None) for p in range(3)]
+    clients = [Diff2Client(build_worker(cfg, p), guard if p == 0 else None) for p in range(cfg.clients)]
     while not server.done:
         plan = server.plan()
         arrays, ins = protocol.encode_task(plan, server.layout, server.n_min)
@@ -87,49 +103,91 @@ def run(tmp_path, server_epsilon: float, count: int = 64):
     return tmp_path / "canaries" / "run-42", server
 
 
-def test_the_owners_folder_is_private_and_its_reply_carries_the_canary_records(tmp_path):
-    folder, server = run(tmp_path, 3.0)
+LONG = {"rounds": 100, "restart_every": 10}  # the default config's schedule on 1,800 records: 6 s a run
+
+
+def seeded(tmp_path, seed: int = 5) -> None:
+    """The owner's canary seed put in place before the run (a fixed frame: a statistical test with a fixed seed)."""
+    from diff2_flwr.runtime.secret_files import private_folder, write_private
+
+    write_private(private_folder(tmp_path / "canaries" / "run-42") / "seed", f"{seed}\n".encode())
+
+
+def test_the_owners_folder_is_private_and_records_the_iterates_it_received(tmp_path):
+    folder, server = run(tmp_path, 1.0)
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(folder / "seed").st_mode) == 0o600
+    assert int((folder / "seed").read_text()) > 2**64  # drawn from the OS (128 bits), not a small test seed
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["count"] == 64 and meta["num_samples"] == 480 and meta["n_min"] == 480 and meta["clients"] == 3
     rows = [json.loads(line) for line in (folder / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == list(range(1, 14))
     assert [r["restart"] for r in rows] == [(r - 1) % 4 == 0 for r in range(1, 14)]
+    cal = config().calibration(480)
+    assert [r["noise_std"] for r in rows] == [(cal.sigma1 if r["restart"] else cal.sigma2) * r["radius"] for r in rows]
     # round r's row holds U x_(r-1): the iterates the server really released
     frame = CanaryFrame(int((folder / "seed").read_text()), 64, server.layout.dim)
     assert np.allclose(rows[-1]["projection"], frame.project(server.state.x_prev))
 
 
+def test_the_reply_is_the_clipped_mean_with_the_b_canary_records(tmp_path):
+    cfg = config()
+    seeded(tmp_path)
+    guard = NodeGuard.admit_run(cfg, node="node 1", partition_id=0, run_id=42, policy=policy(tmp_path), deployment=True)
+    server = build_server(cfg, record=False, progress=None)
+    plan = server.plan()
+    arrays, ins = protocol.encode_task(plan, server.layout, server.n_min)
+    worker = build_worker(cfg, 0)
+    own = worker.contribute(plan.radius, plan.x_current, plan.x_previous)
+    out, n, _ = Diff2Client(worker, guard).fit(arrays, dict(ins))
+    frame = CanaryFrame(5, 64, server.layout.dim)
+    assert n == 480 + 64
+    np.testing.assert_allclose(server.layout.flatten(out),
+                               (480 * own.mean + plan.radius * frame.signs @ frame.directions) / 544, rtol=0,
+                               atol=1e-15)
+    _, n_plain, _ = Diff2Client(build_worker(cfg, 0), None).fit(arrays, dict(ins))
+    assert n_plain == 480  # no policy, no canaries
+
+
 def test_a_server_adding_the_declared_noise_passes_and_the_noise_is_measured_near_one(tmp_path):
-    folder, _ = run(tmp_path, 3.0)
+    seeded(tmp_path)
+    folder, _ = run(tmp_path, 1.0, cfg=config(**LONG))
     result = live_audit(folder)
-    assert not result["violation"], result["findings"]
-    assert result["rounds"] == {**result["rounds"], "run": 13, "tasks_seen": 13, "scored": 12}
+    assert not result["violation"] and result["findings"] == []
+    assert result["rounds"]["tasks_seen"] == 100 and result["rounds"]["scored"] == 99
     k = result["noise_scale"]
-    assert k["interval"][0] <= 1.0 <= k["interval"][1] * 1.0 or k["interval"][0] > 1.0  # never below 1 but by chance
-    assert 0.9 < k["estimate"] < 1.3  # the run's own updates only add spread
-    assert result["mu_interval"][0] < result["mu_critical"]
+    assert 1.0 <= k["estimate"] < 1.3 and k["upper"] > 1.0  # the run's own updates only add spread
+    assert 0.7 < result["mu_if_calibrated"] < 0.73  # the calibrated μ of rounds 1..99 (0.7191 for all 100)
 
 
 def test_a_server_adding_less_noise_than_declared_is_caught_in_one_run(tmp_path):
-    claimed = config().calibration(480)
-    served = config(7.0).calibration(480)
-    k_true = served.sigma1 / claimed.sigma1
-    assert 0.4 < k_true < 0.6  # about half the declared noise
-    folder, _ = run(tmp_path, 7.0)
+    """A factor √2 (× 0.7) in the noise, caught from one run's iterates by the owner that holds the canaries."""
+    scale = 0.7
+    seeded(tmp_path)
+    folder, _ = run(tmp_path, scale, cfg=config(**LONG))
     result = live_audit(folder)
-    assert result["violation"] and "at most" in result["findings"][0]
-    lower, upper = result["noise_scale"]["interval"]
-    assert upper < 1.0 and lower <= k_true * 1.3 and k_true <= upper  # the truth, up to the updates' spread
+    k = result["noise_scale"]
+    assert result["violation"] and "less noise than declared" in result["findings"][0]
+    assert scale <= k["upper"] < 1.0
     completed = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "audit", "--live", str(folder)],
                                capture_output=True, text=True, timeout=120)
     assert completed.returncode == 3, completed.stderr
     assert json.loads(completed.stdout)["violation"] is True and "VIOLATION" in completed.stderr
 
 
+def test_the_noise_bound_has_its_level_on_pure_noise():
+    """The order-statistic bound on k, on spreads that are exactly χ²(df)/df times k²: covered at its level."""
+    from diff2_flwr.lab.audit_live import noise_scale
+
+    rng = np.random.default_rng(3)
+    df, level, m, k = 30, 0.05, 40, 0.8
+    misses = sum(noise_scale(k**2 * rng.chisquare(df, m) / df, df, level)[1] < k for _ in range(4000))
+    assert abs(misses / 4000 - level) < 0.012  # exact law: the bound fails with probability `level`
+
+
 def test_a_node_that_audits_refuses_a_run_its_audit_cannot_read(tmp_path):
-    for training, match in (({"routine": "adam"}, "routine 'adam'"),):
+    for training, match in (({"routine": "adam"}, "routine 'adam'"),
+                            ({"routine": "momentum"}, "routine 'momentum'")):
         with pytest.raises(Refused, match=match):
             NodeGuard.admit_run(config(**training), node="node 1", partition_id=0, run_id=1,
                                 policy=policy(tmp_path), deployment=True)
@@ -140,6 +198,9 @@ def test_a_folder_without_canaries_or_with_one_task_is_refused_with_the_reason(t
         live_audit(tmp_path)
     folder, _ = run(tmp_path, 3.0)
     lines = (folder / "rounds.jsonl").read_text().splitlines()
+    (folder / "rounds.jsonl").write_text("\n".join(lines[5:]) + "\n")  # first task seen: round 6 (a resumed run)
+    result = live_audit(folder)  # round 6 is a difference round without ṽ_5; round 13 has no task after it
+    assert result["rounds"]["tasks_seen"] == 8 and result["rounds"]["scored"] == 6
     (folder / "rounds.jsonl").write_text(lines[0] + "\n")
-    with pytest.raises(LiveAuditError, match="needs the tasks of rounds 1 and 2"):
+    with pytest.raises(LiveAuditError, match="two consecutive rounds"):
         live_audit(folder)

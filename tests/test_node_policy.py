@@ -341,11 +341,22 @@ def test_flwr_run_with_a_policy_on_every_simulated_node_completes_and_above_it_f
     config = write(tmp_path / "sim.yaml", {**BASE, "training": {**BASE["training"], "rounds": 3},
                                            "output": {"dir": str(tmp_path / "out")}})
     ledger = tmp_path / "ledgers" / "ledger.json"
-    policy = policy_file(tmp_path, lifetime={"epsilon": 8.0, "delta": 1e-5, "ledger": str(ledger)})
+    canaries = tmp_path / "canaries"
+    policy = policy_file(tmp_path, lifetime={"epsilon": 8.0, "delta": 1e-5, "ledger": str(ledger)},
+                         canaries={"count": 4, "state": str(canaries)})
     code, report, _ = _diff2_run(tmp_path, config, policy)
     assert code == 0 and report["status"] == "completed", report
     ledgers = sorted(p.name for p in ledger.parent.glob("ledger.partition-*.json"))
     assert ledgers == ["ledger.partition-0.json", "ledger.partition-1.json"]  # one per simulated node, charged once
+    # every simulated owner audited the run live through Flower's path: its canaries, its observations, its verdict
+    from diff2_flwr.lab.audit_live import live_audit
+
+    folders = sorted(canaries.glob("partition-*/run-*"))
+    assert [f.parent.name for f in folders] == ["partition-0", "partition-1"]
+    for folder in folders:
+        result = live_audit(folder)
+        assert result["rounds"]["tasks_seen"] == 3 and result["records"] == 240 and result["canaries"] == 4
+        assert result["noise_scale"]["estimate"] > 0 and not result["violation"]
     strict = policy_file(tmp_path, max_epsilon=1.0)
     code, report, stderr = _diff2_run(tmp_path, config, strict)
     assert code == 1 and report["status"] == "failed"

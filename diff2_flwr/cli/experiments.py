@@ -240,12 +240,12 @@ def _live_audit(args: argparse.Namespace) -> int:
         Path(args.out).expanduser().parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).expanduser().write_text(text + "\n")
     print(text)
-    k, mu = result["noise_scale"], result
-    print(f"diff2 audit --live: {result['rounds']['scored']} rounds x {result['canaries']} canaries: noise "
-          f"{k['estimate']:.3f} x calibrated (upper {k['interval'][1]:.3f}), μ̂ {mu['mu']:.3f} "
-          f"[{mu['mu_interval'][0]:.3f}, {mu['mu_interval'][1]:.3f}], ε̂ {mu['epsilon']:.3g} (claimed "
-          f"{result['epsilon_claimed']:g})" + (": VIOLATION: " + "; ".join(result["findings"]) if result["violation"]
-                                               else ": no violation"), file=sys.stderr)
+    k = result["noise_scale"]
+    print(f"diff2 audit --live: {result['rounds']['scored']} rounds x {result['canaries']} canaries: the iterates carry "
+          f"{k['estimate']:.3f} x the calibrated noise (upper bound {k['upper']:.3f}); exploratory μ̂ "
+          f"{result['mu']:.3f}, ε̂ {result['epsilon']:.3g} (claimed {result['epsilon_claimed']:g})"
+          + (": VIOLATION: " + "; ".join(result["findings"]) if result["violation"] else ": no violation"),
+          file=sys.stderr)
     return 3 if result["violation"] else 0
 
 

@@ -5,7 +5,8 @@ adds B canary records (:class:`~diff2_flwr.core.canaries.CanaryFrame`) to each o
 every task, appends to ``FOLDER/<run id>/rounds.jsonl`` what it needs to score them: the round, its kind and
 radius, the noise std per coordinate the run config's calibration prescribes (σ_r = σ·radius) and the
 projections U x_(r-1) of the iterate it received. The canaries' secret seed is ``FOLDER/<run id>/seed``
-(0600 in a 0700 folder); the server never sees it. ``diff2 audit --live FOLDER/<run id>`` scores the run so far,
+(0600 in a 0700 folder), drawn from the OS's secure generator at the run's first task unless the owner put one
+there (to reproduce a run); the server never sees it. ``diff2 audit --live FOLDER/<run id>`` scores the run so far,
 while it trains (:mod:`diff2_flwr.lab.audit_live`).
 
 Trust (``THREATS.md``): it protects the data owner against a server that adds less noise than the run config
@@ -74,7 +75,7 @@ class CanaryMonitor:
         then the reply with the B canary records added (an overflowing reply, which carries nothing, is left as
         it is)."""
         row = {"round": r, "restart": restart, "radius": radius, "noise_std": noise_std,
-               "projection": self.frame.project(x_current).tolist()}
+               "x_max": float(np.max(np.abs(x_current))), "projection": self.frame.project(x_current).tolist()}
         with (self.folder / ROUNDS_FILE).open("a") as out:
             out.write(json.dumps(row) + "\n")
         if contribution.overflow:
