@@ -241,8 +241,8 @@ def _live_audit(args: argparse.Namespace) -> int:
         Path(args.out).expanduser().write_text(text + "\n")
     print(text)
     k = result["noise_scale"]
-    print(f"diff2 audit --live: {result['rounds']['scored']} rounds x {result['canaries']} canaries: the iterates carry "
-          f"{k['estimate']:.3f} x the calibrated noise (upper bound {k['upper']:.3f}); exploratory μ̂ "
+    print(f"diff2 audit --live: {result['rounds']['scored']} rounds x {result['canaries']} canaries: the iterates "
+          f"carry {k['estimate']:.3f} x the calibrated noise (upper bound {k['upper']:.3f}); exploratory μ̂ "
           f"{result['mu']:.3f}, ε̂ {result['epsilon']:.3g} (claimed {result['epsilon_claimed']:g})"
           + (": VIOLATION: " + "; ".join(result["findings"]) if result["violation"] else ": no violation"),
           file=sys.stderr)

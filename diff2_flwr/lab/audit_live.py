@@ -4,8 +4,8 @@ added along them, and the μ-GDP estimate of the run from their scores. Reads wh
 
 What the owner saw. Round r's task carried x_(r-1); the folder holds y_(r-1) = U x_(r-1) (U the canaries'
 orthonormal frame, B rows). With routine gd, U ṽ_r = (y_(r-1) - y_r)/η for each round r whose task and the next
-one were seen (round R never is: no task follows it), and the round's release along the frame is a_r = U ṽ_r on a restart round,
-U(ṽ_r - ṽ_(r-1)) on a difference round:
+one were seen (round R never is: no task follows it), and the round's release along the frame is a_r = U ṽ_r on
+a restart round, U(ṽ_r - ṽ_(r-1)) on a difference round:
 
     a_r = U(the other updates) + s·C_r/((n_p + B)P) + N(0, (k σ_r)² I_B),
 

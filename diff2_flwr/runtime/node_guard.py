@@ -20,7 +20,9 @@ durable ledger (:mod:`~diff2_flwr.runtime.node_ledger`) at its first task, befor
 that would cross the budget is refused.
 
 Trust: protects this node's records against a run config that asks too much and a server whose tasks disagree
-with the declared mechanism. It does not see the server's noise (central noise: the server is trusted to add it).
+with the declared mechanism. It does not see the server's noise (central noise: the server is trusted to add it),
+unless the policy has ``canaries``: the node then adds canary records to its replies and records what it receives,
+so that the noise can be checked (:mod:`~diff2_flwr.runtime.canary_monitor`).
 """
 
 from __future__ import annotations

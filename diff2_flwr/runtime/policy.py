@@ -31,9 +31,11 @@ Trust (``THREATS.md``): the policy protects this node's records against a run su
 too much (ε, δ, method, model, rounds, the lifetime budget) and against a server whose tasks disagree with the
 mechanism the run config declares (radius, round kind, n_min, σ3, q, b, K: :mod:`~diff2_flwr.runtime.node_guard`).
 It cannot protect against an app bundle that is not ours (the ClientApp that enforces it comes from the bundle:
-pin bundles with Flower's trusted entities), nor, under central noise, against a server that sees the clipped means and adds
-less noise than declared. ``noise: [distributed]`` refuses central runs: the node's message then leaves only inside
-SecAgg+, with its own noise share (:mod:`diff2_flwr.fl.secagg`).
+pin bundles with Flower's trusted entities), nor, under central noise, against a server that sees the clipped
+means and leaks them. Whether the server adds less noise than declared the node can check, live, with
+``canaries`` (:mod:`~diff2_flwr.runtime.canary_monitor`; the run must then use central noise, routine gd and no
+local steps). ``noise: [distributed]`` refuses central runs: the node's message then leaves only inside SecAgg+,
+with its own noise share (:mod:`diff2_flwr.fl.secagg`).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ from typing import Any, Mapping
 
 from .config import ConfigError, ExperimentConfig, PAPER_MLP, parse_section, read_yaml, require
 
-__all__ = ["BUILTIN_MODELS", "ENV_VAR", "NODE_CONFIG_KEY", "CanaryPolicy", "LifetimeBudget", "NodePolicy", "PolicyError", "Refused",
-           "check_run", "load_policy", "policy_path"]
+__all__ = ["BUILTIN_MODELS", "ENV_VAR", "NODE_CONFIG_KEY", "CanaryPolicy", "LifetimeBudget", "NodePolicy",
+           "PolicyError", "Refused", "check_run", "load_policy", "policy_path"]
 
 #: Node config key (``--node-config "policy='/path/policy.yaml'"``) and environment variable naming the policy.
 NODE_CONFIG_KEY = "policy"
