@@ -114,9 +114,14 @@ def seeded(tmp_path, seed: int = 5) -> None:
 
 
 def test_the_owners_folder_is_private_and_records_the_iterates_it_received(tmp_path):
-    folder, server = run(tmp_path, 1.0)
+    old_umask = os.umask(0)  # owner-only whatever the umask
+    try:
+        folder, server = run(tmp_path, 1.0)
+    finally:
+        os.umask(old_umask)
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
-    assert stat.S_IMODE(os.stat(folder / "seed").st_mode) == 0o600
+    for name in ("seed", "meta.json", "rounds.jsonl"):
+        assert stat.S_IMODE(os.stat(folder / name).st_mode) == 0o600, name
     assert int((folder / "seed").read_text()) > 2**64  # drawn from the OS (128 bits), not a small test seed
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["count"] == 64 and meta["num_samples"] == 480 and meta["n_min"] == 480 and meta["clients"] == 3
@@ -142,6 +147,7 @@ def test_the_reply_is_the_clipped_mean_with_the_b_canary_records(tmp_path):
     out, n, _ = Diff2Client(worker, guard).fit(arrays, dict(ins))
     frame = CanaryFrame(5, 64, server.layout.dim)
     assert n == 480 + 64
+    assert np.linalg.norm(server.layout.flatten(out)) <= plan.radius  # B records at the radius: still a clipped mean
     np.testing.assert_allclose(server.layout.flatten(out),
                                (480 * own.mean + plan.radius * frame.signs @ frame.directions) / 544, rtol=0,
                                atol=1e-15)

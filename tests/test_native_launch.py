@@ -29,7 +29,8 @@ def test_free_ports_are_drawn_below_the_kernels_ephemeral_range_and_are_bindable
         pytest.skip("no Linux ephemeral port range on this machine")
     ports = launch.free_ports(6)
     assert len(set(ports)) == 6
-    assert all(launch._UNASSIGNED_FROM <= port < low for port in ports)
+    if low - launch._UNASSIGNED_FROM > 4 * 6:  # room below the range (a machine may start it lower: the kernel picks)
+        assert all(launch._UNASSIGNED_FROM <= port < low for port in ports)
     for port in ports:  # released: a server can bind each of them
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", port))

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..core.canaries import CanaryFrame
 from ..core.gradients import Contribution
-from .secret_files import private_folder, write_private
+from .secret_files import append_private, private_folder, write_private
 
 __all__ = ["CanaryMonitor", "ROUNDS_FILE", "META_FILE", "SEED_FILE"]
 
@@ -76,8 +76,7 @@ class CanaryMonitor:
         it is)."""
         row = {"round": r, "restart": restart, "radius": radius, "noise_std": noise_std,
                "x_max": float(np.max(np.abs(x_current))), "projection": self.frame.project(x_current).tolist()}
-        with (self.folder / ROUNDS_FILE).open("a") as out:
-            out.write(json.dumps(row) + "\n")
+        append_private(self.folder / ROUNDS_FILE, (json.dumps(row) + "\n").encode())
         if contribution.overflow:
             return contribution
         mean, n = self.frame.add(contribution.mean, contribution.num_samples, radius)

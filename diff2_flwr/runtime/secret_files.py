@@ -13,7 +13,7 @@ import os
 import secrets
 from pathlib import Path
 
-__all__ = ["SECRET_BYTES", "fsync_folder", "private_folder", "write_private", "make_superexec_secret"]
+__all__ = ["SECRET_BYTES", "append_private", "fsync_folder", "private_folder", "write_private", "make_superexec_secret"]
 
 #: Bytes of entropy of a SuperExec secret (written as hex; Flower reads the file's exact bytes).
 SECRET_BYTES = 32
@@ -34,6 +34,16 @@ def write_private(path: str | os.PathLike[str], data: bytes) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as handle:
         os.fchmod(handle.fileno(), 0o600)  # O_CREAT's mode is masked by the umask; a umask never adds bits
+        handle.write(data)
+    return path
+
+
+def append_private(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Append ``data`` to a file readable by its owner only: 0600 from creation, whatever the umask."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "ab") as handle:
+        os.fchmod(handle.fileno(), 0o600)
         handle.write(data)
     return path
 
