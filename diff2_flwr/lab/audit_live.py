@@ -41,6 +41,7 @@ from scipy.stats import beta, chi2
 
 from ..core.calibration import gdp_epsilon, gdp_mu
 from ..core.canaries import CanaryFrame
+from ..runtime.canary_monitor import META_FILE, ROUNDS_FILE, read_seed
 from .audit_gdp import gaussian_checks, mu_interval
 
 __all__ = ["live_audit", "LiveAuditError", "noise_scale"]
@@ -85,10 +86,10 @@ class LiveAuditError(ValueError):
 
 
 def _read(folder: Path) -> tuple[dict, dict[int, dict]]:
-    meta_path, rounds_path = folder / "meta.json", folder / "rounds.jsonl"
+    meta_path, rounds_path = folder / META_FILE, folder / ROUNDS_FILE
     if not meta_path.exists() or not rounds_path.exists():
-        raise LiveAuditError(f"{folder}: expected a canary folder (meta.json and rounds.jsonl, written by a node whose "
-                             "policy has `canaries`); found neither. Give the run's folder, <state>/run-<run id>.")
+        raise LiveAuditError(f"{folder}: expected a canary folder ({META_FILE} and {ROUNDS_FILE}, written by a node "
+                             "whose policy has `canaries`); found neither. Give the run's folder, <state>/run-<run id>.")
     meta = json.loads(meta_path.read_text())
     rows: dict[int, dict] = {}
     for line in rounds_path.read_text().splitlines():
@@ -111,8 +112,7 @@ def live_audit(folder: str | Path, *, level: float = LEVEL) -> dict:
         raise LiveAuditError(f"{folder}: {len(seen)} task(s) observed ({seen[:5]}); scoring needs the tasks of two "
                              "consecutive rounds at least (round r's release is read from the iterates of tasks r and "
                              "r + 1).")
-    seed = int((folder / "seed").read_text().strip())
-    signs = CanaryFrame(seed, B, int(meta["dim"])).signs
+    signs = CanaryFrame(read_seed(folder), B, int(meta["dim"])).signs
     plus, minus = signs > 0, signs < 0
     spread, weight, z_rows, mu2, rounded = [], [], [], 0.0, 0
     for r in sorted(v):

@@ -30,7 +30,7 @@ from ..core.canaries import CanaryFrame
 from ..core.gradients import Contribution
 from .secret_files import append_private, private_folder, write_private
 
-__all__ = ["CanaryMonitor", "ROUNDS_FILE", "META_FILE", "SEED_FILE"]
+__all__ = ["CanaryMonitor", "ROUNDS_FILE", "META_FILE", "SEED_FILE", "read_seed"]
 
 ROUNDS_FILE = "rounds.jsonl"
 META_FILE = "meta.json"
@@ -40,6 +40,11 @@ SEED_FILE = "seed"
 @functools.lru_cache(maxsize=4)
 def _frame(seed: int, count: int, dim: int) -> CanaryFrame:
     return CanaryFrame(seed, count, dim)
+
+
+def read_seed(folder: Path) -> int:
+    """The canaries' secret seed of the run folder ``folder``."""
+    return int((folder / SEED_FILE).read_text().strip())
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ class CanaryMonitor:
         seed_path = folder / SEED_FILE
         if not seed_path.exists():
             write_private(seed_path, f"{secrets.randbits(128)}\n".encode())
-        seed = int(seed_path.read_text().strip())
+        seed = read_seed(folder)
         meta = {**meta, "count": count, "dim": dim}
         meta_path = folder / META_FILE
         if meta_path.exists():

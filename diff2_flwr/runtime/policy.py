@@ -158,20 +158,23 @@ class NodePolicy:
                 "an integer >= 1: the fewest honest clients (P - t) whose noise shares must carry a distributed run",
                 self.min_honest)
 
-    def canary_folder(self, partition_id: int, shared: bool) -> Path:
-        """The canaries' state folder; ``shared`` (simulated nodes reading one policy): one per partition."""
-        path = Path(self.canaries.state).expanduser()
+    def _beside(self, value: str) -> Path:
+        """A path the policy names: relative ones are relative to the policy file's folder."""
+        path = Path(value).expanduser()
         if not path.is_absolute() and self.source not in ("<memory>", ""):
             path = Path(self.source).resolve().parent / path
+        return path
+
+    def canary_folder(self, partition_id: int, shared: bool) -> Path:
+        """The canaries' state folder; ``shared`` (simulated nodes reading one policy): one per partition."""
+        path = self._beside(self.canaries.state)
         return path / f"partition-{partition_id}" if shared else path
 
     def ledger_path(self, partition_id: int, shared: bool) -> Path | None:
         """The node's ledger file; ``shared`` (simulated nodes reading one policy): one file per partition."""
         if not self.lifetime.enabled:
             return None
-        path = Path(self.lifetime.ledger)  # type: ignore[arg-type]
-        if not path.is_absolute() and self.source not in ("<memory>", ""):
-            path = Path(self.source).resolve().parent / path
+        path = self._beside(self.lifetime.ledger)  # type: ignore[arg-type]
         return path.with_name(f"{path.stem}.partition-{partition_id}{path.suffix}") if shared else path
 
 
