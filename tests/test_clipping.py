@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from diff2_flwr.core.clipping import clip_rows, clipped_mean, clipped_sum, robust_norm, row_norms
+from diff2_flwr.core.clipping import clip_rows, clipped_mean, clipped_sum, robust_norm, row_norms, row_norms_np
 
 finite = st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False)
 rows_strategy = st.integers(1, 12).flatmap(
@@ -142,3 +143,17 @@ def test_a_subnormal_clip_factor_never_takes_a_row_above_the_radius():
         assert float(c[0]) * value <= radius and float(c[0]) > 0
     normal = torch.tensor([4.0, 0.5, 1e200], dtype=torch.float64)
     assert clip_factors(normal, 1.0).tolist() == [0.25, 1.0, 1.0 / 1e200]  # normal factors are exactly C / ‖a‖
+
+
+def test_the_numpy_row_norms_agree_with_the_torch_ones_at_every_magnitude():
+    """``row_norms_np`` (the batched engine's worker step, on small arrays) is ``row_norms`` to rounding: ordinary rows,
+    rows whose squares underflow or overflow, zero, inf and NaN rows."""
+    rng = np.random.default_rng(5)
+    rows = rng.normal(size=(40, 9)) * 10.0 ** rng.uniform(-320, 300, size=(40, 1))
+    rows = np.vstack([rows, [[1e-170] * 9, [1e200] + [0.0] * 8, [1e-310] + [0.0] * 8, [0.0] * 9,
+                             [np.inf] + [0.0] * 8, [np.nan] + [1.0] * 8]])
+    got, want = row_norms_np(rows), row_norms(torch.as_tensor(rows)).numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    finite = ~np.isnan(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-14, atol=0)
+    assert (got[:40] > 0).all() and got[-6] > 1e-170 and got[-5] == 1e200 and got[-3] == 0 and got[-2] == np.inf

@@ -339,3 +339,29 @@ def test_a_flower_study_records_a_diverged_point(tmp_path):
     runs = [json.loads(f.read_text()) for f in (tmp_path / study.name / "runs").glob("*.json")]
     assert len(runs) == 2 and all(r["engine"] == "flower" and r["diverged_at"] == 2 for r in runs)
     assert summary["epsilons"]["3.0"]["methods"]["GD"]["criteria"]["train_loss"]["diverged"] == 1
+
+
+def test_the_workers_step_marks_divergence_and_projects_in_place():
+    """The batched engine's worker step (numpy on views of the round's tensors): a run with an overflowed client or a
+    non-finite mean diverges at this round — the caller's ``alive`` tensor and ``diverged`` list say so — and a mean
+    just over its radius is projected, in the caller's tensor, onto the ball; the others are untouched."""
+    P, K, d = 3, 4, 7
+    rng = np.random.default_rng(11)
+    means = torch.as_tensor(rng.normal(size=(P, K, d)))
+    radius = np.array([10.0, 10.0, 10.0, 0.0])
+    over = 1.0 + 1e-14  # a mean whose norm exceeds run 2's radius by float rounding only; run 2's others well inside
+    means[0, 2] *= 0.1
+    means[2, 2] *= 0.1
+    radius[2] = float(np.linalg.norm(means[1, 2].numpy())) / over
+    overflow = torch.zeros(P, K, dtype=torch.bool)
+    overflow[2, 0] = True  # run 0: a client's per-sample norm overflowed
+    means[0, 1, 3] = math.nan  # run 1: a client's mean is not finite
+    radius[3] = math.inf  # run 3: no clipping, never projected
+    before = means.clone()
+    alive, diverged = torch.ones(K, dtype=torch.bool), [None] * K
+    sweep._workers_finish(means, overflow, radius, alive, diverged, 5)
+    assert alive.tolist() == [False, False, True, True] and diverged == [5, 5, None, None]
+    assert _norms(means[1, 2].numpy()) <= radius[2] < float(np.linalg.norm(before[1, 2].numpy()))
+    untouched = torch.ones(P, K, dtype=torch.bool)
+    untouched[1, 2] = False
+    assert torch.equal(means[untouched].nan_to_num(7.0), before[untouched].nan_to_num(7.0))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "NORM_RTOL", "ClippedSum", "clip_factors", "clip_rows", "row_norms", "scaled_row_norms",
+    "NORM_RTOL", "ClippedSum", "clip_factors", "clip_rows", "row_norms", "row_norms_np", "scaled_row_norms",
     "SAFE_NORM_RANGE", "clipped_sum", "clipped_mean", "robust_norm", "radius_norm",
     "project_onto_ball", "onto_ball",
 ]
@@ -106,6 +106,23 @@ def row_norms(rows: torch.Tensor) -> torch.Tensor:
     if not bool(unsafe.any()):
         return norms
     return torch.where(unsafe, scaled_row_norms(rows), norms)
+
+
+def row_norms_np(rows: np.ndarray) -> np.ndarray:
+    """:func:`row_norms` of a float64 array [n, d] in numpy (for small arrays, where a torch call costs more than its
+    work): the plain norm where it lies in :data:`SAFE_NORM_RANGE`, elsewhere max|row| · ‖row / max|row|‖."""
+    norms = np.sqrt(np.einsum("ij,ij->i", rows, rows))
+    low, high = SAFE_NORM_RANGE
+    unsafe = ~((norms >= low) & (norms <= high))  # also 0, inf and NaN
+    if unsafe.any():
+        bad = rows[unsafe]
+        scale = np.abs(bad).max(axis=1) if bad.shape[1] else np.zeros(bad.shape[0])
+        ok = (scale > 0) & np.isfinite(scale)
+        safe = np.where(ok, scale, 1.0)
+        with np.errstate(invalid="ignore"):
+            scaled = safe * np.sqrt(np.einsum("ij,ij->i", bad / safe[:, None], bad / safe[:, None]))
+        norms[unsafe] = np.where(ok, scaled, scale)
+    return norms
 
 
 def scaled_row_norms(rows: torch.Tensor) -> torch.Tensor:

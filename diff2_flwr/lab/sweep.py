@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..core.clipping import onto_ball, robust_norm, row_norms
+from ..core.clipping import onto_ball, robust_norm, row_norms_np
 from ..core.estimator import Diverged, round_noise, round_scale
 from ..core.ghost import MLP, forward
 from ..core.routines import Routine, make_routine
@@ -156,24 +156,29 @@ def _workers_finish(client_means: torch.Tensor, overflow: torch.Tensor, radius: 
     """What each worker does with its ClippedMean before replying, in place: a run with a client
     whose gradients overflowed (or whose mean is not finite) diverges at round r (the reference's
     ``Diverged('gradients')``); a mean that exceeds the radius by float rounding is projected onto
-    the ball by :func:`~diff2_flwr.core.clipping.onto_ball`, bit for bit as the worker does."""
+    the ball by :func:`~diff2_flwr.core.clipping.onto_ball`, bit for bit as the worker does.
+
+    The arrays are small ([P, K, d]): numpy on views of the tensors (a torch call costs more than its work here)."""
     P, K, _ = client_means.shape
-    finite = torch.isfinite(client_means).all(-1)  # [P, K]
-    for k in torch.nonzero(alive & (overflow | ~finite).any(0)).flatten().tolist():
-        diverged[k] = r
-        alive[k] = False
+    means, flags, live = client_means.numpy(), overflow.numpy(), alive.numpy()  # views: written in place
+    bad = flags | ~np.isfinite(means).all(-1)  # [P, K]
+    if bad.any():
+        for k in np.flatnonzero(live & bad.any(0)).tolist():
+            diverged[k] = r
+            live[k] = False
     # Only means within 1e-12 of the radius can need a projection (the two exact norms differ from
     # this one by a few ulps): the rest skip the scalar check. Scaled where squares would underflow (a
     # mean of norm 1e-170 read 0 and skipped its projection at radius 1e-200).
-    near = row_norms(client_means.reshape(P * K, -1)).reshape(P, K) >= torch.as_tensor(radius) * (1 - 1e-12)
-    for p, k in torch.nonzero(near & alive.unsqueeze(0) & torch.isfinite(torch.as_tensor(radius))).tolist():
-        row = client_means[p, k].numpy()
+    norms = row_norms_np(means.reshape(P * K, -1)).reshape(P, K)
+    near = (norms >= radius * (1 - 1e-12)) & live & np.isfinite(radius)
+    for p, k in zip(*np.nonzero(near)):
+        row = means[p, k]
         projected = onto_ball(row, float(radius[k]))
         if max(robust_norm(projected), float(np.linalg.norm(projected))) > radius[k]:
             raise RuntimeError(f"Batched engine, round {r}, run {k}, client {p}: the clipped mean's norm "
                                f"{robust_norm(row):.17g} exceeds the radius {radius[k]:.17g} beyond float rounding "
                                "(a clipping bug).")
-        client_means[p, k] = torch.as_tensor(projected)
+        means[p, k] = projected
 
 
 class _Routines:
@@ -233,22 +238,28 @@ def _server_step(r: int, specs: Sequence[RunSpec], client_means: torch.Tensor, s
                  diverged: list[int | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The server's release and step of round r for every run: ṽ_r = (1/P) Σ_p ClippedMean_p (+ ṽ_{r-1} in a
     difference round) + N(0, std²) from (noise seed, r), then x_r = Routine(x_{r-1}, ṽ_r). A run whose iterate is not
-    finite diverges at r, in place, and is parked (x kept, ṽ zeroed). Returns (x_{r-1}, x_r, ṽ_r) [K, d]."""
+    finite diverges at r, in place, and is parked (x kept, ṽ zeroed). Returns (x_{r-1}, x_r, ṽ_r) [K, d].
+    In numpy on views of the (small, CPU) tensors."""
     P, K, d = client_means.shape
-    mean = client_means.sum(0) / P  # (1/P) Σ_p ClippedMean_p
-    noise = np.zeros((K, d))
+    live = alive.numpy()  # a view: written in place
+    mean = (client_means.sum(0) / P).numpy()  # (1/P) Σ_p ClippedMean_p (torch's sum: the engine's bits unchanged)
+    v_np = np.where(restart.numpy()[:, None], mean, v.numpy() + mean)
     for k in range(K):
-        if std[k] and alive[k]:
-            noise[k] = round_noise(specs[k].noise_seed, r, d, std[k])
-    v = torch.where(restart.unsqueeze(1), mean, v + mean) + torch.as_tensor(noise)
+        if std[k] and live[k]:
+            v_np[k] += round_noise(specs[k].noise_seed, r, d, std[k])
+    v = torch.from_numpy(v_np)
     x_prev, x = x, routines.step(x, v)
-    for k in torch.nonzero(alive & ~torch.isfinite(x).all(1)).flatten().tolist():
-        diverged[k] = r
-        alive[k] = False
-    if not bool(alive.all()):
-        x = torch.where(alive.unsqueeze(1), x, x_prev.nan_to_num(0.0))  # park dead runs
-        x_prev = torch.where(alive.unsqueeze(1), x_prev, x)
-        v = torch.where(alive.unsqueeze(1), v, 0.0)
+    x_np = x.numpy()
+    bad = ~np.isfinite(x_np).all(1)
+    if bad.any():
+        for k in np.flatnonzero(live & bad).tolist():
+            diverged[k] = r
+            live[k] = False
+    if not live.all():
+        keep = torch.from_numpy(live.copy()).unsqueeze(1)
+        x = torch.where(keep, x, x_prev.nan_to_num(0.0))  # park dead runs
+        x_prev = torch.where(keep, x_prev, x)
+        v = torch.where(keep, v, 0.0)
     return x_prev, x, v
 
 
@@ -287,18 +298,18 @@ def run_batch(
     x = torch.as_tensor(np.stack([x0 for _, x0 in inits]))  # [K, d] float64
     routines = _Routines(specs, x.numpy())
     backend = choose_backend(mlp, b, len(specs), compile=compile)
-    T = torch.tensor([s.restart_every for s in specs])
+    T = np.array([s.restart_every for s in specs])
     x_prev, v = x.clone(), torch.zeros_like(x)
     alive = torch.ones(len(specs), dtype=torch.bool)
     diverged: list[int | None] = [None] * len(specs)
     evals: list[_Row] = []
     for r in range(1, rounds + 1):
-        restart = (r - 1) % T == 0  # [K]
+        restart = torch.from_numpy((r - 1) % T == 0)  # [K]
         live = alive.clone()  # alive at x_{r-1}, whose metrics this round's pass gives
         radius, std = _plan_radii(r, specs, restart, x, x_prev, alive, diverged)
         evaluated = (r - 1) % eval_every == 0 or r == 1
         # the next round restarts every run (DP-GD, GD; DIFF2 before a restart): this round's pass is not read again
-        keep = not bool((r % T == 0).all())
+        keep = not (r % T == 0).all()
         out = backend.round(x, restart, torch.as_tensor(radius), train=evaluated, keep=keep)
         if evaluated:
             evals.append(_metrics(r - 1, mlp, b, x, live, out.train))
