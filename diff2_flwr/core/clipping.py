@@ -120,7 +120,8 @@ def row_norms_np(rows: np.ndarray) -> np.ndarray:
         ok = (scale > 0) & np.isfinite(scale)
         safe = np.where(ok, scale, 1.0)
         with np.errstate(invalid="ignore"):
-            scaled = safe * np.sqrt(np.einsum("ij,ij->i", bad / safe[:, None], bad / safe[:, None]))
+            unit = bad / safe[:, None]
+            scaled = safe * np.sqrt(np.einsum("ij,ij->i", unit, unit))
         norms[unsafe] = np.where(ok, scaled, scale)
     return norms
 

@@ -249,14 +249,13 @@ def _server_step(r: int, specs: Sequence[RunSpec], client_means: torch.Tensor, s
             v_np[k] += round_noise(specs[k].noise_seed, r, d, std[k])
     v = torch.from_numpy(v_np)
     x_prev, x = x, routines.step(x, v)
-    x_np = x.numpy()
-    bad = ~np.isfinite(x_np).all(1)
+    bad = ~np.isfinite(x.numpy()).all(1)
     if bad.any():
         for k in np.flatnonzero(live & bad).tolist():
             diverged[k] = r
             live[k] = False
     if not live.all():
-        keep = torch.from_numpy(live.copy()).unsqueeze(1)
+        keep = alive.unsqueeze(1)  # ``live`` is its view: updated above
         x = torch.where(keep, x, x_prev.nan_to_num(0.0))  # park dead runs
         x_prev = torch.where(keep, x_prev, x)
         v = torch.where(keep, v, 0.0)
