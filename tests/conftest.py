@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 from pathlib import Path
 
@@ -23,6 +24,22 @@ def shared_data_dir() -> Path | None:
         if (candidate / "california_housing").is_dir() or (candidate / "cal_housing.csv").is_file():
             return candidate
     return None
+
+
+# Ray's driver replaces `builtins.print` with its `safe_print` (ray.experimental.tqdm_ray) the first time it relays a
+# worker's log line, and never puts it back. The tests that run Ray in-process (the Flower audit's simulations, the Ray
+# cluster) would leave it patched for every later test of their xdist worker, and a module first imported after that
+# (diff2_flwr.api is imported on first use) would take `safe_print` as its `progress=print` default: the tutorial's
+# signature test failed that way in CI when test_api.py followed test_audit_flower.py on one worker. Every test leaves
+# `print` as it found it.
+_PRINT = builtins.print
+
+
+@pytest.fixture(autouse=True)
+def _print_is_the_builtin():
+    builtins.print = _PRINT
+    yield
+    builtins.print = _PRINT
 
 
 @pytest.fixture
