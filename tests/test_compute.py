@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -92,3 +96,46 @@ def test_the_server_app_and_client_app_pin_their_process(tmp_path, restore_threa
     client_app.client_fn(Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 2},
                                  state=RecordDict(), run_config={"config": str(path)}))
     assert torch.get_num_threads() == threads
+
+
+def test_pinning_again_rescans_only_when_a_library_was_loaded_and_pins_its_pool():
+    """client_fn pins on every message: the pools are found again (threadpoolctl's scan) only when the loaded
+    libraries changed, and a BLAS loaded since (scipy's own OpenBLAS) is pinned too; pools changed by someone else
+    in between are pinned back without a scan."""
+    code = """
+import json
+import threadpoolctl
+import numpy, torch
+from diff2_flwr.runtime import compute
+scans = []
+real = threadpoolctl.ThreadpoolController.__init__
+def counting(self, *args, **kwargs):
+    scans.append(1)
+    real(self, *args, **kwargs)
+threadpoolctl.ThreadpoolController.__init__ = counting
+compute.pin_threads(1)
+compute.pin_threads(1)
+first = len(scans)
+threadpoolctl.threadpool_limits(limits=2)  # someone else changes the pools (its own scan, counted)
+moved = len(scans)
+compute.pin_threads(1)
+pinned_back = len(scans)
+after_change = {p["filepath"]: p["num_threads"] for p in threadpoolctl.threadpool_info()}
+before_scipy = len(scans)
+import scipy.linalg  # loads scipy's own OpenBLAS, whose pool starts at OPENBLAS_NUM_THREADS = 2
+compute.pin_threads(1)
+scipy_scans = len(scans) - before_scipy
+pools = {p["filepath"]: p["num_threads"] for p in threadpoolctl.threadpool_info()}
+print(json.dumps({"first": first, "moved": moved, "pinned_back": pinned_back, "scipy_scans": scipy_scans,
+                  "after_change": after_change, "pools": pools, "torch": torch.get_num_threads()}))
+"""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["first"] == 1, "the second pin with nothing loaded scanned again"
+    assert got["pinned_back"] == got["moved"], "pinning back after a change scanned again"
+    assert set(got["after_change"].values()) == {1}
+    assert got["scipy_scans"] == 1, "a library was loaded and the pools were not scanned again"
+    scipy_pools = [path for path in got["pools"] if "scipy.libs" in path or "scipy/" in path]
+    assert scipy_pools, f"scipy's OpenBLAS was not found among the pools: {sorted(got['pools'])}"
+    assert set(got["pools"].values()) == {1} and got["torch"] == 1
