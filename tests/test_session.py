@@ -133,13 +133,43 @@ def test_budget_guard_also_listens_to_the_pld_accountant(monkeypatch):
 
     cfg = config(rounds=6)
     server = build_server(cfg, record=False, progress=None)
-    real = privacy.PrivacyLedger.epsilon_pld.fget
-    monkeypatch.setattr(privacy.PrivacyLedger, "epsilon_pld",
-                        property(lambda self: real(self) * (1.5 if len(self.events) >= 3 else 1.0)))
+    # the plan's bound (its PLD composed by counts, what a round within the plan is checked against) says it
+    # overspends, so each round falls back to the ledger's own PLD, which says so from round 3 on
+    for name in ("epsilon_pld", "epsilon_pld_by_counts"):
+        real = getattr(privacy.PrivacyLedger, name).fget
+        monkeypatch.setattr(privacy.PrivacyLedger, name,
+                            property(lambda self, real=real: real(self) * (1.5 if len(self.events) >= 3 else 1.0)))
     with pytest.raises(RoundRejected, match=r"Round 3 released nothing: check 'budget' failed.*dp-accounting PLD "
                                             r"accountant\) to [0-9.]+, above the target ε = 3"):
         drive(cfg, server)
     assert server.state.round == 2 and len(server.ledger.events) == 2
+
+
+def test_the_budget_guard_bounds_rounds_within_the_plan_by_the_plans_pld(monkeypatch):
+    """Within the calibrated schedule a round is checked against the whole plan's PLD (composed by counts, once):
+    no round composes the ledger's PLD; the rows carry it where the run evaluates and at the end, equal to the
+    ledger's PLD at that round."""
+    from diff2_flwr.core import privacy
+
+    cfg = config(rounds=8)
+    cfg = parse_config({**cfg.to_dict(), "evaluation": {**cfg.to_dict()["evaluation"], "every": 3}})
+    composed = []
+    real = privacy.PrivacyLedger.epsilon_pld.fget
+    monkeypatch.setattr(privacy.PrivacyLedger, "epsilon_pld",
+                        property(lambda self: composed.append(len(self.events)) or real(self)))
+    server = drive(cfg, build_server(cfg, record=False, progress=None))
+    assert composed and set(composed) <= {3, 6, 8}, f"the ledger's PLD was composed at {composed} events"
+    rows = server.history
+    with_pld = [r["round"] for r in rows if "epsilon_pld" in r]
+    assert with_pld == [3, 6, 8]
+    events = server.ledger.events
+    for r in rows[1:]:
+        if "epsilon_pld" in r:
+            assert r["epsilon_pld"] == privacy.PrivacyLedger(server.ledger.delta, events[:r["round"]]).epsilon_pld
+            assert list(r).index("epsilon_pld") == list(r).index("epsilon_spent") + 1
+    plan = privacy.PrivacyLedger(server.ledger.delta, events)
+    assert plan.epsilon_pld_by_counts == pytest.approx(plan.epsilon_pld, rel=1e-6)
+    assert plan.epsilon_pld_by_counts == pytest.approx(3.0, rel=0.01)
 
 
 def test_a_schedule_planned_past_the_target_does_not_start(monkeypatch):

@@ -27,6 +27,7 @@ __all__ = [
     "event_key",
     "event_pld",
     "gaussian_pld",
+    "counts_pld_epsilon",
     "local_pld",
     "rdp_epsilon",
     "schedule_pld_epsilon",
@@ -114,6 +115,20 @@ def schedule_pld_epsilon(delta: float, m1: int, z1: float, m2: int, z2: float | 
                                                  value_discretization_interval=interval)
             pld = pld.compose(gauss)
     return float(pld.get_epsilon_for_delta(delta))
+
+
+@functools.lru_cache(maxsize=256)
+def counts_pld_epsilon(delta: float, counts: tuple[tuple[tuple[float, float, int], int], ...]) -> float:
+    """ε at ``delta`` of events given as (:func:`event_key`, count) pairs, by dp-accounting's PLD accountant: each
+    distinct event's PLD self-composed ``count`` times, then the results composed (pessimistic, the ledger's
+    discretisation). Order-free, so one call covers a whole schedule (≈ 0.1–0.2 s for 2,000 rounds, where composing
+    them one at a time costs ≈ 15 ms per round)."""
+    pld = None
+    for (z, q, steps), count in counts:
+        one = gaussian_pld(z) if steps == 0 else local_pld(z, q, steps, PLD_DISCRETIZATION)
+        part = one.self_compose(count) if count > 1 else one
+        pld = part if pld is None else pld.compose(part)
+    return 0.0 if pld is None else float(pld.get_epsilon_for_delta(delta))
 
 
 @functools.lru_cache(maxsize=16384)

@@ -27,6 +27,7 @@ from .accounting import (
     LocalEvent,
     PldMemo,
     event_key,
+    counts_pld_epsilon,
     event_pld,
     gaussian_pld,
     local_pld,
@@ -156,6 +157,32 @@ class PrivacyLedger:
         epsilon = float(pld.get_epsilon_for_delta(self.delta))
         memo.epsilons.put(key, epsilon)
         return epsilon
+
+    def event_counts(self) -> tuple[tuple[tuple[float, float, int], int], ...]:
+        """(:func:`~diff2_flwr.core.accounting.event_key`, count) of the ledger's distinct events, sorted."""
+        counts: dict[tuple[float, float, int], int] = {}
+        for e in self.events:
+            key = event_key(e)
+            counts[key] = counts.get(key, 0) + 1
+        return tuple(sorted(counts.items()))
+
+    def within(self, other: "PrivacyLedger") -> bool:
+        """Whether every event of this ledger is matched by one of ``other``'s (the same δ; counted per distinct
+        event): then this ledger's mechanism is a part of ``other``'s, and any ε bound of ``other`` bounds it too
+        (post-processing)."""
+        if self.delta != other.delta:
+            return False
+        theirs = dict(other.event_counts())
+        return all(count <= theirs.get(key, 0) for key, count in self.event_counts())
+
+    @property
+    def epsilon_pld_by_counts(self) -> float:
+        """ε spent per dp-accounting's PLD accountant with the events composed by counts (each distinct event
+        self-composed): :func:`~diff2_flwr.core.accounting.counts_pld_epsilon`, one call for a whole schedule.
+        Not the same rounding as :attr:`epsilon_pld` (another composition order), equally pessimistic."""
+        if (trivial := self._degenerate()) is not None:
+            return trivial
+        return counts_pld_epsilon(self.delta, self.event_counts())
 
     @property
     def epsilon_rdp(self) -> float:

@@ -117,7 +117,16 @@ class Journal:
     def _record_release(self, state: ServerState, row: dict, finite: bool) -> None:
         """Evaluate x_r (when due and finite) and record round r's row."""
         r = state.estimator.round
-        if finite and self.evaluator is not None and (is_done(self.spec, state) or r == 0 or r % self.eval_every == 0):
+        due = is_done(self.spec, state) or r == 0 or r % self.eval_every == 0
+        if due and r > 0 and "epsilon_pld" not in row and state.ledger is not None:
+            # an exact ledger's PLD cross-check, on the rounds that evaluate (server_core._released)
+            ordered: dict[str, Any] = {}
+            for key, value in row.items():
+                ordered[key] = value
+                if key == "epsilon_spent":
+                    ordered["epsilon_pld"] = state.epsilon_pld
+            row = ordered
+        if finite and self.evaluator is not None and due:
             row.update(self.evaluator(state.estimator.x))
         self._record(state, row)
 
