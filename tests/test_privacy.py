@@ -201,3 +201,24 @@ def test_u_is_irrelevant_without_difference_rounds():
     a = calibrate(epsilon=3.0, delta=1e-5, rounds=100, restart_every=1, u=1.0, n_min=100, clients=10)
     b = calibrate(epsilon=3.0, delta=1e-5, rounds=100, restart_every=1, u=7.0, n_min=100, clients=10)
     assert a.z1 == b.z1
+
+
+def test_a_ledger_by_counts_agrees_with_the_accountant_and_is_within_its_plan_only_when_it_is():
+    """The budget guard's bound: a whole schedule's PLD by counts equals dp-accounting's PLDAccountant composing
+    the same counts, and agrees with the round-by-round composition; ``within`` holds exactly for sub-ledgers."""
+    cal = calibrate(epsilon=3.0, delta=1e-5, rounds=60, restart_every=6, u=1.25, n_min=300, clients=5)
+    z1, z2 = GaussianEvent(cal.z1, "restart"), GaussianEvent(cal.z2, "difference")
+    plan = PrivacyLedger(1e-5, (z1,) * 10 + (z2,) * 50)
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    acc.compose(dp_event.GaussianDpEvent(cal.z1), 10)
+    acc.compose(dp_event.GaussianDpEvent(cal.z2), 50)
+    assert plan.epsilon_pld_by_counts == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+    assert plan.epsilon_pld_by_counts == pytest.approx(plan.epsilon_pld, rel=1e-6)
+    assert plan.epsilon_pld_by_counts == pytest.approx(3.0, rel=0.01)
+    interleaved = PrivacyLedger(1e-5, ((z1,) + (z2,) * 5) * 10)  # release order does not matter
+    assert interleaved.within(plan) and plan.within(interleaved)
+    assert PrivacyLedger(1e-5, (z1,) * 3 + (z2,) * 7).within(plan)
+    assert not PrivacyLedger(1e-5, (z1,) * 11).within(plan)  # one restart more than planned
+    assert not PrivacyLedger(1e-5, (GaussianEvent(cal.z2 * 0.99, "difference"),)).within(plan)  # other noise
+    assert not PrivacyLedger(1e-6, (z1,)).within(plan)  # another δ
+    assert PrivacyLedger(1e-5).epsilon_pld_by_counts == 0.0
