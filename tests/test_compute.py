@@ -98,9 +98,9 @@ def test_the_server_app_and_client_app_pin_their_process(tmp_path, restore_threa
     assert torch.get_num_threads() == threads
 
 
-def test_pinning_again_rescans_only_when_a_library_was_loaded_and_pins_its_pool():
-    """client_fn pins on every message: the pools are found again (threadpoolctl's scan) only when the loaded
-    libraries changed, and a BLAS loaded since (scipy's own OpenBLAS) is pinned too; pools changed by someone else
+def test_pinning_again_rescans_only_after_an_import_and_pins_the_new_pool():
+    """client_fn pins on every message: the pools are found again (threadpoolctl's scan) only when a module was
+    imported since, and a BLAS loaded with it (scipy's own OpenBLAS) is pinned too; pools changed by someone else
     in between are pinned back without a scan."""
     code = """
 import json
@@ -135,7 +135,7 @@ print(json.dumps({"first": first, "moved": moved, "pinned_back": pinned_back, "s
     assert got["first"] == 1, "the second pin with nothing loaded scanned again"
     assert got["pinned_back"] == got["moved"], "pinning back after a change scanned again"
     assert set(got["after_change"].values()) == {1}
-    assert got["scipy_scans"] == 1, "a library was loaded and the pools were not scanned again"
+    assert got["scipy_scans"] == 1, "scipy was imported and the pools were not scanned again"
     scipy_pools = [path for path in got["pools"] if "scipy.libs" in path or "scipy/" in path]
     assert scipy_pools, f"scipy's OpenBLAS was not found among the pools: {sorted(got['pools'])}"
     assert set(got["pools"].values()) == {1} and got["torch"] == 1

@@ -17,8 +17,7 @@ different machines) results agree to rounding only (docs/explanation/reproducibi
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
+import sys
 from typing import Any, Iterator
 
 __all__ = ["DEFAULT_THREADS", "pin_threads", "pinned_threads", "compute_threads"]
@@ -42,8 +41,9 @@ def pin_threads(threads: int = DEFAULT_THREADS) -> None:
     """Pin torch's intra-op pool and every BLAS/OpenMP pool of this process to ``threads`` (process-wide).
 
     Flower calls a ClientApp's ``client_fn`` for every message, so this runs once per client and round. Finding the
-    pools (threadpoolctl walks every loaded shared library: 1–5 ms in a Ray worker) is done again only when the set
-    of loaded libraries changed since the last call; the limits themselves are set on every call.
+    pools (threadpoolctl walks every loaded shared library: 1–5 ms in a Ray worker) is done again only when a module
+    was imported since the last call — a BLAS or OpenMP runtime is loaded with the extension module that links it
+    (numpy's, scipy's, torch's); the limits themselves are set on every call.
     """
     import torch
 
@@ -53,55 +53,22 @@ def pin_threads(threads: int = DEFAULT_THREADS) -> None:
     _pools().limit(limits=threads)
 
 
-#: (the loaded shared libraries, threadpoolctl's controller of their pools), from the last :func:`_pools` that scanned.
-_POOLS: tuple[tuple[str, ...] | None, Any] | None = None
+#: (how many modules were imported, threadpoolctl's controller of the pools then), from the last scan.
+_POOLS: tuple[int, Any] | None = None
 
 
 def _pools() -> Any:
-    """This process's BLAS/OpenMP pools (a ``threadpoolctl.ThreadpoolController``), scanned again only when a
-    shared library was loaded or unloaded since the last scan (always where the libraries cannot be listed)."""
+    """This process's BLAS/OpenMP pools (a ``threadpoolctl.ThreadpoolController``), scanned again when a module was
+    imported since the last scan. (Not ``dl_iterate_phdr`` with a Python callback: that holds the loader's lock
+    while it waits for the GIL, and a thread importing an extension holds the GIL while it waits for that lock.)"""
     from threadpoolctl import ThreadpoolController
 
     global _POOLS
-    libraries = _loaded_libraries()
-    if _POOLS is None or libraries is None or _POOLS[0] != libraries:
-        _POOLS = (libraries, ThreadpoolController())
+    imported = len(sys.modules)
+    if _POOLS is None or _POOLS[0] != imported:
+        controller = ThreadpoolController()
+        _POOLS = (len(sys.modules), controller)  # after: the scan may import
     return _POOLS[1]
-
-
-def _loaded_libraries() -> tuple[str, ...] | None:
-    """The paths of the shared objects loaded in this process, in load order (``dl_iterate_phdr``: Linux, the BSDs);
-    None where that call is not available."""
-    iterate = _dl_iterate_phdr()
-    if iterate is None:
-        return None
-    names: list[bytes] = []
-
-    def visit(info: Any, size: int, data: Any) -> int:
-        names.append(info.contents.dlpi_name or b"")
-        return 0
-
-    iterate(_PHDR_CALLBACK(visit), None)
-    return tuple(n.decode(errors="replace") for n in names)
-
-
-class _PhdrInfo(ctypes.Structure):  # the first two fields of struct dl_phdr_info (<link.h>)
-    _fields_ = [("dlpi_addr", ctypes.c_void_p), ("dlpi_name", ctypes.c_char_p)]
-
-
-_PHDR_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_PhdrInfo), ctypes.c_size_t, ctypes.c_void_p)
-
-
-@functools.lru_cache(maxsize=1)
-def _dl_iterate_phdr() -> Any:
-    try:
-        libc = ctypes.CDLL(None)
-        fn = libc.dl_iterate_phdr
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PHDR_CALLBACK, ctypes.c_void_p]
-    return fn
 
 
 @contextlib.contextmanager
