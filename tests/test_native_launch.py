@@ -98,3 +98,35 @@ def test_a_dead_clientapp_superexec_fails_the_start(tmp_path):
     (tmp_path / "superexec-clientapp-0.log").write_text("grpc: invalid secret\n")
     with pytest.raises(SimulationFailed, match=r"superexec-clientapp-0 exited with code 1(.|\n)*invalid secret"):
         native._await_supernodes(nodes, apps, lambda p: pytest.fail("no rebind"), tmp_path, timeout_s=5)
+
+
+def test_stopping_a_group_leader_also_stops_a_member_that_ignores_sigterm(tmp_path):
+    """A hung member of the group (it never runs its SIGTERM handler; here it ignores the signal) does not stay
+    behind as an orphan once its leader has exited: it gets SIGKILL after the grace period."""
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "member.pid"
+    member = (f"import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
+    leader = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c "{member}" & wait'], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    started = time.monotonic()
+    launch.stop_process(leader, grace_s=1.0)
+    assert leader.poll() is not None
+    assert time.monotonic() - started < 10
+
+    def state() -> str:  # the member's state: gone, or a letter of /proc/<pid>/stat (Z: killed, not yet reaped)
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return "gone"
+
+    deadline = time.monotonic() + 10
+    while state() not in ("gone", "Z") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state() in ("gone", "Z"), f"the member that ignored SIGTERM is still running (state {state()})"

@@ -155,18 +155,45 @@ def wait_healthy(port: int, process: subprocess.Popen, log_path: Path, timeout_s
     raise SimulationFailed(f"flower-superlink did not become healthy within {timeout_s:.0f} s; log: {log_path}")
 
 
-def stop_process(process: subprocess.Popen) -> None:
-    if process.poll() is not None:
-        return
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=15)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
+def stop_process(process: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """Stop ``process`` (started as a process-group leader: ``start``) and every process of its group.
+
+    SIGTERM to the group, SIGKILL after ``grace_s``. The group's other members (the SuperExec, the run's
+    ``flwr-simulation``) can outlive its leader: one that is hung never runs its SIGTERM handler (a bench's
+    ``flwr-simulation`` stuck with its GIL held stayed behind as an orphan that way), so they too get SIGKILL
+    when they are still there ``grace_s`` after the leader.
+    """
+    group = process.pid
+    if process.poll() is None:
         try:
-            os.killpg(process.pid, signal.SIGKILL)
+            os.killpg(group, signal.SIGTERM)
+            process.wait(timeout=grace_s)
         except ProcessLookupError:
             pass
-        process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            _kill_group(group)
+            process.wait(timeout=grace_s)
+    deadline = time.monotonic() + grace_s
+    while _group_alive(group) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _kill_group(group)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal (not ours): nothing we can stop
+        return False
+    return True
+
+
+def _kill_group(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def flwr_env(home: Path, env: dict[str, str] | None = None) -> dict[str, str]:
