@@ -158,8 +158,10 @@ class PrivacyLedger:
         memo.epsilons.put(key, epsilon)
         return epsilon
 
+    @functools.cached_property
     def event_counts(self) -> tuple[tuple[tuple[float, float, int], int], ...]:
-        """(:func:`~diff2_flwr.core.accounting.event_key`, count) of the ledger's distinct events, sorted."""
+        """(:func:`~diff2_flwr.core.accounting.event_key`, count) of the ledger's distinct events, sorted (counted once
+        per ledger: a plan's are read every round)."""
         counts: dict[tuple[float, float, int], int] = {}
         for e in self.events:
             key = event_key(e)
@@ -172,8 +174,8 @@ class PrivacyLedger:
         (post-processing)."""
         if self.delta != other.delta:
             return False
-        theirs = dict(other.event_counts())
-        return all(count <= theirs.get(key, 0) for key, count in self.event_counts())
+        theirs = dict(other.event_counts)
+        return all(count <= theirs.get(key, 0) for key, count in self.event_counts)
 
     @property
     def epsilon_pld_by_counts(self) -> float:
@@ -182,7 +184,7 @@ class PrivacyLedger:
         Not the same rounding as :attr:`epsilon_pld` (another composition order), equally pessimistic."""
         if (trivial := self._degenerate()) is not None:
             return trivial
-        return counts_pld_epsilon(self.delta, self.event_counts())
+        return counts_pld_epsilon(self.delta, self.event_counts)
 
     @property
     def epsilon_rdp(self) -> float:

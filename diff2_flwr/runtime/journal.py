@@ -118,14 +118,11 @@ class Journal:
         """Evaluate x_r (when due and finite) and record round r's row."""
         r = state.estimator.round
         due = is_done(self.spec, state) or r == 0 or r % self.eval_every == 0
-        if due and r > 0 and "epsilon_pld" not in row and state.ledger is not None:
-            # an exact ledger's PLD cross-check, on the rounds that evaluate (server_core._released)
-            ordered: dict[str, Any] = {}
-            for key, value in row.items():
-                ordered[key] = value
-                if key == "epsilon_spent":
-                    ordered["epsilon_pld"] = state.epsilon_pld
-            row = ordered
+        if "epsilon_pld" in row and row["epsilon_pld"] is None:  # an exact ledger's PLD: where the run evaluates
+            if due:
+                row["epsilon_pld"] = state.epsilon_pld
+            else:
+                del row["epsilon_pld"]
         if finite and self.evaluator is not None and due:
             row.update(self.evaluator(state.estimator.x))
         self._record(state, row)

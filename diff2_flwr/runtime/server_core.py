@@ -356,13 +356,14 @@ def _released(spec: ServerSpec, state: ServerState, plan: RoundPlan, aggregate: 
               extra: Mapping[str, Any]) -> tuple[ServerState, Released]:
     """Round r's row; a run whose x_r is not finite diverged (after its row), one at round R completed.
 
-    With an exact ledger the row has no ``epsilon_pld``: the journal adds it where it evaluates (the round-by-round
-    PLD composition is a cross-check of the exact ``epsilon_spent``, and costs more than the rest of a round)."""
+    With an exact ledger the row's ``epsilon_pld`` is None, for the journal to fill where it evaluates (the
+    round-by-round PLD composition is a cross-check of the exact ``epsilon_spent``, and costs more than the rest of
+    a round) and drop elsewhere."""
     exact = isinstance(state.ledger, PrivacyLedger) and state.ledger.exact
     row = {
         "round": plan.round, "kind": plan.kind, "radius": plan.radius, "noise_std": plan.noise_std,
         "clip_fraction": aggregate.clip_fraction, "epsilon_spent": state.epsilon_spent,
-        **({} if exact else {"epsilon_pld": state.epsilon_pld}), "epsilon_rdp": state.epsilon_rdp,
+        "epsilon_pld": None if exact else state.epsilon_pld, "epsilon_rdp": state.epsilon_rdp,
         "update_norm": float(np.linalg.norm(out.x - plan.x_current)), **extra,
     }
     diverged = None
