@@ -152,7 +152,7 @@ def test_the_bits_do_not_depend_on_the_other_runs_nor_on_the_instruction_set(ker
         base, _ = fused.clipped_sums(baseline, cur, x64, sq, mask, radius, prev, restart, clients=P)
         assert torch.equal(got, again) and torch.equal(got, base)
         sub = [2, 1]
-        pick = lambda p: fused.Parts(*(t[sub].contiguous() for t in p))  # noqa: E731
+        pick = lambda p: p._replace(**{f: getattr(p, f)[sub].contiguous() for f in p._fields[:4]})  # noqa: E731
         alone, _ = fused.clipped_sums(kernel, pick(cur), x64, sq, mask, radius[sub].contiguous(), pick(prev),
                                       restart[sub], clients=P)
         assert torch.equal(alone, got[:, sub])
@@ -315,9 +315,9 @@ def test_the_kernels_forward_bits_do_not_depend_on_the_other_runs_nor_on_the_ins
             outs[name] = (prev, _forward(kern, mlp, x, feats, y, x64, sq, mask, radius, prev, restart))
         (p1, (s1, o1, c1, l1)), (p2, (s2, o2, c2, l2)) = outs["native"], outs["baseline"]
         assert torch.equal(s1, s2) and torch.equal(o1, o2) and torch.equal(l1, l2)
-        assert all(torch.equal(u, v) for u, v in zip(c1, c2)) and all(torch.equal(u, v) for u, v in zip(p1, p2))
+        assert all(torch.equal(u, v) for u, v in zip(c1[:4], c2[:4])) and all(torch.equal(u, v) for u, v in zip(p1[:4], p2[:4]))
         sub = [2, 1]
-        pick = lambda p: fused.Parts(*(t[sub].contiguous() for t in p))  # noqa: E731
+        pick = lambda p: p._replace(**{f: getattr(p, f)[sub].contiguous() for f in p._fields[:4]})  # noqa: E731
         alone = fused.forward_sums(kernel, x[sub].to(dtype).contiguous(), feats, y, "softplus", "cross_entropy", x64,
                                    sq, mask, radius[sub].contiguous(), pick(p1), restart[sub], hidden=H, outputs=3,
                                    clients=P)
@@ -550,3 +550,90 @@ def test_rows_of_extreme_norms_are_clipped_not_lost_to_underflow_or_overflow(eng
     clipped = scaled_row_norms(sums(radius, scale).reshape(M * K, -1))
     assert float(clipped.max()) <= radius * (1 + 1e-12)
     torch.testing.assert_close(clipped, torch.full_like(clipped, radius), rtol=1e-12, atol=0)
+
+
+def test_the_blocked_layout_puts_each_blocks_rows_together_and_back():
+    """to_blocked: per client, each block's R rows one after another, then the tail's; from_blocked undoes it (any
+    N: below, at and above a block, with and without a tail; leading dimensions kept)."""
+    t = torch.arange(2 * 40).reshape(2, 40)  # R = 2 rows, P = 2 clients of N = 20: one block of 16, a tail of 4
+    want = ([*range(0, 16), *range(40, 56), *range(16, 20), *range(56, 60)]
+            + [*range(20, 36), *range(60, 76), *range(36, 40), *range(76, 80)])
+    assert fused.to_blocked(t, 2, 16).reshape(-1).tolist() == want
+    gen = torch.Generator().manual_seed(3)
+    for shape, clients in (((3, 5, 3 * 75), 3), ((2, 7, 48), 1), ((1, 9), 9), ((4, 2, 64), 2)):
+        u = torch.randn(shape, generator=gen, dtype=torch.float64)
+        b = fused.to_blocked(u, clients, 16)
+        assert b.shape == u.shape and not torch.equal(b, u) or shape[-1] // clients < 16
+        assert torch.equal(fused.from_blocked(b, clients, 16), u)
+    with pytest.raises(ValueError, match="do not split into 28 clients"):
+        fused.to_blocked(t, 28, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_blocked_layout_gives_the_natural_layouts_bits(kernel, dtype):
+    """The kernel's forward with its inputs and parts in the blocked layout (the engine's default) computes the same
+    operations on the same values: sums, overflow flags, losses and parts (back in rows) are the natural layout's
+    bits — restart and difference rows, a partial last block, padding, a pass not kept, the unclipped sums of the
+    evaluation, an overflow in the previous pass — on this machine's build and the x86-64 baseline's. A pass in one
+    layout is refused as the previous pass of the other."""
+    baseline = fused.FusedKernel(fused.build("DEFAULT"))
+    B = kernel.block
+    for loss, classes in (("half_squared_error", 1), ("cross_entropy", 3)):
+        mlp, x, x_prev, feats, y, x64, sq, mask = _case(loss, classes, "softplus", dtype, seed=11)
+        fb, xb = fused.to_blocked(feats, P, B), fused.to_blocked(x64, P, B)
+        radius = torch.tensor([0.05, 0.5, math.inf, 2.0], dtype=torch.float64)
+        restart = torch.tensor([False, True, False, False])
+        prev_n = _forward(kernel, mlp, x_prev, feats, y, x64, sq, mask, radius)[2]
+        want = _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius, prev_n, restart)
+        for kern in (kernel, baseline):
+            prev_b = _forward(kern, mlp, x_prev, fb, y, xb, sq, mask, radius, blocked=True)[2]
+            assert prev_b.blocked and torch.equal(fused.from_blocked(prev_b.a, P, B), prev_n.a)
+            got = _forward(kern, mlp, x, fb, y, xb, sq, mask, radius, prev_b, restart, blocked=True)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[3], want[3])
+            for name in ("a", "dphi", "grad_out"):
+                assert torch.equal(fused.from_blocked(getattr(got[2], name), P, B), getattr(want[2], name)), name
+        lean = _forward(kernel, mlp, x, fb, y, xb, sq, mask, radius, keep=False, blocked=True)
+        assert torch.equal(lean[0], _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius, keep=False)[0])
+        # the evaluation's unclipped sums read a kept pass by clipped_sums
+        free = torch.full((K,), math.inf, dtype=torch.float64)
+        assert torch.equal(fused.clipped_sums(kernel, got[2], xb, sq, mask, free, clients=P)[0],
+                           fused.clipped_sums(kernel, want[2], x64, sq, mask, free, clients=P)[0])
+        # an overflow in the previous pass is found at its sample (client 2, run 2, in the tail of its samples)
+        for at in (2 * N + 7, 2 * N + 66):
+            bad_n = prev_n._replace(a=prev_n.a.clone())
+            bad_n.a[2, 4, at] = math.inf
+            bad_b = prev_b._replace(a=fused.to_blocked(bad_n.a, P, B))
+            over_n = _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius, bad_n, restart)[1]
+            over_b = _forward(kernel, mlp, x, fb, y, xb, sq, mask, radius, bad_b, restart, blocked=True)[1]
+            assert over_n[2, 2] and torch.equal(over_b, over_n), at
+        with pytest.raises(ValueError, match="prev is in the blocked layout and this pass is not"):
+            _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius, prev_b, restart)
+
+
+def test_the_engine_runs_the_kernels_forward_in_the_blocked_layout_with_the_same_bits(monkeypatch):
+    """The batched engine's kernel-forward groups are in the blocked layout; the runs (iterates, evaluations) are the
+    bits they are with the groups left in rows."""
+    from diff2_flwr.lab import backend
+
+    if fused.load() is None:
+        pytest.skip("no C++ compiler here: the kernel cannot be built")
+    data, specs = _specs()
+    made = []
+    init = backend.FusedBackend.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
+    monkeypatch.setattr(backend.FusedBackend, "__init__", spy)
+    for dtype in (torch.float64, torch.float32):
+        made.clear()
+        blocked = run_batch(data, specs, rounds=ROUNDS, eval_every=2, dtype=dtype)
+        assert made and all(g.blocked for b in made for g in b.groups)
+        with monkeypatch.context() as m:
+            m.setattr(backend.ClientGroup, "to_blocked", lambda self, block: self)
+            rows = run_batch(data, specs, rounds=ROUNDS, eval_every=2, dtype=dtype)
+        assert not made[-1].groups[0].blocked
+        for a, b in zip(blocked, rows):
+            assert np.array_equal(a.final_x, b.final_x)
+            for key in ("train_loss", "grad_norm_sq", "test_loss"):
+                assert np.array_equal(getattr(a, key), getattr(b, key), equal_nan=True), key

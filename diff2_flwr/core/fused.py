@@ -23,6 +23,12 @@ formed. The sums over samples are taken in another order than
 the torch path's matrix products (per lane over the blocks, then over the lanes): equal to rounding, and
 deterministic — same inputs, same bits, whatever the other runs and clients of the call.
 
+Layouts: the sample arrays (inputs, parts) are rows of samples [.., R, M], or — ``blocked`` (:func:`to_blocked`) — each
+block's R rows one after another, so that a block is a few contiguous cache lines; the kernel does the same operations
+on the same values in either (the same bits). The engine's kernel-forward rounds use the blocked one: in rows, a
+difference round streams about sixty rows M apart (inputs, this pass written, the previous one read), more than the
+caches' prefetchers follow (measured 1.2–1.8× faster blocked, same bits).
+
 The kernel is compiled with ``-O3 -ffp-contract=off`` and no ``-ffast-math``: every operation is one IEEE
 operation in the order written and lanes are independent samples, so the bits do not depend on the vector
 width (the build targets torch's CPU capability: AVX-512, AVX2 or the x86-64 baseline; a test compares the
@@ -52,6 +58,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["Parts", "FusedKernel", "ACTIVATION_CODES", "LOSS_CODES", "build", "load", "unload", "clipped_sums",
+           "to_blocked", "from_blocked",
            "forward_sums", "activation"]
 
 #: The activations and losses whose forward pass the kernel computes itself (its ``Activation`` and ``Loss`` codes):
@@ -79,6 +86,8 @@ class Parts(NamedTuple):
     dphi: torch.Tensor
     grad_out: torch.Tensor
     w_out: torch.Tensor
+    #: whether a, dphi and grad_out are in the blocked layout (:func:`to_blocked`) rather than [K, rows, M]
+    blocked: bool = False
 
 
 class FusedKernel:
@@ -93,14 +102,14 @@ class FusedKernel:
         for dtype, name in ((torch.float32, "diff2_fused_f32"), (torch.float64, "diff2_fused_f64")):
             fn = getattr(self._lib, name)
             fn.restype = None
-            fn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 16
+            fn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 16 + [ctypes.c_int64]
             self._entry[dtype] = fn
         self._forward, self._activation = {}, {}
         for dtype, suffix in ((torch.float32, "f32"), (torch.float64, "f64")):
             fn = getattr(self._lib, f"diff2_forward_{suffix}")
             fn.restype = None
             fn.argtypes = ([ctypes.c_int64] * 6 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
-                           + [ctypes.c_void_p] * 19)
+                           + [ctypes.c_void_p] * 19 + [ctypes.c_int64])
             self._forward[dtype] = fn
             fn = getattr(self._lib, f"diff2_activation_{suffix}")
             fn.restype = None
@@ -196,6 +205,8 @@ def clipped_sums(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.T
     ``x_rows``: the same inputs as [P, N, F] (float64, contiguous) to take the first layer's weight sums
     Σ_n c dg_1 xᵀ by one batched matrix product, as :func:`~diff2_flwr.core.ghost.clipped_sums` does, from the
     kernel's c dg_1 [K, H, M] — faster than the kernel's per-lane sums when the inputs have many features.
+    ``cur.blocked``: ``cur``, ``prev`` and ``x`` are in the blocked layout (:func:`to_blocked`; ``x_rows``, ``sq_x``,
+    ``mask`` and ``radius`` as always).
     """
     dtype = cur.a.dtype
     K, H, M = cur.a.shape
@@ -224,6 +235,9 @@ def _call(kernel: FusedKernel, cur: Parts, dims: tuple[torch.dtype, int, int, in
     if clients < 1 or M % clients:
         raise ValueError(f"{who}: {M} samples do not split into {clients} clients of equal size.")
     N = M // clients
+    if prev is not None and prev.blocked != cur.blocked:
+        raise ValueError(f"{who}: prev is {'' if prev.blocked else 'not '}in the blocked layout and this pass is "
+                         f"{'' if cur.blocked else 'not'}: both in one layout (fused.to_blocked converts).")
     if prev is not None:
         for name, t, shape in (("prev.a", prev.a, (K, H, M)), ("prev.dphi", prev.dphi, (K, H, M)),
                                ("prev.grad_out", prev.grad_out, (K, O, M)), ("prev.w_out", prev.w_out, (K, O, H))):
@@ -247,7 +261,7 @@ def _call(kernel: FusedKernel, cur: Parts, dims: tuple[torch.dtype, int, int, in
     cd1 = None if x_rows is None else torch.empty(K, H, M, dtype=torch.float64)
     p = prev if prev is not None else Parts(None, None, None, None)  # type: ignore[arg-type]
     tail = (_ptr(cur.w_out), _ptr(p.a), _ptr(p.dphi), _ptr(p.grad_out), _ptr(p.w_out), _ptr(restart_u8),
-            _ptr(x), _ptr(sq_x), _ptr(mask), _ptr(radius), _ptr(sums), _ptr(overflow), _ptr(cd1))
+            _ptr(x), _ptr(sq_x), _ptr(mask), _ptr(radius), _ptr(sums), _ptr(overflow), _ptr(cd1), int(cur.blocked))
     if forward is None:
         kernel._entry[dtype](clients, K, H, O, F, N, _ptr(cur.a), _ptr(cur.dphi), _ptr(cur.grad_out), *tail)
     else:
@@ -263,7 +277,7 @@ def _call(kernel: FusedKernel, cur: Parts, dims: tuple[torch.dtype, int, int, in
 def forward_sums(kernel: FusedKernel, params: torch.Tensor, x_t: torch.Tensor, y: torch.Tensor, activation: str,
                  loss: str, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor, radius: torch.Tensor,
                  prev: Parts | None = None, restart: torch.Tensor | None = None, *, hidden: int, outputs: int,
-                 clients: int = 1, x_rows: torch.Tensor | None = None, keep: bool = True
+                 clients: int = 1, x_rows: torch.Tensor | None = None, keep: bool = True, blocked: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, Parts | None, torch.Tensor]:
     """:func:`clipped_sums` with the forward pass in the kernel too: for the K runs' parameters ``params`` [K, d] (the
     compute dtype, the flat (W_1, b_1, W_2, b_2) order) and the inputs ``x_t`` [F, M] and targets ``y`` [M] in the
@@ -275,7 +289,8 @@ def forward_sums(kernel: FusedKernel, params: torch.Tensor, x_t: torch.Tensor, y
 
     ``keep`` False (only without ``prev``: every row a plain gradient): no later round reads this pass, so its parts
     are not written out — each block's stay in scratch rows in the caches — and None is returned for them; the sums,
-    flags and losses are the same bits."""
+    flags and losses are the same bits. ``blocked``: ``x_t`` and ``x`` are given, and the parts returned (and ``prev``)
+    are, in the blocked layout (:func:`to_blocked`): the same bits, faster."""
     dtype = params.dtype
     if dtype not in kernel._forward or params.dim() != 2:
         raise ValueError(f"fused.forward_sums: params must be a [K, d] float32 or float64 tensor. Found {params.dtype} "
@@ -298,9 +313,9 @@ def forward_sums(kernel: FusedKernel, params: torch.Tensor, x_t: torch.Tensor, y
     w_out = params[:, H * F + H:H * F + H + O * H].reshape(K, O, H).contiguous()
     if keep:
         cur = Parts(torch.empty(K, H, M, dtype=dtype), torch.empty(K, H, M, dtype=dtype),
-                    torch.empty(K, O, M, dtype=dtype), w_out)
+                    torch.empty(K, O, M, dtype=dtype), w_out, blocked)
     else:
-        cur = Parts(None, None, None, w_out)  # type: ignore[arg-type]
+        cur = Parts(None, None, None, w_out, blocked)  # type: ignore[arg-type]
     losses = torch.empty(K, M, dtype=dtype)
     sums, overflow = _call(kernel, cur, (dtype, K, H, O, M), x, sq_x, mask, radius, prev, restart, clients, x_rows,
                            (params, ACTIVATION_CODES[activation], LOSS_CODES[loss], x_t, y, losses),
@@ -317,3 +332,38 @@ def activation(kernel: FusedKernel, name: str, h: torch.Tensor) -> tuple[torch.T
     a, d = torch.empty_like(flat), torch.empty_like(flat)
     kernel._activation[h.dtype](ACTIVATION_CODES[name], flat.numel(), flat.data_ptr(), a.data_ptr(), d.data_ptr())
     return a.reshape(h.shape), d.reshape(h.shape)
+
+
+def _chunks(t: torch.Tensor, clients: int, block: int) -> tuple[torch.Size, int, int, int, int]:
+    *lead, R, M = t.shape
+    if clients < 1 or M % clients:
+        raise ValueError(f"fused: {M} samples do not split into {clients} clients of equal size.")
+    N = M // clients
+    return torch.Size(lead), R, N, N - N % block, N % block
+
+
+def to_blocked(t: torch.Tensor, clients: int, block: int) -> torch.Tensor:
+    """``t`` [..., R, M] (R rows of M = P·N samples, client p's at p·N .. (p + 1)·N - 1) in the kernel's blocked
+    layout: per client, each block of ``block`` samples holds its R rows one after another (row r of the block at
+    r·block + j), then the client's last ``N mod block`` samples likewise; clients in order. Same shape, same
+    elements, another order: a block's inputs or parts are one contiguous run of memory, so the kernel reads and
+    writes a few streams instead of R rows M apart (the caches' prefetchers follow few streams). Inverse:
+    :func:`from_blocked`."""
+    lead, R, N, full, tail = _chunks(t, clients, block)
+    v = t.reshape(*lead, R, clients, N)
+    parts = [v[..., :full].reshape(*lead, R, clients, full // block, block).movedim(-4, -2)
+             .reshape(*lead, clients, full * R)]
+    if tail:
+        parts.append(v[..., full:].movedim(-3, -2).reshape(*lead, clients, tail * R))
+    return torch.cat(parts, dim=-1).reshape(*lead, R, clients * N).contiguous()
+
+
+def from_blocked(t: torch.Tensor, clients: int, block: int) -> torch.Tensor:
+    """:func:`to_blocked`'s inverse: [..., R, M] in the blocked layout -> rows of samples."""
+    lead, R, N, full, tail = _chunks(t, clients, block)
+    v = t.reshape(*lead, clients, N * R)
+    out = [v[..., :full * R].reshape(*lead, clients, full // block, R, block).movedim(-2, -4)
+           .reshape(*lead, R, clients, full)]
+    if tail:
+        out.append(v[..., full * R:].reshape(*lead, clients, R, tail).movedim(-2, -3))
+    return torch.cat(out, dim=-1).reshape(*lead, R, clients * N).contiguous()

@@ -23,7 +23,10 @@
 
 namespace {
 
-constexpr int64_t BLOCK = 16;  // samples per block: the innermost loops run over them
+#ifndef DIFF2_BLOCK
+#define DIFF2_BLOCK 16
+#endif
+constexpr int64_t BLOCK = DIFF2_BLOCK;  // samples per block: the innermost loops run over them
 
 // Inputs of one block of one run: rows (one per unit) of ``s`` elements apart, and the shared input's rows
 // (one per feature) of ``sx`` elements apart. ``ap == nullptr``: a plain gradient (restart) row.
@@ -559,8 +562,16 @@ template <typename T>
 void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* a, const T* dphi,
            const T* gl, const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p,
            const uint8_t* restart, const double* x, const double* sqa, const double* mask, const double* radius,
-           double* sums, uint8_t* overflow, double* cd1, const Forward<T>& fw = Forward<T>{}) {
+           double* sums, uint8_t* overflow, double* cd1, bool blocked, const Forward<T>& fw = Forward<T>{}) {
   const int64_t d = H * F + H + O * H + O, M = P * N;
+  // Row r of the ``width`` samples from column m of an array of R rows (per run) whose rows are M apart (sample
+  // rows), or in the blocked layout (``blocked``): each chunk of a client's samples — its blocks, then its tail —
+  // holds its R rows one after another (r · width + j), chunks in the order of their samples; the same R · M
+  // elements. Blocked, a block's inputs and parts are a few contiguous cache lines, not R rows M apart (R streams).
+  const auto row = [blocked, M](auto* base, int64_t R, int64_t m, int64_t r, int64_t width) {
+    return blocked ? base + m * R + r * width : base + r * M + m;
+  };
+  const int64_t rs = blocked ? BLOCK : M;  // a full block's row stride
   const bool forward = fw.par != nullptr;
   // The forward pass without ``a`` (dphi, gl): this pass is not kept — no difference row of a later round reads it, and
   // this call has none — so each block's a, φ', g_L stay in block-sized scratch rows, in the caches, never written out.
@@ -577,11 +588,11 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
   for (int64_t p = 0; p < P; ++p) {
     const int64_t start = p * N;  // client p's samples: columns start .. start + N of every row (rows M apart)
     for (int64_t f = 0; f < F; ++f)
-      for (int64_t j = 0; j < tail; ++j) tx[f * BLOCK + j] = x[f * M + start + full + j];
+      for (int64_t j = 0; j < tail; ++j) tx[f * BLOCK + j] = row(x, F, start + full, f, tail)[j];
     for (int64_t j = 0; j < tail; ++j) { tsqa[j] = sqa[start + full + j]; tmask[j] = mask[start + full + j]; }
     if (forward) {
       for (int64_t f = 0; f < F; ++f)
-        for (int64_t j = 0; j < tail; ++j) txt[f * BLOCK + j] = fw.xt[f * M + start + full + j];
+        for (int64_t j = 0; j < tail; ++j) txt[f * BLOCK + j] = row(fw.xt, F, start + full, f, tail)[j];
       for (int64_t j = 0; j < tail; ++j) ty[j] = fw.y[start + full + j];
     }
     for (int64_t k = 0; k < K; ++k) {
@@ -590,25 +601,27 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
                     work.data() + H * BLOCK, work.data() + 2 * H * BLOCK, work.data() + 3 * H * BLOCK,
                     work.data() + 3 * H * BLOCK + O * BLOCK};
       std::memset(acc.data(), 0, sizeof(double) * acc.size());
-      const T* ak = keep ? a + k * H * M + start : nullptr;
-      const T* dk = keep ? dphi + k * H * M + start : nullptr;
-      const T* gk = keep ? gl + k * O * M + start : nullptr;
-      const T* apk = diff ? ap + k * H * M + start : nullptr;
-      const T* dpk = diff ? dphip + k * H * M + start : nullptr;
-      const T* gpk = diff ? glp + k * O * M + start : nullptr;
+      // run k's arrays (H · M or O · M elements each, in either layout)
+      const T* ak = keep ? a + k * H * M : nullptr;
+      const T* dk = keep ? dphi + k * H * M : nullptr;
+      const T* gk = keep ? gl + k * O * M : nullptr;
+      const T* apk = diff ? ap + k * H * M : nullptr;
+      const T* dpk = diff ? dphip + k * H * M : nullptr;
+      const T* gpk = diff ? glp + k * O * M : nullptr;
       bool bad = false;
       double* cdk = cd1 == nullptr ? nullptr : cd1 + k * H * M + start;  // [K, H, M] like a
       ker.cd1s = M;
       for (int64_t n = 0; n < full; n += BLOCK) {
-        const T* ab = keep ? ak + n : ka.data();
-        const T* db = keep ? dk + n : kd.data();
-        const T* gb = keep ? gk + n : kg.data();
-        const int64_t s = keep ? M : BLOCK;
-        Block<T> in{ab, db, gb, diff ? apk + n : nullptr, diff ? dpk + n : nullptr,
-                    diff ? gpk + n : nullptr, x + start + n, sqa + start + n, mask + start + n, s, M};
+        const int64_t m = start + n;
+        const T* ab = keep ? row(ak, H, m, 0, BLOCK) : ka.data();
+        const T* db = keep ? row(dk, H, m, 0, BLOCK) : kd.data();
+        const T* gb = keep ? row(gk, O, m, 0, BLOCK) : kg.data();
+        const int64_t s = keep ? rs : BLOCK;
+        Block<T> in{ab, db, gb, diff ? row(apk, H, m, 0, BLOCK) : nullptr, diff ? row(dpk, H, m, 0, BLOCK) : nullptr,
+                    diff ? row(gpk, O, m, 0, BLOCK) : nullptr, row(x, F, m, 0, BLOCK), sqa + m, mask + m, s, rs};
         ker.cd1 = cdk == nullptr ? nullptr : cdk + n;
         if (forward)
-          forward_block(fw.par + k * d, H, O, F, fw.act, fw.loss, fw.xt + start + n, M, fw.y + start + n,
+          forward_block(fw.par + k * d, H, O, F, fw.act, fw.loss, row(fw.xt, F, m, 0, BLOCK), rs, fw.y + m,
                         const_cast<T*>(ab), const_cast<T*>(db), const_cast<T*>(gb), fw.ls + k * M + start + n, s,
                         zw.data());
         bad |= ker.block(in);
@@ -621,29 +634,36 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
           for (int64_t j = 0; j < tail; ++j) lk[j] = tls[j];
           for (int64_t h = 0; h < H; ++h) {
             if (keep) {
-              T* ao = const_cast<T*>(ak) + h * M + full;
-              T* dout = const_cast<T*>(dk) + h * M + full;
+              T* ao = const_cast<T*>(row(ak, H, start + full, h, tail));
+              T* dout = const_cast<T*>(row(dk, H, start + full, h, tail));
               for (int64_t j = 0; j < tail; ++j) { ao[j] = ta[h * BLOCK + j]; dout[j] = tdphi[h * BLOCK + j]; }
             }
             for (int64_t j = tail; j < BLOCK; ++j) { ta[h * BLOCK + j] = T(0); tdphi[h * BLOCK + j] = T(0); }
           }
           for (int64_t o = 0; o < O; ++o) {
             if (keep) {
-              T* go = const_cast<T*>(gk) + o * M + full;
+              T* go = const_cast<T*>(row(gk, O, start + full, o, tail));
               for (int64_t j = 0; j < tail; ++j) go[j] = tgl[o * BLOCK + j];
             }
             for (int64_t j = tail; j < BLOCK; ++j) tgl[o * BLOCK + j] = T(0);
           }
         }
+        const int64_t mt = start + full;
         for (int64_t h = 0; h < H; ++h)
           for (int64_t j = 0; j < tail; ++j) {
-            if (!forward) { ta[h * BLOCK + j] = ak[h * M + full + j]; tdphi[h * BLOCK + j] = dk[h * M + full + j]; }
-            if (diff) { tap[h * BLOCK + j] = apk[h * M + full + j]; tdphip[h * BLOCK + j] = dpk[h * M + full + j]; }
+            if (!forward) {
+              ta[h * BLOCK + j] = row(ak, H, mt, h, tail)[j];
+              tdphi[h * BLOCK + j] = row(dk, H, mt, h, tail)[j];
+            }
+            if (diff) {
+              tap[h * BLOCK + j] = row(apk, H, mt, h, tail)[j];
+              tdphip[h * BLOCK + j] = row(dpk, H, mt, h, tail)[j];
+            }
           }
         for (int64_t o = 0; o < O; ++o)
           for (int64_t j = 0; j < tail; ++j) {
-            if (!forward) tgl[o * BLOCK + j] = gk[o * M + full + j];
-            if (diff) tglp[o * BLOCK + j] = gpk[o * M + full + j];
+            if (!forward) tgl[o * BLOCK + j] = row(gk, O, mt, o, tail)[j];
+            if (diff) tglp[o * BLOCK + j] = row(gpk, O, mt, o, tail)[j];
           }
         Block<T> in{ta.data(), tdphi.data(), tgl.data(), diff ? tap.data() : nullptr, diff ? tdphip.data() : nullptr,
                     diff ? tglp.data() : nullptr, tx.data(), tsqa.data(), tmask.data(), BLOCK, BLOCK};
@@ -677,9 +697,9 @@ int64_t diff2_fused_block() { return BLOCK; }
             const T* gl,                                                                                          \
             const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p, const uint8_t* restart,         \
             const double* x, const double* sqa, const double* mask, const double* radius, double* sums,           \
-            uint8_t* overflow, double* cd1) {                                                                     \
+            uint8_t* overflow, double* cd1, int64_t blocked) {                                                    \
     fused<T>(P, K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums, overflow, \
-             cd1);                                                                                                \
+             cd1, blocked != 0);                                                                                  \
   }
 
 DIFF2_FUSED_ENTRY(diff2_fused_f32, float)
@@ -692,10 +712,10 @@ DIFF2_FUSED_ENTRY(diff2_fused_f64, double)
             int64_t loss, const T* xt, const T* y, T* a, T* dphi, T* gl, T* ls, const T* w2, const T* ap,         \
             const T* dphip, const T* glp, const T* w2p, const uint8_t* restart, const double* x,                 \
             const double* sqa, const double* mask, const double* radius, double* sums, uint8_t* overflow,         \
-            double* cd1) {                                                                                        \
+            double* cd1, int64_t blocked) {                                                                       \
     const Forward<T> fw{par, static_cast<int>(act), static_cast<int>(loss), xt, y, ls};                        \
     fused<T>(P, K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums,      \
-             overflow, cd1, fw);                                                                                 \
+             overflow, cd1, blocked != 0, fw);                                                                   \
   }
 
 DIFF2_FORWARD_ENTRY(diff2_forward_f32, float)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
@@ -50,7 +50,8 @@ KERNEL_W1_FEATURES = 32
 @dataclass(frozen=True)
 class ClientGroup:
     """Consecutive clients' samples for the fused path: inputs [F, M] (compute dtype and float64), targets, ‖x‖²,
-    mask [M]."""
+    mask [M]. ``blocked``: the two inputs are in the kernel's blocked layout (:func:`~diff2_flwr.core.fused.to_blocked`),
+    as the kernel's own forward pass reads them (and writes its parts)."""
 
     clients: int
     a_t: torch.Tensor
@@ -59,6 +60,14 @@ class ClientGroup:
     sq_a: torch.Tensor
     mask: torch.Tensor
     x_rows: torch.Tensor | None  # [clients, N, F] float64 when the first layer's sums are a matrix product
+    blocked: bool = False
+
+    def to_blocked(self, block: int) -> ClientGroup:
+        """This group with its inputs in the kernel's blocked layout (blocks of ``block`` samples)."""
+        if self.blocked:
+            return self
+        return replace(self, a_t=fused.to_blocked(self.a_t, self.clients, block),
+                       x64_t=fused.to_blocked(self.x64_t, self.clients, block), blocked=True)
 
 
 class Batch:
@@ -187,7 +196,7 @@ def _fused_rounds(kernel: fused.FusedKernel, head: Callable | None, mlp: MLP, gr
         outs = [fused.forward_sums(kernel, params, group.a_t, group.y, mlp.activations[0], mlp.loss, group.x64_t,
                                    group.sq_a, group.mask, radius, None if prev is None else prev[i], restart,
                                    hidden=mlp.sizes[1], outputs=mlp.sizes[2], clients=group.clients,
-                                   x_rows=group.x_rows, keep=keep)
+                                   x_rows=group.x_rows, keep=keep, blocked=group.blocked)
                 for i, group in enumerate(groups)]
     else:
         w_out = mlp.layers(x.to(groups[0].a_t.dtype))[1][0].contiguous()
@@ -300,6 +309,8 @@ class FusedBackend:
         self.kernel, self.mlp, self.batch, self.runs = kernel, mlp, batch, runs
         self.head = None if forward == "kernel" else _head(mlp, compile, compiled)
         self.groups = batch.groups(runs, max(mlp.sizes[1:]))
+        if self.head is None:  # the kernel's forward: inputs and parts in its blocked layout (same bits, fewer streams)
+            self.groups = [group.to_blocked(kernel.block) for group in self.groups]
         self._no_clip = torch.full((runs,), math.inf, dtype=torch.float64)
         self._prev: list[fused.Parts] | None = None  # per group: the parts at x
 
