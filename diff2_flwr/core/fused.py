@@ -58,8 +58,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["Parts", "FusedKernel", "ACTIVATION_CODES", "LOSS_CODES", "build", "load", "unload", "clipped_sums",
-           "to_blocked", "from_blocked",
-           "forward_sums", "activation"]
+           "forward_sums", "activation", "to_blocked", "from_blocked"]
 
 #: The activations and losses whose forward pass the kernel computes itself (its ``Activation`` and ``Loss`` codes):
 #: every one :mod:`diff2_flwr.core.ghost` knows.
@@ -232,12 +231,10 @@ def _call(kernel: FusedKernel, cur: Parts, dims: tuple[torch.dtype, int, int, in
     forward's arguments checked by the caller (``who``, named in the errors), the others here."""
     dtype, K, H, O, M = dims
     F = x.shape[0]
-    if clients < 1 or M % clients:
-        raise ValueError(f"{who}: {M} samples do not split into {clients} clients of equal size.")
-    N = M // clients
+    N = _client_size(M, clients, who)
     if prev is not None and prev.blocked != cur.blocked:
-        raise ValueError(f"{who}: prev is {'' if prev.blocked else 'not '}in the blocked layout and this pass is "
-                         f"{'' if cur.blocked else 'not'}: both in one layout (fused.to_blocked converts).")
+        raise ValueError(f"{who}: prev is {'' if prev.blocked else 'not '}in the blocked layout and this pass is"
+                         f"{'' if cur.blocked else ' not'}: both in one layout (fused.to_blocked converts).")
     if prev is not None:
         for name, t, shape in (("prev.a", prev.a, (K, H, M)), ("prev.dphi", prev.dphi, (K, H, M)),
                                ("prev.grad_out", prev.grad_out, (K, O, M)), ("prev.w_out", prev.w_out, (K, O, H))):
@@ -334,11 +331,16 @@ def activation(kernel: FusedKernel, name: str, h: torch.Tensor) -> tuple[torch.T
     return a.reshape(h.shape), d.reshape(h.shape)
 
 
-def _chunks(t: torch.Tensor, clients: int, block: int) -> tuple[torch.Size, int, int, int, int]:
-    *lead, R, M = t.shape
+def _client_size(M: int, clients: int, who: str) -> int:
+    """N, the samples per client of M = clients · N (a ValueError naming ``who`` if they do not split)."""
     if clients < 1 or M % clients:
-        raise ValueError(f"fused: {M} samples do not split into {clients} clients of equal size.")
-    N = M // clients
+        raise ValueError(f"{who}: {M} samples do not split into {clients} clients of equal size.")
+    return M // clients
+
+
+def _chunks(t: torch.Tensor, clients: int, block: int, who: str) -> tuple[torch.Size, int, int, int, int]:
+    *lead, R, M = t.shape
+    N = _client_size(M, clients, who)
     return torch.Size(lead), R, N, N - N % block, N % block
 
 
@@ -349,7 +351,7 @@ def to_blocked(t: torch.Tensor, clients: int, block: int) -> torch.Tensor:
     elements, another order: a block's inputs or parts are one contiguous run of memory, so the kernel reads and
     writes a few streams instead of R rows M apart (the caches' prefetchers follow few streams). Inverse:
     :func:`from_blocked`."""
-    lead, R, N, full, tail = _chunks(t, clients, block)
+    lead, R, N, full, tail = _chunks(t, clients, block, "fused.to_blocked")
     v = t.reshape(*lead, R, clients, N)
     parts = [v[..., :full].reshape(*lead, R, clients, full // block, block).movedim(-4, -2)
              .reshape(*lead, clients, full * R)]
@@ -360,7 +362,7 @@ def to_blocked(t: torch.Tensor, clients: int, block: int) -> torch.Tensor:
 
 def from_blocked(t: torch.Tensor, clients: int, block: int) -> torch.Tensor:
     """:func:`to_blocked`'s inverse: [..., R, M] in the blocked layout -> rows of samples."""
-    lead, R, N, full, tail = _chunks(t, clients, block)
+    lead, R, N, full, tail = _chunks(t, clients, block, "fused.from_blocked")
     v = t.reshape(*lead, clients, N * R)
     out = [v[..., :full * R].reshape(*lead, clients, full // block, R, block).movedim(-2, -4)
            .reshape(*lead, R, clients, full)]

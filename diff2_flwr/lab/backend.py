@@ -63,9 +63,7 @@ class ClientGroup:
     blocked: bool = False
 
     def to_blocked(self, block: int) -> ClientGroup:
-        """This group with its inputs in the kernel's blocked layout (blocks of ``block`` samples)."""
-        if self.blocked:
-            return self
+        """This group (in rows) with its inputs in the kernel's blocked layout (blocks of ``block`` samples)."""
         return replace(self, a_t=fused.to_blocked(self.a_t, self.clients, block),
                        x64_t=fused.to_blocked(self.x64_t, self.clients, block), blocked=True)
 
