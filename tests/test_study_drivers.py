@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -76,19 +77,35 @@ def test_two_driver_processes_on_one_folder_compute_every_run_once(tmp_path):
             assert x["min_mean"] == pytest.approx(y["min_mean"], rel=1e-9)
 
 
+def _freeze(pid: int) -> None:
+    """SIGSTOP `pid` and wait until the kernel reports it stopped (state T): the signal is asynchronous."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+        assert time.monotonic() < deadline, f"pid {pid} did not stop within 30 s of SIGSTOP"
+        time.sleep(0.005)
+
+
 def test_a_killed_driver_is_resumed_without_recomputing_its_finished_runs(tmp_path):
     path = _write(tmp_path, {**SHARED, "name": "killed"})
     runs = tmp_path / "out" / "killed" / "runs"
     first = _driver(path, tmp_path / "out")
     deadline = time.monotonic() + 300
-    while len(list(runs.glob("*.json"))) < 3:
+    while True:
+        # kill it mid-run, not between two runs: freeze it (SIGSTOP), look, and kill only while it holds a claim;
+        # a frozen driver cannot finish its run between the look and the kill
         assert first.poll() is None and time.monotonic() < deadline, "the first driver ended before it was killed"
-        time.sleep(0.05)
+        if len(list(runs.glob("*.json"))) >= 3:
+            _freeze(first.pid)
+            if list(runs.glob("*.claim-*")):
+                break
+            os.kill(first.pid, signal.SIGCONT)
+        time.sleep(0.02)
     first.kill()  # SIGKILL: no clean-up, its claim stays behind
     first.communicate()
     finished = {p.name: p.read_bytes() for p in runs.glob("*.json")}
     left = [p.name for p in runs.glob("*.claim-*")]
-    assert left, "the killed driver held no claim (killed between two runs)"
+    assert left, "the killed driver held no claim"
     # the next driver may not wait for a heartbeat (100,000 s): a dead driver on this machine is taken over at once
     second = _driver(path, tmp_path / "out", "--stale-after", "100000")
     _, err = second.communicate(timeout=600)
