@@ -187,3 +187,47 @@ def test_a_real_run_against_jax(data_dir):
     assert any("repetition 1 done" in line for line in lines)
     if affinity is not None:
         assert os.sched_getaffinity(0) == affinity  # unpinned again
+
+
+def _floor_study(tmp_path, workers: int):
+    from diff2_flwr.lab.study import load_study
+
+    path = tmp_path / "floor.yaml"
+    path.write_text(json.dumps({
+        "name": "floor", "dataset": {"name": "synthetic", "num_samples": 200}, "clients": 2, "rounds": 300,
+        "delta": 1e-5, "epsilons": [3.0], "seeds": {"tune": [7, 8], "evaluate": [1, 2, 3]}, "engine": "batch", "analysis": {"protocol": "paper"},
+        "workers": workers,
+        "methods": [{"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.1, 0.2, 0.4], "clip_restart": [1.0]}},
+                    {"name": "DIFF2", "method": "diff2", "grid": {"restart_every": [4, 8], "learning_rate": [0.2],
+                                                                 "clip_restart": [1.0], "clip_diff": [0.5, 1.0]}}]}))
+    return load_study(path)
+
+
+def test_the_first_layer_floor_counts_the_studys_fewest_runs_at_the_float64_peak(tmp_path):
+    study = _floor_study(tmp_path, workers=2)
+    floor = bench.first_layer_floor(study, records=10_000, features=50, hidden=10, float64_gflops_1_thread=20.0,
+                                    cores=8)
+    runs = (3 + 4) * 2 + 2 * 3  # tuning: (3 + 2·2 points) × 2 seeds; evaluation: 2 methods × 3 seeds
+    flop = 2 * 10 * 50 * 10_000
+    assert floor["runs_at_least"] == runs and floor["cores"] == 2 and floor["rounds"] == 300
+    assert floor["floor_s"] == pytest.approx(runs * 300 * flop / (20e9 * 2), rel=1e-12)
+    assert floor["budget_ms_per_configuration_round"] == pytest.approx(1800 * 2 / (runs * 300) * 1e3, rel=1e-12)
+    # one core: the workers cannot use more cores than the machine has
+    one = bench.first_layer_floor(_floor_study(tmp_path, workers=4), 10_000, 50, 10, 20.0, cores=1)
+    assert one["cores"] == 1 and one["floor_s"] == pytest.approx(2 * floor["floor_s"], rel=1e-12)
+
+
+def test_the_kdd_floor_is_skipped_with_the_files_name_without_the_data(tmp_path):
+    out = bench._kdd_floor(str(tmp_path), 20.0)
+    assert set(out) == {"skipped"} and "kddcup.data_10_percent" in out["skipped"] and str(tmp_path) in out["skipped"]
+
+
+def test_the_kdd_floor_reads_the_full_data(data_dir):
+    if not (data_dir / "kddcup99").is_dir():
+        pytest.skip("no KDD Cup 99 beside the other datasets")
+    floor = bench._kdd_floor(str(data_dir), 30.0)
+    # 395,217 training records of 118 encoded features, the paper MLP's 10 hidden units; 52 tuning configurations
+    # on one seed and 6 methods on 5 evaluation seeds, 2,000 rounds, two workers
+    assert (floor["records"], floor["features"], floor["hidden"], floor["runs_at_least"], floor["cores"]) == \
+        (395_217, 118, 10, 82, min(2, os.cpu_count() or 1))
+    assert floor["float64_sums_gflop_per_configuration_round"] == pytest.approx(2 * 10 * 118 * 395_217 / 1e9)

@@ -9,6 +9,9 @@
   for every run and round) per wall second, against ``matmul_gflops``: a plain torch matrix product's
   (float32 and float64, 1,024², one thread, and on all cores) on the same machine — the floor;
   ``load_average``: the machine's 1-minute load before and after (other work skews every figure);
+- ``kdd_floor`` (with the protocol): a lower bound on the full KDD Cup 99 ε = 3 study's wall time on this machine
+  from its first layer's float64 clipped sums alone at the float64 matmul peak (:func:`first_layer_floor`), against
+  the 30-minute target; ``{"skipped": ...}`` without the data;
 - ``flower_round_s`` / ``flower_floor_round_s``: median seconds per round (rounds 2..N) of a
   10-client ``flwr run`` simulation of DIFF2-GD, and of a do-nothing NumPyClient app
   (``benchmarks/floor_app``) measured in the same run: the framework's own floor;
@@ -40,6 +43,8 @@ __all__ = ["run_bench"]
 
 FLOOR_APP = APP_DIR / "benchmarks" / "floor_app"
 PAPER_STUDY = APP_DIR / "configs" / "paper" / "california_eps3.yaml"
+KDD_STUDY = APP_DIR / "configs" / "paper" / "kddcup99_eps3.yaml"
+KDD_TARGET_S = 1800  # issue 24: the full KDD Cup 99 protocol per ε in 30 minutes on two cores
 
 
 def _machine() -> dict[str, Any]:
@@ -100,6 +105,50 @@ def _study_flops(study, runs_dir: Path, n_samples: int) -> int:
         total += restarts * mlp.matmul_flops(n_samples, difference=False)
         total += (study.rounds - restarts) * mlp.matmul_flops(n_samples, difference=True)
     return total
+
+
+def first_layer_floor(study, records: int, features: int, hidden: int, float64_gflops_1_thread: float,
+                      cores: int) -> dict[str, Any]:
+    """A lower bound on a batched study's wall time from its first layer's float64 clipped sums alone: every run
+    sums c_i · δ_i x_iᵀ over its ``records`` samples each round (2 · hidden · features · records FLOP, float64, as
+    the engine keeps every sum), at this machine's float64 matrix-product peak (``float64_gflops_1_thread``, a
+    1,024² product) on ``min(workers, cores)`` cores. The runs counted are the fewest the study computes: every
+    tuning configuration once per tuning seed, and one evaluation run per method and evaluation seed (a criterion
+    choosing another point adds runs). Nothing else of a round is counted (forward pass, norms, evaluation): the
+    study cannot be faster than this on this machine while its sums stay float64 and dense."""
+    tuning = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds)
+    evaluation = len(study.methods) * len(study.eval_seeds)
+    flop = 2 * hidden * features * records
+    cores_used = max(1, min(study.workers, cores))
+    run_rounds = (tuning + evaluation) * study.rounds
+    return {"study": study.name, "records": records, "features": features, "hidden": hidden,
+            "runs_at_least": tuning + evaluation, "rounds": study.rounds, "cores": cores_used,
+            "float64_sums_gflop_per_configuration_round": flop / 1e9,
+            "floor_s": run_rounds * flop / (float64_gflops_1_thread * 1e9 * cores_used),
+            "budget_ms_per_configuration_round": KDD_TARGET_S * cores_used / run_rounds * 1e3,
+            "target_s": KDD_TARGET_S}
+
+
+def _kdd_floor(data_dir: str | None, float64_gflops_1_thread: float) -> dict[str, Any]:
+    """:func:`first_layer_floor` of the full KDD Cup 99 ε = 3 study, or ``{"skipped": why}`` without its data."""
+    import dataclasses
+
+    from ..task.data import DataError
+    from ..runtime.session import load_data
+    from .study import load_study
+    from .sweep import batch_model
+
+    study = load_study(KDD_STUDY)
+    if data_dir:
+        study = dataclasses.replace(study, dataset={**study.dataset, "dir": data_dir})
+    probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
+    try:
+        data = load_data(probe)
+    except DataError as exc:
+        return {"skipped": f"no KDD Cup 99 data ({exc})"}
+    mlp, _ = batch_model(data, model=study.model, hidden=study.hidden, model_kwargs=study.model_kwargs, loss=probe.loss)
+    return first_layer_floor(study, len(data.y_train), mlp.sizes[0], mlp.sizes[1], float64_gflops_1_thread,
+                             os.cpu_count() or 1)
 
 
 def _rounds_per_s(data_dir: str | None, rounds: int) -> dict[str, float]:
@@ -192,6 +241,7 @@ def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: boo
         dtype = "float32" if study.dtype == "float32" else "float64"
         floor = out["matmul_gflops"][f"{dtype}_1_thread"] * min(study.workers, os.cpu_count() or 1)
         out["protocol_fraction_of_matmul_floor"] = out["protocol_gflops"] / floor
+        out["kdd_floor"] = _kdd_floor(data_dir, out["matmul_gflops"]["float64_1_thread"])
     if flower:
         out.update(_flower(data_dir, flower_rounds))
         out["flower_target_ratio"] = 1.5
