@@ -222,6 +222,7 @@ def test_the_kdd_floor_is_skipped_with_the_files_name_without_the_data(tmp_path)
     assert set(out) == {"skipped"} and "kddcup.data_10_percent" in out["skipped"] and str(tmp_path) in out["skipped"]
 
 
+@pytest.mark.realdata  # reads the whole KDD Cup 99 10 % file (≈ 12 s)
 def test_the_kdd_floor_reads_the_full_data(data_dir):
     if not (data_dir / "kddcup99").is_dir():
         pytest.skip("no KDD Cup 99 beside the other datasets")

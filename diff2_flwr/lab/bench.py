@@ -89,14 +89,33 @@ def _matmul_gflops(dtype: torch.dtype, threads: int, size: int = 1024, seconds: 
         torch.set_num_threads(before)
 
 
-def _study_flops(study, runs_dir: Path, n_samples: int) -> int:
-    """Matrix-product arithmetic of every run file of a batched study (rounds × per-round FLOPs; evaluation not counted)."""
+def _paper_study(path: Path, data_dir: str | None):
+    """The study of ``path`` (a paper config), its data read from ``data_dir`` when given."""
+    from .study import load_study
+
+    study = load_study(path)
+    if data_dir:
+        import dataclasses
+
+        study = dataclasses.replace(study, dataset={**study.dataset, "dir": data_dir})
+    return study
+
+
+def _study_data(study):
+    """The study's prepared data and MLP, the same for all its runs (the data depend on the dataset's settings, not
+    on a run's seed); a ``DataError`` if its files are missing."""
     from ..runtime.session import load_data
     from .sweep import batch_model
 
     probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
-    mlp, _ = batch_model(load_data(probe), model=study.model, hidden=study.hidden, model_kwargs=study.model_kwargs,
+    data = load_data(probe)
+    mlp, _ = batch_model(data, model=study.model, hidden=study.hidden, model_kwargs=study.model_kwargs,
                          loss=probe.loss)
+    return data, mlp
+
+
+def _study_flops(study, runs_dir: Path, mlp, n_samples: int) -> int:
+    """Matrix-product arithmetic of every run file of a batched study (rounds × per-round FLOPs; evaluation not counted)."""
     total = 0
     for path in runs_dir.glob("*.json"):
         record = json.loads(path.read_text())
@@ -108,14 +127,15 @@ def _study_flops(study, runs_dir: Path, n_samples: int) -> int:
 
 
 def first_layer_floor(study, records: int, features: int, hidden: int, float64_gflops_1_thread: float,
-                      cores: int) -> dict[str, Any]:
+                      cores: int, target_s: float = KDD_TARGET_S) -> dict[str, Any]:
     """A lower bound on a batched study's wall time from its first layer's float64 clipped sums alone: every run
     sums c_i · δ_i x_iᵀ over its ``records`` samples each round (2 · hidden · features · records FLOP, float64, as
     the engine keeps every sum), at this machine's float64 matrix-product peak (``float64_gflops_1_thread``, a
     1,024² product) on ``min(workers, cores)`` cores. The runs counted are the fewest the study computes: every
     tuning configuration once per tuning seed, and one evaluation run per method and evaluation seed (a criterion
     choosing another point adds runs). Nothing else of a round is counted (forward pass, norms, evaluation): the
-    study cannot be faster than this on this machine while its sums stay float64 and dense."""
+    study cannot be faster than this on this machine while its sums stay float64 and dense. ``target_s``: the wall
+    time the study should take, for the budget per configuration-round it leaves."""
     tuning = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds)
     evaluation = len(study.methods) * len(study.eval_seeds)
     flop = 2 * hidden * features * records
@@ -125,30 +145,21 @@ def first_layer_floor(study, records: int, features: int, hidden: int, float64_g
             "runs_at_least": tuning + evaluation, "rounds": study.rounds, "cores": cores_used,
             "float64_sums_gflop_per_configuration_round": flop / 1e9,
             "floor_s": run_rounds * flop / (float64_gflops_1_thread * 1e9 * cores_used),
-            "budget_ms_per_configuration_round": KDD_TARGET_S * cores_used / run_rounds * 1e3,
-            "target_s": KDD_TARGET_S}
+            "budget_ms_per_configuration_round": target_s * cores_used / run_rounds * 1e3,
+            "target_s": target_s}
 
 
 def _kdd_floor(data_dir: str | None, float64_gflops_1_thread: float) -> dict[str, Any]:
     """:func:`first_layer_floor` of the full KDD Cup 99 ε = 3 study, or ``{"skipped": why}`` without its data."""
-    import dataclasses
-
     from ..task.data import DataError
-    from ..runtime.session import load_data
-    from .study import load_study
-    from .sweep import batch_model
 
-    study = load_study(KDD_STUDY)
-    if data_dir:
-        study = dataclasses.replace(study, dataset={**study.dataset, "dir": data_dir})
-    probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
+    study = _paper_study(KDD_STUDY, data_dir)
     try:
-        data = load_data(probe)
+        data, mlp = _study_data(study)
     except DataError as exc:
         return {"skipped": f"no KDD Cup 99 data ({exc})"}
-    mlp, _ = batch_model(data, model=study.model, hidden=study.hidden, model_kwargs=study.model_kwargs, loss=probe.loss)
     return first_layer_floor(study, len(data.y_train), mlp.sizes[0], mlp.sizes[1], float64_gflops_1_thread,
-                             os.cpu_count() or 1)
+                             os.cpu_count() or 1, KDD_TARGET_S)
 
 
 def _rounds_per_s(data_dir: str | None, rounds: int) -> dict[str, float]:
@@ -216,22 +227,15 @@ def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: boo
                             for label, threads in (("1_thread", 1), ("all_cores", os.cpu_count() or 1))}
     out.update(_rounds_per_s(data_dir, rounds))
     if protocol:
-        from .study import load_study, run_study
+        from .study import run_study
 
-        study = load_study(PAPER_STUDY)
-        if data_dir:
-            import dataclasses
-
-            study = dataclasses.replace(study, dataset={**study.dataset, "dir": data_dir})
-        from ..runtime.session import load_data
-
+        study = _paper_study(PAPER_STUDY, data_dir)
         with tempfile.TemporaryDirectory(prefix="diff2-bench-study-") as tmp:
             t = time.perf_counter()
             run_study(study, output_root=tmp, fresh=True, make_plots=False)
             wall = time.perf_counter() - t
-            probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], 0)
-            n = len(load_data(probe).y_train)
-            flops = _study_flops(study, Path(tmp) / study.name / "runs", n)
+            data, mlp = _study_data(study)
+            flops = _study_flops(study, Path(tmp) / study.name / "runs", mlp, len(data.y_train))
         out["protocol_wall_s"] = wall
         out["protocol_workers"] = study.workers
         out["protocol_tuning_configurations"] = sum(len(m.points()) for m in study.methods)
