@@ -34,7 +34,7 @@ def checked_config(run_config: Mapping[str, Any], grid: Grid | None = None) -> t
     """The run config's experiment (P resolved from ``grid`` when it is ``auto``) and its pre-flight; the first
     mistake in one line, then raised."""
     try:
-        cfg = load_run_config(run_config)
+        cfg = load_run_config(run_config, quote=False)  # its log goes to the run submitter: no file is quoted
         if cfg.clients_auto:
             p = simulation_supernodes(grid)
             cfg = cfg.with_clients(p, "the simulation's SuperNodes")

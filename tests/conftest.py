@@ -43,6 +43,16 @@ def _print_is_the_builtin():
 
 
 @pytest.fixture
+def simulated_nodes(monkeypatch):
+    """ClientApps called in this process count as nodes of Flower's simulation engine (as under `flwr run` with
+    the simulation engine, whose Ray actor module marks its workers): a test that calls the real ClientApp in
+    process stands for a simulation unless its node config says otherwise (data-path, policy)."""
+    from diff2_flwr.runtime import node_mode
+
+    monkeypatch.setattr(node_mode, "simulation_engine_running", lambda: True)
+
+
+@pytest.fixture
 def data_dir() -> Path:
     found = shared_data_dir()
     if found is None:

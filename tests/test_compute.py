@@ -75,7 +75,7 @@ def test_threads_two_on_both_sides_is_reproducible_too(restore_threads):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_server_app_and_client_app_pin_their_process(tmp_path, restore_threads, threads):
+def test_the_server_app_and_client_app_pin_their_process(tmp_path, restore_threads, threads, simulated_nodes):
     """server_fn and client_fn pin the process to training.threads before they compute."""
     from flwr.app import RecordDict
     from flwr.common import Context

@@ -552,7 +552,7 @@ def test_routine_round_trips_through_yaml() -> None:
     ({"name": "adam", "eps": 0}, "training.routine.eps", "a finite number > 0", "0.0"),
     ({"name": "adamw", "weight_decay": -0.1}, "training.routine.weight_decay", "a finite number >= 0", "-0.1"),
     ({"name": "nesterov", "momentum": "high"}, "training.routine.momentum", "a number or null", "'high'"),
-    (3, "training.routine", "must be a mapping of keys to values", "3"),
+    (3, "training.routine", "must be a mapping of keys to values", "a number"),  # its kind: no value quoted
 ])
 def test_bad_routines_are_refused_naming_key_expectation_and_finding(tmp_path: Path, routine, key, expected,
                                                                      found) -> None:

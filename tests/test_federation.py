@@ -98,7 +98,7 @@ def test_the_server_app_of_a_deployment_refuses_auto_in_one_line(tmp_path, capsy
     assert cfg.clients == 3
 
 
-def test_each_client_app_takes_p_from_num_partitions_and_holds_that_shard(tmp_path):
+def test_each_client_app_takes_p_from_num_partitions_and_holds_that_shard(tmp_path, simulated_nodes):
     client_app = importlib.import_module("clients.client_app")
     path = _tiny(tmp_path)
     expected = load_data(load_config(path).with_clients(3))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from diff2_flwr.core.local import LocalMechanism, LocalTask, run_local_phase
+from diff2_flwr.core.local import LocalMechanism, LocalTask, local_seed, run_local_phase
 from diff2_flwr.fl import protocol
 from diff2_flwr.runtime.config import load_config
 from diff2_flwr.runtime.policy import PolicyError, load_policy
@@ -28,9 +28,11 @@ BASE = {
     "training": {"rounds": 4, "restart_every": 2, "clients": P, "seed": 1, "clip_diff": 2.0},
     "evaluation": {"train_metrics": False},
 }
-POLICY = {"name": "hospital-a", "max_epsilon": 3.0, "max_delta": 1e-5}
+# BASE is seeded (the tests replay the real server's tasks): the nodes' policies allow it (`allow_seeded`).
+POLICY = {"name": "hospital-a", "max_epsilon": 3.0, "max_delta": 1e-5, "allow_seeded": True}
 
 client_app = importlib.import_module("clients.client_app")
+pytestmark = pytest.mark.usefixtures("simulated_nodes")  # in-process calls stand for simulated nodes
 
 
 def write(path: Path, data: dict) -> Path:
@@ -60,10 +62,29 @@ def call_app(config: Path, arrays, conf, *, node_config: dict | None = None, run
     content = fitins_to_recorddict(FitIns(ndarrays_to_parameters(arrays), dict(conf)), keep_input=True)
     message = Message(content, dst_node_id=100 + partition, message_type="train")
     nodes = {"partition-id": partition, "num-partitions": P, **(node_config or {})}
+    given = str(config)
+    if set(nodes) - {"partition-id", "num-partitions"}:  # a data owner's node: as a deployment sets it up
+        nodes, given = deployment_node(config, nodes, partition)
     context = Context(run_id=run_id, node_id=100 + partition, node_config=nodes, state=RecordDict(),
-                      run_config={"config": str(config), **(run_config or {})})
+                      run_config={"config": given, **(run_config or {})})
     reply = client_app.app(message, context)
     return recorddict_to_fitres(reply.content, keep_input=True)
+
+
+def deployment_node(config: Path, nodes: dict, partition: int) -> tuple[dict, str]:
+    """A data owner's node config for ``config`` (its folder as the node's ``experiments`` folder, its shard file
+    written by `diff2 shard` as ``data-path`` unless the test names one) and the run config's relative ``config``."""
+    from diff2_flwr.deploy.shards import write_shards
+    from diff2_flwr.runtime.shard_files import shard_name
+
+    config = Path(config)
+    nodes = {"experiments": str(config.parent), **nodes}
+    if "data-path" not in nodes:
+        folder = config.parent / f"shards-{config.stem}"
+        if not (folder / shard_name(partition, P)).exists():
+            write_shards(load_config(config), folder)
+        nodes["data-path"] = str(folder / shard_name(partition, P))
+    return nodes, config.name
 
 
 def task_of_round(config: Path, r: int, overrides: dict | None = None):
@@ -201,8 +222,9 @@ REFUSED_TASKS = {
     "restart-called-difference": (2, lambda arrays, conf: (arrays[: len(arrays) // 2],
                                                             {**conf, protocol.KIND: "restart"}),
                                   r"rule `round kind`: round 2 is a difference round \(T = 2\); the task is a restart"),
-    "n_min-above-n_p": (1, _set(protocol.N_MIN, 10**6), r"rule `n_min`: the task says n_min = 1000000, but this node "
-                        r"holds 240 records"),
+    # the refusal says n_min exceeds the node's records, never how many it holds (240)
+    "n_min-above-n_p": (1, _set(protocol.N_MIN, 10**6), r"rule `n_min`: the task says n_min = 1000000, more records "
+                        r"than this node holds: (?!.*240)"),
 }
 
 
@@ -249,7 +271,8 @@ def _local_task(config: Path, **mechanism) -> tuple[LocalTask, object]:
     layout = build_worker(cfg, 0).gradients.layout
     rng = np.random.default_rng(5)
     task = LocalTask(round=1, partition_id=0, x_start=rng.standard_normal(layout.dim) * 0.1,
-                     v=rng.standard_normal(layout.dim) * 0.01, mechanism=m, seed=3, n_min=n_min,
+                     v=rng.standard_normal(layout.dim) * 0.01, mechanism=m, seed=local_seed(cfg.training.seed, 1),
+                     n_min=n_min,
                      sampling_prob=m.batch_size / n_min)
     return task, layout
 

@@ -27,8 +27,8 @@ from .config_data import PAPER_MLP, DatasetConfig, ModelConfig, PartitionerConfi
 from .config_experiment import ExperimentConfig, Method
 from .config_training import (AUTO_CLIENTS_DEFAULT, CLIENTS_AUTO, EvaluationConfig, LocalConfig, OutputConfig,
                               PrivacyConfig, RoutineConfig, TrainingConfig)
-from .spec import (ConfigError, Kwargs, argument_error, argument_names, help_of, nest_arguments, parse_section,
-                   require, setting, settable_keys)
+from .spec import (ConfigError, Kwargs, argument_error, argument_names, content_free, help_of, nest_arguments,
+                   parse_section, require, setting, settable_keys)
 from .spec import from_arguments as _from_arguments
 
 __all__ = [
@@ -133,8 +133,10 @@ def read_yaml(path: str | Path, what: str = "experiment", error: type[ConfigErro
         tab = _tab_at(exc, text)
         if tab is not None:  # PyYAML's own words ("cannot start any token") do not say what to do
             raise error(f"{path}: not valid YAML: line {tab[0]}, column {tab[1]}: a tab character. YAML indents "
-                        "with spaces, not tabs: replace the tab with spaces.") from exc
-        raise error(f"{path}: not valid YAML: {exc}") from exc
+                        "with spaces, not tabs: replace the tab with spaces.", line=tab[0], column=tab[1]) from exc
+        mark = getattr(exc, "problem_mark", None)
+        line, column = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
+        raise error(f"{path}: not valid YAML: {exc}", line=line, column=column) from exc
 
 
 def _tab_at(exc: yaml.YAMLError, text: str) -> tuple[int, int] | None:
@@ -261,24 +263,35 @@ def run_config_overrides(run_config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_run_config(run_config: Mapping[str, Any]) -> ExperimentConfig:
+def load_run_config(run_config: Mapping[str, Any], *, node_config: Mapping[str, Any] | None = None,
+                    quote: bool = True) -> ExperimentConfig:
     """The experiment of a Flower run config: the file named by key ``config``, the other keys as overrides.
 
     A bad override is reported as the run-config key it is, in one line: "--run-config key `training.rounds`:
     expected an integer. Found 'five' (experiment file configs/default.yaml)." (the file as the run config names
     it, not the installed app's copy).
+
+    ``node_config``: a data owner's node reads it (a deployment): the file only from inside the app bundle or the
+    folder its node config names (:func:`~diff2_flwr.runtime.paths.resolve_node_experiment`). ``quote=False`` (every
+    Flower app: its errors travel to other parties) reports a bad file by :func:`~diff2_flwr.runtime.spec.content_free`
+    messages, which quote nothing of it: the run config may have named any file the process can read.
     """
-    from .paths import resolve_config_path
+    from .paths import resolve_config_path, resolve_node_experiment
 
     given = str(run_config.get("config", ""))
     overrides = run_config_overrides(run_config)
+    path = resolve_config_path(given) if node_config is None else resolve_node_experiment(given, node_config)
     try:
-        return load_config(resolve_config_path(given), overrides)
+        return load_config(path, overrides)
     except ConfigError as err:
-        if err.key is None or err.key not in overrides:
+        if err.key is not None and err.key in overrides:  # the run config's own value: no file content
+            raise ConfigError(f"--run-config key `{err.key}`: expected {err.expected}. Found {err.found!r} "
+                              f"(experiment file {given}).", key=err.key, expected=err.expected,
+                              found=err.found) from None
+        if quote:
             raise
-        raise ConfigError(f"--run-config key `{err.key}`: expected {err.expected}. Found {err.found!r} (experiment "
-                          f"file {given}).", key=err.key, expected=err.expected, found=err.found) from None
+        raise ConfigError(f"Run-config key `config`: {content_free(err, repr(given))}", key=err.key,
+                          expected=err.expected) from None
 
 
 def experiment_from_arguments(function: str, arguments: Mapping[str, Any], **fixed: Any) -> ExperimentConfig:

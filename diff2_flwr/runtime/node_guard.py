@@ -28,6 +28,7 @@ so that the noise can be checked (:mod:`~diff2_flwr.runtime.canary_monitor`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -35,8 +36,9 @@ import numpy as np
 
 from ..core.estimator import difference_radius, is_restart
 from ..core.gradients import Contribution
-from ..core.local import LocalTask
+from ..core.local import LocalTask, local_seed
 from ..core.privacy import Calibration
+from .answer_log import AnswerLog, AnswerLogError, Replayed
 from .config import ExperimentConfig
 from .policy import BUILTIN_MODELS, NodePolicy, Refused, check_model, check_run
 
@@ -61,12 +63,16 @@ class NodeGuard:
     run_id: str
     policy: NodePolicy | None
     shared_policy: bool  # simulated nodes reading one policy: one ledger file per partition
+    answers: AnswerLog | None = None  # the node's record of the tasks it answered (its policy's `answers` file)
 
     @classmethod
     def admit_run(cls, cfg: ExperimentConfig, *, node: str, partition_id: int, run_id: int | str,
                   policy: NodePolicy | None, deployment: bool, shared_policy: bool = False) -> "NodeGuard":
         """Check the run config against the policy (a deployment node without one: built-in models and private
-        methods only) before any record is read or any model factory imported; raise :class:`Refused`.
+        methods only) and, on a data owner's node (``deployment``), the rules no run config may bend — no seed
+        unless the policy allows seeds, a declared n_min under distributed noise, a record of the rounds answered
+        where the node draws noise of its own — before any record is read or any model factory imported; raise
+        :class:`Refused`.
 
         ``shared_policy``: the policy serves several simulated nodes (``$DIFF2_NODE_POLICY``): each keeps its own
         ledger file, ``<ledger>.partition-<i>``."""
@@ -78,7 +84,11 @@ class NodeGuard:
             if not cfg.private:
                 raise Refused(node, "methods", "the run asks method 'gd', which releases unnoised means; a data "
                               "owner's node runs only private methods (dpgd, diff2).")
-        return cls(cfg, node, partition_id, str(run_id), policy, shared_policy=shared_policy and not deployment)
+        shared = shared_policy and not deployment
+        answers = None if policy is None else AnswerLog(policy.answers_path(partition_id, shared))
+        if deployment:
+            _check_deployment_run(cfg, node, policy, answers)
+        return cls(cfg, node, partition_id, str(run_id), policy, shared_policy=shared, answers=answers)
 
     # ------------------------------------------------------------------ gradient rounds
     def check_task(self, r: int, radius: float, x_current: np.ndarray, x_previous: np.ndarray | None, n_min: int,
@@ -97,6 +107,9 @@ class NodeGuard:
         if not ok or (self.cfg.private and not math.isfinite(radius)):
             self._refuse("radius", f"round {r}'s clipping radius is {radius!r}; the run config makes it {expected!r} "
                          f"({self._radius_rule(want)}).")
+        # last, once every check passed: a share draws noise (never twice); a clipped mean is the same for the same task
+        distributed = self.cfg.private and self.cfg.privacy.distributed
+        self._claim(r, "train", None if distributed else _task_digest(r, radius, n_min, x_current, x_previous))
 
     def _radius(self, r: int, x_current: np.ndarray, x_previous: np.ndarray | None) -> float:
         t = self.cfg.training
@@ -157,14 +170,21 @@ class NodeGuard:
         if not m.sigma >= cal.local.sigma3 * (1 - 1e-9):
             self._refuse("local sigma (σ3)", f"the local task's σ3 = {m.sigma!r} is below the calibrated "
                          f"σ3 = {cal.local.sigma3!r} (ε = {self.cfg.privacy.epsilon:g}, n_min = {task.n_min}).")
+        seed = self.cfg.training.seed
+        if task.seed != (None if seed is None else local_seed(seed, task.round)):
+            self._refuse("seed", "the local task carries a seed for this node's batches and σ3 noise that the run "
+                         "config does not make (" + ("an unseeded run: the node draws them from its own entropy, so "
+                         "that nobody else knows its noise" if seed is None else "training.seed derives another")
+                         + ").")
+        self._claim(task.round, "local", None)  # the local steps draw noise: answered once
 
     # ------------------------------------------------------------------ shared
     def _admit(self, n_min: int, num_samples: int) -> Calibration | None:
         """n_min against this node's records and the run config; the calibration; the lifetime budget."""
         declared = self.cfg.privacy.n_min
-        if n_min > num_samples:
-            self._refuse("n_min", f"the task says n_min = {n_min}, but this node holds {num_samples} records: its "
-                         "records' sensitivity and sampling rate would exceed what the calibration accounted.")
+        if n_min > num_samples:  # the message says that, not how many records the node holds
+            self._refuse("n_min", f"the task says n_min = {n_min}, more records than this node holds: its records' "
+                         "sensitivity and sampling rate would exceed what the calibration accounted.")
         if declared is not None and n_min != declared:
             self._refuse("n_min", f"the task says n_min = {n_min}; the run config says privacy.n_min = {declared}.")
         try:
@@ -197,8 +217,56 @@ class NodeGuard:
         except LedgerError as err:  # unreadable or unwritable: no run is admitted until the ledger is restored
             self._refuse("lifetime ledger", str(err))
 
+    def _claim(self, r: int, stage: str, digest: str | None) -> None:
+        """Record in the node's answer log that it answers round r's ``stage`` now (refused if answered before)."""
+        if self.answers is None:
+            return
+        try:
+            self.answers.claim(self.run_id, r, stage, digest=digest, node=self.node)
+        except Replayed as err:
+            raise Refused(self.node, "replay", str(err), message=str(err)) from None
+        except AnswerLogError as err:
+            self._refuse("answer log", str(err))
+
     def _refuse(self, rule: str, detail: str) -> None:
         raise Refused(self.node, rule, detail)
+
+
+def _check_deployment_run(cfg: ExperimentConfig, node: str, policy: NodePolicy | None,
+                          answers: AnswerLog | None) -> None:
+    """What a data owner's node refuses whatever its policy says about ε (issue 38): a seed, an undeclared n_min
+    under distributed noise, one that differs from the n_min the policy pins, node-side noise without a record."""
+    where = "" if policy is None else f" (policy {policy.source})"
+    if cfg.training.seed is not None and not (policy is not None and policy.allow_seeded):
+        raise Refused(node, "seed", "the run config sets training.seed: a seed in the run config is known to every "
+                      "party, so it would fix this node's noise (its share, its rounding, its local steps) and the "
+                      "server's for whoever reads it; a data owner's node draws its noise from its own entropy. Run "
+                      "with training.seed: null (seeds are for simulations and tests, or a policy with "
+                      f"allow_seeded: true){where}.")
+    private = cfg.private
+    distributed = private and cfg.privacy.distributed
+    if distributed and cfg.privacy.n_min is None:
+        raise Refused(node, "n_min", "under distributed noise n_min is a federation constant: the run config must "
+                      "declare privacy.n_min (the smallest shard's record count, agreed by the data owners). Each node "
+                      "calibrates its share from it: a server that sent each node its own n_min would shrink every "
+                      "share.")
+    if private and policy is not None and policy.n_min is not None and cfg.privacy.n_min != policy.n_min:
+        raise Refused(node, "n_min", f"the run declares privacy.n_min = {cfg.privacy.n_min}; this node's policy "
+                      f"pins the federation's n_min = {policy.n_min}{where}. Declare privacy.n_min: {policy.n_min}.")
+    if answers is None and (distributed or cfg.local.enabled):
+        raise Refused(node, "answers", "the run has this node draw noise of its own ("
+                      + ("its distributed-noise share" if distributed else "the local routine's σ3") + "), and the "
+                      "node keeps no record of the rounds it answered (it has no node policy, whose `answers` file "
+                      "holds it): a replayed round would draw that noise again. Its operator gives it a policy "
+                      "(--node-config \"policy='/path/policy.yaml'\").")
+
+
+def _task_digest(r: int, radius: float, n_min: int, x_current: np.ndarray, x_previous: np.ndarray | None) -> str:
+    """A digest of what a gradient task carries: the same digest is the same clipped mean, answered again."""
+    h = hashlib.sha256(repr((int(r), float(radius).hex(), int(n_min))).encode())
+    for x in (x_current, x_previous):
+        h.update(b"none" if x is None else np.ascontiguousarray(x, dtype=np.float64).tobytes())
+    return h.hexdigest()
 
 
 def _folder_name(run_id: str) -> str:

@@ -19,10 +19,16 @@ Example (``configs/policy.yaml``)::
     local_routine: true      # whether the private local routine may run on this node's records
     noise: [distributed]     # who may add the noise: central (the server, trusted) and/or distributed (SecAgg+)
     min_honest: 3            # distributed: the fewest honest clients (P - t) whose shares carry the noise
+    n_min: 240               # the federation's n_min, agreed by the data owners out of band: a run must declare the
+                             # same privacy.n_min (null: any the run declares, at most this node's records)
+    allow_seeded: false      # a run with training.seed fixes this node's noise for whoever knows the seed: refused
+                             # on a data owner's node unless true (tests, a federation whose parties are one person)
     lifetime:                # a budget over every run this node takes part in, composed by PLD
       epsilon: 10.0
       delta: 1.0e-5
       ledger: ledger.json    # the node's durable ledger (owner-only); relative to this file's folder
+    answers: answers.log     # the node's record of each (run, round, stage) it answered (owner-only; a round is
+                             # answered once: a replay is refused); relative to this file's folder
     canaries:                # audit each run live from this node (diff2 audit --live FOLDER; central noise, gd)
       count: 64              # canary records added to this node's replies (even; 0: none)
       state: canaries        # the owner-only folder of their secret seed and observations (relative: this file's)
@@ -47,10 +53,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .answer_log import AnswerLog
 from .config import ConfigError, ExperimentConfig, PAPER_MLP, parse_section, read_yaml, require
 
 __all__ = ["BUILTIN_MODELS", "ENV_VAR", "NODE_CONFIG_KEY", "CanaryPolicy", "LifetimeBudget", "NodePolicy",
-           "PolicyError", "Refused", "check_run", "load_policy", "policy_path"]
+           "PolicyError", "Refused", "answer_log_of", "check_run", "load_policy", "policy_path"]
 
 #: Node config key (``--node-config "policy='/path/policy.yaml'"``) and environment variable naming the policy.
 NODE_CONFIG_KEY = "policy"
@@ -132,8 +139,11 @@ class NodePolicy:
     local_routine: bool = True
     noise: tuple[str, ...] = ("central", "distributed")
     min_honest: int = 1
+    n_min: int | None = None
+    allow_seeded: bool = False
     lifetime: LifetimeBudget = field(default_factory=LifetimeBudget)
     canaries: CanaryPolicy = field(default_factory=CanaryPolicy)
+    answers: str = "answers.log"
     name: str | None = None
     source: str = field(default="<memory>", compare=False)
 
@@ -154,6 +164,11 @@ class NodePolicy:
         require(bool(self.noise) and set(self.noise) <= {"central", "distributed"}, "noise",
                 "a non-empty list of 'central' (the server adds the noise: trusted) and 'distributed' (each client "
                 "adds a share, the server sees only the SecAgg+ sum)", list(self.noise))
+        require(self.n_min is None or (isinstance(self.n_min, int) and self.n_min >= 1), "n_min",
+                "null or an integer >= 1: the federation's n_min, agreed by the data owners (a run must declare the "
+                "same privacy.n_min)", self.n_min)
+        require(isinstance(self.answers, str) and bool(self.answers.strip()), "answers",
+                "the file (owner-only) where the node records each (run, round, stage) it answered", self.answers)
         require(isinstance(self.min_honest, int) and self.min_honest >= 1, "min_honest",
                 "an integer >= 1: the fewest honest clients (P - t) whose noise shares must carry a distributed run",
                 self.min_honest)
@@ -169,6 +184,11 @@ class NodePolicy:
         """The canaries' state folder; ``shared`` (simulated nodes reading one policy): one per partition."""
         path = self._beside(self.canaries.state)
         return path / f"partition-{partition_id}" if shared else path
+
+    def answers_path(self, partition_id: int, shared: bool) -> Path:
+        """The node's answer log (:mod:`~diff2_flwr.runtime.answer_log`); ``shared``: one file per partition."""
+        path = self._beside(self.answers)
+        return path.with_name(f"{path.stem}.partition-{partition_id}{path.suffix}") if shared else path
 
     def ledger_path(self, partition_id: int, shared: bool) -> Path | None:
         """The node's ledger file; ``shared`` (simulated nodes reading one policy): one file per partition."""
@@ -187,6 +207,16 @@ def load_policy(path: str | os.PathLike[str]) -> NodePolicy:
     except ConfigError as err:
         raise PolicyError(str(err), key=err.key, expected=err.expected, found=err.found) from None
     return dataclasses.replace(policy, source=str(path))
+
+
+def answer_log_of(node_config: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> AnswerLog | None:
+    """The answer log of the node whose node config this is: its policy's ``answers`` file (one per partition when
+    simulated nodes share a policy from ``$DIFF2_NODE_POLICY``); None for a node without a policy."""
+    path = policy_path(node_config, environ)
+    if path is None:
+        return None
+    shared = NODE_CONFIG_KEY not in node_config
+    return AnswerLog(load_policy(path).answers_path(int(node_config.get("partition-id", 0)), shared))
 
 
 def policy_path(node_config: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> str | None:

@@ -17,19 +17,38 @@ from typing import Any, Callable, Literal, Mapping
 
 __all__ = ["ConfigError", "Kwargs", "Invalid", "require", "setting", "help_of", "settable_keys", "argument_names",
            "nest_arguments", "parse_section", "from_arguments", "argument_error", "describe_type", "type_ok",
-           "setting_names", "add_setting_flags", "key_error", "is_int", "run_identity"]
+           "setting_names", "add_setting_flags", "key_error", "content_free", "is_int", "run_identity"]
 
 
 class ConfigError(ValueError):
     """An invalid experiment file; the message names file, key, expectation and finding.
 
-    For one key's bad value, ``key``, ``expected`` and ``found`` hold the parts of the message.
+    For one key's bad value, ``key``, ``expected`` and ``found`` hold the parts of the message; for a file that is
+    not valid YAML, ``line`` and ``column`` (from 1) where the parser stopped. :func:`content_free` builds from them
+    a message that quotes nothing of the file.
     """
 
     def __init__(self, message: str, *, key: str | None = None, expected: str | None = None,
-                 found: Any = None) -> None:
+                 found: Any = None, line: int | None = None, column: int | None = None) -> None:
         super().__init__(message)
         self.key, self.expected, self.found = key, expected, found
+        self.line, self.column = line, column
+
+
+def content_free(err: Exception, source: str) -> str:
+    """What is wrong with the file ``source`` without one byte of its content: the key and what was expected, or
+    the line and column where it stopped being YAML, or only that it is not a valid file. Every message that leaves
+    the party who owns the file (an app's error relayed to the server, a run's log) is built this way: an error that
+    quoted values or lines would send the content of whatever file a run config named."""
+    if isinstance(err, ConfigError) and err.key is not None and err.expected is not None:
+        return f"{source}: key `{err.key}`: expected {err.expected} (the value found is not shown)."
+    if isinstance(err, ConfigError) and err.line is not None:
+        return f"{source}: not valid YAML at line {err.line}, column {err.column} (the line is not shown)."
+    if isinstance(err, OSError) or isinstance(err.__cause__, OSError):
+        cause = err if isinstance(err, OSError) else err.__cause__
+        return f"{source}: cannot be read ({getattr(cause, 'strerror', None) or type(cause).__name__})."
+    return (f"{source}: not a valid experiment file (its content is not shown); validate it where it is yours "
+            "(`diff2 noise FILE` reads and checks it).")
 
 
 def key_error(source: str, key: str, expected: str, found: Any) -> ConfigError:
@@ -258,7 +277,7 @@ def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{source}: `{where}` must be a mapping of keys to values. Found {data!r}.")
+        raise ConfigError(f"{source}: `{where}` must be a mapping of keys to values. Found {_kind(data)}.")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in _fields(cls)]
     unknown = sorted(set(map(str, data)) - set(names))
@@ -286,6 +305,12 @@ def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
     except Invalid as err:
         key = err.key if "." in err.key else prefix + err.key
         raise key_error(source, key, err.expected, err.found) from None
+
+
+def _kind(value: Any) -> str:
+    """What a value is, without its content (a file's top level may be anything the run config pointed at)."""
+    return {str: "a text", int: "a number", float: "a number", bool: "true/false", list: "a list"}.get(
+        type(value), type(value).__name__)
 
 
 def parse_section(cls: type, data: Any, source: str) -> Any:
