@@ -33,7 +33,7 @@ def rows(output_dir: Path) -> list[dict]:
 
 
 def test_native_deployment_equals_a_simulation(tmp_path):
-    result = run_local_deployment(config(tmp_path), workdir=tmp_path / "work", echo=False)
+    result = run_local_deployment(config(tmp_path), workdir=tmp_path / "work", echo=False, node_policy=policy(tmp_path))
     assert result.launch.status == "finished:completed"
     deployed = rows(result.launch.output_dir)
     assert [r["round"] for r in deployed] == [0, 1, 2, 3] and "train_loss" not in deployed[-1]
@@ -47,7 +47,8 @@ def test_native_deployment_equals_a_simulation(tmp_path):
 
 def policy(tmp_path: Path, **changes) -> Path:
     path = tmp_path / f"policy-{len(list(tmp_path.glob('policy-*')))}.yaml"
-    path.write_text(yaml.safe_dump({"name": "owner", "max_epsilon": 3.0, "max_delta": 1e-5,
+    # the runs here are seeded (a deployment checked bit for bit against a simulation): every node allows seeds
+    path.write_text(yaml.safe_dump({"name": "owner", "max_epsilon": 3.0, "max_delta": 1e-5, "allow_seeded": True,
                                     "lifetime": {"epsilon": 10.0, "delta": 1e-5, "ledger": "ledger.json"}, **changes}))
     return path
 
@@ -84,7 +85,8 @@ def test_a_supernode_killed_mid_run_releases_nothing_and_names_the_failure(tmp_p
     data["training"].update(rounds=4, round_timeout_s=300)
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(SimulationFailed, match=r"client-failure.*(no reply from node|failed)") as info:
-        run_local_deployment(path, workdir=tmp_path / "work", echo=False, kill_node_after_round=(1, 1))
+        run_local_deployment(path, workdir=tmp_path / "work", echo=False, kill_node_after_round=(1, 1),
+                             node_policy=policy(tmp_path))
     (run_dir,) = (tmp_path / "out").iterdir()
     released = [json.loads(line)["round"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert released == [0, 1], f"round 1 was not released before the kill: {info.value}"  # round 2 released nothing

@@ -38,7 +38,11 @@ def rows(output_dir: Path) -> list[dict]:
 
 
 def test_distributed_noise_completes_through_secaggplus_with_tls_and_node_auth(tmp_path):
-    result = run_local_deployment(config(tmp_path), tls=True, workdir=tmp_path / "work", echo=False)
+    policy = tmp_path / "policy.yaml"  # seeded, to be checked bit for bit: the owners allow seeds (tests only)
+    policy.write_text(yaml.safe_dump({"name": "owner", "max_epsilon": 3.0, "max_delta": 1e-5, "allow_seeded": True,
+                                      "noise": ["distributed"], "min_honest": CLIENTS}))
+    result = run_local_deployment(config(tmp_path), tls=True, workdir=tmp_path / "work", echo=False,
+                                  node_policy=policy)
     assert result.launch.status == "finished:completed"
     # TLS turns SuperNode authentication on: exactly the P registered keys are the nodes the SuperLink knows
     assert result.node_auth and len(set(result.node_ids)) == CLIENTS

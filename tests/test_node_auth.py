@@ -119,8 +119,10 @@ def test_only_registered_supernodes_join_and_the_run_completes_with_them(tmp_pat
         forged.append(_forged_activation(live))
         runtime.update(_runtime_requests(live))
 
+    policy = tmp_path / "policy.yaml"  # the run is seeded: the owners allow it (tests only)
+    policy.write_text(yaml.safe_dump({"max_epsilon": 3.0, "max_delta": 1e-5, "allow_seeded": True}))
     result = run_local_deployment(path, tls=True, workdir=tmp_path / "work", echo=False,
-                                  intruders=("no-key", "unregistered-key"), on_ready=on_ready)
+                                  intruders=("no-key", "unregistered-key"), on_ready=on_ready, node_policy=policy)
     assert result.node_auth and result.launch.status == "finished:completed"
     rows = [json.loads(line) for line in (result.launch.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2]

@@ -55,7 +55,7 @@ from ..runtime.launch import (
     write_connection,
 )
 from ..runtime.paths import APP_DIR, resolve_config_path
-from ..runtime.shard_files import shard_name
+from ..runtime.shard_files import SERVER_FILE, read_server_data, shard_name
 from .certs import Certificates, NodeKey, make_certificates, make_node_keys
 from ..runtime.secret_files import make_superexec_secret
 from .compose import CONTAINER_OUTPUTS
@@ -63,6 +63,10 @@ from .shards import write_shards
 
 __all__ = ["DeploymentResult", "Intruder", "LiveDeployment", "run_local_deployment", "default_run_folder",
            "start_superexec", "start_superlink", "register_node", "list_nodes", "INTRUDER_KINDS"]
+
+#: The run folder's sub-folder of the deployment's experiment file: every data owner's node config names it as its
+#: ``experiments`` folder (a data owner's node opens no other file the run config names).
+EXPERIMENT_FOLDER = "experiment"
 
 #: Fault injection for tests (``intruders=``): a SuperNode posing as data owner 0 with no key of its own
 #: (Flower then self-registers an ephemeral one) or with a key pair the operator never registered.
@@ -135,6 +139,10 @@ def deployment_config(config: str | os.PathLike[str], workdir: Path, rounds: int
     write_shards(cfg, shards)
     data["dataset"]["shards"] = str(shards)
     data["evaluation"]["train_metrics"] = False
+    if data["privacy"].get("noise") == "distributed" and data["privacy"].get("n_min") is None:
+        # the federation's constant under distributed noise (every node refuses a run without it): the smallest
+        # shard's records, which this launcher knows as the one who wrote every shard
+        data["privacy"]["n_min"] = read_server_data(shards / SERVER_FILE, cfg).n_min
     if rounds is not None:
         data["training"]["rounds"] = rounds
         if data["training"]["restart_every"] and data["training"]["restart_every"] > rounds:
@@ -145,7 +153,9 @@ def deployment_config(config: str | os.PathLike[str], workdir: Path, rounds: int
         if echo and given is not None and data["output"][key] != given and Path(given).is_absolute():
             print(f"[diff2] output.{key} {given} is a container path (docker-compose.yml mounts ./deploy/outputs at "
                   f"{CONTAINER_OUTPUTS}); this native run uses {data['output'][key]}", flush=True)
-    path = workdir / "deployment.yaml"
+    folder = workdir / EXPERIMENT_FOLDER  # the data owners' `experiments` folder: this file and nothing else
+    folder.mkdir(exist_ok=True)
+    path = folder / "deployment.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -226,10 +236,13 @@ def start_superexec(runtime: subprocess.Popen, runtime_port: int, secret: Path, 
                   "--runtime-api-address", f"127.0.0.1:{runtime_port}", "--parent-pid", str(runtime.pid)], log, env)
 
 
-def node_config(p: int, clients: int, shards: Path, policy: Path | None = None) -> str:
-    """SuperNode ``p``'s ``--node-config``: its partition, the path of its shard file and (``policy``) of its node
-    policy."""
+def node_config(p: int, clients: int, shards: Path, policy: Path | None = None,
+                experiments: Path | None = None) -> str:
+    """SuperNode ``p``'s ``--node-config``: its partition, the path of its shard file, (``policy``) of its node
+    policy and (``experiments``) the folder of experiment files it opens besides the app bundle's."""
     config = f'partition-id={p} num-partitions={clients} data-path="{shards / shard_name(p, clients)}"'
+    if experiments is not None:
+        config += f' experiments="{experiments}"'
     if policy is not None:
         config += f' policy="{policy}"'
     return config
@@ -386,6 +399,24 @@ def _prepare_run_folder(config: str | os.PathLike[str], work: Path, rounds: int 
     return dep_config, cfg, home
 
 
+def _check_data_owners_rules(cfg: ExperimentConfig, node_policy: str | os.PathLike[str] | None) -> None:
+    """What every data owner's node would refuse at round 1 (:mod:`~diff2_flwr.runtime.node_guard`), said before
+    anything starts: a seed unless the policy allows seeds, node-side noise without a policy (whose answer log
+    records the rounds answered)."""
+    from ..runtime.policy import load_policy
+
+    policy = load_policy(node_policy) if node_policy is not None else None
+    if cfg.training.seed is not None and not (policy is not None and policy.allow_seeded):
+        raise ValueError(f"{cfg.source}: training.seed is set, and a data owner's node refuses a seeded run (the seed "
+                         "would fix its noise for everyone who reads the run config): run with training.seed: null, "
+                         "or give --node-policy a policy with allow_seeded: true (tests, a federation of one person).")
+    needs_record = cfg.private and (cfg.privacy.distributed or cfg.local.enabled)
+    if needs_record and policy is None:
+        raise ValueError(f"{cfg.source}: the data owners' nodes add noise of their own here (distributed noise or the "
+                         "local routine) and refuse it without a node policy (whose answers file records each round "
+                         "they answered): give --node-policy FILE.")
+
+
 def _round_seconds(output_dir: Path | None) -> list[float]:
     """The seconds between consecutive rounds, from the run's metrics.jsonl (none without an output folder)."""
     rows = []
@@ -430,6 +461,7 @@ def run_local_deployment(
     processes = []
     try:
         dep_config, cfg, home = _prepare_run_folder(config, work, rounds, clients, resume, echo)
+        _check_data_owners_rules(cfg, node_policy)
         clients = cfg.training.clients
         # all distinct: the SuperLink's API and health server, each SuperNode's and each intruder's
         port, health, *node_ports = free_ports(2 + clients + len(intruders))
@@ -447,7 +479,7 @@ def run_local_deployment(
         policies = owner_policies(node_policy, work, clients) if node_policy is not None else []
 
         def supernode(p: int, log: Path, key: Path | None, node_port: int, secret: Path) -> subprocess.Popen:
-            own = node_config(p, clients, shards, policies[p] if policies else None)
+            own = node_config(p, clients, shards, policies[p] if policies else None, dep_config.parent)
             processes.append(start_supernode(port, node_port, own, secret, log, env, certs.ca if certs else None, key))
             return processes[-1]
 

@@ -43,19 +43,19 @@ class NodePathError(ValueError):
 
 
 def resolve_node_experiment(value: str, node_config: Mapping[str, Any], app_dir: Path = APP_DIR) -> Path:
-    """The experiment file a data owner's node opens for run-config key ``config``: a relative ``.yaml`` path inside
-    the app bundle (``app_dir``) or inside the folder its node config names (``experiments``), after every symlink
-    is resolved. An absolute path, ``..``, another suffix or a file outside those folders is refused, naming the
-    rule, never opening the file.
+    """The experiment file a data owner's node opens for run-config key ``config``: a ``.yaml`` file inside the app
+    bundle (``app_dir``) or inside the folder its node config names (``experiments``), given relative to one of them
+    or as an absolute path into one, after every symlink is resolved. ``..``, another suffix or a file outside those
+    folders is refused, naming the rule, never opening the file.
 
     Raises:
         NodePathError: the path is not one the node opens, or no such file exists in its folders.
     """
     text = str(value)
     path = PurePosixPath(text)
-    rule = ("a data owner's node opens only a relative .yaml file inside the app bundle or inside its own node "
+    rule = ("a data owner's node opens only a .yaml file inside the app bundle or inside its own node "
             f"config's `{EXPERIMENTS_KEY}` folder")
-    if not text or path.is_absolute() or text.startswith("~") or ".." in path.parts or "\\" in text:
+    if not text or text.startswith("~") or ".." in path.parts or "\\" in text:
         raise NodePathError(f"Run-config key `config`: {text!r} is refused: {rule}; give a path such as "
                             "'configs/deploy.yaml'.")
     if path.suffix not in EXPERIMENT_SUFFIXES:
@@ -66,7 +66,7 @@ def resolve_node_experiment(value: str, node_config: Mapping[str, Any], app_dir:
         bases.append(Path(str(node_config[EXPERIMENTS_KEY])))
     for base in bases:
         root = base.resolve()
-        candidate = (root / path).resolve()
+        candidate = (root / path).resolve()  # an absolute path stays itself
         if candidate.is_relative_to(root) and candidate.is_file():
             return candidate
     raise NodePathError(f"Run-config key `config`: experiment file {text!r} is not in this node's app bundle"
