@@ -133,4 +133,4 @@ def _secure_sum_settings(context: Context) -> tuple[int, int, int] | None:
     return clients, cfg.privacy.tolerated, cfg.privacy.bits
 
 
-app = ClientApp(client_fn=client_fn, mods=[secure_sum_mod(_secure_sum_settings)])
+app = ClientApp(client_fn=client_fn, mods=[secure_sum_mod(_secure_sum_settings, round_key=protocol.ROUND)])

@@ -182,11 +182,11 @@ class _Message:
 
 def test_a_distributed_node_answers_only_inside_secagg_and_checks_its_setup():
     called = []
-    mod = secure_sum_mod(lambda ctxt: (3, 1, 20))
+    mod = secure_sum_mod(lambda ctxt: (3, 1, 20), round_key=protocol.ROUND)
     with pytest.raises(ValueError, match="only inside Flower's SecAgg\\+"):
         mod(_Message(None), None, lambda m, c: called.append(m))
     assert not called  # the worker never ran
-    passthrough = secure_sum_mod(lambda ctxt: None)  # central noise: untouched
+    passthrough = secure_sum_mod(lambda ctxt: None, round_key=protocol.ROUND)  # central noise: untouched
     passthrough(_Message(None), None, lambda m, c: called.append(m))
     assert len(called) == 1
     q = secagg_settings(20, 3)

@@ -118,7 +118,7 @@ class _Node:
                  bits: int) -> None:
         self.node_id, self.partition_id, self.message, self.bits = node_id, partition_id, message, bits
         self.context = Context(run_id=1, node_id=node_id, node_config={}, state=RecordDict(), run_config={})
-        self.mod = secure_sum_mod(lambda ctxt: (clients, tolerated, bits))
+        self.mod = secure_sum_mod(lambda ctxt: (clients, tolerated, bits), round_key=protocol.ROUND)
         self.app_calls: list[str] = []  # the SecAgg+ stage of each call of the ClientApp
 
     def handle(self, msg: Message, context: Context | None = None, message: np.ndarray | None = None) -> Message:

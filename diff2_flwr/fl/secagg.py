@@ -18,12 +18,18 @@ Flower 1.42's own mask generator, ``pseudo_rand_gen``, folds each 32-byte mask s
 shared key) to 32 bits by XOR and expands it with MT19937, drawing from [0, R - 1) (flwrlabs/flower#7522, open):
 a server that tries the 2**32 seeds of one mask can strip it. :func:`mask_stream` draws the masks from the whole
 seed with AES-256-CTR, uniform on [0, R); :func:`use_secure_masks` installs it in both Flower modules that draw
-masks (the client mod and the server workflow), which must then both run it.
+masks (the client mod and the server workflow), which must then both run it, and refuses a Flower whose internals
+differ from the ones it patches.
+
+Against a server that lies (issue 38), :func:`secure_sum_mod` checks each request before Flower's mod answers it
+(:mod:`.secagg_checks`): the unmask lists, the signatures of the public keys (with node authentication), and, in the
+node's answer log, that no (run, round) is unmasked twice.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -31,6 +37,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ..core.skellam import centre
+from .secagg_checks import (MASKING_MODULES, SIGNATURES, SIGNED_KEYS, SecAggRefused, check_flower_masking,
+                            check_unmask, node_keys, sign_public_keys, verify_public_keys)
 
 __all__ = ["SecAggSettings", "secagg_settings", "to_secagg", "from_secagg", "mask_stream", "use_secure_masks",
            "secure_sum_mod", "check_setup", "run_secure"]
@@ -127,17 +135,19 @@ def mask_stream(seed: bytes, num_range: int, dimensions_list: Sequence[tuple[int
 
 def use_secure_masks() -> None:
     """Make Flower's SecAgg+ client mod and server workflow draw their masks with :func:`mask_stream` (idempotent).
-    Both sides of a run must call it: the server unmasks with the masks the clients added."""
-    import importlib
+    Both sides of a run must call it: the server unmasks with the masks the clients added.
 
-    # by module path: the packages re-export functions of the same names as these modules
-    for name in _MASKING_MODULES:
+    Fails closed (:func:`~.secagg_checks.check_flower_masking`, once per process): a Flower other than 1.42.x, a
+    module without the global, a mask-drawing function that no longer reads it, or masks that differ from
+    :func:`mask_stream`'s in a known-answer test refuse the run rather than fall back to Flower's masks.
+
+    Raises:
+        RuntimeError: a check failed; nothing is patched that the run could use.
+    """
+    check_flower_masking(mask_stream)
+    # again on every call: whoever reset the global since the (cached) check gets ours back
+    for name in MASKING_MODULES:
         importlib.import_module(name).pseudo_rand_gen = mask_stream
-
-
-#: The modules of Flower 1.42 that draw SecAgg+ masks (each imports ``pseudo_rand_gen`` by name).
-_MASKING_MODULES = ("flwr.client.mod.secure_aggregation.secaggplus_mod",
-                    "flwr.server.workflow.secure_aggregation.secaggplus_workflow")
 
 
 def check_setup(configs: Mapping[str, Any], *, clients: int, tolerated: int, bits: int) -> None:
@@ -165,14 +175,25 @@ def check_setup(configs: Mapping[str, Any], *, clients: int, tolerated: int, bit
                          "could unmask the sum. This node sends no message.")
 
 
-def secure_sum_mod(settings: Callable[[Any], tuple[int, int, int] | None]) -> Callable:
+def secure_sum_mod(settings: Callable[[Any], tuple[int, int, int] | None], *, round_key: str) -> Callable:
     """A ClientApp mod: where ``settings(context)`` gives (P, t, bits) (the run uses distributed noise) every
-    training message must be a SecAgg+ message, checked at set-up (:func:`check_setup`) and run through Flower's
-    ``secaggplus_mod`` with :func:`mask_stream`'s masks; a training message outside SecAgg+ is refused, so the
-    worker's message never leaves unmasked. Where ``settings`` gives None (central noise) messages pass through."""
+    training message must be a SecAgg+ message, run through Flower's ``secaggplus_mod`` with :func:`mask_stream`'s
+    masks; a training message outside SecAgg+ is refused, so the worker's message never leaves unmasked. Where
+    ``settings`` gives None (central noise) messages pass through.
+
+    Before Flower answers, against a server that may lie (:mod:`.secagg_checks`):
+
+    * set-up: the settings (:func:`check_setup`); the reply signed with the node config's ``auth-key``;
+    * share-keys: with node config ``federation-keys``, every listed node's signed public keys
+      (:func:`~.secagg_checks.verify_public_keys`; without it the server can still invent nodes);
+    * masking: the round (the fit config's ``round_key``, :data:`~diff2_flwr.fl.protocol.ROUND`) remembered in the
+      node's state;
+    * unmask: the active and dead lists (:func:`~.secagg_checks.check_unmask`), then (run, round, "unmask") claimed
+      in the node's answer log (its policy's ``answers``): a replayed round is refused, also after a restart.
+    """
     def mod(msg: Any, ctxt: Any, call_next: Callable) -> Any:
+        from flwr.app import ConfigRecord
         from flwr.app.message_type import MessageType
-        from flwr.client.mod import secaggplus_mod
         from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
         found = settings(ctxt)
@@ -183,27 +204,132 @@ def secure_sum_mod(settings: Callable[[Any], tuple[int, int, int] | None]) -> Ca
         if configs is None or Key.STAGE not in configs:
             raise ValueError("privacy.noise is distributed: this node answers training messages only inside Flower's "
                              "SecAgg+ (the ServerApp must run SecAggPlusWorkflow); it sends nothing in the clear.")
-        if configs[Key.STAGE] == Stage.SETUP:
-            check_setup(configs, clients=clients, tolerated=tolerated, bits=bits)
         use_secure_masks()
-        return secaggplus_mod(msg, ctxt, call_next)
+        stage, keys = configs[Key.STAGE], node_keys(ctxt.node_config)
+        if stage == Stage.SETUP:
+            check_setup(configs, clients=clients, tolerated=tolerated, bits=bits)
+            ctxt.state.config_records[_ROUND_STATE] = ConfigRecord({})  # a new round: none remembered
+            return _signed(_flower_mod()(msg, ctxt, call_next), keys, ctxt)
+        if stage == Stage.SHARE_KEYS and keys.federation is not None:
+            verify_public_keys(configs, msg.content.config_records.get(SIGNATURES), run_id=int(ctxt.run_id),
+                               federation=keys.federation)
+        elif stage == Stage.COLLECT_MASKED_VECTORS:
+            _remember_round(msg, ctxt, round_key)
+        elif stage == Stage.UNMASK:
+            _check_and_claim_unmask(configs, ctxt, clients=clients, tolerated=tolerated)
+        return _flower_mod()(msg, ctxt, call_next)
 
     return mod
 
 
+def _flower_mod() -> Callable:
+    """Flower's ``secaggplus_mod``, looked up in its module (the one :func:`use_secure_masks` checked and patched)."""
+    return importlib.import_module(MASKING_MODULES[0]).secaggplus_mod
+
+
+#: This mod's own record in the node's state (``ctxt.state``): the round of the current SecAgg+ round.
+_ROUND_STATE = "diff2.secagg.round"
+
+#: Where Flower's compat layer keeps the FitIns config (``recorddict_compat.fitins_to_recorddict``: "fitins.config").
+_FIT_CONFIG = "fitins.config"
+
+
+def _signed(reply: Any, keys: Any, ctxt: Any) -> Any:
+    """The set-up reply with this node's signature of its fresh public keys, where it has an ``auth-key``."""
+    from flwr.app import ConfigRecord
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key
+
+    if keys.signer is None or reply.has_error():
+        return reply
+    out = reply.content.config_records[RECORD_KEY_CONFIGS]
+    reply.content.config_records[SIGNED_KEYS] = ConfigRecord(sign_public_keys(
+        keys, run_id=int(ctxt.run_id), node_id=int(ctxt.state.config_records[RECORD_KEY_STATE]["nid"]),
+        pk1=out[Key.PUBLIC_KEY_1], pk2=out[Key.PUBLIC_KEY_2]))
+    return reply
+
+
+def _remember_round(msg: Any, ctxt: Any, round_key: str) -> None:
+    """The round this masking request is for, kept for the unmask request (which carries none)."""
+    from flwr.app import ConfigRecord
+
+    config = msg.content.config_records.get(_FIT_CONFIG) or {}
+    round_ = config.get(round_key)
+    if isinstance(round_, int) and not isinstance(round_, bool) and round_ >= 1:
+        ctxt.state.config_records[_ROUND_STATE] = ConfigRecord({"round": round_})
+
+
+def _check_and_claim_unmask(configs: Any, ctxt: Any, *, clients: int, tolerated: int) -> None:
+    """The unmask request against what the node knows, then this (run, round) claimed once in its answer log."""
+    from flwr.app import ConfigRecord
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
+
+    from ..runtime.policy import answer_log_of
+
+    check_unmask(configs, ctxt.state.config_records.get(RECORD_KEY_STATE), node_id=int(ctxt.node_id), clients=clients,
+                 tolerated=tolerated)
+    remembered = ctxt.state.config_records.get(_ROUND_STATE) or {}
+    ctxt.state.config_records[_ROUND_STATE] = ConfigRecord({})  # one unmask per masking request
+    log = answer_log_of(ctxt.node_config)
+    if log is None:
+        return  # a node without a policy keeps no record (whether such a node may run is decided elsewhere)
+    if "round" not in remembered:
+        raise SecAggRefused("unmask", "round", "this node's state holds no masking request of this round (the "
+                            "server skipped it, or it came to another process); expected the masking stage first, "
+                            "its fit config carrying the round.")
+    log.claim(str(ctxt.run_id), int(remembered["round"]), "unmask", node=f"node {ctxt.node_id}")
+
+
 def _secagg_workflow() -> type:
-    """Flower's SecAgg+ fit workflow, telling the strategy when a round ended (released or halted)."""
+    """Flower's SecAgg+ fit workflow, telling the strategy when a round ended (released or halted), and relaying
+    each node's signature of its public keys (set-up reply) with those keys (share-keys request)."""
     from flwr.server.workflow import SecAggPlusWorkflow
     from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD
     from flwr.server.workflow.constant import Key as WorkflowKey
 
     class Diff2SecAggPlus(SecAggPlusWorkflow):
         def __call__(self, grid: Any, context: Any) -> None:
+            self._signed: dict[int, list[bytes]] = {}  # node id -> [signer, signature], this round's
             super().__call__(grid, context)
             round_ = int(context.state.config_records[MAIN_CONFIGS_RECORD][WorkflowKey.CURRENT_ROUND])
             context.strategy.secure_round_ended(round_)
 
+        def setup_stage(self, grid: Any, context: Any, state: Any) -> bool:
+            return super().setup_stage(_SignatureRelay(grid, self._signed, collect=True), context, state)
+
+        def share_keys_stage(self, grid: Any, context: Any, state: Any) -> bool:
+            return super().share_keys_stage(_SignatureRelay(grid, self._signed, collect=False), context, state)
+
     return Diff2SecAggPlus
+
+
+class _SignatureRelay:
+    """The grid as Flower's stages see it: set-up replies' signatures collected, share-keys requests given the
+    signatures of the nodes they list (in a record of their own: Flower checks only its SecAgg+ record)."""
+
+    def __init__(self, grid: Any, signed: dict[int, list[bytes]], *, collect: bool) -> None:
+        self._grid, self._signed, self._collect = grid, signed, collect
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
+        from flwr.app import ConfigRecord
+        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+        messages = list(messages)
+        if not self._collect:
+            for msg in messages:
+                listed = [k for k in msg.content.config_records[RECORD_KEY_CONFIGS] if k != Key.STAGE]
+                relayed = {k: self._signed[int(k)] for k in listed if int(k) in self._signed}
+                if relayed:
+                    msg.content.config_records[SIGNATURES] = ConfigRecord(relayed)
+        replies = self._grid.send_and_receive(messages, timeout=timeout)
+        if self._collect:
+            for reply in replies:
+                record = None if reply.has_error() else reply.content.config_records.get(SIGNED_KEYS)
+                if record is not None and {"signer", "signature"} <= set(record):
+                    self._signed[reply.metadata.src_node_id] = [record["signer"], record["signature"]]
+        return replies
 
 
 def run_secure(grid: Any, context: Any, strategy: Any, config: Any) -> None:

@@ -89,7 +89,7 @@ class AnswerLog:
                     return
                 raise Replayed(
                     f"{node} refused: rule `replay`: it has already answered round {entry[1]} ({entry[2]}) of run "
-                    f"{entry[0]} (record {self.path}); a second, different answer to one round would release its records "
+                    f"{entry[0]}; a second, different answer to one round would release its records "
                     "twice (a second draw of its noise, or the round at other iterates). Nothing was computed; the round "
                     "releases nothing.")
             self._append(entry, digest)
