@@ -237,12 +237,16 @@ def start_superexec(runtime: subprocess.Popen, runtime_port: int, secret: Path, 
 
 
 def node_config(p: int, clients: int, shards: Path, policy: Path | None = None,
-                experiments: Path | None = None) -> str:
+                experiments: Path | None = None, auth_key: Path | None = None, federation: Path | None = None) -> str:
     """SuperNode ``p``'s ``--node-config``: its partition, the path of its shard file, (``policy``) of its node
-    policy and (``experiments``) the folder of experiment files it opens besides the app bundle's."""
+    policy, (``experiments``) the folder of experiment files it opens besides the app bundle's and, with node
+    authentication, (``auth_key``, ``federation``) its SuperNode key and the registered keys, with which its ClientApp
+    signs and checks SecAgg+ public keys (:mod:`diff2_flwr.fl.secagg_checks`)."""
     config = f'partition-id={p} num-partitions={clients} data-path="{shards / shard_name(p, clients)}"'
     if experiments is not None:
         config += f' experiments="{experiments}"'
+    if auth_key is not None and federation is not None:
+        config += f' auth-key="{auth_key}" federation-keys="{federation}"'
     if policy is not None:
         config += f' policy="{policy}"'
     return config
@@ -475,11 +479,17 @@ def run_local_deployment(
                                                        work / "superexec-serverapp.log", env, certs.ca if certs else None)}
         processes.append(apps["superexec-serverapp"])
         node_ids = [register_node(key.public, env, p) for p, key in enumerate(keys)]
+        federation = None
+        if keys:  # the registered keys, against which every data owner's node checks its peers' SecAgg+ keys
+            federation = work / "certs" / "federation.pub"
+            federation.write_bytes(b"".join(key.public.read_bytes().rstrip(b"\n") + b"\n" for key in keys))
         shards = Path(cfg.dataset.shards or "")
         policies = owner_policies(node_policy, work, clients) if node_policy is not None else []
 
         def supernode(p: int, log: Path, key: Path | None, node_port: int, secret: Path) -> subprocess.Popen:
-            own = node_config(p, clients, shards, policies[p] if policies else None, dep_config.parent)
+            signing = key if keys and p < clients and key == keys[p].private else None  # not an intruder's key
+            own = node_config(p, clients, shards, policies[p] if policies else None, dep_config.parent, signing,
+                              federation)
             processes.append(start_supernode(port, node_port, own, secret, log, env, certs.ca if certs else None, key))
             return processes[-1]
 
