@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import stat
 import subprocess
@@ -66,7 +67,9 @@ def config(**training):
 
 def policy(tmp_path, count=64) -> NodePolicy:
     path = tmp_path / "policy.yaml"
-    path.write_text(f"max_epsilon: 3.0\nmax_delta: 1.0e-5\ncanaries:\n  count: {count}\n  state: canaries\n")
+    # the runs here are seeded simulations (every party is one person): the policy allows that (`allow_seeded`)
+    path.write_text(f"max_epsilon: 3.0\nmax_delta: 1.0e-5\nallow_seeded: true\ncanaries:\n  count: {count}\n"
+                    "  state: canaries\n")
     return load_policy(path)
 
 
@@ -164,6 +167,11 @@ def test_a_server_adding_the_declared_noise_passes_and_the_noise_is_measured_nea
     k = result["noise_scale"]
     assert 1.0 <= k["estimate"] < 1.3 and k["upper"] > 1.0  # the run's own updates only add spread
     assert 0.7 < result["mu_if_calibrated"] < 0.73  # the calibrated μ of rounds 1..99 (0.7191 for all 100)
+    # fresh noise every round: the run's own updates along the frame (early rounds, the model's reaction to the noise)
+    # bias the directions' correlations a little, not to a rejection
+    for name in ("serial_correlation", "trajectory_sum"):
+        assert result["tests"][name]["p_value"] > 0.01 and not result["tests"][name]["rejected"], name
+    assert max(abs(r) for r in result["tests"]["serial_correlation"]["correlation"]) < 0.05
 
 
 def test_a_server_adding_less_noise_than_declared_is_caught_in_one_run(tmp_path):
@@ -175,6 +183,7 @@ def test_a_server_adding_less_noise_than_declared_is_caught_in_one_run(tmp_path)
     k = result["noise_scale"]
     assert result["violation"] and "less noise than declared" in result["findings"][0]
     assert scale <= k["upper"] < 1.0
+    assert not result["tests"]["serial_correlation"]["rejected"] and not result["tests"]["trajectory_sum"]["rejected"]
     completed = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "audit", "--live", str(folder)],
                                capture_output=True, text=True, timeout=120)
     assert completed.returncode == 3, completed.stderr
@@ -207,6 +216,150 @@ def test_a_folder_without_canaries_or_with_one_task_is_refused_with_the_reason(t
     (folder / "rounds.jsonl").write_text("\n".join(lines[5:]) + "\n")  # first task seen: round 6 (a resumed run)
     result = live_audit(folder)  # round 6 is a difference round without ṽ_5; round 13 has no task after it
     assert result["rounds"]["tasks_seen"] == 8 and result["rounds"]["scored"] == 6
+    assert result["tests"]["serial_correlation"]["rejected"] is None  # too few rounds for the across-round tests
+    assert "need 20" in result["tests"]["trajectory_sum"]["reason"]
     (folder / "rounds.jsonl").write_text(lines[0] + "\n")
     with pytest.raises(LiveAuditError, match="two consecutive rounds"):
         live_audit(folder)
+
+
+# ------------------------------------------------------------------ noise that is not fresh in every round (issue 38)
+
+SIM_ROUNDS, SIM_CANARIES, SIM_RESTART = 100, 64, 10
+SIM_STD = {True: 0.0068, False: 0.0120}  # noise std per coordinate of a restart and of a difference round
+
+
+def simulated(folder, noise, *, canary_seed: int = 5, eta: float = 0.2, radius: float = 1.0):
+    """The folder a canary monitor writes for a run whose releases along the frame are the canaries' term plus
+    ``noise`` ([rounds, B], absolute): the tasks' projections U x_(r-1) of that trajectory (no other updates), as
+    :class:`~diff2_flwr.runtime.canary_monitor.CanaryMonitor` records them, without training."""
+    from diff2_flwr.runtime.secret_files import private_folder, write_private
+
+    rounds, count = noise.shape
+    folder = private_folder(folder)
+    write_private(folder / "seed", f"{canary_seed}\n".encode())
+    meta = {"run_id": "42", "node": "simulated", "partition_id": 0, "method": "diff2", "epsilon": 3.0,
+            "delta": 1e-5, "rounds": rounds, "restart_every": SIM_RESTART, "clients": 3, "n_min": 480,
+            "num_samples": 480, "learning_rate": eta, "count": count, "dim": count}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    signs = CanaryFrame(canary_seed, count, count).signs
+    y, v, lines = np.zeros(count), np.zeros(count), []
+    for r in range(1, rounds + 1):
+        restart = (r - 1) % SIM_RESTART == 0
+        lines.append(json.dumps({"round": r, "restart": restart, "radius": radius, "noise_std": SIM_STD[restart],
+                                 "x_max": 1.0, "projection": y.tolist()}))
+        release = signs * radius / ((480 + count) * 3) + noise[r - 1]
+        v = release if restart else v + release  # ṽ_r
+        y = y - eta * v
+    (folder / "rounds.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def stds(rounds: int = SIM_ROUNDS) -> np.ndarray:
+    """[rounds, 1]: each round's declared noise std."""
+    return np.array([[SIM_STD[(r - 1) % SIM_RESTART == 0]] for r in range(1, rounds + 1)])
+
+
+def honest(rng, scale: float = 1.0) -> np.ndarray:
+    return scale * stds() * rng.standard_normal((SIM_ROUNDS, SIM_CANARIES))
+
+
+def repeated(rng) -> np.ndarray:
+    """The same noise vector every round, at each round's declared std (the same within each kind of round)."""
+    return stds() * rng.standard_normal(SIM_CANARIES)
+
+
+def alternating(rng) -> np.ndarray:
+    """n_r = -n_(r-1): the trajectory's sum cancels to 0 or n_1."""
+    return (-1.0) ** np.arange(SIM_ROUNDS)[:, None] * repeated(rng)
+
+
+def differenced(rng) -> np.ndarray:
+    """n_r = (g_r - g_(r-1))/√2, g fresh at the declared std: each round shows the declared spread and the noise
+    is new every round, yet the trajectory's sum telescopes to (g_R - g_0)/√2."""
+    g = stds(SIM_ROUNDS + 1) * rng.standard_normal((SIM_ROUNDS + 1, SIM_CANARIES))
+    return (g[1:] - g[:-1]) / math.sqrt(2)
+
+
+def ar1(rho: float):
+    def noise(rng) -> np.ndarray:
+        """n_r = ρ n_(r-1) + (1 - ρ²)^½ g_r: correlated by ρ round to round, the declared spread each round."""
+        g = rng.standard_normal((SIM_ROUNDS, SIM_CANARIES))
+        for r in range(1, SIM_ROUNDS):
+            g[r] = rho * g[r - 1] + math.sqrt(1 - rho**2) * g[r]
+        return stds() * g
+    return noise
+
+
+def audited(tmp_path, noise, seed: int) -> dict:
+    return live_audit(simulated(tmp_path / f"run-{seed}", noise(np.random.default_rng(seed)), canary_seed=seed))
+
+
+def test_fresh_declared_noise_passes_the_three_tests_at_their_nominal_rates(tmp_path):
+    """200 seeded simulated runs of fresh declared noise: each test's p-value falls below 0.1 in about 10 % of them
+    (Binomial(200, 0.1): sd 0.021; tolerance 3 sd), and at the audit's α = 0.001 (each test at α/3) at most two runs
+    are flagged (P(Binomial(200, 0.001) >= 3) ≈ 1e-3)."""
+    results = [audited(tmp_path, honest, seed) for seed in range(1000, 1200)]
+    for name in ("noise_scale", "serial_correlation", "trajectory_sum"):
+        p = np.array([r["tests"][name]["p_value"] for r in results])
+        assert abs(np.mean(p < 0.1) - 0.1) < 0.064, (name, np.mean(p < 0.1))
+        assert abs(np.mean(p < 0.5) - 0.5) < 0.11, (name, np.mean(p < 0.5))  # 3 sd of Binomial(200, 0.5)
+    assert sum(r["violation"] for r in results) <= 2
+    one = results[0]
+    assert one["rounds"]["scored"] == SIM_ROUNDS - 1 and one["level"] == pytest.approx(0.001 / 3)
+    assert "Bonferroni" in one["multiplicity"] and one["tests"]["serial_correlation"]["lags"] == [1, 2, 3]
+    ratios = [r["tests"]["trajectory_sum"]["ratio"] for r in results]
+    assert abs(np.mean(ratios) - 1) < 0.02  # E = 1 exactly; sd of one ratio (2/62)^½ = 0.18, of the mean 0.013
+
+
+@pytest.mark.parametrize("noise, caught_by", [(repeated, {"serial_correlation"}),
+                                              (alternating, {"serial_correlation", "trajectory_sum"}),
+                                              (differenced, {"serial_correlation", "trajectory_sum"})],
+                         ids=["repeated", "alternating", "differenced"])
+def test_noise_repeated_or_anti_correlated_across_rounds_is_flagged(tmp_path, noise, caught_by):
+    """Each round shows the declared spread, yet the noise is not fresh: flagged in each of 20 seeded runs by the
+    across-round tests, with the finding that says so. The spread test alone (the audit before issue 38) misses most
+    of them (measured over 200 seeds: 168, 168 and 194 times; repeated noise shows the spread of one draw, not of
+    99, and that one falls below the bound's threshold in 16 % of runs)."""
+    missed_before = 0
+    for seed in range(20):
+        result = audited(tmp_path, noise, seed)
+        tests = result["tests"]
+        missed_before += not tests["noise_scale"]["rejected"]
+        assert {name for name, test in tests.items() if test["rejected"]} - {"noise_scale"} == caught_by, seed
+        assert result["violation"] and any("across rounds" in f for f in result["findings"])
+    assert missed_before >= 12  # Binomial(20, 0.84): 3 sd below its mean
+    serial = tests["serial_correlation"]
+    if noise is repeated:
+        assert serial["correlation"] == pytest.approx([1.0, 1.0, 1.0]) and serial["p_value"] == 1 / (serial["flips"] + 1)
+    else:
+        assert serial["correlation"][0] < -0.4  # -1 (alternating), -1/2 (differenced)
+        assert tests["trajectory_sum"]["ratio"] < 0.1 and "cancels over the trajectory" in result["findings"][-1]
+
+
+def test_a_slight_serial_correlation_is_flagged_and_too_little_noise_still_is(tmp_path):
+    """Noise correlated by ρ = 0.15 round to round (n_r = ρ n_(r-1) + (1 - ρ²)^½ g_r: z_1 ≈ ρ (98·62)^½ ≈ 11.7) is
+    flagged in each of 20 runs; fresh noise × 0.7 is flagged by the spread test alone, as before."""
+    for seed in range(20):
+        tests = audited(tmp_path, ar1(0.15), seed)["tests"]
+        assert tests["serial_correlation"]["rejected"] and not tests["noise_scale"]["rejected"], seed
+        low = audited(tmp_path / "low", lambda rng: honest(rng, 0.7), seed)
+        assert low["violation"] and "less noise than declared" in low["findings"][0], seed
+        assert {name for name, test in low["tests"].items() if test["rejected"]} == {"noise_scale"}, seed
+        assert 0.7 <= low["noise_scale"]["upper"] < 0.8
+
+
+def test_the_across_round_tests_have_their_level_on_pure_noise_directions():
+    """The two direction tests on exactly independent uniform directions, at the smallest size they run (20 rounds,
+    B = 4: 2 dimensions): the sign-flip p-value is exact, the sum's χ² law close (2,000 runs: sd 0.007 at 0.1)."""
+    from diff2_flwr.lab.audit_live import serial_correlation, trajectory_sum
+
+    rng = np.random.default_rng(4)
+    p_serial, p_sum = [], []
+    for _ in range(2000):
+        g = rng.standard_normal((20, 2))
+        theta = g / np.linalg.norm(g, axis=1, keepdims=True)
+        p_serial.append(serial_correlation(list(range(20)), theta, 2, flips=199)["p_value"])
+        p_sum.append(trajectory_sum(theta, 2)["p_value"])
+    for p in (np.array(p_serial), np.array(p_sum)):
+        assert abs(np.mean(p <= 0.1) - 0.1) < 0.021 and abs(np.mean(p <= 0.02) - 0.02) < 0.01
