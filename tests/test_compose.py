@@ -39,6 +39,9 @@ def test_topology_one_shard_per_node(clients, tls):
         assert secret == f"./deploy/secrets/supernode-{i}.secret:/secrets/superexec.secret:ro"
         assert node_folder == f"./deploy/node-{i}:/node"
         assert node.endswith('policy="/node/policy.yaml"')  # the node config names it: the ClientApp enforces it
+        # with node authentication, its SecAgg+ signing key and the federation's keys, from its own folder only
+        signed = 'auth-key="/node/secagg.key" federation-keys="/node/federation.pub"'
+        assert (signed in node) == tls
         assert not any("/deploy/node-" in v for v in services[f"supernode-{i}"]["volumes"])
         mounted.append(volume)
     assert len(set(mounted)) == clients

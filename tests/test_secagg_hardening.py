@@ -393,3 +393,20 @@ def test_the_check_of_flowers_internals_runs_once_per_process(monkeypatch):
     use_secure_masks()
     assert calls == [1]
     assert client_module.pseudo_rand_gen is secagg.mask_stream is server_module.pseudo_rand_gen
+
+
+def test_the_compose_files_signing_keys_are_what_the_node_reads(tmp_path):
+    """docker-compose.tls.yml names /node/secagg.key and /node/federation.pub; the files `diff2 node-key --name
+    secagg` and the podman stack write there are what node_keys reads: every owner's key in the federation."""
+    from diff2_flwr.deploy.certs import make_node_key
+    from diff2_flwr.deploy.compose import FEDERATION_KEYS, SECAGG_KEY
+
+    owners = [tmp_path / f"node-{i}" for i in range(3)]
+    keys = [make_node_key(folder, SECAGG_KEY) for folder in owners]
+    federation = b"".join(k.public.read_bytes().rstrip(b"\n") + b"\n" for k in keys)
+    for folder in owners:
+        (folder / FEDERATION_KEYS).write_bytes(federation)
+    read = [secagg_checks.node_keys({"auth-key": str(folder / f"{SECAGG_KEY}.key"),
+                                     "federation-keys": str(folder / FEDERATION_KEYS)}) for folder in owners]
+    assert all(len(r.federation) == 3 and r.public in r.federation for r in read)
+    assert len({r.public for r in read}) == 3

@@ -30,6 +30,14 @@ Node policy: data owner i's folder ``deploy/node-<i>`` (its ``policy.yaml``, wri
 lifetime ledger, written beside it by the ClientApp) is mounted into clientapp-i only, at ``/node``; supernode-i's
 node config names ``/node/policy.yaml``, so the ClientApp checks every run and task against it
 (:mod:`diff2_flwr.runtime.policy`) before it reads the shard. Nobody but data owner i sets it.
+
+SecAgg+ key signatures (with node authentication): data owner i's folder also holds its SecAgg+ signing key
+(``secagg.key``, made on its machine) and ``federation.pub``, the P data owners' signing public keys agreed out of
+band; supernode-i's node config names both (``auth-key``, ``federation-keys``), so its ClientApp signs its SecAgg+
+public keys and refuses a round whose keys are not signed by P distinct federation keys
+(:mod:`diff2_flwr.fl.secagg_checks`): the server cannot invent nodes. It is a key of its own, not the SuperNode's
+authentication key: that one stays in supernode-i (the ClientApp's code comes from the app bundle, which must not be
+able to act as the node towards the SuperLink).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from typing import Any
 import yaml
 
 __all__ = ["render_compose", "certificate_hosts", "FLWR_VERSION", "CONTAINER_OUTPUTS", "SUPERLINK_PORT",
-           "SECRETS_DIR", "SECRET_MOUNT", "NODE_DIR", "NODE_MOUNT"]
+           "SECRETS_DIR", "SECRET_MOUNT", "NODE_DIR", "NODE_MOUNT", "SECAGG_KEY", "FEDERATION_KEYS"]
 
 FLWR_VERSION = "1.42.0"
 SUPERLINK_PORT = 8000
@@ -56,6 +64,11 @@ SECRET_MOUNT = "/secrets/superexec.secret"
 #: clientapp-i sees it.
 NODE_DIR = "./deploy/node-{i}"
 NODE_MOUNT = "/node"
+#: With node authentication: data owner i's SecAgg+ signing key pair in its own folder (``secagg.key``, ``.pub``;
+#: `diff2 node-key --out deploy/node-<i> --name secagg`) and the federation's signing keys, one per data owner,
+#: agreed out of band (``federation.pub``): its ClientApp signs its SecAgg+ public keys and checks everyone else's.
+SECAGG_KEY = "secagg"
+FEDERATION_KEYS = "federation.pub"
 _DEFAULT_SUPERLINK = f"superlink:{SUPERLINK_PORT}"
 
 
@@ -135,7 +148,9 @@ def render_compose(clients: int = 3, tls: bool = False, *, node_auth: bool | Non
                         "--superlink", superlink, "--isolation", "process", *_SECRET_FLAG,
                         "--host", "0.0.0.0", "--port", str(SUPERNODE_PORT), "--node-config",
                         f'partition-id={i} num-partitions={clients} data-path="/data/shard.npz" '
-                        f'policy="{NODE_MOUNT}/policy.yaml"'],
+                        + (f'auth-key="{NODE_MOUNT}/{SECAGG_KEY}.key" federation-keys="{NODE_MOUNT}/{FEDERATION_KEYS}" '
+                           if node_auth else "")
+                        + f'policy="{NODE_MOUNT}/policy.yaml"'],
         }
         node["volumes"] = [*([_CA] if tls else []),
                            *([f"./deploy/certs/supernode-{i}.key:/keys/supernode.key:ro"] if node_auth else []),
@@ -191,6 +206,11 @@ def _one_host_steps(clients: int, tls: bool, node_auth: bool, publish: str, supe
         "`mkdir -p deploy/node-<i> && cp configs/policy.yaml deploy/node-<i>/` (edit its limits; its lifetime ledger",
         "is written beside it), `chown -R 49999 deploy/node-<i> && chmod 700 deploy/node-<i>`, for each i.",
     ]
+    if node_auth:
+        lines += [
+            "SecAgg+ signing keys (distributed noise): `diff2 node-key --out deploy/node-<i> --name secagg` for each i,",
+            "then `cat deploy/node-*/secagg.pub > federation.pub` and copy it to every deploy/node-<i>/ (before the chown).",
+        ]
     if tls:
         hosts = "".join(f" --host {h}" for h in certificate_hosts(publish, superlink))
         lines += [f"TLS: `diff2 certs --out deploy/certs{hosts}{f' --clients {clients}' if node_auth else ''}`"
@@ -216,7 +236,10 @@ def _multi_host_steps(clients: int, tls: bool, node_auth: bool, publish: str, su
           if node_auth else []),
         "`diff2 secret --out deploy/secrets supernode-<i>` (its own, never sent); its node policy: `mkdir -p",
         "deploy/node-<i> && cp configs/policy.yaml deploy/node-<i>/` (its limits and lifetime budget: edit them),",
-        "`chown -R 49999 deploy/node-<i> && chmod 700 deploy/node-<i>`; from the operator: its shard as",
+        "`chown -R 49999 deploy/node-<i> && chmod 700 deploy/node-<i>`;"
+        + (" its SecAgg+ signing key: `diff2 node-key --out deploy/node-<i> --name secagg` (send secagg.pub to the"
+           " other data owners; every owner's secagg.pub, agreed out of band, goes into deploy/node-<i>/federation.pub);"
+           if node_auth else "") + " from the operator: its shard as",
         "deploy/shards/shard-<i>-of-P.npz" + (" and deploy/certs/ca.crt" if tls else "") + "; `chown 49999 "
         + ("deploy/certs/supernode-<i>.key " if node_auth else "") + "deploy/secrets/supernode-<i>.secret`;",
         f"`docker compose -f {name} build --build-arg PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu",

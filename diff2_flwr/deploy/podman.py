@@ -61,8 +61,8 @@ from ..runtime.launch import (
     write_connection,
 )
 from ..runtime.paths import APP_DIR
-from .certs import make_certificates, make_node_keys
-from .compose import CONTAINER_OUTPUTS, FLWR_VERSION, SUPERLINK_PORT, certificate_hosts
+from .certs import make_certificates, make_node_key, make_node_keys
+from .compose import CONTAINER_OUTPUTS, FEDERATION_KEYS, FLWR_VERSION, SECAGG_KEY, SUPERLINK_PORT, certificate_hosts
 from .containers import (CONTAINERS_CONF, FIND_FILES_PROBE, STANDIN_DIR, PodmanError, copy_project, image_exists,
                          image_label, official_name, podman, podman_compose_tool, podman_env, port_free, run_tool)
 from .native import list_nodes, register_node
@@ -297,11 +297,17 @@ class ComposeStack:
             private += [self.certs / "server.key", *(k.private for k in keys)]
         for path in private:
             os.chown(path, APP_UID, -1)  # 0600: the containers' user must own them
-        for i in range(self.clients):  # each data owner's node policy, its lifetime ledger written beside it
-            node = private_folder(self.deploy / f"node-{i}")
+        owners = [private_folder(self.deploy / f"node-{i}") for i in range(self.clients)]
+        signing = [make_node_key(node, SECAGG_KEY) for node in owners] if self.node_auth else []
+        federation = b"".join(key.public.read_bytes().rstrip(b"\n") + b"\n" for key in signing)
+        for node in owners:  # each data owner's node policy, its lifetime ledger written beside it
             if not (node / "policy.yaml").exists():  # a data owner's own edits stand
                 shutil.copyfile(self.dir / "configs" / "policy.yaml", node / "policy.yaml")
-            for path in (node, node / "policy.yaml"):
+            own = [node, node / "policy.yaml"]
+            if self.node_auth:  # its SecAgg+ signing key and the federation's (agreed out of band)
+                (node / FEDERATION_KEYS).write_bytes(federation)
+                own += [node / f"{SECAGG_KEY}.key", node / f"{SECAGG_KEY}.pub", node / FEDERATION_KEYS]
+            for path in own:
                 os.chown(path, APP_UID, -1)
         self.home.mkdir(parents=True, exist_ok=True)
         write_connection(self.home, SUPERLINK_PORT, self.certs / "ca.crt" if self.tls else None)
