@@ -45,6 +45,24 @@ __all__ = ["make_strategy", "make_client", "run_secure", "secure_sum_mod"]
 _NOT_SETTINGS = frozenset({"model", "initial_parameters", "evaluate_fn", "output_dir", "checkpoint", "progress",
                            "wait_for_clients_s"})
 
+#: The declared settings that are not make_strategy arguments, and why (a key ending in "." stands for its section).
+#: Both ways are checked (tests/test_wiring.py): every other declared setting is an argument, every argument but
+#: :data:`_NOT_SETTINGS` a declared setting; a new setting fails that test until it is one or is listed here.
+NOT_ARGUMENTS: dict[str, str] = {
+    "method": "make_strategy runs DIFF2 (restart_every=1 is DP-GD)",
+    "dataset.": "the records are the clients' (make_client's `data`)",
+    "model.": "x_0 is the `model` or `initial_parameters` argument; the loss is make_client's",
+    "output.": "the `output_dir` and `checkpoint` arguments",
+    "evaluation.train_metrics": "the server evaluates with `evaluate_fn`, on data it may see",
+    "evaluation.test_metrics": "the server evaluates with `evaluate_fn`, on data it may see",
+    "training.routine.": "the `routine` argument takes the whole section",
+    "training.dtype": "the clients' compute (make_client's `dtype`)",
+    "training.chunk_size": "the clients' compute (make_client's `chunk_size`)",
+    "training.gradients": "the clients' compute (make_client's `gradients`)",
+    "training.threads": "the caller's process (pin it before starting Flower)",
+    "training.round_timeout_s": "Flower's ServerConfig(round_timeout=...)",
+}
+
 
 def make_strategy(
     *,

@@ -171,16 +171,18 @@ def test_only_the_audits_own_server_forces_the_canarys_worker():
     from diff2_flwr.core.local import LocalMechanism
     from diff2_flwr.core.routines import make_routine
     from diff2_flwr.lab.audit import _CanaryWorkerServer, _workers
+    from diff2_flwr.runtime.server_core import ServerSpec
     from diff2_flwr.runtime.session import Diff2Server
 
     spec = AuditSpec(**BVR, trials=20)
     cal = spec.calibration()
     chosen = {}
     for cls in (Diff2Server, _CanaryWorkerServer):
-        server = cls(mechanism=Mechanism(2, 1.0, 1.0, cal.sigma1, cal.sigma2),
-                     routine=make_routine("gd", learning_rate=0.5), layout=_workers(spec, +1)[0].gradients.layout, x0=np.zeros(spec.dim), rounds=4, clients=2,
-                     n_min=16, calibration=cal, seed=3, progress=None,
-                     local=LocalMechanism(2, 8, 0.5, 1.0, cal.local.sigma3))
+        server = cls(ServerSpec(mechanism=Mechanism(2, 1.0, 1.0, cal.sigma1, cal.sigma2),
+                                routine=make_routine("gd", learning_rate=0.5),
+                                layout=_workers(spec, +1)[0].gradients.layout, rounds=4, clients=2, n_min=16,
+                                calibration=cal, local=LocalMechanism(2, 8, 0.5, 1.0, cal.local.sigma3)),
+                     x0=np.zeros(spec.dim), seed=3)
         chosen[cls.__name__] = [server.local_worker(r) for r in range(1, 401)]
     draws = chosen["Diff2Server"]
     assert set(draws) == {0, 1} and abs(sum(draws) - 200) < 4 * math.sqrt(100)  # Binomial(400, 1/2)

@@ -22,6 +22,7 @@ from diff2_flwr.lab.audit_live import LiveAuditError, live_audit
 from diff2_flwr.runtime.config import parse_config
 from diff2_flwr.runtime.node_guard import NodeGuard
 from diff2_flwr.runtime.policy import NodePolicy, Refused, load_policy
+from diff2_flwr.runtime.server_core import ServerSpec
 from diff2_flwr.runtime.server import Diff2Server
 from diff2_flwr.runtime.session import build_server, build_worker
 
@@ -81,9 +82,9 @@ def server_adding(cfg, noise_scale: float) -> Diff2Server:
     m = built.mechanism
     mechanism = dataclasses.replace(m, sigma_restart=m.sigma_restart * noise_scale,
                                     sigma_diff=m.sigma_diff * noise_scale)
-    return Diff2Server(mechanism=mechanism, routine=built.routine, layout=built.layout, x0=built.state.x,
-                       rounds=built.rounds, clients=built.clients, n_min=built.n_min, calibration=None,
-                       seed=cfg.training.seed, progress=None)
+    return Diff2Server(ServerSpec(mechanism=mechanism, routine=built.routine, layout=built.layout, rounds=built.rounds,
+                                  clients=built.clients, n_min=built.n_min, calibration=None),
+                       x0=built.state.x, seed=cfg.training.seed)
 
 
 def run(tmp_path, noise_scale: float, count: int = 64, cfg=None):

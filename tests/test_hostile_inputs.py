@@ -138,9 +138,8 @@ def _server_parts():
     cfg = parse_config({"dataset": {"name": "synthetic", "num_samples": 400},
                         "training": {"rounds": 6, "restart_every": 3, "clients": 2, "seed": 1}}, "m.yaml")
     server = build_server(cfg, record=False, progress=None)
-    return server, dict(routine=server.routine, layout=server.layout, x0=server.state.x, rounds=server.rounds,
-                        clients=server.clients, n_min=server.n_min, calibration=server.calibration, seed=1,
-                        progress=None)
+    return server, dict(routine=server.routine, layout=server.layout, rounds=server.rounds,
+                        clients=server.clients, n_min=server.n_min, calibration=server.calibration)
 
 
 @pytest.mark.parametrize("change, match", [
@@ -154,6 +153,7 @@ def _server_parts():
 ])
 def test_a_server_refuses_a_mechanism_that_disagrees_with_its_calibration(change, match):
     """The ledger charges the calibration's z: any other noise, schedule, P or n_min would make ε a fiction."""
+    from diff2_flwr.runtime.server_core import ServerSpec
     from diff2_flwr.runtime.session import Diff2Server
 
     server, kwargs = _server_parts()
@@ -162,11 +162,12 @@ def test_a_server_refuses_a_mechanism_that_disagrees_with_its_calibration(change
     kwargs.update(change)
     with pytest.raises(ValueError, match=r"The mechanism disagrees with the calibration the ledger accounts for: "
                        + match):
-        Diff2Server(mechanism=mechanism, **kwargs)
+        Diff2Server(ServerSpec(mechanism=mechanism, **kwargs), x0=server.state.x, seed=1)
 
 
 def test_the_calibrated_mechanism_is_accepted():
+    from diff2_flwr.runtime.server_core import ServerSpec
     from diff2_flwr.runtime.session import Diff2Server
 
     server, kwargs = _server_parts()
-    assert Diff2Server(mechanism=server.mechanism, **kwargs).state.round == 0
+    assert Diff2Server(ServerSpec(mechanism=server.mechanism, **kwargs), x0=server.state.x, seed=1).state.round == 0

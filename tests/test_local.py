@@ -235,17 +235,18 @@ def test_the_next_round_waits_for_the_local_phase_and_the_wrong_worker_refuses_i
 def test_a_server_whose_local_noise_disagrees_with_the_calibration_is_refused():
     from dataclasses import replace
 
+    from diff2_flwr.runtime.server_core import ServerSpec
     from diff2_flwr.runtime.session import Diff2Server
     server, _, _ = _pending()
     weaker = replace(server.local, sigma=server.local.sigma / 4)
     with pytest.raises(ValueError, match="local sigma"):
-        Diff2Server(mechanism=server.mechanism, routine=server.routine, layout=server.layout, x0=np.zeros(server.layout.dim),
-                    rounds=server.rounds, clients=4, n_min=server.n_min, calibration=server.calibration, seed=1,
-                    progress=None, local=weaker)
+        Diff2Server(ServerSpec(mechanism=server.mechanism, routine=server.routine, layout=server.layout,
+                               rounds=server.rounds, clients=4, n_min=server.n_min, calibration=server.calibration,
+                               local=weaker), x0=np.zeros(server.layout.dim), seed=1)
     with pytest.raises(ValueError, match="local routine is off"):
-        Diff2Server(mechanism=server.mechanism, routine=server.routine, layout=server.layout, x0=np.zeros(server.layout.dim),
-                    rounds=server.rounds, clients=4, n_min=server.n_min, calibration=server.calibration, seed=1,
-                    progress=None, local=None)
+        Diff2Server(ServerSpec(mechanism=server.mechanism, routine=server.routine, layout=server.layout,
+                               rounds=server.rounds, clients=4, n_min=server.n_min, calibration=server.calibration,
+                               local=None), x0=np.zeros(server.layout.dim), seed=1)
 
 
 def test_the_budget_guard_counts_the_local_steps():
@@ -258,7 +259,7 @@ def test_the_budget_guard_counts_the_local_steps():
     gaussian, local = server.calibration.round_events(False)
     without, with_local = server.ledger.record(gaussian).epsilon_pld, server.ledger.record(gaussian, local).epsilon_pld
     assert without < with_local
-    server.calibration = replace(server.calibration, epsilon=(without + with_local) / 2)
+    server.spec = replace(server.spec, calibration=replace(server.calibration, epsilon=(without + with_local) / 2))
     before = server.state
     with pytest.raises(RoundRejected, match="local steps included"):
         server.release([w.reply(server.plan()) for w in workers])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import numpy as np
@@ -119,7 +121,7 @@ def test_budget_guard_refuses_a_round_past_the_target():
     cfg = config(rounds=6)
     server = build_server(cfg, record=False, progress=None)
     # as if the noise had been calibrated for a 4-round schedule: each round costs more, 4 rounds spend all of ε
-    server.calibration = config(rounds=4).calibration(server.n_min)
+    server.spec = dataclasses.replace(server.spec, calibration=config(rounds=4).calibration(server.n_min))
     with pytest.raises(RoundRejected, match=r"Round 5 released nothing: check 'budget' failed.*above the target ε = 3 by"):
         drive(cfg, server)
     assert server.state.round == 4 and server.epsilon_spent == pytest.approx(3.0, rel=1e-9)

@@ -33,6 +33,7 @@ from ..fl import protocol
 from ..fl.client import Diff2Client
 from ..fl.strategy import Diff2Strategy
 from ..runtime.session import Diff2Server, Worker
+from ..runtime.server_core import ServerSpec
 from ..task.records import TensorRecords
 from .audit_spec import LOCAL_STEPS, AuditSpec
 from .audit_stats import local_log_likelihood_ratio
@@ -140,12 +141,12 @@ def audited_server(spec: AuditSpec, calibration: Calibration, layout: ParameterL
         sigma_restart=calibration.sigma1 * spec.noise_scale,
         sigma_diff=(calibration.sigma2 or 0.0) * spec.noise_scale,
     )
-    return Diff2Server(mechanism=mechanism, routine=make_routine("gd", learning_rate=spec.learning_rate),
-                       layout=layout, x0=np.zeros(layout.dim), rounds=spec.rounds, clients=spec.clients,
-                       n_min=spec.samples, seed=seed, progress=None,
-                       # A mechanism broken on purpose (noise_scale != 1) is not the calibrated one: the server
-                       # refuses to account it as such, so it runs unaccounted (the audit's bound uses `claimed`).
-                       calibration=calibration if spec.noise_scale == 1.0 else None)
+    server = ServerSpec(mechanism=mechanism, routine=make_routine("gd", learning_rate=spec.learning_rate),
+                        layout=layout, rounds=spec.rounds, clients=spec.clients, n_min=spec.samples,
+                        # A mechanism broken on purpose (noise_scale != 1) is not the calibrated one: the server
+                        # refuses to account it as such, so it runs unaccounted (the audit's bound uses `claimed`).
+                        calibration=calibration if spec.noise_scale == 1.0 else None)
+    return Diff2Server(server, x0=np.zeros(layout.dim), seed=seed)
 
 
 class Scorer:
@@ -234,10 +235,10 @@ def _trial_local(spec: AuditSpec, claimed: Calibration, run: Calibration, worker
                           sigma_restart=run.sigma1, sigma_diff=run.sigma2 or 0.0)
     local = LocalMechanism(steps=LOCAL_STEPS, batch_size=spec.local_batch_size, learning_rate=spec.learning_rate,
                            clip=spec.local_clip, sigma=run.local.sigma3)
-    server = _CanaryWorkerServer(mechanism=mechanism, routine=make_routine("gd", learning_rate=spec.learning_rate),
-                                 layout=workers[0].gradients.layout, x0=np.zeros(spec.dim), rounds=spec.rounds,
-                                 clients=spec.clients, n_min=spec.samples, seed=seed, progress=None, calibration=run,
-                                 local=local)
+    server = _CanaryWorkerServer(ServerSpec(mechanism=mechanism, routine=make_routine("gd", learning_rate=spec.learning_rate),
+                                            layout=workers[0].gradients.layout, rounds=spec.rounds, clients=spec.clients,
+                                            n_min=spec.samples, calibration=run, local=local),
+                                 x0=np.zeros(spec.dim), seed=seed)
     claimed_sigma = {True: claimed.sigma1, False: claimed.sigma2}
     sensitivity_per_radius = 2.0 / (spec.samples * spec.clients)
     q, z3, eta = claimed.local.sampling_prob, claimed.local.z3, spec.learning_rate
@@ -335,10 +336,10 @@ def _trial_distributed(spec: AuditSpec, noise: DistributedNoise, shares: Distrib
     """
     mechanism = Mechanism(restart_every=spec.period, clip_restart=spec.clip_restart, clip_diff=spec.clip_diff,
                           sigma_restart=0.0, sigma_diff=0.0)  # the server adds none: the clients' shares are the noise
-    server = Diff2Server(mechanism=mechanism, routine=make_routine("gd", learning_rate=spec.learning_rate),
-                         layout=workers[0].gradients.layout, x0=np.zeros(spec.dim), rounds=spec.rounds,
-                         clients=spec.clients, n_min=spec.samples, calibration=None, seed=seed, progress=None,
-                         distributed=noise)
+    server = Diff2Server(ServerSpec(mechanism=mechanism, routine=make_routine("gd", learning_rate=spec.learning_rate),
+                                    layout=workers[0].gradients.layout, rounds=spec.rounds, clients=spec.clients,
+                                    n_min=spec.samples, calibration=None, distributed=noise),
+                         x0=np.zeros(spec.dim), seed=seed)
     strategy = Diff2Strategy(server=server)
     proxies = {f"node-{1000 + p}": _Proxy(f"node-{1000 + p}") for p in range(spec.clients)}
     manager = _Manager(proxies)

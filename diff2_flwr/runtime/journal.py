@@ -61,6 +61,21 @@ class Journal:
         self.history: list[dict[str, Any]] = []
         self._started = time.perf_counter()
 
+    @classmethod
+    def of(cls, spec: ServerSpec, *, evaluator: Callable[[np.ndarray], dict[str, float]] | None = None,
+           recorder: RunRecorder | None = None, run_info: Mapping[str, Any] | None = None,
+           progress: Callable[[str], None] | None = print, checkpoint_path: Path | None = None,
+           fingerprint: str = "") -> "Journal":
+        """The journal of a server built from an experiment (:meth:`ServerSpec.of`): its options (``evaluation.every``,
+        ``evaluation.clip_stats``) read from the spec's settings; what it writes to and says given here."""
+        if spec.settings is None:
+            raise ValueError("Journal.of needs a spec built from an experiment (ServerSpec.of); construct a Journal "
+                             "for a spec assembled by hand.")
+        evaluation = spec.settings.evaluation
+        return cls(spec=spec, evaluator=evaluator, eval_every=evaluation.every, recorder=recorder, run_info=run_info,
+                   progress=progress, checkpoint_path=checkpoint_path, fingerprint=fingerprint,
+                   clip_stats=evaluation.clip_stats)
+
     def say(self, line: str) -> None:
         """One console line (nothing without ``progress``)."""
         if self.progress:

@@ -20,9 +20,8 @@ from ..core.aggregation import Reply
 from ..core.distributed import DistributedNoise
 from ..core.estimator import Diff2State, Diverged, Mechanism, Release, RoundPlan
 from ..core.layout import ParameterLayout
-from ..core.local import LocalMechanism, LocalTask, choose_worker
-from ..core.privacy import Calibration, PrivacyLedger
-from ..core.routines import Routine
+from ..core.local import LocalTask, choose_worker
+from ..core.privacy import PrivacyLedger
 from . import server_core
 from .checkpoint import Checkpoint
 from .journal import Journal
@@ -33,10 +32,8 @@ __all__ = ["Diff2Server"]
 
 
 def _spec_field(name: str) -> property:
-    """The spec's field ``name``; setting it (tests only: "as if calibrated otherwise") replaces the spec."""
-    return property(lambda self: getattr(self.spec, name),
-                    lambda self, value: setattr(self, "spec", dataclasses.replace(self.spec, **{name: value})),
-                    doc=f"The run's ``{name}`` (see :class:`ServerSpec`).")
+    """The spec's field ``name``, read-only (the spec is frozen; a test that needs another replaces ``spec``)."""
+    return property(lambda self: getattr(self.spec, name), doc=f"The run's ``{name}`` (see :class:`ServerSpec`).")
 
 
 def _journal_field(name: str) -> property:
@@ -48,53 +45,26 @@ class Diff2Server:
     """The trusted server's side of DIFF2 (Algorithm 1, server lines), transport-free.
 
     Args:
-        mechanism, routine, layout, rounds, clients, n_min, calibration, local, distributed: the
-            :class:`~diff2_flwr.runtime.server_core.ServerSpec` (checked against the calibration).
-        x0: the initial iterate (a flat vector of ``layout.dim`` entries).
+        spec: what the server is (:meth:`ServerSpec.of` from an experiment; checked against its calibration).
+        journal: what it writes and says (:meth:`Journal.of`); None: a silent journal that writes nothing.
+        x0: the initial iterate (a flat vector of ``spec.layout.dim`` entries).
         seed: the noise key (None: OS entropy).
-        evaluator, eval_every, recorder, run_info, progress, checkpoint_path, fingerprint, clip_stats: the
-            :class:`~diff2_flwr.runtime.journal.Journal`'s.
-        resume: a checkpoint of this run to continue from (its state and ledger).
+        resume: a checkpoint of this run to continue from (its state and ledger) instead of x0 and the seed.
 
     References:
         Murata & Suzuki (2023), Algorithm 1 (server lines).
     """
 
-    def __init__(
-        self,
-        *,
-        mechanism: Mechanism,
-        routine: Routine,
-        layout: ParameterLayout,
-        x0: np.ndarray,
-        rounds: int,
-        clients: int,
-        n_min: int,
-        calibration: Calibration | None,
-        seed: int | None,
-        evaluator: Callable[[np.ndarray], dict[str, float]] | None = None,
-        eval_every: int = 1,
-        recorder: RunRecorder | None = None,
-        run_info: dict | None = None,
-        progress: Callable[[str], None] | None = print,
-        checkpoint_path: Path | None = None,
-        fingerprint: str = "",
-        resume: Checkpoint | None = None,
-        local: LocalMechanism | None = None,
-        clip_stats: bool = False,
-        distributed: DistributedNoise | None = None,
-    ) -> None:
-        spec = server_core.check_spec(ServerSpec(mechanism=mechanism, routine=routine, layout=layout, rounds=rounds,
-                                                 clients=clients, n_min=n_min, calibration=calibration, local=local,
-                                                 distributed=distributed))
-        self.journal = Journal(spec=spec, evaluator=evaluator, eval_every=eval_every, recorder=recorder,
-                               run_info=run_info, progress=progress, checkpoint_path=checkpoint_path,
-                               fingerprint=fingerprint, clip_stats=clip_stats)
+    def __init__(self, spec: ServerSpec, journal: Journal | None = None, *, x0: np.ndarray, seed: int | None = None,
+                 resume: Checkpoint | None = None) -> None:
+        spec = server_core.check_spec(spec)
+        self.journal = journal if journal is not None else Journal(spec=spec, progress=None)
+        self.journal.spec = spec
         if resume is not None:
-            self.core = server_core.resume(self.spec, x0, resume)
+            self.core = server_core.resume(spec, x0, resume)
             self.journal.resume(self.core, resume)
         else:
-            self.core = server_core.init(self.spec, x0, seed)
+            self.core = server_core.init(spec, x0, seed)
             self.journal.start(self.core)  # the noise key is durable before anything is written or released
 
     mechanism = _spec_field("mechanism")
@@ -106,6 +76,7 @@ class Diff2Server:
     calibration = _spec_field("calibration")
     local = _spec_field("local")
     distributed = _spec_field("distributed")
+    settings = _spec_field("settings")
     history = _journal_field("history")
     recorder = _journal_field("recorder")
     run_info = _journal_field("run_info")

@@ -39,6 +39,7 @@ from ..core.local import LocalMechanism, LocalTask, choose_worker, local_seed
 from ..core.privacy import Calibration, PrivacyLedger
 from ..core.routines import Routine
 from .checkpoint import Checkpoint, CheckpointError
+from .config_experiment import ExperimentConfig
 
 __all__ = ["BUDGET_RTOL", "PLD_RTOL", "OutOfTurn", "PendingLocal", "Released", "ServerSpec", "ServerState", "charge",
            "check_mechanism", "check_planned_budget", "check_spec", "fail", "finish_local", "init", "is_done", "next_plan",
@@ -112,6 +113,9 @@ class ServerSpec:
         local: the local routine's K, b, η, C3, σ3 (None: off); needs a calibration.
         distributed: ``privacy.noise: distributed``: the clients add Skellam noise shares, the server receives
             their modular sum (:func:`release_sum`) and adds none; its ledger is a :class:`SkellamLedger`.
+        settings: the validated experiment the spec was built from (:meth:`of`): every declared setting, as the
+            YAML file, ``--set``, the run config or the Python API gave it; None for a spec assembled by hand (the
+            audit's). A new server setting is read from here where it is used: no field, no plumbing.
 
     :func:`check_spec` checks that the mechanism is the calibration's (the server's constructor calls it).
     """
@@ -125,6 +129,20 @@ class ServerSpec:
     calibration: Calibration | None
     local: LocalMechanism | None = None
     distributed: DistributedNoise | None = None
+    settings: ExperimentConfig | None = dataclasses.field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, settings: ExperimentConfig, *, layout: ParameterLayout, n_min: int) -> "ServerSpec":
+        """The one place a server is built from an experiment: its calibration for ``n_min``, the mechanism, the
+        routine, the schedule, the local routine and the distributed noise, all from ``settings``; checked."""
+        calibration = settings.calibration(n_min)
+        distributed = settings.private and settings.privacy.distributed
+        return check_spec(cls(
+            mechanism=settings.mechanism(calibration),
+            routine=settings.training.routine.build(settings.training.learning_rate),
+            layout=layout, rounds=settings.training.rounds, clients=settings.clients, n_min=n_min,
+            calibration=calibration, local=settings.local_mechanism(calibration),
+            distributed=settings.distributed_noise(n_min, layout.dim) if distributed else None, settings=settings))
 
 
 def check_spec(spec: ServerSpec) -> ServerSpec:

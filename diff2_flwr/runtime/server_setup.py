@@ -18,8 +18,9 @@ from ..core.privacy import Calibration
 from .checkpoint import Checkpoint, config_fingerprint, legacy_config_fingerprint, load_checkpoint
 from .config import ConfigError, ExperimentConfig, argument_error
 from .outputs import RunRecorder, new_run_dir
+from .journal import Journal
 from .server import Diff2Server
-from .server_core import check_planned_budget
+from .server_core import ServerSpec, check_planned_budget
 
 __all__ = ["CLIP_STATS_WARNING", "SEED_WARNING", "initial_point", "make_server"]
 
@@ -98,9 +99,9 @@ def make_server(
     _check_server_arguments(spec, source, evaluate_fn)
     layout, x0 = initial_point(source, model, initial_parameters)
     n_min = spec.privacy.n_min
-    calibration = spec.calibration(n_min)
-    if calibration is not None:
-        check_planned_budget(calibration, source, section)
+    server_spec = ServerSpec.of(spec, layout=layout, n_min=n_min)
+    if server_spec.calibration is not None:
+        check_planned_budget(server_spec.calibration, source, section)
     evaluator = None
     if evaluate_fn is not None:
         def evaluator(x: np.ndarray) -> dict[str, float]:
@@ -117,21 +118,14 @@ def make_server(
     resume = None
     if checkpoint_path is not None and checkpoint_path.exists():
         resume = load_checkpoint(checkpoint_path, fingerprint, legacy_fingerprint=legacy,
-                                 routine=spec.training.routine.build(spec.training.learning_rate), x0=x0)
+                                 routine=server_spec.routine, x0=x0)
     recorder = _recorder(output_dir, spec.name, resume, info, progress)
-    warnings = _announce(spec, calibration, progress)
+    warnings = _announce(spec, server_spec.calibration, progress)
     if warnings:
         info["warnings"] = [*info.get("warnings", ()), *warnings]
-    return Diff2Server(
-        mechanism=spec.mechanism(calibration),
-        routine=spec.training.routine.build(spec.training.learning_rate),
-        layout=layout, x0=x0, rounds=spec.training.rounds, clients=spec.clients, n_min=n_min,
-        calibration=calibration, seed=spec.training.seed, evaluator=evaluator, eval_every=spec.evaluation.every,
-        recorder=recorder, run_info=info, progress=progress, checkpoint_path=checkpoint_path,
-        fingerprint=fingerprint, resume=resume, local=spec.local_mechanism(calibration),
-        clip_stats=spec.evaluation.clip_stats,
-        distributed=spec.distributed_noise(n_min, layout.dim) if spec.private and spec.privacy.distributed else None,
-    )
+    journal = Journal.of(server_spec, evaluator=evaluator, recorder=recorder, run_info=info, progress=progress,
+                         checkpoint_path=checkpoint_path, fingerprint=fingerprint)
+    return Diff2Server(server_spec, journal, x0=x0, seed=spec.training.seed, resume=resume)
 
 
 def _check_server_arguments(spec: ExperimentConfig, source: str, evaluate_fn: Any) -> None:
