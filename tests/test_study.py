@@ -208,6 +208,7 @@ def test_units_are_balanced_shared_by_the_workers_and_largest_first(monkeypatch)
     from diff2_flwr.lab.study_plan import Job as _Job, plan_units
 
     monkeypatch.setattr(study_mod, "batchable", lambda study, cfg: True)
+    monkeypatch.setattr(study_mod, "batch_ignores", lambda cfg: [])  # the stand-in configs set nothing else
 
     def jobs(ts, routine="gd", local=False, distributed=False):
         return [_Job(f"{routine}{local}{distributed}{i}", None, {}, 3.0, i, SimpleNamespace(

@@ -90,3 +90,24 @@ def test_make_strategys_arguments_are_the_declared_settings_both_ways():
     assert sorted(params - set(names.values())) == []  # every argument is a declared setting
     listed = [k for k in api.NOT_ARGUMENTS if not (k in names or any(n.startswith(k) for n in names if k.endswith(".")))]
     assert listed == []  # the exclusions name declared settings only
+
+
+def test_the_batch_engine_sends_a_setting_it_does_not_honour_to_the_per_run_path(new_setting, monkeypatch):
+    """Issue 39, item 2 (the batch engine's part): a run that sets a setting the batched engine does not honour —
+    one declared later, or evaluation.clip_stats — is not batched (where it would be ignored) but run on the
+    per-run path, which honours every setting."""
+    from types import SimpleNamespace
+
+    from diff2_flwr.lab import study_plan
+
+    monkeypatch.setattr(study_plan, "batchable", lambda study, cfg: True)
+    plain = parse_config(BASE, "e.yaml")
+    new = parse_config({**BASE, "training": {**BASE["training"], "pld_check": False}}, "e.yaml")
+    clip = parse_config({**BASE, "evaluation": {**BASE["evaluation"], "clip_stats": True}}, "e.yaml")
+    assert study_plan.batch_ignores(plain) == []
+    assert study_plan.batch_ignores(new) == [new_setting]
+    assert study_plan.batch_ignores(clip) == ["evaluation.clip_stats"]
+    jobs = [study_plan.Job(f"run-{i}", None, {}, 3.0, i, cfg) for i, cfg in enumerate([plain, plain, new, clip])]
+    units = study_plan.plan_units(SimpleNamespace(engine="batch", batch_size=8, workers=1), jobs)
+    engine = {j.run_id: u.engine for u in units for j in u.jobs}
+    assert engine == {"run-0": "batch", "run-1": "batch", "run-2": "inprocess", "run-3": "inprocess"}

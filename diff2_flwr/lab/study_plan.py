@@ -133,7 +133,7 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
         return [Unit(engine, (j,)) for j in jobs]
     mlp = bool(jobs) and batchable(study, jobs[0].cfg)  # one model and dataset per study
     fits = [j for j in jobs if mlp and ROUTINES[j.cfg.training.routine.name].post_processing
-            and not j.cfg.local.enabled and not j.cfg.privacy.distributed]
+            and not j.cfg.local.enabled and not j.cfg.privacy.distributed and not batch_ignores(j.cfg)]
     units = [Unit("inprocess", (j,)) for j in jobs if j not in fits]
     groups = {(j.cfg.training.rounds, j.cfg.restart_every == 1): None for j in fits}  # a batch shares R
     for rounds, every in groups:
@@ -153,6 +153,55 @@ def unit_cost(unit: Unit) -> float:
     if unit.engine != "batch":
         return 20.0 * sum(j.cfg.training.rounds for j in unit.jobs)
     return sum((1.0 if j.cfg.restart_every == 1 else 1.5) * j.cfg.training.rounds for j in unit.jobs)
+
+
+#: The settings the batched engine honours (a key ending in "." stands for its section): it builds each run's
+#: mechanism, routine, seeds, model and data from them. Any other declared setting that a run sets away from its
+#: default sends the run to the per-run path, which honours every setting (:func:`batch_ignores`): a setting added
+#: later is never silently ignored by the batch.
+BATCH_HONOURS = ("name", "method", "dataset.", "model.", "output.", "privacy.epsilon", "privacy.delta", "privacy.mode",
+                 "privacy.u", "privacy.n_min", "privacy.noise", "privacy.bits", "privacy.tolerated", "privacy.wrap",
+                 "training.rounds", "training.restart_every",
+                 "training.clip_restart", "training.clip_diff", "training.learning_rate", "training.clients",
+                 "training.seed", "training.routine", "training.routine.", "training.dtype", "training.chunk_size", "training.gradients",
+                 "training.threads", "training.round_retries", "training.round_timeout_s", "evaluation.every",
+                 "evaluation.train_metrics", "evaluation.test_metrics", "local.")  # (distributed noise and the local routine
+#: are sent to the per-run path by name in plan_units)
+
+
+def batch_ignores(cfg: ExperimentConfig) -> list[str]:
+    """The declared settings ``cfg`` sets away from their defaults that the batched engine does not honour."""
+    from ..runtime.config import config_keys
+
+    default = _flat(_defaults(type(cfg)))
+    given = _flat(asdict(cfg))
+    return [key for key in config_keys() if given.get(key) != default.get(key)
+            and not any(key == h or (h.endswith(".") and key.startswith(h)) for h in BATCH_HONOURS)]
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """Each declared setting's default, section by section (the experiment itself has required keys)."""
+    import dataclasses
+    import typing
+
+    hints, out = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out[f.name] = _defaults(hints[f.name])
+        elif f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def _flat(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and not hasattr(value, "as_dict"):  # a section, not a Kwargs value
+            out.update(_flat(value, f"{prefix}{key}."))
+        out[f"{prefix}{key}"] = value
+    return out
 
 
 def batchable(study: Study, cfg: ExperimentConfig) -> bool:
