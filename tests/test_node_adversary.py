@@ -170,8 +170,12 @@ def test_path_valued_settings_are_never_opened_by_a_data_owners_node(experiment,
 def test_a_deployment_node_without_data_path_reads_nothing_the_run_config_names(experiment, tmp_path, monkeypatch):
     """A SuperNode outside the simulation engine is a data owner's node even without data-path (review finding 6):
     it refuses rather than prepare data from the run config's dataset settings."""
+    from diff2_flwr.runtime import node_mode
+
     _, (arrays, conf) = task_of_round(experiment, 1)
     monkeypatch.setattr(client_app, "build_worker", lambda *a, **k: pytest.fail("the node loaded data"))
+    # outside the engine (this test process may have imported the engine's module for another test)
+    monkeypatch.setattr(node_mode, "simulation_engine_running", lambda: False)
     nodes = {"partition-id": 0, "num-partitions": P}  # exactly the simulation engine's keys, outside the engine
     assert not simulated_node(nodes)
     with pytest.raises(Exception, match=r"refused: rule `data-path`: this SuperNode runs outside Flower's simulation "
@@ -379,3 +383,15 @@ def test_a_central_round_retried_with_the_same_task_is_answered_and_with_other_i
     with pytest.raises(Exception, match=r"refused: rule `replay`"):
         call_app(experiment, moved, conf, node_config={"policy": policy})
     assert len(AnswerLog(tmp_path / "answers.log").answered()) == 1
+
+
+def test_a_node_is_simulated_only_inside_the_engine_and_with_the_engines_node_config(monkeypatch):
+    from diff2_flwr.runtime import node_mode
+
+    engine = {"partition-id": 0, "num-partitions": 2}
+    monkeypatch.delitem(sys.modules, node_mode.SIMULATION_ENGINE_MODULES[0], raising=False)
+    assert not node_mode.simulated_node(engine)  # a SuperNode's process: no engine loaded
+    monkeypatch.setitem(sys.modules, node_mode.SIMULATION_ENGINE_MODULES[0], object())
+    assert node_mode.simulated_node(engine)
+    for operator_key in ("data-path", "policy", "experiments"):  # any key of an operator's: a data owner's node
+        assert not node_mode.simulated_node({**engine, operator_key: "x"})
