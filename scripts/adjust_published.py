@@ -35,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from diff2_flwr.lab.inference import benjamini_hochberg, holm, two_sided  # noqa: E402
+from diff2_flwr.lab.study.inference import benjamini_hochberg, holm, two_sided  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results.md"
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_audit_live import config, run  # noqa: E402
 
-from diff2_flwr.lab.audit_live import live_audit  # noqa: E402
+from diff2_flwr.lab.audit.live import live_audit  # noqa: E402
 from diff2_flwr.runtime.config import load_config  # noqa: E402
 
 

@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from diff2_flwr.cli import main
-from diff2_flwr.lab.analysis import endpoint_value, train_best_round
-from diff2_flwr.lab.family import FamilyError, run_family
-from diff2_flwr.lab.inference import benjamini_hochberg, holm, paired_ttest
-from diff2_flwr.lab.study import StudyError, parse_study, run_study
+from diff2_flwr.lab.study.stats import endpoint_value, train_best_round
+from diff2_flwr.lab.study.family import FamilyError, run_family
+from diff2_flwr.lab.study.inference import benjamini_hochberg, holm, paired_ttest
+from diff2_flwr.lab.study.runner import StudyError, parse_study, run_study
 
 PRIMARY = [{"criterion": "grad_norm_sq", "at": "final", "scale": "log", "alternative": "two-sided"},
            {"criterion": "train_loss", "at": "best", "alternative": "two-sided"}]
@@ -250,7 +250,7 @@ def test_a_family_names_the_study_that_has_not_run(tmp_path):
 
 
 def test_the_confirmation_study_is_pre_registered_as_the_issue_asks():
-    from diff2_flwr.lab.study import load_study
+    from diff2_flwr.lab.study.runner import load_study
 
     root = Path(__file__).resolve().parents[1] / "configs" / "confirm"
     family = yaml.safe_load((root / "family.yaml").read_text())

@@ -20,7 +20,7 @@ from scipy.stats import binomtest
 
 from diff2_flwr.cli import main
 from diff2_flwr.core.privacy import gdp_epsilon, gdp_mu
-from diff2_flwr.lab.audit import (
+from diff2_flwr.lab.audit.runner import (
     AuditSpec,
     GradientCanaryShard,
     clopper_pearson_upper,
@@ -148,7 +148,7 @@ BVR = dict(method="diff2-bvr", epsilon=EPSILON, delta=DELTA, rounds=4, restart_e
 def test_local_likelihood_ratio_is_the_log_ratio_of_the_two_mixtures(q, z):
     from scipy.stats import norm
 
-    from diff2_flwr.lab.audit import _local_loss_moments
+    from diff2_flwr.lab.audit.runner import _local_loss_moments
 
     t = np.linspace(-6, 7, 27)
 
@@ -170,7 +170,7 @@ def test_only_the_audits_own_server_forces_the_canarys_worker():
     from diff2_flwr.core.estimator import Mechanism
     from diff2_flwr.core.local import LocalMechanism
     from diff2_flwr.core.routines import make_routine
-    from diff2_flwr.lab.audit import _CanaryWorkerServer, _workers
+    from diff2_flwr.lab.audit.runner import _CanaryWorkerServer, _workers
     from diff2_flwr.runtime.server_core import ServerSpec
     from diff2_flwr.runtime.session import Diff2Server
 
@@ -281,7 +281,7 @@ def test_the_audit_flags_are_the_specs_fields(capsys):
     """``diff2 audit``'s options are derived from AuditSpec's declaration: one flag per field, its help and default."""
     import dataclasses
 
-    from diff2_flwr.lab.audit_spec import AuditSpec
+    from diff2_flwr.lab.audit.spec import AuditSpec
 
     with pytest.raises(SystemExit):
         main(["audit", "--help"])

@@ -1,6 +1,6 @@
 """Many canaries in one run (`diff2 audit --canaries B`): B independent trials of the one-canary score per run.
 
-The claim (diff2_flwr/lab/audit_canaries.py) is exact: canary k's score is N(s_k μ²/2, μ²) with μ the claimed μ of the
+The claim (diff2_flwr/lab/audit/canaries.py) is exact: canary k's score is N(s_k μ²/2, μ²) with μ the claimed μ of the
 schedule, and the B scores of a run are independent. The tests check both at fixed seeds, against the law the
 one-canary audit's scores have (the μ-GDP pair of the calibration, which tests/test_audit.py checks for one canary
 per run), and that the many-canary audit keeps the audit's verdicts both ways.
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from diff2_flwr.lab.audit import AuditSpec, GradientCanaryShard, run_audit, summary_line
-from diff2_flwr.lab.audit_canaries import _runs, canary_runs, canary_signs, canary_spec, canary_workers, split_scores
-from diff2_flwr.lab.audit_trials import CANARY_MARGIN
+from diff2_flwr.lab.audit.runner import AuditSpec, GradientCanaryShard, run_audit, summary_line
+from diff2_flwr.lab.audit.canaries import _runs, canary_runs, canary_signs, canary_spec, canary_workers, split_scores
+from diff2_flwr.lab.audit.trials import CANARY_MARGIN
 
 
 @pytest.fixture(scope="module", params=["diff2", "dpgd"])

@@ -17,8 +17,8 @@ import pytest
 
 from diff2_flwr.cli import main
 from diff2_flwr.core.distributed import SkellamLedger, client_rng
-from diff2_flwr.lab.audit import AuditSpec, run_audit
-from diff2_flwr.lab.audit_trials import _ScaledShares, worker_noise
+from diff2_flwr.lab.audit.runner import AuditSpec, run_audit
+from diff2_flwr.lab.audit.trials import _ScaledShares, worker_noise
 
 EPSILON, DELTA = 3.0, 1e-5
 SCHEDULE = dict(method="diff2", epsilon=EPSILON, delta=DELTA, rounds=4, restart_every=2, noise="distributed")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from diff2_flwr.lab.audit import AuditSpec, run_audit
+from diff2_flwr.lab.audit.runner import AuditSpec, run_audit
 
 pytestmark = pytest.mark.flower
 

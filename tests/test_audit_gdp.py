@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from diff2_flwr.core.calibration import gdp_epsilon, gdp_mu
-from diff2_flwr.lab.audit import AuditSpec, run_audit
-from diff2_flwr.lab.audit_gdp import detectable_noise_scale, gaussian_checks, gdp_audit, mu_interval
+from diff2_flwr.lab.audit.runner import AuditSpec, run_audit
+from diff2_flwr.lab.audit.gdp import detectable_noise_scale, gaussian_checks, gdp_audit, mu_interval
 
 EPSILON, DELTA = 3.0, 1e-5
 MU = gdp_mu(EPSILON, DELTA)
@@ -122,8 +122,8 @@ def test_the_audit_flags_a_sqrt2_mistake_and_not_the_calibrated_mechanism(method
 def test_the_local_power_simulation_draws_the_claimed_scores_and_finds_a_detectable_scale():
     """The simulated diff2-bvr scores have the claimed moments (the quadrature's, which the real path's scores are
     tested against in test_audit.py), and the stated power is found where the simulated detection rate crosses it."""
-    from diff2_flwr.lab.audit import _ledger_epsilon
-    from diff2_flwr.lab.audit_stats import _simulated_local_scores, claimed_score_moments, local_power
+    from diff2_flwr.lab.audit.runner import _ledger_epsilon
+    from diff2_flwr.lab.audit.stats import _simulated_local_scores, claimed_score_moments, local_power
 
     spec = AuditSpec(method="diff2-bvr", epsilon=EPSILON, delta=DELTA, rounds=4, restart_every=2, trials=2500,
                      alpha=0.05)

@@ -18,7 +18,7 @@ import pytest
 from diff2_flwr.core.canaries import CanaryFrame
 from diff2_flwr.fl import protocol
 from diff2_flwr.fl.client import Diff2Client
-from diff2_flwr.lab.audit_live import LiveAuditError, live_audit
+from diff2_flwr.lab.audit.live import LiveAuditError, live_audit
 from diff2_flwr.runtime.config import parse_config
 from diff2_flwr.runtime.node_guard import NodeGuard
 from diff2_flwr.runtime.policy import NodePolicy, Refused, load_policy
@@ -193,7 +193,7 @@ def test_a_server_adding_less_noise_than_declared_is_caught_in_one_run(tmp_path)
 
 def test_the_noise_bound_has_its_level_on_pure_noise():
     """The order-statistic bound on k, on spreads that are exactly χ²(df)/df times k²: covered at its level."""
-    from diff2_flwr.lab.audit_live import noise_scale
+    from diff2_flwr.lab.audit.live import noise_scale
 
     rng = np.random.default_rng(3)
     df, level, m, k = 30, 0.05, 40, 0.8
@@ -353,7 +353,7 @@ def test_a_slight_serial_correlation_is_flagged_and_too_little_noise_still_is(tm
 def test_the_across_round_tests_have_their_level_on_pure_noise_directions():
     """The two direction tests on exactly independent uniform directions, at the smallest size they run (20 rounds,
     B = 4: 2 dimensions): the sign-flip p-value is exact, the sum's χ² law close (2,000 runs: sd 0.007 at 0.1)."""
-    from diff2_flwr.lab.audit_live import serial_correlation, trajectory_sum
+    from diff2_flwr.lab.audit.live import serial_correlation, trajectory_sum
 
     rng = np.random.default_rng(4)
     p_serial, p_sum = [], []

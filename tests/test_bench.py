@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from diff2_flwr.cli import build_parser, main
-from diff2_flwr.lab import bench
-from diff2_flwr.lab.bench_jax import (DEFAULT_ROUNDS, SKIPPED, TARGET, Cell, find_jax_python, measure, parse_cells,
+from diff2_flwr.lab.bench import runner as bench
+from diff2_flwr.lab.bench.jax_cells import (DEFAULT_ROUNDS, SKIPPED, TARGET, Cell, find_jax_python, measure, parse_cells,
                                       plan_jax_peer, run_jax_peer, schedule, summarise)
 
 
@@ -190,7 +190,7 @@ def test_a_real_run_against_jax(data_dir):
 
 
 def _floor_study(tmp_path, workers: int):
-    from diff2_flwr.lab.study import load_study
+    from diff2_flwr.lab.study.runner import load_study
 
     path = tmp_path / "floor.yaml"
     path.write_text(json.dumps({

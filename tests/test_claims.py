@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from diff2_flwr.lab.claims import ClaimBook, Owner, atomic_write_bytes
+from diff2_flwr.lab.study.claims import ClaimBook, Owner, atomic_write_bytes
 
 
 class Clock:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from diff2_flwr.lab.study import load_study, run_study
+from diff2_flwr.lab.study.runner import load_study, run_study
 from diff2_flwr.runtime.outputs import to_json
 
 pytestmark = pytest.mark.cluster

@@ -276,7 +276,7 @@ def test_a_tab_says_yaml_indents_with_spaces(tmp_path: Path, text: str, line: in
 
 
 def test_a_tab_in_a_study_file_says_the_same(tmp_path: Path) -> None:
-    from diff2_flwr.lab.study import StudyError, load_study
+    from diff2_flwr.lab.study.runner import StudyError, load_study
 
     path = tmp_path / "study.yaml"
     path.write_text("name: s\nmethods:\n\t- name: GD\n")

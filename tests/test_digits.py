@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from diff2_flwr.core.gradients import PerSampleGradients
-from diff2_flwr.lab.study import ACCURACY, load_study, parse_study, run_study
+from diff2_flwr.lab.study.runner import ACCURACY, load_study, parse_study, run_study
 from diff2_flwr.runtime.config import ConfigError, load_config, parse_config
 from diff2_flwr.runtime.driver import run_inprocess
 from diff2_flwr.runtime.session import load_data

@@ -250,9 +250,9 @@ def test_a_data_owner_who_does_not_trust_the_server_refuses_central_noise_and_to
 def test_a_study_compares_central_and_distributed_noise_and_runs_the_distributed_arm_in_process(tmp_path):
     """A method's ``privacy:`` block reaches its runs; on the batch engine its runs are in-process units (the batch
     engine adds central Gaussian noise), which equal a single in-process run of the same config."""
-    from diff2_flwr.lab.study import run_study
-    from diff2_flwr.lab.study_plan import plan_units
-    from diff2_flwr.lab.study_spec import parse_study
+    from diff2_flwr.lab.study.runner import run_study
+    from diff2_flwr.lab.study.plan import plan_units
+    from diff2_flwr.lab.study.spec import parse_study
 
     grid = {"restart_every": [3], "learning_rate": [0.2], "clip_restart": [1.0], "clip_diff": [3.0]}
     data = {"name": "noise", "dataset": {"name": "synthetic", "num_samples": 1500}, "clients": 3, "rounds": 6,

@@ -92,7 +92,7 @@ def test_a_run_that_cannot_start_is_reported_as_failed(tmp_path):
 
 
 def test_a_study_through_the_flower_engine_equals_the_batch_engine(tmp_path):
-    from diff2_flwr.lab.study import parse_study, run_study
+    from diff2_flwr.lab.study.runner import parse_study, run_study
 
     data = {"name": "tiny", "dataset": {"name": "synthetic", "num_samples": 600}, "clients": 3, "rounds": 4,
             "epsilons": [3.0], "eval_every": 2, "seeds": {"tune": [5], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"},

@@ -174,3 +174,51 @@ def test_version():
 
     out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == f"diff2 {version('diff2-flwr')}"
+
+
+#: lab's rooms by job (issue 39, item 4) -> the rooms each may import; every room may import lab's root modules
+#: (the batched sweep engine: sweep.py, backend.py), which import no room.
+LAB_ALLOWED = {"study": set(), "audit": set(), "regime": {"study"}, "bench": {"study"}}
+LAB = PKG / "lab"
+
+
+def _lab_room(module: str) -> str | None:
+    """``study`` for diff2_flwr.lab.study.plan, ``""`` for lab's root modules, None outside lab."""
+    parts = module.split(".")
+    if parts[:2] != ["diff2_flwr", "lab"]:
+        return None
+    return parts[2] if len(parts) > 3 or (len(parts) == 3 and parts[2] in LAB_ALLOWED) else ""
+
+
+def test_lab_is_in_rooms_by_job():
+    rooms = {p.name for p in LAB.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms == set(LAB_ALLOWED)
+    assert sorted(p.name for p in LAB.glob("*.py")) == ["__init__.py", "backend.py", "sweep.py"]
+
+
+@pytest.mark.parametrize("path", sorted(LAB.rglob("*.py")), ids=lambda p: str(p.relative_to(PKG)))
+def test_lab_rooms_import_one_way_and_no_private_name_crosses_a_room(path):
+    mine = _lab_room(_module_name(path))
+    tree = ast.parse(path.read_text(), filename=str(path))
+    me = _module_name(path).split(".")
+    package = me if path.name == "__init__.py" else me[:-1]
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = package[: len(package) - node.level + 1] if node.level else []
+        module = ".".join(base + ([node.module] if node.module else [])) if node.level else (node.module or "")
+        theirs = _lab_room(module)
+        if theirs is None:  # outside lab: the package rooms' rule (test_imports_run_one_way) applies
+            continue
+        if theirs and theirs != mine:
+            assert mine != "" and theirs in LAB_ALLOWED[mine], f"{path.name}:{node.lineno}: lab/{mine or '.'} -> {theirs}"
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            assert not private, f"{path.name}:{node.lineno}: private {private} imported across rooms"
+
+
+@pytest.mark.parametrize("room", sorted(LAB_ALLOWED))
+def test_each_lab_rooms_public_face_resolves(room):
+    import importlib
+
+    package = importlib.import_module(f"diff2_flwr.lab.{room}")
+    assert package.__all__ and all(callable(getattr(package, name)) for name in package.__all__)

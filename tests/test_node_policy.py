@@ -372,7 +372,7 @@ def test_flwr_run_with_a_policy_on_every_simulated_node_completes_and_above_it_f
     ledgers = sorted(p.name for p in ledger.parent.glob("ledger.partition-*.json"))
     assert ledgers == ["ledger.partition-0.json", "ledger.partition-1.json"]  # one per simulated node, charged once
     # every simulated owner audited the run live through Flower's path: its canaries, its observations, its verdict
-    from diff2_flwr.lab.audit_live import live_audit
+    from diff2_flwr.lab.audit.live import live_audit
 
     folders = sorted(canaries.glob("partition-*/run-*"))
     assert [f.parent.name for f in folders] == ["partition-0", "partition-1"]

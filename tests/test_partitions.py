@@ -364,7 +364,7 @@ def test_a_flwr_run_on_a_skewed_partition_equals_the_in_process_run_bit_for_bit(
 
 def test_a_study_refuses_a_grid_point_whose_sigma_is_above_max_sigma_before_any_run(tmp_path):
     """The batched engine builds no server: the study itself applies the partition's refusal rule up front."""
-    from diff2_flwr.lab.study import parse_study, run_study
+    from diff2_flwr.lab.study.runner import parse_study, run_study
 
     data = {"name": "skewed", "dataset": {**BASE["dataset"], "partitioner": {"name": "square"}},
             "clients": BASE["training"]["clients"], "rounds": 40, "epsilons": [3.0, 0.05], "eval_every": 10,

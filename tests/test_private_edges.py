@@ -19,7 +19,7 @@ from diff2_flwr.core.gradients import PerSampleGradients
 from diff2_flwr.core.layout import ParameterLayout
 from diff2_flwr.fl import protocol
 from diff2_flwr.lab import backend, sweep
-from diff2_flwr.lab.study import parse_study, run_study
+from diff2_flwr.lab.study.runner import parse_study, run_study
 from diff2_flwr.runtime.config import parse_config
 from diff2_flwr.runtime.driver import run_inprocess
 from diff2_flwr.runtime.session import build_server, build_worker, load_data

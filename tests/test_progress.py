@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import re
 
-from diff2_flwr.lab.study import parse_study, run_study
+from diff2_flwr.lab.study.runner import parse_study, run_study
 from diff2_flwr.runtime.progress import ProgressReporter
 
 
@@ -73,7 +73,7 @@ def test_a_studys_total_never_goes_down(tmp_path, monkeypatch):
     picks on 2 evaluation seeds plan 6 + 4 = 10 runs; the edge pick extends the grid (+3 runs: 13), then both
     criteria pick one point (its 2 evaluation runs serve both). The total only grows (10, then 13; it used to fall
     to 11) and the study ends 13/13; run again, every run is reused and it ends 13/13 too."""
-    import diff2_flwr.lab.scheduler as study_module
+    import diff2_flwr.lab.study.scheduler as study_module
 
     seen: list[tuple[float, float]] = []
 

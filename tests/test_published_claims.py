@@ -127,7 +127,7 @@ def test_the_confirmation_table_is_holm_of_its_own_p_values(text):
     # The published table of configs/confirm/ (8 primary tests): its two Holm columns follow from its raw p (the
     # run files stay in outputs/, not in the repository), within the 3 significant digits printed, its verdicts
     # from the family column at α = 0.05, and the summary sentence names exactly the significant cells.
-    from diff2_flwr.lab.inference import holm
+    from diff2_flwr.lab.study.inference import holm
 
     rows = _confirmation_rows(text)
     assert len(rows) == 8 and {(r[0], r[1]) for r in rows} == {(d, e) for d in ("California", "Gas Turbine")

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from diff2_flwr.cli import main
-from diff2_flwr.lab.inference import benjamini_hochberg, holm, paired_ttest
-from diff2_flwr.lab.regime import (ENDPOINTS, MARK_BETTER, MARK_WORSE, PRIMARY, STALL_PROGRESS, THEORY_SLOPE, Cell,
+from diff2_flwr.lab.study.inference import benjamini_hochberg, holm, paired_ttest
+from diff2_flwr.lab.regime.runner import (ENDPOINTS, MARK_BETTER, MARK_WORSE, PRIMARY, STALL_PROGRESS, THEORY_SLOPE, Cell,
                                    RegimeError, bootstrap_p, cell_tests, cells_from_summary, fit_regime, mark,
                                    read_cells, regime_map, stall_reason, write_regime)
-from diff2_flwr.lab.study import parse_study, run_study
+from diff2_flwr.lab.study.runner import parse_study, run_study
 
 SEEDS = [1, 2, 3, 4, 5]
 
@@ -437,7 +437,7 @@ FULL_TRAIN = {"california_housing": 16512, "gas_turbine": 29386}
 
 
 def test_the_family_runs_the_protocol_with_both_methods_tuned_alike():
-    from diff2_flwr.lab.study import load_study
+    from diff2_flwr.lab.study.runner import load_study
 
     studies = [load_study(path) for path in sorted(FAMILY.glob("*.yaml"))]
     levels = {(s.dataset["name"], s.dataset.get("train_samples")) for s in studies}
@@ -460,7 +460,7 @@ def test_the_family_runs_the_protocol_with_both_methods_tuned_alike():
 
 
 def test_every_cell_of_the_family_passes_the_noise_refusal_rule_and_the_dropped_one_would_not():
-    from diff2_flwr.lab.study import load_study
+    from diff2_flwr.lab.study.runner import load_study
     from diff2_flwr.runtime.shard_report import PartitionRefused, check_shards
 
     for path in sorted(FAMILY.glob("*.yaml")):

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from scipy import stats
 
-from diff2_flwr.lab.study import (
+from diff2_flwr.lab.study.runner import (
     CRITERIA,
     StudyError,
     load_study,
@@ -143,7 +143,7 @@ def test_a_method_sets_a_routine_and_its_grid_ranges_over_the_routines_parameter
 
 def test_a_plain_gd_methods_run_ids_are_unchanged_by_routines():
     """Run files of studies run before routines existed are reused (ids pinned from that version)."""
-    from diff2_flwr.lab.study_plan import run_id as _run_id
+    from diff2_flwr.lab.study.plan import run_id as _run_id
 
     study = load_study(SMOKE)
     diff2, gd = study.methods[2], study.methods[0]
@@ -204,8 +204,8 @@ def test_two_worker_processes_give_the_same_study(tmp_path):
 def test_units_are_balanced_shared_by_the_workers_and_largest_first(monkeypatch):
     from types import SimpleNamespace
 
-    from diff2_flwr.lab import study_plan as study_mod
-    from diff2_flwr.lab.study_plan import Job as _Job, plan_units
+    from diff2_flwr.lab.study import plan as study_mod
+    from diff2_flwr.lab.study.plan import Job as _Job, plan_units
 
     monkeypatch.setattr(study_mod, "batchable", lambda study, cfg: True)
     monkeypatch.setattr(study_mod, "batch_ignores", lambda cfg: [])  # the stand-in configs set nothing else
@@ -399,7 +399,7 @@ def test_a_method_runs_its_own_rounds_at_the_same_epsilon_and_the_cost_report_co
 
 
 def test_run_ids_of_methods_at_the_studys_rounds_are_unchanged_and_own_rounds_change_them():
-    from diff2_flwr.lab.study_plan import run_id as _run_id
+    from diff2_flwr.lab.study.plan import run_id as _run_id
 
     study = load_study(SMOKE)
     diff2 = study.methods[2]
@@ -464,7 +464,7 @@ def test_a_run_that_diverges_on_the_per_run_path_is_reported_and_costed(tmp_path
 
 
 def test_runs_of_different_lengths_share_one_round_axis():
-    from diff2_flwr.lab.report import aligned_metric
+    from diff2_flwr.lab.study.report import aligned_metric
 
     full = {"rounds": [0, 3, 6, 9], "train_loss": [4.0, 3.0, 2.0, 1.0]}
     stopped = {"rounds": [0, 3, 5], "train_loss": [5.0, 1.5, None]}  # the per-run path: diverged at 5

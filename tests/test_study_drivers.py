@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from diff2_flwr.lab.claims import ClaimBook, Owner
-from diff2_flwr.lab.study import CRITERIA, StudyError, load_study, run_study
+from diff2_flwr.lab.study.claims import ClaimBook, Owner
+from diff2_flwr.lab.study.runner import CRITERIA, StudyError, load_study, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -167,9 +167,9 @@ def test_every_loader_subsamples_its_train_split(tmp_path, name):
 
 
 def test_the_subsample_is_part_of_what_identifies_the_data(tmp_path):
-    from diff2_flwr.lab.cluster import data_digest, unit_data
-    from diff2_flwr.lab.study import parse_study
-    from diff2_flwr.lab.study_plan import run_id as _run_id
+    from diff2_flwr.lab.study.cluster import data_digest, unit_data
+    from diff2_flwr.lab.study.runner import parse_study
+    from diff2_flwr.lab.study.plan import run_id as _run_id
     from diff2_flwr.runtime.checkpoint import config_fingerprint
     from diff2_flwr.runtime.shard_files import data_fingerprint
 
@@ -199,7 +199,7 @@ def test_the_subsample_is_part_of_what_identifies_the_data(tmp_path):
 
 
 def test_the_run_and_the_study_report_the_subsample(tmp_path):
-    from diff2_flwr.lab.study import parse_study, run_study
+    from diff2_flwr.lab.study.runner import parse_study, run_study
     from diff2_flwr.runtime.driver import run_inprocess
 
     lines: list[str] = []

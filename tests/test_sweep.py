@@ -187,7 +187,7 @@ def test_device_names_resolve_or_are_refused_with_what_torch_sees():
 
 
 def test_a_study_declares_its_device_and_only_the_batched_engine_takes_a_gpu():
-    from diff2_flwr.lab.study_spec import StudyFile
+    from diff2_flwr.lab.study.spec import StudyFile
     from diff2_flwr.runtime.config import ConfigError, parse_section
 
     base = {"name": "d", "dataset": {"name": "synthetic"}, "clients": 2, "rounds": 2, "epsilons": [3.0],

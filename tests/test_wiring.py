@@ -98,7 +98,7 @@ def test_the_batch_engine_sends_a_setting_it_does_not_honour_to_the_per_run_path
     per-run path, which honours every setting."""
     from types import SimpleNamespace
 
-    from diff2_flwr.lab import study_plan
+    from diff2_flwr.lab.study import plan as study_plan
 
     monkeypatch.setattr(study_plan, "batchable", lambda study, cfg: True)
     plain = parse_config(BASE, "e.yaml")

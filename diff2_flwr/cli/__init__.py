@@ -73,7 +73,7 @@ def _add_run_commands(sub: Any) -> None:
     exp.add_argument("--ray", metavar="ADDRESS", default=None,
                      help="run the study's runs as tasks of the Ray cluster at ADDRESS (host:port of its head, or "
                           "'auto' for RAY_ADDRESS / the cluster started on this machine); same files and summary")
-    from ..lab.claims import STALE_AFTER_S  # standard library only
+    from ..lab.study.claims import STALE_AFTER_S  # standard library only
 
     exp.add_argument("--stale-after", type=float, default=STALE_AFTER_S, metavar="SECONDS",
                      help="take over a run another driver claimed once its heartbeat has been silent this long "
@@ -195,7 +195,7 @@ def _add_secret_commands(sub: Any) -> None:
 
 def _add_lab_commands(sub: Any) -> None:
     """The commands audit (its flags derived from AuditSpec), bench, ledger."""
-    from ..lab.audit_spec import AuditSpec
+    from ..lab.audit.spec import AuditSpec
 
     aud = sub.add_parser("audit", help="empirically audit the (ε, δ) guarantee of the real server path (JSON; exit 3 "
                                        "if the audit proves it false)")

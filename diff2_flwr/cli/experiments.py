@@ -137,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def experiment(args: argparse.Namespace) -> int:
-    from ..lab.cluster import ClusterError
-    from ..lab.study import load_study, run_study
+    from ..lab.study.cluster import ClusterError
+    from ..lab.study.runner import load_study, run_study
 
     study = load_study(args.study)
     if args.engine:
@@ -164,14 +164,14 @@ def experiment(args: argparse.Namespace) -> int:
 
 
 def family(args: argparse.Namespace) -> int:
-    from ..lab.family import run_family
+    from ..lab.study.family import run_family
 
     print(json.dumps(to_json(run_family(args.family, output_root=args.output))))
     return 0
 
 
 def regime(args: argparse.Namespace) -> int:
-    from ..lab.regime import BOOTSTRAP_REPLICATES, BOOTSTRAP_SEED, read_cells, write_regime
+    from ..lab.regime.runner import BOOTSTRAP_REPLICATES, BOOTSTRAP_SEED, read_cells, write_regime
 
     if not 0 < args.alpha < 1:
         raise ValueError(f"`--alpha`: expected a significance level in (0, 1). Found {args.alpha}.")
@@ -190,8 +190,8 @@ def _bench_line(message: str) -> None:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from ..lab.bench import run_bench
-    from ..lab.bench_jax import plan_jax_peer
+    from ..lab.bench.runner import run_bench
+    from ..lab.bench.jax_cells import plan_jax_peer
 
     jax_peer = None if args.skip_jax else plan_jax_peer(  # checked before anything is measured
         jax_python=args.jax_python, reps=args.jax_reps, cells=args.jax_cells, rounds=args.jax_rounds,
@@ -204,7 +204,7 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def audit(args: argparse.Namespace) -> int:
-    from ..lab.audit import AuditSpec, run_audit, stderr_progress, summary_line
+    from ..lab.audit.runner import AuditSpec, run_audit, stderr_progress, summary_line
 
     if args.live is not None:
         return _live_audit(args)
@@ -228,7 +228,7 @@ def audit(args: argparse.Namespace) -> int:
 
 def _live_audit(args: argparse.Namespace) -> int:
     """``diff2 audit --live FOLDER``: the data owner's canaries scored (JSON; exit 3 on a finding, 2 unreadable)."""
-    from ..lab.audit_live import LiveAuditError, live_audit
+    from ..lab.audit.live import LiveAuditError, live_audit
 
     try:
         result = live_audit(Path(args.live).expanduser())

@@ -9,7 +9,7 @@ records would give. A canary record is a record like any other: its sensitivity 
 the 2C_r/(n_min P) the calibration accounts, so the owner's real records keep (at least) the claimed guarantee.
 
 The owner sees x_{r-1} in round r's task; its projections y_{r-1} = U x_{r-1} onto the frame (B numbers) are
-all the audit needs (:mod:`diff2_flwr.lab.audit_live`). Because the frame is orthonormal, the server's Gaussian
+all the audit needs (:mod:`diff2_flwr.lab.audit.live`). Because the frame is orthonormal, the server's Gaussian
 noise projected onto it is exactly B independent N(0, σ_r²) per round.
 
 References:

@@ -7,7 +7,7 @@ radius, the noise std per coordinate the run config's calibration prescribes (σ
 projections U x_(r-1) of the iterate it received. The canaries' secret seed is ``FOLDER/<run id>/seed``
 (0600 in a 0700 folder), drawn from the OS's secure generator at the run's first task unless the owner put one
 there (to reproduce a run); the server never sees it. ``diff2 audit --live FOLDER/<run id>`` scores the run so far,
-while it trains (:mod:`diff2_flwr.lab.audit_live`).
+while it trains (:mod:`diff2_flwr.lab.audit.live`).
 
 Trust (``THREATS.md``): it protects the data owner against a server that adds less noise than the run config
 declares — by mistake (a miscalibrated σ, a factor √2, a wrong sensitivity) — measured on the iterates this node

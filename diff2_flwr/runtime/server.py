@@ -157,7 +157,7 @@ class Diff2Server:
         """p_r, the worker that runs round r's local phase: uniform over the P workers, from the noise key.
 
         The ledger charges every record every local phase, whichever worker runs it (no amplification by the
-        choice), so the analysis holds for any p_r; the audit (:mod:`diff2_flwr.lab.audit`) overrides this in a
+        choice), so the analysis holds for any p_r; the audit (:mod:`diff2_flwr.lab.audit.runner`) overrides this in a
         subclass of its own to force the canary's worker, the worst case. No config reaches that override.
         """
         return choose_worker(self.state.noise_key, r, self.clients)

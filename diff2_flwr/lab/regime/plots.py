@@ -11,8 +11,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .regime_cells import ENDPOINTS, LEGEND, Cell
-from .regime_fit import THEORY_SLOPE
+from .cells import ENDPOINTS, LEGEND, Cell
+from .fit import THEORY_SLOPE
 
 __all__ = ["MAX_SPAN_DECADES", "heatmap_png", "scatter_png"]
 

@@ -1,6 +1,6 @@
 """A study's scheduler: computes the planned runs that have no result file yet, each exactly once across drivers.
 
-The runs of one phase are planned into units (:func:`~.study_plan.plan_units`), claimed run by run
+The runs of one phase are planned into units (:func:`~.plan.plan_units`), claimed run by run
 (:class:`~.claims.ClaimBook`), computed by an executor (here, in a local pool of worker processes,
 or as tasks of a Ray cluster: :mod:`.cluster`) with :func:`compute_unit`, and written atomically
 (:func:`write_run`). :class:`Progress` shows runs done / planned; :class:`Tally` counts who did
@@ -23,12 +23,12 @@ from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
-from ..runtime.config import ExperimentConfig
-from ..runtime.outputs import to_json
-from ..runtime.progress import ProgressReporter
+from ...runtime.config import ExperimentConfig
+from ...runtime.outputs import to_json
+from ...runtime.progress import ProgressReporter
 from .claims import ClaimBook, Owner, atomic_write_text
-from .study_plan import Job, Unit, plan_units
-from .study_spec import ACCURACY, CRITERIA, Study
+from .plan import Job, Unit, plan_units
+from .spec import ACCURACY, CRITERIA, Study
 
 __all__ = ["POLL_S", "Progress", "Tally", "compute_unit", "execute", "load_run", "load_runs", "make_executor",
            "write_run"]
@@ -100,9 +100,9 @@ def _run_batch(study: Study, unit: Unit, progress: Callable[[int, int], None] | 
     """The runs of one batch of the batched engine (:func:`~.sweep.run_batch`)."""
     import torch
 
-    from ..runtime.compute import pinned_threads
+    from ...runtime.compute import pinned_threads
     from .cluster import unit_data
-    from .sweep import RunSpec, run_batch
+    from ..sweep import RunSpec, run_batch
 
     batch = unit.jobs
     with pinned_threads(study.threads):
@@ -132,7 +132,7 @@ def _run_batch(study: Study, unit: Unit, progress: Callable[[int, int], None] | 
 
 def _run_single(cfg: ExperimentConfig, engine: str) -> tuple[dict, int | None]:
     """One run on the per-run path (``inprocess``: the in-process driver; ``flower``: a Flower simulation)."""
-    from ..runtime.driver import run_inprocess
+    from ...runtime.driver import run_inprocess
 
     if engine == "flower":
         rows, diverged = _run_flower(cfg)
@@ -153,7 +153,7 @@ def _run_flower(cfg: ExperimentConfig) -> tuple[list[dict], int | None]:
     """The metric rows of one Flower simulation of ``cfg``, and the round it diverged at (None: it did not)."""
     import tempfile
 
-    from ..runtime.launch import SimulationDiverged, run_simulation
+    from ...runtime.launch import SimulationDiverged, run_simulation
 
     with tempfile.TemporaryDirectory(prefix="diff2-study-") as tmp:
         path = Path(tmp) / "run.yaml"

@@ -9,7 +9,7 @@ DP-GD or DIFF2 (one restart round, then difference rounds), K = 1 or 18 configur
 run.
 
 Sides: ``project`` = ``run_batch(..., compile=True)`` (as ``configs/paper/`` runs), ``project_eager`` = the same
-with ``compile=False`` (``--jax-eager``), and the JAX variants of :mod:`diff2_flwr.lab.jax_peer` (``jax_vmap``,
+with ``compile=False`` (``--jax-eager``), and the JAX variants of :mod:`diff2_flwr.lab.bench.jax_peer` (``jax_vmap``,
 ``jax_ghost``, ``jax_ghost_map`` at K = 18). The JAX side is a subprocess of an interpreter that has jax (this one, or
 ``--jax-python`` / ``DIFF2_JAX_PYTHON``): XLA's thread flags must be set before jax starts, and its thread pools
 stay out of torch's. The project runs in this process with one torch thread; both are pinned to one core.
@@ -175,7 +175,7 @@ def find_jax_python(jax_python: str | None = None) -> str | None:
 
 
 class _Peer:
-    """The JAX side: :mod:`diff2_flwr.lab.jax_peer` in a subprocess of ``python``, pickled requests on its stdin."""
+    """The JAX side: :mod:`diff2_flwr.lab.bench.jax_peer` in a subprocess of ``python``, pickled requests on its stdin."""
 
     def __init__(self, python: str) -> None:
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu",
@@ -211,9 +211,9 @@ class _Project:
     """The project side in this process: California Housing loaded once, σ per round kind, x_0 per init seed."""
 
     def __init__(self, data_dir: str | None, rounds: Mapping[int, int]) -> None:
-        from ..runtime.config import parse_config
-        from ..runtime.session import load_data
-        from .sweep import batch_model
+        from ...runtime.config import parse_config
+        from ...runtime.session import load_data
+        from ..sweep import batch_model
 
         def config(method: str, R: int) -> Any:
             training = {"rounds": R, "clip_restart": 1.0, "learning_rate": 0.25, "clients": 10, "seed": 0,
@@ -247,7 +247,7 @@ class _Project:
         """Seconds of one ``run_batch`` call, the final iterates [K, d] and the runs it found diverged."""
         import torch
 
-        from .sweep import RunSpec, run_batch
+        from ..sweep import RunSpec, run_batch
 
         dtype = {"f32": torch.float32, "f64": torch.float64}[cell.dtype]
         t = time.perf_counter()

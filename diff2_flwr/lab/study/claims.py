@@ -45,7 +45,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
-from ..runtime.secret_files import fsync_folder
+from ...runtime.secret_files import fsync_folder
 
 __all__ = [
     "HEARTBEAT_S",

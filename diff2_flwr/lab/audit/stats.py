@@ -13,8 +13,8 @@ import numpy as np
 from scipy.special import ndtri
 from scipy.stats import beta
 
-from ..core.privacy import Calibration, gdp_epsilon
-from .audit_spec import LOCAL_STEPS, AuditSpec
+from ...core.privacy import Calibration, gdp_epsilon
+from .spec import LOCAL_STEPS, AuditSpec
 
 __all__ = ["POWER_SCALES", "claimed_score_moments", "clopper_pearson_upper", "epsilon_lower_bound",
            "local_log_likelihood_ratio", "local_power", "score_grid", "threshold_grid"]

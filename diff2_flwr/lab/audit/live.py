@@ -47,7 +47,7 @@ They run once :data:`MIN_ROUNDS` rounds are scored (their normal and χ² laws a
    for Gaussian noise, so the weights do not bias the scores). (mean₊ - mean₋)/sd estimates 2(Σ_r h_r²/ρ_r²)^½,
    which is μ_obs·n_min/(n_p + B) were the noise as declared and the other updates orthogonal to the frame
    (μ_obs: the calibrated μ of the observed rounds). μ̂ of the run (for a record of the smallest shard) is that
-   times (n_p + B)/n_min, with the noncentral-t interval of :func:`~.audit_gdp.mu_interval`. It is exploratory,
+   times (n_p + B)/n_min, with the noncentral-t interval of :func:`~.gdp.mu_interval`. It is exploratory,
    not a test: once the model reacts to the canaries (a difference round's update along u_k depends on where
    the canaries moved the iterate: measured on the default model, it cancels most of their signal), the B
    scores are neither independent trials nor free of that reaction. The verdict is the three tests' alone.
@@ -69,10 +69,10 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import beta, chi2
 
-from ..core.calibration import gdp_epsilon, gdp_mu
-from ..core.canaries import CanaryFrame
-from ..runtime.canary_monitor import META_FILE, ROUNDS_FILE, read_seed
-from .audit_gdp import gaussian_checks, mu_interval
+from ...core.calibration import gdp_epsilon, gdp_mu
+from ...core.canaries import CanaryFrame
+from ...runtime.canary_monitor import META_FILE, ROUNDS_FILE, read_seed
+from .gdp import gaussian_checks, mu_interval
 
 __all__ = ["ALPHA", "LAGS", "LiveAuditError", "MIN_ROUNDS", "TESTS", "live_audit", "noise_scale", "serial_correlation",
            "spread_p_value", "trajectory_sum"]

@@ -25,10 +25,10 @@ an interrupted study resumes where it stopped. Runs are computed in units (:func
 :func:`compute_unit`) here or on a Ray cluster (:mod:`.cluster`), each run claimed first
 (:mod:`.claims`), so several drivers may share one output folder without computing a run twice.
 
-A study is four parts, and this module runs them in order: the spec (:mod:`.study_spec`: the file,
-validated by the experiment file's validator), the plan (:mod:`.study_plan`: run ids, units, the
+A study is four parts, and this module runs them in order: the spec (:mod:`.spec`: the file,
+validated by the experiment file's validator), the plan (:mod:`.plan`: run ids, units, the
 grid's extension), the scheduler (:mod:`.scheduler`: claims, executors, run files) and the analysis
-(:mod:`.study_analysis`: pure functions of the loaded table of runs).
+(:mod:`.analysis`: pure functions of the loaded table of runs).
 
 References:
     Murata & Suzuki (2023), Section 6; DIFF2.md, "The paper's experiments".
@@ -43,21 +43,21 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..runtime.config import ExperimentConfig
-from ..runtime.outputs import to_json
+from ...runtime.config import ExperimentConfig
+from ...runtime.outputs import to_json
 from .claims import STALE_AFTER_S, ClaimBook, atomic_write_text
 from .scheduler import Progress, Tally, execute, load_runs, make_executor
-from .study_analysis import inference, select_method, summarise
-from .study_plan import GridSearch, Job, check_point, eval_jobs, planned_runs, tune_jobs
-from .study_spec import MethodSpec, Study, StudyError, load_study, parse_study
+from .analysis import inference, select_method, summarise
+from .plan import GridSearch, Job, check_point, eval_jobs, planned_runs, tune_jobs
+from .spec import MethodSpec, Study, StudyError, load_study, parse_study
 
 # Names that code and tests import from here, each defined in its part (``X as X``: re-exported).
 from .scheduler import compute_unit as compute_unit
-from .study_analysis import cost_summary as cost_summary, paired_one_sided_ttest as paired_one_sided_ttest
-from .study_analysis import select as select
-from .study_plan import Unit as Unit, batchable as batchable, plan_units as plan_units
-from .study_spec import ACCURACY as ACCURACY, CRITERIA as CRITERIA, GRID_KEYS as GRID_KEYS
-from .study_spec import LOCAL_KEYS as LOCAL_KEYS, ROUTINE_GRID_KEYS as ROUTINE_GRID_KEYS, test_pairs as test_pairs
+from .analysis import cost_summary as cost_summary, paired_one_sided_ttest as paired_one_sided_ttest
+from .analysis import select as select
+from .plan import Unit as Unit, batchable as batchable, plan_units as plan_units
+from .spec import ACCURACY as ACCURACY, CRITERIA as CRITERIA, GRID_KEYS as GRID_KEYS
+from .spec import LOCAL_KEYS as LOCAL_KEYS, ROUTINE_GRID_KEYS as ROUTINE_GRID_KEYS, test_pairs as test_pairs
 
 __all__ = [
     "ACCURACY",
@@ -163,7 +163,7 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
 def _tune(study: Study, epsilon: float, data: Any, run: Callable[[list[Job], dict[str, dict]], None],
           table: dict[str, dict], progress: Progress) -> tuple[dict[str, dict[str, dict]], dict[str, dict]]:
     """Tune every method at ``epsilon``: run its grid on the tuning seeds, pick per criterion, and extend where a
-    pick lies on an edge (:class:`~.study_plan.GridSearch`), until no pick moves outward.
+    pick lies on an edge (:class:`~.plan.GridSearch`), until no pick moves outward.
 
     Returns the picks (method -> criterion -> point) and, per method, the values searched per key, the points
     tuned, the extensions made and the picks that stay on an edge (with the reason).
@@ -196,7 +196,7 @@ def _header(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, Any]:
 def _data_info(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, Any]:
     """The data a study trained on: its dataset settings, the training records n (the sum of the shard sizes), the
     test records, the shard sizes, the subsample (``train_samples``) if any, and the model's parameter count d."""
-    from ..runtime.session import initial_parameters, subsample_info
+    from ...runtime.session import initial_parameters, subsample_info
 
     settings = {k: v for k, v in study.dataset.items() if k != "dir"}  # where the files lie is not the data
     return {"settings": settings, "name": data.name, "train": int(sum(data.shard_sizes)),

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from .regime_cells import ENDPOINTS, Cell, RegimeError, stall_reason
+from .cells import ENDPOINTS, Cell, RegimeError, stall_reason
 
 __all__ = ["RUN_KEYS", "cells_from_summary", "read_cells", "read_run", "summary_paths"]
 

@@ -63,8 +63,8 @@ against nε/√d; only the ‖∇f‖² panel carries the fitted lines), ``regim
 :func:`regime_map` returns the same object, which ``diff2 regime`` prints on stdout.
 
 The map is made in parts, each a module of its own: the endpoints, the cells and their adjusted tests
-(:mod:`.regime_cells`), the reading of the studies' files (:mod:`.regime_read`), the fit (:mod:`.regime_fit`),
-the Markdown (:mod:`.regime_report`) and the figures (:mod:`.regime_plots`). This module assembles the map and
+(:mod:`.cells`), the reading of the studies' files (:mod:`.read`), the fit (:mod:`.fit`),
+the Markdown (:mod:`.report`) and the figures (:mod:`.plots`). This module assembles the map and
 writes it; every name of the map is importable from here.
 
 References:
@@ -80,13 +80,13 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .claims import atomic_write_bytes, atomic_write_text
-from .regime_cells import (ALPHA, ENDPOINTS, LEGEND, MARK_BETTER, MARK_WORSE, PRIMARY, STALL_PROGRESS, STALL_RULE,
+from ..study.claims import atomic_write_bytes, atomic_write_text
+from .cells import (ALPHA, ENDPOINTS, LEGEND, MARK_BETTER, MARK_WORSE, PRIMARY, STALL_PROGRESS, STALL_RULE,
                            Cell, Endpoint, RegimeError, cell_tests, mark, stall_reason)
-from .regime_fit import BOOTSTRAP_REPLICATES, BOOTSTRAP_SEED, THEORY_SLOPE, Fit, bootstrap_p, fit_regime, regime_fits
-from .regime_plots import MAX_SPAN_DECADES, heatmap_png, scatter_png
-from .regime_read import RUN_KEYS, cells_from_summary, read_cells, read_run, summary_paths
-from .regime_report import markdown
+from .fit import BOOTSTRAP_REPLICATES, BOOTSTRAP_SEED, THEORY_SLOPE, Fit, bootstrap_p, fit_regime, regime_fits
+from .plots import MAX_SPAN_DECADES, heatmap_png, scatter_png
+from .read import RUN_KEYS, cells_from_summary, read_cells, read_run, summary_paths
+from .report import markdown
 
 __all__ = ["ALPHA", "BOOTSTRAP_REPLICATES", "BOOTSTRAP_SEED", "ENDPOINTS", "PRIMARY", "STALL_PROGRESS",
            "THEORY_SLOPE", "Cell", "Endpoint", "Fit", "RegimeError", "bootstrap_p", "cell_tests", "cells_from_summary",
@@ -148,7 +148,7 @@ def write_regime(cells: Sequence[Cell], out: str | Path, *, alpha: float = ALPHA
         files["figures"].append(str(path))
     result["files"] = files
     atomic_write_text(out / "regime.md", markdown(cells, result, alpha))
-    from ..runtime.outputs import to_json
+    from ...runtime.outputs import to_json
 
     atomic_write_text(out / "regime.json", json.dumps(to_json(result), indent=2) + "\n")
     print(f"[diff2] regime map of {len(cells)} cell(s) ({', '.join(sorted({c.dataset for c in cells}))}) written to "

@@ -37,12 +37,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..core.privacy import Calibration
-from ..runtime.session import Worker
-from ..task.records import TensorRecords
-from .audit_spec import AuditSpec
-from .audit_trials import GradientCanaryShard, _trial, run_chunks
-from .audit_trials import _seed as trial_seed
+from ...core.privacy import Calibration
+from ...runtime.session import Worker
+from ...task.records import TensorRecords
+from .spec import AuditSpec
+from .trials import GradientCanaryShard, _trial, run_chunks
+from .trials import _seed as trial_seed
 
 __all__ = ["canary_signs", "canary_spec", "canary_workers", "canary_scores", "canary_runs", "split_scores"]
 
@@ -129,4 +129,4 @@ def canary_scores(spec: AuditSpec, progress: Callable[[str], None] | None = None
 def check_canaries(spec: AuditSpec) -> None:
     """``--canaries B`` > 1 only where the independence argument of this module holds."""
     if spec.canaries == 1:
-        raise ValueError("`--canaries` is 1: the one-canary audit runs one run per trial (audit_trials)")
+        raise ValueError("`--canaries` is 1: the one-canary audit runs one run per trial (trials.py)")

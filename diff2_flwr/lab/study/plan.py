@@ -18,10 +18,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from ..core.routines import ROUTINES
-from ..runtime.config import ConfigError, ExperimentConfig
-from .analysis import MAX_EXTENSIONS
-from .study_spec import CRITERIA, MethodSpec, Study, slug
+from ...core.routines import ROUTINES
+from ...runtime.config import ConfigError, ExperimentConfig
+from .stats import MAX_EXTENSIONS
+from .spec import CRITERIA, MethodSpec, Study, slug
 
 __all__ = ["GridSearch", "Job", "Unit", "batchable", "check_point", "eval_jobs", "method_key", "plan_units",
            "planned_runs", "run_id", "tune_jobs"]
@@ -100,7 +100,7 @@ def planned_runs(study: Study) -> tuple[int, int]:
 
 def check_point(study: Study, m: MethodSpec, point: Mapping[str, float], epsilon: float, data: Any) -> None:
     """Refuse a grid point whose partition or calibration the refusal rule refuses (min_samples, max_sigma)."""
-    from ..runtime.shard_report import check_shards
+    from ...runtime.shard_report import check_shards
 
     cfg = study.experiment(m, point, epsilon, study.tune_seeds[0])
     check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
@@ -171,7 +171,7 @@ BATCH_HONOURS = ("name", "method", "dataset.", "model.", "output.", "privacy.eps
 
 def batch_ignores(cfg: ExperimentConfig) -> list[str]:
     """The declared settings ``cfg`` sets away from their defaults that the batched engine does not honour."""
-    from ..runtime.config import config_keys
+    from ...runtime.config import config_keys
 
     default = _flat(_defaults(type(cfg)))
     given = _flat(asdict(cfg))
@@ -208,7 +208,7 @@ def batchable(study: Study, cfg: ExperimentConfig) -> bool:
     """Whether the batched engine has closed forms for this study's model and loss (an MLP; see
     :func:`~diff2_flwr.task.models.mlp_shape`)."""
     from .cluster import unit_data
-    from .sweep import batch_model
+    from ..sweep import batch_model
 
     try:
         batch_model(unit_data(cfg), model=study.model, hidden=study.hidden, model_kwargs=study.model_kwargs,

@@ -17,7 +17,7 @@
   (``benchmarks/floor_app``) measured in the same run: the framework's own floor;
 - ``jax_peer``: the batched engine (``compile=True``) against hand-written JAX on the same work, per cell (DP-GD /
   DIFF2 × K = 1 / 18 × float32 / float64): rounds/s of each side and the ratios, against the target of 1.5
-  (:mod:`.bench_jax`); ``{"skipped": ...}`` when no interpreter with jax is found.
+  (:mod:`.jax_cells`); ``{"skipped": ...}`` when no interpreter with jax is found.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import numpy as np
 import torch
 import yaml
 
-from ..runtime.paths import APP_DIR
-from .bench_jax import JaxPeerPlan, jax_peer_section
+from ...runtime.paths import APP_DIR
+from .jax_cells import JaxPeerPlan, jax_peer_section
 
 __all__ = ["run_bench"]
 
@@ -91,7 +91,7 @@ def _matmul_gflops(dtype: torch.dtype, threads: int, size: int = 1024, seconds: 
 
 def _paper_study(path: Path, data_dir: str | None):
     """The study of ``path`` (a paper config), its data read from ``data_dir`` when given."""
-    from .study import load_study
+    from ..study.runner import load_study
 
     study = load_study(path)
     if data_dir:
@@ -104,8 +104,8 @@ def _paper_study(path: Path, data_dir: str | None):
 def _study_data(study):
     """The study's prepared data and MLP, the same for all its runs (the data depend on the dataset's settings, not
     on a run's seed); a ``DataError`` if its files are missing."""
-    from ..runtime.session import load_data
-    from .sweep import batch_model
+    from ...runtime.session import load_data
+    from ..sweep import batch_model
 
     probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
     data = load_data(probe)
@@ -151,7 +151,7 @@ def first_layer_floor(study, records: int, features: int, hidden: int, float64_g
 
 def _kdd_floor(data_dir: str | None, float64_gflops_1_thread: float) -> dict[str, Any]:
     """:func:`first_layer_floor` of the full KDD Cup 99 ε = 3 study, or ``{"skipped": why}`` without its data."""
-    from ..task.data import DataError
+    from ...task.data import DataError
 
     study = _paper_study(KDD_STUDY, data_dir)
     try:
@@ -163,10 +163,10 @@ def _kdd_floor(data_dir: str | None, float64_gflops_1_thread: float) -> dict[str
 
 
 def _rounds_per_s(data_dir: str | None, rounds: int) -> dict[str, float]:
-    from ..runtime.config import parse_config
-    from ..runtime.driver import run_inprocess
-    from ..runtime.session import load_data
-    from .sweep import RunSpec, run_batch
+    from ...runtime.config import parse_config
+    from ...runtime.driver import run_inprocess
+    from ...runtime.session import load_data
+    from ..sweep import RunSpec, run_batch
 
     cfg = parse_config(_diff2_config(data_dir, rounds, "unused"))
     data = load_data(cfg)
@@ -189,7 +189,7 @@ def _rounds_per_s(data_dir: str | None, rounds: int) -> dict[str, float]:
 
 
 def _flower(data_dir: str | None, rounds: int) -> dict[str, float]:
-    from ..runtime.launch import run_simulation
+    from ...runtime.launch import run_simulation
 
     with tempfile.TemporaryDirectory(prefix="diff2-bench-") as tmp:
         path = Path(tmp) / "bench.yaml"
@@ -218,7 +218,7 @@ def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: boo
         flower: run the two Flower simulations.
         rounds: rounds timed for ``diff2_rounds_per_s``.
         flower_rounds: rounds of each Flower simulation.
-        jax_peer: the ``jax_peer`` section's plan (:func:`~diff2_flwr.lab.bench_jax.plan_jax_peer`); None: no section.
+        jax_peer: the ``jax_peer`` section's plan (:func:`~diff2_flwr.lab.bench.jax_cells.plan_jax_peer`); None: no section.
         progress: called with one line per step of the ``jax_peer`` section, and with its skip line.
     """
     out: dict[str, Any] = {"machine": _machine(), "load_average_before": os.getloadavg()[0]}
@@ -227,7 +227,7 @@ def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: boo
                             for label, threads in (("1_thread", 1), ("all_cores", os.cpu_count() or 1))}
     out.update(_rounds_per_s(data_dir, rounds))
     if protocol:
-        from .study import run_study
+        from ..study.runner import run_study
 
         study = _paper_study(PAPER_STUDY, data_dir)
         with tempfile.TemporaryDirectory(prefix="diff2-bench-study-") as tmp:

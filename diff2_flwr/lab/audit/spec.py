@@ -12,11 +12,11 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from ..runtime.spec import Invalid, require, setting
+from ...runtime.spec import Invalid, require, setting
 
 if TYPE_CHECKING:
-    from ..core.distributed import DistributedNoise
-    from ..core.privacy import Calibration
+    from ...core.distributed import DistributedNoise
+    from ...core.privacy import Calibration
 
 __all__ = ["LOCAL_STEPS", "WRAP", "AuditSpec", "default_workers"]
 
@@ -86,7 +86,7 @@ class AuditSpec:
     trials: int = setting(10_000, "trials on each of D and D' (with --canaries 1: runs)")
     canaries: int = setting(1, "B, canaries per run (dpgd, diff2; central): 1 = one run per trial; an even B > 1: "
                                "B canaries on axes of their own in one run, each an independent trial "
-                               "(audit_canaries), so 2 x trials / B runs")
+                               "(canaries.py), so 2 x trials / B runs")
     path: Literal["in-process", "flower"] = setting(
         "in-process", "in-process: the Strategy's and the clients' calls in this process; flower: a Flower "
                       "simulation of the audit's ServerApp (the real Diff2Strategy) and ClientApp (the real "
@@ -178,7 +178,7 @@ class AuditSpec:
 
     def calibration(self) -> "Calibration":
         """The claimed calibration: the one a run of this schedule would use (the local routine's σ3 by PLD)."""
-        from ..core.privacy import calibrate
+        from ...core.privacy import calibrate
 
         local = ({"local_steps": LOCAL_STEPS, "local_batch_size": self.local_batch_size,
                   "local_share": self.local_share} if self.local else {})
@@ -190,7 +190,7 @@ class AuditSpec:
 def _distributed_noise(epsilon: float, delta: float, rounds: int, restart_every: int, u: float, dim: int, bits: int,
                        clients: int, tolerated: int, n_min: int) -> "DistributedNoise":
     """:func:`~diff2_flwr.core.distributed.distributed_noise`, once per setting (its calibration takes seconds)."""
-    from ..core.distributed import distributed_noise
+    from ...core.distributed import distributed_noise
 
     return distributed_noise(epsilon=epsilon, delta=delta, rounds=rounds, restart_every=restart_every, u=u, dim=dim,
                              bits=bits, clients=clients, tolerated=tolerated, n_min=n_min, wrap=WRAP)

@@ -1,9 +1,9 @@
 """Where a study's units run: in the driver's process, or as tasks of a Ray cluster.
 
-A *unit* (:class:`~diff2_flwr.lab.study_plan.Unit`) is a batch of runs of the batched engine or one
-run of another engine; :func:`~diff2_flwr.lab.scheduler.compute_unit` computes it in whatever process
+A *unit* (:class:`~diff2_flwr.lab.study.plan.Unit`) is a batch of runs of the batched engine or one
+run of another engine; :func:`~diff2_flwr.lab.study.scheduler.compute_unit` computes it in whatever process
 calls it, with every thread pool pinned to the study's ``threads``. The driver claims the runs of a
-unit (:mod:`~diff2_flwr.lab.claims`), hands the unit to an executor, and writes the results it
+unit (:mod:`~diff2_flwr.lab.study.claims`), hands the unit to an executor, and writes the results it
 gets back. Two executors share one small interface (``has_capacity``, ``submit``, ``completed``,
 ``in_flight``, ``close``):
 
@@ -76,7 +76,7 @@ def unit_data(cfg: Any) -> Any:
 def _unit_data(cfg: Any) -> tuple[Any, str]:
     import json
 
-    from ..runtime.session import load_data
+    from ...runtime.session import load_data
 
     key = json.dumps({"dataset": cfg.to_dict()["dataset"], "clients": cfg.clients}, sort_keys=True,
                      default=str)
@@ -157,7 +157,7 @@ class PoolExecutor:
     """Computes units in ``workers`` spawned processes of this machine, as many at a time as there are workers.
 
     Spawned, not forked: torch's thread pools do not survive a fork. Each unit pins its own thread
-    pools to the study's ``threads`` (:func:`~diff2_flwr.lab.scheduler.compute_unit`), so a unit gives
+    pools to the study's ``threads`` (:func:`~diff2_flwr.lab.study.scheduler.compute_unit`), so a unit gives
     the same bits in a worker as in the driver. Progress within a unit is not reported across
     processes; the driver reports runs as units finish.
     """

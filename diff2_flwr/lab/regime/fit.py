@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .regime_cells import PRIMARY, STALL_RULE, Cell, RegimeError
+from .cells import PRIMARY, STALL_RULE, Cell, RegimeError
 
 __all__ = ["BOOTSTRAP_REPLICATES", "BOOTSTRAP_SEED", "THEORY_SLOPE", "Fit", "bootstrap_p", "fit_regime",
            "regime_fits"]

@@ -2,7 +2,7 @@
 batched engine, on the same work (the paper MLP, ½-squared error, full-batch DP-GD and DIFF2 rounds, K runs).
 
 It reproduces the reviewers' benchmark ``shared/bench/jax_peer.py`` (its maths and its three variants); the
-driver, the cells and the bookkeeping are the project's, in :mod:`diff2_flwr.lab.bench_jax`. Variants:
+driver, the cells and the bookkeeping are the project's, in :mod:`diff2_flwr.lab.bench.jax_cells`. Variants:
 
 - ``vmap``: ``jax.vmap(jax.grad)`` per-sample gradients (DIFF2: at both iterates), clipped and averaged;
 - ``ghost``: closed-form per-sample norms and clipped sums of the one-hidden-layer MLP, no per-sample gradient

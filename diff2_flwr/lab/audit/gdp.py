@@ -16,7 +16,7 @@ in μ, so the claim is refuted at level a when the lower bound on μ exceeds the
 The assumption is the normal, equal-variance pair; :func:`gaussian_checks` tests it (D'Agostino–Pearson on each
 federation's scores, the F test of equal variances), and the audit counts this test only when the checks do not
 reject. For a mechanism whose true trade-off is not Gaussian this is an estimate, not a bound: the audit keeps the
-distribution-free Clopper–Pearson bound (:mod:`.audit_stats`) beside it.
+distribution-free Clopper–Pearson bound (:mod:`.stats`) beside it.
 
 Power (:func:`detectable_noise_scale`): the test flags iff T > t_crit = the (1 − a) quantile of T at the critical
 μ; with k times the calibrated noise, T has noncentrality μ/k·(…)^½, so the probability of a flag is exact and the
@@ -38,7 +38,7 @@ from scipy.optimize import brentq
 from scipy.stats import f as f_dist
 from scipy.stats import nct, normaltest
 
-from ..core.calibration import gdp_epsilon, gdp_mu
+from ...core.calibration import gdp_epsilon, gdp_mu
 
 __all__ = ["CHECK_LEVEL", "POWER", "detectable_noise_scale", "gaussian_checks", "gdp_audit", "mu_interval"]
 

@@ -61,7 +61,7 @@ the trials (in units of the claimed μ) and ε̂ is the best over the grid with 
 correction, so choosing the best threshold does not bias the interval. If ε̂ > ε claimed, the
 claimed guarantee is false (at confidence 1 − α).
 
-The tight estimate (:mod:`.audit_gdp`): the canary is clipped onto the radius in every round and the score sums
+The tight estimate (:mod:`.gdp`): the canary is clipped onto the radius in every round and the score sums
 every round's likelihood-ratio term, so the audited quantity is the whole run's guarantee, μ = (Σ_r 1/z_r²)^½, not a
 part of it. For the Gaussian mechanisms (dpgd, diff2, and distributed noise as its Gaussian equivalent) the scores
 are normal with one variance under D and D′ and means μ_true standard deviations apart, whatever noise the server
@@ -74,8 +74,8 @@ audits), the μ-GDP test only when the Gaussian checks do not reject its assumpt
 local steps: no Gaussian trade-off) has the Clopper–Pearson bound alone, at level α.
 
 The audit is made in parts: the federations and the trials through the production path
-(:mod:`.audit_trials`), and the statistics that turn their scores into ε̂ (:mod:`.audit_stats`: Clopper–Pearson;
-:mod:`.audit_gdp`: μ-GDP and power). This
+(:mod:`.trials`), and the statistics that turn their scores into ε̂ (:mod:`.stats`: Clopper–Pearson;
+:mod:`.gdp`: μ-GDP and power). This
 module runs an audit and reports it; every name of the audit is importable from here.
 
 References:
@@ -95,13 +95,13 @@ from typing import Callable
 
 import numpy as np
 
-from ..core.distributed import DistributedNoise, SkellamLedger
-from ..core.privacy import Calibration, LocalCalibration, PrivacyLedger
-from .audit_gdp import gdp_audit
-from .audit_spec import LOCAL_STEPS, AuditSpec
-from .audit_stats import (_local_loss_moments, claimed_score_moments, clopper_pearson_upper, epsilon_lower_bound,
+from ...core.distributed import DistributedNoise, SkellamLedger
+from ...core.privacy import Calibration, LocalCalibration, PrivacyLedger
+from .gdp import gdp_audit
+from .spec import LOCAL_STEPS, AuditSpec
+from .stats import (_local_loss_moments, claimed_score_moments, clopper_pearson_upper, epsilon_lower_bound,
                           local_log_likelihood_ratio, local_power, score_grid, threshold_grid)
-from .audit_trials import CANARY_MARGIN, GradientCanaryShard, _CanaryWorkerServer, _workers, audit_scores, mechanism_run
+from .trials import CANARY_MARGIN, GradientCanaryShard, _CanaryWorkerServer, _workers, audit_scores, mechanism_run
 
 __all__ = ["AuditSpec", "GradientCanaryShard", "audit_scores", "claimed_score_moments", "clopper_pearson_upper",
            "epsilon_lower_bound", "gdp_audit", "local_log_likelihood_ratio", "run_audit", "score_grid",
@@ -122,13 +122,13 @@ def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) ->
     """Run the audit; return the JSON-able result (see the module docstring for what it means)."""
     started = time.perf_counter()
     canary_run = None
-    if spec.canaries > 1:  # B canaries per run (audit_canaries); the run's n and d, the same claimed μ and ε
-        from .audit_canaries import canary_runs, canary_scores, canary_spec
+    if spec.canaries > 1:  # B canaries per run (canaries.py); the run's n and d, the same claimed μ and ε
+        from .canaries import canary_runs, canary_scores, canary_spec
 
         canary_run = canary_spec(spec)
         calibration = canary_run.calibration()
         if spec.path == "flower":
-            from .audit_flower import flower_canary_scores
+            from .flower import flower_canary_scores
 
             d, d_prime = flower_canary_scores(spec, progress, calibration)
         else:
@@ -182,7 +182,7 @@ def run_audit(spec: AuditSpec, progress: Callable[[str], None] | None = None) ->
             extra["canaries"] = {"per_run": spec.canaries, "runs": canary_runs(spec),
                                  "records_per_client": canary_run.samples, "dim": canary_run.dim,
                                  "independence": "exact: each canary on its own axis, Gaussian noise independent "
-                                                 "across coordinates, a fixed μ per round (audit_canaries)"}
+                                                 "across coordinates, a fixed μ per round (canaries.py)"}
     else:
         mu_claimed = None  # a subsampled mechanism has no μ-GDP trade-off curve
         eps_claimed = _ledger_epsilon(spec, calibration)

@@ -20,23 +20,23 @@ import numpy as np
 import torch
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
-from ..core.clipping import clipped_sum
-from ..core.distributed import DistributedNoise
-from ..core.estimator import Mechanism, difference_radius
-from ..core.gradients import Contribution
-from ..core.layout import ParameterLayout
-from ..core.local import LocalMechanism
-from ..core.privacy import Calibration
-from ..core.routines import make_routine
-from ..core.skellam import SkellamCode
-from ..fl import protocol
-from ..fl.client import Diff2Client
-from ..fl.strategy import Diff2Strategy
-from ..runtime.session import Diff2Server, Worker
-from ..runtime.server_core import ServerSpec
-from ..task.records import TensorRecords
-from .audit_spec import LOCAL_STEPS, AuditSpec
-from .audit_stats import local_log_likelihood_ratio
+from ...core.clipping import clipped_sum
+from ...core.distributed import DistributedNoise
+from ...core.estimator import Mechanism, difference_radius
+from ...core.gradients import Contribution
+from ...core.layout import ParameterLayout
+from ...core.local import LocalMechanism
+from ...core.privacy import Calibration
+from ...core.routines import make_routine
+from ...core.skellam import SkellamCode
+from ...fl import protocol
+from ...fl.client import Diff2Client
+from ...fl.strategy import Diff2Strategy
+from ...runtime.session import Diff2Server, Worker
+from ...runtime.server_core import ServerSpec
+from ...task.records import TensorRecords
+from .spec import LOCAL_STEPS, AuditSpec
+from .stats import local_log_likelihood_ratio
 
 __all__ = ["CANARY_MARGIN", "GradientCanaryShard", "Scorer", "audit_scores", "audited_server", "mechanism_run",
            "run_chunks", "worker_noise"]
@@ -54,7 +54,7 @@ class GradientCanaryShard:
     gradient difference is a_i ⊙ (x_{r−1} − x_{r−2})); the first B coordinates are canary axes. With
     ``canary = ±1`` record 0 is the canary on axis e_0: gradient and gradient difference ``canary·K·e_0``,
     K = CANARY_MARGIN × the round's radius; ``canary = 0``: no canary. With an array of signs s_0..s_(B−1)
-    (:mod:`.audit_canaries`: many canaries in one run) record k is the canary s_k·K·e_k. ClippedMean is the
+    (:mod:`.canaries`: many canaries in one run) record k is the canary s_k·K·e_k. ClippedMean is the
     core's (``clipped_sum``). The features passed in carry each record's index (column 0), so a minibatch of
     the local steps holds exactly the records it names: a canary only when its record was sampled.
     """
@@ -173,7 +173,7 @@ class Scorer:
 def _trial(spec: AuditSpec, calibration: Calibration, workers: Sequence[Worker], seed: int | None,
            axes: int = 1) -> np.ndarray:
     """One run of the schedule through the real Strategy; the LR scores of what it released along the first
-    ``axes`` coordinates (one per canary: :mod:`.audit_canaries`; one canary, on e_0, by default)."""
+    ``axes`` coordinates (one per canary: :mod:`.canaries`; one canary, on e_0, by default)."""
     layout = workers[0].gradients.layout
     server = audited_server(spec, calibration, layout, seed)
     strategy = Diff2Strategy(server=server)

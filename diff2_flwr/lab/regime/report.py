@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from .regime_cells import ALPHA, ENDPOINTS, LEGEND, MARK_BETTER, MARK_WORSE, PRIMARY, STALL_RULE, Cell
-from .regime_fit import THEORY_SLOPE
+from .cells import ALPHA, ENDPOINTS, LEGEND, MARK_BETTER, MARK_WORSE, PRIMARY, STALL_RULE, Cell
+from .fit import THEORY_SLOPE
 
 __all__ = ["markdown"]
 

@@ -3,7 +3,7 @@
 One Flower simulation (:func:`flwr.simulation.run_simulation`: Flower's ``InMemoryGrid`` and its Ray backend, the
 same simulation runtime as ``flwr run``'s) runs the audit's two apps:
 
-* the **ServerApp** runs the runs of the B-canary federation (:mod:`.audit_canaries`) one after another; each is
+* the **ServerApp** runs the runs of the B-canary federation (:mod:`.canaries`) one after another; each is
   the real :class:`~diff2_flwr.fl.strategy.Diff2Strategy` around the audited production server, driven by Flower's
   own round loop (``start_grid``: ``configure_fit`` -> messages to the SuperNodes -> ``aggregate_fit``), with a
   fresh noise key per run. It only *observes* the strategy (:class:`_ObservedStrategy`: the kind and radius each
@@ -32,10 +32,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..core.privacy import Calibration
-from .audit_canaries import _seed, canary_runs, canary_spec, canary_workers, check_canaries, split_scores
-from .audit_spec import AuditSpec
-from .audit_trials import Scorer, audited_server
+from ...core.privacy import Calibration
+from .canaries import _seed, canary_runs, canary_spec, canary_workers, check_canaries, split_scores
+from .spec import AuditSpec
+from .trials import Scorer, audited_server
 
 __all__ = ["flower_apps", "flower_canary_scores"]
 
@@ -56,9 +56,9 @@ def flower_apps(spec: AuditSpec, calibration: Calibration, progress: Callable[[s
     from flwr.server import Grid, ServerApp, ServerConfig
     from flwr.server.compat import start_grid
 
-    from ..fl import protocol
-    from ..fl.client import Diff2Client
-    from ..fl.strategy import Diff2Strategy
+    from ...fl import protocol
+    from ...fl.client import Diff2Client
+    from ...fl.strategy import Diff2Strategy
 
     run = canary_spec(spec)
     runs = canary_runs(spec)
@@ -90,7 +90,7 @@ def flower_apps(spec: AuditSpec, calibration: Calibration, progress: Callable[[s
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         torch.set_num_threads(1)
-        from ..core.layout import ParameterLayout
+        from ...core.layout import ParameterLayout
 
         layout = ParameterLayout(("w",), ((run.dim,),))
         started = time.perf_counter()

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
-from ..core.routines import ROUTINES, routine_parameters
-from ..runtime.config import ConfigError, ExperimentConfig, parse_config, parse_section, read_yaml, require
-from .analysis import Analysis, parse_analysis
+from ...core.routines import ROUTINES, routine_parameters
+from ...runtime.config import ConfigError, ExperimentConfig, parse_config, parse_section, read_yaml, require
+from .stats import Analysis, parse_analysis
 
 __all__ = ["ACCURACY", "CRITERIA", "GRID_KEYS", "LOCAL_KEYS", "MethodSpec", "ROUTINE_GRID_KEYS", "Study",
            "StudyError", "StudyFile", "load_study", "parse_study", "slug", "test_pairs"]

@@ -23,10 +23,10 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..runtime.config import ConfigError, read_yaml
+from ...runtime.config import ConfigError, read_yaml
 from .claims import atomic_write_text
 from .inference import holm
-from .study import load_study
+from .runner import load_study
 
 __all__ = ["FamilyError", "run_family"]
 

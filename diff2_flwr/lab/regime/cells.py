@@ -13,8 +13,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .analysis import endpoint_value
-from .inference import benjamini_hochberg, holm, paired_ttest
+from ..study.stats import endpoint_value
+from ..study.inference import benjamini_hochberg, holm, paired_ttest
 
 __all__ = ["ALPHA", "ENDPOINTS", "LEGEND", "MARK_BETTER", "MARK_WORSE", "PRIMARY", "STALL_PROGRESS", "STALL_RULE",
            "Cell", "Endpoint", "RegimeError", "cell_tests", "mark", "stall_reason"]

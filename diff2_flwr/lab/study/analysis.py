@@ -19,10 +19,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .analysis import correct_families, endpoint_value
+from .stats import correct_families, endpoint_value
 from .inference import paired_ttest
-from .study_plan import SELECTING, run_id
-from .study_spec import ACCURACY, CRITERIA, MethodSpec, Study, test_pairs
+from .plan import SELECTING, run_id
+from .spec import ACCURACY, CRITERIA, MethodSpec, Study, test_pairs
 
 __all__ = ["TARGET_SLACK", "cost_summary", "inference", "mean", "paired_one_sided_ttest", "select", "select_method",
            "std", "summarise"]
@@ -239,7 +239,7 @@ def cost_summary(study: Study, epsilon: float, methods: Mapping[str, dict], runs
 def _cost_curve(study: Study, m: MethodSpec, epsilon: float, info: Mapping[str, Any], c: str, runs: Runs,
                 n_train: int) -> dict[str, Any]:
     """The seed-mean running minimum of ``c`` at the pick, against rounds and gradient evaluations."""
-    from ..core.cost import gradient_evaluations
+    from ...core.cost import gradient_evaluations
     from .report import aligned_metric
 
     cfg = study.experiment(m, info["point"], epsilon, study.eval_seeds[0])
