@@ -400,3 +400,22 @@ def test_a_node_is_simulated_only_inside_the_engine_and_with_the_engines_node_co
     assert node_mode.simulated_node(engine)
     for operator_key in ("data-path", "policy", "experiments"):  # any key of an operator's: a data owner's node
         assert not node_mode.simulated_node({**engine, operator_key: "x"})
+
+
+@pytest.mark.parametrize("policy_changes, run, pattern", [
+    (None, {"training": {**BASE["training"], "seed": 4}}, r"every data owner's node refused: rule `seed`"),
+    ({"allow_seeded": False}, {"training": {**BASE["training"], "seed": 4}}, r"rule `seed`"),
+    ({"allow_seeded": True, "n_min": 100}, {"training": {**BASE["training"], "seed": 4}},
+     r"rule `n_min`: the run declares privacy.n_min = None; this node's policy pins the federation's n_min = 100"),
+    (None, {"training": {**BASE["training"], "seed": None}, "local": {"steps": 2, "batch_size": 8}},
+     r"rule `answers`: the run has this node draw noise of its own \(the local routine's σ3\)"),
+])
+def test_deploy_local_says_what_every_node_would_refuse_before_anything_starts(tmp_path, monkeypatch, policy_changes,
+                                                                             run, pattern):
+    from diff2_flwr.deploy import native
+
+    monkeypatch.setattr(native, "start_superlink", lambda *a, **k: pytest.fail("a process was started"))
+    config = write(tmp_path / "dep.yaml", {**BASE, **run, "output": {"dir": str(tmp_path / "out")}})
+    policy = None if policy_changes is None else _policy(tmp_path, **policy_changes)
+    with pytest.raises(Exception, match=pattern):
+        native.run_local_deployment(config, workdir=tmp_path / "work", echo=False, node_policy=policy)

@@ -30,16 +30,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-import yaml
-
-from ..runtime.config import AUTO_CLIENTS_DEFAULT, ExperimentConfig, load_config, parse_config
 from ..runtime.launch import (
     CONNECTION,
     LaunchResult,
@@ -54,19 +50,15 @@ from ..runtime.launch import (
     start,
     write_connection,
 )
-from ..runtime.paths import APP_DIR, resolve_config_path
-from ..runtime.shard_files import SERVER_FILE, read_server_data, shard_name
+from ..runtime.paths import APP_DIR
+from ..runtime.shard_files import shard_name
+from .run_folder import (EXPERIMENT_FOLDER, check_data_owners_rules, default_run_folder,  # noqa: F401
+                         deployment_config, owner_policies, prepare_run_folder)
 from .certs import Certificates, NodeKey, make_certificates, make_node_keys
 from ..runtime.secret_files import make_superexec_secret
-from .compose import CONTAINER_OUTPUTS
-from .shards import write_shards
 
 __all__ = ["DeploymentResult", "Intruder", "LiveDeployment", "run_local_deployment", "default_run_folder",
            "start_superexec", "start_superlink", "register_node", "list_nodes", "INTRUDER_KINDS"]
-
-#: The run folder's sub-folder of the deployment's experiment file: every data owner's node config names it as its
-#: ``experiments`` folder (a data owner's node opens no other file the run config names).
-EXPERIMENT_FOLDER = "experiment"
 
 #: Fault injection for tests (``intruders=``): a SuperNode posing as data owner 0 with no key of its own
 #: (Flower then self-registers an ephemeral one) or with a key pair the operator never registered.
@@ -103,88 +95,6 @@ class DeploymentResult:
     node_ids: list[int] = field(default_factory=list)  # registered node id of data owner i (node auth only)
     nodes: list[dict] = field(default_factory=list)  # `flwr supernode ls` at the end of the run
     intruders: list[Intruder] = field(default_factory=list)
-
-
-def default_run_folder(config: str | os.PathLike[str]) -> Path:
-    """``./deploy-local/<config name>``: where a native deployment keeps its shards, logs, keys and outputs."""
-    return Path.cwd() / "deploy-local" / load_config(resolve_config_path(config)).name
-
-
-def _map_container_path(value: str | None, workdir: Path) -> str | None:
-    """``/outputs/...`` (the compose file's mount point) → ``<workdir>/outputs/...``; relative → absolute."""
-    if value is None:
-        return None
-    path = PurePosixPath(value)
-    if path == PurePosixPath(CONTAINER_OUTPUTS) or PurePosixPath(CONTAINER_OUTPUTS) in path.parents:
-        return str(workdir / "outputs" / path.relative_to(CONTAINER_OUTPUTS))
-    if not Path(value).expanduser().is_absolute():
-        return str(Path.cwd() / value)
-    return value
-
-
-def deployment_config(config: str | os.PathLike[str], workdir: Path, rounds: int | None = None,
-                      clients: int | None = None, echo: bool = False) -> Path:
-    """Write the shards of ``config`` into ``workdir`` and a config that reads them (server: no train data)."""
-    cfg = load_config(resolve_config_path(config))
-    data = cfg.to_dict()
-    if clients is None and cfg.clients_auto:  # this deployment starts the SuperNodes: it says how many
-        clients = AUTO_CLIENTS_DEFAULT
-        if echo:
-            print(f"[diff2] training.clients: auto -> P = {clients} SuperNodes (--clients N for another number)",
-                  flush=True)
-    if clients is not None:
-        data["training"]["clients"] = clients
-        cfg = parse_config(data, str(config))
-    shards = workdir / "shards"
-    write_shards(cfg, shards)
-    data["dataset"]["shards"] = str(shards)
-    data["evaluation"]["train_metrics"] = False
-    if data["privacy"].get("noise") == "distributed" and data["privacy"].get("n_min") is None:
-        # the federation's constant under distributed noise (every node refuses a run without it): the smallest
-        # shard's records, which this launcher knows as the one who wrote every shard
-        data["privacy"]["n_min"] = read_server_data(shards / SERVER_FILE, cfg).n_min
-    if rounds is not None:
-        data["training"]["rounds"] = rounds
-        if data["training"]["restart_every"] and data["training"]["restart_every"] > rounds:
-            data["training"]["restart_every"] = rounds
-    for key in ("dir", "checkpoint"):
-        given = data["output"][key]
-        data["output"][key] = _map_container_path(given, workdir)
-        if echo and given is not None and data["output"][key] != given and Path(given).is_absolute():
-            print(f"[diff2] output.{key} {given} is a container path (docker-compose.yml mounts ./deploy/outputs at "
-                  f"{CONTAINER_OUTPUTS}); this native run uses {data['output'][key]}", flush=True)
-    folder = workdir / EXPERIMENT_FOLDER  # the data owners' `experiments` folder: this file and nothing else
-    folder.mkdir(exist_ok=True)
-    path = folder / "deployment.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def _fresh_or_resume(checkpoint: str | None, workdir: Path, resume: bool, echo: bool) -> None:
-    """A repeated run starts fresh unless asked to resume; never silently continue or delete a user's file."""
-    if checkpoint is None:
-        if resume:
-            raise ValueError("--resume: the config sets no output.checkpoint, so there is nothing to resume. "
-                             "Set output.checkpoint (e.g. /outputs/checkpoint.npz) or run without --resume.")
-        return
-    path = Path(checkpoint)
-    if resume:
-        if not path.exists():
-            raise ValueError(f"--resume: no checkpoint at {path} (output.checkpoint) from a previous run in "
-                             f"{workdir}. Run without --resume to start fresh, or pass the --workdir of that run.")
-        if echo:
-            print(f"[diff2] resuming from {path}", flush=True)
-        return
-    if not path.exists():
-        return
-    if workdir.resolve() in path.resolve().parents:
-        path.unlink()
-        if echo:
-            print(f"[diff2] starting fresh: removed {path} left by a previous run (pass --resume to continue it)",
-                  flush=True)
-        return
-    raise ValueError(f"output.checkpoint {path} exists (a previous run's state, outside the run folder {workdir}). "
-                     "Pass --resume to continue that run, or delete the file to start fresh.")
 
 
 def register_node(public_key: Path, env: dict[str, str], partition: int) -> int:
@@ -327,25 +237,6 @@ def _check_alive(procs: dict[str, subprocess.Popen], work: Path) -> None:
             raise SimulationFailed(f"{name} exited with code {proc.returncode}; log: {log}\n" + log.read_text()[-2000:])
 
 
-def owner_policies(policy: str | os.PathLike[str], work: Path, clients: int) -> list[Path]:
-    """One copy of ``policy`` per data owner (``<work>/owners/<i>/policy.yaml``, 0600 in 0700 folders), each
-    with its own lifetime ledger beside it: on one machine the P owners are P nodes, each with its own budget."""
-    from ..runtime.config import read_yaml
-    from ..runtime.policy import PolicyError, load_policy
-    from ..runtime.secret_files import private_folder, write_private
-
-    load_policy(policy)  # a bad policy fails here, before anything starts
-    data = read_yaml(policy, "node policy", PolicyError)
-    paths = []
-    for p in range(clients):
-        folder = private_folder(work / "owners" / str(p))
-        own = dict(data)
-        if isinstance(own.get("lifetime"), dict) and own["lifetime"].get("ledger"):
-            own["lifetime"] = {**own["lifetime"], "ledger": str(folder / "ledger.json")}
-        paths.append(write_private(folder / "policy.yaml", yaml.safe_dump(own, sort_keys=False).encode()))
-    return paths
-
-
 def _check_deployment_arguments(tls: bool, node_auth: bool | None, intruders: tuple[str, ...]) -> bool:
     """Whether SuperNodes authenticate (default: with TLS); refuse authentication without TLS and unknown intruders."""
     node_auth = tls if node_auth is None else node_auth
@@ -388,37 +279,6 @@ def _node_killer(kill_node_after_round: tuple[int, int] | None,
             stop_process(nodes[victim])
 
     return on_line
-
-
-def _prepare_run_folder(config: str | os.PathLike[str], work: Path, rounds: int | None, clients: int | None,
-                        resume: bool, echo: bool) -> tuple[Path, ExperimentConfig, Path]:
-    """The deployment config (and its shards) written into ``work``, a previous run's checkpoint settled (fresh
-    or resume) and an empty Flower home for ``flwr``: the config's path, the config, the home."""
-    dep_config = deployment_config(config, work, rounds, clients, echo=echo)
-    cfg = load_config(dep_config)
-    _fresh_or_resume(cfg.output.checkpoint, work, resume, echo)
-    home = work / "flwr-home"
-    shutil.rmtree(home, ignore_errors=True)
-    home.mkdir()
-    return dep_config, cfg, home
-
-
-def _check_data_owners_rules(cfg: ExperimentConfig, node_policy: str | os.PathLike[str] | None) -> None:
-    """What every data owner's node would refuse at round 1 (:mod:`~diff2_flwr.runtime.node_guard`), said before
-    anything starts: a seed unless the policy allows seeds, node-side noise without a policy (whose answer log
-    records the rounds answered)."""
-    from ..runtime.policy import load_policy
-
-    policy = load_policy(node_policy) if node_policy is not None else None
-    if cfg.training.seed is not None and not (policy is not None and policy.allow_seeded):
-        raise ValueError(f"{cfg.source}: training.seed is set, and a data owner's node refuses a seeded run (the seed "
-                         "would fix its noise for everyone who reads the run config): run with training.seed: null, "
-                         "or give --node-policy a policy with allow_seeded: true (tests, a federation of one person).")
-    needs_record = cfg.private and (cfg.privacy.distributed or cfg.local.enabled)
-    if needs_record and policy is None:
-        raise ValueError(f"{cfg.source}: the data owners' nodes add noise of their own here (distributed noise or the "
-                         "local routine) and refuse it without a node policy (whose answers file records each round "
-                         "they answered): give --node-policy FILE.")
 
 
 def _round_seconds(output_dir: Path | None) -> list[float]:
@@ -464,8 +324,8 @@ def run_local_deployment(
     work.mkdir(parents=True, exist_ok=True)
     processes = []
     try:
-        dep_config, cfg, home = _prepare_run_folder(config, work, rounds, clients, resume, echo)
-        _check_data_owners_rules(cfg, node_policy)
+        dep_config, cfg, home = prepare_run_folder(config, work, rounds, clients, resume, echo)
+        check_data_owners_rules(cfg, node_policy)
         clients = cfg.training.clients
         # all distinct: the SuperLink's API and health server, each SuperNode's and each intruder's
         port, health, *node_ports = free_ports(2 + clients + len(intruders))

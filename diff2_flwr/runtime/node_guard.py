@@ -42,7 +42,7 @@ from .answer_log import AnswerLog, AnswerLogError, Replayed
 from .config import ExperimentConfig
 from .policy import BUILTIN_MODELS, NodePolicy, Refused, check_model, check_run
 
-__all__ = ["NodeGuard"]
+__all__ = ["NodeGuard", "check_deployment_run"]
 
 #: Relative tolerance of the difference radius (the server's norm may come from another CPU's SIMD path).
 RADIUS_RTOL = 1e-9
@@ -87,7 +87,7 @@ class NodeGuard:
         shared = shared_policy and not deployment
         answers = None if policy is None else AnswerLog(policy.answers_path(partition_id, shared))
         if deployment:
-            _check_deployment_run(cfg, node, policy, answers)
+            check_deployment_run(cfg, node, policy, keeps_record=answers is not None)
         return cls(cfg, node, partition_id, str(run_id), policy, shared_policy=shared, answers=answers)
 
     # ------------------------------------------------------------------ gradient rounds
@@ -232,10 +232,11 @@ class NodeGuard:
         raise Refused(self.node, rule, detail)
 
 
-def _check_deployment_run(cfg: ExperimentConfig, node: str, policy: NodePolicy | None,
-                          answers: AnswerLog | None) -> None:
+def check_deployment_run(cfg: ExperimentConfig, node: str, policy: NodePolicy | None, *, keeps_record: bool) -> None:
     """What a data owner's node refuses whatever its policy says about ε (issue 38): a seed, an undeclared n_min
-    under distributed noise, one that differs from the n_min the policy pins, node-side noise without a record."""
+    under distributed noise, one that differs from the n_min the policy pins, node-side noise without a record of
+    the rounds answered (``keeps_record``: the node has an answer log). ``diff2 deploy-local`` asks it too, before
+    anything starts, for the policy it hands every node. Raises :class:`Refused`."""
     where = "" if policy is None else f" (policy {policy.source})"
     if cfg.training.seed is not None and not (policy is not None and policy.allow_seeded):
         raise Refused(node, "seed", "the run config sets training.seed: a seed in the run config is known to every "
@@ -253,7 +254,7 @@ def _check_deployment_run(cfg: ExperimentConfig, node: str, policy: NodePolicy |
     if private and policy is not None and policy.n_min is not None and cfg.privacy.n_min != policy.n_min:
         raise Refused(node, "n_min", f"the run declares privacy.n_min = {cfg.privacy.n_min}; this node's policy "
                       f"pins the federation's n_min = {policy.n_min}{where}. Declare privacy.n_min: {policy.n_min}.")
-    if answers is None and (distributed or cfg.local.enabled):
+    if not keeps_record and (distributed or cfg.local.enabled):
         raise Refused(node, "answers", "the run has this node draw noise of its own ("
                       + ("its distributed-noise share" if distributed else "the local routine's σ3") + "), and the "
                       "node keeps no record of the rounds it answered (it has no node policy, whose `answers` file "
