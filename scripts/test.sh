@@ -20,4 +20,9 @@ if [[ "${1:-}" == "--fast" ]]; then
 fi
 parallel=()
 [[ "$workers" != 0 ]] && parallel=(-n "$workers" "${dist[@]}")
+# The linter first ([tool.ruff] in pyproject.toml): a finding fails the run before any test starts.
+if ! "$root/.venv/bin/ruff" check --quiet diff2_flwr server clients tests scripts benchmarks; then
+  echo "[test] ruff found the problems above (pyproject.toml [tool.ruff]); fix them, then run the tests again" >&2
+  exit 1
+fi
 exec "$root/.venv/bin/python" -m pytest --durations=15 "${parallel[@]}" "${tier[@]}" "$@"

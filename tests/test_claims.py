@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import threading
-from pathlib import Path
 
 import pytest
 

@@ -251,7 +251,6 @@ def test_a_study_compares_central_and_distributed_noise_and_runs_the_distributed
     """A method's ``privacy:`` block reaches its runs; on the batch engine its runs are in-process units (the batch
     engine adds central Gaussian noise), which equal a single in-process run of the same config."""
     from diff2_flwr.lab.study.runner import run_study
-    from diff2_flwr.lab.study.plan import plan_units
     from diff2_flwr.lab.study.spec import parse_study
 
     grid = {"restart_every": [3], "learning_rate": [0.2], "clip_restart": [1.0], "clip_diff": [3.0]}

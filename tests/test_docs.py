@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from diff2_flwr.cli import docs, main
-from diff2_flwr.runtime.config import ExperimentConfig, config_keys
+from diff2_flwr.runtime.config import config_keys
 from diff2_flwr.runtime.spec import setting
 
 ROOT = Path(__file__).resolve().parents[1]

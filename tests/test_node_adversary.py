@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from diff2_flwr.core import distributed
 from diff2_flwr.core.distributed import client_rng

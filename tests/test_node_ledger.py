@@ -15,7 +15,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 

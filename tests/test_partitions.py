@@ -260,7 +260,7 @@ def test_sizes_n_min_and_sigma_are_printed_before_training():
     assert f"sizes {list(data.shard_sizes)}" in text and "square" in text
     cal = cfg_of().calibration(data.n_min)
     assert f"n_min = {data.n_min} (client 0): σ1 = {cal.sigma1:.4g}, σ2 = {cal.sigma2:.4g}" in text
-    assert f"an IID split of the same 1600 samples would give n_min = 320" in text
+    assert "an IID split of the same 1600 samples would give n_min = 320" in text
     iid_lines: list[str] = []
     build_server(cfg_of(), record=False, progress=iid_lines.append)
     assert any("n_min = 320 (client 0)" in line for line in iid_lines)

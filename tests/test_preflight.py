@@ -24,7 +24,6 @@ from diff2_flwr import cli
 from diff2_flwr.core.privacy import calibrate, expected_noise_norm
 from diff2_flwr.runtime.config import ConfigError, load_run_config, parse_config
 from diff2_flwr.runtime.console import RunConsole
-from diff2_flwr.runtime.driver import run_inprocess
 from diff2_flwr.runtime.noise_report import LOSS_RISE_LIMIT, NOISE_RATIO_LIMIT, loss_rise, noise_warning
 from diff2_flwr.runtime.session import PreflightError, preflight
 

@@ -209,7 +209,7 @@ def clipped_sums(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.T
     """
     dtype = cur.a.dtype
     K, H, M = cur.a.shape
-    O, F = cur.grad_out.shape[1], x.shape[0]
+    O = cur.grad_out.shape[1]
     for name, t, shape in (("a", cur.a, (K, H, M)), ("dphi", cur.dphi, (K, H, M)),
                            ("grad_out", cur.grad_out, (K, O, M)), ("w_out", cur.w_out, (K, O, H))):
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():

@@ -139,7 +139,7 @@ def run_local_phase(task: LocalTask, num_samples: int, clipped_sum: ClippedSum) 
     y_prev, w = x0, v
     with np.errstate(over="ignore", invalid="ignore"):
         y = y_prev - m.learning_rate * w
-    sizes, clipped, overflow = [], 0, False
+    sizes, clipped = [], 0
     for k in range(1, m.steps):
         radius = difference_radius(m.clip, y, y_prev)
         std = m.sigma * radius

@@ -11,21 +11,17 @@ driver make the same calls in the same order.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..core.aggregation import Reply
-from ..core.distributed import DistributedNoise
-from ..core.estimator import Diff2State, Diverged, Mechanism, Release, RoundPlan
-from ..core.layout import ParameterLayout
+from ..core.estimator import Diff2State, Diverged, Release, RoundPlan
 from ..core.local import LocalTask, choose_worker
 from ..core.privacy import PrivacyLedger
 from . import server_core
 from .checkpoint import Checkpoint
 from .journal import Journal
-from .outputs import RunRecorder
 from .server_core import OutOfTurn, PendingLocal, Released, ServerSpec, ServerState
 
 __all__ = ["Diff2Server"]
