@@ -27,13 +27,11 @@ References:
 
 from __future__ import annotations
 
-import fcntl
 import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import ContextManager
 
-from .secret_files import fsync_folder
+from .secret_files import exclusive_lock, fsync_folder
 
 __all__ = ["AnswerLog", "AnswerLogError", "Replayed"]
 
@@ -131,19 +129,10 @@ class AnswerLog:
             raise AnswerLogError(f"Answer log {self.path} could not be written ({err}); nothing was answered. Free "
                                  "space on its file system or fix its folder's permissions.") from err
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        try:
-            _make_private_folders(self.path.parent)
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as err:
-            raise AnswerLogError(f"Answer log {self.path}: cannot create its folder or lock file ({err}); nothing "
-                                 "was answered. The ClientApp's user must be able to write that folder.") from err
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+    def _locked(self) -> ContextManager[None]:
+        return exclusive_lock(self.lock_path, lambda err: AnswerLogError(
+            f"Answer log {self.path}: cannot create its folder or lock file ({err}); nothing was answered. The "
+            "ClientApp's user must be able to write that folder."))
 
 
 def _field(value: str, what: str) -> str:
@@ -151,16 +140,3 @@ def _field(value: str, what: str) -> str:
     if not text or any(c in text for c in "\t\r\n"):
         raise ValueError(f"An answer log's {what} must be non-empty text without tabs or line breaks. Found {text!r}.")
     return text
-
-
-def _make_private_folders(folder: Path) -> None:
-    """Create the missing folders of ``folder`` with mode 0700 (existing ones are left as they are)."""
-    missing = []
-    while not folder.exists():
-        missing.append(folder)
-        folder = folder.parent
-    for path in reversed(missing):
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass

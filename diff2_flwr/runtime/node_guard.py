@@ -108,8 +108,9 @@ class NodeGuard:
             self._refuse("radius", f"round {r}'s clipping radius is {radius!r}; the run config makes it {expected!r} "
                          f"({self._radius_rule(want)}).")
         # last, once every check passed: a share draws noise (never twice); a clipped mean is the same for the same task
-        distributed = self.cfg.private and self.cfg.privacy.distributed
-        self._claim(r, "train", None if distributed else _task_digest(r, radius, n_min, x_current, x_previous))
+        if self.answers is not None:  # (no record kept: no digest to compute)
+            distributed = self.cfg.private and self.cfg.privacy.distributed
+            self._claim(r, "train", None if distributed else _task_digest(r, radius, n_min, x_current, x_previous))
 
     def _radius(self, r: int, x_current: np.ndarray, x_previous: np.ndarray | None) -> float:
         t = self.cfg.training

@@ -21,20 +21,18 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import math
 import os
 import secrets
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, ContextManager, Mapping
 
 from ..core.privacy import RunEvents, composed_epsilon
-from .secret_files import fsync_folder
+from .secret_files import exclusive_lock, fsync_folder
 
 __all__ = [
     "Admission",
@@ -280,20 +278,10 @@ class NodeLedger:
             raise LedgerError(f"Node ledger {self.path} is not a diff2 node ledger (format {FORMAT!r}, version "
                               f"{VERSION}): {err}. {_WHAT_TO_DO_CORRUPT}") from err
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        try:
-            _make_folders(self.path.parent)
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as err:
-            raise LedgerError(f"Node ledger {self.path}: cannot create its folder or its lock file {self.lock_path} "
-                              f"({err}); nothing was charged. The ClientApp's user must be able to write the "
-                              "ledger's folder.") from err
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+    def _locked(self) -> ContextManager[None]:
+        return exclusive_lock(self.lock_path, lambda err: LedgerError(
+            f"Node ledger {self.path}: cannot create its folder or its lock file {self.lock_path} ({err}); nothing was "
+            "charged. The ClientApp's user must be able to write the ledger's folder."))
 
     def _write(self, state: _State) -> None:
         """Replace the ledger atomically and durably (call under the lock)."""
@@ -347,16 +335,3 @@ def _check_budget(epsilon: float, delta: float) -> None:
         raise ValueError(f"`budget_epsilon` (the node's lifetime ε_L) must be a finite number > 0. Found {epsilon!r}.")
     if not isinstance(delta, (int, float)) or not 0 < delta < 1:
         raise ValueError(f"`budget_delta` (the node's δ_L) must be in (0, 1). Found {delta!r}.")
-
-
-def _make_folders(folder: Path) -> None:
-    """Create the missing folders of ``folder`` with mode 0700 (existing ones are left as they are)."""
-    missing = []
-    while not folder.exists():
-        missing.append(folder)
-        folder = folder.parent
-    for path in reversed(missing):
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:  # another node process made it first
-            pass

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .answer_log import AnswerLog
+from .node_mode import simulated_node
 from .config import ConfigError, ExperimentConfig, PAPER_MLP, parse_section, read_yaml, require
 
 __all__ = ["BUILTIN_MODELS", "ENV_VAR", "NODE_CONFIG_KEY", "CanaryPolicy", "LifetimeBudget", "NodePolicy",
@@ -215,7 +216,7 @@ def answer_log_of(node_config: Mapping[str, Any], environ: Mapping[str, str] = o
     path = policy_path(node_config, environ)
     if path is None:
         return None
-    shared = NODE_CONFIG_KEY not in node_config
+    shared = NODE_CONFIG_KEY not in node_config and simulated_node(node_config)  # as NodeGuard.admit_run decides
     return AnswerLog(load_policy(path).answers_path(int(node_config.get("partition-id", 0)), shared))
 
 

@@ -9,11 +9,15 @@ moment (it is created 0600, then written).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
-__all__ = ["SECRET_BYTES", "append_private", "fsync_folder", "private_folder", "write_private", "make_superexec_secret"]
+__all__ = ["SECRET_BYTES", "append_private", "exclusive_lock", "fsync_folder", "make_missing_folders", "private_folder",
+           "write_private", "make_superexec_secret"]
 
 #: Bytes of entropy of a SuperExec secret (written as hex; Flower reads the file's exact bytes).
 SECRET_BYTES = 32
@@ -71,3 +75,34 @@ def fsync_folder(folder: str | os.PathLike[str]) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def make_missing_folders(folder: str | os.PathLike[str]) -> None:
+    """Create the missing folders of ``folder`` with mode 0700 by ``mkdir``'s mode (no window with wider modes);
+    existing ones are left as they are (another process may make one first)."""
+    folder, missing = Path(folder), []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+
+
+@contextmanager
+def exclusive_lock(lock_path: str | os.PathLike[str], error: Callable[[OSError], Exception]) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (created 0600, its missing folders 0700) for the ``with`` block:
+    the read-check-write of a node's durable files (its ledger, its answer log). A folder or lock file that cannot be
+    made raises ``error(oserror)``; nothing of the block runs then."""
+    try:
+        make_missing_folders(Path(lock_path).parent)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as err:
+        raise error(err) from err
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
