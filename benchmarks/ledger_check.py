@@ -17,12 +17,13 @@ from diff2_flwr.core.privacy import GaussianEvent, PrivacyLedger, calibrate
 
 
 def check(rounds: int, restart_every: int, epsilon: float, delta: float) -> dict:
-    cal = calibrate(epsilon=epsilon, delta=delta, rounds=rounds, restart_every=restart_every, u=1.25, n_min=1651,
-                    clients=10)
+    cal = calibrate(epsilon=epsilon, delta=delta, rounds=rounds, restart_every=restart_every,
+                    u=1.25, n_min=1651, clients=10)
     ledger, worst, started = PrivacyLedger(delta), (0.0, 0), time.perf_counter()
     for r in range(1, rounds + 1):
         restart = (r - 1) % restart_every == 0
-        ledger = ledger.record(GaussianEvent(cal.z1 if restart else cal.z2, "restart" if restart else "difference"))
+        ledger = ledger.record(GaussianEvent(cal.z1 if restart else cal.z2,
+                                             "restart" if restart else "difference"))
         exact, pld = ledger.epsilon, ledger.epsilon_pld
         gap = abs(pld - exact) / exact if exact > 0 else (0.0 if pld == 0 else float("inf"))
         worst = max(worst, (gap, r))
@@ -39,7 +40,8 @@ def main() -> None:
     parser.add_argument("--epsilon", type=float, default=3.0)
     parser.add_argument("--delta", type=float, default=1e-5)
     args = parser.parse_args()
-    print(json.dumps([check(args.rounds, t, args.epsilon, args.delta) for t in args.restart_every], indent=2))
+    print(json.dumps([check(args.rounds, t, args.epsilon, args.delta) for t in args.restart_every],
+                     indent=2))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """Flower ClientApp: one worker per SuperNode, holding shard ``partition-id`` of ``num-partitions``.
 
-With ``training.clients: auto``, P is ``num-partitions`` (in a simulation, Flower's number of SuperNodes: the same
-number the ServerApp resolved).
+With ``training.clients: auto``, P is ``num-partitions`` (in a simulation, Flower's number of
+SuperNodes: the same number the ServerApp resolved).
 
-The node's operator may give it a policy (node config ``policy``, or ``$DIFF2_NODE_POLICY`` in a simulation):
-see :mod:`diff2_flwr.runtime.policy`. The run is checked against it before any record is read.
+The node's operator may give it a policy (node config ``policy``, or ``$DIFF2_NODE_POLICY`` in a
+simulation): see :mod:`diff2_flwr.runtime.policy`. The run is checked against it before any record
+is read.
 
-A data owner's node (anything but a node of Flower's simulation engine: :mod:`diff2_flwr.runtime.node_mode`) takes
-settings from the run config, never paths: it reads the experiment file only from inside the app bundle or its own
-``experiments`` folder, its records only from its node config's ``data-path``, and no error it raises quotes a
-file's content (the error text travels to the server).
+A data owner's node (anything but a node of Flower's simulation engine:
+:mod:`diff2_flwr.runtime.node_mode`) takes settings from the run config, never paths: it reads the
+experiment file only from inside the app bundle or its own ``experiments`` folder, its records only
+from its node config's ``data-path``, and no error it raises quotes a file's content (the error text
+travels to the server).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from diff2_flwr.runtime.session import build_worker
 @functools.lru_cache(maxsize=8)
 def _config(run_config: tuple[tuple[str, bool | int | float | str], ...],
             node_config: tuple[tuple[str, Any], ...] | None) -> ExperimentConfig:
-    return load_run_config(dict(run_config), node_config=None if node_config is None else dict(node_config),
+    return load_run_config(dict(run_config),
+                           node_config=None if node_config is None else dict(node_config),
                            quote=False)
 
 
@@ -56,54 +59,67 @@ def _node_keys(context: Context) -> tuple[int, int]:
 
 
 def run_experiment(context: Context) -> ExperimentConfig:
-    """The run's experiment as this node reads it: a simulated node (:func:`simulated_node`) from wherever the run
-    config names, a data owner's node only from the app bundle or its own ``experiments`` folder, and only once its
-    node config names its records (``data-path``); errors quote nothing of the file either way (they travel to the
-    server). The SecAgg+ mod calls it too, before ``client_fn``."""
+    """The run's experiment as this node reads it: a simulated node (:func:`simulated_node`) from
+    wherever the run config names, a data owner's node only from the app bundle or its own
+    ``experiments`` folder, and only once its node config names its records (``data-path``); errors
+    quote nothing of the file either way (they travel to the server). The SecAgg+ mod calls it too,
+    before ``client_fn``."""
     if simulated_node(context.node_config):
         return _config(tuple(sorted(context.run_config.items())), None)
-    if not context.node_config.get("data-path"):  # the run config's dataset settings would name files on this node
+    # the run config's dataset settings would name files on this node
+    if not context.node_config.get("data-path"):
         partition = context.node_config.get("partition-id", "?")
-        raise Refused(f"node {context.node_id} (partition {partition})", "data-path", "this SuperNode runs outside "
-                      "Flower's simulation engine, so it is a data owner's node, and its node config names no "
-                      "data-path: it reads its records only from the shard file its own node config names, never from "
-                      "the run config's dataset settings. Its operator adds data-path=\"/path/shard-<i>-of-<P>.npz\" "
-                      "(written by `diff2 shard`).")
-    return _config(tuple(sorted(context.run_config.items())), tuple(sorted(context.node_config.items())))
+        raise Refused(f"node {context.node_id} (partition {partition})", "data-path",
+                      "this SuperNode runs outside Flower's simulation engine, so it is a data "
+                      "owner's node, and its node config names no data-path: it reads its records "
+                      "only from the shard file its own node config names, never from the run "
+                      "config's dataset settings. Its operator adds "
+                      "data-path=\"/path/shard-<i>-of-<P>.npz\" (written by `diff2 shard`).")
+    return _config(tuple(sorted(context.run_config.items())),
+                   tuple(sorted(context.node_config.items())))
 
 
 def client_fn(context: Context) -> Client:
     partition_id, num_partitions = _node_keys(context)
     deployment = not simulated_node(context.node_config)
-    data_path = context.node_config.get("data-path")  # a deployment: this node's own shard file only
-    policy = _policy(policy_path(context.node_config))  # the node's own file, before anything the run config names
+    # a deployment: this node's own shard file only
+    data_path = context.node_config.get("data-path")
+    # the node's own file, before anything the run config names
+    policy = _policy(policy_path(context.node_config))
     name = policy.name if policy is not None and policy.name else f"partition {partition_id}"
     node = f"node {context.node_id} ({name})"
-    # The ServerApp's run config: the same file with the same overridden keys (a deployment: from the bundle only).
+    # The ServerApp's run config: the same file with the same overridden keys (a deployment: from
+    # the bundle only).
     cfg = run_experiment(context)
-    # A fixed thread count (default 1: simulation runs several workers per core) keeps the floating-point
-    # reductions, and so the replies, equal to the in-process driver's.
+    # A fixed thread count (default 1: simulation runs several workers per core) keeps the
+    # floating-point reductions, and so the replies, equal to the in-process driver's.
     pin_threads(cfg.training.threads)
-    if cfg.clients_auto:  # P = the federation's partitions, as the ServerApp resolved it from the same simulation
+    # P = the federation's partitions, as the ServerApp resolved it from the same simulation
+    if cfg.clients_auto:
         cfg = cfg.with_clients(num_partitions, "the node config's num-partitions")
     if num_partitions != cfg.clients:
         raise ValueError(
-            f"Node config num-partitions = {num_partitions} but {cfg.source} has training.clients = "
-            f"{cfg.clients}; they must match (in a simulation, num-supernodes = training.clients)."
+            f"Node config num-partitions = {num_partitions} but {cfg.source} has training.clients "
+            f"= {cfg.clients}; they must match (in a simulation, num-supernodes = "
+            f"training.clients)."
         )
     # Before any record is read or any model factory imported: the run against this node's policy.
-    guard = NodeGuard.admit_run(cfg, node=node, partition_id=partition_id, run_id=context.run_id, policy=policy,
-                                deployment=deployment, shared_policy=NODE_CONFIG_KEY not in context.node_config)
+    guard = NodeGuard.admit_run(cfg, node=node, partition_id=partition_id, run_id=context.run_id,
+                                policy=policy, deployment=deployment,
+                                shared_policy=NODE_CONFIG_KEY not in context.node_config)
     noise = None
-    if cfg.private and cfg.privacy.distributed:  # the node's own settings: its noise share follows its run config
+    # the node's own settings: its noise share follows its run config
+    if cfg.private and cfg.privacy.distributed:
         noise = functools.partial(_distributed_noise, cfg)
     client = Diff2Client if _fault(partition_id) is None else _FaultyClient
-    return client(functools.partial(build_worker, cfg, partition_id, None if data_path is None else str(data_path)),
+    return client(functools.partial(build_worker, cfg, partition_id,
+                                    None if data_path is None else str(data_path)),
                   guard, noise=noise, seed=cfg.training.seed).to_client()
 
 
 def _fault(partition_id: int) -> int | None:
-    """Fault injection (tests): ``DIFF2_FAULT_CLIENT_FAILS=p:r`` makes partition p fail its round-r task."""
+    """Fault injection (tests): ``DIFF2_FAULT_CLIENT_FAILS=p:r`` makes partition p fail its round-r
+    task."""
     spec = os.environ.get("DIFF2_FAULT_CLIENT_FAILS", "")
     p, _, r = spec.partition(":")
     return int(r) if p and int(p) == partition_id else None
@@ -125,7 +141,8 @@ def _distributed_noise(cfg: ExperimentConfig, n_min: int, dim: int) -> Distribut
 
 
 def _secure_sum_settings(context: Context) -> tuple[int, int, int] | None:
-    """(P, t, bits) when this run's config asks for distributed noise (its messages then go through SecAgg+ only)."""
+    """(P, t, bits) when this run's config asks for distributed noise (its messages then go through
+    SecAgg+ only)."""
     cfg = run_experiment(context)
     if not (cfg.private and cfg.privacy.distributed):
         return None
@@ -133,4 +150,5 @@ def _secure_sum_settings(context: Context) -> tuple[int, int, int] | None:
     return clients, cfg.privacy.tolerated, cfg.privacy.bits
 
 
-app = ClientApp(client_fn=client_fn, mods=[secure_sum_mod(_secure_sum_settings, round_key=protocol.ROUND)])
+app = ClientApp(client_fn=client_fn, mods=[secure_sum_mod(_secure_sum_settings,
+                                                          round_key=protocol.ROUND)])

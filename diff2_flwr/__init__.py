@@ -6,8 +6,9 @@ stays light: no torch, no Flower until you call them):
 - :func:`diff2_flwr.make_strategy` — the server's Flower ``Strategy``;
 - :func:`diff2_flwr.make_client` — one data owner's Flower ``NumPyClient``;
 
-and, for distributed noise (the server sees only the clients' SecAgg+ sum), :func:`diff2_flwr.run_secure` (the
-ServerApp's rounds) and :func:`diff2_flwr.secure_sum_mod` (every ClientApp's mod).
+and, for distributed noise (the server sees only the clients' SecAgg+ sum),
+:func:`diff2_flwr.run_secure` (the ServerApp's rounds) and :func:`diff2_flwr.secure_sum_mod` (every
+ClientApp's mod).
 """
 
 from __future__ import annotations

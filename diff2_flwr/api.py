@@ -9,10 +9,12 @@ both are thin: the YAML path builds the same server and worker with the same run
 
 Example (a ServerApp and a ClientApp; see docs/tutorials/own-model-and-data.md)::
 
-    strategy = diff2_flwr.make_strategy(epsilon=3.0, delta=1e-5, rounds=20, restart_every=5, clients=3,
-                                        n_min=200, clip_restart=1.0, clip_diff=3.0, learning_rate=0.2,
-                                        model=make_model(), seed=None)
-    client = diff2_flwr.make_client(model=make_model(), loss=per_sample_loss, data=dataset, partition_id=0)
+    strategy = diff2_flwr.make_strategy(epsilon=3.0, delta=1e-5, rounds=20, restart_every=5,
+    clients=3,
+                                        n_min=200, clip_restart=1.0, clip_diff=3.0,
+                                        learning_rate=0.2, model=make_model(), seed=None)
+    client = diff2_flwr.make_client(model=make_model(), loss=per_sample_loss, data=dataset,
+    partition_id=0)
 
 References:
     Murata & Suzuki (2023), "DIFF2: Differential Private Optimization via Gradient Differences for
@@ -39,15 +41,18 @@ from .runtime.session import make_server, make_worker
 
 __all__ = ["make_strategy", "make_client", "run_secure", "secure_sum_mod"]
 
-#: make_strategy's arguments that set no key of the experiment: x_0, callables, where the run writes, the
-#: Strategy's patience. Every other argument is a setting, validated and named by its declaration
-#: (:func:`~diff2_flwr.runtime.spec.argument_names`): a new setting is a new keyword argument, no new plumbing.
-_NOT_SETTINGS = frozenset({"model", "initial_parameters", "evaluate_fn", "output_dir", "checkpoint", "progress",
+#: make_strategy's arguments that set no key of the experiment: x_0, callables, where the run
+#: writes, the Strategy's patience. Every other argument is a setting, validated and named by its
+#: declaration (:func:`~diff2_flwr.runtime.spec.argument_names`): a new setting is a new keyword
+#: argument, no new plumbing.
+_NOT_SETTINGS = frozenset({"model", "initial_parameters", "evaluate_fn", "output_dir", "checkpoint",
+                           "progress",
                            "wait_for_clients_s"})
 
-#: The declared settings that are not make_strategy arguments, and why (a key ending in "." stands for its section).
-#: Both ways are checked (tests/test_wiring.py): every other declared setting is an argument, every argument but
-#: :data:`_NOT_SETTINGS` a declared setting; a new setting fails that test until it is one or is listed here.
+#: The declared settings that are not make_strategy arguments, and why (a key ending in "." stands
+#: for its section). Both ways are checked (tests/test_wiring.py): every other declared setting is
+#: an argument, every argument but :data:`_NOT_SETTINGS` a declared setting; a new setting fails
+#: that test until it is one or is listed here.
 NOT_ARGUMENTS: dict[str, str] = {
     "method": "make_strategy runs DIFF2 (restart_every=1 is DP-GD)",
     "dataset.": "the records are the clients' (make_client's `data`)",
@@ -99,20 +104,23 @@ def make_strategy(
     wrap: float = 1e-6,
     progress: Callable[[str], None] | None = print,
 ) -> Diff2Strategy:
-    """A Flower ``Strategy`` that runs DIFF2 with (ε, δ)-DP for ``rounds`` rounds over all ``clients``.
+    """A Flower ``Strategy`` that runs DIFF2 with (ε, δ)-DP for ``rounds`` rounds over all
+    ``clients``.
 
     Args:
         epsilon, delta: the privacy budget of the whole run (record-level, replace-one, central DP).
         rounds: R, the number of rounds; the ServerApp runs ``strategy.num_rounds`` Flower rounds.
         restart_every: T; a restart round every T rounds, difference rounds between (1: DP-GD).
-        clients: P; every round needs exactly P clients, each replying once (else nothing is released).
+        clients: P; every round needs exactly P clients, each replying once (else nothing is
+            released).
         n_min: the fewest records any client holds; the noise is calibrated for it, and a reply with
             fewer records is refused.
         clip_restart, clip_diff: C₁ and C₂, the clipping radii of restart and difference rounds.
         learning_rate: η of the routine's step.
-        routine: how x_r is computed from the released ṽ_r: "gd" (x_r = x_{r-1} - η ṽ_r), or a name or
-            mapping as the experiment file's ``training.routine`` ("momentum", "nesterov", "adam",
-            "adamw", e.g. ``{"name": "adam", "beta1": 0.9}``). Post-processing: no privacy cost.
+        routine: how x_r is computed from the released ṽ_r: "gd" (x_r = x_{r-1} - η ṽ_r), or a
+            name or mapping as the experiment file's ``training.routine`` ("momentum", "nesterov",
+            "adam", "adamw", e.g. ``{"name": "adam", "beta1": 0.9}``). Post-processing: no privacy
+            cost.
         model, initial_parameters: x₀, exactly one of them: a ``torch.nn.Module`` (its trainable
             parameters) or one array per tensor (a list, or Flower ``Parameters``).
         u: the paper's u > 1 (noise split between restart and difference rounds; 1.25 in the paper).
@@ -120,43 +128,52 @@ def make_strategy(
         seed: an integer makes the noise reproducible (research only); None draws it from the OS.
         evaluate_fn: ``evaluate_fn(arrays) -> {metric: value}`` on each released iterate (every
             ``eval_every`` rounds and always rounds 0 and R), on data the server may see.
-        output_dir: if given, per-round metrics and a summary go to a new folder under it (``name``-…).
+        output_dir: if given, per-round metrics and a summary go to a new folder under it
+            (``name``-…).
         checkpoint: if given, a file of the server's state, durable after every round; an existing
             checkpoint of the same run is resumed.
-        round_retries: rounds whose clients failed are retried (releasing nothing) this many times in all.
+        round_retries: rounds whose clients failed are retried (releasing nothing) this many
+            times in all.
         wait_for_clients_s: how long each round waits for all P clients to connect.
-        local_steps, local_batch_size, local_clip, local_share: DIFF2's private BVR-L-SGD local routine, as
-            the experiment file's ``local.*`` (0 steps: off; docs/how-to/local-routine.md). Each
-            round then takes two Flower rounds: all P clients, then the one drawn for the K - 1 local steps.
-        clip_stats: release each round's ``clip_fraction`` (the share of records clipped) in the history,
-            metrics and progress lines. Off by default: it is counted on the private data without noise,
-            is not covered by ε, and is announced with a warning when on.
-        noise, bits, tolerated, wrap: who adds the noise, as the experiment file's ``privacy.*``: "central" (this
-            server, trusted with each client's clipped mean) or "distributed" (each client adds a Skellam share and
-            this server decodes only their SecAgg+ sum; ``bits`` per coordinate, t = ``tolerated`` clients may drop
-            out or collude, ``wrap`` bounds a round's wrap-around probability). With "distributed" the ServerApp
+        local_steps, local_batch_size, local_clip, local_share: DIFF2's private BVR-L-SGD local
+            routine, as the experiment file's ``local.*`` (0 steps: off;
+            docs/how-to/local-routine.md). Each round then takes two Flower rounds: all P clients,
+            then the one drawn for the K - 1 local steps.
+        clip_stats: release each round's ``clip_fraction`` (the share of records clipped) in the
+            history, metrics and progress lines. Off by default: it is counted on the private data
+            without noise, is not covered by ε, and is announced with a warning when on.
+        noise, bits, tolerated, wrap: who adds the noise, as the experiment file's
+            ``privacy.*``: "central" (this server, trusted with each client's clipped mean) or
+            "distributed" (each client adds a Skellam share and this server decodes only their
+            SecAgg+ sum; ``bits`` per coordinate, t = ``tolerated`` clients may drop out or collude,
+            ``wrap`` bounds a round's wrap-around probability). With "distributed" the ServerApp
             runs the rounds with :func:`diff2_flwr.run_secure` and every ClientApp has
-            :func:`diff2_flwr.secure_sum_mod` and a :func:`make_client` given the same ``distributed`` settings.
+            :func:`diff2_flwr.secure_sum_mod` and a :func:`make_client` given the same
+            ``distributed`` settings.
         progress: where progress lines go (None: silent).
 
     Returns:
-        A :class:`~diff2_flwr.fl.strategy.Diff2Strategy`; give ``ServerConfig(num_rounds=strategy.num_rounds)``.
+        A :class:`~diff2_flwr.fl.strategy.Diff2Strategy`; give
+            ``ServerConfig(num_rounds=strategy.num_rounds)``.
 
     Raises:
-        ConfigError: an argument is invalid (the message names it, what was expected and what was found),
-            or the schedule cannot meet the budget.
+        ConfigError: an argument is invalid (the message names it, what was expected and what
+            was found), or the schedule cannot meet the budget.
     """
     given = dict(locals())  # first: the keyword arguments as called, and nothing else
     function = "diff2_flwr.make_strategy"
-    spec = experiment_from_arguments(function, {k: v for k, v in given.items() if k not in _NOT_SETTINGS},
+    spec = experiment_from_arguments(function, {k: v for k,
+                                                v in given.items() if k not in _NOT_SETTINGS},
                                      method="diff2")
     if isinstance(initial_parameters, Parameters):
         initial_parameters = parameters_to_ndarrays(initial_parameters)
-    # round_retries is the Strategy's: left out of the server's spec (and so of a checkpoint's fingerprint), so that
-    # a resumed run may retry more or less than the run it resumes.
-    server_spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training, round_retries=0))
-    server = make_server(server_spec, model=model, initial_parameters=initial_parameters, evaluate_fn=evaluate_fn,
-                         output_dir=output_dir, checkpoint=checkpoint, progress=progress, source=function)
+    # round_retries is the Strategy's: left out of the server's spec (and so of a checkpoint's
+    # fingerprint), so that a resumed run may retry more or less than the run it resumes.
+    server_spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training,
+                                                                         round_retries=0))
+    server = make_server(server_spec, model=model, initial_parameters=initial_parameters,
+                         evaluate_fn=evaluate_fn, output_dir=output_dir, checkpoint=checkpoint,
+                         progress=progress, source=function)
     return Diff2Strategy(server=server, round_retries=spec.training.round_retries,
                          wait_for_clients_s=wait_for_clients_s)
 
@@ -173,38 +190,42 @@ def make_client(
     distributed: Mapping[str, Any] | None = None,
     seed: int | None = None,
 ) -> Diff2Client:
-    """A Flower ``NumPyClient`` for one data owner: ClippedMean of its per-sample gradients (differences).
+    """A Flower ``NumPyClient`` for one data owner: ClippedMean of its per-sample gradients
+    (differences).
 
     Args:
-        model: the same architecture as the server's x₀ (copied; its values come from the server each round).
-            Modules that mix the samples of a batch (batch-norm) are refused.
-        loss: ``loss(output[n, ...], target[n]) -> losses[n]``, one loss per record (no reduction), or
-            "half_squared_error" / "cross_entropy".
+        model: the same architecture as the server's x₀ (copied; its values come from the server
+            each round). Modules that mix the samples of a batch (batch-norm) are refused.
+        loss: ``loss(output[n, ...], target[n]) -> losses[n]``, one loss per record (no
+            reduction), or "half_squared_error" / "cross_entropy".
         data: this client's records: ``(features, targets)`` tensors or arrays, or a map-style torch
-            ``Dataset`` of ``(features, target)`` pairs (read ``chunk_size`` records at a time, every
-            record once per round; pass ``loader.dataset``, not a DataLoader).
+            ``Dataset`` of ``(features, target)`` pairs (read ``chunk_size`` records at a time,
+            every record once per round; pass ``loader.dataset``, not a DataLoader).
         partition_id: this client's number (in replies and error messages).
         dtype: "float64" (default) or "float32", the compute dtype of the per-sample gradients.
         chunk_size: records per ``torch.func`` batch (bounds memory).
-        gradients: "auto" (closed form for the paper MLP with ½-squared error, ``torch.func`` otherwise),
-            "torch_func", or "closed_form".
+        gradients: "auto" (closed form for the paper MLP with ½-squared error, ``torch.func``
+            otherwise), "torch_func", or "closed_form".
         distributed: for a strategy with ``noise="distributed"``: the same run settings as its
-            :func:`make_strategy` call, from which this client computes its own noise share: ``epsilon``,
-            ``delta``, ``rounds``, ``restart_every``, ``clients`` and optionally ``u``, ``bits``, ``tolerated``,
-            ``wrap`` (its defaults). None: central noise (the reply is the clipped mean).
-        seed: with ``distributed``, reproducible noise shares from (seed, partition, round) (tests only; None:
-            OS entropy).
+            :func:`make_strategy` call, from which this client computes its own noise share:
+            ``epsilon``, ``delta``, ``rounds``, ``restart_every``, ``clients`` and optionally ``u``,
+            ``bits``, ``tolerated``, ``wrap`` (its defaults). None: central noise (the reply is the
+            clipped mean).
+        seed: with ``distributed``, reproducible noise shares from (seed, partition, round)
+            (tests only; None: OS entropy).
 
     Returns:
-        A :class:`~diff2_flwr.fl.client.Diff2Client`; a ClientApp's ``client_fn`` returns ``.to_client()`` of it.
+        A :class:`~diff2_flwr.fl.client.Diff2Client`; a ClientApp's ``client_fn`` returns
+            ``.to_client()`` of it.
 
     Raises:
         ConfigError, ValueError: an argument is invalid (the message names it and says what to do).
     """
     function = "diff2_flwr.make_client"
     noise = None if distributed is None else _distributed_settings(function, distributed)
-    return Diff2Client(make_worker(model=model, loss=loss, data=data, partition_id=partition_id, dtype=dtype,
-                                   chunk_size=chunk_size, gradients=gradients, _function=function),
+    return Diff2Client(make_worker(model=model, loss=loss, data=data, partition_id=partition_id,
+                                   dtype=dtype, chunk_size=chunk_size, gradients=gradients,
+                                   _function=function),
                        noise=noise, seed=seed)
 
 
@@ -213,16 +234,21 @@ _DISTRIBUTED_OPTIONAL = ("u", "bits", "tolerated", "wrap")
 
 
 def _distributed_settings(function: str, given: Mapping[str, Any]) -> Callable[[int, int], Any]:
-    """``make_client(distributed=...)``: the run's settings checked as the strategy's are (by the experiment
-    file's checks, named as the caller wrote them); the client's ``noise(n_min, dim)``."""
+    """``make_client(distributed=...)``: the run's settings checked as the strategy's are (by the
+    experiment file's checks, named as the caller wrote them); the client's ``noise(n_min,
+    dim)``."""
     from .runtime.spec import argument_error
 
-    if not isinstance(given, Mapping) or set(given) - set(_DISTRIBUTED_REQUIRED + _DISTRIBUTED_OPTIONAL):
+    if not isinstance(given,
+                      Mapping) or set(given) - set(_DISTRIBUTED_REQUIRED + _DISTRIBUTED_OPTIONAL):
         raise argument_error(function, "distributed", "a mapping of the strategy's " + ", ".join(
             _DISTRIBUTED_REQUIRED + _DISTRIBUTED_OPTIONAL), given)
     missing = [k for k in _DISTRIBUTED_REQUIRED if k not in given]
     if missing:
-        raise argument_error(function, "distributed", f"the strategy's {', '.join(missing)} as well", dict(given))
-    spec = experiment_from_arguments(function, {**given, "noise": "distributed", "n_min": 1, "clip_restart": 1.0,
-                                                "clip_diff": 1.0, "learning_rate": 1.0}, method="diff2")
+        raise argument_error(function, "distributed",
+                             f"the strategy's {', '.join(missing)} as well", dict(given))
+    spec = experiment_from_arguments(function, {**given, "noise": "distributed", "n_min": 1,
+                                                "clip_restart": 1.0,
+                                                "clip_diff": 1.0, "learning_rate": 1.0},
+                                                method="diff2")
     return functools.lru_cache(maxsize=8)(spec.distributed_noise)

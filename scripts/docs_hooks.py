@@ -1,7 +1,9 @@
-"""MkDocs hooks (mkdocs.yml ``hooks:``): add the generated reference pages to the site while it builds.
+"""MkDocs hooks (mkdocs.yml ``hooks:``): add the generated reference pages to the site while it
+builds.
 
-``reference/configuration.md`` comes from the settings' declarations and ``reference/cli.md`` from the ``diff2``
-parser (diff2_flwr/cli/docs.py), so neither can drift from the code. A setting without help text fails the build.
+``reference/configuration.md`` comes from the settings' declarations and ``reference/cli.md`` from
+the ``diff2`` parser (diff2_flwr/cli/docs.py), so neither can drift from the code. A setting without
+help text fails the build.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from diff2_flwr.cli.docs import GENERATED
 def on_files(files: Files, config) -> Files:
     for path, render in GENERATED.items():
         if files.get_file_from_path(path) is not None:
-            raise PluginError(f"docs/{path} is generated while the site builds: delete the file in docs/")
+            raise PluginError(
+                f"docs/{path} is generated while the site builds: delete the file in docs/")
         try:
             content = render()
         except ValueError as err:

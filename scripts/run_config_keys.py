@@ -1,8 +1,9 @@
-"""Write the run-config keys of pyproject.toml's [tool.flwr.app.config] from the config's declaration.
+"""Write the run-config keys of pyproject.toml's [tool.flwr.app.config] from the config's
+declaration.
 
-Flower refuses a run-config key the app does not declare, so every settable key of the experiment file
-(``diff2_flwr.runtime.config.config_keys()``) is declared there with the default "" (= as in the file). The
-list is derived, never edited by hand: after declaring a new setting, run
+Flower refuses a run-config key the app does not declare, so every settable key of the experiment
+file (``diff2_flwr.runtime.config.config_keys()``) is declared there with the default "" (= as in
+the file). The list is derived, never edited by hand: after declaring a new setting, run
 
     .venv/bin/python scripts/run_config_keys.py
 
@@ -18,7 +19,8 @@ from diff2_flwr.runtime.config import config_keys
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 #: The last line before the generated keys, and the first line after them.
-START = "# (strings are read as YAML). Generated from the config's declaration: scripts/run_config_keys.py.\n"
+START = ("# (strings are read as YAML). Generated from the config's declaration: "
+         "scripts/run_config_keys.py.\n")
 END = "\n# ---------------------------------------------------------------- tools\n"
 
 
@@ -27,7 +29,8 @@ def render(text: str) -> str:
     head, start, rest = text.partition(START)
     _, end, tail = rest.partition(END)
     if not start or not end:
-        raise SystemExit(f"{PYPROJECT}: cannot find the run-config list ({START.strip()!r} ... {END.strip()!r})")
+        raise SystemExit(
+            f"{PYPROJECT}: cannot find the run-config list ({START.strip()!r} ... {END.strip()!r})")
     keys = "".join(f'"{key}" = ""\n' for key in config_keys())
     return head + start + keys + end + tail
 

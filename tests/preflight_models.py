@@ -1,5 +1,5 @@
-"""Model factories that are mistakes, for tests/test_preflight.py (named in configs as ``preflight_models:<name>``;
-the tests put this folder on PYTHONPATH)."""
+"""Model factories that are mistakes, for tests/test_preflight.py (named in configs as
+``preflight_models:<name>``; the tests put this folder on PYTHONPATH)."""
 
 from __future__ import annotations
 

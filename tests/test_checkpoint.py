@@ -1,4 +1,5 @@
-"""Checkpoint and resume: a restarted server continues the same trajectory and ledger, never counts twice."""
+"""Checkpoint and resume: a restarted server continues the same trajectory and ledger, never counts
+twice."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ ROUNDS = 7
 def config(tmp_path, seed=3, **training):
     return parse_config({
         "name": "ck", "method": "diff2", "dataset": {"name": "synthetic", "num_samples": 500},
-        "training": {"rounds": ROUNDS, "restart_every": 3, "learning_rate": 0.2, "clip_diff": 3.0, "clients": 3,
+        "training": {"rounds": ROUNDS, "restart_every": 3, "learning_rate": 0.2, "clip_diff": 3.0,
+                     "clients": 3,
                      "seed": seed, **training},
         "output": {"dir": str(tmp_path / "out"), "checkpoint": str(tmp_path / "state.npz")},
     })
@@ -34,7 +36,8 @@ def drive(cfg, server, until):
 
 
 def rows(server):
-    return [json.loads(line) for line in (server.recorder.directory / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line)
+            for line in (server.recorder.directory / "metrics.jsonl").read_text().splitlines()]
 
 
 def strip(history):
@@ -48,7 +51,8 @@ CASES = [(3, name) for name in ROUTINES] + [(None, "gd"), (None, "adam")]
 
 @pytest.mark.parametrize("seed,routine", CASES, ids=[f"{r}-seed{s}" for s, r in CASES])
 def test_resumed_run_equals_an_uninterrupted_one(tmp_path, seed, routine):
-    """For every routine: its state (momentum buffer, Adam's moments and count) is in the checkpoint."""
+    """For every routine: its state (momentum buffer, Adam's moments and count) is in the
+    checkpoint."""
     lr = {"adam": 0.02, "adamw": 0.02}.get(routine, 0.2)
     # the uninterrupted reference (its own checkpoint file)
     ref_cfg = config(tmp_path / "ref", seed=seed, routine=ROUTINES[routine], learning_rate=lr)
@@ -61,7 +65,8 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path, seed, routine):
         shutil.copy(tmp_path / "run" / "state.npz", saved)
     second = build_server(cfg, progress=None)
     assert second.state.round == 3 and second.recorder.directory == first.recorder.directory
-    assert repr(second.state.routine_state) == repr(first.state.routine_state)  # the same buffers, not fresh ones
+    # the same buffers, not fresh ones
+    assert repr(second.state.routine_state) == repr(first.state.routine_state)
     drive(cfg, second, ROUNDS)
     assert [r["round"] for r in rows(second)] == list(range(ROUNDS + 1))  # each round recorded once
     assert len(second.ledger.events) == ROUNDS
@@ -77,7 +82,8 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path, seed, routine):
 
 
 def test_a_round_lost_in_a_crash_is_recomputed_identically(tmp_path):
-    """Released but not checkpointed: the restarted server recomputes the same release, counted once."""
+    """Released but not checkpointed: the restarted server recomputes the same release, counted
+    once."""
     cfg = config(tmp_path)
     server = drive(cfg, build_server(cfg, progress=None), 2)
     saved = (tmp_path / "state.npz").read_bytes()
@@ -121,13 +127,15 @@ def test_a_checkpoint_of_another_routine_is_refused_naming_both(tmp_path):
     cfg = config(tmp_path, routine={"name": "adam", "beta1": 0.8})
     drive(cfg, build_server(cfg, progress=None), 2)
     for other in ("gd", {"name": "adam", "beta1": 0.9}, "adamw"):
-        with pytest.raises(CheckpointError, match=r"another configuration .*Its routine is \{'name': 'adam', "
+        with pytest.raises(CheckpointError,
+                           match=r"another configuration .*Its routine is \{'name': 'adam', "
                                                   r"'learning_rate': 0.2, 'beta1': 0.8, "):
             build_server(config(tmp_path, routine=other), progress=None)
 
 
 def test_a_format_2_checkpoint_is_still_read(tmp_path):
-    """Format 2 (before routine state) had the same fields but no routine: it is GD's and resumes as before."""
+    """Format 2 (before routine state) had the same fields but no routine: it is GD's and resumes as
+    before."""
     import io
 
     cfg = config(tmp_path)
@@ -139,15 +147,18 @@ def test_a_format_2_checkpoint_is_still_read(tmp_path):
     with np.load(path) as data:
         arrays = {k: data[k] for k in data.files}
     meta = json.loads(str(arrays["meta"]))
-    assert meta["format"] == "diff2-checkpoint/3" and meta["routine"] == {"name": "gd", "learning_rate": 0.2,
-                                                                           "state": {}, "arrays": []}
+    assert meta["format"] == "diff2-checkpoint/3" and meta["routine"] == {"name": "gd",
+                                                                          "learning_rate": 0.2,
+                                                                           "state": {},
+                                                                           "arrays": []}
     meta["format"] = "diff2-checkpoint/2"
     del meta["routine"]
     buffer = io.BytesIO()
     np.savez(buffer, **{**arrays, "meta": np.array(json.dumps(meta))})
     path.write_bytes(buffer.getvalue())
     # a GD checkpoint cannot seed a routine with state: the config differs, and the routine is named
-    with pytest.raises(CheckpointError, match=r"another configuration .*Its routine is \{'name': 'gd'\}"):
+    with pytest.raises(CheckpointError,
+                       match=r"another configuration .*Its routine is \{'name': 'gd'\}"):
         build_server(config(tmp_path, routine="momentum"), progress=None)
     resumed = build_server(cfg, progress=None)
     assert resumed.state.round == 3
@@ -172,7 +183,8 @@ def test_the_flower_strategy_continues_at_the_resumed_round(tmp_path):
 
 
 def test_the_checkpoint_is_durable_before_anything_of_the_round_is_written(tmp_path, monkeypatch):
-    """When round r's metrics row or a summary is written, the checkpoint on disk already holds round r."""
+    """When round r's metrics row or a summary is written, the checkpoint on disk already holds
+    round r."""
     from diff2_flwr.runtime import outputs
 
     cfg = config(tmp_path)
@@ -198,9 +210,11 @@ def test_the_checkpoint_is_durable_before_anything_of_the_round_is_written(tmp_p
     assert all(written == durable for _, written, durable in seen), seen
 
 
-def test_a_crash_between_checkpoint_and_row_resumes_without_recomputing_the_round(tmp_path, monkeypatch):
-    """The server dies after round 4's checkpoint, before its row: the resumed run writes round 4's row once,
-    equal to an uninterrupted run's, and goes on with round 5 (round 4 is not computed again)."""
+def test_a_crash_between_checkpoint_and_row_resumes_without_recomputing_the_round(tmp_path,
+                                                                                  monkeypatch):
+    """The server dies after round 4's checkpoint, before its row: the resumed run writes round 4's
+    row once, equal to an uninterrupted run's, and goes on with round 5 (round 4 is not computed
+    again)."""
     from diff2_flwr.runtime import outputs
 
     ref_cfg = config(tmp_path / "ref")
@@ -232,7 +246,8 @@ def test_a_crash_between_checkpoint_and_row_resumes_without_recomputing_the_roun
     assert len(second.ledger.events) == ROUNDS and second.epsilon_spent == reference.epsilon_spent
 
 
-# --------------------------------------------------------------------------- the checkpoint is a secret
+# --------------------------------------------------------------------------- the checkpoint is a
+# secret
 
 @pytest.fixture
 def umask():
@@ -251,17 +266,19 @@ def mode(path) -> int:
 def secret_config(tmp_path, seed=None):
     """``config``, with the checkpoint in folders that do not exist yet (created for it)."""
     data = config(tmp_path, seed=seed).to_dict()
-    data["output"] = {"dir": str(tmp_path / "out"), "checkpoint": str(tmp_path / "private" / "state" / "ck.npz")}
+    data["output"] = {"dir": str(tmp_path / "out"),
+                      "checkpoint": str(tmp_path / "private" / "state" / "ck.npz")}
     return parse_config(data)
 
 
 @pytest.mark.parametrize("mask", [0o022, 0o002, 0o000, 0o277], ids=lambda m: f"umask-{m:03o}")
 def test_the_checkpoint_and_its_folders_are_owner_only_whatever_the_umask(tmp_path, umask, mask):
-    """The noise key is the noise: 0600 file, 0700 folders created for it, even under umask 000 (or 277, which
-    would strip the owner's own bits from a file created with the umask)."""
+    """The noise key is the noise: 0600 file, 0700 folders created for it, even under umask 000 (or
+    277, which would strip the owner's own bits from a file created with the umask)."""
     umask(mask)
     cfg = secret_config(tmp_path)
-    path = tmp_path / "private" / "state" / "ck.npz"  # neither folder exists: both are created for the checkpoint
+    # neither folder exists: both are created for the checkpoint
+    path = tmp_path / "private" / "state" / "ck.npz"
     server = drive(cfg, build_server(cfg, progress=None), 2)
     assert mode(path) == 0o600, f"{mode(path):o}"
     assert mode(path.parent) == 0o700 and mode(path.parent.parent) == 0o700
@@ -281,12 +298,14 @@ def test_a_stale_temporary_file_is_replaced_not_reused(tmp_path, umask):
 
 
 @pytest.mark.parametrize("wide", [0o644, 0o640, 0o604, 0o620], ids=lambda m: f"{m:04o}")
-def test_resuming_from_a_checkpoint_others_may_read_or_write_is_refused_until_chmod_600(tmp_path, umask, wide):
+def test_resuming_from_a_checkpoint_others_may_read_or_write_is_refused_until_chmod_600(
+    tmp_path, umask, wide):
     cfg = secret_config(tmp_path)
     path = tmp_path / "private" / "state" / "ck.npz"
     drive(cfg, build_server(cfg, progress=None), 2)
     os.chmod(path, wide)  # e.g. a checkpoint written before this fix, or copied with cp
-    with pytest.raises(CheckpointError, match=rf"ck.npz has mode {wide:04o}: group or others may read or write it.*"
+    with pytest.raises(CheckpointError,
+                       match=rf"ck.npz has mode {wide:04o}: group or others may read or write it.*"
                                               rf"noise key.*`chmod 600 {path}`"):
         build_server(cfg, progress=None)
     os.chmod(path, 0o600)
@@ -294,17 +313,20 @@ def test_resuming_from_a_checkpoint_others_may_read_or_write_is_refused_until_ch
 
 
 def test_no_released_file_or_log_line_holds_the_noise_key(tmp_path, umask):
-    """The OS-entropy key is only in the checkpoint; never in metrics, summary, curves, parameters, logs. (A seeded
-    run's key is its seed: in the config, the run config and the summary by design, and warned about.)"""
+    """The OS-entropy key is only in the checkpoint; never in metrics, summary, curves, parameters,
+    logs. (A seeded run's key is its seed: in the config, the run config and the summary by design,
+    and warned about.)"""
     cfg = secret_config(tmp_path, seed=None)
     lines = []
     server = drive(cfg, build_server(cfg, progress=lines.append), ROUNDS)
     key = server.state.noise_key
     with np.load(tmp_path / "private" / "state" / "ck.npz") as data:
-        assert json.loads(str(data["meta"]))["noise_key"] == str(key)  # the file that must be a secret
+        # the file that must be a secret
+        assert json.loads(str(data["meta"]))["noise_key"] == str(key)
     forms = {str(key), f"{key:x}", f"{key:X}", f"{key:#x}"}
     files = [p for p in server.recorder.directory.iterdir() if p.is_file()]
-    assert {p.name for p in files} >= {"metrics.jsonl", "summary.json", "curves.png", "final_parameters.npy"}
+    assert {p.name for p in files} >= {"metrics.jsonl", "summary.json", "curves.png",
+                                       "final_parameters.npy"}
     for p in files:
         content = p.read_bytes()
         assert not any(f.encode() in content for f in forms), p.name
@@ -312,26 +334,32 @@ def test_no_released_file_or_log_line_holds_the_noise_key(tmp_path, umask):
 
 
 def test_the_images_never_receive_outputs_or_checkpoints():
-    """The Dockerfiles copy only the whitelisted build context, and .dockerignore keeps .npz/.npy files and output
-    folders out of it even under diff2_flwr/ (a checkpoint there would otherwise ship its noise key in an image)."""
+    """The Dockerfiles copy only the whitelisted build context, and .dockerignore keeps .npz/.npy
+    files and output folders out of it even under diff2_flwr/ (a checkpoint there would otherwise
+    ship its noise key in an image)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    lines = [x.strip() for x in (root / ".dockerignore").read_text().splitlines() if x.strip() and x[0] != "#"]
+    lines = [x.strip() for x in (root / ".dockerignore").read_text().splitlines() if x.strip()
+             and x[0] != "#"]
     allowed = [x[1:] for x in lines if x.startswith("!")]
     assert lines[0] == "*" and allowed == ["pyproject.toml", "README.md", "diff2_flwr/"]
     last_allow = max(i for i, x in enumerate(lines) if x.startswith("!"))
-    assert {"**/*.npz", "**/*.npy", "**/outputs"} <= set(lines[last_allow + 1:])  # after the exceptions: they win
+    # after the exceptions: they win
+    assert {"**/*.npz", "**/*.npy", "**/outputs"} <= set(lines[last_allow + 1:])
     for dockerfile in ("server/Dockerfile", "clients/Dockerfile"):
         for line in (root / dockerfile).read_text().splitlines():
             if line.split()[:1] in (["COPY"], ["ADD"]):
                 sources = [s for s in line.split()[1:-1] if not s.startswith("--")]
-                assert all(s.rstrip("/") in ("pyproject.toml", "README.md", "diff2_flwr") for s in sources), line
+                assert all(s.rstrip("/") in ("pyproject.toml", "README.md",
+                                             "diff2_flwr") for s in sources), line
 
 
-def test_a_checkpoint_resumes_across_keys_that_do_not_change_the_run_and_refuses_one_that_does(tmp_path):
-    """The fingerprint hashes what the declarations say identifies a run (spec.run_identity): the name, the
-    evaluation, the output and Flower's timeouts may change across a resume; the learning rate may not."""
+def test_a_checkpoint_resumes_across_keys_that_do_not_change_the_run_and_refuses_one_that_does(
+    tmp_path):
+    """The fingerprint hashes what the declarations say identifies a run (spec.run_identity): the
+    name, the evaluation, the output and Flower's timeouts may change across a resume; the learning
+    rate may not."""
     cfg = config(tmp_path)
     reference = drive(cfg, build_server(cfg, progress=None), ROUNDS).state.x.copy()
     for f in (tmp_path / "state.npz", *(tmp_path / "out").iterdir()):
@@ -342,15 +370,17 @@ def test_a_checkpoint_resumes_across_keys_that_do_not_change_the_run_and_refuses
     data["training"].update(round_timeout_s=30.0, round_retries=2)
     changed = parse_config(data)
     with pytest.raises(CheckpointError, match="another configuration"):
-        build_server(parse_config({**data, "training": {**data["training"], "learning_rate": 0.3}}), progress=None)
+        build_server(parse_config({**data, "training": {**data["training"], "learning_rate": 0.3}}),
+                     progress=None)
     resumed = build_server(changed, progress=None)
     assert resumed.state.round == 3
     np.testing.assert_array_equal(drive(changed, resumed, ROUNDS).state.x, reference)
 
 
 def test_a_checkpoint_written_by_the_earlier_fingerprint_rule_still_resumes(tmp_path):
-    """A checkpoint without `fingerprint_rule` (written before it) is compared by the legacy rule: an interrupted
-    run of an earlier version resumes; one of another configuration is still refused."""
+    """A checkpoint without `fingerprint_rule` (written before it) is compared by the legacy rule:
+    an interrupted run of an earlier version resumes; one of another configuration is still
+    refused."""
     import hashlib
     import io
 
@@ -366,13 +396,15 @@ def test_a_checkpoint_written_by_the_earlier_fingerprint_rule_still_resumes(tmp_
         arrays = {k: data[k] for k in data.files}
     meta = json.loads(str(arrays["meta"]))
     assert meta.pop("fingerprint_rule") == "declared/1"
-    fresh = parse_config({**cfg.to_dict(), "output": {"dir": str(tmp_path / "fresh"), "checkpoint": None}})
+    fresh = parse_config({**cfg.to_dict(), "output": {"dir": str(tmp_path / "fresh"),
+                                                      "checkpoint": None}})
     x0 = build_server(fresh, progress=None).state.x  # x_0: the state before round 0
     assert first.state.round == 3 and not np.array_equal(x0, first.state.x)
     x0_hash = hashlib.sha256(x0.tobytes()).hexdigest()
     from diff2_flwr.runtime.session import preflight
 
-    legacy = legacy_config_fingerprint(cfg.to_dict(), preflight(cfg).n_min)  # n_min: the fewest records of a shard
+    # n_min: the fewest records of a shard
+    legacy = legacy_config_fingerprint(cfg.to_dict(), preflight(cfg).n_min)
     meta["fingerprint"] = hashlib.sha256((legacy + x0_hash).encode()).hexdigest()
     assert meta["fingerprint"] != json.loads(str(arrays["meta"]))["fingerprint"]  # the rules differ
     buffer = io.BytesIO()

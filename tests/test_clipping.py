@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from diff2_flwr.core.clipping import clip_rows, clipped_mean, clipped_sum, robust_norm, row_norms, row_norms_np
+from diff2_flwr.core.clipping import (
+    clip_rows, clipped_mean, clipped_sum, robust_norm, row_norms, row_norms_np,
+)
 
 finite = st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False)
 rows_strategy = st.integers(1, 12).flatmap(
@@ -55,7 +57,9 @@ def test_zero_rows_stay_exactly_zero_for_any_radius():
 def test_clipped_mean_hand_worked():
     # rows of norm 5 and 0.5; C = 1: the first is scaled to norm 1, the second kept
     t = torch.tensor([[3.0, 4.0], [0.3, 0.4]], dtype=torch.float64)
-    expected = (torch.tensor([0.6, 0.8], dtype=torch.float64) + torch.tensor([0.3, 0.4], dtype=torch.float64)) / 2
+    expected = (torch.tensor([0.6, 0.8],
+                             dtype=torch.float64) + torch.tensor([0.3, 0.4],
+                                                                 dtype=torch.float64)) / 2
     torch.testing.assert_close(clipped_mean(t, 1.0), expected, rtol=0, atol=1e-15)
     result = clipped_sum(t, 1.0)
     assert (result.count, result.clipped) == (2, 1)
@@ -88,10 +92,12 @@ def test_empty_set_is_refused():
 
 
 def test_rows_whose_squares_underflow_or_overflow_are_clipped_all_the_same():
-    """A row of norm 1e-170 squares to 0 (it passed radius 1e-200 unclipped); one of norm 1e200 squares to inf (it
-    was clipped to 0 and counted as an overflow). Both are clipped onto the ball (but where C/‖row‖ < 1e-300 rounds
-    to 0: the row becomes 0, inside the ball); a zero row stays zero."""
-    t = torch.tensor([[1e-170, 1e-170], [3e-171, -4e-171], [1e200, -1e200], [1e-310, 0.0], [0.0, 0.0]],
+    """A row of norm 1e-170 squares to 0 (it passed radius 1e-200 unclipped); one of norm 1e200
+    squares to inf (it was clipped to 0 and counted as an overflow). Both are clipped onto the ball
+    (but where C/‖row‖ < 1e-300 rounds to 0: the row becomes 0, inside the ball); a zero row stays
+    zero."""
+    t = torch.tensor([[1e-170, 1e-170], [3e-171, -4e-171], [1e200, -1e200], [1e-310, 0.0], [0.0,
+                                                                                            0.0]],
                      dtype=torch.float64)
     exact = torch.tensor([robust_norm(r) for r in t.numpy()], dtype=torch.float64)
     torch.testing.assert_close(row_norms(t), exact, rtol=1e-15, atol=0)
@@ -100,8 +106,10 @@ def test_rows_whose_squares_underflow_or_overflow_are_clipped_all_the_same():
         clipped, over = clip_rows(t, radius)
         assert over.tolist() == [radius < 1e-170, radius < 1e-170, True, radius < 1e-310, False]
         norms = torch.tensor([robust_norm(r) for r in clipped.numpy()], dtype=torch.float64)
-        onto = over & (exact < radius * 1e300)  # beyond, C/‖row‖ underflows to 0: the row is clipped to 0
-        torch.testing.assert_close(norms[onto], torch.full_like(norms[onto], radius), rtol=1e-15, atol=0)
+        # beyond, C/‖row‖ underflows to 0: the row is clipped to 0
+        onto = over & (exact < radius * 1e300)
+        torch.testing.assert_close(norms[onto], torch.full_like(norms[onto], radius), rtol=1e-15,
+                                   atol=0)
         assert bool((norms <= radius * (1 + 1e-15)).all()) and torch.equal(clipped[~over], t[~over])
         assert clipped_sum(t, radius).nonfinite == 0
 
@@ -114,9 +122,10 @@ extreme_rows = st.integers(1, 8).flatmap(lambda n: st.integers(1, 6).flatmap(lam
 @settings(max_examples=300, deadline=None)
 @given(extreme_rows, st.floats(-300, 300, allow_nan=False))
 def test_clipped_rows_have_norm_at_most_radius_at_any_magnitude(rows, log_radius):
-    """Rows of norms 1e-300 to 1e300 (each row its own magnitude), radii 1e-300 to 1e300: clipped rows are within the
-    radius (by the scaled norm; to float64 rounding, as the bound of the first property test), rows inside it are
-    untouched, and no norm is lost to underflow or overflow (the row_norms equal numpy-scaled ones)."""
+    """Rows of norms 1e-300 to 1e300 (each row its own magnitude), radii 1e-300 to 1e300: clipped
+    rows are within the radius (by the scaled norm; to float64 rounding, as the bound of the first
+    property test), rows inside it are untouched, and no norm is lost to underflow or overflow (the
+    row_norms equal numpy-scaled ones)."""
     mantissa, exponent = rows
     t = torch.from_numpy(mantissa * 10.0 ** exponent)
     radius = 10.0 ** log_radius
@@ -130,9 +139,10 @@ def test_clipped_rows_have_norm_at_most_radius_at_any_magnitude(rows, log_radius
 
 
 def test_a_subnormal_clip_factor_never_takes_a_row_above_the_radius():
-    """‖a‖ / C > 2^1022: C/‖a‖ is subnormal (few bits), so a row times it rounded to nearest could exceed C (by 1e-5
-    relative for 1e13 at radius 1e-300, which hypothesis found); clip_rows goes through the unit sphere, and the
-    factor the sum paths use (clip_factors) is taken one step toward 0."""
+    """‖a‖ / C > 2^1022: C/‖a‖ is subnormal (few bits), so a row times it rounded to nearest could
+    exceed C (by 1e-5 relative for 1e13 at radius 1e-300, which hypothesis found); clip_rows goes
+    through the unit sphere, and the factor the sum paths use (clip_factors) is taken one step
+    toward 0."""
     from diff2_flwr.core.clipping import clip_factors
 
     for value, radius in ((1e13, 1e-300), (2.90464295e84, 1e-228), (1e231, 1e-86), (3e300, 1e-10)):
@@ -142,12 +152,13 @@ def test_a_subnormal_clip_factor_never_takes_a_row_above_the_radius():
         c = clip_factors(row[:, 0], radius)
         assert float(c[0]) * value <= radius and float(c[0]) > 0
     normal = torch.tensor([4.0, 0.5, 1e200], dtype=torch.float64)
-    assert clip_factors(normal, 1.0).tolist() == [0.25, 1.0, 1.0 / 1e200]  # normal factors are exactly C / ‖a‖
+    # normal factors are exactly C / ‖a‖
+    assert clip_factors(normal, 1.0).tolist() == [0.25, 1.0, 1.0 / 1e200]
 
 
 def test_the_numpy_row_norms_agree_with_the_torch_ones_at_every_magnitude():
-    """``row_norms_np`` (the batched engine's worker step, on small arrays) is ``row_norms`` to rounding: ordinary rows,
-    rows whose squares underflow or overflow, zero, inf and NaN rows."""
+    """``row_norms_np`` (the batched engine's worker step, on small arrays) is ``row_norms`` to
+    rounding: ordinary rows, rows whose squares underflow or overflow, zero, inf and NaN rows."""
     rng = np.random.default_rng(5)
     rows = rng.normal(size=(40, 9)) * 10.0 ** rng.uniform(-320, 300, size=(40, 1))
     rows = np.vstack([rows, [[1e-170] * 9, [1e200] + [0.0] * 8, [1e-310] + [0.0] * 8, [0.0] * 9,
@@ -156,4 +167,5 @@ def test_the_numpy_row_norms_agree_with_the_torch_ones_at_every_magnitude():
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     finite = ~np.isnan(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-14, atol=0)
-    assert (got[:40] > 0).all() and got[-6] > 1e-170 and got[-5] == 1e200 and got[-3] == 0 and got[-2] == np.inf
+    assert (got[:40] > 0).all() and got[-6] > 1e-170 and got[-5] == 1e200 and got[-3] == 0 and got[
+        -2] == np.inf

@@ -1,4 +1,5 @@
-"""docker-compose.yml: a structural check and that it matches its generator (tests/test_compose_podman.py brings the files up for real)."""
+"""docker-compose.yml: a structural check and that it matches its generator
+(tests/test_compose_podman.py brings the files up for real)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from diff2_flwr.runtime.config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name,tls", [("docker-compose.yml", False), ("docker-compose.tls.yml", True)])
+@pytest.mark.parametrize("name,tls", [("docker-compose.yml", False), ("docker-compose.tls.yml",
+                                                                      True)])
 def test_committed_compose_files_are_the_generated_ones(name, tls):
     assert (ROOT / name).read_text() == render_compose(3, tls)
 
@@ -24,42 +26,51 @@ def test_committed_compose_files_are_the_generated_ones(name, tls):
 @pytest.mark.parametrize("tls", [False, True])
 def test_topology_one_shard_per_node(clients, tls):
     services = yaml.safe_load(render_compose(clients, tls))["services"]
-    assert set(services) == {"superlink", "serverapp"} | {f"{k}-{i}" for k in ("supernode", "clientapp")
+    assert set(services) == {"superlink", "serverapp"} | {f"{k}-{i}" for k in ("supernode",
+                                                                               "clientapp")
                                                             for i in range(clients)}
     mounted = []
     for i in range(clients):
         node = " ".join(services[f"supernode-{i}"]["command"])
-        assert f"partition-id={i} num-partitions={clients}" in node and "--superlink superlink:8000" in node
+        assert (
+            f"partition-id={i} num-partitions={clients}") in node and "--superlink superlink:8000" in node
         app = services[f"clientapp-{i}"]
         assert app["build"]["dockerfile"] == "clients/Dockerfile"
         assert app["command"][-1] == f"supernode-{i}:9094"
-        # its own shard and its own SuperExec secret, read-only, and its own node folder (policy, lifetime ledger)
+        # its own shard and its own SuperExec secret, read-only, and its own node folder (policy,
+        # lifetime ledger)
         volume, secret, node_folder = app["volumes"]
         assert volume == f"./deploy/shards/shard-{i}-of-{clients}.npz:/data/shard.npz:ro"
         assert secret == f"./deploy/secrets/supernode-{i}.secret:/secrets/superexec.secret:ro"
         assert node_folder == f"./deploy/node-{i}:/node"
-        assert node.endswith('policy="/node/policy.yaml"')  # the node config names it: the ClientApp enforces it
-        # with node authentication, its SecAgg+ signing key and the federation's keys, from its own folder only
+        # the node config names it: the ClientApp enforces it
+        assert node.endswith('policy="/node/policy.yaml"')
+        # with node authentication, its SecAgg+ signing key and the federation's keys, from its own
+        # folder only
         signed = 'auth-key="/node/secagg.key" federation-keys="/node/federation.pub"'
         assert (signed in node) == tls
         assert not any("/deploy/node-" in v for v in services[f"supernode-{i}"]["volumes"])
         mounted.append(volume)
     assert len(set(mounted)) == clients
     server = services["serverapp"]
-    assert not any("./deploy/node-" in v for v in server["volumes"])  # no data owner's policy or ledger
+    # no data owner's policy or ledger
+    assert not any("./deploy/node-" in v for v in server["volumes"])
     assert server["build"]["dockerfile"] == "server/Dockerfile"
-    assert not any("shard-" in v for v in server["volumes"])  # the server never sees a training shard
+    # the server never sees a training shard
+    assert not any("shard-" in v for v in server["volumes"])
     link = " ".join(services["superlink"]["command"])
     if tls:
         assert "--insecure" not in link and "--ssl-certfile /certs/server.pem" in link
-        assert all("--root-certificates" in services[f"supernode-{i}"]["command"] for i in range(clients))
+        assert all("--root-certificates" in services[f"supernode-{i}"]["command"]
+                   for i in range(clients))
         assert "--root-certificates" in server["command"]
     else:
         assert "--insecure" in link
 
 
 def _published(port_entry) -> tuple[str | None, str]:
-    """(host address or None for every interface, container port) of a compose `ports` entry, short or long form."""
+    """(host address or None for every interface, container port) of a compose `ports` entry, short
+    or long form."""
     if isinstance(port_entry, dict):
         return port_entry.get("host_ip"), str(port_entry["target"])
     text = str(port_entry)
@@ -79,11 +90,15 @@ def test_no_compose_file_publishes_a_port_on_all_interfaces():
     assert {f.name for f in files} >= {"docker-compose.yml", "docker-compose.tls.yml"}
     for path in files:
         services = yaml.safe_load(path.read_text())["services"]
-        published = {name: [_published(p) for p in s.get("ports", [])] for name, s in services.items()}
-        assert published.pop("superlink") == [("127.0.0.1", "8000")], path.name  # the operator's `flwr` only
-        assert not any(published.values()), f"{path.name} publishes more than the SuperLink: {published}"
+        published = {name: [_published(p) for p in s.get("ports", [])] for name,
+                     s in services.items()}
+        # the operator's `flwr` only
+        assert published.pop("superlink") == [("127.0.0.1", "8000")], path.name
+        assert not any(
+            published.values()), f"{path.name} publishes more than the SuperLink: {published}"
         for name, service in services.items():
-            assert "expose" not in service and service.get("network_mode") != "host", (path.name, name)
+            assert "expose" not in service and service.get("network_mode") != "host", (path.name,
+                                                                                       name)
 
 
 def test_the_all_interfaces_check_catches_what_it_should():
@@ -105,8 +120,10 @@ def test_multi_host_variant_publishes_one_address_and_says_who_must_reach_it():
     assert services["superlink"]["ports"] == ["10.0.0.5:8000:8000"]
     assert ipaddress.ip_address(_published(services["superlink"]["ports"][0])[0]).is_private
     assert all("link.example.org:8000" in services[f"supernode-{i}"]["command"] for i in range(2))
-    assert not any("depends_on" in services[f"supernode-{i}"] for i in range(2))  # owners start no SuperLink
-    assert "allow-list" in text and "data owners' SuperNode hosts and the\n# operator's address only" in text
+    # owners start no SuperLink
+    assert not any("depends_on" in services[f"supernode-{i}"] for i in range(2))
+    assert "allow-list" in text and ("data owners' SuperNode hosts and the\n# operator's address "
+                                     "only") in text
 
 
 @pytest.mark.parametrize("clients", [1, 3])
@@ -117,13 +134,18 @@ def test_tls_compose_authenticates_supernodes_each_with_only_its_own_key(clients
     for i in range(clients):
         node = services[f"supernode-{i}"]
         keys = [v for v in node["volumes"] if v.endswith(".key:ro") or "/keys/" in v]
-        assert keys == [f"./deploy/certs/supernode-{i}.key:/keys/supernode.key:ro"]  # its own, and nothing else
+        # its own, and nothing else
+        assert keys == [f"./deploy/certs/supernode-{i}.key:/keys/supernode.key:ro"]
         command = node["command"]
         assert command[command.index("--auth-supernode-private-key") + 1] == "/keys/supernode.key"
-        assert node["restart"] == "on-failure"  # refused (exit) until the operator registers its public key
-    others = [v for name, s in services.items() if name != "superlink" for v in s.get("volumes", [])]
-    assert not any("server.key" in v or "server.pem" in v or v.startswith("./deploy/certs:") for v in others)
-    assert not any("supernode" in v and ".key" in v for name, s in services.items() if not name.startswith("supernode")
+        # refused (exit) until the operator registers its public key
+        assert node["restart"] == "on-failure"
+    others = [v for name, s in services.items() if name != "superlink" for v in s.get("volumes",
+                                                                                      [])]
+    assert not any("server.key" in v or "server.pem" in v or v.startswith("./deploy/certs:")
+                   for v in others)
+    assert not any("supernode" in v and ".key" in v for name,
+                   s in services.items() if not name.startswith("supernode")
                    for v in s.get("volumes", []))
 
 
@@ -132,7 +154,8 @@ def test_node_auth_needs_tls_and_can_be_turned_off():
         render_compose(3, False, node_auth=True)
     services = yaml.safe_load(render_compose(3, True, node_auth=False))["services"]
     assert "--enable-supernode-auth" not in services["superlink"]["command"]
-    assert not any("--auth-supernode-private-key" in services[f"supernode-{i}"]["command"] for i in range(3))
+    assert not any("--auth-supernode-private-key" in services[f"supernode-{i}"]["command"]
+                   for i in range(3))
     plain = yaml.safe_load(render_compose(3))["services"]
     assert "--enable-supernode-auth" not in plain["superlink"]["command"]
 
@@ -140,7 +163,8 @@ def test_node_auth_needs_tls_and_can_be_turned_off():
 def test_dockerfiles_and_the_deploy_config_fit_the_compose_file():
     for side in ("server", "clients"):
         text = (ROOT / side / "Dockerfile").read_text()
-        assert re.search(r"^FROM flwr/superexec:1\.42\.0$", text, re.M) and 'ENTRYPOINT ["flower-superexec"]' in text
+        assert re.search(r"^FROM flwr/superexec:1\.42\.0$", text,
+                         re.M) and 'ENTRYPOINT ["flower-superexec"]' in text
     cfg = load_config(ROOT / "configs" / "deploy.yaml")
     assert cfg.training.clients == 3 and cfg.dataset.shards == "/data/shards"
     assert cfg.evaluation.train_metrics is False and cfg.output.checkpoint.startswith("/outputs")
@@ -159,12 +183,14 @@ def _secret_of(service: dict) -> str:
 @pytest.mark.parametrize("tls", [False, True])
 @pytest.mark.parametrize("clients", [1, 3])
 def test_superexec_secret_pairs_each_runtime_api_with_its_superexec_only(tls, clients):
-    """Without the secret, whoever reaches a runtime API could act as the ServerApp (and read every exact clipped
-    mean) or as a data owner's ClientApp: every runtime API and the one SuperExec it serves share a secret of their
-    own, and no other container holds it."""
+    """Without the secret, whoever reaches a runtime API could act as the ServerApp (and read every
+    exact clipped mean) or as a data owner's ClientApp: every runtime API and the one SuperExec it
+    serves share a secret of their own, and no other container holds it."""
     services = yaml.safe_load(render_compose(clients, tls))["services"]
-    assert "process" in services["superlink"]["command"]  # Flower 1.42 ignores the secret in subprocess isolation
-    assert _secret_of(services["superlink"]) == _secret_of(services["serverapp"]) == "./deploy/secrets/superlink.secret"
+    # Flower 1.42 ignores the secret in subprocess isolation
+    assert "process" in services["superlink"]["command"]
+    assert _secret_of(services["superlink"]) == _secret_of(services[
+        "serverapp"]) == "./deploy/secrets/superlink.secret"
     for i in range(clients):
         node, app = services[f"supernode-{i}"], services[f"clientapp-{i}"]
         assert node["command"][node["command"].index("--isolation") + 1] == "process"
@@ -178,14 +204,20 @@ def test_superexec_secret_pairs_each_runtime_api_with_its_superexec_only(tls, cl
 def test_multi_host_file_names_the_right_certificate_hosts_and_each_side_s_steps():
     text = render_compose(2, True, publish="10.0.0.5", superlink="sl.example.org:8000")
     header = " ".join(line[2:] for line in text.splitlines() if line.startswith("# "))
-    assert "diff2 certs --out deploy/certs --host superlink --host sl.example.org --host 10.0.0.5 --node-pub" in header
-    assert "--host 127.0.0.1" not in header and "--clients" not in header.replace("compose --clients", "")
-    for step in ("diff2 node-key --out deploy/certs --name supernode-<i>", "diff2 secret --out deploy/secrets supernode-<i>",
-                 "diff2 secret --out deploy/secrets superlink", "chown 49999 deploy/certs/supernode-<i>.key",
-                 "a clone of this repository (`build:` needs it)", "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu",
+    assert ("diff2 certs --out deploy/certs --host superlink --host sl.example.org --host "
+            "10.0.0.5 --node-pub") in header
+    assert "--host 127.0.0.1" not in header and "--clients" not in header.replace(
+        "compose --clients", "")
+    for step in ("diff2 node-key --out deploy/certs --name supernode-<i>",
+                 "diff2 secret --out deploy/secrets supernode-<i>",
+                 "diff2 secret --out deploy/secrets superlink",
+                 "chown 49999 deploy/certs/supernode-<i>.key",
+                 "a clone of this repository (`build:` needs it)",
+                 "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu",
                  "up -d supernode-<i> clientapp-<i>", "up -d --build superlink serverapp",
                  "flwr supernode register deploy/certs/supernode-<i>.pub"):
         assert step in header, step
     one_host = render_compose(3, True)
-    assert "diff2 certs --out deploy/certs --host superlink --host 127.0.0.1 --clients 3" in one_host
+    assert (
+        "diff2 certs --out deploy/certs --host superlink --host 127.0.0.1 --clients 3") in one_host
     assert "tests only" in one_host

@@ -1,4 +1,5 @@
-"""Thread pinning: the condition of every bit-for-bit claim (docs/explanation/reproducibility.md)."""
+"""Thread pinning: the condition of every bit-for-bit claim
+(docs/explanation/reproducibility.md)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_pinned_threads_pins_every_pool_and_restores_the_callers(restore_threads
         inside = compute_threads()
     assert inside["torch"] == 1
     assert all(n == 1 for n in inside.values()), inside
-    assert any(k.startswith("blas") for k in inside), inside  # numpy's OpenBLAS (or MKL) is seen and pinned
+    # numpy's OpenBLAS (or MKL) is seen and pinned
+    assert any(k.startswith("blas") for k in inside), inside
     assert torch.get_num_threads() == 2
 
 
@@ -50,17 +52,20 @@ def test_training_threads_is_validated():
 
 def _config(**training):
     return parse_config({"name": "pin", "dataset": {"name": "synthetic", "num_samples": 12000},
-                         "training": {"rounds": 4, "restart_every": 2, "clip_diff": 3.0, "learning_rate": 0.2,
+                         "training": {"rounds": 4, "restart_every": 2, "clip_diff": 3.0,
+                                      "learning_rate": 0.2,
                                       "clients": 2, "seed": 3, **training}}, "pin.yaml")
 
 
 def test_the_in_process_driver_does_not_depend_on_the_callers_thread_count(restore_threads):
-    """The evaluation reduces over 9,600 samples: split over 2 threads it would add in another order."""
+    """The evaluation reduces over 9,600 samples: split over 2 threads it would add in another
+    order."""
     torch.set_num_threads(2)
     a = run_inprocess(_config(), record=False, progress=None)
     torch.set_num_threads(1)
     b = run_inprocess(_config(), record=False, progress=None)
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k,
+                           v in r.items() if k != "elapsed_s"} for r in rows]  # noqa: E731
     np.testing.assert_array_equal(a.state.x, b.state.x)
     assert strip(a.history) == strip(b.history)
 
@@ -70,18 +75,21 @@ def test_threads_two_on_both_sides_is_reproducible_too(restore_threads):
     a = run_inprocess(_config(threads=2), record=False, progress=None)
     torch.set_num_threads(2)
     b = run_inprocess(_config(threads=2), record=False, progress=None)
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k,
+                           v in r.items() if k != "elapsed_s"} for r in rows]  # noqa: E731
     assert strip(a.history) == strip(b.history)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_server_app_and_client_app_pin_their_process(tmp_path, restore_threads, threads, simulated_nodes):
+def test_the_server_app_and_client_app_pin_their_process(tmp_path, restore_threads, threads,
+                                                         simulated_nodes):
     """server_fn and client_fn pin the process to training.threads before they compute."""
     from flwr.app import RecordDict
     from flwr.common import Context
 
     cfg = {"name": "pin", "dataset": {"name": "synthetic", "num_samples": 600},
-           "training": {"rounds": 2, "restart_every": 2, "clients": 2, "seed": 1, "threads": threads},
+           "training": {"rounds": 2, "restart_every": 2, "clients": 2, "seed": 1,
+                        "threads": threads},
            "output": {"dir": str(tmp_path / "out")}}
     path = tmp_path / "pin.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -93,15 +101,16 @@ def test_the_server_app_and_client_app_pin_their_process(tmp_path, restore_threa
     assert torch.get_num_threads() == threads
     assert set(compute_threads().values()) == {threads}
     torch.set_num_threads(3)
-    client_app.client_fn(Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 2},
+    client_app.client_fn(Context(run_id=1, node_id=1, node_config={"partition-id": 0,
+                                                                   "num-partitions": 2},
                                  state=RecordDict(), run_config={"config": str(path)}))
     assert torch.get_num_threads() == threads
 
 
 def test_pinning_again_rescans_only_after_an_import_and_pins_the_new_pool():
-    """client_fn pins on every message: the pools are found again (threadpoolctl's scan) only when a module was
-    imported since, and a BLAS loaded with it (scipy's own OpenBLAS) is pinned too; pools changed by someone else
-    in between are pinned back without a scan."""
+    """client_fn pins on every message: the pools are found again (threadpoolctl's scan) only when a
+    module was imported since, and a BLAS loaded with it (scipy's own OpenBLAS) is pinned too; pools
+    changed by someone else in between are pinned back without a scan."""
     code = """
 import json
 import threadpoolctl
@@ -130,7 +139,8 @@ print(json.dumps({"first": first, "moved": moved, "pinned_back": pinned_back, "s
                   "after_change": after_change, "pools": pools, "torch": torch.get_num_threads()}))
 """
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["first"] == 1, "the second pin with nothing loaded scanned again"
     assert got["pinned_back"] == got["moved"], "pinning back after a change scanned again"

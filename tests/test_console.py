@@ -1,4 +1,5 @@
-"""The console of `diff2 run`: Flower's INFO chatter off, ours and real warnings kept, a summary at the end."""
+"""The console of `diff2 run`: Flower's INFO chatter off, ours and real warnings kept, a summary at
+the end."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ import yaml
 
 from diff2_flwr import cli
 from diff2_flwr.runtime.config import parse_config
-from diff2_flwr.runtime.console import RunConsole, parse_round_line, run_report, server_summary_block, verbose_from_env
+from diff2_flwr.runtime.console import (
+    RunConsole, parse_round_line, run_report, server_summary_block, verbose_from_env,
+)
 from diff2_flwr.runtime.driver import run_inprocess
 
 G, Y, R, Z = "\x1b[92m", "\x1b[93m", "\x1b[91m", "\x1b[0m"
 
-# Recorded from `./scripts/run.sh` (Flower 1.42, `flwr run --stream`), shortened; then a Flower WARNING and
-# an ERROR with its traceback as Flower prints them.
+# Recorded from `./scripts/run.sh` (Flower 1.42, `flwr run --stream`), shortened; then a Flower
+# WARNING and an ERROR with its traceback as Flower prints them.
 RECORDED = f"""\
 Using SuperLink: diff2-local (127.0.0.1:33221)
 Successfully started run 8729234683735617318
@@ -84,44 +87,54 @@ def test_flower_info_noise_is_dropped_ours_and_warnings_are_kept():
     text = out.getvalue()
     assert "INFO" not in text and "[ROUND" not in text and "configure_evaluate" not in text
     assert "Since flwr 1.32" not in text  # known noise (we always pass num-supernodes)
-    assert "FutureWarning" not in text and "warnings.warn(" not in text  # Ray's, and its source line
+    # Ray's, and its source line
+    assert "FutureWarning" not in text and "warnings.warn(" not in text
     assert "Successfully started run" not in text and "Using SuperLink" not in text
     assert any(line.startswith("[diff2] noise key drawn from OS entropy") for line in lines)
     assert console.output_dir == Path("/work/outputs/default-20261130-034432-34788f")
     # one condensed line per round: ε spent, losses, time
     rounds = [line for line in lines if line.startswith("[diff2] round ")]
     assert len(rounds) == 3
-    assert rounds[1].startswith("[diff2] round 1/100 (1 %), restart, ε 0.739, train_loss 0.06092, test_loss 0.06192, ")
+    assert rounds[1].startswith(
+        "[diff2] round 1/100 (1 %), restart, ε 0.739, train_loss 0.06092, test_loss 0.06192, ")
     assert "elapsed" in rounds[1] and "radius" not in rounds[1]
     # Flower's warnings and errors (with the traceback) are kept, colours and all
     assert f"{Y}WARNING {Z}:   No fit_metrics_aggregation_fn provided" in lines
-    assert "Manually terminating" not in text and "an actor's info line" not in text  # Ray actor lines, too
-    assert f"\x1b[36m(ClientAppActor pid=11329)\x1b[0m {Y}WARNING {Z}:   an actor's real warning" in lines
+    # Ray actor lines, too
+    assert "Manually terminating" not in text and "an actor's info line" not in text
+    assert (
+        f"\x1b[36m(ClientAppActor pid=11329)\x1b[0m {Y}WARNING {Z}:   an actor's real warning") in lines
     assert f"{R}ERROR {Z}:     ServerApp thread raised an exception: boom" in lines
     assert '  File "/work/diff2_flwr/fl/strategy.py", line 71, in configure_fit' in lines
     assert lines[-1] == "RuntimeError: boom"
     assert "\r" not in text
     assert console.dropped == 32
-    assert len(lines) == 2 + 3 + 2 + 2 + 3  # ours, rounds, two warnings, two error records, the traceback
+    # ours, rounds, two warnings, two error records, the traceback
+    assert len(lines) == 2 + 3 + 2 + 2 + 3
 
 
 def test_the_server_apps_summary_block_is_dropped_for_diff2_runs_own(tmp_path, capsys):
-    """The ServerApp ends its log with the run's summary block (for `flwr log`); `diff2 run` prints its own from
-    summary.json, so the ServerApp's copy is dropped, its indented lines too, and what follows is shown again."""
+    """The ServerApp ends its log with the run's summary block (for `flwr log`); `diff2 run` prints
+    its own from summary.json, so the ServerApp's copy is dropped, its indented lines too, and what
+    follows is shown again."""
     assert cli.main(["run", str(_tiny(tmp_path)), "--engine", "inprocess"]) == 0
     run_dir = json.loads(capsys.readouterr().out)["output_dir"]
     block = server_summary_block(run_report(run_dir))
     assert block.startswith("[diff2] summary: run completed: tiny") and "\n  ε spent " in block
-    assert "\n  training     " in block and "wall time" not in block  # the ServerApp knows no launch time
+    # the ServerApp knows no launch time
+    assert "\n  training     " in block and "wall time" not in block
     out = io.StringIO()
     console = RunConsole(stream=out)
-    feed(console, f"[diff2] round 6/6 (difference) epsilon_spent=3 train_loss=0.1\n{block}\n"
-                  f"{R}ERROR {Z}:     after the block\nTraceback (most recent call last):\n  File \"x.py\", line 1\n")
+    feed(console, f"[diff2] round 6/6 (difference) epsilon_spent=3 "
+                  f"train_loss=0.1\n{block}\n{R}ERROR {Z}:     after the block\nTraceback (most "
+                  f"recent call last):\n  File \"x.py\", line 1\n")
     console.close()
     lines = out.getvalue().splitlines()
-    assert not any("summary: run" in line or "ε spent" in line or "files " in line for line in lines), lines
+    assert not any("summary: run" in line or "ε spent" in line or "files " in line
+                   for line in lines), lines
     assert console.dropped == len(block.splitlines())
-    assert lines[-3:] == [f"{R}ERROR {Z}:     after the block", "Traceback (most recent call last):", '  File "x.py", line 1']
+    assert lines[-3:] == [f"{R}ERROR {Z}:     after the block",
+                          "Traceback (most recent call last):", '  File "x.py", line 1']
 
 
 def test_the_eta_ignores_the_start_up_paid_by_the_first_round(monkeypatch):
@@ -133,7 +146,8 @@ def test_the_eta_ignores_the_start_up_paid_by_the_first_round(monkeypatch):
     console = RunConsole(stream=out)
     rounds = [line for line in RECORDED.splitlines() if line.startswith("[diff2] round ")]
     rounds.append(rounds[-1].replace("round 2/100", "round 3/100"))
-    # round 1 comes after 20 s of start-up; rounds 2 and 3 arrive together (Flower relays logs in batches), 4 s later
+    # round 1 comes after 20 s of start-up; rounds 2 and 3 arrive together (Flower relays logs in
+    # batches), 4 s later
     for at, line in zip((0.0, 20.0, 24.0, 24.0), rounds):
         now[0] = at
         console.feed(line)
@@ -143,7 +157,8 @@ def test_the_eta_ignores_the_start_up_paid_by_the_first_round(monkeypatch):
     assert lines[2].endswith(", 24 s elapsed, ETA 392 s")  # 4 s a round, 98 rounds to go
     assert lines[3].endswith(", 24 s elapsed, ETA 194 s")  # 2 s a round, 97 rounds to go
     console = RunConsole(stream=io.StringIO())
-    for at, line in zip((0.0, 20.0, 21.0), rounds):  # less than ETA_MEASURE_S of pace: no estimate yet
+    # less than ETA_MEASURE_S of pace: no estimate yet
+    for at, line in zip((0.0, 20.0, 21.0), rounds):
         now[0] = at
         console.feed(line)
     assert console.stream.getvalue().splitlines()[2].endswith(", 21 s elapsed, ETA ?")
@@ -181,7 +196,8 @@ def test_a_terminal_gets_a_live_round_bar_and_lines_above_it(monkeypatch):
     feed(console, RECORDED)
     console.close()
     text = tty.getvalue()
-    assert "\x1b" in text and "[diff2] round" in text and "2/100" in text and "ε 0.7502" in text  # bar + status
+    # bar + status
+    assert "\x1b" in text and "[diff2] round" in text and "2/100" in text and "ε 0.7502" in text
     assert "No fit_metrics_aggregation_fn provided" in text and "INFO" not in text
 
 
@@ -195,12 +211,15 @@ def _tiny(tmp_path: Path, **training) -> Path:
 
 
 def test_round_lines_of_the_server_are_parsed(tmp_path):
-    """The console reads the very lines Diff2Server writes (the format lives in runtime/session.py)."""
+    """The console reads the very lines Diff2Server writes (the format lives in
+    runtime/session.py)."""
     said: list[str] = []
-    run_inprocess(parse_config(yaml.safe_load(_tiny(tmp_path).read_text())), record=False, progress=said.append)
+    run_inprocess(parse_config(yaml.safe_load(_tiny(tmp_path).read_text())), record=False,
+                  progress=said.append)
     parsed = [parse_round_line(line) for line in said if line.startswith("[diff2] round ")]
-    assert [p[:3] for p in parsed] == [(0, 6, "init"), (1, 6, "restart"), (2, 6, "difference"), (3, 6, "difference"),
-                                       (4, 6, "restart"), (5, 6, "difference"), (6, 6, "difference")]
+    assert [p[:3] for p in parsed] == [(0, 6, "init"), (1, 6, "restart"), (2, 6, "difference"),
+                                       (3, 6, "difference"), (4, 6, "restart"),
+                                       (5, 6, "difference"), (6, 6, "difference")]
     assert all({"train_loss", "test_loss"} <= set(p[3]) for p in parsed)
     assert all("epsilon_spent" in p[3] for p in parsed[1:])
 
@@ -227,22 +246,27 @@ def test_end_of_run_summary_has_the_runs_numbers(tmp_path, capsys):
     assert f"train_loss   final {rows[-1]['train_loss']:.4g}" in block
     assert f"best {min(r['train_loss'] for r in rows):.4g}" in block
     assert f"‖∇f‖²        final {rows[-1]['grad_norm_sq']:.4g}" in block
-    assert f"ε spent      {rows[-1]['epsilon_spent']:.4g} exact μ-GDP, {rows[-1]['epsilon_pld']:.4g} PLD" in block
+    assert (f"ε spent      {rows[-1]['epsilon_spent']:.4g} exact μ-GDP, "
+            f"{rows[-1]['epsilon_pld']:.4g} PLD") in block
     assert "accuracy" not in block
-    assert f"files        {run_dir}: curves.png, final_parameters.npy, metrics.jsonl, summary.json" in block
+    assert (f"files        {run_dir}: curves.png, final_parameters.npy, metrics.jsonl, "
+            f"summary.json") in block
     assert "wall time" in block
     assert len([line for line in err.splitlines() if line.startswith("[diff2] round ")]) == 7
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the step size is absurd on purpose
+# the step size is absurd on purpose
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_a_run_that_fails_says_so_in_its_summary(tmp_path, capsys):
     code = cli.main(["run", str(_tiny(tmp_path, learning_rate=1e308)), "--engine", "inprocess"])
     captured = capsys.readouterr()
     assert code == 1
     report = json.loads(captured.out)
-    # gradients that overflow at a finite iterate: divergence, not a privacy rejection (nothing released)
+    # gradients that overflow at a finite iterate: divergence, not a privacy rejection (nothing
+    # released)
     assert report["status"] == "diverged" and "check 'gradients' failed" in report["error"]
-    assert "[diff2] FAILED: Diverged: Round 2 released nothing: check 'gradients' failed" in captured.err
+    assert (
+        "[diff2] FAILED: Diverged: Round 2 released nothing: check 'gradients' failed") in captured.err
     assert "[diff2] run diverged: tiny (diff2, P = 3, 1/6 rounds)" in captured.err
 
 
@@ -250,9 +274,12 @@ def test_the_summary_shows_accuracy_when_the_run_has_it(tmp_path):
     from diff2_flwr.runtime.console import run_report, summary_block
 
     (tmp_path / "summary.json").write_text(json.dumps({
-        "name": "cls", "method": "dpgd", "status": "completed", "rounds_planned": 2, "rounds_released": 2,
-        "privacy": {"private": True, "epsilon_spent": 1.5, "epsilon_pld": 1.5004, "epsilon_target": 2.0, "delta": 1e-5},
-        "final": {"train_loss": 0.5, "test_loss": 0.6, "grad_norm_sq": 0.1, "accuracy": 0.875, "round": 2},
+        "name": "cls", "method": "dpgd", "status": "completed", "rounds_planned": 2,
+        "rounds_released": 2,
+        "privacy": {"private": True, "epsilon_spent": 1.5, "epsilon_pld": 1.5004,
+                    "epsilon_target": 2.0, "delta": 1e-5},
+        "final": {"train_loss": 0.5, "test_loss": 0.6, "grad_norm_sq": 0.1, "accuracy": 0.875,
+                  "round": 2},
         "best": {"train_loss": 0.4, "test_loss": 0.55, "grad_norm_sq": 0.05, "accuracy": 0.9},
         "wall_time_s": 3.0, "config": {"training": {"clients": 4}}}))
     block = summary_block(run_report(tmp_path, wall_time_s=5.0))
@@ -264,17 +291,19 @@ def test_the_summary_shows_accuracy_when_the_run_has_it(tmp_path):
 @pytest.mark.flower
 def test_diff2_run_console_through_flower_is_short_and_ends_with_the_summary(tmp_path):
     config = _tiny(tmp_path)
-    done = subprocess.run([str(Path(sys.executable).with_name("diff2")), "run", str(config)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([str(Path(sys.executable).with_name("diff2")), "run", str(config)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["status"] == "completed" and report["epsilon_spent"] == pytest.approx(3.0)
-    assert report["run_id"].isdigit()  # a string: Flower's run ids exceed JSON readers' exact integers
+    # a string: Flower's run ids exceed JSON readers' exact integers
+    assert report["run_id"].isdigit()
     lines = done.stderr.splitlines()
     assert not [line for line in lines if "INFO" in line], lines
     assert len([line for line in lines if line.startswith("[diff2] round ")]) == 7
     head = [i for i, line in enumerate(lines) if line.startswith("[diff2] run completed: ")]
-    assert len(head) == 1 and lines[head[0]].startswith("[diff2] run completed: tiny (diff2, P = 3, 6/6 rounds), "
+    assert len(head) == 1 and lines[head[0]].startswith(
+        "[diff2] run completed: tiny (diff2, P = 3, 6/6 rounds), "
                                                         f"Flower run {report['run_id']}")
     assert lines[-1].startswith(f"  files        {report['output_dir']}: ")
     assert len(lines) <= 20, lines

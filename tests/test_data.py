@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diff2_flwr.task.data import DATA_DIR_ENV, DataError, load_raw, prepare, resolve_data_dir, synthetic_regression
+from diff2_flwr.task.data import (
+    DATA_DIR_ENV, DataError, load_raw, prepare, resolve_data_dir, synthetic_regression,
+)
 
 CAL_HEADER = (
     "longitude,latitude,housing_median_age,total_rooms,total_bedrooms,population,households,"
@@ -25,7 +27,8 @@ def _real_data_dir() -> Path:
 
 
 REAL_DATA = _real_data_dir()
-skip_without_real_data = pytest.mark.skipif(not REAL_DATA.is_dir(), reason=f"paper datasets not found at {REAL_DATA}")
+skip_without_real_data = pytest.mark.skipif(not REAL_DATA.is_dir(),
+                                            reason=f"paper datasets not found at {REAL_DATA}")
 
 
 def _write_cal(root: Path, rows: list[str]) -> Path:
@@ -44,7 +47,8 @@ def _write_gas(root: Path, rows_per_year: int = 3, skip: int | None = None) -> N
     for i, year in enumerate(GAS_YEARS):
         if year == skip:
             continue
-        rows = [",".join([*(str(float(j + r)) for j in range(9)), str(100.0 * i + r), "-1"]) for r in range(rows_per_year)]
+        rows = [",".join([*(str(float(j + r)) for j in range(9)), str(100.0 * i + r),
+                          "-1"]) for r in range(rows_per_year)]
         (folder / f"gt_{year}.csv").write_text("\n".join([GAS_HEADER, *rows]) + "\n")
 
 
@@ -136,7 +140,8 @@ def test_target_scale_uses_whole_dataset_not_train() -> None:
 
 
 @pytest.mark.parametrize("clients", [1, 3, 7, 10])
-def test_shards_cover_train_once_and_are_balanced(synth: tuple[np.ndarray, np.ndarray], clients: int) -> None:
+def test_shards_cover_train_once_and_are_balanced(synth: tuple[np.ndarray, np.ndarray],
+                                                  clients: int) -> None:
     x, y = synth
     data = prepare("synthetic", x, y, clients=clients)
     n_train = len(data.y_train)
@@ -161,7 +166,8 @@ def test_shard_rejects_bad_partition_id(synth: tuple[np.ndarray, np.ndarray]) ->
         data.shard(3)
 
 
-def test_same_split_seed_same_arrays_different_seed_different(synth: tuple[np.ndarray, np.ndarray]) -> None:
+def test_same_split_seed_same_arrays_different_seed_different(synth: tuple[np.ndarray,
+                                                                           np.ndarray]) -> None:
     x, y = synth
     a = prepare("synthetic", x, y, clients=4, split_seed=1)
     b = prepare("synthetic", x, y, clients=4, split_seed=1)
@@ -207,7 +213,8 @@ def test_gas_turbine_fixture_drops_nox_and_concatenates_years(tmp_path: Path) ->
     x, y = load_raw("gas_turbine", data_dir=tmp_path)
     assert x.shape == (15, 9)
     assert not np.any(x == -1.0)  # the NOX column (all -1) is dropped
-    np.testing.assert_array_equal(y, [100.0 * i + r for i in range(5) for r in range(3)])  # CO, years in order
+    # CO, years in order
+    np.testing.assert_array_equal(y, [100.0 * i + r for i in range(5) for r in range(3)])
 
 
 def test_missing_data_dir_names_file_looked_for(tmp_path: Path) -> None:
@@ -225,7 +232,9 @@ def test_missing_gas_turbine_year_names_that_file(tmp_path: Path) -> None:
 
 def test_nan_cell_names_file_and_column(tmp_path: Path) -> None:
     path = _write_cal(tmp_path, ["1,2,3,4,5,6,7,8,9", "1,2,3,4,nan,6,7,8,9"])
-    with pytest.raises(DataError, match=rf"{re.escape(str(path))}: 1 NaN or infinite value \(first at line 3, column 'total_bedrooms': nan\)"):
+    with pytest.raises(DataError,
+                       match=rf"{re.escape(str(path))}: 1 NaN or infinite value \(first at line "
+                             rf"3, column 'total_bedrooms': nan\)"):
         load_raw("california_housing", data_dir=tmp_path)
 
 
@@ -291,6 +300,7 @@ def test_gas_turbine_shape() -> None:
     """36733 rows over 2011-2015, 9 features (NOX dropped), target CO."""
     x, y = load_raw("gas_turbine", data_dir=REAL_DATA)
     assert x.shape == (36733, 9) and y.shape == (36733,)
-    first = np.loadtxt(REAL_DATA / "gas_turbine" / "gt_2011.csv", delimiter=",", skiprows=1, max_rows=1)
+    first = np.loadtxt(REAL_DATA / "gas_turbine" / "gt_2011.csv", delimiter=",", skiprows=1,
+                       max_rows=1)
     np.testing.assert_array_equal(x[0], first[:9])  # AT..CDP
     assert y[0] == first[9]  # CO, not NOX (column 10)

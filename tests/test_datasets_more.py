@@ -1,4 +1,5 @@
-"""BlogFeedback, KDD Cup 99, Covertype and generic CSV datasets, on tiny fixture files the tests write."""
+"""BlogFeedback, KDD Cup 99, Covertype and generic CSV datasets, on tiny fixture files the tests
+write."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def write_kdd(root: Path, n: int = 80) -> Path:
     for i in range(n):
         numbers = [str(v) for v in RNG.integers(0, 9, size=38)]
         label = "normal." if i % 3 else ("smurf." if i % 2 else "neptune.")
-        rows.append(",".join([numbers[0], ["tcp", "udp", "icmp"][i % 3], ["http", "ftp"][i % 2], "SF"] + numbers[1:] + [label]))
+        rows.append(",".join([numbers[0], ["tcp", "udp", "icmp"][i % 3], ["http", "ftp"][i % 2],
+                              "SF"] + numbers[1:] + [label]))
     path = folder / "kddcup.data_10_percent"
     path.write_text("\n".join(rows) + "\n")
     return path
@@ -55,7 +57,8 @@ def test_blogfeedback_target_is_the_last_column(tmp_path):
     folder = tmp_path / "blogfeedback"
     folder.mkdir()
     data = RNG.normal(size=(30, 281)).round(3)
-    (folder / "blogData_train.csv").write_text("\n".join(",".join(map(str, r)) for r in data) + "\n")
+    (folder / "blogData_train.csv").write_text("\n".join(",".join(map(str,
+                                                                      r)) for r in data) + "\n")
     x, y = load_raw("blogfeedback", data_dir=tmp_path)
     np.testing.assert_array_equal(x, data[:, :-1])
     np.testing.assert_array_equal(y, data[:, -1])
@@ -73,7 +76,8 @@ def test_kddcup_binary_with_one_hot_categoricals(tmp_path):
     write_kdd(tmp_path)
     x, y, classes = load_classification("kddcup99", data_dir=tmp_path)
     assert classes == ("attack", "normal")
-    assert x.shape == (80, 38 + 3 + 2 + 1)  # 38 numeric, protocol (3), service (2), flag (1) one-hot
+    # 38 numeric, protocol (3), service (2), flag (1) one-hot
+    assert x.shape == (80, 38 + 3 + 2 + 1)
     assert y.sum() == sum(1 for i in range(80) if i % 3)  # "normal" is class 1
     onehot = x[:, 38:41]
     np.testing.assert_array_equal(onehot.sum(1), np.ones(80))
@@ -95,10 +99,12 @@ def test_missing_classification_file_names_what_was_looked_for(tmp_path):
 def test_generic_csv_regression_and_classification(tmp_path):
     path = tmp_path / "mine.csv"
     path.write_text("id,colour,a,b,price,kind\n" + "".join(
-        f"{i},{['red', 'blue'][i % 2]},{i * 0.5},{i % 7},{10 + i},{'x' if i % 3 else 'y'}\n" for i in range(60)))
+        f"{i},{['red', 'blue'][i % 2]},{i * 0.5},{i % 7},{10 + i},{'x' if i % 3 else 'y'}\n"
+        for i in range(60)))
     x, y, classes = load_csv(path, target="price", drop=("id", "kind"), categorical=("colour",))
     assert x.shape == (60, 2 + 2) and classes == () and y[5] == 15
-    x, y, classes = load_csv(path, target="kind", drop=("id",), categorical=("colour",), task="classification")
+    x, y, classes = load_csv(path, target="kind", drop=("id",), categorical=("colour",),
+                             task="classification")
     assert classes == ("x", "y") and x.shape == (60, 3 + 2)
     with pytest.raises(DataError, match=r"`dataset.drop` names column\(s\) \['nope'\]"):
         load_csv(path, target="price", drop=("nope",))
@@ -130,7 +136,8 @@ def test_csv_that_is_not_utf8_says_so(tmp_path):
 def test_classification_run_end_to_end_with_cross_entropy(tmp_path):
     write_covtype(tmp_path, n=200)
     cfg = parse_config({"method": "dpgd", "dataset": {"name": "covertype", "dir": str(tmp_path)},
-                        "privacy": {"epsilon": 5.0}, "training": {"rounds": 3, "clients": 2, "seed": 0}})
+                        "privacy": {"epsilon": 5.0}, "training": {"rounds": 3, "clients": 2,
+                                                                  "seed": 0}})
     assert cfg.loss == "cross_entropy" and not cfg.closed_form_gradients
     data = load_data(cfg)
     assert data.task == "classification" and data.num_outputs == 7 and data.target_scale == 1.0
@@ -145,7 +152,9 @@ def test_csv_dataset_config_is_validated(tmp_path):
     with pytest.raises(ConfigError, match=r"dataset.target.*nothing for dataset synthetic"):
         parse_config({"dataset": {"name": "synthetic", "target": "y"}, "method": "dpgd"})
     with pytest.raises(ConfigError, match=r"model.loss.*cross_entropy"):
-        parse_config({"dataset": {"name": "covertype"}, "model": {"loss": "half_squared_error"}, "method": "dpgd"})
-    cfg = parse_config({"dataset": {"name": "csv", "path": "x.csv", "target": "y", "drop": ["a"], "task": "classification"},
+        parse_config({"dataset": {"name": "covertype"}, "model": {"loss": "half_squared_error"},
+                      "method": "dpgd"})
+    cfg = parse_config({"dataset": {"name": "csv", "path": "x.csv", "target": "y", "drop": ["a"],
+                                    "task": "classification"},
                         "method": "dpgd"})
     assert cfg.dataset.drop == ("a",) and cfg.loss == "cross_entropy"

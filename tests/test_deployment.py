@@ -1,4 +1,5 @@
-"""A real deployment as native processes on 127.0.0.1 (plain and TLS), against a simulation of the same config."""
+"""A real deployment as native processes on 127.0.0.1 (plain and TLS), against a simulation of the
+same config."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def rows(output_dir: Path) -> list[dict]:
 
 
 def test_native_deployment_equals_a_simulation(tmp_path):
-    result = run_local_deployment(config(tmp_path), workdir=tmp_path / "work", echo=False, node_policy=policy(tmp_path))
+    result = run_local_deployment(config(tmp_path), workdir=tmp_path / "work", echo=False,
+                                  node_policy=policy(tmp_path))
     assert result.launch.status == "finished:completed"
     deployed = rows(result.launch.output_dir)
     assert [r["round"] for r in deployed] == [0, 1, 2, 3] and "train_loss" not in deployed[-1]
@@ -47,14 +49,18 @@ def test_native_deployment_equals_a_simulation(tmp_path):
 
 def policy(tmp_path: Path, **changes) -> Path:
     path = tmp_path / f"policy-{len(list(tmp_path.glob('policy-*')))}.yaml"
-    # the runs here are seeded (a deployment checked bit for bit against a simulation): every node allows seeds
-    path.write_text(yaml.safe_dump({"name": "owner", "max_epsilon": 3.0, "max_delta": 1e-5, "allow_seeded": True,
-                                    "lifetime": {"epsilon": 10.0, "delta": 1e-5, "ledger": "ledger.json"}, **changes}))
+    # the runs here are seeded (a deployment checked bit for bit against a simulation): every node
+    # allows seeds
+    path.write_text(yaml.safe_dump({"name": "owner", "max_epsilon": 3.0, "max_delta": 1e-5,
+                                    "allow_seeded": True,
+                                    "lifetime": {"epsilon": 10.0, "delta": 1e-5,
+                                                 "ledger": "ledger.json"}, **changes}))
     return path
 
 
 def test_native_deployment_with_tls(tmp_path):
-    """With TLS, node authentication and a node policy on every SuperNode (through its node config)."""
+    """With TLS, node authentication and a node policy on every SuperNode (through its node
+    config)."""
     from diff2_flwr.runtime.node_ledger import NodeLedger
 
     result = run_local_deployment(config(tmp_path), tls=True, workdir=tmp_path / "work", echo=False,
@@ -65,11 +71,14 @@ def test_native_deployment_with_tls(tmp_path):
         assert [c.run_id for c in NodeLedger(ledger).charges()] == [str(result.launch.run_id)]
         assert oct(ledger.stat().st_mode & 0o777) == "0o600"
     assert (tmp_path / "work" / "certs" / "ca.crt").is_file()
-    # TLS turns SuperNode authentication on: exactly the P registered keys are the nodes the SuperLink knows
-    assert result.node_auth and sorted(int(n["node-id"]) for n in result.nodes) == sorted(result.node_ids)
+    # TLS turns SuperNode authentication on: exactly the P registered keys are the nodes the
+    # SuperLink knows
+    assert result.node_auth and sorted(int(n["node-id"])
+                                       for n in result.nodes) == sorted(result.node_ids)
     assert len(set(result.node_ids)) == 3
     reference = run_inprocess(load_config(result.config), record=False, progress=None)
-    np.testing.assert_array_equal(np.load(result.launch.output_dir / "final_parameters.npy"), reference.state.x)
+    np.testing.assert_array_equal(np.load(result.launch.output_dir / "final_parameters.npy"),
+                                  reference.state.x)
     assert rows(result.launch.output_dir) == [{k: v for k, v in r.items() if k != "elapsed_s"}
                                               for r in reference.history]
 
@@ -79,24 +88,31 @@ def test_a_supernode_killed_mid_run_releases_nothing_and_names_the_failure(tmp_p
 
     path = config(tmp_path)
     data = yaml.safe_load(path.read_text())
-    # The killed node is found by its missed heartbeats (Flower's "Node Unavailable"), not by this timeout: it only
-    # keeps rounds 0 and 1 of a busy machine from expiring before the kill (at 20 s and 60 s they did, on CI and
-    # beside the suite's other processes: "Message Unavailable ... expired due to its TTL").
+    # The killed node is found by its missed heartbeats (Flower's "Node Unavailable"), not by this
+    # timeout: it only keeps rounds 0 and 1 of a busy machine from expiring before the kill (at 20 s
+    # and 60 s they did, on CI and beside the suite's other processes: "Message Unavailable ...
+    # expired due to its TTL").
     data["training"].update(rounds=4, round_timeout_s=300)
     path.write_text(yaml.safe_dump(data))
-    with pytest.raises(SimulationFailed, match=r"client-failure.*(no reply from node|failed)") as info:
-        run_local_deployment(path, workdir=tmp_path / "work", echo=False, kill_node_after_round=(1, 1),
+    with pytest.raises(SimulationFailed,
+                       match=r"client-failure.*(no reply from node|failed)") as info:
+        run_local_deployment(path, workdir=tmp_path / "work", echo=False, kill_node_after_round=(1,
+                                                                                                 1),
                              node_policy=policy(tmp_path))
     (run_dir,) = (tmp_path / "out").iterdir()
-    released = [json.loads(line)["round"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert released == [0, 1], f"round 1 was not released before the kill: {info.value}"  # round 2 released nothing
+    released = [json.loads(line)["round"]
+                for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # round 2 released nothing
+    assert released == [0, 1], f"round 1 was not released before the kill: {info.value}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "Round 2 released nothing" in summary["error"]
     print(f"fault error: {info.value}")
 
 
-def test_deploy_yaml_runs_natively_twice_in_its_run_folder_and_resumes_only_when_asked(tmp_path, monkeypatch, capsys):
-    """configs/deploy.yaml names container paths (/outputs/...): natively they map into the run folder."""
+def test_deploy_yaml_runs_natively_twice_in_its_run_folder_and_resumes_only_when_asked(
+    tmp_path, monkeypatch, capsys):
+    """configs/deploy.yaml names container paths (/outputs/...): natively they map into the run
+    folder."""
     from diff2_flwr.runtime.paths import APP_DIR
 
     monkeypatch.chdir(tmp_path)
@@ -129,8 +145,8 @@ def test_deploy_yaml_runs_natively_twice_in_its_run_folder_and_resumes_only_when
 
 
 class _ReusingSocket:
-    """A stand-in for the kernel's ephemeral ports that hands out the lowest port nobody holds: a port released
-    by one probe is the next probe's (which real kernels do too, now and then)."""
+    """A stand-in for the kernel's ephemeral ports that hands out the lowest port nobody holds: a
+    port released by one probe is the next probe's (which real kernels do too, now and then)."""
 
     held: set[int] = set()
 
@@ -150,8 +166,8 @@ class _ReusingSocket:
 
 @pytest.mark.parametrize("n", [2, 5])
 def test_free_ports_are_distinct_even_when_the_kernel_reuses_a_released_port(monkeypatch, n):
-    """A SuperLink's API and health server once got the same port (bind failed: address already in use): the
-    ports of one launch are probed all at once, so they differ."""
+    """A SuperLink's API and health server once got the same port (bind failed: address already in
+    use): the ports of one launch are probed all at once, so they differ."""
     from diff2_flwr.runtime import launch
 
     monkeypatch.setattr(launch.socket, "socket", _ReusingSocket)
@@ -167,21 +183,27 @@ def test_a_deployment_node_refuses_a_run_above_its_policy_and_nothing_is_release
         run_local_deployment(config(tmp_path), workdir=tmp_path / "work", echo=False,
                              node_policy=policy(tmp_path, max_epsilon=1.0))
     (run_dir,) = (tmp_path / "out").iterdir()
-    assert [json.loads(line)["round"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0]
+    assert [json.loads(line)["round"]
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed"
-    assert "(owner) refused: rule `max_epsilon`: the run asks ε = 3 (privacy.epsilon)" in summary["error"], summary
+    assert "(owner) refused: rule `max_epsilon`: the run asks ε = 3 (privacy.epsilon)" in summary[
+        "error"], summary
     print(f"refusal in a deployment: {info.value}")
 
 
 def test_deploy_local_starts_ten_supernodes_for_auto_unless_told(tmp_path, capsys):
-    """`diff2 deploy-local` starts the SuperNodes, so it resolves the default's `training.clients: auto`: 10, or
-    --clients; the file it hands the deployment's ServerApp declares that P (a deployment refuses auto)."""
+    """`diff2 deploy-local` starts the SuperNodes, so it resolves the default's `training.clients:
+    auto`: 10, or --clients; the file it hands the deployment's ServerApp declares that P (a
+    deployment refuses auto)."""
     from diff2_flwr.deploy.native import deployment_config
 
     default = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
     assert load_config(default).clients_auto
     written = load_config(deployment_config(default, tmp_path / "ten", rounds=2, echo=True))
-    assert written.clients == 10 and len(list((tmp_path / "ten" / "shards").glob("shard-*.npz"))) == 10
-    assert "training.clients: auto -> P = 10 SuperNodes (--clients N for another number)" in capsys.readouterr().out
-    assert load_config(deployment_config(default, tmp_path / "three", rounds=2, clients=3)).clients == 3
+    assert written.clients == 10 and len(list((tmp_path / "ten" / "shards").glob(
+        "shard-*.npz"))) == 10
+    assert (
+        "training.clients: auto -> P = 10 SuperNodes (--clients N for another number)") in capsys.readouterr().out
+    assert load_config(deployment_config(default, tmp_path / "three", rounds=2,
+                                         clients=3)).clients == 3

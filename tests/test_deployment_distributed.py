@@ -1,5 +1,6 @@
-"""`privacy.noise: distributed` through Flower's SecAgg+ in a real deployment: native processes on 127.0.0.1 with TLS
-and SuperNode authentication (issue 23), against the in-process driver of the same config."""
+"""`privacy.noise: distributed` through Flower's SecAgg+ in a real deployment: native processes on
+127.0.0.1 with TLS and SuperNode authentication (issue 23), against the in-process driver of the
+same config."""
 
 from __future__ import annotations
 
@@ -24,9 +25,12 @@ def config(tmp_path: Path) -> Path:
     path = tmp_path / "dist.yaml"
     path.write_text(yaml.safe_dump({
         "name": "dist", "method": "diff2", "dataset": {"name": "synthetic", "num_samples": 900},
-        "privacy": {"noise": "distributed"},  # bits 20, tolerated 0: all P = 3 clients in every secure sum
-        "training": {"rounds": ROUNDS, "restart_every": RESTART_EVERY, "clip_diff": 3.0, "clients": CLIENTS,
-                     "seed": 4},  # seeded: every client's noise share is client_rng(4, partition, round)
+        # bits 20, tolerated 0: all P = 3 clients in every secure sum
+        "privacy": {"noise": "distributed"},
+        "training": {"rounds": ROUNDS, "restart_every": RESTART_EVERY, "clip_diff": 3.0,
+                     "clients": CLIENTS,
+                     # seeded: every client's noise share is client_rng(4, partition, round)
+                     "seed": 4},
         "output": {"dir": str(tmp_path / "out")},
     }))
     return path
@@ -38,22 +42,27 @@ def rows(output_dir: Path) -> list[dict]:
 
 
 def test_distributed_noise_completes_through_secaggplus_with_tls_and_node_auth(tmp_path):
-    policy = tmp_path / "policy.yaml"  # seeded, to be checked bit for bit: the owners allow seeds (tests only)
-    policy.write_text(yaml.safe_dump({"name": "owner", "max_epsilon": 3.0, "max_delta": 1e-5, "allow_seeded": True,
+    # seeded, to be checked bit for bit: the owners allow seeds (tests only)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(yaml.safe_dump({"name": "owner", "max_epsilon": 3.0, "max_delta": 1e-5,
+                                      "allow_seeded": True,
                                       "noise": ["distributed"], "min_honest": CLIENTS}))
     result = run_local_deployment(config(tmp_path), tls=True, workdir=tmp_path / "work", echo=False,
                                   node_policy=policy)
     assert result.launch.status == "finished:completed"
-    # TLS turns SuperNode authentication on: exactly the P registered keys are the nodes the SuperLink knows
+    # TLS turns SuperNode authentication on: exactly the P registered keys are the nodes the
+    # SuperLink knows
     assert result.node_auth and len(set(result.node_ids)) == CLIENTS
     assert sorted(int(n["node-id"]) for n in result.nodes) == sorted(result.node_ids)
     # the ServerApp's log (streamed by `flwr run`): it ran the rounds through SecAggPlusWorkflow
-    assert "[diff2] distributed noise: each of the P = 3 clients adds a Skellam share" in result.launch.log
+    assert (
+        "[diff2] distributed noise: each of the P = 3 clients adds a Skellam share") in result.launch.log
 
     out = result.launch.output_dir
     deployed = rows(out)
     assert [r["round"] for r in deployed] == list(range(ROUNDS + 1))
-    assert all(r["survivors"] == CLIENTS for r in deployed[1:])  # every client's share in every secure sum
+    # every client's share in every secure sum
+    assert all(r["survivors"] == CLIENTS for r in deployed[1:])
 
     summary = json.loads((out / "summary.json").read_text())
     privacy = summary["privacy"]
@@ -62,10 +71,12 @@ def test_distributed_noise_completes_through_secaggplus_with_tls_and_node_auth(t
     # ε spent is the Skellam ledger of the rounds released, by their kind (restart or difference)
     reference = run_inprocess(load_config(result.config), record=False, progress=None)
     noise = reference.distributed
-    ledger = SkellamLedger(privacy["delta"]).record(*(noise.event(r["kind"] == "restart") for r in deployed[1:]))
+    ledger = SkellamLedger(privacy["delta"]).record(*(noise.event(r["kind"] == "restart")
+                                                      for r in deployed[1:]))
     assert [r["kind"] for r in deployed[1:]] == ["restart", "difference", "restart"]
     assert privacy["epsilon_spent"] == ledger.epsilon == reference.epsilon_spent
-    assert privacy["epsilon_spent"] == pytest.approx(privacy["calibration"]["epsilon_planned"], rel=1e-12)
+    assert privacy["epsilon_spent"] == pytest.approx(privacy["calibration"]["epsilon_planned"],
+                                                     rel=1e-12)
     assert privacy["epsilon_spent"] <= privacy["epsilon_target"] * (1 + 1e-9)
 
     # bit for bit the in-process driver's run: its secure sum adds the same seeded client messages

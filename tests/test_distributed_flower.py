@@ -1,6 +1,6 @@
-"""``privacy.noise: distributed`` end to end through `flwr run`: Flower's SecAgg+ carries the clients' Skellam
-messages, the server decodes only their sum. A seeded run equals the in-process driver bit for bit; a dropout
-within t is tolerated; one beyond t releases nothing."""
+"""``privacy.noise: distributed`` end to end through `flwr run`: Flower's SecAgg+ carries the
+clients' Skellam messages, the server decodes only their sum. A seeded run equals the in-process
+driver bit for bit; a dropout within t is tolerated; one beyond t releases nothing."""
 
 from __future__ import annotations
 
@@ -31,9 +31,11 @@ def test_a_distributed_run_goes_through_secagg_and_equals_the_inprocess_driver(t
     privacy = summary["privacy"]
     assert privacy["noise"] == "distributed" and "Skellam" in privacy["epsilon_accountant"]
     server = run_inprocess(load_config(config), record=False, progress=None)
-    assert privacy["epsilon_spent"] == pytest.approx(schedule_epsilon(server.distributed.calibration.events(), 1e-5),
+    assert privacy["epsilon_spent"] == pytest.approx(schedule_epsilon(
+        server.distributed.calibration.events(), 1e-5),
                                                       rel=1e-12)
-    np.testing.assert_array_equal(np.load(result.output_dir / "final_parameters.npy"), server.state.x)
+    np.testing.assert_array_equal(np.load(result.output_dir / "final_parameters.npy"),
+                                  server.state.x)
     assert [r["radius"] for r in rows[1:]] == [r["radius"] for r in server.history[1:]]
 
 
@@ -42,9 +44,11 @@ def test_a_dropout_within_t_is_tolerated_and_beyond_t_releases_nothing(tmp_path)
     tolerant = write_config(tmp_path, "tolerant", privacy={**DISTRIBUTED, "tolerated": 1})
     rows, summary = read_run(run_simulation(str(tolerant), echo=False, env=env))
     assert summary["status"] == "completed" and len(rows) == ROUNDS + 1
-    assert [r["survivors"] for r in rows[1:4]] == [3, 2, 3]  # round 2's sum: the two survivors' shares
+    # round 2's sum: the two survivors' shares
+    assert [r["survivors"] for r in rows[1:4]] == [3, 2, 3]
     strict = write_config(tmp_path, "strict", privacy=DISTRIBUTED)
-    with pytest.raises(SimulationFailed, match=r"Round 2 released nothing: check 'secure-aggregation'"):
+    with pytest.raises(SimulationFailed,
+                       match=r"Round 2 released nothing: check 'secure-aggregation'"):
         run_simulation(str(strict), echo=False, env=env)
     (run_dir,) = (tmp_path / "out").glob("strict-*")
     summary = json.loads((run_dir / "summary.json").read_text())

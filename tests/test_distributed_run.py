@@ -1,8 +1,9 @@
-"""``privacy.noise: distributed`` through the server, the strategy and the client glue, in process (no `flwr run`):
-the ledger, fail-closed rounds, the client's refusals, the config's refusals, checkpoints.
+"""``privacy.noise: distributed`` through the server, the strategy and the client glue, in process
+(no `flwr run`): the ledger, fail-closed rounds, the client's refusals, the config's refusals,
+checkpoints.
 
-The Flower runs are in tests/test_distributed_flower.py; the mechanism's privacy in test_distributed.py and
-test_skellam.py; SecAgg+ itself in test_secagg.py."""
+The Flower runs are in tests/test_distributed_flower.py; the mechanism's privacy in
+test_distributed.py and test_skellam.py; SecAgg+ itself in test_secagg.py."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ CONFIG = {
     "name": "distributed", "method": "diff2",
     "dataset": {"name": "synthetic", "num_samples": 1500},
     "privacy": {"epsilon": 3.0, "delta": 1e-5, "noise": "distributed"},
-    "training": {"rounds": 6, "restart_every": 3, "clip_restart": 1.0, "clip_diff": 3.0, "learning_rate": 0.2,
+    "training": {"rounds": 6, "restart_every": 3, "clip_restart": 1.0, "clip_diff": 3.0,
+                 "learning_rate": 0.2,
                  "clients": 3, "seed": 5},
 }
 
@@ -49,13 +51,17 @@ def test_an_inprocess_run_releases_every_round_and_its_ledger_is_the_schedules()
     assert all(r["survivors"] == 3 and r["noise_std"] > 0 for r in rows)
     assert isinstance(server.ledger, SkellamLedger) and len(server.ledger.events) == 6
     expected = schedule_epsilon(noise.calibration.events(), 1e-5)
-    assert server.epsilon_spent == pytest.approx(expected, rel=1e-12) and expected == pytest.approx(3.0, rel=1e-9)
+    assert server.epsilon_spent == pytest.approx(expected,
+                                                 rel=1e-12) and expected == pytest.approx(3.0,
+                                                                                          rel=1e-9)
     spent = [r["epsilon_spent"] for r in rows]
-    assert spent == sorted(spent) and spent[0] == pytest.approx(schedule_epsilon([noise.event(True)], 1e-5))
+    assert spent == sorted(spent) and spent[0] == pytest.approx(schedule_epsilon([noise.event(
+        True)], 1e-5))
     summary = server.summary()["privacy"]
     assert summary["noise"] == "distributed" and summary["calibration"]["tolerated"] == 0
     assert server.history[-1]["train_loss"] < server.history[0]["train_loss"]
-    # the server added no noise of its own: its mechanism has σ = 0, the clients' shares are all there is
+    # the server added no noise of its own: its mechanism has σ = 0, the clients' shares are all
+    # there is
     assert server.mechanism.sigma_restart == server.mechanism.sigma_diff == 0.0
     # the same seed reproduces the clients' shares, hence the run
     again = run_inprocess(cfg, record=False, progress=None)
@@ -63,17 +69,21 @@ def test_an_inprocess_run_releases_every_round_and_its_ledger_is_the_schedules()
 
 
 def test_the_noise_std_is_the_honest_clients_shares_over_the_scale_and_t_costs_noise():
-    """Each client adds (zΔ₂)²/(P - t): with t = 1 of P = 3 the P survivors add 3/2 of what carries the guarantee."""
+    """Each client adds (zΔ₂)²/(P - t): with t = 1 of P = 3 the P survivors add 3/2 of what carries
+    the guarantee."""
     cfg0, cfg1 = config(), config(tolerated=1)
     s0, s1 = (build_server(c, record=False, progress=None) for c in (cfg0, cfg1))
     n0, n1 = s0.distributed, s1.distributed
     assert n1.calibration == n0.calibration and n1.threshold == 2 and n0.threshold == 3
     code = n0.code(1, True, 1.0)
     z, rho = n0.calibration.z1, n0.calibration.rho
-    delta2 = code.scale * 2 * 1.0 / s0.n_min + 2 * rho  # rounding's 2ρ is in the sensitivity, hence in the noise
+    # rounding's 2ρ is in the sensitivity, hence in the noise
+    delta2 = code.scale * 2 * 1.0 / s0.n_min + 2 * rho
     assert n0.total_variance(code, True, 1.0) == pytest.approx((z * delta2) ** 2, rel=1e-12)
     assert n0.noise_std(1, True, 1.0, 3) == pytest.approx(z * delta2 / code.scale / 3, rel=1e-12)
-    assert n1.noise_std(1, True, 1.0, 3) == pytest.approx(math.sqrt(3 / 2) * n0.noise_std(1, True, 1.0, 3), rel=1e-12)
+    assert n1.noise_std(1, True, 1.0,
+                        3) == pytest.approx(math.sqrt(3 / 2) * n0.noise_std(1, True, 1.0, 3),
+                                            rel=1e-12)
 
 
 def test_fewer_survivors_than_p_minus_t_release_nothing():
@@ -81,13 +91,15 @@ def test_fewer_survivors_than_p_minus_t_release_nothing():
     server = build_server(cfg, record=False, progress=None)
     workers = [build_worker(cfg, p) for p in range(3)]
     plan = server.plan()
-    total = secure_sum(server, plan, workers[:1], cfg.training.seed)  # one survivor; P - t = 2 needed
+    # one survivor; P - t = 2 needed
+    total = secure_sum(server, plan, workers[:1], cfg.training.seed)
     with pytest.raises(RoundRejected, match=r"check 'survivors'.*1 of P = 3.*P - t = 2"):
         server.release_sum(total, 1)
     assert server.state.round == 0 and server.ledger.events == () and server.core.status == "failed"
     # two survivors are enough: the round is released, over their mean
     server = build_server(cfg, record=False, progress=None)
-    released = server.release_sum(secure_sum(server, server.plan(), workers[:2], cfg.training.seed), 2)
+    released = server.release_sum(secure_sum(server, server.plan(), workers[:2], cfg.training.seed),
+                                  2)
     assert released.plan.round == 1 and server.history[-1]["survivors"] == 2
 
 
@@ -109,17 +121,19 @@ class _Manager:
 
 def _secure_results(strategy: Diff2Strategy, cfg, survivors: int, *, echo_round: int | None = None,
                     partitions=None):
-    """What SecAggPlusWorkflow hands ``aggregate_fit``: one (proxy, FitRes) per survivor, each carrying the mean of
-    the survivors' centred messages and its own metrics."""
+    """What SecAggPlusWorkflow hands ``aggregate_fit``: one (proxy, FitRes) per survivor, each
+    carrying the mean of the survivors' centred messages and its own metrics."""
     server = strategy.server
     plan = server.plan()
     noise = server.distributed
     workers = [build_worker(cfg, p) for p in range(cfg.clients)]
-    messages = [w.message(noise, plan.round, plan.radius, plan.x_current, plan.x_previous, 1) for w in workers]
+    messages = [w.message(noise, plan.round, plan.radius, plan.x_current, plan.x_previous,
+                          1) for w in workers]
     mean = np.mean([to_secagg(m, noise.bits) for m in messages[:survivors]], axis=0)
     partitions = partitions or list(range(survivors))
     return [(_Proxy(str(100 + p)), FitRes(Status(Code.OK, ""), ndarrays_to_parameters([mean]), 1,
-                                          {protocol.PARTITION_ID: p, protocol.ECHO_ROUND: echo_round or plan.round}))
+                                          {protocol.PARTITION_ID: p,
+                                           protocol.ECHO_ROUND: echo_round or plan.round}))
             for p in partitions], modular_sum(messages[:survivors], noise.bits)
 
 
@@ -135,14 +149,16 @@ def test_the_strategy_decodes_what_secagg_hands_over_and_refuses_a_malformed_sum
     strategy.aggregate_fit(1, results, [])
     assert strategy.server.state.round == 1
 
-    for bad, match in ((dict(echo_round=7), "check 'round'"), (dict(partitions=[0, 0, 1]), "answered twice")):
+    for bad, match in ((dict(echo_round=7), "check 'round'"), (dict(partitions=[0, 0, 1]),
+                                                               "answered twice")):
         s = Diff2Strategy(server=build_server(cfg, record=False, progress=None))
         s.configure_fit(1, None, _Manager(3))
         res, _ = _secure_results(s, cfg, 3, **bad)
         with pytest.raises(RoundRejected, match=match):
             s.aggregate_fit(1, res, [])
         assert s.server.state.round == 0 and s.server.core.status == "failed"
-    # a mean over 2 messages announced by 3 survivors is not the sum of 3: nothing is decoded from it
+    # a mean over 2 messages announced by 3 survivors is not the sum of 3: nothing is decoded from
+    # it
     s = Diff2Strategy(server=build_server(cfg, record=False, progress=None))
     s.configure_fit(1, None, _Manager(3))
     res, _ = _secure_results(s, cfg, 2)
@@ -155,7 +171,8 @@ def test_the_strategy_decodes_what_secagg_hands_over_and_refuses_a_malformed_sum
 @pytest.mark.parametrize("retries", [0, 1])
 def test_a_round_whose_secure_aggregation_halted_releases_nothing(retries):
     cfg = config()
-    strategy = Diff2Strategy(server=build_server(cfg, record=False, progress=None), round_retries=retries)
+    strategy = Diff2Strategy(server=build_server(cfg, record=False, progress=None),
+                             round_retries=retries)
     assert strategy.configure_fit(1, None, _Manager(3))
     if retries == 0:
         with pytest.raises(RoundRejected, match=r"check 'secure-aggregation'.*SecAgg\+ halted"):
@@ -186,7 +203,8 @@ def test_a_distributed_node_answers_only_inside_secagg_and_checks_its_setup():
     with pytest.raises(ValueError, match="only inside Flower's SecAgg\\+"):
         mod(_Message(None), None, lambda m, c: called.append(m))
     assert not called  # the worker never ran
-    passthrough = secure_sum_mod(lambda ctxt: None, round_key=protocol.ROUND)  # central noise: untouched
+    # central noise: untouched
+    passthrough = secure_sum_mod(lambda ctxt: None, round_key=protocol.ROUND)
     passthrough(_Message(None), None, lambda m, c: called.append(m))
     assert len(called) == 1
     q = secagg_settings(20, 3)
@@ -224,9 +242,11 @@ def test_a_checkpoint_keeps_the_skellam_ledger(tmp_path: Path):
     server = run_inprocess(cfg, record=False, progress=None)
     path = tmp_path / "ckpt.npz"
     save_checkpoint(path, Checkpoint("f" * 64, server.state, server.ledger, None))
-    loaded = load_checkpoint(path, "f" * 64, routine=cfg.training.routine.build(cfg.training.learning_rate))
+    loaded = load_checkpoint(path, "f" * 64,
+                             routine=cfg.training.routine.build(cfg.training.learning_rate))
     assert loaded.ledger == server.ledger and loaded.ledger.epsilon == server.epsilon_spent
-    assert dataclasses.astuple(loaded.ledger.events[1]) == dataclasses.astuple(server.ledger.events[1])
+    assert dataclasses.astuple(loaded.ledger.events[1]) == dataclasses.astuple(server.ledger.events[
+        1])
 
 
 def test_a_data_owner_who_does_not_trust_the_server_refuses_central_noise_and_too_few_honest_clients():
@@ -234,7 +254,8 @@ def test_a_data_owner_who_does_not_trust_the_server_refuses_central_noise_and_to
 
     policy = NodePolicy(max_epsilon=5.0, max_delta=1e-4, noise=("distributed",), min_honest=3)
     central = parse_config({**CONFIG, "privacy": {"epsilon": 3.0, "delta": 1e-5}})
-    with pytest.raises(Refused, match="privacy.noise = 'central'.*does not trust the server") as err:
+    with pytest.raises(Refused,
+                       match="privacy.noise = 'central'.*does not trust the server") as err:
         check_run(policy, central, "node 7")
     assert err.value.rule == "noise"
     check_run(policy, config(), "node 7")  # P - t = 3 honest clients: admitted
@@ -247,15 +268,19 @@ def test_a_data_owner_who_does_not_trust_the_server_refuses_central_noise_and_to
         NodePolicy(max_epsilon=5.0, max_delta=1e-4, noise=("server",))
 
 
-def test_a_study_compares_central_and_distributed_noise_and_runs_the_distributed_arm_in_process(tmp_path):
-    """A method's ``privacy:`` block reaches its runs; on the batch engine its runs are in-process units (the batch
-    engine adds central Gaussian noise), which equal a single in-process run of the same config."""
+def test_a_study_compares_central_and_distributed_noise_and_runs_the_distributed_arm_in_process(
+    tmp_path):
+    """A method's ``privacy:`` block reaches its runs; on the batch engine its runs are in-process
+    units (the batch engine adds central Gaussian noise), which equal a single in-process run of the
+    same config."""
     from diff2_flwr.lab.study.runner import run_study
     from diff2_flwr.lab.study.spec import parse_study
 
     grid = {"restart_every": [3], "learning_rate": [0.2], "clip_restart": [1.0], "clip_diff": [3.0]}
-    data = {"name": "noise", "dataset": {"name": "synthetic", "num_samples": 1500}, "clients": 3, "rounds": 6,
-            "epsilons": [3.0], "eval_every": 3, "seeds": {"tune": [7], "evaluate": [1]}, "engine": "batch",
+    data = {"name": "noise", "dataset": {"name": "synthetic", "num_samples": 1500}, "clients": 3,
+            "rounds": 6,
+            "epsilons": [3.0], "eval_every": 3, "seeds": {"tune": [7], "evaluate": [1]},
+            "engine": "batch",
             "analysis": {"protocol": "paper"},
             "methods": [{"name": "central", "method": "diff2", "grid": grid},
                         {"name": "distributed", "method": "diff2", "grid": grid,
@@ -266,15 +291,19 @@ def test_a_study_compares_central_and_distributed_noise_and_runs_the_distributed
     result = run_study(study, output_root=tmp_path, show_progress=False, make_plots=False)
     assert set(result["epsilons"]["3.0"]["methods"]) == {"central", "distributed"}
     runs = [json.loads(r.read_text()) for r in (tmp_path / "noise" / "runs").glob("*.json")]
-    assert {(r["method"], r["engine"]) for r in runs} == {("central", "batch"), ("distributed", "inprocess")}
+    assert {(r["method"], r["engine"]) for r in runs} == {("central", "batch"), ("distributed",
+                                                                                 "inprocess")}
     (run,) = [r for r in runs if r["method"] == "distributed" and r["run_id"].startswith("eval")]
-    single = run_inprocess(cfg, record=False, progress=None)  # the same config, seed and shares: the same run
-    assert run["train_loss"] == [r["train_loss"] for r in single.history if r["round"] in run["rounds"]]
+    # the same config, seed and shares: the same run
+    single = run_inprocess(cfg, record=False, progress=None)
+    assert run["train_loss"] == [r["train_loss"] for r in single.history
+                                 if r["round"] in run["rounds"]]
 
 
 def test_the_python_api_with_distributed_noise_is_the_yaml_run_bit_for_bit():
-    """make_strategy(noise="distributed") and make_client(distributed=...) through a secure sum as SecAgg+ hands it
-    over (the mean of the survivors' centred messages) equal the in-process driver of the same config."""
+    """make_strategy(noise="distributed") and make_client(distributed=...) through a secure sum as
+    SecAgg+ hands it over (the mean of the survivors' centred messages) equal the in-process driver
+    of the same config."""
     import diff2_flwr
     from diff2_flwr.runtime.loading import load_data
     from diff2_flwr.task.losses import half_squared_error
@@ -284,18 +313,24 @@ def test_the_python_api_with_distributed_noise_is_the_yaml_run_bit_for_bit():
     reference = run_inprocess(cfg, record=False, progress=None)
     data = load_data(cfg)
     settings = dict(epsilon=3.0, delta=1e-5, rounds=6, restart_every=3, clients=3)
-    strategy = diff2_flwr.make_strategy(**settings, n_min=data.n_min, clip_restart=1.0, clip_diff=3.0,
-                                        learning_rate=0.2, model=PaperMLP(data.num_features, 10, 1, init_seed=0).double(),
-                                        noise="distributed", tolerated=1, seed=5, progress=None)
-    clients = [diff2_flwr.make_client(model=PaperMLP(data.num_features, 10, 1).double(), loss=half_squared_error,
-                                      data=data.shard(p), partition_id=p, distributed={**settings, "tolerated": 1},
+    strategy = diff2_flwr.make_strategy(**settings, n_min=data.n_min, clip_restart=1.0,
+                                        clip_diff=3.0, learning_rate=0.2,
+                                        model=PaperMLP(data.num_features, 10, 1,
+                                                       init_seed=0).double(), noise="distributed",
+                                                       tolerated=1, seed=5, progress=None)
+    clients = [diff2_flwr.make_client(model=PaperMLP(data.num_features, 10, 1).double(),
+                                      loss=half_squared_error, data=data.shard(p), partition_id=p,
+                                      distributed={**settings, "tolerated": 1},
                                       seed=5) for p in range(3)]
     for r in range(1, 7):
         instructions = strategy.configure_fit(r, None, _Manager(3))
-        replies = [clients[int(proxy.cid) - 100].fit(parameters_to_ndarrays(ins.parameters), ins.config)
+        replies = [clients[int(proxy.cid) - 100].fit(parameters_to_ndarrays(ins.parameters),
+                                                     ins.config)
                    for proxy, ins in instructions]
         mean = np.mean([arrays[0] for arrays, _, _ in replies], axis=0)
-        strategy.aggregate_fit(r, [(proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters([mean]), n, metrics))
-                                   for (proxy, _), (_, n, metrics) in zip(instructions, replies)], [])
+        strategy.aggregate_fit(r, [(proxy, FitRes(Status(Code.OK, ""),
+                                                  ndarrays_to_parameters([mean]), n, metrics))
+                                   for (proxy, _), (_, n, metrics) in zip(instructions, replies)],
+                                   [])
     np.testing.assert_array_equal(strategy.server.state.x, reference.state.x)
     assert strategy.server.epsilon_spent == reference.epsilon_spent

@@ -1,9 +1,10 @@
-"""The documentation site (issue 25): it builds with warnings as errors, a broken link fails that build, the
-configuration and command line references are generated from the code, and the README stays short.
+"""The documentation site (issue 25): it builds with warnings as errors, a broken link fails that
+build, the configuration and command line references are generated from the code, and the README
+stays short.
 
-The strict build is `mkdocs build --strict` with mkdocs.yml's `validation:` (a broken link or anchor, a page left
-out of the navigation, a docstring mkdocstrings cannot read: each is a warning, hence an error). The tutorials'
-commands are run by other tests: docs/about.md lists which.
+The strict build is `mkdocs build --strict` with mkdocs.yml's `validation:` (a broken link or
+anchor, a page left out of the navigation, a docstring mkdocstrings cannot read: each is a warning,
+hence an error). The tutorials' commands are run by other tests: docs/about.md lists which.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def test_diff2_docs_builds_the_site_strict_and_says_where(tmp_path, capsys):
     assert all(f"<code>{key}</code>" in config_page for key in config_keys())
     cli_page = (out / "reference" / "cli.html").read_text()
     assert "diff2 docs" in cli_page and "diff2 audit" in cli_page
-    assert "make_strategy" in (out / "reference" / "python-api.html").read_text()  # from the docstrings
+    # from the docstrings
+    assert "make_strategy" in (out / "reference" / "python-api.html").read_text()
 
 
 def _copy(tmp_path: Path) -> Path:
@@ -50,8 +52,10 @@ def _copy(tmp_path: Path) -> Path:
 
 
 BREAKS = {
-    "broken link": ("index.md", "(tutorials/first-run.md)", "(tutorials/no-such-page.md)", "no-such-page.md"),
-    "broken anchor": ("index.md", "(explanation/privacy.md)", "(explanation/privacy.md#no-such-section)",
+    "broken link": ("index.md", "(tutorials/first-run.md)", "(tutorials/no-such-page.md)",
+                    "no-such-page.md"),
+    "broken anchor": ("index.md", "(explanation/privacy.md)",
+                      "(explanation/privacy.md#no-such-section)",
                       "no-such-section"),
 }
 
@@ -74,10 +78,12 @@ def test_a_page_left_out_of_the_navigation_fails_the_strict_build(tmp_path):
     assert done.returncode != 0 and "orphan.md" in done.stderr, done.stderr[-2000:]
 
 
-# ------------------------------------------------------------------------------ the generated references
+# ------------------------------------------------------------------------------ the generated
+# references
 
 def test_every_setting_is_declared_with_help_text():
-    assert docs.missing_help() == [], "give each setting a help text in its setting(default, help) declaration"
+    assert docs.missing_help() == [], ("give each setting a help text in its setting(default, "
+                                       "help) declaration")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +108,11 @@ def test_a_setting_without_help_text_is_caught_and_fails_the_page(monkeypatch):
 def test_run_config_keys_out_of_date_fail_the_page(tmp_path, monkeypatch):
     assert docs.run_config_drift() == ""
     stale = tmp_path / "pyproject.toml"
-    stale.write_text((ROOT / "pyproject.toml").read_text().replace('"output.checkpoint" = ""\n', ""))
+    stale.write_text((ROOT / "pyproject.toml").read_text().replace('"output.checkpoint" = ""\n',
+                                                                   ""))
     assert docs.run_config_drift(stale) == "missing ['output.checkpoint'], not settings []"
-    monkeypatch.setattr(docs, "run_config_drift", lambda: "missing ['output.checkpoint'], not settings []")
+    monkeypatch.setattr(docs, "run_config_drift",
+                        lambda: "missing ['output.checkpoint'], not settings []")
     with pytest.raises(ValueError, match="run `python scripts/run_config_keys.py`"):
         docs.configuration_page()
 
@@ -128,7 +136,8 @@ def test_generated_pages_are_not_committed():
 
 
 def test_the_details_page_names_only_real_keys():
-    """The hand-written details (the README's old table) may not name a key the parser does not have."""
+    """The hand-written details (the README's old table) may not name a key the parser does not
+    have."""
     keys = set(config_keys())
     text = (DOCS / "reference" / "configuration-notes.md").read_text()
     named = 0
@@ -136,7 +145,8 @@ def test_the_details_page_names_only_real_keys():
         first, *rest = re.findall(r"`([^`]+)`", cell)
         section = first.rpartition(".")[0]
         for key in [first, *(r if "." in r else f"{section}.{r}" for r in rest)]:
-            assert key in keys, f"configuration-notes.md names `{key}`, which is not a key of the experiment file"
+            assert key in keys, (f"configuration-notes.md names `{key}`, which is not a key of "
+                                 f"the experiment file")
             named += 1
     assert named >= len(keys) - 5  # it is the whole table, not a few lines of it
 
@@ -147,7 +157,8 @@ def test_the_readme_is_short_and_links_into_the_docs():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
     links = re.findall(r"\]\((docs/[^)#]+)", readme)
-    assert links and all((ROOT / link).is_file() for link in links), [l for l in links if not (ROOT / l).is_file()]
+    assert links and all((ROOT / link).is_file() for link in links), [l for l in links
+                                                                      if not (ROOT / l).is_file()]
     # the two commands a user runs, as CI runs the second (.ci/run -> scripts/test.sh)
     assert "./scripts/run.sh" in readme and "./scripts/test.sh" in readme
     assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
@@ -156,39 +167,51 @@ def test_the_readme_is_short_and_links_into_the_docs():
 def test_the_docs_extra_is_installed_by_setup():
     import tomllib
 
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
     assert any(dep.startswith("mkdocs-material") for dep in extras["docs"])
     assert "docs]" in (ROOT / "scripts" / "setup.sh").read_text()
 
 
-# ------------------------------------------------------------------------------ the tutorials' commands
+# ------------------------------------------------------------------------------ the tutorials'
+# commands
 
 #: Each kind of command a tutorial shows -> the tests that run it (file::function; a class's test as
-#: file::Class::function). A command a tutorial adds must be listed here with its test, or the test below fails.
+#: file::Class::function). A command a tutorial adds must be listed here with its test, or the test
+#: below fails.
 RUN_BY = {
-    "./scripts/run.sh": ["tests/test_console.py::test_diff2_run_console_through_flower_is_short_and_ends_with_the_summary",
-                         "tests/test_flower_e2e.py::test_california_housing_simulation"],  # run.sh = setup.sh + diff2 run
+    "./scripts/run.sh": [
+        "tests/test_console.py::test_diff2_run_console_through_flower_is_short_and_ends_with_the_summary",
+                         # run.sh = setup.sh + diff2 run
+                         "tests/test_flower_e2e.py::test_california_housing_simulation"],
     "./scripts/test.sh": [".ci/run"],  # CI runs it on a clean clone
     "./scripts/setup.sh": [".ci/run"],  # scripts/test.sh runs it first
     "source .venv/bin/activate": [
-        "tests/test_plain_flwr_run.py::test_activating_the_venv_turns_flowers_per_run_install_off_and_deactivate_"
-        "restores_the_shell"],
-    "flwr run . --stream": ["tests/test_plain_flwr_run.py::test_plain_flwr_run_completes_with_p_the_simulations_supernodes",
+        "tests/test_plain_flwr_run.py::test_activating_the_venv_turns_flowers_per_run_install_off_and_deactivate_restores_the_shell"],
+    "flwr run . --stream": [
+        "tests/test_plain_flwr_run.py::test_plain_flwr_run_completes_with_p_the_simulations_supernodes",
                             "tests/test_own_code.py::test_flwr_run_imports_a_factory_from_custom_without_pythonpath"],
-    "flwr run . compose": ["tests/test_compose_podman.py::TestPlainCompose::test_a_run_completes_and_equals_the_in_process_"
-                           "driver"],
-    "flwr run . <connection>": ["tests/test_compose_podman.py::TestTlsCompose::test_a_tls_run_with_registered_node_keys_"
+    "flwr run . compose": [
+        "tests/test_compose_podman.py::TestPlainCompose::test_a_run_completes_and_equals_the_in_process_driver"],
+    "flwr run . <connection>": [
+        "tests/test_compose_podman.py::TestTlsCompose::test_a_tls_run_with_registered_node_keys_"
                                 "equals_the_in_process_driver"],
-    "flwr supernode register": ["tests/test_node_auth.py::test_only_registered_supernodes_join_and_the_run_completes_"
+    "flwr supernode register": [
+        "tests/test_node_auth.py::test_only_registered_supernodes_join_and_the_run_completes_"
                                 "with_them"],
     "diff2 shard": ["tests/test_shards.py::test_cli_shard"],
-    "diff2 secret": ["tests/test_superexec_auth.py::test_every_private_file_the_cli_writes_is_owner_only_under_umask_022"],
-    "diff2 node-key": ["tests/test_node_auth.py::test_operator_takes_data_owners_public_keys_and_refuses_anything_else"],
-    "diff2 certs": ["tests/test_node_auth.py::test_operator_takes_data_owners_public_keys_and_refuses_anything_else"],
-    "diff2 compose": ["tests/test_compose.py::test_multi_host_file_names_the_right_certificate_hosts_and_each_side_s_steps"],
-    "docker compose": ["tests/test_compose_podman.py::TestPlainCompose::test_a_run_completes_and_equals_the_in_process_"
-                       "driver", "tests/test_compose_podman.py::TestTlsCompose::test_a_tls_run_with_registered_node_keys_"
-                       "equals_the_in_process_driver"],  # with Podman, where it and root are available
+    "diff2 secret": [
+        "tests/test_superexec_auth.py::test_every_private_file_the_cli_writes_is_owner_only_under_umask_022"],
+    "diff2 node-key": [
+        "tests/test_node_auth.py::test_operator_takes_data_owners_public_keys_and_refuses_anything_else"],
+    "diff2 certs": [
+        "tests/test_node_auth.py::test_operator_takes_data_owners_public_keys_and_refuses_anything_else"],
+    "diff2 compose": [
+        "tests/test_compose.py::test_multi_host_file_names_the_right_certificate_hosts_and_each_side_s_steps"],
+    "docker compose": [
+        "tests/test_compose_podman.py::TestPlainCompose::test_a_run_completes_and_equals_the_in_process_driver", "tests/test_compose_podman.py::TestTlsCompose::test_a_tls_run_with_registered_node_keys_"
+                       # with Podman, where it and root are available
+                       "equals_the_in_process_driver"],
 }
 #: Shell steps around the commands (files, ownership, variables), not commands of this project.
 SHELL = ("mkdir ", "sudo chown ", "cp ", "git clone ", "export ")
@@ -198,7 +221,8 @@ def _tutorial_commands() -> list[tuple[str, str]]:
     found = []
     for page in sorted((DOCS / "tutorials").glob("*.md")):
         for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
-            for line in re.sub(r"\\\n\s*", " ", block).splitlines():  # a continued line is one command
+            # a continued line is one command
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
                 command = re.sub(r"\s+#.*$", "", line).strip().removeprefix(".venv/bin/")
                 if command and not command.startswith("#"):
                     found.append((page.name, command))

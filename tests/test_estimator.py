@@ -38,7 +38,8 @@ def run(mechanism: Mechanism, rounds: int, lr: float = 0.1, seed: int | None = 0
     states, releases = [state], []
     for _ in range(rounds):
         plan = plan_round(state, mechanism)
-        mean = grad_f(plan.x_current) if plan.restart else grad_f(plan.x_current) - grad_f(plan.x_previous)
+        mean = grad_f(plan.x_current) if plan.restart else grad_f(plan.x_current) - grad_f(
+            plan.x_previous)
         state, release = server_step(state, mechanism, routine, mean)
         states.append(state)
         releases.append(release)
@@ -69,13 +70,15 @@ def test_restart_schedule():
         is_restart(0, 3)
     mech = Mechanism(restart_every=3, **NO_PRIVACY)
     _, releases = run(mech, rounds=7)
-    assert [rel.plan.kind for rel in releases] == ["restart", "difference", "difference"] * 2 + ["restart"]
+    assert [rel.plan.kind for rel in releases] == ["restart", "difference",
+                                                   "difference"] * 2 + ["restart"]
     assert all((rel.plan.x_previous is None) == rel.plan.restart for rel in releases)
 
 
 def test_difference_radius_hand_worked():
     # x0 = 0; round 1 (restart) mean (3, 4), GD lr 1 -> x1 = (-3, -4); round 2 radius = C2 * 5
-    mech = Mechanism(restart_every=5, clip_restart=10.0, clip_diff=2.0, sigma_restart=0.0, sigma_diff=0.0)
+    mech = Mechanism(restart_every=5, clip_restart=10.0, clip_diff=2.0, sigma_restart=0.0,
+                     sigma_diff=0.0)
     routine = GD(1.0)
     state = init_state(np.zeros(2), routine, seed=0)
     state, _ = server_step(state, mech, routine, np.array([3.0, 4.0]))
@@ -92,7 +95,8 @@ def test_difference_radius_hand_worked():
 
 
 def test_zero_radius_round_adds_no_noise():
-    mech = Mechanism(restart_every=5, clip_restart=1.0, clip_diff=1.0, sigma_restart=0.5, sigma_diff=0.5)
+    mech = Mechanism(restart_every=5, clip_restart=1.0, clip_diff=1.0, sigma_restart=0.5,
+                     sigma_diff=0.5)
     routine = GD(1.0)
     state = init_state(np.zeros(3), routine, seed=3)
     state, _ = server_step(state, mech, routine, np.zeros(3))
@@ -107,10 +111,12 @@ def test_zero_radius_round_adds_no_noise():
 
 @pytest.mark.parametrize("restart", [True, False])
 def test_noise_only_measured_std_matches_sigma_times_radius(restart):
-    """Zero contributions: ṽ is pure noise with std σ·C (restart) or accumulated σ2·C_{2,r} noise."""
+    """Zero contributions: ṽ is pure noise with std σ·C (restart) or accumulated σ2·C_{2,r}
+    noise."""
     d = 20_000
     sigma1, c1, sigma2, c2 = 0.5, 2.0, 0.25, 3.0
-    mech = Mechanism(restart_every=10, clip_restart=c1, clip_diff=c2, sigma_restart=sigma1, sigma_diff=sigma2)
+    mech = Mechanism(restart_every=10, clip_restart=c1, clip_diff=c2, sigma_restart=sigma1,
+                     sigma_diff=sigma2)
     routine = GD(0.1)
     state = init_state(np.zeros(d), routine, seed=1234)
     state, rel1 = server_step(state, mech, routine, np.zeros(d))
@@ -127,7 +133,8 @@ def test_noise_only_measured_std_matches_sigma_times_radius(restart):
 
 
 def test_noise_is_reproducible_with_a_seed_and_fresh_without():
-    mech = Mechanism(restart_every=1, clip_restart=1.0, clip_diff=1.0, sigma_restart=1.0, sigma_diff=1.0)
+    mech = Mechanism(restart_every=1, clip_restart=1.0, clip_diff=1.0, sigma_restart=1.0,
+                     sigma_diff=1.0)
     a = run(mech, rounds=3, seed=42)[0][-1].x
     b = run(mech, rounds=3, seed=42)[0][-1].x
     c = run(mech, rounds=3, seed=43)[0][-1].x

@@ -1,8 +1,9 @@
-"""`training.clients: auto`: P from the federation that runs the config (fl/federation.py, the ServerApp, the ClientApp).
+"""`training.clients: auto`: P from the federation that runs the config (fl/federation.py, the
+ServerApp, the ClientApp).
 
-The grids here are stand-ins named as Flower 1.42's (``InMemoryGrid`` for a simulation, anything else for a
-deployment), as :func:`diff2_flwr.fl.federation.is_simulation` matches them by class name; the real grid runs in
-tests/test_plain_flwr_run.py.
+The grids here are stand-ins named as Flower 1.42's (``InMemoryGrid`` for a simulation, anything
+else for a deployment), as :func:`diff2_flwr.fl.federation.is_simulation` matches them by class
+name; the real grid runs in tests/test_plain_flwr_run.py.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class InMemoryGrid:
-    """Nodes registered by another thread, ``ids`` at a time, ``gap_s`` apart (as Flower's simulation does)."""
+    """Nodes registered by another thread, ``ids`` at a time, ``gap_s`` apart (as Flower's
+    simulation does)."""
 
     def __init__(self, batches: list[int], gap_s: float = 0.0) -> None:
         self.nodes: list[int] = []
@@ -60,17 +62,20 @@ def _tiny(tmp_path: Path, **training) -> Path:
 
 
 def test_a_simulations_supernodes_are_counted_once_their_number_holds():
-    assert is_simulation(InMemoryGrid([])) and not is_simulation(GrpcGrid()) and not is_simulation(None)
+    assert is_simulation(InMemoryGrid([])) and not is_simulation(GrpcGrid()) and not is_simulation(
+        None)
     grid = InMemoryGrid([2, 3], gap_s=0.3).start()  # 2 nodes, then 3 more 0.3 s later: 5, not 2
     started = time.monotonic()
     assert simulation_supernodes(grid, settle_s=0.6) == 5
     assert time.monotonic() - started >= 0.9
-    with pytest.raises(FederationError, match=r"no SuperNode of this simulation registered within 1 s"):
+    with pytest.raises(FederationError,
+                       match=r"no SuperNode of this simulation registered within 1 s"):
         simulation_supernodes(InMemoryGrid([]), timeout_s=1.0)
 
 
 def test_a_deployment_must_declare_p():
-    with pytest.raises(FederationError, match=r"key `training.clients`: expected the number of clients P in a "
+    with pytest.raises(FederationError,
+                       match=r"key `training.clients`: expected the number of clients P in a "
                        r"deployment\. Found 'auto', .* --run-config \"training.clients=3\""):
         simulation_supernodes(GrpcGrid())
 
@@ -81,9 +86,11 @@ def test_the_server_app_takes_p_from_the_simulation_and_says_it(tmp_path, capsys
     cfg, checked = server_app.checked_config({"config": str(path)}, InMemoryGrid([3]).start())
     assert cfg.clients == 3 and len(checked.data.shard_bounds) == 3
     assert checked.calibration == load_config(path).with_clients(3).calibration(checked.n_min)
-    assert "[diff2] training.clients: auto -> P = 3, the SuperNodes of this simulation" in capsys.readouterr().out
-    components = server_app.server_fn(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                                              run_config={"config": str(path)}), InMemoryGrid([4]).start())
+    assert (
+        "[diff2] training.clients: auto -> P = 3, the SuperNodes of this simulation") in capsys.readouterr().out
+    components = server_app.server_fn(Context(run_id=1, node_id=0, node_config={},
+                                              state=RecordDict(), run_config={"config": str(path)}),
+                                              InMemoryGrid([4]).start())
     assert components.strategy.server.clients == 4
 
 
@@ -94,11 +101,13 @@ def test_the_server_app_of_a_deployment_refuses_auto_in_one_line(tmp_path, capsy
     assert capsys.readouterr().out.splitlines() == [f"[diff2] pre-flight failed: {caught.value}"]
     assert "expected the number of clients P in a deployment" in str(caught.value)
     # A declared P (the run config's key, as the deployment launchers pass it) needs no federation.
-    cfg, _ = server_app.checked_config({"config": str(_tiny(tmp_path)), "training.clients": 3}, GrpcGrid())
+    cfg, _ = server_app.checked_config({"config": str(_tiny(tmp_path)), "training.clients": 3},
+                                       GrpcGrid())
     assert cfg.clients == 3
 
 
-def test_each_client_app_takes_p_from_num_partitions_and_holds_that_shard(tmp_path, simulated_nodes):
+def test_each_client_app_takes_p_from_num_partitions_and_holds_that_shard(tmp_path,
+                                                                          simulated_nodes):
     client_app = importlib.import_module("clients.client_app")
     path = _tiny(tmp_path)
     expected = load_data(load_config(path).with_clients(3))
@@ -120,8 +129,9 @@ def test_diff2_run_and_the_in_process_driver_make_ten_workers_of_auto(tmp_path):
 
 
 def test_the_server_app_ends_with_the_runs_summary_and_never_masks_the_runs_error(tmp_path, capsys):
-    """`flwr log` ends with the run's summary block (what `flwr run .` users read); an unreadable summary.json is
-    one line, never an exception in place of the run's own (print_outcome runs in a `finally`)."""
+    """`flwr log` ends with the run's summary block (what `flwr run .` users read); an unreadable
+    summary.json is one line, never an exception in place of the run's own (print_outcome runs in a
+    `finally`)."""
     from types import SimpleNamespace
 
     from diff2_flwr.runtime.driver import run_inprocess
@@ -134,7 +144,8 @@ def test_the_server_app_ends_with_the_runs_summary_and_never_masks_the_runs_erro
     capsys.readouterr()
     server_app.print_outcome(strategy)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("[diff2] summary: run completed: ") and lines[-1].startswith(f"  files        {run_dir}: ")
+    assert lines[0].startswith("[diff2] summary: run completed: ") and lines[-1].startswith(
+        f"  files        {run_dir}: ")
     (run_dir / "summary.json").write_text("{not json")
     server_app.print_outcome(strategy)
     (line,) = capsys.readouterr().out.splitlines()

@@ -19,13 +19,15 @@ def make(n=37, features=6, seed=0, dtype=torch.float64, chunk_size=8):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, features, generator=gen, dtype=torch.float64)
     y = torch.randn(n, generator=gen, dtype=torch.float64)
-    model = build_model("paper_mlp", in_features=features, out_features=1, hidden=10, init_seed=seed)
+    model = build_model("paper_mlp", in_features=features, out_features=1, hidden=10,
+                        init_seed=seed)
     psg = PerSampleGradients(model, half_squared_error, dtype=dtype, chunk_size=chunk_size)
     x0 = np.concatenate([p.detach().reshape(-1).numpy() for p in model.parameters()])
     return psg, x.to(dtype), y.to(dtype), x0
 
 
-def loop_gradients(psg: PerSampleGradients, x_vec: np.ndarray, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def loop_gradients(psg: PerSampleGradients, x_vec: np.ndarray, x: torch.Tensor,
+                   y: torch.Tensor) -> torch.Tensor:
     """One backward pass per sample through a fresh copy of the model: the slow obvious way."""
     layout = psg.layout
     rows = []
@@ -42,7 +44,8 @@ def loop_gradients(psg: PerSampleGradients, x_vec: np.ndarray, x: torch.Tensor, 
 
 def test_per_sample_gradients_equal_a_loop():
     psg, x, y, x0 = make()
-    torch.testing.assert_close(psg.per_sample(x0, x, y), loop_gradients(psg, x0, x, y), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(psg.per_sample(x0, x, y), loop_gradients(psg, x0, x, y), rtol=1e-12,
+                               atol=1e-14)
 
 
 def clipped_mean_loop(rows: torch.Tensor, radius: float) -> np.ndarray:
@@ -58,10 +61,12 @@ def test_clipped_mean_of_gradients_and_of_differences_equal_a_loop(radius):
     psg, x, y, x0 = make()
     x1 = x0 + 0.1 * np.random.default_rng(1).standard_normal(x0.size)
     restart = psg.clipped_mean(x0, x, y, radius)
-    np.testing.assert_allclose(restart.mean, clipped_mean_loop(loop_gradients(psg, x0, x, y), radius), rtol=1e-11, atol=1e-14)
+    np.testing.assert_allclose(restart.mean, clipped_mean_loop(loop_gradients(psg, x0, x, y),
+                                                               radius), rtol=1e-11, atol=1e-14)
     diffs = loop_gradients(psg, x1, x, y) - loop_gradients(psg, x0, x, y)
     difference = psg.clipped_mean(x1, x, y, radius, x_previous=x0)
-    np.testing.assert_allclose(difference.mean, clipped_mean_loop(diffs, radius), rtol=1e-11, atol=1e-14)
+    np.testing.assert_allclose(difference.mean, clipped_mean_loop(diffs, radius), rtol=1e-11,
+                               atol=1e-14)
     expected_clipped = int((torch.linalg.vector_norm(diffs, dim=1) > radius).sum())
     assert difference.num_clipped == expected_clipped and difference.num_samples == 37
     if radius < math.inf:
@@ -72,7 +77,8 @@ def test_chunk_size_does_not_change_the_result():
     a = make(chunk_size=1)
     b = make(chunk_size=1000)
     np.testing.assert_allclose(a[0].clipped_mean(a[3], a[1], a[2], 0.2).mean,
-                               b[0].clipped_mean(b[3], b[1], b[2], 0.2).mean, rtol=1e-12, atol=1e-15)
+                               b[0].clipped_mean(b[3], b[1], b[2], 0.2).mean, rtol=1e-12,
+                               atol=1e-15)
 
 
 def test_float32_compute_still_respects_the_radius_in_float64():
@@ -85,7 +91,8 @@ def test_float32_compute_still_respects_the_radius_in_float64():
 def test_full_loss_and_gradient_is_the_mean_of_per_sample_ones():
     psg, x, y, x0 = make()
     loss, grad = psg.loss_and_gradient(x0, x, y)
-    np.testing.assert_allclose(grad, psg.per_sample(x0, x, y).mean(0).numpy(), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(grad, psg.per_sample(x0, x, y).mean(0).numpy(), rtol=1e-12,
+                               atol=1e-15)
     assert loss == pytest.approx(psg.mean_loss(x0, x, y), rel=1e-14)
 
 
@@ -119,7 +126,8 @@ def test_paper_mlp_initialisation_is_uniform_in_plus_minus_one_over_sqrt_fan_in(
     # deterministic by seed, different across seeds
     assert torch.equal(PaperMLP(8, init_seed=3).hidden.weight, model.hidden.weight)
     assert not torch.equal(PaperMLP(8, init_seed=4).hidden.weight, model.hidden.weight)
-    # spread over the whole interval (not e.g. PyTorch's default, which is ±1/sqrt(fan_in) too but seeded differently)
+    # spread over the whole interval (not e.g. PyTorch's default, which is ±1/sqrt(fan_in) too but
+    # seeded differently)
     w = PaperMLP(1000, 10, init_seed=0).hidden.weight
     w = w.detach()
     assert float(w.max()) > 0.9 / math.sqrt(1000) and float(w.min()) < -0.9 / math.sqrt(1000)
@@ -150,7 +158,8 @@ def test_closed_form_path_equals_the_generic_torch_func_path(radius, difference)
 
 
 def test_closed_form_matches_softplus_in_its_linear_region():
-    """Pre-activations above torch's softplus threshold (20): both paths must use derivative 1 there."""
+    """Pre-activations above torch's softplus threshold (20): both paths must use derivative 1
+    there."""
     from diff2_flwr.core.closed_form import PaperMLPGradients
 
     psg, x, y, x0 = make(n=50, features=8, seed=2)

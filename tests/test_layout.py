@@ -1,6 +1,6 @@
-"""The rooms of the package and the direction of their imports (ARCHITECTURE: math ← task ← runtime ←
-Flower glue / deployment / experiments ← CLI), checked on the source: a new upward import or a circle
-between files fails here."""
+"""The rooms of the package and the direction of their imports (ARCHITECTURE: math ← task ← runtime
+← Flower glue / deployment / experiments ← CLI), checked on the source: a new upward import or a
+circle between files fails here."""
 
 from __future__ import annotations
 
@@ -91,17 +91,22 @@ def test_imports_run_one_way(path):
 
 
 def _private_names_from_other_modules(path: Path) -> list[str]:
-    """``from ..x import _name`` lines of ``path`` that take a private name of another module of the package."""
+    """``from ..x import _name`` lines of ``path`` that take a private name of another module of the
+    package."""
     tree = ast.parse(path.read_text(), filename=str(path))
     return [f"line {node.lineno}: {alias.name} from {'.' * node.level}{node.module or ''}"
             for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and (node.level or
-                                                                               (node.module or "").startswith("diff2_flwr"))
-            for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+                                                                               (node.module
+                                                                                or "").startswith(
+                                                                                    "diff2_flwr"))
+            for alias in node.names if alias.name.startswith("_")
+            and not alias.name.startswith("__")]
 
 
 @pytest.mark.parametrize("path", sorted((PKG / "deploy").glob("*.py")), ids=lambda p: p.name)
 def test_deployment_code_uses_only_public_names_of_other_modules(path):
-    """What deploy/ needs from runtime/launch.py (and from its siblings) is public API (issue 22, item 5)."""
+    """What deploy/ needs from runtime/launch.py (and from its siblings) is public API (issue 22,
+    item 5)."""
     assert not _private_names_from_other_modules(path)
 
 
@@ -155,29 +160,36 @@ def test_the_checker_sees_an_upward_import(tmp_path):
 
 def test_importing_the_package_and_its_rooms_stays_light():
     """`import diff2_flwr` pulls in neither torch nor Flower."""
-    code = "import sys, diff2_flwr; print(sorted(m for m in ('torch', 'flwr', 'scipy') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    code = ("import sys, diff2_flwr; print(sorted(m for m in ('torch', 'flwr', 'scipy') if m in "
+            "sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
     assert out.strip() == "[]"
 
 
 def test_the_cli_parser_stays_light():
-    """`diff2 --help` (and every sub-command's --help) builds its parser without torch, scipy, numpy or Flower."""
-    code = ("import sys; from diff2_flwr.cli import build_parser; p = build_parser(); p.format_help(); "
-            "[a.choices[c].format_help() for a in p._subparsers._group_actions for c in a.choices]; "
-            "print(sorted(m for m in ('torch', 'flwr', 'scipy', 'numpy', 'matplotlib', 'yaml') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    """`diff2 --help` (and every sub-command's --help) builds its parser without torch, scipy, numpy
+    or Flower."""
+    code = (
+        "import sys; from diff2_flwr.cli import build_parser; p = build_parser(); "
+        "p.format_help(); [a.choices[c].format_help() for a in p._subparsers._group_actions for c "
+        "in a.choices]; print(sorted(m for m in ('torch', 'flwr', 'scipy', 'numpy', 'matplotlib', "
+        "'yaml') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
     assert out.strip() == "[]"
 
 
 def test_version():
     from importlib.metadata import version
 
-    out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "--version"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "--version"], capture_output=True,
+                         text=True)
     assert out.returncode == 0 and out.stdout.strip() == f"diff2 {version('diff2-flwr')}"
 
 
-#: lab's rooms by job (issue 39, item 4) -> the rooms each may import; every room may import lab's root modules
-#: (the batched sweep engine: sweep.py, backend.py), which import no room.
+#: lab's rooms by job (issue 39, item 4) -> the rooms each may import; every room may import lab's
+#: root modules (the batched sweep engine: sweep.py, backend.py), which import no room.
 LAB_ALLOWED = {"study": set(), "audit": set(), "regime": {"study"}, "bench": {"study"}}
 LAB = PKG / "lab"
 
@@ -206,14 +218,18 @@ def test_lab_rooms_import_one_way_and_no_private_name_crosses_a_room(path):
         if not isinstance(node, ast.ImportFrom):
             continue
         base = package[: len(package) - node.level + 1] if node.level else []
-        module = ".".join(base + ([node.module] if node.module else [])) if node.level else (node.module or "")
+        module = ".".join(base + ([node.module] if node.module
+                                  else [])) if node.level else (node.module or "")
         theirs = _lab_room(module)
-        if theirs is None:  # outside lab: the package rooms' rule (test_imports_run_one_way) applies
+        # outside lab: the package rooms' rule (test_imports_run_one_way) applies
+        if theirs is None:
             continue
         if theirs and theirs != mine:
-            assert mine != "" and theirs in LAB_ALLOWED[mine], f"{path.name}:{node.lineno}: lab/{mine or '.'} -> {theirs}"
+            assert mine != "" and theirs in LAB_ALLOWED[
+                mine], f"{path.name}:{node.lineno}: lab/{mine or '.'} -> {theirs}"
             private = [a.name for a in node.names if a.name.startswith("_")]
-            assert not private, f"{path.name}:{node.lineno}: private {private} imported across rooms"
+            assert not private, (f"{path.name}:{node.lineno}: private {private} imported across "
+                                 f"rooms")
 
 
 @pytest.mark.parametrize("room", sorted(LAB_ALLOWED))

@@ -1,4 +1,5 @@
-"""DIFF2's private BVR-L-SGD local routine: the local steps, the server's two-step release, the checks."""
+"""DIFF2's private BVR-L-SGD local routine: the local steps, the server's two-step release, the
+checks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 
 from diff2_flwr.core.aggregation import Reply, RoundRejected
 from diff2_flwr.core.estimator import Diverged
-from diff2_flwr.core.local import LocalMechanism, LocalTask, choose_worker, local_seed, run_local_phase
+from diff2_flwr.core.local import (
+    LocalMechanism, LocalTask, choose_worker, local_seed, run_local_phase,
+)
 from diff2_flwr.core.privacy import calibrate
 from diff2_flwr.runtime.config import ConfigError, parse_config
 from diff2_flwr.runtime.driver import run_inprocess
@@ -18,7 +21,8 @@ from diff2_flwr.runtime.session import build_server, build_worker
 
 
 def _linear_sum(points: np.ndarray):
-    """Clipped sums for ℓ(y, z) = ½||y - z||²: ∇ℓ(y, z) - ∇ℓ(y', z) = y - y' for every record (data-free)."""
+    """Clipped sums for ℓ(y, z) = ½||y - z||²: ∇ℓ(y, z) - ∇ℓ(y', z) = y - y' for every record
+    (data-free)."""
     calls = []
 
     def clipped_sum(y, y_prev, batch, radius):
@@ -33,12 +37,13 @@ def _linear_sum(points: np.ndarray):
 
 def _task(mech, seed=5, dim=3, r=1):
     rng = np.random.default_rng(0)
-    return LocalTask(round=r, partition_id=0, x_start=rng.standard_normal(dim), v=rng.standard_normal(dim),
-                     mechanism=mech, seed=seed)
+    return LocalTask(round=r, partition_id=0, x_start=rng.standard_normal(dim),
+                     v=rng.standard_normal(dim), mechanism=mech, seed=seed)
 
 
 def test_noise_free_local_steps_follow_the_recursion():
-    """σ3 = 0, b = n (every record sampled, sum / b = mean): the BVR recursion written out by hand."""
+    """σ3 = 0, b = n (every record sampled, sum / b = mean): the BVR recursion written out by
+    hand."""
     mech = LocalMechanism(steps=4, batch_size=10, learning_rate=0.3, clip=2.0, sigma=0.0)
     task = _task(mech)
     clipped_sum, calls = _linear_sum(np.zeros((10, 3)))
@@ -51,7 +56,8 @@ def test_noise_free_local_steps_follow_the_recursion():
         y_prev, y = y, y - 0.3 * w
     np.testing.assert_allclose(result.y, y, rtol=1e-14, atol=0)
     assert len(calls) == 3 and all(c[2].size == 10 for c in calls)
-    assert [c[3] for c in calls] == pytest.approx([2.0 * np.linalg.norm(c[0] - c[1]) for c in calls])
+    assert [c[3] for c in calls] == pytest.approx([2.0 * np.linalg.norm(c[0] - c[1])
+                                                   for c in calls])
     assert result.batch_sizes == (10, 10, 10)
 
 
@@ -84,7 +90,8 @@ def test_poisson_batches_have_mean_b_and_are_fresh_each_step():
 
 
 def test_local_noise_has_std_sigma3_times_the_radius():
-    """With data-free sums of zeros, w_k - w_(k-1) is the noise alone: std σ3 C3 ||y_k - y_(k-1)||."""
+    """With data-free sums of zeros, w_k - w_(k-1) is the noise alone: std σ3 C3 ||y_k -
+    y_(k-1)||."""
     dim = 20000
     mech = LocalMechanism(steps=2, batch_size=5, learning_rate=0.1, clip=3.0, sigma=0.7)
     task = _task(mech, dim=dim)
@@ -122,7 +129,8 @@ def test_the_worker_refuses_a_task_that_does_not_fit():
     clipped_sum, _ = _linear_sum(np.zeros((50, 3)))
     with pytest.raises(ValueError, match="b = 60 exceeds this worker's 50 records"):
         run_local_phase(_task(mech), 50, clipped_sum)
-    bad = LocalTask(1, 0, np.array([0.0, np.nan]), np.zeros(2), LocalMechanism(2, 5, 0.1, 1.0, 0.5), None)
+    bad = LocalTask(1, 0, np.array([0.0, np.nan]), np.zeros(2), LocalMechanism(2, 5, 0.1, 1.0, 0.5),
+                    None)
     with pytest.raises(ValueError, match="NaN or inf"):
         run_local_phase(bad, 50, clipped_sum)
     with pytest.raises(ValueError, match="steps"):
@@ -136,11 +144,13 @@ def test_run_away_local_iterates_are_divergence_not_a_release():
         run_local_phase(task, 50, lambda y, yp, b, r: (np.zeros(2), 0, False))
 
 
-# ---------------------------------------------------------------- the server's two-step release, end to end
+# ---------------------------------------------------------------- the server's two-step release,
+# end to end
 
 def _cfg(**local):
     data = {"name": "b", "method": "diff2", "dataset": {"name": "synthetic", "num_samples": 2000},
-            "training": {"rounds": 12, "restart_every": 4, "clients": 4, "learning_rate": 0.1, "seed": 7,
+            "training": {"rounds": 12, "restart_every": 4, "clients": 4, "learning_rate": 0.1,
+                         "seed": 7,
                          "clip_diff": 3.0}, "evaluation": {"every": 4}}
     if local:
         data["local"] = {"steps": 3, "batch_size": 32, "clip": 3.0, "share": 0.5} | local
@@ -156,22 +166,27 @@ def test_a_local_run_is_reproducible_spends_at_most_epsilon_and_charges_every_st
     assert [r["local_worker"] for r in rows] == [choose_worker(7, r["round"], 4) for r in rows]
     cal = a.calibration
     assert cal.local is not None and cal.local.steps == 3
-    assert len(a.ledger.events) == 2 * 12 and sum(getattr(e, "steps", 0) for e in a.ledger.events) == 2 * 12
+    assert len(a.ledger.events) == 2 * 12 and sum(getattr(e, "steps",
+                                                          0) for e in a.ledger.events) == 2 * 12
     eps = a.summary()["privacy"]["epsilon_spent"]
     assert eps == a.ledger.epsilon_pld <= cal.epsilon
-    assert eps > 0.98 * cal.epsilon  # the calibration uses the budget (margin 0.5 % + discretisation)
+    # the calibration uses the budget (margin 0.5 % + discretisation)
+    assert eps > 0.98 * cal.epsilon
     assert a.ledger.epsilon_rdp > eps  # RDP without amplification: looser
 
 
 def test_local_steps_make_more_progress_per_round_than_the_gd_routine():
-    """Seeded: K = 3 local steps per round reach a lower train loss after 12 rounds than DIFF2-GD (ε = 8)."""
+    """Seeded: K = 3 local steps per round reach a lower train loss after 12 rounds than DIFF2-GD (ε
+    = 8)."""
     def loss(cfg):
         server = run_inprocess(cfg, record=False, progress=None)
         return server.history[-1]["train_loss"]
 
     with_local, without = _cfg(steps=3), _cfg()
-    with_local = parse_config(with_local.to_dict() | {"privacy": with_local.to_dict()["privacy"] | {"epsilon": 8.0}})
-    without = parse_config(without.to_dict() | {"privacy": without.to_dict()["privacy"] | {"epsilon": 8.0}})
+    with_local = parse_config(with_local.to_dict() | {"privacy": with_local.to_dict()["privacy"] | {
+        "epsilon": 8.0}})
+    without = parse_config(without.to_dict() | {"privacy": without.to_dict()["privacy"] | {
+        "epsilon": 8.0}})
     assert loss(with_local) < 0.8 * loss(without)
 
 
@@ -185,14 +200,16 @@ def _pending():
 
 
 def _reply_like(reply: Reply, **changes) -> Reply:
-    fields = {"client": reply.client, "partition_id": reply.partition_id, "arrays": list(reply.arrays),
-              "num_samples": reply.num_samples, "num_clipped": reply.num_clipped, "overflow": reply.overflow}
+    fields = {"client": reply.client, "partition_id": reply.partition_id,
+              "arrays": list(reply.arrays),
+              "num_samples": reply.num_samples, "num_clipped": reply.num_clipped,
+              "overflow": reply.overflow}
     return Reply(**(fields | changes))
 
 
 @pytest.mark.parametrize("change, check", [
-    ("partition", "local-worker"), ("arrays", "arrays"), ("shape", "shape"), ("dtype", "dtype"), ("nan", "finite"),
-    ("n_min", "n_min"),
+    ("partition", "local-worker"), ("arrays", "arrays"), ("shape", "shape"), ("dtype", "dtype"),
+    ("nan", "finite"), ("n_min", "n_min"),
 ])
 def test_the_server_rejects_a_bad_local_reply_and_releases_nothing(change, check):
     server, workers, task = _pending()
@@ -240,26 +257,30 @@ def test_a_server_whose_local_noise_disagrees_with_the_calibration_is_refused():
     server, _, _ = _pending()
     weaker = replace(server.local, sigma=server.local.sigma / 4)
     with pytest.raises(ValueError, match="local sigma"):
-        Diff2Server(ServerSpec(mechanism=server.mechanism, routine=server.routine, layout=server.layout,
-                               rounds=server.rounds, clients=4, n_min=server.n_min, calibration=server.calibration,
-                               local=weaker), x0=np.zeros(server.layout.dim), seed=1)
+        Diff2Server(ServerSpec(mechanism=server.mechanism, routine=server.routine,
+                               layout=server.layout, rounds=server.rounds, clients=4,
+                               n_min=server.n_min, calibration=server.calibration, local=weaker),
+                               x0=np.zeros(server.layout.dim), seed=1)
     with pytest.raises(ValueError, match="local routine is off"):
-        Diff2Server(ServerSpec(mechanism=server.mechanism, routine=server.routine, layout=server.layout,
-                               rounds=server.rounds, clients=4, n_min=server.n_min, calibration=server.calibration,
-                               local=None), x0=np.zeros(server.layout.dim), seed=1)
+        Diff2Server(ServerSpec(mechanism=server.mechanism, routine=server.routine,
+                               layout=server.layout, rounds=server.rounds, clients=4,
+                               n_min=server.n_min, calibration=server.calibration, local=None),
+                               x0=np.zeros(server.layout.dim), seed=1)
 
 
 def test_the_budget_guard_counts_the_local_steps():
-    """With a target between ε after the next server round alone and ε after it and its local steps, the round
-    is refused: a guard that forgot the local steps would let it through."""
+    """With a target between ε after the next server round alone and ε after it and its local steps,
+    the round is refused: a guard that forgot the local steps would let it through."""
     from dataclasses import replace
 
     server, workers, task = _pending()
     server.finish_local(workers[task.partition_id].local_phase(task))
     gaussian, local = server.calibration.round_events(False)
-    without, with_local = server.ledger.record(gaussian).epsilon_pld, server.ledger.record(gaussian, local).epsilon_pld
+    without, with_local = server.ledger.record(gaussian).epsilon_pld, server.ledger.record(
+        gaussian, local).epsilon_pld
     assert without < with_local
-    server.spec = replace(server.spec, calibration=replace(server.calibration, epsilon=(without + with_local) / 2))
+    server.spec = replace(server.spec, calibration=replace(server.calibration,
+                                                           epsilon=(without + with_local) / 2))
     before = server.state
     with pytest.raises(RoundRejected, match="local steps included"):
         server.release([w.reply(server.plan()) for w in workers])
@@ -293,13 +314,15 @@ def test_a_batch_larger_than_the_smallest_shard_is_refused():
 
 
 def test_calibration_of_the_local_steps_uses_the_budget():
-    cal = calibrate(epsilon=3.0, delta=1e-5, rounds=200, restart_every=20, u=1.25, n_min=1000, clients=10,
-                    local_steps=4, local_batch_size=50, local_share=0.4)
-    server_only = calibrate(epsilon=3.0, delta=1e-5, rounds=200, restart_every=20, u=1.25, n_min=1000, clients=10)
-    assert cal.budget == pytest.approx(0.6 * server_only.budget)  # the server's rounds leave 40 % of μ²
+    cal = calibrate(epsilon=3.0, delta=1e-5, rounds=200, restart_every=20, u=1.25, n_min=1000,
+                    clients=10, local_steps=4, local_batch_size=50, local_share=0.4)
+    server_only = calibrate(epsilon=3.0, delta=1e-5, rounds=200, restart_every=20, u=1.25,
+                            n_min=1000, clients=10)
+    # the server's rounds leave 40 % of μ²
+    assert cal.budget == pytest.approx(0.6 * server_only.budget)
     assert cal.z1 == pytest.approx(server_only.z1 / math.sqrt(0.6))
     assert 0.99 * 3.0 < cal.planned_epsilon <= 3.0
     assert cal.local.sigma3 == pytest.approx(cal.local.z3 / 50) and cal.local.sampling_prob == 0.05
     with pytest.raises(ValueError, match="mode 'exact'"):
-        calibrate(epsilon=3.0, delta=1e-5, rounds=200, restart_every=20, u=1.25, n_min=1000, clients=10, mode="rdp",
-                  local_steps=4, local_batch_size=50, local_share=0.4)
+        calibrate(epsilon=3.0, delta=1e-5, rounds=200, restart_every=20, u=1.25, n_min=1000,
+                  clients=10, mode="rdp", local_steps=4, local_batch_size=50, local_share=0.4)

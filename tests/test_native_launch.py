@@ -1,5 +1,6 @@
-"""The native deployment's start-up, without Flower: ports outside the kernel's ephemeral range, and every SuperNode
-connected (one that lost its port to another process started again on a fresh one) before the run is submitted."""
+"""The native deployment's start-up, without Flower: ports outside the kernel's ephemeral range, and
+every SuperNode connected (one that lost its port to another process started again on a fresh one)
+before the run is submitted."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def test_free_ports_are_drawn_below_the_kernels_ephemeral_range_and_are_bindable
         pytest.skip("no Linux ephemeral port range on this machine")
     ports = launch.free_ports(6)
     assert len(set(ports)) == 6
-    if low - launch._UNASSIGNED_FROM > 4 * 6:  # room below the range (a machine may start it lower: the kernel picks)
+    # room below the range (a machine may start it lower: the kernel picks)
+    if low - launch._UNASSIGNED_FROM > 4 * 6:
         assert all(launch._UNASSIGNED_FROM <= port < low for port in ports)
     for port in ports:  # released: a server can bind each of them
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -52,8 +54,8 @@ def _owners(tmp_path: Path, logs: list[str], codes: list[int | None]):
 
 def test_a_supernode_that_lost_its_port_is_started_again_on_a_fresh_one_and_then_awaited(tmp_path):
     nodes, apps = _owners(tmp_path, ["INFO: SuperNode ID: 11\n",
-                                     "ERROR: [Errno 98] error while attempting to bind on address: address already "
-                                     "in use\n"], [None, 1])
+                                     "ERROR: [Errno 98] error while attempting to bind on "
+                                     "address: address already in use\n"], [None, 1])
     rebound = []
 
     def rebind(p: int) -> FakeProcess:
@@ -75,34 +77,44 @@ def test_a_supernode_that_loses_its_port_twice_fails_with_its_log(tmp_path):
         (tmp_path / f"supernode-{p}.log").write_text(lost)
         return FakeProcess(1)
 
-    with pytest.raises(SimulationFailed, match=r"supernode-0 exited with code 1(.|\n)*address already in use"):
+    with pytest.raises(SimulationFailed,
+                       match=r"supernode-0 exited with code 1(.|\n)*address already in use"):
         native._await_supernodes(nodes, apps, rebind, tmp_path, timeout_s=5)
 
 
 def test_a_supernode_that_exits_for_another_reason_fails_at_once_with_its_log(tmp_path):
-    nodes, apps = _owners(tmp_path, ["INFO: SuperNode ID: 1\n", "ValueError: bad node config\n"], [None, 2])
-    with pytest.raises(SimulationFailed, match=r"supernode-1 exited with code 2(.|\n)*bad node config"):
-        native._await_supernodes(nodes, apps, lambda p: pytest.fail("no rebind"), tmp_path, timeout_s=60)
+    nodes, apps = _owners(tmp_path, ["INFO: SuperNode ID: 1\n", "ValueError: bad node config\n"],
+                          [None, 2])
+    with pytest.raises(SimulationFailed,
+                       match=r"supernode-1 exited with code 2(.|\n)*bad node config"):
+        native._await_supernodes(nodes, apps, lambda p: pytest.fail("no rebind"), tmp_path,
+                                 timeout_s=60)
 
 
 def test_a_supernode_that_never_connects_fails_naming_it_after_the_timeout(tmp_path):
-    nodes, apps = _owners(tmp_path, ["INFO: SuperNode ID: 1\n", "INFO: Starting Flower SuperNode\n"], [None, None])
-    with pytest.raises(SimulationFailed, match=r"SuperNode 1 \(data owner 1\) did not connect(.|\n)*still "
+    nodes, apps = _owners(tmp_path, ["INFO: SuperNode ID: 1\n",
+                                     "INFO: Starting Flower SuperNode\n"], [None, None])
+    with pytest.raises(SimulationFailed,
+                       match=r"SuperNode 1 \(data owner 1\) did not connect(.|\n)*still "
                                                 r"waiting: \[1\](.|\n)*Starting Flower SuperNode"):
-        native._await_supernodes(nodes, apps, lambda p: pytest.fail("no rebind"), tmp_path, timeout_s=1)
+        native._await_supernodes(nodes, apps, lambda p: pytest.fail("no rebind"), tmp_path,
+                                 timeout_s=1)
 
 
 def test_a_dead_clientapp_superexec_fails_the_start(tmp_path):
     nodes, apps = _owners(tmp_path, ["INFO: SuperNode ID: 1\n"], [None])
     apps["superexec-clientapp-0"] = FakeProcess(1)
     (tmp_path / "superexec-clientapp-0.log").write_text("grpc: invalid secret\n")
-    with pytest.raises(SimulationFailed, match=r"superexec-clientapp-0 exited with code 1(.|\n)*invalid secret"):
-        native._await_supernodes(nodes, apps, lambda p: pytest.fail("no rebind"), tmp_path, timeout_s=5)
+    with pytest.raises(SimulationFailed,
+                       match=r"superexec-clientapp-0 exited with code 1(.|\n)*invalid secret"):
+        native._await_supernodes(nodes, apps, lambda p: pytest.fail("no rebind"), tmp_path,
+                                 timeout_s=5)
 
 
 def test_stopping_a_group_leader_also_stops_a_member_that_ignores_sigterm(tmp_path):
-    """A hung member of the group (it never runs its SIGTERM handler; here it ignores the signal) does not stay
-    behind as an orphan once its leader has exited: it gets SIGKILL after the grace period."""
+    """A hung member of the group (it never runs its SIGTERM handler; here it ignores the signal)
+    does not stay behind as an orphan once its leader has exited: it gets SIGKILL after the grace
+    period."""
     import subprocess
     import sys
     import time
@@ -110,7 +122,8 @@ def test_stopping_a_group_leader_also_stops_a_member_that_ignores_sigterm(tmp_pa
     pid_file = tmp_path / "member.pid"
     member = (f"import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
               f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
-    leader = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c "{member}" & wait'], start_new_session=True)
+    leader = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c "{member}" & wait'],
+                              start_new_session=True)
     deadline = time.monotonic() + 30
     while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -120,7 +133,8 @@ def test_stopping_a_group_leader_also_stops_a_member_that_ignores_sigterm(tmp_pa
     assert leader.poll() is not None
     assert time.monotonic() - started < 10
 
-    def state() -> str:  # the member's state: gone, or a letter of /proc/<pid>/stat (Z: killed, not yet reaped)
+    # the member's state: gone, or a letter of /proc/<pid>/stat (Z: killed, not yet reaped)
+    def state() -> str:
         try:
             return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
@@ -129,4 +143,5 @@ def test_stopping_a_group_leader_also_stops_a_member_that_ignores_sigterm(tmp_pa
     deadline = time.monotonic() + 10
     while state() not in ("gone", "Z") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert state() in ("gone", "Z"), f"the member that ignored SIGTERM is still running (state {state()})"
+    assert state() in ("gone",
+                       "Z"), f"the member that ignored SIGTERM is still running (state {state()})"

@@ -1,4 +1,5 @@
-"""SuperNode authentication (Flower 1.42: `--enable-supernode-auth` + `flwr supernode register`) and key files."""
+"""SuperNode authentication (Flower 1.42: `--enable-supernode-auth` + `flwr supernode register`) and
+key files."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def test_node_keys_are_what_flower_loads_and_private_keys_are_0600(tmp_path):
     from flwr.supercore.primitives.asymmetric import public_key_to_bytes
 
     keys = make_node_keys(tmp_path / "k", 3)
-    assert [k.private.name for k in keys] == ["supernode-0.key", "supernode-1.key", "supernode-2.key"]
+    assert [k.private.name for k in keys] == ["supernode-0.key", "supernode-1.key",
+                                              "supernode-2.key"]
     publics = set()
     for key in keys:
         assert stat.S_IMODE(key.private.stat().st_mode) == 0o600
@@ -31,13 +33,15 @@ def test_node_keys_are_what_flower_loads_and_private_keys_are_0600(tmp_path):
         publics.add(registered)
     assert len(publics) == 3
     again = make_node_keys(tmp_path / "k", 1)[0]  # replaced, still 0600
-    assert stat.S_IMODE(again.private.stat().st_mode) == 0o600 and try_load_public_key(again.public) not in publics
+    assert stat.S_IMODE(again.private.stat().st_mode) == 0o600 and try_load_public_key(
+        again.public) not in publics
 
 
 def test_diff2_certs_writes_one_key_pair_per_data_owner(tmp_path, capsys):
     assert main(["certs", "--out", str(tmp_path / "c"), "--clients", "2"]) == 0
     names = sorted(p.name for p in (tmp_path / "c").iterdir())
-    assert names == ["ca.crt", "server.key", "server.pem", "supernode-0.key", "supernode-0.pub", "supernode-1.key",
+    assert names == ["ca.crt", "server.key", "server.pem", "supernode-0.key", "supernode-0.pub",
+                     "supernode-1.key",
                      "supernode-1.pub"]
     assert stat.S_IMODE((tmp_path / "c" / "server.key").stat().st_mode) == 0o600
     assert "flwr supernode register" in capsys.readouterr().out
@@ -47,7 +51,8 @@ def test_diff2_certs_writes_one_key_pair_per_data_owner(tmp_path, capsys):
 
 def test_node_auth_without_tls_is_refused_before_anything_starts(tmp_path, capsys):
     with pytest.raises(ValueError, match="needs TLS"):
-        run_local_deployment("configs/deploy.yaml", node_auth=True, workdir=tmp_path / "w", echo=False)
+        run_local_deployment("configs/deploy.yaml", node_auth=True, workdir=tmp_path / "w",
+                             echo=False)
     assert not (tmp_path / "w").exists()
     assert main(["compose", "--no-node-auth"]) == 0  # plain compose has none anyway
     assert main(["compose", "--tls", "--publish", "0.0.0.0"]) == 2
@@ -55,7 +60,8 @@ def test_node_auth_without_tls_is_refused_before_anything_starts(tmp_path, capsy
 
 
 def _forged_activation(live) -> int:
-    """Claim data owner 0's registered public key but sign with another key: the HTTP status of ActivateNode."""
+    """Claim data owner 0's registered public key but sign with another key: the HTTP status of
+    ActivateNode."""
     import httpx
     from flwr.proto.fleet_pb2 import ActivateNodeRequest
     from flwr.supercore.interceptors.http.runtime_version import RuntimeVersionHttpInterceptor
@@ -72,7 +78,8 @@ def _forged_activation(live) -> int:
                       NodeAuthHttpInterceptor(wrong_private, claimed)],
     ) as client:
         try:
-            client.ActivateNode(ActivateNodeRequest(public_key=public_key_to_bytes(claimed), heartbeat_interval=30))
+            client.ActivateNode(ActivateNodeRequest(public_key=public_key_to_bytes(claimed),
+                                                    heartbeat_interval=30))
         except httpx.HTTPStatusError as err:
             return err.response.status_code
     return 200
@@ -92,13 +99,16 @@ def _runtime_requests(live) -> dict[str, int]:
 
 
 def _assert_secrets_stay_in_their_files(work: Path, outputs: Path) -> None:
-    """Every SuperExec secret is 0600 in a 0700 folder and appears in no other file (logs, configs, outputs)."""
+    """Every SuperExec secret is 0600 in a 0700 folder and appears in no other file (logs, configs,
+    outputs)."""
     secrets = sorted((work / "secrets").glob("*.secret"))
     assert len(secrets) == 3 and stat.S_IMODE((work / "secrets").stat().st_mode) == 0o700
     assert all(stat.S_IMODE(s.stat().st_mode) == 0o600 for s in secrets)
     values = [s.read_bytes() for s in secrets]
-    others = [f for f in [*work.rglob("*"), *outputs.rglob("*")] if f.is_file() and f.parent != work / "secrets"]
-    assert any(f.name == "superlink.log" for f in others) and any(f.name == "summary.json" for f in others)
+    others = [f for f in [*work.rglob("*"),
+                          *outputs.rglob("*")] if f.is_file() and f.parent != work / "secrets"]
+    assert any(f.name == "superlink.log" for f in others) and any(f.name == "summary.json"
+                                                                  for f in others)
     leaked = [str(f) for f in others if any(v in f.read_bytes() for v in values)]
     assert leaked == []
 
@@ -122,27 +132,34 @@ def test_only_registered_supernodes_join_and_the_run_completes_with_them(tmp_pat
     policy = tmp_path / "policy.yaml"  # the run is seeded: the owners allow it (tests only)
     policy.write_text(yaml.safe_dump({"max_epsilon": 3.0, "max_delta": 1e-5, "allow_seeded": True}))
     result = run_local_deployment(path, tls=True, workdir=tmp_path / "work", echo=False,
-                                  intruders=("no-key", "unregistered-key"), on_ready=on_ready, node_policy=policy)
+                                  intruders=("no-key", "unregistered-key"), on_ready=on_ready,
+                                  node_policy=policy)
     assert result.node_auth and result.launch.status == "finished:completed"
-    rows = [json.loads(line) for line in (result.launch.output_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line)
+            for line in (result.launch.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2]
     # exactly the P registered nodes took part: the SuperLink knows no other node
     assert len(set(result.node_ids)) == 2
     assert sorted(int(n["node-id"]) for n in result.nodes) == sorted(result.node_ids)
     assert all(n["status"] == "online" for n in result.nodes)
-    # an unregistered SuperNode (no key: Flower self-registers an ephemeral one) is refused and exits
+    # an unregistered SuperNode (no key: Flower self-registers an ephemeral one) is refused and
+    # exits
     no_key, unregistered = result.intruders
     assert no_key.kind == "no-key" and no_key.returncode not in (None, 0)
-    assert "[code: 2001] SuperNode authentication is enabled. All SuperNodes must be registered" in no_key.log.read_text()
+    assert (
+        "[code: 2001] SuperNode authentication is enabled. All SuperNodes must be registered") in no_key.log.read_text()
     # a SuperNode with a key pair nobody registered is refused and exits
     assert unregistered.returncode not in (None, 0)
     assert "[code: 2004] Failed to activate SuperNode." in unregistered.log.read_text()
-    # claiming a registered node's public key without its private key: the signature check refuses it
+    # claiming a registered node's public key without its private key: the signature check refuses
+    # it
     assert forged == [401]
-    # SuperExec authentication: an unsigned AcquireTask is refused on the SuperLink's and a SuperNode's runtime API;
-    # the SuperExecs we started sign theirs (the run completed through them)
+    # SuperExec authentication: an unsigned AcquireTask is refused on the SuperLink's and a
+    # SuperNode's runtime API; the SuperExecs we started sign theirs (the run completed through
+    # them)
     print(f"AcquireTask during the deployment: {runtime}")
-    assert runtime == {"superlink unsigned": 401, "superlink signed": 200, "supernode-0 unsigned": 401,
+    assert runtime == {"superlink unsigned": 401, "superlink signed": 200,
+                       "supernode-0 unsigned": 401,
                        "supernode-0 other owner's secret": 401, "supernode-0 signed": 200}
     _assert_secrets_stay_in_their_files(tmp_path / "work", result.launch.output_dir)
     link_log = (tmp_path / "work" / "superlink.log").read_text()
@@ -152,7 +169,8 @@ def test_only_registered_supernodes_join_and_the_run_completes_with_them(tmp_pat
 
 
 def test_certificate_names_ipv4_ipv6_and_dns_hosts_correctly(tmp_path):
-    """An IPv6 address is an IP entry of the certificate, not a DNS name (which no client would match)."""
+    """An IPv6 address is an IP entry of the certificate, not a DNS name (which no client would
+    match)."""
     import ipaddress
 
     from cryptography import x509
@@ -164,13 +182,15 @@ def test_certificate_names_ipv4_ipv6_and_dns_hosts_correctly(tmp_path):
     cert = x509.load_pem_x509_certificate(certs.cert.read_bytes())
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.DNSName) == ["superlink", "fl.example.org"]
-    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"),
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1"),
+                                                       ipaddress.ip_address("::1"),
                                                        ipaddress.ip_address("2001:db8::7")]
 
 
 def test_operator_takes_data_owners_public_keys_and_refuses_anything_else(tmp_path, capsys):
-    """Node keys made on the data owner's side: the operator's `diff2 certs --node-pub` copies the public keys it
-    is sent (as Flower's register reads them) and refuses a private key, a non-key and a key sent twice."""
+    """Node keys made on the data owner's side: the operator's `diff2 certs --node-pub` copies the
+    public keys it is sent (as Flower's register reads them) and refuses a private key, a non-key
+    and a key sent twice."""
     from flwr.cli.supernode.register import try_load_public_key
 
     owners = [tmp_path / f"owner-{i}" for i in range(2)]
@@ -178,18 +198,22 @@ def test_operator_takes_data_owners_public_keys_and_refuses_anything_else(tmp_pa
         assert main(["node-key", "--out", str(folder)]) == 0
     printed = capsys.readouterr().out
     pubs = [str(folder / "supernode.pub") for folder in owners]
-    assert main(["certs", "--out", str(tmp_path / "op"), "--host", "sl.example.org", "--node-pub", *pubs]) == 0
+    assert main(["certs", "--out", str(tmp_path / "op"), "--host", "sl.example.org", "--node-pub",
+                 *pubs]) == 0
     out = capsys.readouterr().out
     for i, folder in enumerate(owners):
         copied = tmp_path / "op" / f"supernode-{i}.pub"
         assert try_load_public_key(copied) == try_load_public_key(folder / "supernode.pub")
         assert f"flwr supernode register {copied}" in out
-        assert (folder / "supernode.pub").read_text().strip() in printed  # what the owner is told to send
+        # what the owner is told to send
+        assert (folder / "supernode.pub").read_text().strip() in printed
         assert (folder / "supernode.key").read_text() not in printed
-    assert not list((tmp_path / "op").glob("supernode-*.key"))  # the operator holds no data owner's key
+    # the operator holds no data owner's key
+    assert not list((tmp_path / "op").glob("supernode-*.key"))
     # a key named after its owner keeps its index, whatever the order or how many came in so far
     assert main(["node-key", "--out", str(tmp_path / "owner-7"), "--name", "supernode-7"]) == 0
-    assert main(["certs", "--out", str(tmp_path / "op7"), "--node-pub", str(tmp_path / "owner-7" / "supernode-7.pub")]) == 0
+    assert main(["certs", "--out", str(tmp_path / "op7"), "--node-pub",
+                 str(tmp_path / "owner-7" / "supernode-7.pub")]) == 0
     assert [p.name for p in (tmp_path / "op7").glob("*.pub")] == ["supernode-7.pub"]
     capsys.readouterr()
     named_one = tmp_path / "named" / "supernode-1.pub"
@@ -197,11 +221,15 @@ def test_operator_takes_data_owners_public_keys_and_refuses_anything_else(tmp_pa
     named_one.write_bytes(Path(pubs[0]).read_bytes())
     bad = tmp_path / "bad.pub"
     bad.write_text("ssh-rsa AAAA not a key\n")
-    refused = [([str(owners[0] / "supernode.key")], "is a private key"), ([str(bad)], "expected a SuperNode public key"),
-               ([pubs[0], pubs[0]], "same public key"), ([str(tmp_path / "missing.pub")], "no such file"),
-               ([str(named_one), pubs[1]], "two files would both be")]  # owner 1 by name and by position
+    refused = [([str(owners[0] / "supernode.key")], "is a private key"),
+               ([str(bad)], "expected a SuperNode public key"),
+               ([pubs[0], pubs[0]], "same public key"), ([str(tmp_path / "missing.pub")],
+                                                         "no such file"),
+               # owner 1 by name and by position
+               ([str(named_one), pubs[1]], "two files would both be")]
     for files, match in refused:
         assert main(["certs", "--out", str(tmp_path / "op2"), "--node-pub", *files]) == 2
         assert match in capsys.readouterr().err
     assert not (tmp_path / "op2").exists()  # refused before anything was written
-    assert main(["certs", "--out", str(tmp_path / "op3"), "--clients", "2", "--node-pub", pubs[0]]) == 2
+    assert main(["certs", "--out", str(tmp_path / "op3"), "--clients", "2", "--node-pub",
+                 pubs[0]]) == 2

@@ -1,9 +1,10 @@
-"""The node's lifetime ledger: refusal before writing, idempotent admission, crash safety (SIGKILL at the worst
-moments, in a child process), no lost update under 4 concurrent processes, file modes, corrupt files, the CLI.
+"""The node's lifetime ledger: refusal before writing, idempotent admission, crash safety (SIGKILL
+at the worst moments, in a child process), no lost update under 4 concurrent processes, file modes,
+corrupt files, the CLI.
 
-Every run here is 100 Gaussian rounds of multiplier 20 (μ = 0.5), so k runs are exactly μ = 0.5 √k-GDP: the
-expected ε comes from the closed form (gdp_epsilon), not from the code under test. The budget 3.3 admits two
-runs (ε 2.943) and not three (ε 3.709).
+Every run here is 100 Gaussian rounds of multiplier 20 (μ = 0.5), so k runs are exactly μ = 0.5
+√k-GDP: the expected ε comes from the closed form (gdp_epsilon), not from the code under test. The
+budget 3.3 admits two runs (ε 2.943) and not three (ε 3.709).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _admit(ledger: NodeLedger, run_id: str, digest: str = "sha256:a"):
 
 def _child(script: str, *args: str) -> subprocess.CompletedProcess:
     code = CHILD_PRELUDE + textwrap.dedent(script)
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
 
 
 def _spent_in_a_new_process(path: Path) -> float:
@@ -94,13 +96,15 @@ def test_a_run_over_the_budget_is_refused_before_anything_is_written(ledger):
     with pytest.raises(BudgetExceeded) as refused:
         _admit(ledger, "r3")
     message = str(refused.value)
-    for part in ("Node 'alice' refuses run 'r3'", "rule: lifetime budget", f"ε = {_exact(2):.6g} over 2 run(s)",
-                 f"alone costs ε = {_exact(1):.6g}", f"together ε = {_exact(3):.6g}", f"ε_L = {BUDGET:g}",
-                 str(ledger.path), "Nothing was charged", "smaller ε"):
+    for part in ("Node 'alice' refuses run 'r3'", "rule: lifetime budget",
+                 f"ε = {_exact(2):.6g} over 2 run(s)",
+                 f"alone costs ε = {_exact(1):.6g}", f"together ε = {_exact(3):.6g}",
+                 f"ε_L = {BUDGET:g}", str(ledger.path), "Nothing was charged", "smaller ε"):
         assert part in message, (part, message)
     assert isinstance(refused.value, ValueError)
     assert ledger.path.read_bytes() == before
-    assert sorted(p.name for p in ledger.path.parent.iterdir()) == ["ledger.json", "ledger.json.lock"]
+    assert sorted(p.name for p in ledger.path.parent.iterdir()) == ["ledger.json",
+                                                                    "ledger.json.lock"]
 
 
 def test_a_first_run_over_the_budget_leaves_no_ledger(ledger):
@@ -112,15 +116,17 @@ def test_a_first_run_over_the_budget_leaves_no_ledger(ledger):
 
 def test_a_noise_free_run_is_refused_whatever_the_budget(ledger):
     noise_free = RunEvents(delta=DELTA, gaussian=((20.0, 100), (0.0, 1)))
-    with pytest.raises(BudgetExceeded, match="alone costs ε = inf .* together ε = inf > the lifetime budget ε_L = 1e"):
+    with pytest.raises(BudgetExceeded,
+                       match="alone costs ε = inf .* together ε = inf > the lifetime budget ε_L = "
+                             "1e"):
         ledger.admit(_charge("r1", events=noise_free), budget_epsilon=1e9, budget_delta=DELTA)
     assert not ledger.path.exists()
 
 
 def test_every_message_of_a_run_is_admitted_on_its_one_charge(ledger, monkeypatch):
-    """A deployment starts a ClientApp process per message: each admits again, without a second charge, even
-    when the ledger is full (the run was charged for its whole schedule at its first message), and without
-    paying a PLD composition (ε spent is the number the admission stored)."""
+    """A deployment starts a ClientApp process per message: each admits again, without a second
+    charge, even when the ledger is full (the run was charged for its whole schedule at its first
+    message), and without paying a PLD composition (ε spent is the number the admission stored)."""
     _admit(ledger, "r1")
     full = _admit(ledger, "r2")
     before = ledger.path.read_bytes()
@@ -136,12 +142,15 @@ def test_every_message_of_a_run_is_admitted_on_its_one_charge(ledger, monkeypatc
 def test_a_run_whose_config_changed_is_refused(ledger):
     _admit(ledger, "r1")
     before = ledger.path.read_bytes()
-    with pytest.raises(RunChanged, match=r"refuses run 'r1'.*config digest sha256:a, and now comes with sha256:b"):
+    with pytest.raises(RunChanged,
+                       match=r"refuses run 'r1'.*config digest sha256:a, and now comes with "
+                             r"sha256:b"):
         _admit(ledger, "r1", digest="sha256:b")
     assert ledger.path.read_bytes() == before
 
 
-# How the child dies while admitting r2 (r1 already charged): os-level hooks in the child process only.
+# How the child dies while admitting r2 (r1 already charged): os-level hooks in the child process
+# only.
 CRASHES = {
     # half of the temporary file on disk, then killed before its fsync returns
     "torn-temp-file": """
@@ -168,22 +177,26 @@ CRASHES = {
 @pytest.mark.parametrize("moment", CRASHES)
 def test_a_node_killed_while_charging_leaves_a_whole_ledger(ledger, moment):
     _admit(ledger, "r1")
-    out = _child(textwrap.dedent(CRASHES[moment]) + "ledger.admit(charge, budget_epsilon=3.3, budget_delta=1e-5)\n",
+    out = _child(textwrap.dedent(CRASHES[
+        moment]) + "ledger.admit(charge, budget_epsilon=3.3, budget_delta=1e-5)\n",
                  str(ledger.path), "r2")
     assert out.returncode == -9, (out.returncode, out.stderr)
     runs = [c.run_id for c in NodeLedger(ledger.path).charges()]
     assert runs == (["r1", "r2"] if moment == "after-rename" else ["r1"])
     assert _spent_in_a_new_process(ledger.path) == pytest.approx(_exact(len(runs)), rel=1e-3)
-    # the node carries on: the next admission (the run retried, or another) works and sweeps the dead temp file
+    # the node carries on: the next admission (the run retried, or another) works and sweeps the
+    # dead temp file
     assert _admit(ledger, "r2").new == (moment != "after-rename")
     assert [c.run_id for c in ledger.charges()] == ["r1", "r2"]
-    assert sorted(p.name for p in ledger.path.parent.iterdir()) == ["ledger.json", "ledger.json.lock"]
+    assert sorted(p.name for p in ledger.path.parent.iterdir()) == ["ledger.json",
+                                                                    "ledger.json.lock"]
 
 
 def test_concurrent_admissions_lose_no_update(ledger, tmp_path):
-    """Four processes admit four runs at the same instant (a barrier of files once their imports are done);
-    reading is slowed by 1 s so that their read-check-write windows overlap. The budget fits two runs: exactly
-    two are admitted, and the ledger holds exactly those (without the lock all four pass, or writers collide)."""
+    """Four processes admit four runs at the same instant (a barrier of files once their imports are
+    done); reading is slowed by 1 s so that their read-check-write windows overlap. The budget fits
+    two runs: exactly two are admitted, and the ledger holds exactly those (without the lock all
+    four pass, or writers collide)."""
     script = f"""
         real_read = nl.NodeLedger._read
         def slow_read(self):
@@ -202,8 +215,9 @@ def test_concurrent_admissions_lose_no_update(ledger, tmp_path):
             print("refused", began)
     """
     code = CHILD_PRELUDE + textwrap.dedent(script)
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(ledger.path), f"r{i}"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=REPO) for i in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(ledger.path), f"r{i}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=REPO) for i in range(4)]
     results = {f"r{i}": p.communicate(timeout=120) for i, p in enumerate(procs)}
     assert all(p.returncode == 0 for p in procs), [err for _, err in results.values()]
     outcome = {run: out.split() for run, (out, _) in results.items()}
@@ -237,17 +251,20 @@ def test_a_failed_write_is_an_error_and_leaves_the_old_ledger(ledger, monkeypatc
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full_disk)
-    with pytest.raises(LedgerError, match=r"could not be written \(\[Errno 28\] No space left on device\); nothing "
-                                          r"was charged and the old ledger stands"):
+    with pytest.raises(LedgerError,
+                       match=r"could not be written \(\[Errno 28\] No space left on device\); "
+                             r"nothing was charged and the old ledger stands"):
         _admit(ledger, "r2")
     assert ledger.path.read_bytes() == before
-    assert sorted(p.name for p in ledger.path.parent.iterdir()) == ["ledger.json", "ledger.json.lock"]
+    assert sorted(p.name for p in ledger.path.parent.iterdir()) == ["ledger.json",
+                                                                    "ledger.json.lock"]
 
 
 def test_a_ledger_whose_folder_cannot_be_made_is_an_error(tmp_path):
     (tmp_path / "file").write_text("")
     ledger = NodeLedger(tmp_path / "file" / "ledger.json")
-    with pytest.raises(LedgerError, match="cannot create its folder or its lock file .*nothing was charged"):
+    with pytest.raises(LedgerError,
+                       match="cannot create its folder or its lock file .*nothing was charged"):
         _admit(ledger, "r1")
 
 
@@ -259,13 +276,16 @@ CORRUPT = {
     "not UTF-8": (b"\xff\xfe\x00", "cannot be read"),
     "another file": (b'{"name": "x"}', 'expected a JSON object with "format"'),
     "a later version": (json.dumps({**GOOD, "version": 2}).encode(), "found version 2"),
-    "a bad charge": (json.dumps({**GOOD, "charges": [{"run_id": "r1"}]}).encode(), "charge 0: expected an object"),
+    "a bad charge": (json.dumps({**GOOD, "charges": [{"run_id": "r1"}]}).encode(),
+                     "charge 0: expected an object"),
     "a negative multiplier": (json.dumps({**GOOD, "charges": [{
         "run_id": "r1", "digest": "d", "node": "n", "time": "t", "epsilon": 1.0,
         "events": {"delta": 1e-5, "gaussian": [[-2.0, 3]], "local": []}}]}).encode(), "Found -2.0"),
-    "a bad last admission": (json.dumps({**GOOD, "last_admission": {"budget_epsilon": 3.3}}).encode(),
+    "a bad last admission": (json.dumps({**GOOD,
+                                         "last_admission": {"budget_epsilon": 3.3}}).encode(),
                              "`last_admission` must be null or an object of numbers"),
-    "a list of charges that is not one": (json.dumps({**GOOD, "charges": {}}).encode(), "`charges` must be a list"),
+    "a list of charges that is not one": (json.dumps({**GOOD, "charges": {}}).encode(),
+                                          "`charges` must be a list"),
 }
 
 
@@ -288,17 +308,21 @@ def test_the_written_file_is_the_documented_format(ledger):
     assert data["format"] == "diff2-node-ledger" and data["version"] == 1
     assert data["last_admission"] == {"budget_epsilon": BUDGET, "budget_delta": DELTA,
                                       "spent": admitted.spent_after}
-    assert data["charges"] == [{"run_id": "r1", "digest": "sha256:a", "node": "alice", "time": admitted.charge.time,
+    assert data["charges"] == [{"run_id": "r1", "digest": "sha256:a", "node": "alice",
+                                "time": admitted.charge.time,
                                 "epsilon": admitted.charge.epsilon,
                                 "events": {"delta": DELTA, "gaussian": [[20.0, 100]], "local": []}}]
     stamped = datetime.fromisoformat(admitted.charge.time.replace("Z", "+00:00"))
-    assert admitted.charge.time.endswith("Z") and abs(stamped - datetime.now(timezone.utc)).total_seconds() < 60
+    assert admitted.charge.time.endswith("Z") and abs(stamped - datetime.now(
+        timezone.utc)).total_seconds() < 60
     assert _charge("r2").epsilon is None and _charge("r2").time is None  # priced when charged
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(budget_epsilon=math.inf, budget_delta=1e-5), r"`budget_epsilon` .* finite number > 0. Found inf"),
-    (dict(budget_epsilon=0.0, budget_delta=1e-5), r"`budget_epsilon` .* finite number > 0. Found 0.0"),
+    (dict(budget_epsilon=math.inf, budget_delta=1e-5),
+     r"`budget_epsilon` .* finite number > 0. Found inf"),
+    (dict(budget_epsilon=0.0, budget_delta=1e-5),
+     r"`budget_epsilon` .* finite number > 0. Found 0.0"),
     (dict(budget_epsilon=3.0, budget_delta=0.0), r"`budget_delta` .* in \(0, 1\). Found 0.0"),
 ])
 def test_an_invalid_budget_is_refused(ledger, kwargs, match):
@@ -324,7 +348,8 @@ def test_cli_prints_the_ledger_as_one_json_object(ledger, capsys):
     assert out["charges"][0]["epsilon"] == pytest.approx(_exact(1), rel=1e-3)
     assert out["epsilon_spent"] == pytest.approx(_exact(2), rel=1e-3)
     assert main(["ledger", str(ledger.path), "--delta", "1e-7"]) == 0
-    assert json.loads(capsys.readouterr().out)["epsilon_spent"] == pytest.approx(_exact(2, 1e-7), rel=1e-3)
+    assert json.loads(capsys.readouterr().out)["epsilon_spent"] == pytest.approx(_exact(2, 1e-7),
+                                                                                 rel=1e-3)
 
 
 def test_cli_a_missing_or_corrupt_ledger_is_one_line_on_stderr_and_exit_2(ledger, capsys):
@@ -342,6 +367,7 @@ def test_cli_a_missing_or_corrupt_ledger_is_one_line_on_stderr_and_exit_2(ledger
 def test_cli_through_the_installed_command(ledger):
     _admit(ledger, "r1")
     diff2 = Path(sys.executable).with_name("diff2")
-    out = subprocess.run([str(diff2), "ledger", str(ledger.path)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([str(diff2), "ledger", str(ledger.path)], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["charges"][0]["run_id"] == "r1"

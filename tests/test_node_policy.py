@@ -1,6 +1,6 @@
 """A data owner's node policy and the calibration its node recomputes, through the real ClientApp
-(``clients.client_app.app`` called with Flower's own Message and Context): every refusal names the node and the
-rule, and nothing is computed on the node's records (so nothing can be released)."""
+(``clients.client_app.app`` called with Flower's own Message and Context): every refusal names the
+node and the rule, and nothing is computed on the node's records (so nothing can be released)."""
 
 from __future__ import annotations
 
@@ -28,11 +28,13 @@ BASE = {
     "training": {"rounds": 4, "restart_every": 2, "clients": P, "seed": 1, "clip_diff": 2.0},
     "evaluation": {"train_metrics": False},
 }
-# BASE is seeded (the tests replay the real server's tasks): the nodes' policies allow it (`allow_seeded`).
+# BASE is seeded (the tests replay the real server's tasks): the nodes' policies allow it
+# (`allow_seeded`).
 POLICY = {"name": "hospital-a", "max_epsilon": 3.0, "max_delta": 1e-5, "allow_seeded": True}
 
 client_app = importlib.import_module("clients.client_app")
-pytestmark = pytest.mark.usefixtures("simulated_nodes")  # in-process calls stand for simulated nodes
+# in-process calls stand for simulated nodes
+pytestmark = pytest.mark.usefixtures("simulated_nodes")
 
 
 def write(path: Path, data: dict) -> Path:
@@ -46,12 +48,14 @@ def experiment(tmp_path) -> Path:
 
 
 def policy_file(tmp_path: Path, **changes) -> Path:
-    return write(tmp_path / f"policy-{len(list(tmp_path.glob('policy-*')))}.yaml", {**POLICY, **changes})
+    return write(tmp_path / f"policy-{len(list(tmp_path.glob('policy-*')))}.yaml", {**POLICY,
+                                                                                    **changes})
 
 
-def call_app(config: Path, arrays, conf, *, node_config: dict | None = None, run_config: dict | None = None,
-             run_id: int = 7, partition: int = 0):
-    """One train message through the real ClientApp, as Flower's runtime delivers it; returns the FitRes."""
+def call_app(config: Path, arrays, conf, *, node_config: dict | None = None,
+             run_config: dict | None = None, run_id: int = 7, partition: int = 0):
+    """One train message through the real ClientApp, as Flower's runtime delivers it; returns the
+    FitRes."""
     from flwr.app import RecordDict
     from flwr.app.message import Message
     from flwr.common import Context, FitIns, ndarrays_to_parameters
@@ -59,11 +63,13 @@ def call_app(config: Path, arrays, conf, *, node_config: dict | None = None, run
     from flwr.supercore.task_identity import TaskIdentity
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 100 + partition, 1
-    content = fitins_to_recorddict(FitIns(ndarrays_to_parameters(arrays), dict(conf)), keep_input=True)
+    content = fitins_to_recorddict(FitIns(ndarrays_to_parameters(arrays), dict(conf)),
+                                   keep_input=True)
     message = Message(content, dst_node_id=100 + partition, message_type="train")
     nodes = {"partition-id": partition, "num-partitions": P, **(node_config or {})}
     given = str(config)
-    if set(nodes) - {"partition-id", "num-partitions"}:  # a data owner's node: as a deployment sets it up
+    # a data owner's node: as a deployment sets it up
+    if set(nodes) - {"partition-id", "num-partitions"}:
         nodes, given = deployment_node(config, nodes, partition)
     context = Context(run_id=run_id, node_id=100 + partition, node_config=nodes, state=RecordDict(),
                       run_config={"config": given, **(run_config or {})})
@@ -72,8 +78,9 @@ def call_app(config: Path, arrays, conf, *, node_config: dict | None = None, run
 
 
 def deployment_node(config: Path, nodes: dict, partition: int) -> tuple[dict, str]:
-    """A data owner's node config for ``config`` (its folder as the node's ``experiments`` folder, its shard file
-    written by `diff2 shard` as ``data-path`` unless the test names one) and the run config's relative ``config``."""
+    """A data owner's node config for ``config`` (its folder as the node's ``experiments`` folder,
+    its shard file written by `diff2 shard` as ``data-path`` unless the test names one) and the run
+    config's relative ``config``."""
     from diff2_flwr.deploy.shards import write_shards
     from diff2_flwr.runtime.shard_files import shard_name
 
@@ -88,7 +95,8 @@ def deployment_node(config: Path, nodes: dict, partition: int) -> tuple[dict, st
 
 
 def task_of_round(config: Path, r: int, overrides: dict | None = None):
-    """The real server's task for round r (earlier rounds released with the real workers' replies)."""
+    """The real server's task for round r (earlier rounds released with the real workers'
+    replies)."""
     cfg = load_config(config, overrides)
     server = build_server(cfg, record=False, progress=None)
     while server.plan().round < r:
@@ -123,15 +131,19 @@ def test_a_run_within_the_policy_is_computed(experiment, tmp_path, computed):
 
 
 REFUSED_RUNS = {
-    "epsilon": ({}, {"privacy.epsilon": "8.0"}, r"rule `max_epsilon`: the run asks ε = 8 \(privacy.epsilon\); this "
+    "epsilon": ({}, {"privacy.epsilon": "8.0"},
+                r"rule `max_epsilon`: the run asks ε = 8 \(privacy.epsilon\); this "
                 r"node allows at most ε = 3 per run"),
     "delta": ({}, {"privacy.delta": "1.0e-3"}, r"rule `max_delta`: the run asks δ = 0.001"),
     "method": ({"methods": ["diff2"]}, {"method": "dpgd", "training.restart_every": "1"},
                r"rule `methods`: the run asks method 'dpgd'; this node allows \['diff2'\]"),
-    "gd": ({}, {"method": "gd", "training.restart_every": "1"}, r"rule `methods`: the run asks method 'gd'"),
-    "rounds": ({"max_rounds": 3}, {}, r"rule `max_rounds`: the run asks 4 rounds \(training.rounds\); this node "
+    "gd": ({}, {"method": "gd", "training.restart_every": "1"},
+           r"rule `methods`: the run asks method 'gd'"),
+    "rounds": ({"max_rounds": 3}, {},
+               r"rule `max_rounds`: the run asks 4 rounds \(training.rounds\); this node "
                r"allows at most 3"),
-    "model": ({}, {"model.name": "torch.hub:load", "model.kwargs": "{repo_or_dir: /tmp/hub, model: evil, "
+    "model": ({}, {"model.name": "torch.hub:load",
+                   "model.kwargs": "{repo_or_dir: /tmp/hub, model: evil, "
                                                                    "source: local}"},
               r"rule `models`: the run asks model 'torch.hub:load' \(model.name\)"),
     "local": ({"local_routine": False}, {"local.steps": "3"}, r"rule `local_routine`"),
@@ -139,39 +151,50 @@ REFUSED_RUNS = {
 
 
 @pytest.mark.parametrize("case", list(REFUSED_RUNS))
-def test_a_run_outside_the_policy_is_refused_before_the_shard_is_read(experiment, tmp_path, monkeypatch, no_data, case):
+def test_a_run_outside_the_policy_is_refused_before_the_shard_is_read(experiment, tmp_path,
+                                                                      monkeypatch, no_data, case):
     changes, run_config, pattern = REFUSED_RUNS[case]
     import torch.hub
 
-    monkeypatch.setattr(torch.hub, "load", lambda *a, **k: pytest.fail("torch.hub.load ran on a data owner's node"))
+    monkeypatch.setattr(torch.hub, "load", lambda *a,
+                        **k: pytest.fail("torch.hub.load ran on a data owner's node"))
     _, (arrays, conf) = task_of_round(experiment, 1)
     policy = policy_file(tmp_path, **changes)
     with pytest.raises(Exception, match=r"node 100 \(hospital-a\) refused: " + pattern) as info:
-        call_app(experiment, arrays, conf, node_config={"policy": str(policy)}, run_config=run_config)
-    assert "Nothing was computed on this node's records; the round releases nothing." in str(info.value)
+        call_app(experiment, arrays, conf, node_config={"policy": str(policy)},
+                 run_config=run_config)
+    assert "Nothing was computed on this node's records; the round releases nothing." in str(
+        info.value)
 
 
-def test_the_simulation_policy_comes_from_the_environment_and_the_node_config_wins(experiment, tmp_path, monkeypatch,
+def test_the_simulation_policy_comes_from_the_environment_and_the_node_config_wins(
+    experiment, tmp_path, monkeypatch,
                                                                                    no_data):
     _, (arrays, conf) = task_of_round(experiment, 1)
-    monkeypatch.setenv("DIFF2_NODE_POLICY", str(policy_file(tmp_path, name="from-env", max_epsilon=1.0)))
+    monkeypatch.setenv("DIFF2_NODE_POLICY", str(policy_file(tmp_path, name="from-env",
+                                                            max_epsilon=1.0)))
     with pytest.raises(Exception, match=r"\(from-env\) refused: rule `max_epsilon`"):
         call_app(experiment, arrays, conf)
     strict = policy_file(tmp_path, name="from-node-config", max_epsilon=0.5)
-    with pytest.raises(Exception, match=r"\(from-node-config\) refused: rule `max_epsilon`.*at most ε = 0.5"):
+    with pytest.raises(Exception,
+                       match=r"\(from-node-config\) refused: rule `max_epsilon`.*at most ε = 0.5"):
         call_app(experiment, arrays, conf, node_config={"policy": str(strict)})
 
 
-def test_a_deployment_node_without_a_policy_runs_only_builtin_models_and_private_methods(experiment, tmp_path,
+def test_a_deployment_node_without_a_policy_runs_only_builtin_models_and_private_methods(experiment,
+                                                                                         tmp_path,
                                                                                          monkeypatch, no_data):
     import torch.hub
 
-    monkeypatch.setattr(torch.hub, "load", lambda *a, **k: pytest.fail("torch.hub.load ran on a data owner's node"))
+    monkeypatch.setattr(torch.hub, "load", lambda *a,
+                        **k: pytest.fail("torch.hub.load ran on a data owner's node"))
     _, (arrays, conf) = task_of_round(experiment, 1)
     deployment = {"data-path": str(tmp_path / "shard-0.npz")}  # never read: the refusal comes first
-    hub = {"model.name": "torch.hub:load", "model.kwargs": "{repo_or_dir: /tmp/hub, model: evil, source: local}"}
-    with pytest.raises(Exception, match=r"node 100 \(partition 0\) refused: rule `models`.*no node policy: a data "
-                                        r"owner's node runs only the built-in models"):
+    hub = {"model.name": "torch.hub:load",
+           "model.kwargs": "{repo_or_dir: /tmp/hub, model: evil, source: local}"}
+    with pytest.raises(Exception,
+                       match=r"node 100 \(partition 0\) refused: rule `models`.*no node policy: a "
+                             r"data owner's node runs only the built-in models"):
         call_app(experiment, arrays, conf, node_config=deployment, run_config=hub)
     with pytest.raises(Exception, match=r"refused: rule `methods`: the run asks method 'gd'"):
         call_app(experiment, arrays, conf, node_config=deployment,
@@ -180,9 +203,9 @@ def test_a_deployment_node_without_a_policy_runs_only_builtin_models_and_private
 
 def _own_factory(tmp_path: Path, monkeypatch) -> dict:
     module = tmp_path / "owner_models.py"
-    module.write_text("import torch\n\ndef make(*, in_features, out_features):\n"
-                      "    return torch.nn.Sequential(torch.nn.Linear(in_features, 4), torch.nn.Tanh(),\n"
-                      "                               torch.nn.Linear(4, out_features))\n")
+    module.write_text("import torch\n\ndef make(*, in_features, out_features):\n    return "
+                      "torch.nn.Sequential(torch.nn.Linear(in_features, 4), torch.nn.Tanh(),\n    "
+                      "                           torch.nn.Linear(4, out_features))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     return {"model.name": "owner_models:make"}
 
@@ -193,14 +216,18 @@ def test_a_factory_runs_only_where_the_policy_lists_it(experiment, tmp_path, mon
     _, (arrays, conf) = task_of_round(experiment, 1, overrides)
     # A simulation on one's own machine without a policy: the user's config stands.
     assert call_app(experiment, arrays, conf, run_config=own).metrics[protocol.ECHO_ROUND] == 1
-    with pytest.raises(Exception, match=r"refused: rule `models`: the run asks model 'owner_models:make'"):
-        call_app(experiment, arrays, conf, run_config=own, node_config={"policy": str(policy_file(tmp_path))})
+    with pytest.raises(Exception,
+                       match=r"refused: rule `models`: the run asks model 'owner_models:make'"):
+        call_app(experiment, arrays, conf, run_config=own,
+                 node_config={"policy": str(policy_file(tmp_path))})
     listed = policy_file(tmp_path, models=["paper_mlp", "owner_models:make"])
-    assert call_app(experiment, arrays, conf, run_config=own, node_config={"policy": str(listed)}).metrics
+    assert call_app(experiment, arrays, conf, run_config=own,
+                    node_config={"policy": str(listed)}).metrics
     assert len(computed) == 2
 
 
-# ------------------------------------------------------------------ each task against the recomputed calibration
+# ------------------------------------------------------------------ each task against the
+# recomputed calibration
 
 def _set(key, value):
     return lambda arrays, conf: (arrays, {**conf, key: value})
@@ -211,41 +238,54 @@ def _scale_radius(factor):
 
 
 REFUSED_TASKS = {
-    "restart-radius-doubled": (1, _scale_radius(2.0), r"rule `radius`: round 1's clipping radius is 2.0; the run "
+    "restart-radius-doubled": (1, _scale_radius(2.0),
+                               r"rule `radius`: round 1's clipping radius is 2.0; the run "
                                r"config makes it 1.0 \(C1 = training.clip_restart = 1\)"),
-    "restart-radius-inf": (1, _set(protocol.RADIUS, math.inf), r"rule `radius`: round 1's clipping radius is inf"),
-    "difference-radius-inflated": (2, _scale_radius(1 + 1e-6), r"rule `radius`: round 2's .* \(C2 \|\|x_\(r-1\) - "
-                                   r"x_\(r-2\)\|\| of the iterates sent, C2 = training.clip_diff = 2\)"),
-    "difference-radius-inf": (2, _set(protocol.RADIUS, math.inf), r"rule `radius`: round 2's clipping radius is inf"),
-    "round-past-the-end": (1, _set(protocol.ROUND, 5), r"rule `round`: the task is for round 5; the run has rounds "
+    "restart-radius-inf": (1, _set(protocol.RADIUS, math.inf),
+                           r"rule `radius`: round 1's clipping radius is inf"),
+    "difference-radius-inflated": (2, _scale_radius(1 + 1e-6),
+                                   r"rule `radius`: round 2's .* \(C2 \|\|x_\(r-1\) - "
+                                   r"x_\(r-2\)\|\| of the iterates sent, C2 = training.clip_diff "
+                                   r"= 2\)"),
+    "difference-radius-inf": (2, _set(protocol.RADIUS, math.inf),
+                              r"rule `radius`: round 2's clipping radius is inf"),
+    "round-past-the-end": (1, _set(protocol.ROUND, 5),
+                           r"rule `round`: the task is for round 5; the run has rounds "
                            r"1..4"),
     "restart-called-difference": (2, lambda arrays, conf: (arrays[: len(arrays) // 2],
                                                             {**conf, protocol.KIND: "restart"}),
-                                  r"rule `round kind`: round 2 is a difference round \(T = 2\); the task is a restart"),
+                                  r"rule `round kind`: round 2 is a difference round \(T = 2\); "
+                                  r"the task is a restart"),
     # the refusal says n_min exceeds the node's records, never how many it holds (240)
-    "n_min-above-n_p": (1, _set(protocol.N_MIN, 10**6), r"rule `n_min`: the task says n_min = 1000000, more records "
+    "n_min-above-n_p": (1, _set(protocol.N_MIN, 10**6),
+                        r"rule `n_min`: the task says n_min = 1000000, more records "
                         r"than this node holds: (?!.*240)"),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED_TASKS))
-def test_a_task_that_disagrees_with_the_calibration_is_refused(experiment, tmp_path, computed, case):
+def test_a_task_that_disagrees_with_the_calibration_is_refused(experiment, tmp_path, computed,
+                                                               case):
     r, tamper, pattern = REFUSED_TASKS[case]
     _, (arrays, conf) = task_of_round(experiment, r)
-    assert call_app(experiment, arrays, conf).metrics[protocol.ECHO_ROUND] == r  # control: untampered, computed
+    # control: untampered, computed
+    assert call_app(experiment, arrays, conf).metrics[protocol.ECHO_ROUND] == r
     computed.clear()
     arrays, conf = tamper(arrays, conf)
     with pytest.raises(Exception, match=r"node 100 \(partition 0\) refused: " + pattern):
-        call_app(experiment, arrays, conf)  # no policy needed: the run config's calibration is always checked
+        # no policy needed: the run config's calibration is always checked
+        call_app(experiment, arrays, conf)
     assert computed == []
 
 
 def test_n_min_must_equal_the_run_configs_when_declared(tmp_path, computed):
-    config = write(tmp_path / "declared.yaml", {**BASE, "privacy": {**BASE["privacy"], "n_min": 200},
+    config = write(tmp_path / "declared.yaml", {**BASE, "privacy": {**BASE["privacy"],
+                                                                    "n_min": 200},
                                                 "output": {"dir": str(tmp_path / "out")}})
     _, (arrays, conf) = task_of_round(config, 1)
     assert conf[protocol.N_MIN] == 200 and call_app(config, arrays, conf).metrics
-    with pytest.raises(Exception, match=r"rule `n_min`: the task says n_min = 180; the run config says "
+    with pytest.raises(Exception,
+                       match=r"rule `n_min`: the task says n_min = 180; the run config says "
                                         r"privacy.n_min = 200"):
         call_app(config, arrays, {**conf, protocol.N_MIN: 180})
     assert len(computed) == 1
@@ -258,7 +298,8 @@ LOCAL = {"local": {"steps": 3, "batch_size": 16, "clip": 2.0, "share": 0.5}}
 
 @pytest.fixture
 def local_experiment(tmp_path) -> Path:
-    return write(tmp_path / "local.yaml", {**BASE, **LOCAL, "output": {"dir": str(tmp_path / "out")}})
+    return write(tmp_path / "local.yaml", {**BASE, **LOCAL,
+                                           "output": {"dir": str(tmp_path / "out")}})
 
 
 def _local_task(config: Path, **mechanism) -> tuple[LocalTask, object]:
@@ -266,28 +307,32 @@ def _local_task(config: Path, **mechanism) -> tuple[LocalTask, object]:
     n_min = 240
     cal = cfg.calibration(n_min)
     m = cfg.local_mechanism(cal)
-    m = LocalMechanism(**{**{f: getattr(m, f) for f in ("steps", "batch_size", "learning_rate", "clip", "sigma")},
+    m = LocalMechanism(**{**{f: getattr(m, f) for f in ("steps", "batch_size", "learning_rate",
+                                                        "clip", "sigma")},
                           **mechanism})
     layout = build_worker(cfg, 0).gradients.layout
     rng = np.random.default_rng(5)
     task = LocalTask(round=1, partition_id=0, x_start=rng.standard_normal(layout.dim) * 0.1,
-                     v=rng.standard_normal(layout.dim) * 0.01, mechanism=m, seed=local_seed(cfg.training.seed, 1),
-                     n_min=n_min,
+                     v=rng.standard_normal(layout.dim) * 0.01, mechanism=m,
+                     seed=local_seed(cfg.training.seed, 1), n_min=n_min,
                      sampling_prob=m.batch_size / n_min)
     return task, layout
 
 
 REFUSED_LOCAL = {
-    "sigma-zero": ({"sigma": 0.0}, r"rule `local sigma \(σ3\)`: the local task's σ3 = 0.0 is below the calibrated"),
+    "sigma-zero": ({"sigma": 0.0},
+                   r"rule `local sigma \(σ3\)`: the local task's σ3 = 0.0 is below the calibrated"),
     "sigma-halved": ("half", r"rule `local sigma \(σ3\)`"),
-    "steps": ({"steps": 5}, r"rule `local.steps`: the local task says 5; the run config's calibration says 3"),
+    "steps": ({"steps": 5},
+              r"rule `local.steps`: the local task says 5; the run config's calibration says 3"),
     "batch": ({"batch_size": 32}, r"rule `local.batch_size`: the local task says 32"),
     "clip": ({"clip": 9.0}, r"rule `local.clip`: the local task says 9.0"),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED_LOCAL))
-def test_a_local_task_that_disagrees_with_the_calibration_is_refused(local_experiment, monkeypatch, case):
+def test_a_local_task_that_disagrees_with_the_calibration_is_refused(local_experiment, monkeypatch,
+                                                                     case):
     changes, pattern = REFUSED_LOCAL[case]
     calls = []
     monkeypatch.setattr(Worker, "local_phase", lambda self, task: calls.append(task))
@@ -309,24 +354,31 @@ def test_an_honest_local_task_is_computed(local_experiment):
 
 
 def test_the_local_steps_refuse_a_sampling_rate_above_the_accounted_q():
-    """core: a worker whose b / n_p exceeds the task's q = b / n_min computes nothing (defence in depth)."""
-    task = LocalTask(1, 0, np.zeros(3), np.ones(3), LocalMechanism(3, 10, 0.1, 1.0, 0.5), 1, n_min=100,
-                     sampling_prob=0.1)
+    """core: a worker whose b / n_p exceeds the task's q = b / n_min computes nothing (defence in
+    depth)."""
+    task = LocalTask(1, 0, np.zeros(3), np.ones(3), LocalMechanism(3, 10, 0.1, 1.0, 0.5), 1,
+                     n_min=100, sampling_prob=0.1)
     never = lambda *a: pytest.fail("a record was touched")  # noqa: E731
-    with pytest.raises(ValueError, match=r"b / n_p = 10 / 50 = 0.2, above the q = 0.1 \(b / n_min, n_min = 100\)"):
+    with pytest.raises(ValueError,
+                       match=r"b / n_p = 10 / 50 = 0.2, above the q = 0.1 \(b / n_min, n_min = "
+                             r"100\)"):
         run_local_phase(task, 50, never)
-    assert run_local_phase(task, 100, lambda y, yp, batch, radius: (np.zeros(3), 0, False)).y.shape == (3,)
+    assert run_local_phase(task, 100, lambda y, yp, batch, radius: (np.zeros(3), 0,
+                                                                    False)).y.shape == (3,)
 
 
 # ------------------------------------------------------------------ the policy file
 
 @pytest.mark.parametrize("data, pattern", [
-    ({"max_delta": 1e-5}, r"key `max_epsilon`: expected a finite number > 0: the largest ε per run this node accepts "
+    ({"max_delta": 1e-5},
+     r"key `max_epsilon`: expected a finite number > 0: the largest ε per run this node accepts "
                           r"\(required\). Found None"),
-    ({**POLICY, "methods": ["gd", "diff2"]}, r"key `methods`: expected a non-empty list of \['dpgd', 'diff2'\] \(gd "
+    ({**POLICY, "methods": ["gd", "diff2"]},
+     r"key `methods`: expected a non-empty list of \['dpgd', 'diff2'\] \(gd "
                                              r"adds no noise"),
     ({**POLICY, "max_epsilon": "3"}, r"key `max_epsilon`: expected a number or null. Found '3'"),
-    ({**POLICY, "lifetime": {"epsilon": 10.0}}, r"key `lifetime.delta`: expected a value: a lifetime budget needs "
+    ({**POLICY, "lifetime": {"epsilon": 10.0}},
+     r"key `lifetime.delta`: expected a value: a lifetime budget needs "
                                                 r"epsilon, delta and ledger together"),
     ({**POLICY, "max_epsilion": 3}, r"unknown key max_epsilion"),
 ])
@@ -339,28 +391,35 @@ def test_a_bad_policy_file_names_the_file_and_the_key(tmp_path, data, pattern):
 def test_diff2_run_checks_the_policy_file_before_flower_starts(tmp_path, experiment):
     bad = write(tmp_path / "bad-policy.yaml", {"max_delta": 1e-5})
     env = {**os.environ, "FLWR_HOME": str(tmp_path / "home")}
-    out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "run", str(experiment), "--node-policy", str(bad)],
+    out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "run", str(experiment),
+                          "--node-policy", str(bad)],
                          capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode != 0 and "key `max_epsilon`" in out.stderr and "Traceback" not in out.stderr
-    out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "run", str(experiment), "--engine", "inprocess",
-                          "--node-policy", str(policy_file(tmp_path))], capture_output=True, text=True, timeout=120,
+    assert out.returncode != 0 and (
+        "key `max_epsilon`") in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "run", str(experiment),
+                          "--engine", "inprocess",
+                          "--node-policy", str(policy_file(tmp_path))], capture_output=True,
+                          text=True, timeout=120,
                          env=env)
     assert out.returncode != 0 and "use it with --engine flower" in out.stderr
 
 
-# ------------------------------------------------------------------ through `flwr run` (a real simulation)
+# ------------------------------------------------------------------ through `flwr run` (a real
+# simulation)
 
 def _diff2_run(tmp_path: Path, config: Path, policy: Path) -> tuple[int, dict, str]:
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "DIFF2_NODE_POLICY"}
-    out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "run", str(config), "--node-policy", str(policy)],
+    out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "run", str(config),
+                          "--node-policy", str(policy)],
                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     return out.returncode, json.loads(out.stdout), out.stderr
 
 
 @pytest.mark.flower
-def test_flwr_run_with_a_policy_on_every_simulated_node_completes_and_above_it_fails_at_round_one(tmp_path):
+def test_flwr_run_with_a_policy_on_every_simulated_node_completes_and_above_it_fails_at_round_one(
+    tmp_path):
     config = write(tmp_path / "sim.yaml", {**BASE, "training": {**BASE["training"], "rounds": 3},
                                            "output": {"dir": str(tmp_path / "out")}})
     ledger = tmp_path / "ledgers" / "ledger.json"
@@ -370,22 +429,27 @@ def test_flwr_run_with_a_policy_on_every_simulated_node_completes_and_above_it_f
     code, report, _ = _diff2_run(tmp_path, config, policy)
     assert code == 0 and report["status"] == "completed", report
     ledgers = sorted(p.name for p in ledger.parent.glob("ledger.partition-*.json"))
-    assert ledgers == ["ledger.partition-0.json", "ledger.partition-1.json"]  # one per simulated node, charged once
-    # every simulated owner audited the run live through Flower's path: its canaries, its observations, its verdict
+    # one per simulated node, charged once
+    assert ledgers == ["ledger.partition-0.json", "ledger.partition-1.json"]
+    # every simulated owner audited the run live through Flower's path: its canaries, its
+    # observations, its verdict
     from diff2_flwr.lab.audit.live import live_audit
 
     folders = sorted(canaries.glob("partition-*/run-*"))
     assert [f.parent.name for f in folders] == ["partition-0", "partition-1"]
     for folder in folders:
         result = live_audit(folder)
-        assert result["rounds"]["tasks_seen"] == 3 and result["records"] == 240 and result["canaries"] == 4
+        assert result["rounds"]["tasks_seen"] == 3 and result["records"] == 240 and result[
+            "canaries"] == 4
         assert result["noise_scale"]["estimate"] > 0 and not result["violation"]
     strict = policy_file(tmp_path, max_epsilon=1.0)
     code, report, stderr = _diff2_run(tmp_path, config, strict)
     assert code == 1 and report["status"] == "failed"
-    assert "refused: rule `max_epsilon`: the run asks ε = 3 (privacy.epsilon); this node allows at most ε = 1" in \
+    assert ("refused: rule `max_epsilon`: the run asks ε = 3 (privacy.epsilon); this node allows "
+            "at most ε = 1") in \
         report["error"], report["error"]
-    rows = [line for line in (Path(report["output_dir"]) / "metrics.jsonl").read_text().splitlines() if line]
+    rows = [line for line in (Path(report["output_dir"]) / "metrics.jsonl").read_text().splitlines()
+            if line]
     assert len(rows) == 1  # round 0 only: the first round released nothing
 
 
@@ -410,9 +474,10 @@ except Exception as err:
 """
 
 
-def _in_a_fresh_process(config: Path, policy: Path, run_id: int, run_config: dict, crash: bool = False) -> tuple[int, str]:
-    code = _CHILD.format(tests=str(Path(__file__).parent), config=str(config), policy=str(policy), run_id=run_id,
-                         run_config=run_config, crash=crash)
+def _in_a_fresh_process(config: Path, policy: Path, run_id: int, run_config: dict,
+                        crash: bool = False) -> tuple[int, str]:
+    code = _CHILD.format(tests=str(Path(__file__).parent), config=str(config), policy=str(policy),
+                         run_id=run_id, run_config=run_config, crash=crash)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     return out.returncode, out.stdout
 
@@ -428,20 +493,29 @@ def test_the_lifetime_budget_refuses_the_run_that_would_cross_it_and_survives_a_
     call_app(experiment, arrays, conf, node_config=nodes, run_id=1)  # run 1: ε = 3 of 4, charged
     first = NodeLedger(ledger).spent(1e-5)
     assert 2.9 < first <= 3.0 + 1e-3 and oct(ledger.stat().st_mode & 0o777) == "0o600"
-    call_app(experiment, arrays, conf, node_config=nodes, run_id=1)  # its next message: charged once only
+    # its next message: charged once only
+    call_app(experiment, arrays, conf, node_config=nodes, run_id=1)
     assert len(NodeLedger(ledger).charges()) == 1 and len(computed) == 2
     before = ledger.read_bytes()
-    with pytest.raises(Exception, match=r"Node .node 100 \(hospital-a\). refuses run .2. \(rule: lifetime budget\)"):
-        call_app(experiment, arrays, conf, node_config=nodes, run_id=2)  # run 2: another ε = 3 composes to ≈ 4.3 > 4
+    with pytest.raises(Exception,
+                       match=r"Node .node 100 \(hospital-a\). refuses run .2. \(rule: lifetime "
+                             r"budget\)"):
+        # run 2: another ε = 3 composes to ≈ 4.3 > 4
+        call_app(experiment, arrays, conf, node_config=nodes, run_id=2)
     assert ledger.read_bytes() == before and len(computed) == 2  # nothing written, nothing computed
-    with pytest.raises(Exception, match=r"rule: lifetime budget"):  # the same run with another config
-        call_app(experiment, arrays, conf, node_config=nodes, run_id=1, run_config={"training.clip_diff": "3.0"})
-    # A crash after the charge (the node dies computing run 3's first reply): the charge stands, whole.
+    # the same run with another config
+    with pytest.raises(Exception, match=r"rule: lifetime budget"):
+        call_app(experiment, arrays, conf, node_config=nodes, run_id=1,
+                 run_config={"training.clip_diff": "3.0"})
+    # A crash after the charge (the node dies computing run 3's first reply): the charge stands,
+    # whole.
     code, out = _in_a_fresh_process(experiment, policy, 3, {"privacy.epsilon": "0.5"}, crash=True)
     assert code == 9 and "ADMITTED" not in out
     assert [c.run_id for c in NodeLedger(ledger).charges()] == ["1", "3"]
-    # A restart (a new process) sees the same ledger: run 2 is refused again, run 3 goes on without a new charge.
+    # A restart (a new process) sees the same ledger: run 2 is refused again, run 3 goes on without
+    # a new charge.
     assert _in_a_fresh_process(experiment, policy, 2, {})[1].startswith("REFUSED")
-    assert _in_a_fresh_process(experiment, policy, 3, {"privacy.epsilon": "0.5"})[1].startswith("ADMITTED")
+    assert _in_a_fresh_process(experiment, policy, 3,
+                               {"privacy.epsilon": "0.5"})[1].startswith("ADMITTED")
     assert [c.run_id for c in NodeLedger(ledger).charges()] == ["1", "3"]
     assert NodeLedger(ledger).spent(1e-5) > first

@@ -13,12 +13,16 @@ from diff2_flwr.deploy.shards import write_shards
 from diff2_flwr.runtime.config import ConfigError, parse_config
 from diff2_flwr.runtime.driver import run_inprocess
 from diff2_flwr.runtime.session import build_server, load_data
-from diff2_flwr.runtime.shard_files import SERVER_FILE, ShardError, read_server_data, read_shard, shard_name
+from diff2_flwr.runtime.shard_files import (
+    SERVER_FILE, ShardError, read_server_data, read_shard, shard_name,
+)
 from diff2_flwr.runtime.shard_report import PartitionRefused
 from diff2_flwr.task.data import DataError, prepare, synthetic_regression
 from diff2_flwr.task.partitions import PartitionError, partition, quantile_bins
 
-pytest.importorskip("flwr_datasets", reason="the non-IID partitioners need the `partitions` extra (scripts/setup.sh)")
+pytest.importorskip("flwr_datasets",
+                    reason="the non-IID partitioners need the `partitions` extra "
+                           "(scripts/setup.sh)")
 
 N, P = 3000, 6
 
@@ -35,14 +39,17 @@ def check_cover(parts: list[np.ndarray], n: int) -> None:
     np.testing.assert_array_equal(np.sort(placed), np.arange(n))
 
 
-# ------------------------------------------------------------------ IID: today's shards, bit for bit
+# ------------------------------------------------------------------ IID: today's shards, bit for
+# bit
 
 def _paper_prepare(x, y, clients, test_fraction=0.2, split_seed=0):
-    """The preparation as it was before partitioners existed (the reference the IID default must equal)."""
+    """The preparation as it was before partitioners existed (the reference the IID default must
+    equal)."""
     n = x.shape[0]
     n_test = int(round(test_fraction * n))
     target_scale = float(np.max(np.abs(y)))
-    perm = np.random.default_rng(np.random.SeedSequence(split_seed, spawn_key=(0x5B117,))).permutation(n)
+    perm = np.random.default_rng(np.random.SeedSequence(split_seed,
+                                                        spawn_key=(0x5B117,))).permutation(n)
     test, train = perm[:n_test], perm[n_test:]
     mean, std = x[train].mean(axis=0), x[train].std(axis=0)
     std = np.where(std > 0, std, 1.0)
@@ -50,7 +57,8 @@ def _paper_prepare(x, y, clients, test_fraction=0.2, split_seed=0):
     for size in (len(s) for s in np.array_split(np.arange(n - n_test), clients)):
         bounds.append((start, start + size))
         start += size
-    return (x[train] - mean) / std, y[train] / target_scale, (x[test] - mean) / std, y[test] / target_scale, tuple(bounds)
+    return (x[train] - mean) / std, y[train] / target_scale, (x[test] - mean) / std, y[
+        test] / target_scale, tuple(bounds)
 
 
 @pytest.mark.parametrize("clients,split_seed", [(10, 0), (7, 3)])
@@ -65,9 +73,11 @@ def test_iid_default_is_bit_identical_to_the_paper_preparation(clients, split_se
 
 
 def test_default_config_loads_the_same_shards_as_an_explicit_iid_partitioner():
-    base = {"dataset": {"name": "synthetic", "num_samples": 1500}, "training": {"restart_every": 2, "clients": 4}}
+    base = {"dataset": {"name": "synthetic", "num_samples": 1500}, "training": {"restart_every": 2,
+                                                                                "clients": 4}}
     plain = load_data(parse_config(base))
-    explicit = load_data(parse_config({**base, "dataset": {**base["dataset"], "partitioner": {"name": "iid"}}}))
+    explicit = load_data(parse_config({**base, "dataset": {**base["dataset"],
+                                                           "partitioner": {"name": "iid"}}}))
     assert plain.shard_bounds == explicit.shard_bounds
     assert plain.x_train.tobytes() == explicit.x_train.tobytes()
 
@@ -95,7 +105,8 @@ SPECS = {
 
 @pytest.mark.parametrize("task", ["classification", "regression"])
 @pytest.mark.parametrize("which", sorted(SPECS))
-def test_every_partitioner_cuts_disjoint_shards_covering_the_train_split_deterministically(which, task):
+def test_every_partitioner_cuts_disjoint_shards_covering_the_train_split_deterministically(which,
+                                                                                           task):
     y = labels() if task == "classification" else np.random.default_rng(2).standard_normal(N)
     parts = partition(y, P, task=task, **SPECS[which])
     assert len(parts) == P and min(map(len, parts)) >= 1
@@ -119,7 +130,8 @@ def _dominant_share(parts: list[np.ndarray], y: np.ndarray) -> float:
 
 def test_dirichlet_skew_grows_as_alpha_shrinks():
     y = labels(N, classes=5)
-    skewed = partition(y, P, name="dirichlet", task="classification", alpha=0.1, min_partition_size=10, seed=0)
+    skewed = partition(y, P, name="dirichlet", task="classification", alpha=0.1,
+                       min_partition_size=10, seed=0)
     mild = partition(y, P, name="dirichlet", task="classification", alpha=1000.0, seed=0)
     # α = 0.1: a client is mostly one label; α = 1000: every client holds the 1/5 mix.
     assert _dominant_share(skewed, y) > 0.7
@@ -130,13 +142,15 @@ def test_dirichlet_skew_grows_as_alpha_shrinks():
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_pathological_gives_each_client_exactly_k_classes(k):
     y = labels(N, classes=5)
-    parts = partition(y, P, name="pathological", task="classification", classes_per_client=k, seed=4)
+    parts = partition(y, P, name="pathological", task="classification", classes_per_client=k,
+                      seed=4)
     assert [len(np.unique(y[idx])) for idx in parts] == [k] * P
 
 
 def test_pathological_on_a_regression_target_uses_k_quantile_bins_per_client():
     y = np.random.default_rng(3).standard_normal(N)
-    parts = partition(y, P, name="pathological", task="regression", classes_per_client=2, bins=6, seed=0)
+    parts = partition(y, P, name="pathological", task="regression", classes_per_client=2, bins=6,
+                      seed=0)
     bins = quantile_bins(y, 6)
     assert all(len(np.unique(bins[idx])) == 2 for idx in parts)
 
@@ -144,7 +158,8 @@ def test_pathological_on_a_regression_target_uses_k_quantile_bins_per_client():
 def test_quantile_bins_hold_equal_counts_and_merge_tied_edges():
     y = np.random.default_rng(0).standard_normal(1000)
     assert np.bincount(quantile_bins(y, 10)).tolist() == [100] * 10
-    tied = np.array([0.0] * 600 + list(range(1, 401)), dtype=float)  # 60 % ties: the low edges coincide
+    # 60 % ties: the low edges coincide
+    tied = np.array([0.0] * 600 + list(range(1, 401)), dtype=float)
     b = quantile_bins(tied, 10)
     assert len(np.unique(b)) < 10 and (b[:600] == b[0]).all()
 
@@ -165,7 +180,8 @@ def test_the_test_split_and_standardisation_do_not_depend_on_the_partition():
     np.testing.assert_array_equal(iid.x_test, skew.x_test)
     np.testing.assert_array_equal(iid.y_test, skew.y_test)
     np.testing.assert_array_equal(iid.feature_mean, skew.feature_mean)
-    np.testing.assert_array_equal(np.sort(iid.y_train), np.sort(skew.y_train))  # same train rows, reordered
+    # same train rows, reordered
+    np.testing.assert_array_equal(np.sort(iid.y_train), np.sort(skew.y_train))
     assert iid.shard_sizes != skew.shard_sizes and sum(skew.shard_sizes) == len(skew.y_train)
     # shard p is the contiguous block: its targets are the rows Dirichlet gave client p
     bins = quantile_bins(skew.y_train, P)  # the default: one bin per client
@@ -176,19 +192,25 @@ def test_the_test_split_and_standardisation_do_not_depend_on_the_partition():
 
 def test_refusals_name_the_key_and_the_numbers():
     y = labels(N, classes=5)
-    with pytest.raises(PartitionError, match=r"classes_per_client` must be in 1\.\.5.*5 classes. Found 6"):
+    with pytest.raises(PartitionError,
+                       match=r"classes_per_client` must be in 1\.\.5.*5 classes. Found 6"):
         partition(y, P, name="pathological", task="classification", classes_per_client=6)
-    with pytest.raises(PartitionError, match=rf"`sizes` must list {P} shard sizes.*{N} samples.*sum 10\)"):
+    with pytest.raises(PartitionError,
+                       match=rf"`sizes` must list {P} shard sizes.*{N} samples.*sum 10\)"):
         partition(y, P, name="size", sizes=(1, 2, 3, 1, 2, 1))
-    with pytest.raises(PartitionError, match=r"500 train samples in 10 shards .* leave shard\(s\) \[0, 1, 2, 3\] empty \(sizes \[0, 0, 0, 0, 2, 5, 15, 42, 116, 320\]\)"):
+    with pytest.raises(PartitionError,
+                       match=r"500 train samples in 10 shards .* leave shard\(s\) \[0, 1, 2, 3\] "
+                             r"empty \(sizes \[0, 0, 0, 0, 2, 5, 15, 42, 116, 320\]\)"):
         partition(np.zeros(500), 10, name="exponential")
     with pytest.raises(PartitionError, match="alpha` must be a number > 0"):
         partition(y, P, name="dirichlet", task="classification", alpha=0.0)
     with pytest.raises(PartitionError, match=r"samples are on no client \(labels \[.*\]"):
         # random assignment with 2 clients x 1 class cannot cover 5 classes
-        partition(y, 2, name="pathological", task="classification", classes_per_client=1, class_assignment="random")
+        partition(y, 2, name="pathological", task="classification", classes_per_client=1,
+                  class_assignment="random")
     with pytest.raises(PartitionError, match=r"Flower Datasets refused.*max number of attempts"):
-        partition(y, P, name="dirichlet", task="classification", alpha=0.01, min_partition_size=490, seed=0)
+        partition(y, P, name="dirichlet", task="classification", alpha=0.01, min_partition_size=490,
+                  seed=0)
 
 
 def test_a_missing_flower_datasets_says_how_to_install_it(monkeypatch):
@@ -208,31 +230,45 @@ def cfg_of(partitioner=None, dataset=None, training=None, privacy=None, **top):
     d = {**BASE["dataset"], **(dataset or {})}
     if partitioner is not None:
         d["partitioner"] = partitioner
-    return parse_config({**BASE, **top, "dataset": d, "training": {**BASE["training"], **(training or {})},
+    return parse_config({**BASE, **top, "dataset": d, "training": {**BASE["training"],
+                                                                   **(training or {})},
                          "privacy": privacy or {}})
 
 
 @pytest.mark.parametrize("partitioner,dataset,message", [
-    ({"name": "zipf"}, {}, r"`dataset.partitioner.name`: expected one of 'iid', 'dirichlet'.*Found 'zipf'"),
-    ({"name": "dirichlet"}, {}, r"`dataset.partitioner.alpha`: expected a finite number > 0.*Found None"),
-    ({"name": "dirichlet", "alpha": 0}, {}, r"`dataset.partitioner.alpha`: expected a finite number > 0.*Found 0"),
+    ({"name": "zipf"}, {},
+     r"`dataset.partitioner.name`: expected one of 'iid', 'dirichlet'.*Found 'zipf'"),
+    ({"name": "dirichlet"}, {},
+     r"`dataset.partitioner.alpha`: expected a finite number > 0.*Found None"),
+    ({"name": "dirichlet", "alpha": 0}, {},
+     r"`dataset.partitioner.alpha`: expected a finite number > 0.*Found 0"),
     ({"name": "dirichlet", "alpha": -1.5}, {}, r"alpha`.*Found -1.5"),
-    ({"name": "iid", "alpha": 0.5}, {}, r"`dataset.partitioner.alpha`: expected nothing for partitioner iid"),
-    ({"name": "pathological"}, {}, r"`dataset.partitioner.classes_per_client`: expected an integer >= 1"),
+    ({"name": "iid", "alpha": 0.5}, {},
+     r"`dataset.partitioner.alpha`: expected nothing for partitioner iid"),
+    ({"name": "pathological"}, {},
+     r"`dataset.partitioner.classes_per_client`: expected an integer >= 1"),
     ({"name": "pathological", "classes_per_client": 6}, {},
-     r"`dataset.partitioner.classes_per_client`: expected at most the 5 target bins of dataset synthetic "
-     r"\(dataset.partitioner.bins, null: one per client\). Found 6"),
-    ({"name": "pathological", "classes_per_client": 5, "bins": 4}, {}, r"at most the 4 target bins.*Found 5"),
-    ({"name": "pathological", "classes_per_client": 3}, {"name": "kddcup99"}, r"at most the 2 classes.*Found 3"),
+     r"`dataset.partitioner.classes_per_client`: expected at most the 5 target bins of dataset "
+     r"synthetic \(dataset.partitioner.bins, null: one per client\). Found 6"),
+    ({"name": "pathological", "classes_per_client": 5, "bins": 4}, {},
+     r"at most the 4 target bins.*Found 5"),
+    ({"name": "pathological", "classes_per_client": 3}, {"name": "kddcup99"},
+     r"at most the 2 classes.*Found 3"),
     ({"name": "dirichlet", "alpha": 1, "bins": 5}, {"name": "covertype"},
      r"`dataset.partitioner.bins`: expected nothing for the classification dataset covertype"),
-    ({"name": "dirichlet", "alpha": 1, "bins": 1}, {}, r"`dataset.partitioner.bins`: expected null or an integer >= 2"),
-    ({"name": "size", "sizes": [100, 200]}, {}, r"`dataset.partitioner.sizes`: expected one size per client: "
+    ({"name": "dirichlet", "alpha": 1, "bins": 1}, {},
+     r"`dataset.partitioner.bins`: expected null or an integer >= 2"),
+    ({"name": "size", "sizes": [100, 200]}, {},
+     r"`dataset.partitioner.sizes`: expected one size per client: "
                                                  r"training.clients = 5 sizes. Found \[100, 200\]"),
-    ({"name": "size"}, {}, r"`dataset.partitioner.sizes`: expected a list of training.clients shard sizes"),
-    ({"name": "iid", "min_samples": 0}, {}, r"`dataset.partitioner.min_samples`: expected an integer >= 1"),
-    ({"name": "iid", "max_sigma": 0}, {}, r"`dataset.partitioner.max_sigma`: expected null or a finite number > 0"),
-    ({"name": "iid", "beta": 1}, {}, r"unknown key dataset.partitioner.beta. Allowed in dataset.partitioner: name"),
+    ({"name": "size"}, {},
+     r"`dataset.partitioner.sizes`: expected a list of training.clients shard sizes"),
+    ({"name": "iid", "min_samples": 0}, {},
+     r"`dataset.partitioner.min_samples`: expected an integer >= 1"),
+    ({"name": "iid", "max_sigma": 0}, {},
+     r"`dataset.partitioner.max_sigma`: expected null or a finite number > 0"),
+    ({"name": "iid", "beta": 1}, {},
+     r"unknown key dataset.partitioner.beta. Allowed in dataset.partitioner: name"),
     ("dirichlet", {}, r"`dataset.partitioner` must be a mapping"),
 ])
 def test_config_validation_names_the_key_expectation_and_finding(partitioner, dataset, message):
@@ -244,13 +280,16 @@ def test_config_round_trips_and_the_seed_defaults_to_the_split_seed():
     cfg = cfg_of({"name": "dirichlet", "alpha": 0.5}, {"split_seed": 7})
     assert parse_config(cfg.to_dict()) == cfg
     assert cfg.dataset.partitioner.arguments(7, "regression", 5) == {
-        "name": "dirichlet", "seed": 7, "alpha": 0.5, "min_partition_size": 10, "self_balancing": False, "bins": 5}
+        "name": "dirichlet", "seed": 7, "alpha": 0.5, "min_partition_size": 10,
+        "self_balancing": False, "bins": 5}
     seeded = cfg_of({"name": "dirichlet", "alpha": 0.5, "seed": 3, "bins": 8}).dataset.partitioner
-    assert seeded.arguments(7, "regression", 5)["seed"] == 3 and seeded.arguments(7, "regression", 5)["bins"] == 8
+    assert seeded.arguments(7, "regression", 5)["seed"] == 3 and seeded.arguments(7, "regression",
+                                                                                  5)["bins"] == 8
     assert "bins" not in seeded.arguments(7, "classification", 5)
 
 
-# ------------------------------------------------------------------ printed before training, refused with numbers
+# ------------------------------------------------------------------ printed before training,
+# refused with numbers
 
 def test_sizes_n_min_and_sigma_are_printed_before_training():
     lines: list[str] = []
@@ -284,18 +323,24 @@ def test_a_shard_below_min_samples_is_refused_naming_client_size_n_min_and_sigma
 def test_a_partition_forcing_sigma_above_max_sigma_is_refused_and_null_lifts_the_limit():
     tight = {"epsilon": 0.05}
     cfg = cfg_of({"name": "square"}, privacy=tight, training={"rounds": 40, "restart_every": 4})
-    with pytest.raises(PartitionRefused, match=r"client 0 holds only \d+ samples; n_min = \d+ gives σ1 = .*above "
+    with pytest.raises(PartitionRefused,
+                       match=r"client 0 holds only \d+ samples; n_min = \d+ gives σ1 = .*above "
                                                r"dataset.partitioner.max_sigma = 1"):
         build_server(cfg, record=False, progress=None)
-    # the IID split of the same data has 11× more samples in its smallest shard and stays below the limit
-    build_server(cfg_of(privacy=tight, training={"rounds": 40, "restart_every": 4}), record=False, progress=None)
-    lifted = cfg_of({"name": "square", "max_sigma": None}, privacy=tight, training={"rounds": 40, "restart_every": 4})
+    # the IID split of the same data has 11× more samples in its smallest shard and stays below the
+    # limit
+    build_server(cfg_of(privacy=tight, training={"rounds": 40, "restart_every": 4}), record=False,
+                 progress=None)
+    lifted = cfg_of({"name": "square", "max_sigma": None}, privacy=tight,
+                    training={"rounds": 40, "restart_every": 4})
     assert build_server(lifted, record=False, progress=None).calibration.sigma2 > 1
 
 
-def test_an_in_process_run_on_a_skewed_partition_completes_with_smaller_n_min_and_larger_sigma(tmp_path):
+def test_an_in_process_run_on_a_skewed_partition_completes_with_smaller_n_min_and_larger_sigma(
+    tmp_path):
     runs = {}
-    for name, spec in (("iid", None), ("dirichlet", {"name": "dirichlet", "alpha": 0.1, "seed": 0})):
+    for name, spec in (("iid", None), ("dirichlet", {"name": "dirichlet", "alpha": 0.1,
+                                                     "seed": 0})):
         server = run_inprocess(cfg_of(spec), output_root=tmp_path / name, progress=None)
         runs[name] = json.loads((server.recorder.directory / "summary.json").read_text())
     iid, skew = runs["iid"], runs["dirichlet"]
@@ -303,8 +348,10 @@ def test_an_in_process_run_on_a_skewed_partition_completes_with_smaller_n_min_an
     assert skew["privacy"]["n_min"] < iid["privacy"]["n_min"] == 320
     ratio = iid["privacy"]["n_min"] / skew["privacy"]["n_min"]
     for key in ("sigma1", "sigma2"):
-        assert skew["privacy"]["calibration"][key] == pytest.approx(iid["privacy"]["calibration"][key] * ratio, rel=1e-12)
-    assert skew["privacy"]["epsilon_spent"] == pytest.approx(iid["privacy"]["epsilon_spent"], rel=1e-9)
+        assert skew["privacy"]["calibration"][key] == pytest.approx(iid["privacy"]["calibration"][
+            key] * ratio, rel=1e-12)
+    assert skew["privacy"]["epsilon_spent"] == pytest.approx(iid["privacy"]["epsilon_spent"],
+                                                             rel=1e-9)
     assert skew["dataset"]["shard_sizes"] != iid["dataset"]["shard_sizes"]
     assert skew["dataset"]["partitioner"].startswith("dirichlet(seed=0, alpha=0.1")
 
@@ -312,7 +359,8 @@ def test_an_in_process_run_on_a_skewed_partition_completes_with_smaller_n_min_an
 # ------------------------------------------------------------------ shard files for deployments
 
 def test_shard_files_carry_the_partition_and_refuse_another_partition(tmp_path):
-    cfg = cfg_of({"name": "pathological", "classes_per_client": 2}, evaluation={"train_metrics": False})
+    cfg = cfg_of({"name": "pathological", "classes_per_client": 2},
+                 evaluation={"train_metrics": False})
     write_shards(cfg, tmp_path)
     data = load_data(cfg)
     for p in range(5):
@@ -333,7 +381,9 @@ def test_shards_too_small_are_refused_before_files_are_written(tmp_path):
 
 def test_a_data_time_partition_error_is_a_data_error_naming_the_dataset():
     cfg = cfg_of({"name": "size", "sizes": [1, 2, 3, 4, 5]})
-    with pytest.raises(DataError, match=r"Dataset 'synthetic': .*summing to the 1600 samples of the train split"):
+    with pytest.raises(DataError,
+                       match=r"Dataset 'synthetic': .*summing to the 1600 samples of the train "
+                             r"split"):
         load_data(cfg)
 
 
@@ -348,7 +398,8 @@ def test_a_flwr_run_on_a_skewed_partition_equals_the_in_process_run_bit_for_bit(
     path = tmp_path / "skew.yaml"
     path.write_text(yaml.safe_dump({
         "name": "skew", "method": "diff2",
-        "dataset": {"name": "synthetic", "num_samples": 3000, "partitioner": {"name": "dirichlet", "alpha": 0.1}},
+        "dataset": {"name": "synthetic", "num_samples": 3000, "partitioner": {"name": "dirichlet",
+                                                                              "alpha": 0.1}},
         "training": {"rounds": 4, "restart_every": 2, "clip_diff": 3.0, "clients": 4, "seed": 3},
         "output": {"dir": str(tmp_path / "out")}}))
     result = run_simulation(str(path), echo=False)
@@ -356,20 +407,28 @@ def test_a_flwr_run_on_a_skewed_partition_equals_the_in_process_run_bit_for_bit(
     cfg = load_config(path)
     data = load_data(cfg)
     assert summary["status"] == "completed"
-    assert summary["dataset"]["shard_sizes"] == list(data.shard_sizes) and summary["privacy"]["n_min"] == data.n_min
+    assert summary["dataset"]["shard_sizes"] == list(data.shard_sizes) and summary["privacy"][
+        "n_min"] == data.n_min
     assert data.n_min < 600  # the IID cut of these 2400 samples gives 600
     server = run_inprocess(cfg, record=False, progress=None)
-    np.testing.assert_array_equal(server.state.x, np.load(result.output_dir / "final_parameters.npy"))
+    np.testing.assert_array_equal(server.state.x,
+                                  np.load(result.output_dir / "final_parameters.npy"))
 
 
 def test_a_study_refuses_a_grid_point_whose_sigma_is_above_max_sigma_before_any_run(tmp_path):
-    """The batched engine builds no server: the study itself applies the partition's refusal rule up front."""
+    """The batched engine builds no server: the study itself applies the partition's refusal rule up
+    front."""
     from diff2_flwr.lab.study.runner import parse_study, run_study
 
     data = {"name": "skewed", "dataset": {**BASE["dataset"], "partitioner": {"name": "square"}},
-            "clients": BASE["training"]["clients"], "rounds": 40, "epsilons": [3.0, 0.05], "eval_every": 10,
-            "seeds": {"tune": [9], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"}, "engine": "batch",
-            "methods": [{"name": "DIFF2-GD", "method": "diff2", "grid": {"restart_every": [4], "learning_rate": [0.2]}}]}
+            "clients": BASE["training"]["clients"], "rounds": 40, "epsilons": [3.0, 0.05],
+            "eval_every": 10,
+            "seeds": {"tune": [9], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"},
+            "engine": "batch",
+            "methods": [{"name": "DIFF2-GD", "method": "diff2", "grid": {"restart_every": [4],
+                                                                         "learning_rate": [0.2]}}]}
     with pytest.raises(PartitionRefused, match=r"above dataset.partitioner.max_sigma = 1"):
-        run_study(parse_study(data, "skewed.yaml"), output_root=tmp_path, show_progress=False, make_plots=False)
-    assert not list((tmp_path / "skewed" / "runs").glob("*.json"))  # refused before the ε = 3 runs too
+        run_study(parse_study(data, "skewed.yaml"), output_root=tmp_path, show_progress=False,
+                  make_plots=False)
+    # refused before the ε = 3 runs too
+    assert not list((tmp_path / "skewed" / "runs").glob("*.json"))

@@ -1,4 +1,5 @@
-"""Calibration and accounting, checked against Google's dp-accounting (an independent accountant)."""
+"""Calibration and accounting, checked against Google's dp-accounting (an independent
+accountant)."""
 
 from __future__ import annotations
 
@@ -68,17 +69,21 @@ def test_spec_reference_multipliers():
 
 @pytest.mark.parametrize("epsilon,delta,rounds,T,u", CASES)
 def test_exact_mode_spends_the_target_per_independent_pld(epsilon, delta, rounds, T, u):
-    cal = calibrate(epsilon=epsilon, delta=delta, rounds=rounds, restart_every=T, u=u, n_min=1000, clients=7, mode="exact")
+    cal = calibrate(epsilon=epsilon, delta=delta, rounds=rounds, restart_every=T, u=u, n_min=1000,
+                    clients=7, mode="exact")
     eps = pld_epsilon(cal, delta)
-    # PLD discretisation is pessimistic by ~1e-7 relative here; 1e-4 is far below any meaningful slack
+    # PLD discretisation is pessimistic by ~1e-7 relative here; 1e-4 is far below any meaningful
+    # slack
     assert eps <= epsilon * (1 + 1e-4)
     assert eps >= epsilon * 0.99  # tight: within 1 % of the target
-    assert cal.epsilon_spent(cal.restart_rounds, cal.difference_rounds) == pytest.approx(epsilon, rel=1e-9)
+    assert cal.epsilon_spent(cal.restart_rounds, cal.difference_rounds) == pytest.approx(epsilon,
+                                                                                         rel=1e-9)
 
 
 @pytest.mark.parametrize("epsilon,delta,rounds,T,u", CASES)
 def test_rdp_mode_is_private_and_noisier_than_exact(epsilon, delta, rounds, T, u):
-    kw = dict(epsilon=epsilon, delta=delta, rounds=rounds, restart_every=T, u=u, n_min=1000, clients=7)
+    kw = dict(epsilon=epsilon, delta=delta, rounds=rounds, restart_every=T, u=u, n_min=1000,
+              clients=7)
     rdp, exact = calibrate(mode="rdp", **kw), calibrate(mode="exact", **kw)
     assert pld_epsilon(rdp, delta) <= epsilon
     assert rdp_epsilon(rdp, delta) <= epsilon
@@ -89,7 +94,8 @@ def test_rdp_mode_is_private_and_noisier_than_exact(epsilon, delta, rounds, T, u
 
 @pytest.mark.parametrize("epsilon,delta,rounds,T,u", CASES)
 def test_budget_split_by_u(epsilon, delta, rounds, T, u):
-    cal = calibrate(epsilon=epsilon, delta=delta, rounds=rounds, restart_every=T, u=u, n_min=10, clients=2)
+    cal = calibrate(epsilon=epsilon, delta=delta, rounds=rounds, restart_every=T, u=u, n_min=10,
+                    clients=2)
     m1, m2 = count_rounds(rounds, T)
     assert (cal.restart_rounds, cal.difference_rounds) == (m1, m2)
     if m2 == 0:
@@ -127,11 +133,13 @@ def test_zcdp_rho_inverts_the_conversion():
 
 
 def test_ledger_composes_events_like_pld():
-    cal = calibrate(epsilon=3.0, delta=1e-5, rounds=60, restart_every=6, u=1.25, n_min=500, clients=4)
+    cal = calibrate(epsilon=3.0, delta=1e-5, rounds=60, restart_every=6, u=1.25, n_min=500,
+                    clients=4)
     ledger = PrivacyLedger(1e-5)
     for r in range(1, 31):  # half of the schedule: 5 restarts, 25 differences
         restart = (r - 1) % 6 == 0
-        ledger = ledger.record(GaussianEvent(cal.z1 if restart else cal.z2, "restart" if restart else "difference"))
+        ledger = ledger.record(GaussianEvent(cal.z1 if restart else cal.z2,
+                                             "restart" if restart else "difference"))
     acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
     acc.compose(dp_event.GaussianDpEvent(cal.z1), 5)
     acc.compose(dp_event.GaussianDpEvent(cal.z2), 25)
@@ -143,13 +151,15 @@ def test_ledger_composes_events_like_pld():
 
 @pytest.mark.parametrize("rounds,restart_every", [(120, 6), (60, 1), (10, 5)])
 def test_ledger_per_round_pld_agrees_with_the_closed_form(rounds, restart_every):
-    """Every round (not only the last): exact GDP vs dp-accounting's PLD within 1 %, PLD never below it by more
-    than float noise (it is pessimistic), and RDP at least as large (looser)."""
-    cal = calibrate(epsilon=3.0, delta=1e-5, rounds=rounds, restart_every=restart_every, u=1.25, n_min=300, clients=5)
+    """Every round (not only the last): exact GDP vs dp-accounting's PLD within 1 %, PLD never below
+    it by more than float noise (it is pessimistic), and RDP at least as large (looser)."""
+    cal = calibrate(epsilon=3.0, delta=1e-5, rounds=rounds, restart_every=restart_every, u=1.25,
+                    n_min=300, clients=5)
     ledger = PrivacyLedger(1e-5)
     for r in range(1, rounds + 1):
         restart = (r - 1) % restart_every == 0
-        ledger = ledger.record(GaussianEvent(cal.z1 if restart else cal.z2, "restart" if restart else "difference"))
+        ledger = ledger.record(GaussianEvent(cal.z1 if restart else cal.z2,
+                                             "restart" if restart else "difference"))
         exact, pld, rdp = ledger.epsilon, ledger.epsilon_pld, ledger.epsilon_rdp
         assert pld == pytest.approx(exact, rel=0.01, abs=1e-9), r
         assert pld >= exact * (1 - 1e-6) and rdp >= exact, r
@@ -157,11 +167,13 @@ def test_ledger_per_round_pld_agrees_with_the_closed_form(rounds, restart_every)
 
 
 def test_incremental_pld_equals_a_fresh_composition_and_a_resumed_ledger():
-    """The per-round PLD (one composition per round) equals dp-accounting composing all events at once, and a
-    ledger rebuilt from its events (a checkpoint) reproduces the incremental value bit for bit."""
+    """The per-round PLD (one composition per round) equals dp-accounting composing all events at
+    once, and a ledger rebuilt from its events (a checkpoint) reproduces the incremental value bit
+    for bit."""
     from diff2_flwr.core import privacy
 
-    cal = calibrate(epsilon=2.0, delta=1e-6, rounds=40, restart_every=8, u=1.5, n_min=200, clients=3)
+    cal = calibrate(epsilon=2.0, delta=1e-6, rounds=40, restart_every=8, u=1.5, n_min=200,
+                    clients=3)
     ledger = PrivacyLedger(1e-6)
     values = []
     for r in range(1, 41):
@@ -192,21 +204,26 @@ def test_incremental_pld_equals_a_fresh_composition_and_a_resumed_ledger():
     ],
 )
 def test_invalid_calibration_inputs_are_refused(kwargs, match):
-    base = dict(epsilon=3.0, delta=1e-5, rounds=100, restart_every=10, u=1.25, n_min=100, clients=10, mode="exact")
+    base = dict(epsilon=3.0, delta=1e-5, rounds=100, restart_every=10, u=1.25, n_min=100,
+                clients=10, mode="exact")
     with pytest.raises(ValueError, match=match):
         calibrate(**{**base, **kwargs})
 
 
 def test_u_is_irrelevant_without_difference_rounds():
-    a = calibrate(epsilon=3.0, delta=1e-5, rounds=100, restart_every=1, u=1.0, n_min=100, clients=10)
-    b = calibrate(epsilon=3.0, delta=1e-5, rounds=100, restart_every=1, u=7.0, n_min=100, clients=10)
+    a = calibrate(epsilon=3.0, delta=1e-5, rounds=100, restart_every=1, u=1.0, n_min=100,
+                  clients=10)
+    b = calibrate(epsilon=3.0, delta=1e-5, rounds=100, restart_every=1, u=7.0, n_min=100,
+                  clients=10)
     assert a.z1 == b.z1
 
 
 def test_a_ledger_by_counts_agrees_with_the_accountant_and_is_within_its_plan_only_when_it_is():
-    """The budget guard's bound: a whole schedule's PLD by counts equals dp-accounting's PLDAccountant composing
-    the same counts, and agrees with the round-by-round composition; ``within`` holds exactly for sub-ledgers."""
-    cal = calibrate(epsilon=3.0, delta=1e-5, rounds=60, restart_every=6, u=1.25, n_min=300, clients=5)
+    """The budget guard's bound: a whole schedule's PLD by counts equals dp-accounting's
+    PLDAccountant composing the same counts, and agrees with the round-by-round composition;
+    ``within`` holds exactly for sub-ledgers."""
+    cal = calibrate(epsilon=3.0, delta=1e-5, rounds=60, restart_every=6, u=1.25, n_min=300,
+                    clients=5)
     z1, z2 = GaussianEvent(cal.z1, "restart"), GaussianEvent(cal.z2, "difference")
     plan = PrivacyLedger(1e-5, (z1,) * 10 + (z2,) * 50)
     acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
@@ -219,6 +236,7 @@ def test_a_ledger_by_counts_agrees_with_the_accountant_and_is_within_its_plan_on
     assert interleaved.within(plan) and plan.within(interleaved)
     assert PrivacyLedger(1e-5, (z1,) * 3 + (z2,) * 7).within(plan)
     assert not PrivacyLedger(1e-5, (z1,) * 11).within(plan)  # one restart more than planned
-    assert not PrivacyLedger(1e-5, (GaussianEvent(cal.z2 * 0.99, "difference"),)).within(plan)  # other noise
+    # other noise
+    assert not PrivacyLedger(1e-5, (GaussianEvent(cal.z2 * 0.99, "difference"),)).within(plan)
     assert not PrivacyLedger(1e-6, (z1,)).within(plan)  # another δ
     assert PrivacyLedger(1e-5).epsilon_pld_by_counts == 0.0

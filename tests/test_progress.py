@@ -58,10 +58,13 @@ def test_disabled_writes_nothing():
 
 
 def test_a_study_logs_plain_lines_when_stderr_is_not_a_terminal(tmp_path, capsys):
-    data = {"name": "tiny", "dataset": {"name": "synthetic", "num_samples": 300}, "clients": 2, "rounds": 3,
-            "epsilons": [3.0], "eval_every": 1, "seeds": {"tune": [9], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"},
+    data = {"name": "tiny", "dataset": {"name": "synthetic", "num_samples": 300}, "clients": 2,
+            "rounds": 3,
+            "epsilons": [3.0], "eval_every": 1, "seeds": {"tune": [9], "evaluate": [1, 2]},
+            "analysis": {"protocol": "paper"},
             "methods": [{"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.2, 0.4]}}]}
-    run_study(parse_study(data, "s.yaml"), output_root=tmp_path, show_progress=True, make_plots=False)
+    run_study(parse_study(data, "s.yaml"), output_root=tmp_path, show_progress=True,
+              make_plots=False)
     err = capsys.readouterr().err
     assert "\r" not in err
     runs = [line for line in err.splitlines() if line.startswith("[diff2] runs ")]
@@ -69,10 +72,11 @@ def test_a_study_logs_plain_lines_when_stderr_is_not_a_terminal(tmp_path, capsys
 
 
 def test_a_studys_total_never_goes_down(tmp_path, monkeypatch):
-    """The smallest study that used to make the total fall: 2 grid points on 3 tuning seeds plus both criteria's
-    picks on 2 evaluation seeds plan 6 + 4 = 10 runs; the edge pick extends the grid (+3 runs: 13), then both
-    criteria pick one point (its 2 evaluation runs serve both). The total only grows (10, then 13; it used to fall
-    to 11) and the study ends 13/13; run again, every run is reused and it ends 13/13 too."""
+    """The smallest study that used to make the total fall: 2 grid points on 3 tuning seeds plus
+    both criteria's picks on 2 evaluation seeds plan 6 + 4 = 10 runs; the edge pick extends the grid
+    (+3 runs: 13), then both criteria pick one point (its 2 evaluation runs serve both). The total
+    only grows (10, then 13; it used to fall to 11) and the study ends 13/13; run again, every run
+    is reused and it ends 13/13 too."""
     import diff2_flwr.lab.study.scheduler as study_module
 
     seen: list[tuple[float, float]] = []
@@ -83,10 +87,12 @@ def test_a_studys_total_never_goes_down(tmp_path, monkeypatch):
             super().update(done, status)
 
     monkeypatch.setattr(study_module, "ProgressReporter", Spy)
-    data = {"name": "tiny", "dataset": {"name": "synthetic", "num_samples": 300}, "clients": 2, "rounds": 3,
+    data = {"name": "tiny", "dataset": {"name": "synthetic", "num_samples": 300}, "clients": 2,
+            "rounds": 3,
             "epsilons": [3.0], "eval_every": 1, "seeds": {"tune": [9, 10, 11], "evaluate": [1, 2]},
             "methods": [{"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.2, 0.4]}}]}
-    summary = run_study(parse_study(data, "s.yaml"), output_root=tmp_path, show_progress=False, make_plots=False)
+    summary = run_study(parse_study(data, "s.yaml"), output_root=tmp_path, show_progress=False,
+                        make_plots=False)
     method = summary["epsilons"]["3.0"]["methods"]["DP-GD"]
     assert len(method["extensions"]) == 1 and method["points_tuned"] == 3
     assert method["criteria"]["train_loss"]["point"] == method["criteria"]["grad_norm_sq"]["point"]
@@ -95,6 +101,7 @@ def test_a_studys_total_never_goes_down(tmp_path, monkeypatch):
     assert totals[0] == 10 and set(totals) == {10, 13} and totals == sorted(totals)
     assert done == sorted(done) and seen[-1] == (13, 13)
     seen.clear()
-    again = run_study(parse_study(data, "s.yaml"), output_root=tmp_path, show_progress=False, make_plots=False)
+    again = run_study(parse_study(data, "s.yaml"), output_root=tmp_path, show_progress=False,
+                      make_plots=False)
     assert again["execution"]["runs_reused"] == 11
     assert [t for t, _ in seen] == sorted(t for t, _ in seen) and seen[-1] == (13, 13)

@@ -1,9 +1,10 @@
-"""A node's charge (RunEvents) and the composition of several runs, checked against dp-accounting on its own.
+"""A node's charge (RunEvents) and the composition of several runs, checked against dp-accounting on
+its own.
 
-The independent reference is ``PLDAccountant(REPLACE_ONE)`` fed each run's events by counts: a server round of
-multiplier z (std over the replace-one sensitivity) is ``GaussianDpEvent(2z)`` in the accountant's −1/+1
-reading of replace-one (see tests/test_local_privacy.py), a local step ``PoissonSampledDpEvent(q,
-GaussianDpEvent(z3))``, composed steps × phases times.
+The independent reference is ``PLDAccountant(REPLACE_ONE)`` fed each run's events by counts: a
+server round of multiplier z (std over the replace-one sensitivity) is ``GaussianDpEvent(2z)`` in
+the accountant's −1/+1 reading of replace-one (see tests/test_local_privacy.py), a local step
+``PoissonSampledDpEvent(q, GaussianDpEvent(z3))``, composed steps × phases times.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def _independent(runs, delta: float) -> float:
         for z, count in run.gaussian:
             acc.compose(dp_event.GaussianDpEvent(2 * z), count)
         for z3, q, steps, phases in run.local:
-            acc.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(z3)), steps * phases)
+            acc.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(z3)),
+                        steps * phases)
     return acc.get_epsilon(delta)
 
 
@@ -35,15 +37,18 @@ def _diff2(epsilon: float, rounds: int, period: int):
 
 
 def _local(epsilon: float, rounds: int, period: int, n_min: int, steps: int, b: int, share: float):
-    return calibrate(epsilon=epsilon, delta=1e-5, rounds=rounds, restart_every=period, u=1.25, n_min=n_min,
-                     clients=4, local_steps=steps, local_batch_size=b, local_share=share)
+    return calibrate(epsilon=epsilon, delta=1e-5, rounds=rounds, restart_every=period, u=1.25,
+                     n_min=n_min, clients=4, local_steps=steps, local_batch_size=b,
+                     local_share=share)
 
 
 @pytest.fixture(scope="module")
 def server_mix():
-    """DIFF2-GD at ε = 3, DP-GD at ε = 1, and a hand-made run of 300 rounds: Gaussian events only."""
-    return [RunEvents.from_calibration(_diff2(3.0, 2000, 20)), RunEvents.from_calibration(_diff2(1.0, 500, 1)),
-            RunEvents(delta=1e-6, gaussian=((40.0, 300),))]
+    """DIFF2-GD at ε = 3, DP-GD at ε = 1, and a hand-made run of 300 rounds: Gaussian events
+    only."""
+    return [RunEvents.from_calibration(_diff2(3.0, 2000, 20)),
+            RunEvents.from_calibration(_diff2(1.0, 500, 1)), RunEvents(delta=1e-6,
+                                                                       gaussian=((40.0, 300),))]
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +70,13 @@ def test_server_mix_agrees_with_an_independent_pld_accountant(server_mix, delta)
 @pytest.mark.parametrize("delta", [1e-5, 1e-7])
 def test_local_mix_agrees_with_an_independent_pld_accountant(local_mix, delta):
     assert local_mix[0].local and local_mix[1].local
-    assert composed_epsilon(local_mix, delta) == pytest.approx(_independent(local_mix, delta), rel=0.01)
+    assert composed_epsilon(local_mix, delta) == pytest.approx(_independent(local_mix, delta),
+                                                               rel=0.01)
 
 
 def test_a_calibrated_run_costs_its_calibrated_epsilon():
-    """An ``exact`` calibration is calibrated to ε: the charge is ε, never above it by more than the PLD's
-    pessimism (1e-3), and within 2 % (a local routine is calibrated to ε (1 - 0.5 %))."""
+    """An ``exact`` calibration is calibrated to ε: the charge is ε, never above it by more than the
+    PLD's pessimism (1e-3), and within 2 % (a local routine is calibrated to ε (1 - 0.5 %))."""
     for cal in (_diff2(3.0, 2000, 20), _diff2(5.0, 2000, 1), _local(3.0, 10, 5, 100, 3, 8, 0.5)):
         charged = composed_epsilon([RunEvents.from_calibration(cal)], cal.delta)
         assert charged <= cal.epsilon * (1 + 1e-3)
@@ -99,7 +105,8 @@ def test_twice_one_run_is_one_run_of_twice_the_rounds():
     """Composition by counts: two charges of m rounds equal one of 2m (Gaussian: exactly μ√2)."""
     one = RunEvents(delta=1e-5, gaussian=((20.0, 100),), local=((2.0, 0.1, 3, 5),))
     two = RunEvents(delta=1e-5, gaussian=((20.0, 200),), local=((2.0, 0.1, 3, 10),))
-    assert composed_epsilon([one, one], 1e-5) == pytest.approx(composed_epsilon([two], 1e-5), rel=1e-9)
+    assert composed_epsilon([one, one], 1e-5) == pytest.approx(composed_epsilon([two], 1e-5),
+                                                               rel=1e-9)
 
 
 def test_degenerate_cases():
@@ -111,8 +118,10 @@ def test_degenerate_cases():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(delta=0.0), r"`delta` must be in \(0, 1\). Found 0.0"),
-    (dict(delta=1e-5, gaussian=((-1.0, 3),)), "noise multiplier must be a finite number >= 0. Found -1.0"),
-    (dict(delta=1e-5, gaussian=((math.inf, 3),)), "noise multiplier must be a finite number >= 0. Found inf"),
+    (dict(delta=1e-5, gaussian=((-1.0, 3),)),
+     "noise multiplier must be a finite number >= 0. Found -1.0"),
+    (dict(delta=1e-5, gaussian=((math.inf, 3),)),
+     "noise multiplier must be a finite number >= 0. Found inf"),
     (dict(delta=1e-5, gaussian=((2.0, 0),)), "`count` must be an integer >= 1. Found 0"),
     (dict(delta=1e-5, local=((2.0, 1.5, 1, 1),)), r"`q` must be in \(0, 1\]. Found 1.5"),
     (dict(delta=1e-5, local=((2.0, 0.5, 0, 1),)), "`steps` must be an integer >= 1. Found 0"),

@@ -1,4 +1,5 @@
-"""The server's pure core (runtime/server_core.py): a function of a frozen state, and the facade only drives it."""
+"""The server's pure core (runtime/server_core.py): a function of a frozen state, and the facade
+only drives it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from diff2_flwr.runtime.session import build_server, build_worker
 
 
 def _cfg(**local):
-    return parse_config({"name": "core", "dataset": {"name": "synthetic", "num_samples": 400, "num_features": 3},
+    return parse_config({"name": "core", "dataset": {"name": "synthetic", "num_samples": 400,
+                                                     "num_features": 3},
                          "training": {"rounds": 4, "restart_every": 2, "clients": 2, "seed": 7},
                          **({"local": local} if local else {})}, "core.yaml")
 
@@ -26,8 +28,8 @@ def _replies(cfg, plan):
 
 
 def test_release_is_a_function_of_the_state():
-    """The same state and replies give the same x_r and row, the state passed in is left as it was, and the
-    facade keeps exactly what the function returns."""
+    """The same state and replies give the same x_r and row, the state passed in is left as it was,
+    and the facade keeps exactly what the function returns."""
     cfg = _cfg()
     server = build_server(cfg, record=False, progress=None)
     spec, before = server.spec, server.core
@@ -52,7 +54,8 @@ def test_the_budget_guard_refuses_a_round_over_the_target():
     for r in range(1, spec.rounds + 1):  # the whole schedule already spent
         ledger = ledger.record(*spec.calibration.round_events((r - 1) % 2 == 0))
     spent = dataclasses.replace(state, ledger=ledger)
-    with pytest.raises(RoundRejected, match=r"check 'budget' failed: releasing it would bring ε spent") as err:
+    with pytest.raises(RoundRejected,
+                       match=r"check 'budget' failed: releasing it would bring ε spent") as err:
         server_core.release(spec, spent, _replies(cfg, server.plan()))
     assert err.value.round == 1
 
@@ -67,13 +70,15 @@ def test_a_call_out_of_turn_changes_nothing_and_fails_nothing():
 
 
 def test_the_local_routine_releases_in_two_steps():
-    """ṽ_r and the ledger's charge in release (a LocalTask; the round is pending), x_r in finish_local."""
+    """ṽ_r and the ledger's charge in release (a LocalTask; the round is pending), x_r in
+    finish_local."""
     cfg = _cfg(steps=2, batch_size=8)
     server = build_server(cfg, record=False, progress=None)
     spec = server.spec
     state, task = server_core.release(spec, server.core, _replies(cfg, server.plan()), lambda r: 1)
     assert isinstance(task, LocalTask) and task.partition_id == 1 and state.pending.task is task
-    assert state.estimator is server.core.estimator and len(state.ledger.events) > len(server.core.ledger.events)
+    assert state.estimator is server.core.estimator and len(state.ledger.events) > len(
+        server.core.ledger.events)
     with pytest.raises(server_core.OutOfTurn, match="Round 1 awaits its local phase"):
         server_core.next_plan(spec, state)
     done, out = server_core.finish_local(spec, state, build_worker(cfg, 1).local_phase(task))

@@ -1,4 +1,5 @@
-"""The server and workers without transport: the whole stack against plain full-batch GD, outputs, CLI."""
+"""The server and workers without transport: the whole stack against plain full-batch GD, outputs,
+CLI."""
 
 from __future__ import annotations
 
@@ -22,13 +23,15 @@ def config(**training):
     return parse_config({
         "name": "t", "method": training.pop("method", "diff2"),
         "dataset": {"name": "synthetic", "num_samples": 600, "num_features": 4},
-        "training": {"rounds": 8, "restart_every": 3, "learning_rate": 0.1, "clients": 4, "seed": 5, **training},
+        "training": {"rounds": 8, "restart_every": 3, "learning_rate": 0.1, "clients": 4, "seed": 5,
+                     **training},
     })
 
 
 def with_clip_stats(cfg, on=True):
     """``cfg`` with ``evaluation.clip_stats`` (the rows then carry clip_fraction)."""
-    return parse_config({**cfg.to_dict(), "evaluation": {**cfg.to_dict()["evaluation"], "clip_stats": on}})
+    return parse_config({**cfg.to_dict(), "evaluation": {**cfg.to_dict()["evaluation"],
+                                                         "clip_stats": on}})
 
 
 def drive(cfg, server):
@@ -37,13 +40,15 @@ def drive(cfg, server):
         replies = []
         for p in range(cfg.training.clients):
             c = build_worker(cfg, p).contribute(plan.radius, plan.x_current, plan.x_previous)
-            replies.append(Reply(f"p{p}", p, server.layout.split(c.mean), c.num_samples, c.num_clipped))
+            replies.append(Reply(f"p{p}", p, server.layout.split(c.mean), c.num_samples,
+                                 c.num_clipped))
         server.release(replies)
     return server
 
 
 def test_method_gd_through_the_whole_stack_is_full_batch_gd():
-    """σ = 0, no clipping, T = 1: x_r = x_{r-1} - η (1/P) Σ_p ∇f_p(x_{r-1}), checked with plain autograd."""
+    """σ = 0, no clipping, T = 1: x_r = x_{r-1} - η (1/P) Σ_p ∇f_p(x_{r-1}), checked with plain
+    autograd."""
     cfg = with_clip_stats(config(method="gd", restart_every=None))
     server = drive(cfg, build_server(cfg, record=False, progress=None))
     data = load_data(cfg)
@@ -67,13 +72,17 @@ def test_outputs_and_ledger(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [r["round"] for r in rows] == list(range(9))
-    assert [r["kind"] for r in rows[1:]] == ["restart", "difference", "difference"] * 2 + ["restart", "difference"]
-    assert all({"train_loss", "grad_norm_sq", "test_loss", "noise_std", "clip_fraction", "epsilon_spent"} <= set(r)
+    assert [r["kind"] for r in rows[1:]] == ["restart", "difference",
+                                             "difference"] * 2 + ["restart", "difference"]
+    assert all({"train_loss", "grad_norm_sq", "test_loss", "noise_std", "clip_fraction",
+                "epsilon_spent"} <= set(r)
                for r in rows[1:])
     assert summary["status"] == "completed"
-    # our exact μ-GDP composition, cross-checked by dp-accounting's PLD accountant in the summary (within 1 %)
+    # our exact μ-GDP composition, cross-checked by dp-accounting's PLD accountant in the summary
+    # (within 1 %)
     assert summary["privacy"]["epsilon_spent"] == pytest.approx(3.0, rel=1e-9)
-    assert summary["privacy"]["epsilon_pld"] == pytest.approx(summary["privacy"]["epsilon_spent"], rel=0.01)
+    assert summary["privacy"]["epsilon_pld"] == pytest.approx(summary["privacy"]["epsilon_spent"],
+                                                              rel=0.01)
     assert summary["privacy"]["epsilon_rdp"] >= summary["privacy"]["epsilon_pld"]  # RDP is looser
     for row in rows[1:]:  # every round's output carries the independent accountants too
         assert row["epsilon_pld"] == pytest.approx(row["epsilon_spent"], rel=0.01)
@@ -95,22 +104,29 @@ def test_declared_n_min_above_the_data_is_refused():
 
 
 def test_cli_noise_prints_the_calibration(capsys):
-    assert main(["noise", "--epsilon", "3", "--delta", "1e-5", "--rounds", "2000", "--restart-every", "20",
+    assert main(["noise", "--epsilon", "3", "--delta", "1e-5", "--rounds", "2000",
+                 "--restart-every", "20",
                  "--u", "1.25", "--clients", "10", "--n-min", "1651", "--mode", "exact"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["z1"] == pytest.approx(15.55, abs=0.005) and out["z2"] == pytest.approx(135.5, abs=0.05)
+    assert out["z1"] == pytest.approx(15.55, abs=0.005) and out["z2"] == pytest.approx(135.5,
+                                                                                       abs=0.05)
     assert out["sigma1"] == pytest.approx(2 * out["z1"] / (1651 * 10), rel=1e-12)
-    acc = out["accountants"]  # the independent accountants agree with the closed form on the whole schedule
+    # the independent accountants agree with the closed form on the whole schedule
+    acc = out["accountants"]
     assert acc["epsilon_exact_gdp"] == pytest.approx(3.0, rel=1e-9)
-    assert acc["epsilon_pld"] == pytest.approx(3.0, rel=0.01) and acc["epsilon_rdp"] > acc["epsilon_pld"]
-    assert main(["noise", "--epsilon", "3", "--delta", "1e-5", "--rounds", "2000", "--clients", "10",
+    assert acc["epsilon_pld"] == pytest.approx(3.0,
+                                               rel=0.01) and acc["epsilon_rdp"] > acc["epsilon_pld"]
+    assert main(["noise", "--epsilon", "3", "--delta", "1e-5", "--rounds", "2000", "--clients",
+                 "10",
                  "--n-min", "1651"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["z2"] is None and out["sigma2"] is None and out["z1"] == pytest.approx(62.19, abs=0.005)
+    assert out["z2"] is None and out["sigma2"] is None and out["z1"] == pytest.approx(62.19,
+                                                                                      abs=0.005)
 
 
 def test_cli_noise_reports_bad_input(capsys):
-    assert main(["noise", "--epsilon", "0", "--delta", "1e-5", "--rounds", "10", "--clients", "2", "--n-min", "5"]) == 2
+    assert main(["noise", "--epsilon", "0", "--delta", "1e-5", "--rounds", "10", "--clients", "2",
+                 "--n-min", "5"]) == 2
     assert "`epsilon` must be a finite number > 0. Found 0.0." in capsys.readouterr().err
 
 
@@ -120,37 +136,45 @@ def test_budget_guard_refuses_a_round_past_the_target():
 
     cfg = config(rounds=6)
     server = build_server(cfg, record=False, progress=None)
-    # as if the noise had been calibrated for a 4-round schedule: each round costs more, 4 rounds spend all of ε
-    server.spec = dataclasses.replace(server.spec, calibration=config(rounds=4).calibration(server.n_min))
-    with pytest.raises(RoundRejected, match=r"Round 5 released nothing: check 'budget' failed.*above the target ε = 3 by"):
+    # as if the noise had been calibrated for a 4-round schedule: each round costs more, 4 rounds
+    # spend all of ε
+    server.spec = dataclasses.replace(server.spec,
+                                      calibration=config(rounds=4).calibration(server.n_min))
+    with pytest.raises(RoundRejected,
+                       match=r"Round 5 released nothing: check 'budget' failed.*above the target "
+                             r"ε = 3 by"):
         drive(cfg, server)
     assert server.state.round == 4 and server.epsilon_spent == pytest.approx(3.0, rel=1e-9)
 
 
 def test_budget_guard_also_listens_to_the_pld_accountant(monkeypatch):
-    """If the independent PLD accountant says a round would exceed the target (beyond its 1 % discretisation),
-    the round is refused even though the closed form says it fits."""
+    """If the independent PLD accountant says a round would exceed the target (beyond its 1 %
+    discretisation), the round is refused even though the closed form says it fits."""
     from diff2_flwr.core import privacy
     from diff2_flwr.core.aggregation import RoundRejected
 
     cfg = config(rounds=6)
     server = build_server(cfg, record=False, progress=None)
-    # the plan's bound (its PLD composed by counts, what a round within the plan is checked against) says it
-    # overspends, so each round falls back to the ledger's own PLD, which says so from round 3 on
+    # the plan's bound (its PLD composed by counts, what a round within the plan is checked against)
+    # says it overspends, so each round falls back to the ledger's own PLD, which says so from round
+    # 3 on
     for name in ("epsilon_pld", "epsilon_pld_by_counts"):
         real = getattr(privacy.PrivacyLedger, name).fget
         monkeypatch.setattr(privacy.PrivacyLedger, name,
-                            property(lambda self, real=real: real(self) * (1.5 if len(self.events) >= 3 else 1.0)))
-    with pytest.raises(RoundRejected, match=r"Round 3 released nothing: check 'budget' failed.*dp-accounting PLD "
+                            property(lambda self,
+                                     real=real: real(self) * (1.5 if len(self.events) >= 3
+                                                              else 1.0)))
+    with pytest.raises(RoundRejected,
+                       match=r"Round 3 released nothing: check 'budget' failed.*dp-accounting PLD "
                                             r"accountant\) to [0-9.]+, above the target ε = 3"):
         drive(cfg, server)
     assert server.state.round == 2 and len(server.ledger.events) == 2
 
 
 def test_the_budget_guard_bounds_rounds_within_the_plan_by_the_plans_pld(monkeypatch):
-    """Within the calibrated schedule a round is checked against the whole plan's PLD (composed by counts, once):
-    no round composes the ledger's PLD; the rows carry it where the run evaluates and at the end, equal to the
-    ledger's PLD at that round."""
+    """Within the calibrated schedule a round is checked against the whole plan's PLD (composed by
+    counts, once): no round composes the ledger's PLD; the rows carry it where the run evaluates and
+    at the end, equal to the ledger's PLD at that round."""
     from diff2_flwr.core import privacy
 
     cfg = config(rounds=8)
@@ -160,14 +184,16 @@ def test_the_budget_guard_bounds_rounds_within_the_plan_by_the_plans_pld(monkeyp
     monkeypatch.setattr(privacy.PrivacyLedger, "epsilon_pld",
                         property(lambda self: composed.append(len(self.events)) or real(self)))
     server = drive(cfg, build_server(cfg, record=False, progress=None))
-    assert composed and set(composed) <= {3, 6, 8}, f"the ledger's PLD was composed at {composed} events"
+    assert composed and set(composed) <= {3, 6,
+                                          8}, f"the ledger's PLD was composed at {composed} events"
     rows = server.history
     with_pld = [r["round"] for r in rows if "epsilon_pld" in r]
     assert with_pld == [3, 6, 8]
     events = server.ledger.events
     for r in rows[1:]:
         if "epsilon_pld" in r:
-            assert r["epsilon_pld"] == privacy.PrivacyLedger(server.ledger.delta, events[:r["round"]]).epsilon_pld
+            assert r["epsilon_pld"] == privacy.PrivacyLedger(server.ledger.delta,
+                                                             events[:r["round"]]).epsilon_pld
             assert list(r).index("epsilon_pld") == list(r).index("epsilon_spent") + 1
     plan = privacy.PrivacyLedger(server.ledger.delta, events)
     assert plan.epsilon_pld_by_counts == pytest.approx(plan.epsilon_pld, rel=1e-6)
@@ -179,8 +205,11 @@ def test_a_schedule_planned_past_the_target_does_not_start(monkeypatch):
 
     cfg = config(rounds=6)
     real = privacy.Calibration.epsilon_spent
-    monkeypatch.setattr(privacy.Calibration, "epsilon_spent", lambda self, m1, m2: real(self, m1, m2) * 1.01)
-    with pytest.raises(ValueError, match=r"planned schedule would spend ε = 3.03, above the target privacy.epsilon = 3 by 0.03"):
+    monkeypatch.setattr(privacy.Calibration, "epsilon_spent", lambda self, m1, m2: real(self, m1,
+                                                                                        m2) * 1.01)
+    with pytest.raises(ValueError,
+                       match=r"planned schedule would spend ε = 3.03, above the target "
+                             r"privacy.epsilon = 3 by 0.03"):
         build_server(cfg, record=False, progress=None)
 
 
@@ -193,7 +222,8 @@ def test_train_metrics_and_a_large_delta_are_announced_loudly():
     messages.clear()
     build_server(quiet, record=False, progress=messages.append)
     assert not any("train_metrics" in m for m in messages)
-    loose = parse_config({**config().to_dict(), "privacy": {"delta": 0.01}})  # 480 training records: 1/n ≈ 0.0021
+    # 480 training records: 1/n ≈ 0.0021
+    loose = parse_config({**config().to_dict(), "privacy": {"delta": 0.01}})
     messages.clear()
     server = build_server(loose, record=False, progress=messages.append)
     assert any("privacy.delta = 0.01 is not below 1/n = 0.00208" in m for m in messages)
@@ -201,11 +231,13 @@ def test_train_metrics_and_a_large_delta_are_announced_loudly():
 
 
 def test_noise_key_comes_from_os_entropy_per_run_and_a_seed_is_flagged(tmp_path):
-    """No seed: a fresh 128-bit key per run from OS entropy, said on the console and in the summary, and never
-    written to the outputs. A seed: a warning that the noise is reproducible by anyone who knows it."""
+    """No seed: a fresh 128-bit key per run from OS entropy, said on the console and in the summary,
+    and never written to the outputs. A seed: a warning that the noise is reproducible by anyone who
+    knows it."""
     lines: list[str] = []
     unseeded = config(seed=None)
-    servers = [build_server(unseeded, output_root=tmp_path / str(i), progress=lines.append) for i in range(2)]
+    servers = [build_server(unseeded, output_root=tmp_path / str(i),
+                            progress=lines.append) for i in range(2)]
     assert servers[0].state.noise_key != servers[1].state.noise_key  # re-seeded per run
     assert not servers[0].state.noise_seeded and servers[0].state.noise_key.bit_length() > 64
     assert any("noise key drawn from OS entropy" in line for line in lines)
@@ -221,13 +253,16 @@ def test_noise_key_comes_from_os_entropy_per_run_and_a_seed_is_flagged(tmp_path)
 
     lines.clear()
     seeded = build_server(config(seed=5), record=False, progress=lines.append)
-    assert seeded.state.noise_seeded and seeded.summary()["privacy"]["noise_key"].startswith("seed (reproducible")
-    assert any("WARNING: training.seed is set, so the noise is reproducible by anyone who knows the seed" in line
+    assert seeded.state.noise_seeded and seeded.summary()["privacy"]["noise_key"].startswith(
+        "seed (reproducible")
+    assert any(
+        "WARNING: training.seed is set, so the noise is reproducible by anyone who knows the seed" in line
                for line in lines)
 
 
 def released(tmp_path, cfg):
-    """Run ``cfg`` recording into ``tmp_path``: (metrics rows, summary.json text, console lines, history)."""
+    """Run ``cfg`` recording into ``tmp_path``: (metrics rows, summary.json text, console lines,
+    history)."""
     lines: list[str] = []
     server = drive(cfg, build_server(cfg, output_root=tmp_path, progress=lines.append))
     run_dir = server.recorder.directory
@@ -236,13 +271,17 @@ def released(tmp_path, cfg):
 
 
 def test_clip_statistics_are_withheld_by_default(tmp_path):
-    """The clip counts are data-dependent and not covered by ε: by default no released file or line carries them."""
+    """The clip counts are data-dependent and not covered by ε: by default no released file or line
+    carries them."""
     rows, summary, lines, history = released(tmp_path, config(seed=None))
     assert len(rows) == 9 and all("clip_fraction" not in r for r in rows + history)
-    assert "clip_fraction" not in summary and json.loads(summary)["config"]["evaluation"]["clip_stats"] is False
+    assert "clip_fraction" not in summary and json.loads(summary)["config"]["evaluation"][
+        "clip_stats"] is False
     assert any(line.startswith("[diff2] round 8/8") for line in lines)
-    assert not any("clip_fraction" in line or "clip_stats" in line or "clipped" in line for line in lines)
-    assert not any("clip_stats" in w or "clip_fraction" in w for w in json.loads(summary).get("warnings", []))
+    assert not any("clip_fraction" in line or "clip_stats" in line or "clipped" in line
+                   for line in lines)
+    assert not any("clip_stats" in w or "clip_fraction" in w
+                   for w in json.loads(summary).get("warnings", []))
 
 
 def test_clip_statistics_are_released_only_when_opted_in_and_then_warned(tmp_path):

@@ -1,4 +1,5 @@
-"""Shard files for deployment: each worker reads only its own; foreign or missing files are refused."""
+"""Shard files for deployment: each worker reads only its own; foreign or missing files are
+refused."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def test_a_deployment_style_run_equals_the_simulation_style_run(tmp_path):
     cfg = cfg_of()
     write_shards(cfg, tmp_path)
     deployed = cfg_of(shards=str(tmp_path))
-    reference = run_inprocess(parse_config({**cfg.to_dict(), "evaluation": {"train_metrics": False}}),
+    reference = run_inprocess(parse_config({**cfg.to_dict(),
+                                            "evaluation": {"train_metrics": False}}),
                               record=False, progress=None)
     server = build_server(deployed, record=False, progress=None)
     workers = [build_worker(deployed, p, str(tmp_path / shard_name(p, 3))) for p in range(3)]
@@ -52,7 +54,8 @@ def test_a_deployment_style_run_equals_the_simulation_style_run(tmp_path):
 def test_wrong_missing_and_foreign_shards_are_refused(tmp_path):
     cfg = cfg_of()
     write_shards(cfg, tmp_path)
-    with pytest.raises(ShardError, match=r"holds partition 1 of 3, but this node is partition-id=0"):
+    with pytest.raises(ShardError,
+                       match=r"holds partition 1 of 3, but this node is partition-id=0"):
         read_shard(tmp_path / shard_name(1, 3), cfg, 0, 3)
     with pytest.raises(ShardError, match=r"does not exist.*diff2 shard"):
         read_shard(tmp_path / "nope.npz", cfg, 0, 3)

@@ -1,8 +1,9 @@
-"""The distributed Skellam mechanism's pieces (diff2_flwr/core/skellam.py), each against an independent reference:
-the rotation against scipy's Hadamard matrix, the noise against scipy's Skellam distribution, the closed-form Rényi
-bound against the exact divergence computed from the Skellam probability mass function (modified Bessel functions,
-mpmath in the far tails), the RDP -> (ε, δ) conversion against dp-accounting, and the sum's decoding and the
-wrap-around bound against simulation. Fixed seeds throughout."""
+"""The distributed Skellam mechanism's pieces (diff2_flwr/core/skellam.py), each against an
+independent reference: the rotation against scipy's Hadamard matrix, the noise against scipy's
+Skellam distribution, the closed-form Rényi bound against the exact divergence computed from the
+Skellam probability mass function (modified Bessel functions, mpmath in the far tails), the RDP ->
+(ε, δ) conversion against dp-accounting, and the sum's decoding and the wrap-around bound against
+simulation. Fixed seeds throughout."""
 
 from __future__ import annotations
 
@@ -28,11 +29,15 @@ def test_rotation_is_the_signed_hadamard_matrix_orthonormal_linear_and_inverted(
     padded[:, :101] = x
     reference = padded * signs @ hadamard(128).T / math.sqrt(128)
     np.testing.assert_allclose(sk.rotate(x, signs), reference, rtol=0, atol=1e-12)
-    np.testing.assert_allclose(np.linalg.norm(sk.rotate(x, signs), axis=1), np.linalg.norm(x, axis=1), rtol=1e-13)
+    np.testing.assert_allclose(np.linalg.norm(sk.rotate(x, signs), axis=1),
+                               np.linalg.norm(x, axis=1), rtol=1e-13)
     np.testing.assert_allclose(sk.unrotate(sk.rotate(x, signs), signs, 101), x, rtol=0, atol=1e-13)
-    np.testing.assert_allclose(sk.rotate(x.sum(0), signs), sk.rotate(x, signs).sum(0), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(sk.rotate(x.sum(0), signs), sk.rotate(x, signs).sum(0), rtol=0,
+                               atol=1e-12)
     # the seed is public and the same everywhere; another seed, other signs
-    assert np.array_equal(signs, sk.rotation_signs(7, 101)) and not np.array_equal(signs, sk.rotation_signs(8, 101))
+    assert np.array_equal(signs, sk.rotation_signs(7,
+                                                   101)) and not np.array_equal(
+                                                       signs, sk.rotation_signs(8, 101))
     assert sk.padded_dim(1) == 1 and sk.padded_dim(128) == 128 and sk.padded_dim(129) == 256
 
 
@@ -47,7 +52,8 @@ def test_conditional_rounding_is_unbiased_and_never_beyond_rho():
     assert np.linalg.norm(draws - y, axis=1).max() <= rho
     frac = y - np.floor(y)
     se = np.sqrt(frac * (1 - frac) / len(draws)) + 1e-12
-    assert np.all(np.abs(draws.mean(0) - y) <= 5 * se + 1e-9)  # unbiased per coordinate (the cut at ρ is rare)
+    # unbiased per coordinate (the cut at ρ is rare)
+    assert np.all(np.abs(draws.mean(0) - y) <= 5 * se + 1e-9)
     with pytest.raises(RuntimeError, match="rounding_bound"):
         sk.conditional_round(np.full(64, 0.5), 0.5, rng)  # ‖e‖ = 4 for every draw
 
@@ -55,12 +61,14 @@ def test_conditional_rounding_is_unbiased_and_never_beyond_rho():
 def test_rounding_bound_is_exceeded_at_most_beta_of_the_time():
     rng = np.random.default_rng(2)
     beta = 0.01
-    # fractions where the error norm varies most (0.5 gives ‖e‖ = sqrt(D)/2 exactly), and random ones
+    # fractions where the error norm varies most (0.5 gives ‖e‖ = sqrt(D)/2 exactly), and random
+    # ones
     for y in (np.full(256, 0.79), rng.random(256) * 10, np.where(np.arange(256) % 2, 0.21, 0.5)):
         frac = y - np.floor(y)
         errors = np.linalg.norm(np.floor(y) + (rng.random((20000, 256)) < frac) - y, axis=1)
         assert (errors > sk.rounding_bound(256, beta)).mean() <= beta
-        assert np.quantile(errors, 0.999) <= sk.rounding_bound(256, beta) <= 2 * np.sqrt(256 / 4)  # not vacuous
+        # not vacuous
+        assert np.quantile(errors, 0.999) <= sk.rounding_bound(256, beta) <= 2 * np.sqrt(256 / 4)
 
 
 # ------------------------------------------------------------------------------ noise
@@ -106,10 +114,12 @@ def test_with_noise_the_decoded_sum_carries_exactly_the_shares_variance():
     code = sk.SkellamCode(dim=dim, scale=50.0, rho=sk.rounding_bound(dim, 1e-6), bits=20, seed=12)
     xs = _clients(rng, p, dim, 2.0)
     share = 9.0  # per client and coordinate, integer units
-    errors = np.stack([sk.decode(sk.modular_sum([sk.encode(x, code, share, rng) for x in xs], 20), code) - sum(xs)
+    errors = np.stack([sk.decode(sk.modular_sum([sk.encode(x, code, share, rng) for x in xs], 20),
+                                 code) - sum(xs)
                        for _ in range(trials)])
-    # the noise in integer units is Skellam(p·share) per rotated coordinate; after unrotating and unscaling,
-    # each of the dim coordinates has variance (p·share + rounding's) / scale²: rounding adds at most p/4
+    # the noise in integer units is Skellam(p·share) per rotated coordinate; after unrotating and
+    # unscaling, each of the dim coordinates has variance (p·share + rounding's) / scale²: rounding
+    # adds at most p/4
     per_coordinate = errors.var(axis=0).mean() * code.scale**2
     se = math.sqrt(2 / (trials * dim))  # relative SE of a variance estimated from trials·dim draws
     assert p * share * (1 - 5 * se) <= per_coordinate <= (p * share + p / 4) * (1 + 5 * se)
@@ -130,8 +140,9 @@ def test_encode_refuses_a_vector_of_the_wrong_shape_and_codes_refuse_bad_paramet
 # ------------------------------------------------------------------------------ privacy
 
 def _log_pmf(mu: float, ks: np.ndarray) -> np.ndarray:
-    """log P(Skellam = k) for the symmetric Skellam of variance mu: e^{-mu} I_|k|(mu) (Bessel), mpmath where float
-    underflows (the far tails, which decide the Rényi divergence of large orders)."""
+    """log P(Skellam = k) for the symmetric Skellam of variance mu: e^{-mu} I_|k|(mu) (Bessel),
+    mpmath where float underflows (the far tails, which decide the Rényi divergence of large
+    orders)."""
     import mpmath
 
     scaled = ive(np.abs(ks), mu)
@@ -144,21 +155,25 @@ def _log_pmf(mu: float, ks: np.ndarray) -> np.ndarray:
 
 
 def _exact_rdp_1d(order: int, shift: int, mu: float) -> float:
-    """D_α(Sk + shift ‖ Sk) summed over the integers (truncated where the terms are below 1e-40 of the sum)."""
-    half = order * abs(shift) + int(15 * math.sqrt(mu)) + 8 * order + 40  # the terms peak near order·shift
+    """D_α(Sk + shift ‖ Sk) summed over the integers (truncated where the terms are below 1e-40 of
+    the sum)."""
+    # the terms peak near order·shift
+    half = order * abs(shift) + int(15 * math.sqrt(mu)) + 8 * order + 40
     ks = np.arange(-half, half + 1)
     terms = order * _log_pmf(mu, ks - shift) + (1 - order) * _log_pmf(mu, ks)
     total = logsumexp(terms)
-    assert max(terms[0], terms[-1]) < total - 40 * math.log(10), "the sum is not converged at its ends"
+    assert max(terms[0],
+               terms[-1]) < total - 40 * math.log(10), "the sum is not converged at its ends"
     return float(total / (order - 1))
 
 
 @pytest.mark.parametrize("mu", [0.5, 2.0, 20.0, 300.0, 5000.0])
 def test_the_closed_form_bounds_the_exact_renyi_divergence(mu):
-    """Corollary 3.6 against the exact divergence: for a shift vector v the coordinates are independent, so
-    D_α = Σ_i D_α(Sk + v_i ‖ Sk) exactly; the bound with Δ₁ = ‖v‖₁, Δ₂ = ‖v‖₂ must be above it, for
-    concentrated shifts (one coordinate) and spread ones (many ±1s, where discreteness costs most). Where the
-    variance is large against the shift, the bound is close to the truth (it is not vacuous)."""
+    """Corollary 3.6 against the exact divergence: for a shift vector v the coordinates are
+    independent, so D_α = Σ_i D_α(Sk + v_i ‖ Sk) exactly; the bound with Δ₁ = ‖v‖₁, Δ₂ = ‖v‖₂ must
+    be above it, for concentrated shifts (one coordinate) and spread ones (many ±1s, where
+    discreteness costs most). Where the variance is large against the shift, the bound is close to
+    the truth (it is not vacuous)."""
     cache: dict[tuple[int, int], float] = {}
 
     def exact(order: int, v: list[int]) -> float:
@@ -197,8 +212,8 @@ def test_rdp_to_epsilon_is_dp_accountings_conversion(z, steps, delta):
 
 
 def test_the_sensitivity_pays_for_rounding_which_can_exceed_the_scaled_record_change():
-    """Neighbouring vectors y, y + d (‖d‖ = record_l2): their integer encodings differ by more than scale·‖d‖
-    in some draws (so Δ₂ without 2ρ would be wrong), and never by more than Δ₂."""
+    """Neighbouring vectors y, y + d (‖d‖ = record_l2): their integer encodings differ by more than
+    scale·‖d‖ in some draws (so Δ₂ without 2ρ would be wrong), and never by more than Δ₂."""
     rng = np.random.default_rng(6)
     code = sk.SkellamCode(dim=60, scale=40.0, rho=sk.rounding_bound(60, 1e-6), bits=30, seed=3)
     record = 0.05
@@ -207,7 +222,8 @@ def test_the_sensitivity_pays_for_rounding_which_can_exceed_the_scaled_record_ch
     d *= record / np.linalg.norm(d)
     signs = sk.rotation_signs(code.seed, code.dim)
     a, b = sk.rotate(code.scale * y, signs), sk.rotate(code.scale * (y + d), signs)
-    gaps = [np.linalg.norm(sk.conditional_round(a, code.rho, rng) - sk.conditional_round(b, code.rho, rng))
+    gaps = [np.linalg.norm(sk.conditional_round(a, code.rho,
+                                                rng) - sk.conditional_round(b, code.rho, rng))
             for _ in range(2000)]
     l1, l2 = sk.sensitivity(record, code)
     assert max(gaps) <= l2 and max(gaps) > code.scale * record
@@ -220,8 +236,8 @@ def test_the_chosen_scale_does_not_wrap_and_a_finer_one_does():
     rng = np.random.default_rng(7)
     p, dim, bits, z, record = 6, 101, 16, 2.0, 0.01
     rho = sk.rounding_bound(dim, 1e-6)
-    code = sk.choose_scale(dim, bits, sum_l2=p * 1.0, clients=p, noise_multiplier=z, record_l2=record, rho=rho,
-                           wrap=1e-6, seed=5)
+    code = sk.choose_scale(dim, bits, sum_l2=p * 1.0, clients=p, noise_multiplier=z,
+                           record_l2=record, rho=rho, wrap=1e-6, seed=5)
 
     def worst_error(c: sk.SkellamCode) -> float:
         share = (z * sk.sensitivity(record, c)[1]) ** 2 / p
@@ -235,9 +251,11 @@ def test_the_chosen_scale_does_not_wrap_and_a_finer_one_does():
 
     assert sk.wrap_probability(code, p * 1.0, p, (z * sk.sensitivity(record, code)[1]) ** 2) <= 1e-6
     fine = worst_error(code)
-    assert fine < 0.5  # no wrap: the error is the noise's (a wrap is an error of the order M / scale)
+    # no wrap: the error is the noise's (a wrap is an error of the order M / scale)
+    assert fine < 0.5
     coarse = sk.SkellamCode(dim, code.scale * 8, rho, bits, 5)
-    assert worst_error(coarse) > p / 2  # 8x finer grid: the sum overflows the modulus and decodes to garbage
+    # 8x finer grid: the sum overflows the modulus and decodes to garbage
+    assert worst_error(coarse) > p / 2
 
 
 def test_too_few_bits_are_refused_saying_how_many_would_do():

@@ -1,8 +1,10 @@
-"""`dataset.train_samples`: a deterministic uniform random subset of the train split, before sharding.
+"""`dataset.train_samples`: a deterministic uniform random subset of the train split, before
+sharding.
 
-Size, determinism, subset of (and nested in) the full train split, the test split unchanged, n_min and
-the shards following, the errors, every dataset loader, and the places that identify or report the data
-(study run ids, the cluster's data digest and cache, shard files, the run's and the study's summaries).
+Size, determinism, subset of (and nested in) the full train split, the test split unchanged, n_min
+and the shards following, the errors, every dataset loader, and the places that identify or report
+the data (study run ids, the cluster's data digest and cache, shard files, the run's and the study's
+summaries).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def _rows(data, split: str = "train") -> np.ndarray:
 
 
 def _cfg(dataset: dict, clients: int = 4, source: str = "sub.yaml", **sections):
-    return parse_config({"method": "dpgd", "dataset": dataset, "training": {"clients": clients, "rounds": 10},
+    return parse_config({"method": "dpgd", "dataset": dataset, "training": {"clients": clients,
+                                                                            "rounds": 10},
                          **sections}, source)
 
 
@@ -49,16 +52,19 @@ def test_size_subset_and_test_split_unchanged():
     assert sub.train_available == len(full.y_train) == 802 and sub.subsample_seed == 3
     assert full.train_available is None and full.subsample_seed is None
     rows = _rows(sub)
-    assert len(set(rows)) == 301 and set(rows) <= set(_rows(full))  # distinct records of the full train split
+    # distinct records of the full train split
+    assert len(set(rows)) == 301 and set(rows) <= set(_rows(full))
     # the kept records keep their order in the (already shuffled) train split
     position = {r: i for i, r in enumerate(_rows(full))}
     assert np.all(np.diff([position[r] for r in rows]) > 0)
-    # the test split holds the same records, and the targets the same values (scale of the whole dataset)
+    # the test split holds the same records, and the targets the same values (scale of the whole
+    # dataset)
     np.testing.assert_array_equal(_rows(sub, "test"), _rows(full, "test"))
     np.testing.assert_array_equal(sub.y_test, full.y_test)
     assert sub.target_scale == full.target_scale == np.max(np.abs(y))
     np.testing.assert_allclose(sub.x_test * sub.feature_std + sub.feature_mean,
-                               full.x_test * full.feature_std + full.feature_mean, rtol=0, atol=1e-12)
+                               full.x_test * full.feature_std + full.feature_mean, rtol=0,
+                               atol=1e-12)
     # the kept records are the training set: their own statistics standardise the features
     np.testing.assert_allclose(sub.x_train.mean(axis=0), 0.0, atol=1e-12)
     np.testing.assert_allclose(sub.x_train.std(axis=0), 1.0, atol=1e-12)
@@ -74,7 +80,8 @@ def test_deterministic_by_seed_nested_and_the_whole_split_is_no_subsample():
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
     assert set(_rows(a)) != set(_rows(c))
     bigger = prepare("synthetic", x, y, clients=4, train_samples=500, subsample_seed=1)
-    assert set(_rows(a)) < set(_rows(bigger))  # one seed: the smaller subset is inside the larger one
+    # one seed: the smaller subset is inside the larger one
+    assert set(_rows(a)) < set(_rows(bigger))
     full = prepare("synthetic", x, y, clients=4)
     whole = prepare("synthetic", x, y, clients=4, train_samples=802)
     for name in ("x_train", "y_train", "x_test", "y_test", "feature_mean", "feature_std"):
@@ -83,7 +90,8 @@ def test_deterministic_by_seed_nested_and_the_whole_split_is_no_subsample():
 
 
 def test_every_record_is_equally_likely_to_be_kept():
-    """Uniform: over 4,000 seeds each of 50 records is kept in 30 % of the subsets (binomial sd 0.0072)."""
+    """Uniform: over 4,000 seeds each of 50 records is kept in 30 % of the subsets (binomial sd
+    0.0072)."""
     counts = np.zeros(50)
     for seed in range(4000):
         kept = subsample(50, 15, seed)
@@ -106,16 +114,18 @@ def test_shards_and_n_min_follow_the_subsample():
     data = load_data(cfg)
     assert data.shard_sizes == (101, 101, 101, 100)
     cal = cfg.calibration(data.n_min)
-    assert cal.sigma1 == calibrate(epsilon=3.0, delta=1e-5, rounds=10, restart_every=1, u=1.25, n_min=100,
-                                   clients=4, mode="exact").sigma1
+    assert cal.sigma1 == calibrate(epsilon=3.0, delta=1e-5, rounds=10, restart_every=1, u=1.25,
+                                   n_min=100, clients=4, mode="exact").sigma1
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"train_samples": 50.5}, r"sub.yaml: key `dataset.train_samples`: expected an integer or null. Found 50.5"),
+    ({"train_samples": 50.5},
+     r"sub.yaml: key `dataset.train_samples`: expected an integer or null. Found 50.5"),
     ({"train_samples": "100"}, r"key `dataset.train_samples`: expected an integer or null"),
     ({"train_samples": True}, r"key `dataset.train_samples`: expected an integer or null"),
     ({"train_samples": 0}, r"key `dataset.train_samples`: expected null .* or an integer >= 1"),
-    ({"train_samples": 3}, r"sub.yaml: key `dataset.train_samples`: expected at least training.clients × "
+    ({"train_samples": 3},
+     r"sub.yaml: key `dataset.train_samples`: expected at least training.clients × "
                            r"dataset.partitioner.min_samples = 4 × 1 = 4 records.*Found 3"),
     ({"train_samples": 30, "partitioner": {"name": "iid", "min_samples": 10}},
      r"at least training.clients × dataset.partitioner.min_samples = 4 × 10 = 40 records"),
@@ -127,9 +137,12 @@ def test_bad_values_are_refused_naming_the_key_and_the_file(changes, match):
 
 
 def test_more_records_than_the_train_split_names_the_key_the_file_and_both_numbers():
-    cfg = _cfg({"name": "synthetic", "num_samples": 1000, "train_samples": 801}, source="configs/x.yaml")
-    with pytest.raises(DataError, match=r"^configs/x.yaml: `dataset.train_samples` = 801 is more than the 800 records "
-                                        r"in the train split of dataset 'synthetic'. Use at most 800, or null"):
+    cfg = _cfg({"name": "synthetic", "num_samples": 1000, "train_samples": 801},
+               source="configs/x.yaml")
+    with pytest.raises(DataError,
+                       match=r"^configs/x.yaml: `dataset.train_samples` = 801 is more than the "
+                             r"800 records in the train split of dataset 'synthetic'. Use at most "
+                             r"800, or null"):
         load_data(cfg)
     with pytest.raises(DataError, match=r"`dataset.train_samples` must be an integer"):
         subsample(10, 2.0, 0)  # type: ignore[arg-type]
@@ -150,19 +163,24 @@ def _loader_cases(tmp_path: Path) -> dict[str, tuple[dict, int]]:
             "synthetic": ({"name": "synthetic", "num_samples": 50}, 40)}
 
 
-@pytest.mark.parametrize("name", ["california_housing", "gas_turbine", "kddcup99", "csv", "synthetic"])
+@pytest.mark.parametrize("name", ["california_housing", "gas_turbine", "kddcup99", "csv",
+                                  "synthetic"])
 def test_every_loader_subsamples_its_train_split(tmp_path, name):
     dataset, available = _loader_cases(tmp_path)[name]
     full = load_data(_cfg(dataset))
     assert len(full.y_train) == available
     sub = load_data(_cfg({**dataset, "train_samples": 12}))
-    assert len(sub.y_train) == 12 and sub.shard_sizes == (3, 3, 3, 3) and sub.train_available == available
+    assert len(sub.y_train) == 12 and sub.shard_sizes == (3, 3, 3,
+                                                          3) and sub.train_available == available
     np.testing.assert_array_equal(sub.y_test, full.y_test)
     # each kept (features, target) record is one of the full train split's, in raw units
-    raw = lambda d: np.column_stack([d.x_train * d.feature_std + d.feature_mean, d.y_train])  # noqa: E731
+    raw = lambda d: np.column_stack([d.x_train * d.feature_std + d.feature_mean,
+                                     d.y_train])  # noqa: E731
     full_rows = {tuple(np.round(r, 6)) for r in raw(full)}
     assert all(tuple(np.round(r, 6)) in full_rows for r in raw(sub))
-    with pytest.raises(DataError, match=rf"`dataset.train_samples` = {available + 1} is more than the {available} "):
+    with pytest.raises(DataError,
+                       match=rf"`dataset.train_samples` = {available + 1} is more than the "
+                             rf"{available} "):
         load_data(_cfg({**dataset, "train_samples": available + 1}))
 
 
@@ -174,14 +192,17 @@ def test_the_subsample_is_part_of_what_identifies_the_data(tmp_path):
     from diff2_flwr.runtime.shard_files import data_fingerprint
 
     base = {"name": "synthetic", "num_samples": 1000}
-    cfgs = [_cfg(base), _cfg({**base, "train_samples": 400}), _cfg({**base, "train_samples": 400, "subsample_seed": 1}),
+    cfgs = [_cfg(base), _cfg({**base, "train_samples": 400}), _cfg({**base, "train_samples": 400,
+                                                                    "subsample_seed": 1}),
             _cfg({**base, "train_samples": 300})]
     for ident in (lambda c: data_digest(unit_data(c)), data_fingerprint,
                   lambda c: config_fingerprint(c.to_dict(), 100)):
         values = [ident(c) for c in cfgs]
         assert len(set(values)) == len(values)
-    assert [len(unit_data(c).y_train) for c in cfgs] == [800, 400, 400, 300]  # the cache keeps them apart
-    # without a subsample the fingerprints are those of the files and checkpoints written before the keys existed
+    # the cache keeps them apart
+    assert [len(unit_data(c).y_train) for c in cfgs] == [800, 400, 400, 300]
+    # without a subsample the fingerprints are those of the files and checkpoints written before the
+    # keys existed
     plain = cfgs[0].to_dict()
     assert plain["dataset"]["train_samples"] is None
     for key in ("train_samples", "subsample_seed"):
@@ -190,11 +211,14 @@ def test_the_subsample_is_part_of_what_identifies_the_data(tmp_path):
 
     def study(dataset):
         return parse_study({"name": "s", "dataset": dataset, "rounds": 5, "epsilons": [3.0],
-                            "seeds": {"tune": [0], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"}, "clients": 4,
-                            "methods": [{"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.1]}}]})
+                            "seeds": {"tune": [0], "evaluate": [1, 2]},
+                            "analysis": {"protocol": "paper"}, "clients": 4,
+                            "methods": [{"name": "DP-GD", "method": "dpgd",
+                                         "grid": {"learning_rate": [0.1]}}]})
 
     ids = {_run_id("tune", s.methods[0], {"learning_rate": 0.1}, 3.0, 0, s)
-           for s in (study(base), study({**base, "train_samples": 400}), study({**base, "train_samples": 300}))}
+           for s in (study(base), study({**base, "train_samples": 400}),
+                     study({**base, "train_samples": 300}))}
     assert len(ids) == 3
 
 
@@ -204,28 +228,36 @@ def test_the_run_and_the_study_report_the_subsample(tmp_path):
 
     lines: list[str] = []
     dataset = {"name": "synthetic", "num_samples": 1000, "train_samples": 400, "subsample_seed": 2}
-    server = run_inprocess(_cfg(dataset, output={"dir": str(tmp_path / "runs")}), progress=lines.append)
-    assert any("400 train samples (dataset.train_samples: a uniform random subsample of the 800 in the train split, "
-               "subsample_seed 2), sizes [100, 100, 100, 100]" in line for line in lines)
+    server = run_inprocess(_cfg(dataset, output={"dir": str(tmp_path / "runs")}),
+                           progress=lines.append)
+    assert any(
+        "400 train samples (dataset.train_samples: a uniform random subsample of the 800 in the "
+        "train split, subsample_seed 2), sizes [100, 100, 100, 100]" in line for line in lines)
     summary = json.loads((server.recorder.directory / "summary.json").read_text())
     assert summary["dataset"]["train"] == 400 and summary["dataset"]["train_samples"] == 400
-    assert summary["dataset"]["train_available"] == 800 and summary["dataset"]["subsample_seed"] == 2
+    assert summary["dataset"]["train_available"] == 800 and summary["dataset"][
+        "subsample_seed"] == 2
     assert summary["config"]["dataset"]["train_samples"] == 400
-    study = parse_study({"name": "s", "dataset": dataset, "rounds": 4, "epsilons": [3.0], "clients": 4,
-                         "seeds": {"tune": [0], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"}, "eval_every": 2,
-                         "methods": [{"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.1]}}]})
+    study = parse_study({"name": "s", "dataset": dataset, "rounds": 4, "epsilons": [3.0],
+                         "clients": 4,
+                         "seeds": {"tune": [0], "evaluate": [1, 2]},
+                         "analysis": {"protocol": "paper"}, "eval_every": 2,
+                         "methods": [{"name": "DP-GD", "method": "dpgd",
+                                      "grid": {"learning_rate": [0.1]}}]})
     out = run_study(study, output_root=tmp_path / "studies", show_progress=False, make_plots=False)
     info = out["dataset"]
     assert (info["train"], info["test"], info["shard_sizes"]) == (400, 200, [100, 100, 100, 100])
     assert (info["train_samples"], info["train_available"], info["subsample_seed"]) == (400, 800, 2)
     assert info["parameters"] == 8 * 10 + 10 + 10 + 1 and info["settings"] == dataset
     report = (tmp_path / "studies" / "s" / "report.md").read_text()
-    assert "(n = 400 training records: a uniform subsample (`train_samples`, seed 2) of the train split's 800" in report
+    assert ("(n = 400 training records: a uniform subsample (`train_samples`, seed 2) of the "
+            "train split's 800") in report
 
 
 def test_dataset_standardise_is_one_declaration_and_leaves_earlier_files_matching():
-    """`dataset.standardise` (added after checkpoints and shard files existed): false keeps the raw features,
-    null (its default) standardises as before; at null every fingerprint is the one of a config without the key."""
+    """`dataset.standardise` (added after checkpoints and shard files existed): false keeps the raw
+    features, null (its default) standardises as before; at null every fingerprint is the one of a
+    config without the key."""
     from diff2_flwr.runtime.checkpoint import config_fingerprint
     from diff2_flwr.runtime.config import config_keys
     from diff2_flwr.runtime.shard_files import data_fingerprint
@@ -237,11 +269,14 @@ def test_dataset_standardise_is_one_declaration_and_leaves_earlier_files_matchin
     np.testing.assert_allclose(scaled.x_train.std(axis=0), 1, atol=1e-12)
     assert np.abs(kept.x_train.mean(axis=0)).max() > 1e-3  # the generator's features, as they came
     mean, std = scaled.feature_mean, scaled.feature_std
-    np.testing.assert_allclose((kept.x_train - mean) / std, scaled.x_train, atol=1e-12)  # same records, same order
-    assert default.dataset.standardise is None and _cfg({**base, "standardise": True}).dataset.standardise is True
+    # same records, same order
+    np.testing.assert_allclose((kept.x_train - mean) / std, scaled.x_train, atol=1e-12)
+    assert default.dataset.standardise is None and _cfg({**base,
+                                                         "standardise": True}).dataset.standardise is True
     with pytest.raises(ConfigError, match=r"key `dataset.standardise`: expected"):
         _cfg({**base, "standardise": "yes"})
-    assert "dataset.standardise" in config_keys()  # --set, Flower's run config (pyproject.toml is checked equal)
+    # --set, Flower's run config (pyproject.toml is checked equal)
+    assert "dataset.standardise" in config_keys()
     without = default.to_dict()
     del without["dataset"]["standardise"]
     assert config_fingerprint(without, 100) == config_fingerprint(default.to_dict(), 100)

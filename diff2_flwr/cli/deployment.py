@@ -1,5 +1,5 @@
-"""The handlers of the ``diff2`` commands of a deployment and its parties: shard, deploy-local, certs,
-node-key, secret, compose, ledger (the parser is in :mod:`diff2_flwr.cli`).
+"""The handlers of the ``diff2`` commands of a deployment and its parties: shard, deploy-local,
+certs, node-key, secret, compose, ledger (the parser is in :mod:`diff2_flwr.cli`).
 
 Each takes the parsed arguments and returns the exit code; each imports what it needs when it runs.
 """
@@ -31,18 +31,20 @@ def deploy_local(args: argparse.Namespace) -> int:
     from ..runtime.launch import SimulationFailed
 
     try:
-        result = run_local_deployment(args.config, tls=args.tls, node_auth=args.node_auth, resume=args.resume,
-                                      rounds=args.rounds, clients=args.clients, workdir=args.workdir,
-                                      node_policy=args.node_policy)
+        result = run_local_deployment(args.config, tls=args.tls, node_auth=args.node_auth,
+                                      resume=args.resume, rounds=args.rounds, clients=args.clients,
+                                      workdir=args.workdir, node_policy=args.node_policy)
     except SimulationFailed as err:
         print(f"[diff2] deployment FAILED: {err}", file=sys.stderr)
         return 1
-    per_round = sorted(result.round_seconds)[len(result.round_seconds) // 2] if result.round_seconds else float("nan")
-    security = ("TLS, SuperNode authentication" if result.node_auth else "TLS, no SuperNode authentication") \
+    per_round = sorted(result.round_seconds)[len(
+        result.round_seconds) // 2] if result.round_seconds else float("nan")
+    security = ("TLS, SuperNode authentication" if result.node_auth
+                else "TLS, no SuperNode authentication") \
         if args.tls else "insecure, loopback only"
     print(f"[diff2] deployment run {result.launch.run_id} {result.launch.status} ({security}); "
-          f"median {per_round:.1f} s/round; results in {result.launch.output_dir}; run folder (shards, keys, "
-          f"logs) {result.workdir}")
+          f"median {per_round:.1f} s/round; results in {result.launch.output_dir}; run folder "
+          f"(shards, keys, logs) {result.workdir}")
     return 0
 
 
@@ -50,8 +52,9 @@ def certs(args: argparse.Namespace) -> int:
     from ..deploy.certs import make_certificates
 
     if args.clients and args.node_pub:
-        print("diff2 certs: give --node-pub (the data owners' public keys) or --clients (one-machine tests: makes "
-              "their private keys here), not both.", file=sys.stderr)
+        print(
+            "diff2 certs: give --node-pub (the data owners' public keys) or --clients "
+            "(one-machine tests: makes their private keys here), not both.", file=sys.stderr)
         return 2
     try:
         publics = _node_publics(args.node_pub or [], Path(args.out))
@@ -62,14 +65,16 @@ def certs(args: argparse.Namespace) -> int:
     print(f"CA: {certs.ca} (send it to every data owner)\nserver certificate: {certs.cert}\n"
           f"server key: {certs.key} (0600: stays on the SuperLink host)")
     for public in publics:
-        print(f"data owner {public.stem.split('-')[-1]}: public key {public} (register: flwr supernode register "
-              f"{public} <connection>)")
+        print(
+            f"data owner {public.stem.split('-')[-1]}: public key {public} (register: flwr "
+            f"supernode register {public} <connection>)")
     return _test_node_keys(args.out, args.clients)
 
 
 def _node_publics(files: list[str], out: Path) -> list[Path]:
-    """The data owners' public keys checked, then copied as ``out/supernode-<i>.pub``: i from a file already named
-    so (``diff2 node-key --name supernode-<i>``), else its position among the files given."""
+    """The data owners' public keys checked, then copied as ``out/supernode-<i>.pub``: i from a file
+    already named so (``diff2 node-key --name supernode-<i>``), else its position among the files
+    given."""
     import re
 
     from ..deploy.certs import load_node_public_keys, node_key_names
@@ -79,7 +84,8 @@ def _node_publics(files: list[str], out: Path) -> list[Path]:
     indices = [int(m.group(1)) if m else i for i, m in enumerate(found)]
     if len(set(indices)) < len(indices):
         raise ValueError(f"--node-pub {' '.join(files)}: two files would both be data owner "
-                         f"{max(indices, key=indices.count)}'s key. Name each supernode-<i>.pub after its owner's "
+                         f"{max(indices, key=indices.count)}'s key. Name each supernode-<i>.pub "
+                         f"after its owner's "
                          "index, or give them all in the owners' order under other names.")
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -95,11 +101,15 @@ def _test_node_keys(out: str, clients: int) -> int:
 
     if not clients:
         return 0
-    print(f"--clients {clients}: one-machine tests only. Every data owner's private key was made here, so whoever "
-          "holds this folder can act as any data owner; across hosts each data owner runs `diff2 node-key` and "
+    print(
+        f"--clients {clients}: one-machine tests only. Every data owner's private key was made "
+        f"here, so whoever "
+          "holds this folder can act as any data owner; across hosts each data owner runs `diff2 "
+          "node-key` and "
           "sends only its .pub (`diff2 certs --node-pub`).")
     for i, key in enumerate(make_node_keys(out, clients)):
-        print(f"data owner {i}: SuperNode private key {key.private} (0600), public key {key.public} "
+        print(
+            f"data owner {i}: SuperNode private key {key.private} (0600), public key {key.public} "
               f"(register: flwr supernode register {key.public} <connection>)")
     return 0
 
@@ -108,9 +118,11 @@ def node_key(args: argparse.Namespace) -> int:
     from ..deploy.certs import make_node_key
 
     key = make_node_key(args.out, args.name)
-    print(f"private key: {key.private} (0600; it never leaves this machine: the SuperNode reads it with "
-          f"--auth-supernode-private-key)\npublic key: {key.public} (send this file, and only this one, to the "
-          f"SuperLink's operator, who registers it):\n{key.public.read_text().strip()}")
+    print(
+        f"private key: {key.private} (0600; it never leaves this machine: the SuperNode reads it "
+        f"with --auth-supernode-private-key)\npublic key: {key.public} (send this file, and only "
+        f"this one, to the SuperLink's operator, who registers "
+        f"it):\n{key.public.read_text().strip()}")
     return 0
 
 
@@ -119,11 +131,15 @@ def secret(args: argparse.Namespace) -> int:
 
     for name in args.names:
         if "/" in name or name in ("", ".", ".."):
-            print(f"diff2 secret: a name, not a path, expected (superlink, supernode-0, ...). Found {name!r}.",
+            print(
+                f"diff2 secret: a name, not a path, expected (superlink, supernode-0, ...). Found "
+                f"{name!r}.",
                   file=sys.stderr)
             return 2
         path = make_superexec_secret(Path(args.out) / f"{name}.secret")
-        print(f"SuperExec secret: {path} (0600; give it to {name} and the SuperExec that runs its apps, nobody else)")
+        print(
+            f"SuperExec secret: {path} (0600; give it to {name} and the SuperExec that runs its "
+            f"apps, nobody else)")
     return 0
 
 

@@ -1,12 +1,14 @@
-"""The documentation site: its generated reference pages and ``diff2 docs`` (build it, or serve it, offline).
+"""The documentation site: its generated reference pages and ``diff2 docs`` (build it, or serve it,
+offline).
 
-The site is MkDocs with the Material theme (``mkdocs.yml`` beside ``pyproject.toml``, pages in ``docs/``). Two
-reference pages are not written by hand but generated while the site builds (``scripts/docs_hooks.py``), so they
-cannot drift from the code:
+The site is MkDocs with the Material theme (``mkdocs.yml`` beside ``pyproject.toml``, pages in
+``docs/``). Two reference pages are not written by hand but generated while the site builds
+(``scripts/docs_hooks.py``), so they cannot drift from the code:
 
 * ``reference/configuration.md`` — every key of an experiment file from its declaration
   (:func:`~diff2_flwr.runtime.spec.setting`: type, default, help), in declaration order;
-* ``reference/cli.md`` — ``diff2 --help`` and every subcommand's help, from :func:`~diff2_flwr.cli.build_parser`.
+* ``reference/cli.md`` — ``diff2 --help`` and every subcommand's help, from
+  :func:`~diff2_flwr.cli.build_parser`.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import typing
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPO", "MKDOCS_YML", "GENERATED", "configuration_page", "cli_page", "missing_help", "run_config_drift",
+__all__ = ["REPO", "MKDOCS_YML", "GENERATED", "configuration_page", "cli_page", "missing_help",
+           "run_config_drift",
            "build", "docs"]
 
-#: The clone this package was imported from (``mkdocs.yml`` and ``docs/`` sit there, not in a wheel).
+#: The clone this package was imported from (``mkdocs.yml`` and ``docs/`` sit there, not in a
+#: wheel).
 REPO = Path(__file__).resolve().parents[2]
 MKDOCS_YML = REPO / "mkdocs.yml"
 #: Help text width of the CLI page (the terminal's would make the page depend on who built it).
@@ -33,7 +37,8 @@ _WIDTH = 100
 
 
 def _field(cls: type, key: str) -> tuple[dataclasses.Field, Any, type]:
-    """The dataclass field of the dotted ``key`` of ``cls``: (field, its type hint, the section class)."""
+    """The dataclass field of the dotted ``key`` of ``cls``: (field, its type hint, the section
+    class)."""
     head, _, rest = key.partition(".")
     hints = typing.get_type_hints(cls)
     field = {f.name: f for f in dataclasses.fields(cls)}[head]
@@ -64,8 +69,8 @@ def _cell(text: str) -> str:
 
 
 def missing_help(cls: type | None = None) -> list[str]:
-    """The settable keys of ``cls`` (default: the experiment file's) declared without help text (each must have
-    one: the configuration page and the CLI's setting flags show it)."""
+    """The settable keys of ``cls`` (default: the experiment file's) declared without help text
+    (each must have one: the configuration page and the CLI's setting flags show it)."""
     from ..runtime.config import ExperimentConfig
     from ..runtime.spec import help_of, settable_keys
 
@@ -74,13 +79,14 @@ def missing_help(cls: type | None = None) -> list[str]:
 
 
 def run_config_drift(pyproject: Path = REPO / "pyproject.toml") -> str:
-    """"" if the Flower app's run-config keys (``[tool.flwr.app.config]`` but ``config``) are the experiment file's
-    keys, in order; else what differs."""
+    """"" if the Flower app's run-config keys (``[tool.flwr.app.config]`` but ``config``) are the
+    experiment file's keys, in order; else what differs."""
     import tomllib
 
     from ..runtime.config import config_keys
 
-    declared = [key for key in tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"] if key != "config"]
+    declared = [key for key in tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]
+                if key != "config"]
     if declared == config_keys():
         return ""
     missing = [k for k in config_keys() if k not in declared]
@@ -89,36 +95,49 @@ def run_config_drift(pyproject: Path = REPO / "pyproject.toml") -> str:
 
 
 def configuration_page() -> str:
-    """The Markdown of ``reference/configuration.md``: one table row per settable key, from its declaration."""
+    """The Markdown of ``reference/configuration.md``: one table row per settable key, from its
+    declaration."""
     from ..runtime.config import ExperimentConfig, config_keys
     from ..runtime.spec import describe_type, help_of
 
     missing = missing_help()
     if missing:
-        raise ValueError(f"settings declared without help text: {', '.join(missing)}. Give each a help text in "
-                         f"its setting(default, help) declaration (diff2_flwr/runtime/config_*.py).")
+        raise ValueError(
+            f"settings declared without help text: {', '.join(missing)}. Give each a help text in "
+            f"its setting(default, help) declaration (diff2_flwr/runtime/config_*.py).")
     stale = run_config_drift()
     if stale:
-        raise ValueError(f"pyproject.toml's [tool.flwr.app.config] does not declare the experiment file's keys "
+        raise ValueError(
+            f"pyproject.toml's [tool.flwr.app.config] does not declare the experiment file's keys "
                          f"({stale}): run `python scripts/run_config_keys.py`")
     rows = []
     for key in config_keys():
         field, hint, _ = _field(ExperimentConfig, key)
-        kind = "a name or a mapping (section)" if dataclasses.is_dataclass(hint) else describe_type(hint)
-        rows.append(f"| `{key}` | {_cell(kind)} | {_cell(_default(field))} | {_cell(help_of(ExperimentConfig, key))} |")
+        kind = "a name or a mapping (section)" if dataclasses.is_dataclass(hint) else describe_type(
+            hint)
+        rows.append(
+            f"| `{key}` | {_cell(kind)} | {_cell(_default(field))} | "
+            f"{_cell(help_of(ExperimentConfig, key))} |")
     return "\n".join([
         "# Configuration reference (generated)",
         "",
-        "<!-- Generated while the site builds (diff2_flwr/cli/docs.py, from the settings' declarations in",
-        "     diff2_flwr/runtime/config_*.py): do not edit; change a setting's declaration instead. -->",
+        "<!-- Generated while the site builds (diff2_flwr/cli/docs.py, from the settings' "
+        "declarations in",
+        "     diff2_flwr/runtime/config_*.py): do not edit; change a setting's declaration "
+        "instead. -->",
         "",
-        "One YAML file describes one experiment (`configs/default.yaml` is the default). Every key below is",
-        "declared once, with its type, default and help, in `diff2_flwr/runtime/config_*.py`; this table is",
-        "generated from those declarations each time the site builds, so it lists exactly the keys the parser",
-        "accepts. Unknown keys, wrong types and invalid values are errors that name the file, the key, what was",
+        "One YAML file describes one experiment (`configs/default.yaml` is the default). Every "
+        "key below is",
+        "declared once, with its type, default and help, in `diff2_flwr/runtime/config_*.py`; "
+        "this table is",
+        "generated from those declarations each time the site builds, so it lists exactly the "
+        "keys the parser",
+        "accepts. Unknown keys, wrong types and invalid values are errors that name the file, the "
+        "key, what was",
         "expected and what was found.",
         "",
-        "Every key is also a declared run-config key of the Flower app (`[tool.flwr.app.config]` in",
+        "Every key is also a declared run-config key of the Flower app (`[tool.flwr.app.config]` "
+        "in",
         "`pyproject.toml`, default `\"\"` = as in the file), and a `--set` key of `diff2 run`:",
         "",
         "```bash",
@@ -143,18 +162,21 @@ def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
 
     parser = build_parser()
     out = [("diff2", parser)]
-    for action in parser._actions:  # argparse keeps its subparsers here; there is no public accessor
+    # argparse keeps its subparsers here; there is no public accessor
+    for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             out += [(f"diff2 {name}", sub) for name, sub in action.choices.items()]
     return out
 
 
 def cli_page() -> str:
-    """The Markdown of ``reference/cli.md``: the help of ``diff2`` and of each subcommand, from the parser."""
+    """The Markdown of ``reference/cli.md``: the help of ``diff2`` and of each subcommand, from the
+    parser."""
     saved = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = str(_WIDTH)
     try:
-        sections = [f"## `{name}`\n\n```text\n{parser.format_help().rstrip()}\n```\n" for name, parser in _parsers()]
+        sections = [f"## `{name}`\n\n```text\n{parser.format_help().rstrip()}\n```\n" for name,
+                    parser in _parsers()]
     finally:
         if saved is None:
             os.environ.pop("COLUMNS", None)
@@ -165,8 +187,10 @@ def cli_page() -> str:
         "",
         "<!-- Generated while the site builds from diff2_flwr.cli.build_parser(): do not edit. -->",
         "",
-        "The `diff2` command (installed with the package; also `python -m diff2_flwr.cli`). Commands that report",
-        "a result print one JSON object on stdout; progress and errors go to stderr. This page is the parser's own",
+        "The `diff2` command (installed with the package; also `python -m diff2_flwr.cli`). "
+        "Commands that report",
+        "a result print one JSON object on stdout; progress and errors go to stderr. This page is "
+        "the parser's own",
         "help, generated each time the site builds.",
         "",
         *sections,
@@ -183,26 +207,33 @@ def _mkdocs() -> list[str]:
         import material  # noqa: F401
     except ImportError as err:
         raise ValueError(f"the documentation tools are not installed ({err.name} is missing): run "
-                         f"`pip install -e '.[docs]'` in this clone (scripts/setup.sh installs them)") from None
+                         f"`pip install -e '.[docs]'` in this clone (scripts/setup.sh installs "
+                         f"them)") from None
     if not MKDOCS_YML.is_file():
-        raise ValueError(f"{MKDOCS_YML} not found: the documentation sources are in a clone of diff2-flwr, not in "
-                         f"an installed wheel")
+        raise ValueError(
+            f"{MKDOCS_YML} not found: the documentation sources are in a clone of diff2-flwr, not "
+            f"in an installed wheel")
     return [sys.executable, "-m", "mkdocs"]
 
 
-def build(site_dir: str | Path, *, strict: bool = True, config: str | Path = MKDOCS_YML) -> subprocess.CompletedProcess:
-    """``mkdocs build`` of ``config`` into ``site_dir`` (``--strict``: any warning — a broken link or anchor, a page
-    missing from the navigation — fails it). Returns the finished process (its output captured)."""
-    command = [*_mkdocs(), "build", "--clean", "--config-file", str(config), "--site-dir", str(site_dir)]
+def build(site_dir: str | Path, *, strict: bool = True,
+          config: str | Path = MKDOCS_YML) -> subprocess.CompletedProcess:
+    """``mkdocs build`` of ``config`` into ``site_dir`` (``--strict``: any warning — a broken link
+    or anchor, a page missing from the navigation — fails it). Returns the finished process (its
+    output captured)."""
+    command = [*_mkdocs(), "build", "--clean", "--config-file", str(config), "--site-dir",
+               str(site_dir)]
     if strict:
         command.append("--strict")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
 
 
 def docs(args: argparse.Namespace) -> int:
-    """``diff2 docs``: build the site (strict) and print where it is, as JSON; ``--serve`` then serves it on
-    localhost, rebuilding on changes, until interrupted. Offline: nothing is fetched."""
+    """``diff2 docs``: build the site (strict) and print where it is, as JSON; ``--serve`` then
+    serves it on localhost, rebuilding on changes, until interrupted. Offline: nothing is
+    fetched."""
     out = Path(args.out or REPO / "site").resolve()
     print(f"[diff2] building the documentation into {out} ...", file=sys.stderr)
     start = time.perf_counter()
@@ -215,15 +246,18 @@ def docs(args: argparse.Namespace) -> int:
         print(f"diff2 docs: error: {error}", file=sys.stderr)
         return 1
     index = out / "index.html"
-    print(json.dumps({"status": "built", "site": str(out), "index": str(index), "seconds": seconds}))
+    print(json.dumps({"status": "built", "site": str(out), "index": str(index),
+                      "seconds": seconds}))
     if not args.serve:
         print(f"[diff2] built in {seconds} s: open {index.as_uri()} in a browser", file=sys.stderr)
         return 0
     address = f"127.0.0.1:{args.port}"
     print(f"[diff2] serving on http://{address}/ (Ctrl-C stops)", file=sys.stderr)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     try:
-        return subprocess.call([*_mkdocs(), "serve", "--config-file", str(MKDOCS_YML), "--dev-addr", address],
+        return subprocess.call([*_mkdocs(), "serve", "--config-file", str(MKDOCS_YML), "--dev-addr",
+                                address],
                                cwd=REPO, env=env)
     except KeyboardInterrupt:
         return 0

@@ -1,8 +1,8 @@
-"""The handlers of the ``diff2`` commands that compute, run and read experiments: noise, run, experiment,
-family, regime, plot, audit, bench (the parser is in :mod:`diff2_flwr.cli`).
+"""The handlers of the ``diff2`` commands that compute, run and read experiments: noise, run,
+experiment, family, regime, plot, audit, bench (the parser is in :mod:`diff2_flwr.cli`).
 
-Each takes the parsed arguments and returns the exit code; each imports what it needs when it runs, so that
-``diff2 --help`` loads none of torch, scipy or Flower.
+Each takes the parsed arguments and returns the exit code; each imports what it needs when it runs,
+so that ``diff2 --help`` loads none of torch, scipy or Flower.
 """
 
 from __future__ import annotations
@@ -15,26 +15,31 @@ from pathlib import Path
 from ..runtime.outputs import to_json
 from ..runtime.spec import setting_names
 
-__all__ = ["DEFAULT_CONFIG", "audit", "bench", "experiment", "family", "noise", "plot", "regime", "run"]
+__all__ = ["DEFAULT_CONFIG", "audit", "bench", "experiment", "family", "noise", "plot", "regime",
+           "run"]
 
 
 def noise(args: argparse.Namespace) -> int:
     from ..core.privacy import calibrate, schedule_cross_check
 
     cal = calibrate(
-        epsilon=args.epsilon, delta=args.delta, rounds=args.rounds, restart_every=args.restart_every,
-        u=args.u, n_min=args.n_min, clients=args.clients, mode=args.mode,
+        epsilon=args.epsilon, delta=args.delta, rounds=args.rounds,
+        restart_every=args.restart_every, u=args.u, n_min=args.n_min, clients=args.clients,
+        mode=args.mode,
     )
-    print(json.dumps(to_json({**cal.as_dict(), "accountants": schedule_cross_check(cal)}), indent=2))
+    print(json.dumps(to_json({**cal.as_dict(), "accountants": schedule_cross_check(cal)}),
+                     indent=2))
     return 0
 
 
 def _node_policy_env(args: argparse.Namespace) -> dict[str, str]:
-    """``--node-policy FILE``: validated now, then given to every simulated node (``$DIFF2_NODE_POLICY``)."""
+    """``--node-policy FILE``: validated now, then given to every simulated node
+    (``$DIFF2_NODE_POLICY``)."""
     if not args.node_policy:
         return {}
     if args.engine != "flower":
-        raise ValueError("`--node-policy` is enforced by the simulated nodes' ClientApps: use it with --engine "
+        raise ValueError(
+            "`--node-policy` is enforced by the simulated nodes' ClientApps: use it with --engine "
                          f"flower (the default). Found --engine {args.engine}.")
     from ..runtime.policy import ENV_VAR, load_policy
 
@@ -48,12 +53,15 @@ def _one_line(err: BaseException) -> str:
 
 
 def _refused(args: argparse.Namespace, err: BaseException, wall_time_s: float) -> int:
-    """A run refused before it started: one line on stderr, the same text as the JSON's ``error``."""
+    """A run refused before it started: one line on stderr, the same text as the JSON's
+    ``error``."""
     message = _one_line(err)
     print(f"diff2 run: error: {message}", file=sys.stderr)
-    print(json.dumps(to_json({"engine": args.engine, "run_id": None, "output_dir": None, "wall_time_s": wall_time_s,
+    print(json.dumps(to_json({"engine": args.engine, "run_id": None, "output_dir": None,
+                              "wall_time_s": wall_time_s,
                               "status": "failed", "error": message})))
-    args.started_nothing = True  # the command line's entry may end the process at once (cli.console)
+    # the command line's entry may end the process at once (cli.console)
+    args.started_nothing = True
     return 2
 
 
@@ -62,10 +70,12 @@ DEFAULT_CONFIG = "configs/default.yaml"
 
 
 def run(args: argparse.Namespace) -> int:
-    """Progress and the end-of-run summary on stderr; one JSON object (the run's key figures) on stdout.
+    """Progress and the end-of-run summary on stderr; one JSON object (the run's key figures) on
+    stdout.
 
-    Both engines first build and check everything that needs no transport (``session.preflight``): a mistake
-    is one line on stderr and the JSON's ``error`` within seconds, before Flower (or any round) starts.
+    Both engines first build and check everything that needs no transport (``session.preflight``): a
+    mistake is one line on stderr and the JSON's ``error`` within seconds, before Flower (or any
+    round) starts.
     """
     import time
 
@@ -80,10 +90,13 @@ def run(args: argparse.Namespace) -> int:
         args.config, overrides = set_assignments(args.set, args.config, DEFAULT_CONFIG)
         env = _node_policy_env(args)
         cfg = load_config(resolve_config_path(args.config), overrides)
-        if cfg.clients_auto:  # diff2 run starts the SuperNodes (or the in-process workers): it says how many
+        # diff2 run starts the SuperNodes (or the in-process workers): it says how many
+        if cfg.clients_auto:
             cfg = cfg.with_clients(AUTO_CLIENTS_DEFAULT, "diff2 run's SuperNodes")
             overrides["training.clients"] = AUTO_CLIENTS_DEFAULT
-            auto_line = (f"[diff2] training.clients: auto -> P = {AUTO_CLIENTS_DEFAULT} (the SuperNodes diff2 run "
+            auto_line = (
+                f"[diff2] training.clients: auto -> P = {AUTO_CLIENTS_DEFAULT} (the SuperNodes "
+                f"diff2 run "
                          "simulates; --set training.clients=N for another number)")
         checked = preflight(cfg)
     except (ValueError, FileNotFoundError) as err:
@@ -102,21 +115,25 @@ def run(args: argparse.Namespace) -> int:
 
             try:
                 server = run_inprocess(cfg, progress=console.message, checked=checked)
-            except RuntimeError as err:  # a refused round or a diverged iterate: the run folder says so
+            # a refused round or a diverged iterate: the run folder says so
+            except RuntimeError as err:
                 failure = f"{type(err).__name__}: {err}"
             else:
-                console.output_dir = Path(server.run_info["output_dir"]) if server.run_info.get("output_dir") else None
+                console.output_dir = Path(server.run_info["output_dir"]) if server.run_info.get(
+                    "output_dir") else None
         else:
-            # Said now, in seconds; the ServerApp says it again (the console shows each of our lines once).
+            # Said now, in seconds; the ServerApp says it again (the console shows each of our lines
+            # once).
             for line in (*checked.lines, *(f"[diff2] WARNING: {w}" for w in checked.warnings)):
                 console.message(line)
             from ..runtime.session import load_data
 
-            del checked  # the simulation's own processes load the data: this one need not hold it meanwhile
+            # the simulation's own processes load the data: this one need not hold it meanwhile
+            del checked
             load_data.cache_clear()
             try:
-                result = run_simulation(args.config, timeout_s=args.timeout, console=console, set_keys=overrides,
-                                        env=env)
+                result = run_simulation(args.config, timeout_s=args.timeout, console=console,
+                                        set_keys=overrides, env=env)
             except SimulationFailed as err:
                 failure = str(err)
             else:
@@ -130,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     if console.output_dir is not None:
         print(summary_block(report), file=sys.stderr)
     if failure:
-        status = report.get("status") if report.get("status") in ("failed", "diverged") else "failed"
+        status = report.get("status") if report.get("status") in ("failed",
+                                                                  "diverged") else "failed"
         report["status"], report["error"] = status, report.get("error") or failure
     print(json.dumps(to_json(report)))
     return 1 if failure else 0
@@ -146,7 +164,8 @@ def experiment(args: argparse.Namespace) -> int:
 
         study = dataclasses.replace(study, engine=args.engine)
     if not args.stale_after > 0:
-        raise ValueError(f"`--stale-after`: expected a number of seconds > 0. Found {args.stale_after}.")
+        raise ValueError(
+            f"`--stale-after`: expected a number of seconds > 0. Found {args.stale_after}.")
     try:
         summary = run_study(study, output_root=args.output, fresh=args.fresh, ray_address=args.ray,
                             stale_after_s=args.stale_after)
@@ -154,10 +173,13 @@ def experiment(args: argparse.Namespace) -> int:
         print(f"diff2 experiment: error: {err}", file=sys.stderr)
         return 2
     root = Path(args.output or study.output_dir).expanduser().resolve() / study.name
-    print(f"[diff2] study {study.name} done in {summary['wall_time_s']:.0f} s: {root / 'report.md'}", file=sys.stderr)
+    print(
+        f"[diff2] study {study.name} done in {summary['wall_time_s']:.0f} s: {root / 'report.md'}",
+        file=sys.stderr)
     inference = summary.get("inference", {})
     print(json.dumps(to_json({"study": study.name, "summary": str(root / "summary.json"),
-                              "report": str(root / "report.md"), "wall_time_s": summary["wall_time_s"],
+                              "report": str(root / "report.md"),
+                              "wall_time_s": summary["wall_time_s"],
                               "protocol": inference.get("protocol"),
                               "primary_results": inference.get("primary_results", [])})))
     return 0
@@ -177,10 +199,13 @@ def regime(args: argparse.Namespace) -> int:
         raise ValueError(f"`--alpha`: expected a significance level in (0, 1). Found {args.alpha}.")
     replicates = BOOTSTRAP_REPLICATES if args.replicates is None else args.replicates
     if replicates < 1:
-        raise ValueError(f"`--replicates`: expected a number of bootstrap replicates >= 1. Found {replicates}.")
+        raise ValueError(
+            f"`--replicates`: expected a number of bootstrap replicates >= 1. Found {replicates}.")
     cells = read_cells(args.study_dirs, diff2=args.diff2, control=args.control)
-    result = write_regime(cells, args.out, alpha=args.alpha, plots=not args.no_plots, replicates=replicates,
-                          seed=BOOTSTRAP_SEED if args.bootstrap_seed is None else args.bootstrap_seed)
+    result = write_regime(cells, args.out, alpha=args.alpha, plots=not args.no_plots,
+                          replicates=replicates,
+                          seed=BOOTSTRAP_SEED if args.bootstrap_seed is None
+                          else args.bootstrap_seed)
     print(json.dumps(to_json(result)))
     return 0
 
@@ -194,11 +219,11 @@ def bench(args: argparse.Namespace) -> int:
     from ..lab.bench.jax_cells import plan_jax_peer
 
     jax_peer = None if args.skip_jax else plan_jax_peer(  # checked before anything is measured
-        jax_python=args.jax_python, reps=args.jax_reps, cells=args.jax_cells, rounds=args.jax_rounds,
-        eager=args.jax_eager)
-    result = run_bench(data_dir=args.data_dir, protocol=not args.skip_protocol, flower=not args.skip_flower,
-                       rounds=args.rounds, flower_rounds=args.flower_rounds, jax_peer=jax_peer,
-                       progress=_bench_line)
+        jax_python=args.jax_python, reps=args.jax_reps, cells=args.jax_cells,
+        rounds=args.jax_rounds, eager=args.jax_eager)
+    result = run_bench(data_dir=args.data_dir, protocol=not args.skip_protocol,
+                       flower=not args.skip_flower, rounds=args.rounds,
+                       flower_rounds=args.flower_rounds, jax_peer=jax_peer, progress=_bench_line)
     print(json.dumps(to_json(result), indent=2))
     return 0
 
@@ -217,8 +242,10 @@ def audit(args: argparse.Namespace) -> int:
     print(text)
     print(summary_line(result), file=sys.stderr)
     if result["violation"]:
-        found = " and ".join({"clopper_pearson": f"Clopper–Pearson ε̂ >= {result['epsilon_lower_bound']:.4g}",
-                              "gdp": f"μ-GDP ε̂ >= {(result['gdp'] or {}).get('epsilon_interval', [0])[0]:.4g}"}[k]
+        found = " and ".join({
+            "clopper_pearson": f"Clopper–Pearson ε̂ >= {result['epsilon_lower_bound']:.4g}",
+                              "gdp": f"μ-GDP ε̂ >= "
+                                     f"{(result['gdp'] or {}).get('epsilon_interval', [0])[0]:.4g}"}[k]
                              for k in result["violation_by"])
         print(f"diff2 audit: VIOLATION: {found} > claimed ε = {result['epsilon_claimed']:.4g} "
               f"(confidence {result['confidence']:.2%})", file=sys.stderr)
@@ -227,7 +254,8 @@ def audit(args: argparse.Namespace) -> int:
 
 
 def _live_audit(args: argparse.Namespace) -> int:
-    """``diff2 audit --live FOLDER``: the data owner's canaries scored (JSON; exit 3 on a finding, 2 unreadable)."""
+    """``diff2 audit --live FOLDER``: the data owner's canaries scored (JSON; exit 3 on a finding, 2
+    unreadable)."""
     from ..lab.audit.live import LiveAuditError, live_audit
 
     try:
@@ -241,10 +269,13 @@ def _live_audit(args: argparse.Namespace) -> int:
         Path(args.out).expanduser().write_text(text + "\n")
     print(text)
     k = result["noise_scale"]
-    print(f"diff2 audit --live: {result['rounds']['scored']} rounds x {result['canaries']} canaries: the iterates "
-          f"carry {k['estimate']:.3f} x the calibrated noise (upper bound {k['upper']:.3f}); exploratory μ̂ "
-          f"{result['mu']:.3f}, ε̂ {result['epsilon']:.3g} (claimed {result['epsilon_claimed']:g})"
-          + (": VIOLATION: " + "; ".join(result["findings"]) if result["violation"] else ": no violation"),
+    print(
+        f"diff2 audit --live: {result['rounds']['scored']} rounds x {result['canaries']} "
+        f"canaries: the iterates carry {k['estimate']:.3f} x the calibrated noise (upper bound "
+        f"{k['upper']:.3f}); exploratory μ̂ {result['mu']:.3f}, ε̂ {result['epsilon']:.3g} "
+        f"(claimed {result['epsilon_claimed']:g})"
+          + (": VIOLATION: " + "; ".join(result["findings"]) if result["violation"]
+             else ": no violation"),
           file=sys.stderr)
     return 3 if result["violation"] else 0
 

@@ -1,13 +1,15 @@
 """The privacy events a DIFF2 run releases, and dp-accounting's distributions of them.
 
-:class:`GaussianEvent` (a released server round) and :class:`LocalEvent` (the local phase of a round) are what a
-:class:`~diff2_flwr.core.privacy.PrivacyLedger` records. Their privacy-loss distributions (PLDs) and their
-Rényi accounting come from Google's dp-accounting (imported when first needed; pure, so cached per process).
-:class:`PldMemo` (the process-wide :data:`PLD_MEMO`) is what a process remembers of its ledgers' PLD
-composition. Everything here is importable from :mod:`diff2_flwr.core.privacy` as well.
+:class:`GaussianEvent` (a released server round) and :class:`LocalEvent` (the local phase of a
+round) are what a :class:`~diff2_flwr.core.privacy.PrivacyLedger` records. Their privacy-loss
+distributions (PLDs) and their Rényi accounting come from Google's dp-accounting (imported when
+first needed; pure, so cached per process). :class:`PldMemo` (the process-wide :data:`PLD_MEMO`) is
+what a process remembers of its ledgers' PLD composition. Everything here is importable from
+:mod:`diff2_flwr.core.privacy` as well.
 
 References:
-    Koskela, Jälkö & Honkela (2020) and dp-accounting's ``privacy_loss_distribution`` (PLD composition).
+    Koskela, Jälkö & Honkela (2020) and dp-accounting's ``privacy_loss_distribution`` (PLD
+    composition).
 """
 
 from __future__ import annotations
@@ -47,16 +49,18 @@ class GaussianEvent:
 
 @dataclass(frozen=True)
 class LocalEvent:
-    """The local phase of one round: ``steps`` Poisson-subsampled Gaussian mechanisms on one worker's shard.
+    """The local phase of one round: ``steps`` Poisson-subsampled Gaussian mechanisms on one
+    worker's shard.
 
     Each local step samples every record of the chosen worker independently with probability
     ``q_p = b / n_p <= sampling_prob = b / n_min``, sums the sampled records' clipped gradient
-    differences (each of norm <= c), divides by the *fixed* b and adds N(0, (σ3 c)² I). Under replace-one
-    adjacency one record's term changes from a to a' (both of norm <= c/b) if it is sampled: the pair
-    (1-q) N(0, s²) + q N(a, s²) vs (1-q) N(0, s²) + q N(a', s²), dominated by dp-accounting's
-    ``REPLACE_ONE`` Poisson-subsampled Gaussian with sensitivity c/b. ``noise_multiplier`` is in that
-    convention: std / (c/b) = σ3 b (not std over the replace-one sensitivity 2c/b, as for
-    :class:`GaussianEvent`). Every record is charged every local phase, whichever worker ran it.
+    differences (each of norm <= c), divides by the *fixed* b and adds N(0, (σ3 c)² I). Under
+    replace-one adjacency one record's term changes from a to a' (both of norm <= c/b) if it is
+    sampled: the pair (1-q) N(0, s²) + q N(a, s²) vs (1-q) N(0, s²) + q N(a', s²), dominated by
+    dp-accounting's ``REPLACE_ONE`` Poisson-subsampled Gaussian with sensitivity c/b.
+    ``noise_multiplier`` is in that convention: std / (c/b) = σ3 b (not std over the replace-one
+    sensitivity 2c/b, as for :class:`GaussianEvent`). Every record is charged every local phase,
+    whichever worker ran it.
     """
 
     noise_multiplier: float
@@ -68,7 +72,8 @@ class LocalEvent:
 def event_pld(event: "GaussianEvent | LocalEvent") -> Any:
     """The PLD of one released event, at the ledger's discretisation."""
     if isinstance(event, LocalEvent):
-        return local_pld(event.noise_multiplier, event.sampling_prob, event.steps, PLD_DISCRETIZATION)
+        return local_pld(event.noise_multiplier, event.sampling_prob, event.steps,
+                         PLD_DISCRETIZATION)
     return gaussian_pld(event.noise_multiplier)
 
 
@@ -81,29 +86,35 @@ def event_key(event: "GaussianEvent | LocalEvent") -> tuple[float, float, int]:
 
 @functools.lru_cache(maxsize=64)
 def gaussian_pld(noise_multiplier: float) -> Any:
-    """PLD of one full-batch Gaussian mechanism with this multiplier (dp-accounting, pessimistic)."""
+    """PLD of one full-batch Gaussian mechanism with this multiplier (dp-accounting,
+    pessimistic)."""
     from dp_accounting.pld import privacy_loss_distribution
 
     return privacy_loss_distribution.from_gaussian_mechanism(
-        standard_deviation=noise_multiplier, sensitivity=1.0, value_discretization_interval=PLD_DISCRETIZATION)
+        standard_deviation=noise_multiplier, sensitivity=1.0,
+        value_discretization_interval=PLD_DISCRETIZATION)
 
 
 @functools.lru_cache(maxsize=64)
 def local_pld(noise_multiplier: float, sampling_prob: float, steps: int, interval: float) -> Any:
-    """PLD of ``steps`` Poisson-subsampled Gaussian steps under replace-one (dp-accounting, pessimistic)."""
+    """PLD of ``steps`` Poisson-subsampled Gaussian steps under replace-one (dp-accounting,
+    pessimistic)."""
     from dp_accounting import NeighboringRelation
     from dp_accounting.pld import privacy_loss_distribution
 
     one = privacy_loss_distribution.from_gaussian_mechanism(
         standard_deviation=noise_multiplier, sensitivity=1.0, sampling_prob=sampling_prob,
-        neighboring_relation=NeighboringRelation.REPLACE_ONE, value_discretization_interval=interval)
+        neighboring_relation=NeighboringRelation.REPLACE_ONE,
+        value_discretization_interval=interval)
     return one.self_compose(steps) if steps > 1 else one
 
 
 @functools.lru_cache(maxsize=1024)
-def schedule_pld_epsilon(delta: float, m1: int, z1: float, m2: int, z2: float | None, z3: float, q: float,
-                         local_steps: int, rounds: int, interval: float = PLD_DISCRETIZATION) -> float:
-    """ε (PLD, composed by counts) of m1 + m2 server rounds and ``rounds`` local phases of ``local_steps`` steps."""
+def schedule_pld_epsilon(delta: float, m1: int, z1: float, m2: int, z2: float | None, z3: float,
+                         q: float, local_steps: int, rounds: int,
+                         interval: float = PLD_DISCRETIZATION) -> float:
+    """ε (PLD, composed by counts) of m1 + m2 server rounds and ``rounds`` local phases of
+    ``local_steps`` steps."""
     from dp_accounting.pld import privacy_loss_distribution as plds
 
     local = local_pld(z3, q, local_steps, interval)
@@ -111,18 +122,20 @@ def schedule_pld_epsilon(delta: float, m1: int, z1: float, m2: int, z2: float | 
     for m, z in ((m1, z1), (m2, z2)):
         if m:
             assert z is not None
-            gauss = plds.from_gaussian_mechanism(standard_deviation=z / math.sqrt(m), sensitivity=1.0,
+            gauss = plds.from_gaussian_mechanism(standard_deviation=z / math.sqrt(m),
+                                                 sensitivity=1.0,
                                                  value_discretization_interval=interval)
             pld = pld.compose(gauss)
     return float(pld.get_epsilon_for_delta(delta))
 
 
 @functools.lru_cache(maxsize=256)
-def counts_pld_epsilon(delta: float, counts: tuple[tuple[tuple[float, float, int], int], ...]) -> float:
-    """ε at ``delta`` of events given as (:func:`event_key`, count) pairs, by dp-accounting's PLD accountant: each
-    distinct event's PLD self-composed ``count`` times, then the results composed (pessimistic, the ledger's
-    discretisation). Order-free, so one call covers a whole schedule (≈ 0.1–0.2 s for 2,000 rounds, where composing
-    them one at a time costs ≈ 15 ms per round)."""
+def counts_pld_epsilon(delta: float, counts: tuple[tuple[tuple[float, float, int], int],
+                                                   ...]) -> float:
+    """ε at ``delta`` of events given as (:func:`event_key`, count) pairs, by dp-accounting's PLD
+    accountant: each distinct event's PLD self-composed ``count`` times, then the results composed
+    (pessimistic, the ledger's discretisation). Order-free, so one call covers a whole schedule (≈
+    0.1–0.2 s for 2,000 rounds, where composing them one at a time costs ≈ 15 ms per round)."""
     pld = None
     for (z, q, steps), count in counts:
         one = gaussian_pld(z) if steps == 0 else local_pld(z, q, steps, PLD_DISCRETIZATION)
@@ -133,7 +146,8 @@ def counts_pld_epsilon(delta: float, counts: tuple[tuple[tuple[float, float, int
 
 @functools.lru_cache(maxsize=16384)
 def rdp_epsilon(delta: float, counts: tuple[tuple[float, int], ...]) -> float:
-    """ε at ``delta`` of (multiplier, count) full-batch Gaussians by dp-accounting's RDP accountant."""
+    """ε at ``delta`` of (multiplier, count) full-batch Gaussians by dp-accounting's RDP
+    accountant."""
     from dp_accounting import dp_event
     from dp_accounting.rdp import rdp_privacy_accountant
 
@@ -156,15 +170,18 @@ class _BoundedCache(OrderedDict):
 
 
 class PldMemo:
-    """What a process remembers of its ledgers' PLD accounting: the one mutable part of it, owned here.
+    """What a process remembers of its ledgers' PLD accounting: the one mutable part of it, owned
+    here.
 
-    A :class:`~diff2_flwr.core.privacy.PrivacyLedger` is a value (δ and its events). Its PLD ε needs the events'
-    PLDs composed in release order, one FFT convolution each; a run asks after every round, so composing from the
-    first event every time would cost O(R²). The memo keeps the composed PLD of the last ``chains`` event sequences:
-    a ledger whose events extend one composes only its new events. Composition is a left fold in release order
-    either way, so the value is the same bits as a fresh composition (a resumed run reproduces it). And ε by (δ, the
-    events): the runs of one schedule (a study's seeds, an audit's trials) release the same events, so each prefix's
-    ε is computed once. Values never depend on what the memo holds; ``clear()`` forgets everything.
+    A :class:`~diff2_flwr.core.privacy.PrivacyLedger` is a value (δ and its events). Its PLD ε needs
+    the events' PLDs composed in release order, one FFT convolution each; a run asks after every
+    round, so composing from the first event every time would cost O(R²). The memo keeps the
+    composed PLD of the last ``chains`` event sequences: a ledger whose events extend one composes
+    only its new events. Composition is a left fold in release order either way, so the value is the
+    same bits as a fresh composition (a resumed run reproduces it). And ε by (δ, the events): the
+    runs of one schedule (a study's seeds, an audit's trials) release the same events, so each
+    prefix's ε is computed once. Values never depend on what the memo holds; ``clear()`` forgets
+    everything.
 
     Args:
         epsilons: how many ε values to keep (least recently stored dropped first).
@@ -180,8 +197,8 @@ class PldMemo:
         self.chains.clear()
 
     def longest_prefix(self, keys: tuple[tuple[float, float, int], ...]) -> tuple[Any, int]:
-        """The composed PLD of the longest remembered sequence that ``keys`` starts with, and its length
-        (None, 0 if there is none)."""
+        """The composed PLD of the longest remembered sequence that ``keys`` starts with, and its
+        length (None, 0 if there is none)."""
         best: tuple[Any, int] = (None, 0)
         for chain, pld in self.chains.items():
             if best[1] < len(chain) <= len(keys) and keys[:len(chain)] == chain:
@@ -189,7 +206,8 @@ class PldMemo:
         return best
 
     def extend(self, keys: tuple[tuple[float, float, int], ...], start: int, pld: Any) -> None:
-        """Remember ``pld``, the composition of ``keys``, in place of the sequence of its first ``start`` keys."""
+        """Remember ``pld``, the composition of ``keys``, in place of the sequence of its first
+        ``start`` keys."""
         self.chains.pop(keys[:start], None)
         self.chains.put(keys, pld)
 

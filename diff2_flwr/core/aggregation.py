@@ -27,7 +27,8 @@ from .estimator import Diverged, RoundPlan
 from .layout import ParameterLayout
 from .local import LocalTask
 
-__all__ = ["NORM_RTOL", "Diverged", "RoundRejected", "Reply", "Aggregate", "average_contributions", "check_local_reply",
+__all__ = ["NORM_RTOL", "Diverged", "RoundRejected", "Reply", "Aggregate", "average_contributions",
+           "check_local_reply",
            "robust_norm"]
 
 
@@ -49,29 +50,37 @@ class Reply:
     arrays: Sequence[np.ndarray]
     num_samples: int
     num_clipped: int
-    overflow: bool = False  # the worker reports that its per-sample gradients overflow at this iterate
+    # the worker reports that its per-sample gradients overflow at this iterate
+    overflow: bool = False
 
 
 @dataclass(frozen=True)
 class Aggregate:
-    """(1/P) Σ_p ClippedMean_p as a flat vector, and the fraction of clipped samples (diagnostic)."""
+    """(1/P) Σ_p ClippedMean_p as a flat vector, and the fraction of clipped samples
+    (diagnostic)."""
 
     mean: np.ndarray
     clip_fraction: float
 
 
 def _check_arrays(layout: ParameterLayout, reply: Reply, reject) -> None:
-    """One float64 array per model tensor, each of the tensor's shape; ``reject(check, detail)`` otherwise."""
+    """One float64 array per model tensor, each of the tensor's shape; ``reject(check, detail)``
+    otherwise."""
     if len(reply.arrays) != len(layout.shapes):
-        raise reject("arrays", f"expected {len(layout.shapes)} arrays ({', '.join(layout.names)}), found {len(reply.arrays)}.")
+        raise reject("arrays",
+                     f"expected {len(layout.shapes)} arrays ({', '.join(layout.names)}), found "
+                     f"{len(reply.arrays)}.")
     for name, shape, a in zip(layout.names, layout.shapes, reply.arrays):
         if not isinstance(a, np.ndarray) or a.dtype != np.float64:
-            raise reject("dtype", f"array {name!r} must be float64, found {getattr(a, 'dtype', type(a).__name__)}.")
+            raise reject("dtype",
+                         f"array {name!r} must be float64, found "
+                         f"{getattr(a, 'dtype', type(a).__name__)}.")
         if a.shape != shape:
             raise reject("shape", f"array {name!r} must have shape {shape}, found {a.shape}.")
 
 
-def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: int) -> np.ndarray | None:
+def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply,
+                 n_min: int) -> np.ndarray | None:
     """The reply's flat contribution after the checks (projected onto the ball if it exceeds the
     radius by float rounding), or None for a well-formed reply that reports an overflow."""
     def reject(check: str, detail: str) -> RoundRejected:
@@ -80,15 +89,17 @@ def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: 
     _check_arrays(layout, reply, reject)
     flat = layout.flatten(reply.arrays)
     if not reply.overflow and not np.all(np.isfinite(flat)):
-        raise reject("finite", f"the contribution holds {int(np.sum(~np.isfinite(flat)))} NaN or inf values.")
+        raise reject("finite",
+                     f"the contribution holds {int(np.sum(~np.isfinite(flat)))} NaN or inf values.")
     if reply.num_samples < n_min:
         raise reject(
             "n_min",
-            f"the worker holds {reply.num_samples} samples but the noise was calibrated for at least "
-            f"n_min = {n_min} per worker; the sensitivity would be larger than assumed.",
+            f"the worker holds {reply.num_samples} samples but the noise was calibrated for at "
+            f"least n_min = {n_min} per worker; the sensitivity would be larger than assumed.",
         )
     if not 0 <= reply.num_clipped <= reply.num_samples:
-        raise reject("clip-count", f"reported {reply.num_clipped} clipped of {reply.num_samples} samples.")
+        raise reject("clip-count",
+                     f"reported {reply.num_clipped} clipped of {reply.num_samples} samples.")
     if reply.overflow:
         return None
     if not math.isinf(plan.radius):
@@ -96,8 +107,9 @@ def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: 
         if norm > plan.radius * (1 + NORM_RTOL):
             raise reject(
                 "norm",
-                f"the contribution's norm {norm:.6g} exceeds the clipping radius {plan.radius:.6g} of this "
-                f"{plan.kind} round. A worker that does not clip breaks the privacy guarantee.",
+                f"the contribution's norm {norm:.6g} exceeds the clipping radius "
+                f"{plan.radius:.6g} of this {plan.kind} round. A worker that does not clip breaks "
+                f"the privacy guarantee.",
             )
         if norm > plan.radius:
             flat = project_onto_ball(flat, plan.radius, norm)
@@ -107,30 +119,37 @@ def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply, n_min: 
 def average_contributions(
     plan: RoundPlan, layout: ParameterLayout, replies: Sequence[Reply], *, clients: int, n_min: int
 ) -> Aggregate:
-    """Check every reply and average them in partition order; raise :class:`RoundRejected` on any failure."""
+    """Check every reply and average them in partition order; raise :class:`RoundRejected` on any
+    failure."""
     seen: dict[int, Reply] = {}
     for reply in replies:
         if reply.partition_id in seen:
             raise RoundRejected(
                 plan.round, "duplicate",
-                f"partition {reply.partition_id} answered twice ({seen[reply.partition_id].client} and {reply.client}).",
+                f"partition {reply.partition_id} answered twice "
+                f"({seen[reply.partition_id].client} and {reply.client}).",
             )
         if not 0 <= reply.partition_id < clients:
-            raise RoundRejected(plan.round, "partition", f"partition id {reply.partition_id} is outside 0..{clients - 1}.", reply.client)
+            raise RoundRejected(plan.round, "partition",
+                                f"partition id {reply.partition_id} is outside 0..{clients - 1}.",
+                                reply.client)
         seen[reply.partition_id] = reply
     missing = sorted(set(range(clients)) - set(seen))
     if missing:
         raise RoundRejected(
             plan.round, "all-clients",
-            f"expected all P = {clients} workers, {len(seen)} answered; missing partitions {missing}. "
+            f"expected all P = {clients} workers, {len(seen)} answered; missing partitions "
+            f"{missing}. "
             "The calibration assumes every worker contributes every round.",
         )
     flats = [_check_reply(plan, layout, seen[p], n_min) for p in range(clients)]
     overflowed = [seen[p].client for p in range(clients) if flats[p] is None]
     if overflowed:  # every reply is well formed, and a worker explains why it has no finite mean
         raise Diverged(plan.round, "gradients",
-                       f"{', '.join(overflowed)} report(s) that per-sample gradients overflow at x_{plan.round - 1}: "
-                       "the optimisation diverged (the iterate is finite, its gradients are not). Lower "
+                       f"{', '.join(overflowed)} report(s) that per-sample gradients overflow at "
+                       f"x_{plan.round - 1}: "
+                       "the optimisation diverged (the iterate is finite, its gradients are not). "
+                       "Lower "
                        "training.learning_rate.")
     mean = np.sum(flats, axis=0) / clients
     clipped = sum(r.num_clipped for r in seen.values())
@@ -138,26 +157,32 @@ def average_contributions(
     return Aggregate(mean=mean, clip_fraction=clipped / samples)
 
 
-def check_local_reply(task: LocalTask, layout: ParameterLayout, reply: Reply, n_min: int) -> np.ndarray:
+def check_local_reply(task: LocalTask, layout: ParameterLayout, reply: Reply,
+                      n_min: int) -> np.ndarray:
     """y_K of the chosen worker's local phase, after the checks; raise :class:`RoundRejected` (or
     :class:`Diverged` for a well-formed overflow report) otherwise.
 
     The local phase's privacy rests on the worker's own clipping and noise, which the server cannot
-    verify; it checks what it can: the right worker answered, with the model's layout, finite values,
-    and at least n_min records (the calibration's sampling probability b / n_min bounds its b / n_p).
+    verify; it checks what it can: the right worker answered, with the model's layout, finite
+    values, and at least n_min records (the calibration's sampling probability b / n_min bounds its
+    b / n_p).
     """
     def reject(check: str, detail: str) -> RoundRejected:
         return RoundRejected(task.round, check, detail, reply.client)
 
     if reply.partition_id != task.partition_id:
-        raise reject("local-worker", f"the local phase was sent to partition {task.partition_id}, the reply is from "
-                     f"partition {reply.partition_id}.")
+        raise reject("local-worker",
+                     f"the local phase was sent to partition {task.partition_id}, the reply is "
+                     f"from partition {reply.partition_id}.")
     _check_arrays(layout, reply, reject)
     if reply.num_samples < max(n_min, task.mechanism.batch_size):
-        raise reject("n_min", f"the worker holds {reply.num_samples} samples; the local steps were calibrated for at "
-                     f"least n_min = {n_min} (and b = {task.mechanism.batch_size}).")
+        raise reject("n_min",
+                     f"the worker holds {reply.num_samples} samples; the local steps were "
+                     f"calibrated for at least n_min = {n_min} (and b = "
+                     f"{task.mechanism.batch_size}).")
     if reply.overflow:
-        raise Diverged(task.round, "gradients", f"{reply.client} reports that per-sample gradients overflow during its "
+        raise Diverged(task.round, "gradients",
+                       f"{reply.client} reports that per-sample gradients overflow during its "
                        "local steps: the optimisation diverged. Lower training.learning_rate.")
     flat = layout.flatten(reply.arrays)
     if not np.all(np.isfinite(flat)):

@@ -32,7 +32,9 @@ from typing import Literal
 from scipy.optimize import brentq
 from scipy.special import log_ndtr, ndtr
 
-from .accounting import PLD_DISCRETIZATION, GaussianEvent, LocalEvent, rdp_epsilon, schedule_pld_epsilon
+from .accounting import (
+    PLD_DISCRETIZATION, GaussianEvent, LocalEvent, rdp_epsilon, schedule_pld_epsilon,
+)
 
 __all__ = [
     "Calibration",
@@ -79,7 +81,8 @@ def gdp_mu(epsilon: float, delta: float) -> float:
         hi *= 2
         if hi > 1e6:  # pragma: no cover - unreachable for delta < 1
             raise ValueError(f"No μ reaches δ = {delta} at ε = {epsilon}.")
-    return float(brentq(lambda m: gdp_delta(epsilon, m) - delta, lo, hi, xtol=1e-15, rtol=1e-14, maxiter=500))
+    return float(brentq(lambda m: gdp_delta(epsilon, m) - delta, lo, hi, xtol=1e-15, rtol=1e-14,
+                        maxiter=500))
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:
@@ -100,7 +103,8 @@ def _gdp_epsilon(mu: float, delta: float) -> float:
     hi = 1.0
     while gdp_delta(hi, mu) > delta:
         hi *= 2
-    return float(brentq(lambda e: gdp_delta(e, mu) - delta, 0.0, hi, xtol=1e-14, rtol=1e-14, maxiter=500))
+    return float(brentq(lambda e: gdp_delta(e, mu) - delta, 0.0, hi, xtol=1e-14, rtol=1e-14,
+                        maxiter=500))
 
 
 def zcdp_rho(epsilon: float, delta: float) -> float:
@@ -111,7 +115,8 @@ def zcdp_rho(epsilon: float, delta: float) -> float:
 
 
 def noise_multiplier(sigma: float, n_min: int, clients: int) -> float:
-    """z = σ n_min P / 2: noise std over the sensitivity 2C/(n_min P) of the averaged ClippedMean."""
+    """z = σ n_min P / 2: noise std over the sensitivity 2C/(n_min P) of the averaged
+    ClippedMean."""
     return sigma * n_min * clients / 2
 
 
@@ -121,11 +126,13 @@ def sigma_from_multiplier(z: float, n_min: int, clients: int) -> float:
 
 
 def expected_noise_norm(sigma: float, dim: int) -> float:
-    """E‖N(0, σ² I_d)‖ = σ √2 Γ((d+1)/2) / Γ(d/2): the mean of a chi distribution with d degrees of freedom
-    (just below σ√d), the expected norm of the noise a release adds in d coordinates with std σ each.
+    """E‖N(0, σ² I_d)‖ = σ √2 Γ((d+1)/2) / Γ(d/2): the mean of a chi distribution with d degrees of
+    freedom (just below σ√d), the expected norm of the noise a release adds in d coordinates with
+    std σ each.
 
     References:
-        Johnson, Kotz & Balakrishnan (1994), Continuous Univariate Distributions vol. 1, §18.9 (the chi mean).
+        Johnson, Kotz & Balakrishnan (1994), Continuous Univariate Distributions vol. 1, §18.9 (the
+        chi mean).
     """
     if not (math.isfinite(sigma) and sigma >= 0):
         raise ValueError(f"`sigma` must be a finite number >= 0. Found {sigma!r}.")
@@ -139,13 +146,15 @@ def expected_noise_norm(sigma: float, dim: int) -> float:
 def count_rounds(rounds: int, restart_every: int) -> tuple[int, int]:
     """(m1, m2): restart rounds ceil(R/T) and difference rounds R - m1 among rounds 1..R."""
     if rounds < 0 or restart_every < 1:
-        raise ValueError(f"Need rounds >= 0 and restart_every >= 1. Found {rounds}, {restart_every}.")
+        raise ValueError(
+            f"Need rounds >= 0 and restart_every >= 1. Found {rounds}, {restart_every}.")
     m1 = -(-rounds // restart_every)
     return m1, rounds - m1
 
 
 def split_budget(budget: float, m1: int, m2: int, u: float) -> tuple[float, float | None]:
-    """(z1, z2) with m1/z1² = B/u and m2/z2² = B(u-1)/u; all of B to the restarts (z2 None) when m2 = 0."""
+    """(z1, z2) with m1/z1² = B/u and m2/z2² = B(u-1)/u; all of B to the restarts (z2 None) when m2
+    = 0."""
     if m2 == 0:
         return math.sqrt(m1 / budget), None
     return math.sqrt(m1 * u / budget), math.sqrt(m2 * u / (budget * (u - 1)))
@@ -186,16 +195,21 @@ class Calibration:
 
     @property
     def planned_epsilon(self) -> float:
-        """ε of the whole schedule: the exact GDP closed form, or with a local phase dp-accounting's PLD."""
+        """ε of the whole schedule: the exact GDP closed form, or with a local phase dp-accounting's
+        PLD."""
         if self.local is None:
             return self.epsilon_spent(self.restart_rounds, self.difference_rounds)
-        return schedule_pld_epsilon(self.delta, self.restart_rounds, self.z1, self.difference_rounds, self.z2,
-                                     self.local.z3, self.local.sampling_prob, self.local.steps - 1, self.rounds)
+        return schedule_pld_epsilon(self.delta, self.restart_rounds, self.z1,
+                                    self.difference_rounds, self.z2,
+                                     self.local.z3, self.local.sampling_prob, self.local.steps - 1,
+                                     self.rounds)
 
     def round_events(self, restart: bool) -> tuple["GaussianEvent | LocalEvent", ...]:
-        """What one released round costs: its Gaussian event, then the local phase's steps (if any)."""
+        """What one released round costs: its Gaussian event, then the local phase's steps (if
+        any)."""
         z = self.z1 if restart else self.z2
-        gaussian = GaussianEvent(float(z), "restart" if restart else "difference")  # type: ignore[arg-type]
+        gaussian = GaussianEvent(float(z),
+                                 "restart" if restart else "difference")  # type: ignore[arg-type]
         return (gaussian,) if self.local is None else (gaussian, self.local.event)
 
     @property
@@ -243,10 +257,10 @@ def calibrate(
 ) -> Calibration:
     """Noise (σ1, σ2) so that R rounds of DIFF2 with restart period T are (ε, δ)-DP.
 
-    With ``local_steps`` = K (the BVR-L-SGD local routine: K - 1 private steps per round on one worker),
-    the server's rounds get the GDP budget (1 - local_share) μ² and σ3 is then the smallest noise with
-    which the whole schedule, composed by dp-accounting's PLD accountant, stays within ε (see
-    :func:`calibrate_local`); mode ``exact`` only.
+    With ``local_steps`` = K (the BVR-L-SGD local routine: K - 1 private steps per round on one
+    worker), the server's rounds get the GDP budget (1 - local_share) μ² and σ3 is then the smallest
+    noise with which the whole schedule, composed by dp-accounting's PLD accountant, stays within ε
+    (see :func:`calibrate_local`); mode ``exact`` only.
 
     Raises:
         ValueError: on an invalid argument, naming it, with the value found.
@@ -254,19 +268,21 @@ def calibrate(
     check_epsilon_delta(epsilon, delta)
     if mode not in _MODES:
         raise ValueError(f"`mode` must be one of {_MODES}. Found {mode!r}.")
-    for name, value in (("rounds", rounds), ("restart_every", restart_every), ("n_min", n_min), ("clients", clients)):
+    for name, value in (("rounds", rounds), ("restart_every", restart_every), ("n_min", n_min),
+                        ("clients", clients)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"`{name}` must be an integer >= 1. Found {value!r}.")
     m1, m2 = count_rounds(rounds, restart_every)
     if m2 > 0 and not (math.isfinite(u) and u > 1):
         raise ValueError(
-            f"`u` must be a finite number > 1 when there are difference rounds (T = {restart_every} > 1). "
-            f"Found {u}. The paper uses u = 1.25; T = 1 is DP-GD."
+            f"`u` must be a finite number > 1 when there are difference rounds (T = "
+            f"{restart_every} > 1). Found {u}. The paper uses u = 1.25; T = 1 is DP-GD."
         )
     budget = gdp_mu(epsilon, delta) ** 2 if mode == "exact" else 2 * zcdp_rho(epsilon, delta)
     if local_steps is not None:
         if mode != "exact":
-            raise ValueError("The local routine is calibrated against dp-accounting's PLD accountant: use "
+            raise ValueError(
+                "The local routine is calibrated against dp-accounting's PLD accountant: use "
                              f"privacy.mode 'exact'. Found {mode!r}.")
         _check_local(local_steps, local_batch_size, local_share, n_min)
         budget *= 1 - float(local_share)  # type: ignore[arg-type]
@@ -279,17 +295,20 @@ def calibrate(
     )
     if local_steps is None:
         return server
-    return dataclasses.replace(server, local=calibrate_local(server, local_steps, local_batch_size, local_share))
+    return dataclasses.replace(server, local=calibrate_local(server, local_steps, local_batch_size,
+                                                             local_share))
 
 
-#: The local routine's σ3 is calibrated to ε (1 - LOCAL_MARGIN) by the PLD accountant composing the schedule
-#: by counts, so that the ledger's own composition (round by round, another discretisation path) stays within ε.
+#: The local routine's σ3 is calibrated to ε (1 - LOCAL_MARGIN) by the PLD accountant composing the
+#: schedule by counts, so that the ledger's own composition (round by round, another discretisation
+#: path) stays within ε.
 LOCAL_MARGIN = 0.005
 
 
 @dataclass(frozen=True)
 class LocalCalibration:
-    """The local routine's noise: K - 1 Poisson-subsampled Gaussian steps per round (see :class:`LocalEvent`)."""
+    """The local routine's noise: K - 1 Poisson-subsampled Gaussian steps per round (see
+    :class:`LocalEvent`)."""
 
     steps: int  # K
     batch_size: int  # b: expected batch size and the fixed normaliser of the minibatch sum
@@ -304,32 +323,42 @@ class LocalCalibration:
 
     def as_dict(self) -> dict[str, float | int | str]:
         return {"steps": self.steps, "batch_size": self.batch_size, "share": self.share,
-                "sampling": "Poisson, each record with probability b / n_p; the sum is divided by b",
+                "sampling": "Poisson, each record with probability b / n_p; the sum is divided by "
+                            "b",
                 "adjacency": "replace-one (dp-accounting REPLACE_ONE, PoissonSampled Gaussian)",
                 "sampling_prob": self.sampling_prob, "z3": self.z3, "sigma3": self.sigma3}
 
 
-def _check_local(steps: int | None, batch_size: int | None, share: float | None, n_min: int) -> None:
+def _check_local(steps: int | None, batch_size: int | None, share: float | None,
+                 n_min: int) -> None:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
-        raise ValueError(f"`local_steps` (K) must be an integer >= 2 (K - 1 local steps per round). Found {steps!r}.")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= n_min:
-        raise ValueError(f"`local_batch_size` (b) must be an integer in [1, n_min = {n_min}] (every worker samples "
-                         f"with probability b / n_p <= 1). Found {batch_size!r}.")
+        raise ValueError(
+            f"`local_steps` (K) must be an integer >= 2 (K - 1 local steps per round). Found "
+            f"{steps!r}.")
+    if not isinstance(batch_size, int) or isinstance(batch_size,
+                                                     bool) or not 1 <= batch_size <= n_min:
+        raise ValueError(
+            f"`local_batch_size` (b) must be an integer in [1, n_min = {n_min}] (every worker "
+            f"samples with probability b / n_p <= 1). Found {batch_size!r}.")
     if share is None or not (math.isfinite(share) and 0 < share < 1):
-        raise ValueError(f"`local_share` must be a number in (0, 1): the fraction of the budget left to the local "
-                         f"steps. Found {share!r}.")
+        raise ValueError(
+            f"`local_share` must be a number in (0, 1): the fraction of the budget left to the "
+            f"local steps. Found {share!r}.")
 
 
-#: Discretisation of the PLDs of the calibration's search (the result is then checked at PLD_DISCRETIZATION).
+#: Discretisation of the PLDs of the calibration's search (the result is then checked at
+#: PLD_DISCRETIZATION).
 SEARCH_DISCRETIZATION = 1e-3
 
 
-def calibrate_local(server: Calibration, steps: int, batch_size: int | None, share: float | None) -> LocalCalibration:
-    """σ3: the smallest z3 (to about 0.2 %) with which the schedule's PLD ε stays within ε (1 - LOCAL_MARGIN).
+def calibrate_local(server: Calibration, steps: int, batch_size: int | None,
+                    share: float | None) -> LocalCalibration:
+    """σ3: the smallest z3 (to about 0.2 %) with which the schedule's PLD ε stays within ε (1 -
+    LOCAL_MARGIN).
 
-    ``server`` is the server's rounds calibrated to the budget (1 - share) μ²; ε(z3) decreases in z3. The search
-    runs on coarser (pessimistic) PLDs; the result is then checked, and raised if needed, at the ledger's
-    discretisation.
+    ``server`` is the server's rounds calibrated to the budget (1 - share) μ²; ε(z3) decreases in
+    z3. The search runs on coarser (pessimistic) PLDs; the result is then checked, and raised if
+    needed, at the ledger's discretisation.
     """
     _check_local(steps, batch_size, share, server.n_min)
     assert batch_size is not None and share is not None
@@ -337,27 +366,31 @@ def calibrate_local(server: Calibration, steps: int, batch_size: int | None, sha
     target = server.epsilon * (1 - LOCAL_MARGIN)
 
     def eps(z3: float, interval: float = SEARCH_DISCRETIZATION) -> float:
-        return schedule_pld_epsilon(server.delta, server.restart_rounds, server.z1, server.difference_rounds,
+        return schedule_pld_epsilon(server.delta, server.restart_rounds, server.z1,
+                                    server.difference_rounds,
                                      server.z2, z3, q, steps - 1, server.rounds, interval)
 
     lo, hi = 0.5, 1.0
     while eps(hi) > target:
         lo, hi = hi, hi * 2
         if hi > 1e7:
-            raise ValueError(f"No local noise keeps the schedule within ε = {server.epsilon}: raise local_share.")
+            raise ValueError(
+                f"No local noise keeps the schedule within ε = {server.epsilon}: raise "
+                f"local_share.")
     while eps(lo) <= target and lo > 1e-3:
         lo, hi = lo / 2, lo
-    root = math.exp(brentq(lambda t: eps(math.exp(t)) - target, math.log(lo), math.log(hi), xtol=1e-3))
+    root = math.exp(brentq(lambda t: eps(math.exp(t)) - target, math.log(lo), math.log(hi),
+                           xtol=1e-3))
     hi = min(hi, root * 1.002)
     while eps(hi) > target or eps(hi, PLD_DISCRETIZATION) > target:
         hi *= 1.002
-    return LocalCalibration(steps=steps, batch_size=batch_size, share=float(share), sampling_prob=q, z3=hi,
-                            sigma3=hi / batch_size)
+    return LocalCalibration(steps=steps, batch_size=batch_size, share=float(share), sampling_prob=q,
+                            z3=hi, sigma3=hi / batch_size)
 
 
 def schedule_cross_check(cal: Calibration) -> dict[str, float]:
-    """ε of a whole calibrated schedule by dp-accounting's PLD and RDP accountants (composed by counts),
-    next to the closed form: what ``diff2 noise`` prints to cross-check a calibration."""
+    """ε of a whole calibrated schedule by dp-accounting's PLD and RDP accountants (composed by
+    counts), next to the closed form: what ``diff2 noise`` prints to cross-check a calibration."""
     from dp_accounting import dp_event
     from dp_accounting.pld import pld_privacy_accountant
 

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 __all__ = [
-    "NORM_RTOL", "ClippedSum", "clip_factors", "clip_rows", "row_norms", "row_norms_np", "scaled_row_norms",
+    "NORM_RTOL", "ClippedSum", "clip_factors", "clip_rows", "row_norms", "row_norms_np",
+    "scaled_row_norms",
     "SAFE_NORM_RANGE", "clipped_sum", "clipped_mean", "robust_norm", "radius_norm",
     "project_onto_ball", "onto_ball",
 ]
@@ -34,8 +35,9 @@ NORM_RTOL = 1e-9
 # and at least this (no square of a relevant entry underflowed); otherwise scale first.
 _SQUARES_SAFE_BELOW = 2.0**-500
 
-#: A norm in [2^-300, 2^300] came from a sum of squares in [2^-600, 2^600]: what underflowed in it is below
-#: d·2^-1074, a relative d·2^-474 of it (nothing for any d), and nothing overflowed. Outside, scale first.
+#: A norm in [2^-300, 2^300] came from a sum of squares in [2^-600, 2^600]: what underflowed in it
+#: is below d·2^-1074, a relative d·2^-474 of it (nothing for any d), and nothing overflowed.
+#: Outside, scale first.
 SAFE_NORM_RANGE = (2.0**-300, 2.0**300)
 
 
@@ -64,7 +66,8 @@ def clip_rows(rows: torch.Tensor, radius: float) -> tuple[torch.Tensor, torch.Te
     return clipped, over
 
 
-def _clip_rows(rows: torch.Tensor, radius: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _clip_rows(rows: torch.Tensor, radius: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
     _check_radius(radius)
     if rows.ndim != 2:
         raise ValueError(f"`rows` must have shape [n, d]. Found shape {tuple(rows.shape)}.")
@@ -77,15 +80,17 @@ def _clip_rows(rows: torch.Tensor, radius: float) -> tuple[torch.Tensor, torch.T
     factor = torch.where(over, radius / safe, 1.0)
     clipped = rows * factor.unsqueeze(1)
     tiny = over & (factor < torch.finfo(factor.dtype).tiny)
-    if bool(tiny.any()):  # C/‖a‖ subnormal: its few bits would overshoot C; onto the unit sphere first, then C
+    # C/‖a‖ subnormal: its few bits would overshoot C; onto the unit sphere first, then C
+    if bool(tiny.any()):
         clipped = torch.where(tiny.unsqueeze(1), rows / safe.unsqueeze(1) * radius, clipped)
     return clipped, over, norms
 
 
 def clip_factors(norms: torch.Tensor, radius: float | torch.Tensor) -> torch.Tensor:
-    """min(1, C/‖a‖) per norm, never above C/‖a‖: a factor below the smallest normal float (‖a‖ > 2^1022 C) is
-    subnormal, and rounded to nearest it could exceed C/‖a‖ (a clipped row above C); it is taken one step toward 0.
-    Branch-free (it runs inside compiled rounds too); a normal factor is exactly ``C / ‖a‖``."""
+    """min(1, C/‖a‖) per norm, never above C/‖a‖: a factor below the smallest normal float (‖a‖ >
+    2^1022 C) is subnormal, and rounded to nearest it could exceed C/‖a‖ (a clipped row above C); it
+    is taken one step toward 0. Branch-free (it runs inside compiled rounds too); a normal factor is
+    exactly ``C / ‖a‖``."""
     over = norms > radius
     c = torch.where(over, radius / torch.where(over, norms, 1.0), 1.0)
     tiny = (c > 0) & (c < torch.finfo(c.dtype).tiny)
@@ -93,10 +98,11 @@ def clip_factors(norms: torch.Tensor, radius: float | torch.Tensor) -> torch.Ten
 
 
 def row_norms(rows: torch.Tensor) -> torch.Tensor:
-    """Euclidean norm of each row of ``rows`` [n, d], exact to float rounding whatever its magnitude.
+    """Euclidean norm of each row of ``rows`` [n, d], exact to float rounding whatever its
+    magnitude.
 
-    ``torch.linalg.vector_norm`` squares the entries unscaled: a row of norm 1e-170 reads 0 (and passes
-    any radius unclipped), one of norm 1e200 reads inf. Its result is kept where it lies in
+    ``torch.linalg.vector_norm`` squares the entries unscaled: a row of norm 1e-170 reads 0 (and
+    passes any radius unclipped), one of norm 1e200 reads inf. Its result is kept where it lies in
     :data:`SAFE_NORM_RANGE`; the other rows are divided by their largest magnitude first (LAPACK's
     ``dnrm2`` idea, two passes). A row holding NaN stays NaN, one holding inf is inf.
     """
@@ -109,8 +115,9 @@ def row_norms(rows: torch.Tensor) -> torch.Tensor:
 
 
 def row_norms_np(rows: np.ndarray) -> np.ndarray:
-    """:func:`row_norms` of a float64 array [n, d] in numpy (for small arrays, where a torch call costs more than its
-    work): the plain norm where it lies in :data:`SAFE_NORM_RANGE`, elsewhere max|row| · ‖row / max|row|‖."""
+    """:func:`row_norms` of a float64 array [n, d] in numpy (for small arrays, where a torch call
+    costs more than its work): the plain norm where it lies in :data:`SAFE_NORM_RANGE`, elsewhere
+    max|row| · ‖row / max|row|‖."""
     norms = np.sqrt(np.einsum("ij,ij->i", rows, rows))
     low, high = SAFE_NORM_RANGE
     unsafe = ~((norms >= low) & (norms <= high))  # also 0, inf and NaN
@@ -127,8 +134,9 @@ def row_norms_np(rows: np.ndarray) -> np.ndarray:
 
 
 def scaled_row_norms(rows: torch.Tensor) -> torch.Tensor:
-    """Row norms of ``rows`` [n, d] as max|row| · ‖row / max|row|‖: no square underflows or overflows
-    that matters (entries below 2^-1074 of the largest are lost: a relative d·2^-1074 at most)."""
+    """Row norms of ``rows`` [n, d] as max|row| · ‖row / max|row|‖: no square underflows or
+    overflows that matters (entries below 2^-1074 of the largest are lost: a relative d·2^-1074 at
+    most)."""
     scale = rows.abs().amax(dim=1) if rows.shape[1] else rows.new_zeros(rows.shape[0])
     ok = (scale > 0) & torch.isfinite(scale)
     safe = torch.where(ok, scale, 1.0)
@@ -156,7 +164,8 @@ def clipped_mean(rows: torch.Tensor, radius: float) -> torch.Tensor:
 
 def robust_norm(flat: np.ndarray) -> float:
     """Euclidean norm without underflow or overflow: ``np.linalg.norm`` squares the entries, so a
-    contribution of 1e-300 would read as norm 0 and pass a zero radius. Scaled by the largest entry."""
+    contribution of 1e-300 would read as norm 0 and pass a zero radius. Scaled by the largest
+    entry."""
     scale = float(np.max(np.abs(flat))) if flat.size else 0.0
     if scale == 0.0 or not math.isfinite(scale):
         return scale
@@ -178,8 +187,8 @@ def radius_norm(flat: np.ndarray) -> float:
 
 
 def project_onto_ball(flat: np.ndarray, radius: float, norm: float) -> np.ndarray:
-    """Scale ``flat`` (of norm ``norm`` > ``radius``) onto the ball of ``radius`` so that its float64
-    norm is <= radius exactly, by either way of computing it."""
+    """Scale ``flat`` (of norm ``norm`` > ``radius``) onto the ball of ``radius`` so that its
+    float64 norm is <= radius exactly, by either way of computing it."""
     factor = radius / norm
     projected = flat * factor
     # rounding can leave it 1 ulp outside (by either way of computing the norm)
@@ -197,8 +206,8 @@ def onto_ball(mean: np.ndarray, radius: float) -> np.ndarray:
     for the server's norm check to name."""
     if math.isinf(radius):
         return mean
-    # The server's norm is robust_norm; np.linalg.norm may read 1 ulp higher. Both must be <= radius.
-    # (When robust_norm exceeds, this is bit for bit the projection the server would make.)
+    # The server's norm is robust_norm; np.linalg.norm may read 1 ulp higher. Both must be <=
+    # radius. (When robust_norm exceeds, this is bit for bit the projection the server would make.)
     norm = robust_norm(mean)
     if norm <= radius:
         norm = float(np.linalg.norm(mean))

@@ -62,8 +62,8 @@ class MLPParts:
 
 def _norms(features: torch.Tensor, sq_norm_a: torch.Tensor, ge: torch.Tensor, gs: torch.Tensor,
            gd: torch.Tensor) -> torch.Tensor:
-    """Per-sample norms of the gradients (ge, gs, gd, gd aᵀ), float64: squared and summed where that is exact
-    to rounding, scaled elsewhere (see the module's docstring)."""
+    """Per-sample norms of the gradients (ge, gs, gd, gd aᵀ), float64: squared and summed where that
+    is exact to rounding, scaled elsewhere (see the module's docstring)."""
     norms = torch.sqrt(ge * ge + (gs * gs).sum(1) + (gd * gd).sum(1) * (1 + sq_norm_a))
     low, high = SAFE_NORM_RANGE
     unsafe = ~((norms >= low) & (norms <= high)) | (sq_norm_a > 2.0**400)
@@ -84,18 +84,23 @@ class PaperMLPGradients:
 
     def __init__(self, layout: ParameterLayout, *, dtype: torch.dtype = torch.float64) -> None:
         shapes = layout.shapes
-        if len(shapes) != 4 or len(shapes[0]) != 2 or shapes[2] != (1, shapes[0][0]) or shapes[3] != (1,):
-            raise ValueError(f"The closed form needs the paper MLP layout (W1, b1, w2[1, h], b2[1]). Found {shapes}.")
+        if len(shapes) != 4 or len(shapes[0]) != 2 or shapes[2] != (1, shapes[0][0]) or shapes[
+            3] != (1,):
+            raise ValueError(
+                f"The closed form needs the paper MLP layout (W1, b1, w2[1, h], b2[1]). Found "
+                f"{shapes}.")
         self.layout = layout
         self.dtype = dtype
         self.hidden, self.in_features = shapes[0]
 
-    def unpack(self, x_vec: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def unpack(self, x_vec: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                 torch.Tensor]:
         w1, b1, w2, b2 = (torch.as_tensor(a, dtype=self.dtype) for a in self.layout.split(x_vec))
         return w1, b1, w2.reshape(-1), b2.reshape(())
 
     def parts(self, x_vec: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> MLPParts:
-        """Per-sample quantities at ``x_vec``, computed in the compute dtype and returned in float64."""
+        """Per-sample quantities at ``x_vec``, computed in the compute dtype and returned in
+        float64."""
         w1, b1, w2, b2 = self.unpack(x_vec)
         h = torch.addmm(b1, features, w1.T)
         s, ds = softplus_with_derivative(h)
@@ -107,8 +112,8 @@ class PaperMLPGradients:
         self, features: torch.Tensor, sq_norm_a: torch.Tensor, ge: torch.Tensor, gs: torch.Tensor,
         gd: torch.Tensor, radius: float,
     ) -> tuple[torch.Tensor, int, int]:
-        """Clipped sum of the per-sample gradients given by (∂b2, ∂w2, ∂b1) = (ge, gs, gd), ∂W1 = gd aᵀ,
-        how many were clipped, and how many had a non-finite norm.
+        """Clipped sum of the per-sample gradients given by (∂b2, ∂w2, ∂b1) = (ge, gs, gd), ∂W1 = gd
+        aᵀ, how many were clipped, and how many had a non-finite norm.
 
         All of it in float64 (inputs are float64): norms, clip factors and sums keep float64
         rounding whatever the compute dtype, so a clipped mean exceeds the radius by float64
@@ -124,13 +129,14 @@ class PaperMLPGradients:
             c = clip_factors(norms, radius)
             clipped = int(over.sum())
         cd = gd * c.unsqueeze(1)
-        total = torch.cat([(cd.T @ features).reshape(-1), cd.sum(0), (gs * c.unsqueeze(1)).sum(0), (ge * c).sum(0, keepdim=True)])
+        total = torch.cat([(cd.T @ features).reshape(-1), cd.sum(0), (gs * c.unsqueeze(1)).sum(0),
+                           (ge * c).sum(0, keepdim=True)])
         return total, clipped, nonfinite
 
-    def _clipped_sum(self, x_current: np.ndarray, features: torch.Tensor, targets: torch.Tensor, radius: float,
-                     x_previous: np.ndarray | None) -> tuple[torch.Tensor, int, int]:
-        """Clipped sum over these samples of the gradients at ``x_current`` (or of the differences with
-        ``x_previous``), how many were clipped, how many had a non-finite norm."""
+    def _clipped_sum(self, x_current: np.ndarray, features: torch.Tensor, targets: torch.Tensor,
+                     radius: float, x_previous: np.ndarray | None) -> tuple[torch.Tensor, int, int]:
+        """Clipped sum over these samples of the gradients at ``x_current`` (or of the differences
+        with ``x_previous``), how many were clipped, how many had a non-finite norm."""
         cur = self.parts(x_current, features, targets)
         ge, gs, gd = cur.e, cur.e.unsqueeze(1) * cur.s, cur.delta
         if x_previous is not None:
@@ -145,18 +151,21 @@ class PaperMLPGradients:
     ) -> Contribution:
         n = int(features.shape[0])
         if n == 0:
-            raise ValueError("The shard is empty: a worker with no samples cannot compute a ClippedMean.")
+            raise ValueError(
+                "The shard is empty: a worker with no samples cannot compute a ClippedMean.")
         if math.isnan(radius) or radius < 0:
             raise ValueError(f"`radius` must be >= 0 (or inf for no clipping). Found {radius}.")
-        total, clipped, nonfinite = self._clipped_sum(x_current, features, targets, radius, x_previous)
+        total, clipped, nonfinite = self._clipped_sum(x_current, features, targets, radius,
+                                                      x_previous)
         return finish_contribution((total / n).numpy(), n, clipped, nonfinite, radius)
 
     def clipped_mean_of(
-        self, x_current: np.ndarray, chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], radius: float,
-        x_previous: np.ndarray | None = None,
+        self, x_current: np.ndarray, chunks: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        radius: float, x_previous: np.ndarray | None = None,
     ) -> Contribution:
-        """:meth:`clipped_mean` over a shard given as chunks of (features, targets), read once, in order
-        (equal to it up to the order of the sums' rounding); n is the number of samples read."""
+        """:meth:`clipped_mean` over a shard given as chunks of (features, targets), read once, in
+        order (equal to it up to the order of the sums' rounding); n is the number of samples
+        read."""
         if math.isnan(radius) or radius < 0:
             raise ValueError(f"`radius` must be >= 0 (or inf for no clipping). Found {radius}.")
         total = torch.zeros(self.layout.dim, dtype=torch.float64)
@@ -170,5 +179,6 @@ class PaperMLPGradients:
             nonfinite += bad
             n += int(xc.shape[0])
         if n == 0:
-            raise ValueError("The shard is empty: a worker with no samples cannot compute a ClippedMean.")
+            raise ValueError(
+                "The shard is empty: a worker with no samples cannot compute a ClippedMean.")
         return finish_contribution((total / n).numpy(), n, clipped, nonfinite, radius)

@@ -20,18 +20,21 @@ import numpy as np
 __all__ = ["gradient_evaluations", "round_evaluations"]
 
 
-def round_evaluations(r: int, restart_every: int, n: int, local_steps: int = 1, local_batch: int = 0) -> float:
+def round_evaluations(r: int, restart_every: int, n: int, local_steps: int = 1,
+                      local_batch: int = 0) -> float:
     """Expected per-sample gradient evaluations of round r (r >= 1)."""
     if r < 1 or restart_every < 1 or n < 0 or local_steps < 1 or local_batch < 0:
         raise ValueError(f"round_evaluations: expected r >= 1, T >= 1, n >= 0, K >= 1, b >= 0. "
-                         f"Found r={r}, T={restart_every}, n={n}, K={local_steps}, b={local_batch}.")
+                         f"Found r={r}, T={restart_every}, n={n}, K={local_steps}, "
+                         f"b={local_batch}.")
     server = n if (r - 1) % restart_every == 0 else 2 * n
     return float(server + 2 * local_batch * (local_steps - 1))
 
 
-def gradient_evaluations(*, rounds: int, restart_every: int, n: int, local_steps: int = 1, local_batch: int = 0,
-                         at: Sequence[int] | None = None) -> np.ndarray:
-    """Cumulative expected evaluations after r rounds, for every r in ``at`` (default 0 … rounds); 0 at r = 0.
+def gradient_evaluations(*, rounds: int, restart_every: int, n: int, local_steps: int = 1,
+                         local_batch: int = 0, at: Sequence[int] | None = None) -> np.ndarray:
+    """Cumulative expected evaluations after r rounds, for every r in ``at`` (default 0 … rounds); 0
+    at r = 0.
 
     ``local_steps`` is K (K - 1 local steps per round; 1: no local routine), ``local_batch`` b.
     """
@@ -40,5 +43,7 @@ def gradient_evaluations(*, rounds: int, restart_every: int, n: int, local_steps
     total = np.cumsum(per_round)
     at_idx = np.arange(rounds + 1) if at is None else np.asarray(at, dtype=int)
     if at_idx.size and (at_idx.min() < 0 or at_idx.max() > rounds):
-        raise ValueError(f"gradient_evaluations: rounds to report must lie in 0 … {rounds}. Found {at_idx.tolist()}.")
+        raise ValueError(
+            f"gradient_evaluations: rounds to report must lie in 0 … {rounds}. Found "
+            f"{at_idx.tolist()}.")
     return total[at_idx]

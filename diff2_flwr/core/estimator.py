@@ -66,12 +66,14 @@ class Diverged(RuntimeError):
     def __init__(self, round: int, check: str, detail: str, client: str | None = None) -> None:
         self.round, self.check, self.client = round, check, client
         who = f" from {client}" if client else ""
-        prefix = f"Round {round}:" if check == "iterate" else f"Round {round} released nothing: check '{check}' failed{who}:"
+        prefix = f"Round {round}:" if check == "iterate" else (f"Round {round} released nothing: "
+                                                               f"check '{check}' failed{who}:")
         super().__init__(f"{prefix} {detail}")
 
 
 #: What a diverging run should change, for the messages of :class:`Diverged`.
-DIVERGENCE_ADVICE = ("Lower training.learning_rate (or training.restart_every: noise enlarges ||x_r - x_(r-1)|| "
+DIVERGENCE_ADVICE = (
+    "Lower training.learning_rate (or training.restart_every: noise enlarges ||x_r - x_(r-1)|| "
                      "and so the next noise).")
 
 
@@ -96,8 +98,10 @@ class Mechanism:
     sigma_diff: float
 
     def __post_init__(self) -> None:
-        if not isinstance(self.restart_every, int) or isinstance(self.restart_every, bool) or self.restart_every < 1:
-            raise ValueError(f"`restart_every` (T) must be an integer >= 1. Found {self.restart_every!r}.")
+        if not isinstance(self.restart_every, int) or isinstance(self.restart_every,
+                                                                 bool) or self.restart_every < 1:
+            raise ValueError(
+                f"`restart_every` (T) must be an integer >= 1. Found {self.restart_every!r}.")
         for name in ("clip_restart", "clip_diff"):
             value = getattr(self, name)
             if math.isnan(value) or value <= 0:
@@ -162,7 +166,8 @@ def is_restart(r: int, restart_every: int) -> bool:
 
 
 def difference_radius(clip_diff: float, x_current: np.ndarray, x_previous: np.ndarray) -> float:
-    """C_{2,r} = C2 * ||x_{r-1} - x_{r-2}||; inf when C2 = inf (no clipping), 0 when x_{r-1} = x_{r-2}.
+    """C_{2,r} = C2 * ||x_{r-1} - x_{r-2}||; inf when C2 = inf (no clipping), 0 when x_{r-1} =
+    x_{r-2}.
 
     The norm is :func:`~diff2_flwr.core.clipping.radius_norm` (no overflow of the squares); the
     result is still inf when the product overflows, which :func:`round_scale` refuses.
@@ -175,7 +180,8 @@ def difference_radius(clip_diff: float, x_current: np.ndarray, x_previous: np.nd
 
 
 def round_scale(
-    r: int, restart: bool, clip: float, sigma: float, x_current: np.ndarray, x_previous: np.ndarray | None
+    r: int, restart: bool, clip: float, sigma: float, x_current: np.ndarray,
+    x_previous: np.ndarray | None
 ) -> tuple[float, float]:
     """Round r's clipping radius and noise std (σ · radius), or :class:`Diverged` ('radius').
 
@@ -188,8 +194,10 @@ def round_scale(
     if not math.isinf(clip) and not (math.isfinite(radius) and math.isfinite(noise_std)):
         what = "restart round's" if restart else "difference round's"
         step = "" if restart else f" (C2 = {clip:g}, ||x_(r-1) - x_(r-2)|| = {radius / clip:.3g})"
-        raise Diverged(r, "radius", f"the {what} clipping radius {radius:.3g} or noise std {noise_std:.3g} is not "
-                       f"finite{step}; a private round needs both finite, so the iterates have run away. "
+        raise Diverged(r, "radius",
+                       f"the {what} clipping radius {radius:.3g} or noise std {noise_std:.3g} is "
+                       f"not finite{step}; a private round needs both finite, so the iterates "
+                       f"have run away. "
                        + DIVERGENCE_ADVICE)
     return radius, noise_std
 
@@ -237,7 +245,8 @@ def round_noise(noise_key: int, r: int, dim: int, std: float) -> np.ndarray:
     return np.random.Generator(np.random.PCG64(seq)).standard_normal(dim) * std
 
 
-def estimate(state: Diff2State, mechanism: Mechanism, mean: np.ndarray) -> tuple[RoundPlan, np.ndarray]:
+def estimate(state: Diff2State, mechanism: Mechanism, mean: np.ndarray) -> tuple[RoundPlan,
+                                                                                 np.ndarray]:
     """Round r's plan and released estimator ṽ_r from the workers' averaged clipped means ``mean``.
 
     ``mean`` is (1/P) Σ_p ClippedMean_p: of gradients on restart rounds, of gradient
@@ -249,15 +258,18 @@ def estimate(state: Diff2State, mechanism: Mechanism, mean: np.ndarray) -> tuple
     plan = plan_round(state, mechanism)
     mean = np.asarray(mean)
     if mean.shape != state.x.shape:
-        raise ValueError(f"The averaged contribution must have shape {state.x.shape}. Found {mean.shape}.")
+        raise ValueError(
+            f"The averaged contribution must have shape {state.x.shape}. Found {mean.shape}.")
     if not np.all(np.isfinite(mean)):
-        raise ValueError(f"Round {plan.round}: the averaged contribution is not finite; nothing released.")
+        raise ValueError(
+            f"Round {plan.round}: the averaged contribution is not finite; nothing released.")
     xi = round_noise(state.noise_key, plan.round, mean.size, plan.noise_std)
     v = mean + xi if plan.restart else state.v + mean + xi
     return plan, v
 
 
-def advance(state: Diff2State, plan: RoundPlan, v: np.ndarray, x: np.ndarray, routine_state: Any) -> tuple[Diff2State, Release]:
+def advance(state: Diff2State, plan: RoundPlan, v: np.ndarray, x: np.ndarray,
+            routine_state: Any) -> tuple[Diff2State, Release]:
     """The state after round r released ṽ_r = ``v`` and x_r = ``x``."""
     new_state = Diff2State(
         round=plan.round, x=_frozen(x), x_prev=state.x, v=_frozen(v),
@@ -269,7 +281,8 @@ def advance(state: Diff2State, plan: RoundPlan, v: np.ndarray, x: np.ndarray, ro
 def server_step(
     state: Diff2State, mechanism: Mechanism, routine: Routine, mean: np.ndarray
 ) -> tuple[Diff2State, Release]:
-    """Release round r from the workers' averaged clipped means ``mean``: ṽ_r, then x_r = Routine(x_{r-1}, ṽ_r).
+    """Release round r from the workers' averaged clipped means ``mean``: ṽ_r, then x_r =
+    Routine(x_{r-1}, ṽ_r).
 
     References:
         Murata & Suzuki (2023), Algorithm 1, server lines.

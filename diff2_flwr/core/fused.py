@@ -1,46 +1,51 @@
-"""Ghost clipping of a one-hidden-layer MLP in one fused pass: a small C++ kernel (``fused_ghost.cpp``, beside
-this file) built once per machine and loaded with ``ctypes``.
+"""Ghost clipping of a one-hidden-layer MLP in one fused pass: a small C++ kernel
+(``fused_ghost.cpp``, beside this file) built once per machine and loaded with ``ctypes``.
 
 For K runs of an MLP with widths (F, H, O) and P clients of N samples each (M = P·N, side by side),
-:func:`clipped_sums` takes the forward pass's quantities in the compute dtype — hidden activations a [K, H, M],
-φ'(h) [K, H, M], output gradient g_L [K, O, M] (from torch: any activation, ½-squared error or cross-entropy)
-and output weights W_2 [K, O, H] — at x and, for a difference, at x', and returns what
-:mod:`diff2_flwr.core.ghost` gives from them: per client and run, the clipped sums Σ_n c_n ∇ℓ (or of the
-differences) [P, K, d] in float64 and whether a real sample's norm was not finite [P, K]. Per sample it does,
-in one pass over blocks of 16 samples of one client and run:
+:func:`clipped_sums` takes the forward pass's quantities in the compute dtype — hidden activations a
+[K, H, M], φ'(h) [K, H, M], output gradient g_L [K, O, M] (from torch: any activation, ½-squared
+error or cross-entropy) and output weights W_2 [K, O, H] — at x and, for a difference, at x', and
+returns what :mod:`diff2_flwr.core.ghost` gives from them: per client and run, the clipped sums Σ_n
+c_n ∇ℓ (or of the differences) [P, K, d] in float64 and whether a real sample's norm was not finite
+[P, K]. Per sample it does, in one pass over blocks of 16 samples of one client and run:
 
-    g_1 = (W_2ᵀ g_L) ⊙ φ'(h)                 in the compute dtype, as :func:`~diff2_flwr.core.ghost.forward`,
-    ‖·‖² = ‖dg_1‖²(1 + ‖x‖²) + ‖dg_L‖²(1 + ‖a‖²) + ‖g_L'‖²‖da‖² + 2(dg_L·g_L')(a·da)    in float64,
-    c = rad/‖·‖ if ‖·‖ > rad else 1, times the mask (0 for padding),
+    g_1 = (W_2ᵀ g_L) ⊙ φ'(h)                 in the compute dtype, as
+    :func:`~diff2_flwr.core.ghost.forward`, ‖·‖² = ‖dg_1‖²(1 + ‖x‖²) + ‖dg_L‖²(1 + ‖a‖²) +
+    ‖g_L'‖²‖da‖² + 2(dg_L·g_L')(a·da)    in float64, c = rad/‖·‖ if ‖·‖ > rad else 1, times the mask
+    (0 for padding),
 
-the formulas of :func:`~diff2_flwr.core.ghost.norms` (difference form; a plain row is g' = 0, a' = a, as
-:meth:`~diff2_flwr.core.ghost.Pass.restarting`), with its safeguards: where the last three terms cancel
-(A + B > 16 (A + B + X)) the output layer's term is taken from its QR form instead, and a sample whose squares
-may have underflowed or overflowed has its norm taken again with every factor scaled by a power of two — both
-only for the blocks and samples that need it (elsewhere they cost a comparison per sample), each sample's result
-its own. It adds c·(the per-sample gradient) into float64 per-lane sums — no [K, H, M] float64 tensor is ever
-formed. The sums over samples are taken in another order than
-the torch path's matrix products (per lane over the blocks, then over the lanes): equal to rounding, and
-deterministic — same inputs, same bits, whatever the other runs and clients of the call.
+the formulas of :func:`~diff2_flwr.core.ghost.norms` (difference form; a plain row is g' = 0, a' =
+a, as :meth:`~diff2_flwr.core.ghost.Pass.restarting`), with its safeguards: where the last three
+terms cancel (A + B > 16 (A + B + X)) the output layer's term is taken from its QR form instead, and
+a sample whose squares may have underflowed or overflowed has its norm taken again with every factor
+scaled by a power of two — both only for the blocks and samples that need it (elsewhere they cost a
+comparison per sample), each sample's result its own. It adds c·(the per-sample gradient) into
+float64 per-lane sums — no [K, H, M] float64 tensor is ever formed. The sums over samples are taken
+in another order than the torch path's matrix products (per lane over the blocks, then over the
+lanes): equal to rounding, and deterministic — same inputs, same bits, whatever the other runs and
+clients of the call.
 
-Layouts: the sample arrays (inputs, parts) are rows of samples [.., R, M], or — ``blocked`` (:func:`to_blocked`) — each
-block's R rows one after another, so that a block is a few contiguous cache lines; the kernel does the same operations
-on the same values in either (the same bits). The engine's kernel-forward rounds use the blocked one: in rows, a
-difference round streams about sixty rows M apart (inputs, this pass written, the previous one read), more than the
-caches' prefetchers follow (measured 1.2–1.8× faster blocked, same bits).
+Layouts: the sample arrays (inputs, parts) are rows of samples [.., R, M], or — ``blocked``
+(:func:`to_blocked`) — each block's R rows one after another, so that a block is a few contiguous
+cache lines; the kernel does the same operations on the same values in either (the same bits). The
+engine's kernel-forward rounds use the blocked one: in rows, a difference round streams about sixty
+rows M apart (inputs, this pass written, the previous one read), more than the caches' prefetchers
+follow (measured 1.2–1.8× faster blocked, same bits).
 
-The kernel is compiled with ``-O3 -ffp-contract=off`` and no ``-ffast-math``: every operation is one IEEE
-operation in the order written and lanes are independent samples, so the bits do not depend on the vector
-width (the build targets torch's CPU capability: AVX-512, AVX2 or the x86-64 baseline; a test compares the
-baseline build with this machine's bit for bit). It is cached under ``$TORCH_EXTENSIONS_DIR`` (else torch's
-default extensions folder) in ``diff2_fused/``, named by the capability and a hash of its source, flags and
-compiler; a build takes ≈ 5 s, once per machine (processes that build at once each write their own file and
-rename it into place). Without a working C++ compiler :func:`load` returns None after one warning on stderr,
-and the batched engine keeps the torch path (same maths, slower).
+The kernel is compiled with ``-O3 -ffp-contract=off`` and no ``-ffast-math``: every operation is one
+IEEE operation in the order written and lanes are independent samples, so the bits do not depend on
+the vector width (the build targets torch's CPU capability: AVX-512, AVX2 or the x86-64 baseline; a
+test compares the baseline build with this machine's bit for bit). It is cached under
+``$TORCH_EXTENSIONS_DIR`` (else torch's default extensions folder) in ``diff2_fused/``, named by the
+capability and a hash of its source, flags and compiler; a build takes ≈ 5 s, once per machine
+(processes that build at once each write their own file and rename it into place). Without a working
+C++ compiler :func:`load` returns None after one warning on stderr, and the batched engine keeps the
+torch path (same maths, slower).
 
 References:
     Murata & Suzuki (2023), Algorithm 1 (worker lines), Algorithm 2 (ClippedMean);
-    Li et al. (2022), "Large language models can be strong differentially private learners" (ghost clipping).
+    Li et al. (2022), "Large language models can be strong differentially private learners" (ghost
+    clipping).
 """
 
 from __future__ import annotations
@@ -57,19 +62,21 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Parts", "FusedKernel", "ACTIVATION_CODES", "LOSS_CODES", "build", "load", "unload", "clipped_sums",
+__all__ = ["Parts", "FusedKernel", "ACTIVATION_CODES", "LOSS_CODES", "build", "load", "unload",
+           "clipped_sums",
            "forward_sums", "activation", "to_blocked", "from_blocked"]
 
-#: The activations and losses whose forward pass the kernel computes itself (its ``Activation`` and ``Loss`` codes):
-#: every one :mod:`diff2_flwr.core.ghost` knows.
+#: The activations and losses whose forward pass the kernel computes itself (its ``Activation`` and
+#: ``Loss`` codes): every one :mod:`diff2_flwr.core.ghost` knows.
 ACTIVATION_CODES = {"softplus": 0, "tanh": 1, "sigmoid": 2, "relu": 3, "identity": 4}
 LOSS_CODES = {"half_squared_error": 0, "cross_entropy": 1}
 
 SOURCE = Path(__file__).with_name("fused_ghost.cpp")
-#: IEEE arithmetic in the order written (no contraction into FMA, no fast-math); errno and traps off only
-#: let sqrt and division vectorise, neither changes a value; the loops over a block's samples are vectorised
-#: as loops (fully unrolled first, GCC leaves most of them scalar: 1.6x slower).
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+#: IEEE arithmetic in the order written (no contraction into FMA, no fast-math); errno and traps off
+#: only let sqrt and division vectorise, neither changes a value; the loops over a block's samples
+#: are vectorised as loops (fully unrolled first, GCC leaves most of them scalar: 1.6x slower).
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno",
+         "-fno-trapping-math",
          "--param=max-completely-peel-times=1")
 #: torch's CPU capability -> the instruction sets the build may use.
 ISA = {"AVX512": ("-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mavx2", "-mfma",
@@ -78,14 +85,15 @@ ISA = {"AVX512": ("-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mavx2
 
 
 class Parts(NamedTuple):
-    """One iterate's forward quantities, in the compute dtype, contiguous: hidden activations a [K, H, M],
-    φ'(h) [K, H, M], output gradient g_L [K, O, M], output weights W_2 [K, O, H]."""
+    """One iterate's forward quantities, in the compute dtype, contiguous: hidden activations a [K,
+    H, M], φ'(h) [K, H, M], output gradient g_L [K, O, M], output weights W_2 [K, O, H]."""
 
     a: torch.Tensor
     dphi: torch.Tensor
     grad_out: torch.Tensor
     w_out: torch.Tensor
-    #: whether a, dphi and grad_out are in the blocked layout (:func:`to_blocked`) rather than [K, rows, M]
+    #: whether a, dphi and grad_out are in the blocked layout (:func:`to_blocked`) rather than [K,
+    #: rows, M]
     blocked: bool = False
 
 
@@ -129,16 +137,17 @@ def _compiler() -> str | None:
 
 
 def build(capability: str | None = None, verbose: bool = False) -> Path:
-    """Build the kernel for torch's CPU capability (``capability``: this process's, or one of ``ISA`` or
-    ``"DEFAULT"``, the x86-64 baseline) or find it built; return the library's path, or raise a RuntimeError
-    saying why it cannot be built."""
+    """Build the kernel for torch's CPU capability (``capability``: this process's, or one of
+    ``ISA`` or ``"DEFAULT"``, the x86-64 baseline) or find it built; return the library's path, or
+    raise a RuntimeError saying why it cannot be built."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++)")
     capability = capability or torch.backends.cpu.get_cpu_capability()
     flags = list(FLAGS) + list(ISA.get(capability, ()))
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 timeout=60).stdout
     except OSError as err:
         raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {err}") from err
     source = SOURCE.read_bytes()
@@ -147,16 +156,21 @@ def build(capability: str | None = None, verbose: bool = False) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name, then renamed: processes that build at once never see half a library.
+    # Built under a temporary name, then renamed: processes that build at once never see half a
+    # library.
     if verbose:
-        print(f"[diff2] building the fused ghost-clipping kernel (once per machine) into {target.parent}",
+        print(
+            f"[diff2] building the fused ghost-clipping kernel (once per machine) into "
+            f"{target.parent}",
               file=sys.stderr, flush=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
+        done = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=600)
         if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed on {SOURCE} (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(
+                f"{cxx} failed on {SOURCE} (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -164,26 +178,32 @@ def build(capability: str | None = None, verbose: bool = False) -> Path:
     return target
 
 
-#: This process's kernel once :func:`load` has tried (None: it could not), in one slot; :func:`unload` empties it.
+#: This process's kernel once :func:`load` has tried (None: it could not), in one slot;
+#: :func:`unload` empties it.
 _LOADED: list[FusedKernel | None] = []
 
 
 def load() -> FusedKernel | None:
-    """The kernel, built and loaded once per process; None (after one warning on stderr) if it cannot be."""
+    """The kernel, built and loaded once per process; None (after one warning on stderr) if it
+    cannot be."""
     if not _LOADED:
         try:
             _LOADED.append(FusedKernel(build(verbose=True)))
         except (RuntimeError, OSError, subprocess.SubprocessError) as err:
-            print(f"[diff2] warning: the fused ghost-clipping kernel is unavailable ({err}); the batched engine "
-                  "takes the torch path instead (same maths, slower). Install a C++ compiler (g++) to use it.",
+            print(
+                f"[diff2] warning: the fused ghost-clipping kernel is unavailable ({err}); the "
+                f"batched engine "
+                  "takes the torch path instead (same maths, slower). Install a C++ compiler "
+                  "(g++) to use it.",
                   file=sys.stderr, flush=True)
             _LOADED.append(None)
     return _LOADED[0]
 
 
 def unload() -> None:
-    """Forget this process's kernel (or its failure to load): the next :func:`load` finds or builds it again and
-    warns again if it cannot. The library already loaded stays mapped; a test's way to start afresh."""
+    """Forget this process's kernel (or its failure to load): the next :func:`load` finds or builds
+    it again and warns again if it cannot. The library already loaded stays mapped; a test's way to
+    start afresh."""
     _LOADED.clear()
 
 
@@ -191,21 +211,23 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def clipped_sums(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor,
-                 radius: torch.Tensor, prev: Parts | None = None, restart: torch.Tensor | None = None, *,
-                 clients: int = 1, x_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped sums per client and run [P, K, d] (float64, the flat (W_1, b_1, W_2, b_2) order) and whether a real
-    sample's norm was not finite [P, K] (bool), for the ``clients`` (P) clients whose samples lie side by side:
-    client p's are the samples p·N .. (p + 1)·N - 1 of the M = P·N.
+def clipped_sums(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.Tensor,
+                 mask: torch.Tensor, radius: torch.Tensor, prev: Parts | None = None,
+                 restart: torch.Tensor | None = None, *, clients: int = 1,
+                 x_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped sums per client and run [P, K, d] (float64, the flat (W_1, b_1, W_2, b_2) order) and
+    whether a real sample's norm was not finite [P, K] (bool), for the ``clients`` (P) clients whose
+    samples lie side by side: client p's are the samples p·N .. (p + 1)·N - 1 of the M = P·N.
 
-    ``x`` [F, M] float64: the inputs (samples innermost); ``sq_x`` [M]: ‖x‖² per sample, ``mask`` [M]: 1 for a
-    sample, 0 for padding, ``radius`` [K]: the clipping radius per run (inf: no clipping), all float64; ``prev``:
-    the pass at x' for differences, ``restart`` [K] (bool or uint8): runs that take their plain gradient.
-    ``x_rows``: the same inputs as [P, N, F] (float64, contiguous) to take the first layer's weight sums
-    Σ_n c dg_1 xᵀ by one batched matrix product, as :func:`~diff2_flwr.core.ghost.clipped_sums` does, from the
-    kernel's c dg_1 [K, H, M] — faster than the kernel's per-lane sums when the inputs have many features.
-    ``cur.blocked``: ``cur``, ``prev`` and ``x`` are in the blocked layout (:func:`to_blocked`; ``x_rows``, ``sq_x``,
-    ``mask`` and ``radius`` as always).
+    ``x`` [F, M] float64: the inputs (samples innermost); ``sq_x`` [M]: ‖x‖² per sample, ``mask``
+    [M]: 1 for a sample, 0 for padding, ``radius`` [K]: the clipping radius per run (inf: no
+    clipping), all float64; ``prev``: the pass at x' for differences, ``restart`` [K] (bool or
+    uint8): runs that take their plain gradient. ``x_rows``: the same inputs as [P, N, F] (float64,
+    contiguous) to take the first layer's weight sums Σ_n c dg_1 xᵀ by one batched matrix product,
+    as :func:`~diff2_flwr.core.ghost.clipped_sums` does, from the kernel's c dg_1 [K, H, M] — faster
+    than the kernel's per-lane sums when the inputs have many features. ``cur.blocked``: ``cur``,
+    ``prev`` and ``x`` are in the blocked layout (:func:`to_blocked`; ``x_rows``, ``sq_x``, ``mask``
+    and ``radius`` as always).
     """
     dtype = cur.a.dtype
     K, H, M = cur.a.shape
@@ -213,43 +235,56 @@ def clipped_sums(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.T
     for name, t, shape in (("a", cur.a, (K, H, M)), ("dphi", cur.dphi, (K, H, M)),
                            ("grad_out", cur.grad_out, (K, O, M)), ("w_out", cur.w_out, (K, O, H))):
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
-            raise ValueError(f"fused.clipped_sums: {name} must be a contiguous {dtype} tensor of shape {shape}. "
-                             f"Found {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
+            raise ValueError(
+                f"fused.clipped_sums: {name} must be a contiguous {dtype} tensor of shape "
+                f"{shape}. Found {t.dtype} "
+                f"{tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
     if dtype not in kernel._entry:
-        raise ValueError(f"fused.clipped_sums: compute dtype must be float32 or float64. Found {dtype}.")
-    return _call(kernel, cur, (dtype, K, H, O, M), x, sq_x, mask, radius, prev, restart, clients, x_rows, None,
+        raise ValueError(
+            f"fused.clipped_sums: compute dtype must be float32 or float64. Found {dtype}.")
+    return _call(kernel, cur, (dtype, K, H, O, M), x, sq_x, mask, radius, prev, restart, clients,
+                 x_rows, None,
                  "fused.clipped_sums")
 
 
-def _call(kernel: FusedKernel, cur: Parts, dims: tuple[torch.dtype, int, int, int, int], x: torch.Tensor,
-          sq_x: torch.Tensor, mask: torch.Tensor, radius: torch.Tensor, prev: Parts | None,
-          restart: torch.Tensor | None, clients: int, x_rows: torch.Tensor | None, forward: tuple | None,
-          who: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel call of :func:`clipped_sums` (``forward`` None: ``cur`` is read) or :func:`forward_sums`
-    (``forward`` = (params, activation code, loss code, x_t, y, losses): ``cur`` and the losses are written; ``cur``'s
-    a, dphi and grad_out None: the pass is not kept); ``dims`` = (compute dtype, K, H, O, M); ``cur``'s and the
-    forward's arguments checked by the caller (``who``, named in the errors), the others here."""
+def _call(kernel: FusedKernel, cur: Parts, dims: tuple[torch.dtype, int, int, int, int],
+          x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor, radius: torch.Tensor,
+          prev: Parts | None, restart: torch.Tensor | None, clients: int,
+          x_rows: torch.Tensor | None, forward: tuple | None, who: str) -> tuple[torch.Tensor,
+                                                                                 torch.Tensor]:
+    """The kernel call of :func:`clipped_sums` (``forward`` None: ``cur`` is read) or
+    :func:`forward_sums` (``forward`` = (params, activation code, loss code, x_t, y, losses):
+    ``cur`` and the losses are written; ``cur``'s a, dphi and grad_out None: the pass is not kept);
+    ``dims`` = (compute dtype, K, H, O, M); ``cur``'s and the forward's arguments checked by the
+    caller (``who``, named in the errors), the others here."""
     dtype, K, H, O, M = dims
     F = x.shape[0]
     N = _client_size(M, clients, who)
     if prev is not None and prev.blocked != cur.blocked:
-        raise ValueError(f"{who}: prev is {'' if prev.blocked else 'not '}in the blocked layout and this pass is"
-                         f"{'' if cur.blocked else ' not'}: both in one layout (fused.to_blocked converts).")
+        raise ValueError(
+            f"{who}: prev is {'' if prev.blocked else 'not '}in the blocked layout and this pass "
+            f"is{'' if cur.blocked else ' not'}: both in one layout (fused.to_blocked converts).")
     if prev is not None:
         for name, t, shape in (("prev.a", prev.a, (K, H, M)), ("prev.dphi", prev.dphi, (K, H, M)),
-                               ("prev.grad_out", prev.grad_out, (K, O, M)), ("prev.w_out", prev.w_out, (K, O, H))):
+                               ("prev.grad_out", prev.grad_out, (K, O, M)),
+                               ("prev.w_out", prev.w_out, (K, O, H))):
             if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
-                raise ValueError(f"{who}: {name} must be a contiguous {dtype} tensor of shape {shape}. Found "
-                                 f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
-    for name, t, shape in (("x", x, (F, M)), ("sq_x", sq_x, (M,)), ("mask", mask, (M,)), ("radius", radius, (K,))):
+                raise ValueError(
+                    f"{who}: {name} must be a contiguous {dtype} tensor of shape {shape}. Found "
+                    f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
+    for name, t, shape in (("x", x, (F, M)), ("sq_x", sq_x, (M,)), ("mask", mask, (M,)),
+                           ("radius", radius, (K,))):
         if t.dtype != torch.float64 or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"{who}: {name} must be a contiguous float64 tensor of shape {shape}. "
                              f"Found {t.dtype} {tuple(t.shape)}.")
-    if x_rows is not None and (x_rows.dtype != torch.float64 or tuple(x_rows.shape) != (clients, N, F)
+    if x_rows is not None and (x_rows.dtype != torch.float64 or tuple(x_rows.shape) != (clients, N,
+                                                                                        F)
                                or not x_rows.is_contiguous()):
-        raise ValueError(f"{who}: x_rows must be a contiguous float64 tensor of shape {(clients, N, F)}. "
+        raise ValueError(
+            f"{who}: x_rows must be a contiguous float64 tensor of shape {(clients, N, F)}. "
                          f"Found {x_rows.dtype} {tuple(x_rows.shape)}.")
-    if restart is not None and (restart.dtype not in (torch.bool, torch.uint8) or tuple(restart.shape) != (K,)):
+    if restart is not None and (restart.dtype not in (torch.bool,
+                                                      torch.uint8) or tuple(restart.shape) != (K,)):
         raise ValueError(f"{who}: restart must be a bool or uint8 tensor of shape ({K},). Found "
                          f"{restart.dtype} {tuple(restart.shape)}.")
     restart_u8 = None if restart is None or prev is None else restart.to(torch.uint8).contiguous()
@@ -257,55 +292,68 @@ def _call(kernel: FusedKernel, cur: Parts, dims: tuple[torch.dtype, int, int, in
     overflow = torch.empty(clients, K, dtype=torch.bool)  # written as bytes 0 / 1
     cd1 = None if x_rows is None else torch.empty(K, H, M, dtype=torch.float64)
     p = prev if prev is not None else Parts(None, None, None, None)  # type: ignore[arg-type]
-    tail = (_ptr(cur.w_out), _ptr(p.a), _ptr(p.dphi), _ptr(p.grad_out), _ptr(p.w_out), _ptr(restart_u8),
-            _ptr(x), _ptr(sq_x), _ptr(mask), _ptr(radius), _ptr(sums), _ptr(overflow), _ptr(cd1), int(cur.blocked))
+    tail = (_ptr(cur.w_out), _ptr(p.a), _ptr(p.dphi), _ptr(p.grad_out), _ptr(p.w_out),
+            _ptr(restart_u8), _ptr(x), _ptr(sq_x), _ptr(mask), _ptr(radius), _ptr(sums),
+            _ptr(overflow), _ptr(cd1), int(cur.blocked))
     if forward is None:
-        kernel._entry[dtype](clients, K, H, O, F, N, _ptr(cur.a), _ptr(cur.dphi), _ptr(cur.grad_out), *tail)
+        kernel._entry[dtype](clients, K, H, O, F, N, _ptr(cur.a), _ptr(cur.dphi),
+                             _ptr(cur.grad_out), *tail)
     else:
         params, act, loss, x_t, y, losses = forward
-        kernel._forward[dtype](clients, K, H, O, F, N, _ptr(params), act, loss, _ptr(x_t), _ptr(y), _ptr(cur.a),
-                               _ptr(cur.dphi), _ptr(cur.grad_out), _ptr(losses), *tail)
+        kernel._forward[dtype](clients, K, H, O, F, N, _ptr(params), act, loss, _ptr(x_t), _ptr(y),
+                               _ptr(cur.a), _ptr(cur.dphi), _ptr(cur.grad_out), _ptr(losses), *tail)
     if cd1 is not None:  # one product per client for every run: [K·H, N] @ [N, F]
         w1 = torch.bmm(cd1.reshape(K * H, clients, N).transpose(0, 1), x_rows)
         sums[:, :, :H * F] = w1.reshape(clients, K, H * F)
     return sums, overflow
 
 
-def forward_sums(kernel: FusedKernel, params: torch.Tensor, x_t: torch.Tensor, y: torch.Tensor, activation: str,
-                 loss: str, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor, radius: torch.Tensor,
-                 prev: Parts | None = None, restart: torch.Tensor | None = None, *, hidden: int, outputs: int,
-                 clients: int = 1, x_rows: torch.Tensor | None = None, keep: bool = True, blocked: bool = False
+def forward_sums(kernel: FusedKernel, params: torch.Tensor, x_t: torch.Tensor, y: torch.Tensor,
+                 activation: str, loss: str, x: torch.Tensor, sq_x: torch.Tensor,
+                 mask: torch.Tensor, radius: torch.Tensor, prev: Parts | None = None,
+                 restart: torch.Tensor | None = None, *, hidden: int, outputs: int,
+                 clients: int = 1, x_rows: torch.Tensor | None = None, keep: bool = True,
+                 blocked: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, Parts | None, torch.Tensor]:
-    """:func:`clipped_sums` with the forward pass in the kernel too: for the K runs' parameters ``params`` [K, d] (the
-    compute dtype, the flat (W_1, b_1, W_2, b_2) order) and the inputs ``x_t`` [F, M] and targets ``y`` [M] in the
-    compute dtype, the kernel computes per block of samples h = W_1 x + b_1, a = φ(h), φ'(h), z = W_2 a + b_2, the
-    output gradient and the loss (the maths of :func:`~diff2_flwr.core.ghost.forward_head`, with the kernel's own
-    exp and log1p: equal to torch's to a few units in the last place, not in bits), then the rest as
-    :func:`clipped_sums` — each block while it is in the caches. Returns the clipped sums [P, K, d] (float64), the
-    overflow flags [P, K], this pass's :class:`Parts` (for the next round's ``prev``) and the losses [K, M].
+    """:func:`clipped_sums` with the forward pass in the kernel too: for the K runs' parameters
+    ``params`` [K, d] (the compute dtype, the flat (W_1, b_1, W_2, b_2) order) and the inputs
+    ``x_t`` [F, M] and targets ``y`` [M] in the compute dtype, the kernel computes per block of
+    samples h = W_1 x + b_1, a = φ(h), φ'(h), z = W_2 a + b_2, the output gradient and the loss (the
+    maths of :func:`~diff2_flwr.core.ghost.forward_head`, with the kernel's own exp and log1p: equal
+    to torch's to a few units in the last place, not in bits), then the rest as :func:`clipped_sums`
+    — each block while it is in the caches. Returns the clipped sums [P, K, d] (float64), the
+    overflow flags [P, K], this pass's :class:`Parts` (for the next round's ``prev``) and the losses
+    [K, M].
 
-    ``keep`` False (only without ``prev``: every row a plain gradient): no later round reads this pass, so its parts
-    are not written out — each block's stay in scratch rows in the caches — and None is returned for them; the sums,
-    flags and losses are the same bits. ``blocked``: ``x_t`` and ``x`` are given, and the parts returned (and ``prev``)
-    are, in the blocked layout (:func:`to_blocked`): the same bits, faster."""
+    ``keep`` False (only without ``prev``: every row a plain gradient): no later round reads this
+    pass, so its parts are not written out — each block's stay in scratch rows in the caches — and
+    None is returned for them; the sums, flags and losses are the same bits. ``blocked``: ``x_t``
+    and ``x`` are given, and the parts returned (and ``prev``) are, in the blocked layout
+    (:func:`to_blocked`): the same bits, faster."""
     dtype = params.dtype
     if dtype not in kernel._forward or params.dim() != 2:
-        raise ValueError(f"fused.forward_sums: params must be a [K, d] float32 or float64 tensor. Found {params.dtype} "
-                         f"{tuple(params.shape)}.")
+        raise ValueError(
+            f"fused.forward_sums: params must be a [K, d] float32 or float64 tensor. Found "
+            f"{params.dtype} {tuple(params.shape)}.")
     K, d = params.shape
     H, O, F, M = hidden, outputs, x_t.shape[0], x_t.shape[1]
     if d != H * F + H + O * H + O:
-        raise ValueError(f"fused.forward_sums: parameters of width {d} do not make an MLP {F} -> {H} -> {O} "
+        raise ValueError(
+            f"fused.forward_sums: parameters of width {d} do not make an MLP {F} -> {H} -> {O} "
                          f"(expected {H * F + H + O * H + O}).")
     if activation not in ACTIVATION_CODES or loss not in LOSS_CODES:
-        raise ValueError(f"fused.forward_sums: the kernel computes the activations {sorted(ACTIVATION_CODES)} and "
-                         f"the losses {sorted(LOSS_CODES)}. Found {activation!r} and {loss!r}.")
+        raise ValueError(
+            f"fused.forward_sums: the kernel computes the activations {sorted(ACTIVATION_CODES)} "
+            f"and the losses {sorted(LOSS_CODES)}. Found {activation!r} and {loss!r}.")
     for name, t, shape in (("params", params, (K, d)), ("x_t", x_t, (F, M)), ("y", y, (M,))):
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
-            raise ValueError(f"fused.forward_sums: {name} must be a contiguous {dtype} tensor of shape {shape}. "
-                             f"Found {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
+            raise ValueError(
+                f"fused.forward_sums: {name} must be a contiguous {dtype} tensor of shape "
+                f"{shape}. Found {t.dtype} "
+                f"{tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
     if not keep and prev is not None:
-        raise ValueError("fused.forward_sums: keep=False is for a pass of plain gradients only (prev None): a "
+        raise ValueError(
+            "fused.forward_sums: keep=False is for a pass of plain gradients only (prev None): a "
                          "difference round's parts are written where its rows are read.")
     w_out = params[:, H * F + H:H * F + H + O * H].reshape(K, O, H).contiguous()
     if keep:
@@ -314,43 +362,50 @@ def forward_sums(kernel: FusedKernel, params: torch.Tensor, x_t: torch.Tensor, y
     else:
         cur = Parts(None, None, None, w_out, blocked)  # type: ignore[arg-type]
     losses = torch.empty(K, M, dtype=dtype)
-    sums, overflow = _call(kernel, cur, (dtype, K, H, O, M), x, sq_x, mask, radius, prev, restart, clients, x_rows,
-                           (params, ACTIVATION_CODES[activation], LOSS_CODES[loss], x_t, y, losses),
+    sums, overflow = _call(kernel, cur, (dtype, K, H, O, M), x, sq_x, mask, radius, prev, restart,
+                           clients, x_rows, (params, ACTIVATION_CODES[activation], LOSS_CODES[loss],
+                                             x_t, y, losses),
                            "fused.forward_sums")
     return sums, overflow, cur if keep else None, losses
 
 
-def activation(kernel: FusedKernel, name: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """φ(h) and φ'(h) by the kernel's own functions (float32 or float64, any shape): what its forward pass uses."""
+def activation(kernel: FusedKernel, name: str, h: torch.Tensor) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+    """φ(h) and φ'(h) by the kernel's own functions (float32 or float64, any shape): what its
+    forward pass uses."""
     if name not in ACTIVATION_CODES or h.dtype not in kernel._activation:
-        raise ValueError(f"fused.activation: one of {sorted(ACTIVATION_CODES)} on float32 or float64. Found "
+        raise ValueError(
+            f"fused.activation: one of {sorted(ACTIVATION_CODES)} on float32 or float64. Found "
                          f"{name!r} on {h.dtype}.")
     flat = h.contiguous().reshape(-1)
     a, d = torch.empty_like(flat), torch.empty_like(flat)
-    kernel._activation[h.dtype](ACTIVATION_CODES[name], flat.numel(), flat.data_ptr(), a.data_ptr(), d.data_ptr())
+    kernel._activation[h.dtype](ACTIVATION_CODES[name], flat.numel(), flat.data_ptr(), a.data_ptr(),
+                                d.data_ptr())
     return a.reshape(h.shape), d.reshape(h.shape)
 
 
 def _client_size(M: int, clients: int, who: str) -> int:
-    """N, the samples per client of M = clients · N (a ValueError naming ``who`` if they do not split)."""
+    """N, the samples per client of M = clients · N (a ValueError naming ``who`` if they do not
+    split)."""
     if clients < 1 or M % clients:
         raise ValueError(f"{who}: {M} samples do not split into {clients} clients of equal size.")
     return M // clients
 
 
-def _chunks(t: torch.Tensor, clients: int, block: int, who: str) -> tuple[torch.Size, int, int, int, int]:
+def _chunks(t: torch.Tensor, clients: int, block: int, who: str) -> tuple[torch.Size, int, int, int,
+                                                                          int]:
     *lead, R, M = t.shape
     N = _client_size(M, clients, who)
     return torch.Size(lead), R, N, N - N % block, N % block
 
 
 def to_blocked(t: torch.Tensor, clients: int, block: int) -> torch.Tensor:
-    """``t`` [..., R, M] (R rows of M = P·N samples, client p's at p·N .. (p + 1)·N - 1) in the kernel's blocked
-    layout: per client, each block of ``block`` samples holds its R rows one after another (row r of the block at
-    r·block + j), then the client's last ``N mod block`` samples likewise; clients in order. Same shape, same
-    elements, another order: a block's inputs or parts are one contiguous run of memory, so the kernel reads and
-    writes a few streams instead of R rows M apart (the caches' prefetchers follow few streams). Inverse:
-    :func:`from_blocked`."""
+    """``t`` [..., R, M] (R rows of M = P·N samples, client p's at p·N .. (p + 1)·N - 1) in the
+    kernel's blocked layout: per client, each block of ``block`` samples holds its R rows one after
+    another (row r of the block at r·block + j), then the client's last ``N mod block`` samples
+    likewise; clients in order. Same shape, same elements, another order: a block's inputs or parts
+    are one contiguous run of memory, so the kernel reads and writes a few streams instead of R rows
+    M apart (the caches' prefetchers follow few streams). Inverse: :func:`from_blocked`."""
     lead, R, N, full, tail = _chunks(t, clients, block, "fused.to_blocked")
     v = t.reshape(*lead, R, clients, N)
     parts = [v[..., :full].reshape(*lead, R, clients, full // block, block).movedim(-4, -2)

@@ -1,5 +1,6 @@
 """Per-sample gradient norms and clipped sums of MLPs, for many runs at once, without materialising
-a per-sample gradient ("ghost clipping"); ½-squared error or cross-entropy with any number of classes.
+a per-sample gradient ("ghost clipping"); ½-squared error or cross-entropy with any number of
+classes.
 
 An MLP is L linear layers with an elementwise activation φ_l after every layer but the last:
 a_1 = the input, h_l = W_l a_l + b_l, a_{l+1} = φ_l(h_l), output z = h_L. For one sample, the
@@ -11,7 +12,8 @@ gradient with respect to (W_l, b_l) is (g_l a_lᵀ, g_l), with
 
 — one rank-one matrix per layer and sample. With ã = (a, 1):
 
-    ‖∇ℓ‖² = Σ_l ‖g_l‖² (1 + ‖a_l‖²)          Σ_i c_i ∇_{W_l, b_l} ℓ_i = Σ_i c_i g_l,i ã_l,iᵀ (one matrix product).
+    ‖∇ℓ‖² = Σ_l ‖g_l‖² (1 + ‖a_l‖²)          Σ_i c_i ∇_{W_l, b_l} ℓ_i = Σ_i c_i g_l,i ã_l,iᵀ (one
+    matrix product).
 
 A difference round needs the norm of ∇ℓ(x, z) - ∇ℓ(x', z). Per layer, with dg = g - g' and
 da = a - a' (da = 0 at the first layer: both iterates see the same input),
@@ -22,35 +24,37 @@ da = a - a' (da = 0 at the first layer: both iterates see the same input),
 written in the small differences rather than as ‖a‖²‖g‖² + ‖a'‖²‖g'‖² - 2(ã·ã')(g·g'), whose large
 terms cancel when the iterates are close. A + B + X still cancels when the two rank-one terms nearly
 cancel each other (dg ãᵀ ≈ -g' (da, 0)ᵀ; with activations ~1e4 the security review found norms 1.76x
-too small): its error is ~ε(A + B), so where A + B > 16·(A + B + X) the layer's norm is taken instead
-from a QR factorisation of the right factors [ã, (da, 0)] = [q1, q2] R (one Gram–Schmidt step, as in
-Golub & Van Loan, Matrix Computations, §5.2.8): with s² = 1 + ‖a‖², p = a · da, μ = p / s²,
+too small): its error is ~ε(A + B), so where A + B > 16·(A + B + X) the layer's norm is taken
+instead from a QR factorisation of the right factors [ã, (da, 0)] = [q1, q2] R (one Gram–Schmidt
+step, as in Golub & Van Loan, Matrix Computations, §5.2.8): with s² = 1 + ‖a‖², p = a · da, μ = p /
+s²,
 
     ‖dg ãᵀ + g' (da, 0)ᵀ‖² = ‖s² dg + p g'‖² / s² + ‖(da - μ a, -μ)‖² ‖g'‖²,
 
-two non-negative terms whose only rounding is that of forming the entries: the error is ~ε√(A + B)·‖·‖,
-as good as writing out the matrix (and better than ``torch.func``'s difference of two gradients). Rows
-without cancellation keep the cheaper A + B + X (error below 16·few·ε relative).
+two non-negative terms whose only rounding is that of forming the entries: the error is ~ε√(A +
+B)·‖·‖, as good as writing out the matrix (and better than ``torch.func``'s difference of two
+gradients). Rows without cancellation keep the cheaper A + B + X (error below 16·few·ε relative).
 
-Squares underflow and overflow: a row of norm 1e-170 reads 0. :func:`norms` takes the square root and
-takes again, by scaling (:func:`_scaled_norms`: every factor by a power of two, the rank-two matrix
-written out), every sample whose squared norm is outside [2^-600, 2^600] or whose multipliers (1 + ‖a‖²,
-‖g'‖², ‖da‖², 1 + ‖x‖²) exceed 2^400 (they could lift an underflowed square back into view): what those
-bounds let underflow is below 2^-470 of the result. The clipped sum is Σ c dg ãᵀ + Σ c g' (da, 0)ᵀ.
-A run that restarts in a batch of differences takes g' = 0 and a' = a, which gives its plain gradient
-exactly (adding exact zeros).
+Squares underflow and overflow: a row of norm 1e-170 reads 0. :func:`norms` takes the square root
+and takes again, by scaling (:func:`_scaled_norms`: every factor by a power of two, the rank-two
+matrix written out), every sample whose squared norm is outside [2^-600, 2^600] or whose multipliers
+(1 + ‖a‖², ‖g'‖², ‖da‖², 1 + ‖x‖²) exceed 2^400 (they could lift an underflowed square back into
+view): what those bounds let underflow is below 2^-470 of the result. The clipped sum is Σ c dg ãᵀ +
+Σ c g' (da, 0)ᵀ. A run that restarts in a batch of differences takes g' = 0 and a' = a, which gives
+its plain gradient exactly (adding exact zeros).
 
 Tensors are laid out with the runs first and the samples innermost: parameters [K, d] (K runs), the
-shared input [F, M] (M samples), per-sample quantities [K, width, M]. The forward and backward passes
-run in the input's dtype; :meth:`Pass.to64` gives the float64 copy in which norms, clip factors and
-sums are taken (as :class:`~diff2_flwr.core.closed_form.PaperMLPGradients` does). The result equals
-:class:`~diff2_flwr.core.gradients.PerSampleGradients` (``torch.func``) up to float rounding; tests
-check both against each other.
+shared input [F, M] (M samples), per-sample quantities [K, width, M]. The forward and backward
+passes run in the input's dtype; :meth:`Pass.to64` gives the float64 copy in which norms, clip
+factors and sums are taken (as :class:`~diff2_flwr.core.closed_form.PaperMLPGradients` does). The
+result equals :class:`~diff2_flwr.core.gradients.PerSampleGradients` (``torch.func``) up to float
+rounding; tests check both against each other.
 
 References:
     Murata & Suzuki (2023), Algorithm 1 (worker lines), Algorithm 2 (ClippedMean);
-    Goodfellow (2015), "Efficient per-example gradient computations" (rank-one per-sample gradients);
-    Li et al. (2022), "Large language models can be strong differentially private learners" (ghost clipping).
+    Goodfellow (2015), "Efficient per-example gradient computations" (rank-one per-sample
+    gradients); Li et al. (2022), "Large language models can be strong differentially private
+    learners" (ghost clipping).
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ import torch
 from .clipping import scaled_row_norms
 from .closed_form import softplus_with_derivative
 
-__all__ = ["ACTIVATIONS", "LOSSES", "MLP", "Pass", "activate", "clipped_sums", "forward", "forward_head", "norms",
+__all__ = ["ACTIVATIONS", "LOSSES", "MLP", "Pass", "activate", "clipped_sums", "forward",
+           "forward_head", "norms",
            "prepare_for_compile", "sq_norms"]
 
 LOSSES = ("half_squared_error", "cross_entropy")
@@ -88,9 +93,11 @@ def _identity(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return h, torch.ones_like(h)
 
 
-#: name -> h -> (φ(h), φ'(h)), each derivative as torch's autograd takes it (softplus: beta 1, threshold 20).
+#: name -> h -> (φ(h), φ'(h)), each derivative as torch's autograd takes it (softplus: beta 1,
+#: threshold 20).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
-    "softplus": softplus_with_derivative, "tanh": _tanh, "sigmoid": _sigmoid, "relu": _relu, "identity": _identity,
+    "softplus": softplus_with_derivative, "tanh": _tanh, "sigmoid": _sigmoid, "relu": _relu,
+    "identity": _identity,
 }
 
 
@@ -101,7 +108,8 @@ def activate(name: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class MLP:
-    """The shape of an MLP: layer widths (input, hidden..., output), one activation per hidden layer, the loss.
+    """The shape of an MLP: layer widths (input, hidden..., output), one activation per hidden
+    layer, the loss.
 
     Its flat parameter vector is (W_1, b_1, ..., W_L, b_L), each W_l [out, in] row-major: the
     ``named_parameters()`` order of ``nn.Linear`` layers, so the same vector as the per-run path's.
@@ -113,19 +121,25 @@ class MLP:
 
     def __post_init__(self) -> None:
         if len(self.sizes) < 2 or not all(isinstance(s, int) and s >= 1 for s in self.sizes):
-            raise ValueError(f"An MLP needs widths (input, ..., output), each an integer >= 1. Found {self.sizes}.")
+            raise ValueError(
+                f"An MLP needs widths (input, ..., output), each an integer >= 1. Found "
+                f"{self.sizes}.")
         if len(self.activations) != len(self.sizes) - 2:
-            raise ValueError(f"An MLP with widths {self.sizes} needs {len(self.sizes) - 2} activation(s), one per "
-                             f"hidden layer. Found {self.activations}.")
+            raise ValueError(
+                f"An MLP with widths {self.sizes} needs {len(self.sizes) - 2} activation(s), one "
+                f"per hidden layer. Found {self.activations}.")
         bad = [a for a in self.activations if a not in ACTIVATIONS]
         if bad:
             raise ValueError(f"Unknown activation(s) {bad}. Expected among {sorted(ACTIVATIONS)}.")
         if self.loss not in LOSSES:
             raise ValueError(f"Unknown loss {self.loss!r}. Expected one of {list(LOSSES)}.")
         if self.loss == "half_squared_error" and self.sizes[-1] != 1:
-            raise ValueError(f"½-squared error needs one output. Found {self.sizes[-1]} (use cross_entropy for classes).")
+            raise ValueError(
+                f"½-squared error needs one output. Found {self.sizes[-1]} (use cross_entropy for "
+                f"classes).")
         if self.loss == "cross_entropy" and self.sizes[-1] < 2:
-            raise ValueError(f"cross_entropy needs one output per class (>= 2). Found {self.sizes[-1]}.")
+            raise ValueError(
+                f"cross_entropy needs one output per class (>= 2). Found {self.sizes[-1]}.")
 
     @property
     def dim(self) -> int:
@@ -134,7 +148,8 @@ class MLP:
     def layers(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Flat parameters [K, d] -> [(W_l [K, out, in], b_l [K, out])] (views)."""
         if x.ndim != 2 or x.shape[1] != self.dim:
-            raise ValueError(f"Expected parameters of shape [runs, {self.dim}]. Found {tuple(x.shape)}.")
+            raise ValueError(
+                f"Expected parameters of shape [runs, {self.dim}]. Found {tuple(x.shape)}.")
         out, start = [], 0
         for i, o in zip(self.sizes, self.sizes[1:]):
             w = x[:, start:start + o * i].reshape(-1, o, i)
@@ -144,13 +159,15 @@ class MLP:
         return out
 
     def matmul_flops(self, samples: int, *, difference: bool) -> int:
-        """Multiply-adds × 2 of the matrix products of one round for one run over ``samples`` samples: the
-        forward and backward passes at one iterate (the previous iterate's are reused) and the clipped sums
-        (two products per layer after the first in a difference round). Elementwise work is not counted."""
+        """Multiply-adds × 2 of the matrix products of one round for one run over ``samples``
+        samples: the forward and backward passes at one iterate (the previous iterate's are reused)
+        and the clipped sums (two products per layer after the first in a difference round).
+        Elementwise work is not counted."""
         pairs = list(zip(self.sizes, self.sizes[1:]))
         forward = sum(i * o for i, o in pairs)
         backward = sum(i * o for i, o in pairs[1:])
-        sums = sum((i + 1) * o for i, o in pairs) + (sum(i * o for i, o in pairs[1:]) if difference else 0)
+        sums = sum((i + 1) * o for i, o in pairs) + (sum(i * o for i,
+                                                         o in pairs[1:]) if difference else 0)
         return 2 * samples * (forward + backward + sums)
 
 
@@ -158,8 +175,9 @@ class MLP:
 class Pass:
     """Per-sample quantities of one iterate of K runs over M samples.
 
-    ``inputs[l]``: a_{l+2} [K, width, M] (the inputs of the layers after the first; the first one's is shared);
-    ``grads[l]``: g_{l+1} [K, out_{l+1}, M]; ``loss`` [K, M]; ``outputs``: z [K, out_L, M].
+    ``inputs[l]``: a_{l+2} [K, width, M] (the inputs of the layers after the first; the first one's
+    is shared); ``grads[l]``: g_{l+1} [K, out_{l+1}, M]; ``loss`` [K, M]; ``outputs``: z [K, out_L,
+    M].
     """
 
     inputs: tuple[torch.Tensor, ...]
@@ -169,19 +187,21 @@ class Pass:
 
     def to64(self) -> "Pass":
         f64 = torch.float64
-        return Pass(tuple(a.to(f64) for a in self.inputs), tuple(g.to(f64) for g in self.grads), self.loss.to(f64),
-                    self.outputs)
+        return Pass(tuple(a.to(f64) for a in self.inputs), tuple(g.to(f64) for g in self.grads),
+                    self.loss.to(f64), self.outputs)
 
     def restarting(self, current: "Pass", restart: torch.Tensor) -> "Pass":
-        """This (previous) pass with g' = 0 and a' = a of ``current`` for the runs that restart [K bool]: their
-        "difference" is then their plain gradient, exactly."""
+        """This (previous) pass with g' = 0 and a' = a of ``current`` for the runs that restart [K
+        bool]: their "difference" is then their plain gradient, exactly."""
         r = restart.reshape(-1, 1, 1)
         return Pass(tuple(torch.where(r, a, ap) for a, ap in zip(current.inputs, self.inputs)),
                     tuple(torch.where(r, 0.0, g) for g in self.grads), self.loss, self.outputs)
 
 
-def _output_gradient(loss: str, z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """∂ℓ/∂z [K, out, M] and ℓ [K, M]; ``y`` [M] holds targets (regression) or class indices (as numbers)."""
+def _output_gradient(loss: str, z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor,
+                                                                           torch.Tensor]:
+    """∂ℓ/∂z [K, out, M] and ℓ [K, M]; ``y`` [M] holds targets (regression) or class indices (as
+    numbers)."""
     if loss == "half_squared_error":
         e = z[:, 0, :] - y
         return e.unsqueeze(1), 0.5 * e * e
@@ -191,9 +211,10 @@ def _output_gradient(loss: str, z: torch.Tensor, y: torch.Tensor) -> tuple[torch
     return torch.exp(logp) - onehot, -logp.gather(1, index.expand(z.shape[0], 1, -1)).squeeze(1)
 
 
-#: Layers after the first with at most this many outputs (a regression head, a few classes) multiply elementwise and
-#: reduce rather than call a batched matrix product: the work is then a few passes over [K, in, M] that a compiler
-#: fuses, instead of permuted copies around a product with a tiny dimension.
+#: Layers after the first with at most this many outputs (a regression head, a few classes) multiply
+#: elementwise and reduce rather than call a batched matrix product: the work is then a few passes
+#: over [K, in, M] that a compiler fuses, instead of permuted copies around a product with a tiny
+#: dimension.
 NARROW = 4
 
 
@@ -212,8 +233,8 @@ def _layer_t(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor):
-    """Layers [(W_l, b_l)] in ``a_t``'s dtype, the inputs of the layers after the first, φ' of every hidden
-    layer, and the output z [K, out_L, M]."""
+    """Layers [(W_l, b_l)] in ``a_t``'s dtype, the inputs of the layers after the first, φ' of every
+    hidden layer, and the output z [K, out_L, M]."""
     layers = mlp.layers(x.to(a_t.dtype))
     K, M = x.shape[0], a_t.shape[1]
     inputs, derivs, a = [], [], a_t
@@ -230,9 +251,11 @@ def _forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor):
     return layers, inputs, derivs, h
 
 
-def forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor, y: torch.Tensor, *, backward: bool = True) -> Pass:
-    """The per-sample quantities of ``mlp`` at parameters ``x`` [K, d] for the samples ``a_t`` [F, M] (targets
-    ``y`` [M]), in ``a_t``'s dtype. Without ``backward`` only ``loss`` and ``outputs`` are filled."""
+def forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor, y: torch.Tensor, *,
+            backward: bool = True) -> Pass:
+    """The per-sample quantities of ``mlp`` at parameters ``x`` [K, d] for the samples ``a_t`` [F,
+    M] (targets ``y`` [M]), in ``a_t``'s dtype. Without ``backward`` only ``loss`` and ``outputs``
+    are filled."""
     layers, inputs, derivs, h = _forward(mlp, x, a_t)
     g, loss = _output_gradient(mlp.loss, h, y)
     if not backward:
@@ -246,11 +269,13 @@ def forward(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor, y: torch.Tensor, *, ba
 
 def forward_head(mlp: MLP, x: torch.Tensor, a_t: torch.Tensor,
                  y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward pass of a one-hidden-layer ``mlp`` without the backward to the hidden layer, in ``a_t``'s dtype:
-    hidden activations a [K, H, M], φ'(h) [K, H, M], output gradient g_L [K, O, M] and ℓ [K, M] — what
-    :func:`diff2_flwr.core.fused.clipped_sums` takes (with W_2) to do the rest in one pass."""
+    """The forward pass of a one-hidden-layer ``mlp`` without the backward to the hidden layer, in
+    ``a_t``'s dtype: hidden activations a [K, H, M], φ'(h) [K, H, M], output gradient g_L [K, O, M]
+    and ℓ [K, M] — what :func:`diff2_flwr.core.fused.clipped_sums` takes (with W_2) to do the rest
+    in one pass."""
     if len(mlp.sizes) != 3:
-        raise ValueError(f"forward_head takes an MLP with one hidden layer. Found widths {mlp.sizes}.")
+        raise ValueError(
+            f"forward_head takes an MLP with one hidden layer. Found widths {mlp.sizes}.")
     _, inputs, derivs, h = _forward(mlp, x, a_t)
     g, loss = _output_gradient(mlp.loss, h, y)
     return inputs[0], derivs[0], g, loss
@@ -260,22 +285,24 @@ def _dot(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return (u * v).sum(1)
 
 
-#: Where A + B > CANCELLATION · (A + B + X) a layer's norm is taken from the QR form (the error of A + B + X is
-#: ~ε(A + B), so at most 16·few·ε relative where it is kept).
+#: Where A + B > CANCELLATION · (A + B + X) a layer's norm is taken from the QR form (the error of A
+#: + B + X is ~ε(A + B), so at most 16·few·ε relative where it is kept).
 CANCELLATION = 16.0
-#: Squared norms in [2^-600, 2^600] with multipliers up to 2^400 lose nothing to underflow or overflow.
+#: Squared norms in [2^-600, 2^600] with multipliers up to 2^400 lose nothing to underflow or
+#: overflow.
 SAFE_SQ, SAFE_MULTIPLIER = (2.0**-600, 2.0**600), 2.0**400
 
 
 def _difference_term(dg: torch.Tensor, gp: torch.Tensor, a: torch.Tensor,
                      da: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """‖dg ãᵀ + g' (da, 0)ᵀ‖² per run and sample (cancellation-safe, see the module's docstring) and the largest
-    of its multipliers 1 + ‖a‖², ‖g'‖², ‖da‖²."""
+    """‖dg ãᵀ + g' (da, 0)ᵀ‖² per run and sample (cancellation-safe, see the module's docstring) and
+    the largest of its multipliers 1 + ‖a‖², ‖g'‖², ‖da‖²."""
     sa, sgp, sda, p = 1 + _dot(a, a), _dot(gp, gp), _dot(da, da), _dot(a, da)
     ab = _dot(dg, dg) * sa + sgp * sda
     term = ab + 2 * _dot(dg, gp) * p
     cancel = ab > CANCELLATION * term
-    if torch.compiler.is_compiling() or bool(cancel.any()):  # compiled: no data-dependent branch (graph break)
+    # compiled: no data-dependent branch (graph break)
+    if torch.compiler.is_compiling() or bool(cancel.any()):
         mu = (p / sa).unsqueeze(1)
         e = sa.unsqueeze(1) * dg + p.unsqueeze(1) * gp
         w = da - mu * a
@@ -284,7 +311,8 @@ def _difference_term(dg: torch.Tensor, gp: torch.Tensor, a: torch.Tensor,
     return term, torch.maximum(sa, torch.maximum(sgp, sda))
 
 
-def _sq_norms(cur: Pass, sq_input: torch.Tensor, prev: Pass | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _sq_norms(cur: Pass, sq_input: torch.Tensor, prev: Pass | None) -> tuple[torch.Tensor,
+                                                                             torch.Tensor]:
     """:func:`sq_norms` and the largest multiplier per run and sample."""
     dg = cur.grads[0] if prev is None else cur.grads[0] - prev.grads[0]
     total, big = _dot(dg, dg) * (1 + sq_input), 1 + sq_input
@@ -300,24 +328,26 @@ def _sq_norms(cur: Pass, sq_input: torch.Tensor, prev: Pass | None) -> tuple[tor
 
 
 def sq_norms(cur: Pass, sq_input: torch.Tensor, prev: Pass | None = None) -> torch.Tensor:
-    """‖∇ℓ(x, z)‖² per run and sample [K, M] (or ‖∇ℓ(x, z) - ∇ℓ(x', z)‖² with ``prev`` the pass at x'), from
-    float64 passes; ``sq_input`` [M] = ‖a‖² of the shared input. Cancellation-safe, not underflow-safe: the
-    clipping decision reads :func:`norms`."""
+    """‖∇ℓ(x, z)‖² per run and sample [K, M] (or ‖∇ℓ(x, z) - ∇ℓ(x', z)‖² with ``prev`` the pass at
+    x'), from float64 passes; ``sq_input`` [M] = ‖a‖² of the shared input. Cancellation-safe, not
+    underflow-safe: the clipping decision reads :func:`norms`."""
     return _sq_norms(cur, sq_input, prev)[0]
 
 
-def norms(cur: Pass, inputs: torch.Tensor, sq_input: torch.Tensor, prev: Pass | None = None) -> torch.Tensor:
-    """‖∇ℓ(x, z)‖ (or of the difference with ``prev``) per run and sample [K, M], float64, exact to rounding
-    whatever its magnitude (see the module's docstring). ``inputs`` [M, F] float64: the shared input, read for
-    the samples that need scaling; ``sq_input`` [M] its ‖·‖²."""
+def norms(cur: Pass, inputs: torch.Tensor, sq_input: torch.Tensor,
+          prev: Pass | None = None) -> torch.Tensor:
+    """‖∇ℓ(x, z)‖ (or of the difference with ``prev``) per run and sample [K, M], float64, exact to
+    rounding whatever its magnitude (see the module's docstring). ``inputs`` [M, F] float64: the
+    shared input, read for the samples that need scaling; ``sq_input`` [M] its ‖·‖²."""
     sq, big = _sq_norms(cur, sq_input, prev)
     return _rescale_unsafe(torch.sqrt(sq), sq, big, cur, inputs, prev)
 
 
-def _rescale_unsafe(out: torch.Tensor, sq: torch.Tensor, big: torch.Tensor, cur: Pass, inputs: torch.Tensor,
-                    prev: Pass | None) -> torch.Tensor:
-    """``out`` with the samples whose squares may have underflowed or overflowed taken again by scaling (eager
-    even in a compiled round, once :func:`prepare_for_compile` ran: a data-dependent number of samples)."""
+def _rescale_unsafe(out: torch.Tensor, sq: torch.Tensor, big: torch.Tensor, cur: Pass,
+                    inputs: torch.Tensor, prev: Pass | None) -> torch.Tensor:
+    """``out`` with the samples whose squares may have underflowed or overflowed taken again by
+    scaling (eager even in a compiled round, once :func:`prepare_for_compile` ran: a data-dependent
+    number of samples)."""
     unsafe = ~((sq >= SAFE_SQ[0]) & (sq <= SAFE_SQ[1])) | (big > SAFE_MULTIPLIER)
     if not bool(unsafe.any()):
         return out
@@ -326,18 +356,20 @@ def _rescale_unsafe(out: torch.Tensor, sq: torch.Tensor, big: torch.Tensor, cur:
 
 
 def prepare_for_compile() -> None:
-    """Keep :func:`_rescale_unsafe` out of ``torch.compile``'d graphs (``torch.compiler.disable``); call it before
-    compiling anything that calls :func:`norms`. Not done at import: ``torch.compiler.disable`` imports
-    ``torch._dynamo`` (~1.7 s), which every process that only trains eagerly (``diff2 run``'s pre-flight, the
-    ServerApp, each ClientApp) would pay for nothing. Idempotent; eager results are the same either way."""
+    """Keep :func:`_rescale_unsafe` out of ``torch.compile``'d graphs (``torch.compiler.disable``);
+    call it before compiling anything that calls :func:`norms`. Not done at import:
+    ``torch.compiler.disable`` imports ``torch._dynamo`` (~1.7 s), which every process that only
+    trains eagerly (``diff2 run``'s pre-flight, the ServerApp, each ClientApp) would pay for
+    nothing. Idempotent; eager results are the same either way."""
     global _rescale_unsafe
     if not hasattr(_rescale_unsafe, "_torchdynamo_disable"):
         _rescale_unsafe = torch.compiler.disable(_rescale_unsafe)
 
 
 def _ldexp(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """x·2^e exactly (but for the final rounding), for any integer e: torch.ldexp multiplies by 2.0**e, which is
-    inf or 0 beyond ±1023. Three factors of at most 2^800, all on one side of 1: no intermediate rounding."""
+    """x·2^e exactly (but for the final rounding), for any integer e: torch.ldexp multiplies by
+    2.0**e, which is inf or 0 beyond ±1023. Three factors of at most 2^800, all on one side of 1: no
+    intermediate rounding."""
     e = e.clamp(-2400, 2400).to(torch.int64)
     e1 = torch.div(e, 3, rounding_mode="trunc")
     e2 = torch.div(e - e1, 2, rounding_mode="trunc")
@@ -347,7 +379,8 @@ def _ldexp(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 
 
 def _expo(v: torch.Tensor) -> torch.Tensor:
-    """e with max|v_i| = f·2^e, f in [0.5, 1), per row of v [n, w] (a very small e for a zero row)."""
+    """e with max|v_i| = f·2^e, f in [0.5, 1), per row of v [n, w] (a very small e for a zero
+    row)."""
     m = v.abs().amax(1)
     return torch.where(m > 0, torch.frexp(m).exponent, -4000)
 
@@ -357,9 +390,10 @@ def _scaled(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _ldexp(v, -e.unsqueeze(1)), e
 
 
-def _layer_norm(dg: torch.Tensor, a1: torch.Tensor, gp: torch.Tensor | None, da1: torch.Tensor | None) -> torch.Tensor:
-    """‖dg a1ᵀ + gp da1ᵀ‖ per row [n] (gp None: rank one), every factor scaled by a power of two and the matrix
-    written out: exact to rounding from 2^-1074 to the largest float."""
+def _layer_norm(dg: torch.Tensor, a1: torch.Tensor, gp: torch.Tensor | None,
+                da1: torch.Tensor | None) -> torch.Tensor:
+    """‖dg a1ᵀ + gp da1ᵀ‖ per row [n] (gp None: rank one), every factor scaled by a power of two and
+    the matrix written out: exact to rounding from 2^-1074 to the largest float."""
     dgs, e_dg = _scaled(dg)
     a1s, e_a = _scaled(a1)
     if gp is None or da1 is None:
@@ -370,12 +404,16 @@ def _layer_norm(dg: torch.Tensor, a1: torch.Tensor, gp: torch.Tensor | None, da1
     top = torch.maximum(e1, e2)
     one = torch.ones_like(dg[:, 0])
     f1, f2 = _ldexp(one, e1 - top), _ldexp(one, e2 - top)
-    mat = (f1[:, None, None] * dgs[:, :, None]) * a1s[:, None, :] + (f2[:, None, None] * gps[:, :, None]) * das[:, None, :]
+    mat = (f1[:, None, None] * dgs[:, :, None]) * a1s[:, None,
+                                                      :] + (f2[:, None, None] * gps[
+                                                          :, :, None]) * das[:, None, :]
     return _ldexp(scaled_row_norms(mat.reshape(len(dg), -1)), top)
 
 
-def _scaled_norms(cur: Pass, inputs: torch.Tensor, prev: Pass | None, k: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """The norms of the samples (k, m) [n] by :func:`_layer_norm` per layer, joined by scaled row norms."""
+def _scaled_norms(cur: Pass, inputs: torch.Tensor, prev: Pass | None, k: torch.Tensor,
+                  m: torch.Tensor) -> torch.Tensor:
+    """The norms of the samples (k, m) [n] by :func:`_layer_norm` per layer, joined by scaled row
+    norms."""
     def one(t: torch.Tensor) -> torch.Tensor:  # [K, w, M] -> [n, w]
         return t[k, :, m]
 
@@ -397,7 +435,8 @@ def _scaled_norms(cur: Pass, inputs: torch.Tensor, prev: Pass | None, k: torch.T
 
 def _per_client(c_g: torch.Tensor, a: torch.Tensor, P: int, c_g2: torch.Tensor | None = None,
                 a2: torch.Tensor | None = None) -> torch.Tensor:
-    """Σ_n c g aᵀ (+ Σ_n c g₂ a₂ᵀ) per client and run for per-run inputs: c_g [K, O, M], a [K, I, M] -> [P, K, O·I]."""
+    """Σ_n c g aᵀ (+ Σ_n c g₂ a₂ᵀ) per client and run for per-run inputs: c_g [K, O, M], a [K, I, M]
+    -> [P, K, O·I]."""
     K, O, M = c_g.shape
     N = M // P
     if O <= NARROW:
@@ -408,17 +447,20 @@ def _per_client(c_g: torch.Tensor, a: torch.Tensor, P: int, c_g2: torch.Tensor |
 
     def product(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.bmm(g.reshape(K, O, P, N).transpose(1, 2).reshape(K * P, O, N),
-                         x.reshape(K, -1, P, N).permute(0, 2, 3, 1).reshape(K * P, N, -1))  # [K·P, O, I]
+                         # [K·P, O, I]
+                         x.reshape(K, -1, P, N).permute(0, 2, 3, 1).reshape(K * P, N, -1))
 
     prod = product(c_g, a) if c_g2 is None or a2 is None else product(c_g, a) + product(c_g2, a2)
     return prod.reshape(K, P, -1).transpose(0, 1)
 
 
-def clipped_sums(cur: Pass, a_shared: torch.Tensor, c: torch.Tensor, prev: Pass | None = None) -> torch.Tensor:
-    """Σ_n c_n ∇ℓ(x, z_n) per client and run (or of the differences with ``prev``), flat: [P, K, d], float64.
+def clipped_sums(cur: Pass, a_shared: torch.Tensor, c: torch.Tensor,
+                 prev: Pass | None = None) -> torch.Tensor:
+    """Σ_n c_n ∇ℓ(x, z_n) per client and run (or of the differences with ``prev``), flat: [P, K, d],
+    float64.
 
-    ``a_shared`` [P, N, F]: the input padded to N samples per client (samples m = p·N + n); ``c`` [K, P·N]: the
-    clip factors (0 for padding).
+    ``a_shared`` [P, N, F]: the input padded to N samples per client (samples m = p·N + n); ``c``
+    [K, P·N]: the clip factors (0 for padding).
     """
     P, N, F = a_shared.shape
     c3 = c.unsqueeze(1)

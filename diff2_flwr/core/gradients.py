@@ -22,7 +22,8 @@ from torch.func import functional_call, grad, vmap
 from .clipping import clipped_sum, onto_ball
 from .layout import ParameterLayout
 
-__all__ = ["LossFn", "Contribution", "PerSampleGradients", "check_per_sample_safe", "finish_contribution"]
+__all__ = ["LossFn", "Contribution", "PerSampleGradients", "check_per_sample_safe",
+           "finish_contribution"]
 
 #: ``loss(prediction[n, ...], target[n]) -> per-sample losses[n]``.
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,8 +40,10 @@ def check_per_sample_safe(model: torch.nn.Module) -> None:
     for name, module in model.named_modules():
         if isinstance(module, _BATCH_COUPLED):
             raise ValueError(
-                f"Module {name or type(module).__name__!r} ({type(module).__name__}) mixes samples within a "
-                "batch, so per-sample gradients and the DP guarantee would be wrong. Replace it with "
+                f"Module {name or type(module).__name__!r} ({type(module).__name__}) mixes "
+                f"samples within a "
+                "batch, so per-sample gradients and the DP guarantee would be wrong. Replace it "
+                "with "
                 "GroupNorm or LayerNorm (per-sample normalisation), or remove it."
             )
 
@@ -67,7 +70,8 @@ class PerSampleGradients:
     """Per-sample gradients of ``loss(model(x), y)`` at given flat parameter vectors."""
 
     def __init__(
-        self, model: torch.nn.Module, loss: LossFn, *, dtype: torch.dtype = torch.float64, chunk_size: int = 1024
+        self, model: torch.nn.Module, loss: LossFn, *, dtype: torch.dtype = torch.float64,
+        chunk_size: int = 1024
     ) -> None:
         check_per_sample_safe(model)
         if chunk_size < 1:
@@ -79,7 +83,8 @@ class PerSampleGradients:
         self.layout = ParameterLayout.of(model)
         self._buffers = {n: b for n, b in model.named_buffers()}
 
-        def one_sample_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def one_sample_loss(params: dict[str, torch.Tensor], x: torch.Tensor,
+                            y: torch.Tensor) -> torch.Tensor:
             out = functional_call(self.model, (params, self._buffers), (x.unsqueeze(0),))
             return self.loss(out, y.unsqueeze(0)).sum()
 
@@ -88,8 +93,10 @@ class PerSampleGradients:
     def _flat(self, grads: dict[str, torch.Tensor], n: int) -> torch.Tensor:
         return torch.cat([grads[name].reshape(n, -1) for name in self.layout.names], dim=1)
 
-    def per_sample(self, x_vec: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """All per-sample gradients at ``x_vec`` as one [n, d] tensor (for tests and small shards)."""
+    def per_sample(self, x_vec: np.ndarray, features: torch.Tensor,
+                   targets: torch.Tensor) -> torch.Tensor:
+        """All per-sample gradients at ``x_vec`` as one [n, d] tensor (for tests and small
+        shards)."""
         params = self.layout.to_torch(x_vec, self.dtype)
         return torch.cat(
             [self._flat(self._per_sample(params, xc, yc), xc.shape[0])
@@ -106,7 +113,8 @@ class PerSampleGradients:
     ) -> Contribution:
         """ClippedMean of per-sample gradients at ``x_current`` or, when ``x_previous`` is given,
         of per-sample differences ∇ℓ(x_current, z) - ∇ℓ(x_previous, z)."""
-        return self.clipped_mean_of(x_current, _chunks(features, targets, self.chunk_size), radius, x_previous)
+        return self.clipped_mean_of(x_current, _chunks(features, targets, self.chunk_size), radius,
+                                    x_previous)
 
     def clipped_mean_of(
         self,
@@ -115,7 +123,8 @@ class PerSampleGradients:
         radius: float,
         x_previous: np.ndarray | None = None,
     ) -> Contribution:
-        """:meth:`clipped_mean` over a shard given as chunks of (features, targets), read once, in order.
+        """:meth:`clipped_mean` over a shard given as chunks of (features, targets), read once, in
+        order.
 
         n is the number of samples read. Chunks of ``chunk_size`` give the same floating-point sums,
         and so the same result bit for bit, as :meth:`clipped_mean` on the concatenated tensors.
@@ -138,12 +147,15 @@ class PerSampleGradients:
             nonfinite += part.nonfinite
             n += int(xc.shape[0])
         if n == 0:
-            raise ValueError("The shard is empty: a worker with no samples cannot compute a ClippedMean.")
+            raise ValueError(
+                "The shard is empty: a worker with no samples cannot compute a ClippedMean.")
         return finish_contribution((total / n).numpy(), n, clipped, nonfinite, radius)
 
-    def loss_and_gradient(self, x_vec: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> tuple[float, np.ndarray]:
+    def loss_and_gradient(self, x_vec: np.ndarray, features: torch.Tensor,
+                          targets: torch.Tensor) -> tuple[float, np.ndarray]:
         """Mean loss and its (unclipped) gradient over all samples: evaluation only."""
-        params = {k: v.requires_grad_(True) for k, v in self.layout.to_torch(x_vec, self.dtype).items()}
+        params = {k: v.requires_grad_(True) for k, v in self.layout.to_torch(x_vec,
+                                                                             self.dtype).items()}
         out = functional_call(self.model, (params, self._buffers), (features,))
         loss = self.loss(out, targets).mean()
         grads = torch.autograd.grad(loss, [params[n] for n in self.layout.names])
@@ -153,21 +165,25 @@ class PerSampleGradients:
     def outputs(self, x_vec: np.ndarray, features: torch.Tensor) -> torch.Tensor:
         """The model's outputs at ``x_vec`` for all samples (no gradient): evaluation only."""
         with torch.no_grad():
-            return functional_call(self.model, (self.layout.to_torch(x_vec, self.dtype), self._buffers), (features,))
+            return functional_call(self.model, (self.layout.to_torch(x_vec, self.dtype),
+                                                self._buffers), (features,))
 
     def mean_loss(self, x_vec: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss over all samples (no gradient): evaluation only."""
         with torch.no_grad():
-            out = functional_call(self.model, (self.layout.to_torch(x_vec, self.dtype), self._buffers), (features,))
+            out = functional_call(self.model, (self.layout.to_torch(x_vec, self.dtype),
+                                               self._buffers), (features,))
             return float(self.loss(out, targets).mean())
 
 
-def finish_contribution(mean: np.ndarray, n: int, clipped: int, nonfinite: int, radius: float) -> Contribution:
+def finish_contribution(mean: np.ndarray, n: int, clipped: int, nonfinite: int,
+                        radius: float) -> Contribution:
     """A worker's reply from its ClippedMean: projected onto the ball when it exceeds the radius by
     float rounding (so its norm is <= radius exactly), or an explicit overflow report (zeros) when a
     per-sample gradient or the mean is not finite."""
     if nonfinite or not np.all(np.isfinite(mean)):
-        return Contribution(mean=np.zeros_like(mean), num_samples=n, num_clipped=clipped, overflow=True)
+        return Contribution(mean=np.zeros_like(mean), num_samples=n, num_clipped=clipped,
+                            overflow=True)
     return Contribution(mean=onto_ball(mean, radius), num_samples=n, num_clipped=clipped)
 
 

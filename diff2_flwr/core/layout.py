@@ -48,7 +48,8 @@ class ParameterLayout:
         """The inverse of :meth:`flatten`: per-tensor float64 arrays (copies)."""
         vector = np.asarray(vector, dtype=np.float64)
         if vector.shape != (self.dim,):
-            raise ValueError(f"Expected a flat vector of shape ({self.dim},). Found {vector.shape}.")
+            raise ValueError(
+                f"Expected a flat vector of shape ({self.dim},). Found {vector.shape}.")
         out, start = [], 0
         for shape, size in zip(self.shapes, self.sizes):
             out.append(vector[start:start + size].reshape(shape).copy())
@@ -60,9 +61,13 @@ class ParameterLayout:
         return {n: torch.as_tensor(a, dtype=dtype) for n, a in zip(self.names, self.split(vector))}
 
     def check(self, arrays: Sequence[np.ndarray]) -> None:
-        """Raise ValueError unless ``arrays`` has exactly the layout's number of arrays and shapes."""
+        """Raise ValueError unless ``arrays`` has exactly the layout's number of arrays and
+        shapes."""
         if len(arrays) != len(self.shapes):
-            raise ValueError(f"Expected {len(self.shapes)} arrays ({', '.join(self.names)}). Found {len(arrays)}.")
+            raise ValueError(
+                f"Expected {len(self.shapes)} arrays ({', '.join(self.names)}). Found "
+                f"{len(arrays)}.")
         for name, shape, a in zip(self.names, self.shapes, arrays):
             if tuple(np.shape(a)) != shape:
-                raise ValueError(f"Array {name!r} must have shape {shape}. Found {tuple(np.shape(a))}.")
+                raise ValueError(
+                    f"Array {name!r} must have shape {shape}. Found {tuple(np.shape(a))}.")

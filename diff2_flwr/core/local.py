@@ -17,12 +17,13 @@ random), with its own Gaussian noise::
 Dividing by the fixed b (not by |I_k|) bounds one record's term by c_k / b, so each step is a
 Poisson-subsampled Gaussian mechanism under replace-one adjacency, accounted exactly as such by
 dp-accounting's PLD accountant (:class:`~diff2_flwr.core.privacy.LocalEvent`). c_k depends only on
-earlier (noised) outputs, so the steps compose adaptively. The batch and the noise are drawn from one
-generator: seeded only when the run is seeded (research), otherwise from OS entropy.
+earlier (noised) outputs, so the steps compose adaptively. The batch and the noise are drawn from
+one generator: seeded only when the run is seeded (research), otherwise from OS entropy.
 
 References:
     Murata & Suzuki (2023), Section 5 (DIFF2 with a BVR-L-SGD sub-routine).
-    Murata & Suzuki (2021), "Bias-Variance Reduced Local SGD for Less Heterogeneous Federated Learning".
+    Murata & Suzuki (2021), "Bias-Variance Reduced Local SGD for Less Heterogeneous Federated
+    Learning".
 """
 
 from __future__ import annotations
@@ -36,15 +37,17 @@ import numpy as np
 
 from .estimator import DIVERGENCE_ADVICE, Diverged, difference_radius
 
-__all__ = ["LocalMechanism", "LocalResult", "LocalTask", "choose_worker", "local_generator", "local_seed",
+__all__ = ["LocalMechanism", "LocalResult", "LocalTask", "choose_worker", "local_generator",
+           "local_seed",
            "run_local_phase"]
 
-# Domain tags of the generators derived from the server's noise key (distinct from the server noise's).
+# Domain tags of the generators derived from the server's noise key (distinct from the server
+# noise's).
 _CHOICE_DOMAIN = 0xC401CE
 _LOCAL_DOMAIN = 0x10CA1
 
-#: Σ-function of the local steps: (y_k, y_{k-1}, indices of I_k, radius c_k) -> (Σ of clipped differences,
-#: number clipped, overflow flag).
+#: Σ-function of the local steps: (y_k, y_{k-1}, indices of I_k, radius c_k) -> (Σ of clipped
+#: differences, number clipped, overflow flag).
 ClippedSum = Callable[[np.ndarray, np.ndarray, np.ndarray, float], "tuple[np.ndarray, int, bool]"]
 
 
@@ -61,10 +64,13 @@ class LocalMechanism:
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 2:
             raise ValueError(f"`steps` (K) must be an integer >= 2. Found {self.steps!r}.")
-        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
-            raise ValueError(f"`batch_size` (b) must be an integer >= 1. Found {self.batch_size!r}.")
+        if not isinstance(self.batch_size, int) or isinstance(self.batch_size,
+                                                              bool) or self.batch_size < 1:
+            raise ValueError(
+                f"`batch_size` (b) must be an integer >= 1. Found {self.batch_size!r}.")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
-            raise ValueError(f"`learning_rate` (η) must be a finite number > 0. Found {self.learning_rate}.")
+            raise ValueError(
+                f"`learning_rate` (η) must be a finite number > 0. Found {self.learning_rate}.")
         if not (math.isfinite(self.clip) and self.clip > 0):
             raise ValueError(f"`clip` (C3) must be a finite number > 0. Found {self.clip}.")
         if not (math.isfinite(self.sigma) and self.sigma >= 0):
@@ -73,7 +79,8 @@ class LocalMechanism:
 
 @dataclass(frozen=True)
 class LocalTask:
-    """What the chosen worker receives: x_{r-1}, ṽ_r, the mechanism and (seeded runs only) its generator's seed."""
+    """What the chosen worker receives: x_{r-1}, ṽ_r, the mechanism and (seeded runs only) its
+    generator's seed."""
 
     round: int
     partition_id: int
@@ -81,7 +88,8 @@ class LocalTask:
     v: np.ndarray
     mechanism: LocalMechanism
     seed: int | None
-    #: n_min and q = b / n_min as the server's calibration took them (the worker refuses a rate b / n_p above q).
+    #: n_min and q = b / n_min as the server's calibration took them (the worker refuses a rate b /
+    #: n_p above q).
     n_min: int | None = None
     sampling_prob: float | None = None
 
@@ -114,26 +122,34 @@ def local_generator(seed: int | None) -> np.random.Generator:
 
 
 def run_local_phase(task: LocalTask, num_samples: int, clipped_sum: ClippedSum) -> LocalResult:
-    """The K - 1 private local steps of :mod:`this module <diff2_flwr.core.local>` on a shard of ``num_samples``.
+    """The K - 1 private local steps of :mod:`this module <diff2_flwr.core.local>` on a shard of
+    ``num_samples``.
 
     Raises:
-        ValueError: the task does not fit this shard (b > n_p, b / n_p above the accounted q, shapes, non-finite
-            values).
-        Diverged: a radius or noise std that is not finite (the iterates ran away); nothing is returned.
+        ValueError: the task does not fit this shard (b > n_p, b / n_p above the accounted q,
+            shapes, non-finite values).
+        Diverged: a radius or noise std that is not finite (the iterates ran away); nothing is
+            returned.
     """
     m = task.mechanism
     x0, v = np.asarray(task.x_start, dtype=np.float64), np.asarray(task.v, dtype=np.float64)
     if x0.ndim != 1 or v.shape != x0.shape:
-        raise ValueError(f"The local task's x_(r-1) and ṽ_r must be flat vectors of one shape; found {x0.shape}, {v.shape}.")
+        raise ValueError(
+            f"The local task's x_(r-1) and ṽ_r must be flat vectors of one shape; found "
+            f"{x0.shape}, {v.shape}.")
     if not (np.all(np.isfinite(x0)) and np.all(np.isfinite(v))):
         raise ValueError("The local task's x_(r-1) or ṽ_r holds NaN or inf values.")
     if m.batch_size > num_samples:
-        raise ValueError(f"The local batch size b = {m.batch_size} exceeds this worker's {num_samples} records.")
+        raise ValueError(
+            f"The local batch size b = {m.batch_size} exceeds this worker's {num_samples} records.")
     q = m.batch_size / num_samples
     if task.sampling_prob is not None and q > task.sampling_prob:
-        raise ValueError(f"This worker would sample each record with probability b / n_p = {m.batch_size} / "
-                         f"{num_samples} = {q:.6g}, above the q = {task.sampling_prob:.6g} (b / n_min, n_min = "
-                         f"{task.n_min}) the privacy analysis accounted: the task's n_min exceeds this worker's "
+        raise ValueError(
+            f"This worker would sample each record with probability b / n_p = {m.batch_size} / "
+                         f"{num_samples} = {q:.6g}, above the q = {task.sampling_prob:.6g} (b / "
+                         f"n_min, n_min = "
+                         f"{task.n_min}) the privacy analysis accounted: the task's n_min exceeds "
+                         f"this worker's "
                          "records. Nothing was computed.")
     rng = local_generator(task.seed)
     y_prev, w = x0, v
@@ -144,7 +160,8 @@ def run_local_phase(task: LocalTask, num_samples: int, clipped_sum: ClippedSum) 
         radius = difference_radius(m.clip, y, y_prev)
         std = m.sigma * radius
         if not (math.isfinite(radius) and math.isfinite(std)):
-            raise Diverged(task.round, "radius", f"local step {k}'s radius {radius:.3g} or noise std {std:.3g} is not "
+            raise Diverged(task.round, "radius",
+                           f"local step {k}'s radius {radius:.3g} or noise std {std:.3g} is not "
                            "finite; the local iterates have run away. " + DIVERGENCE_ADVICE)
         batch = np.flatnonzero(rng.random(num_samples) < q)
         sizes.append(int(batch.size))
@@ -155,7 +172,8 @@ def run_local_phase(task: LocalTask, num_samples: int, clipped_sum: ClippedSum) 
             if over:
                 return LocalResult(np.zeros_like(x0), tuple(sizes), clipped, True)
         noise = rng.standard_normal(x0.size) * std if std > 0 else 0.0
-        with np.errstate(over="ignore", invalid="ignore"):  # a run-away step: refused at the next radius
+        # a run-away step: refused at the next radius
+        with np.errstate(over="ignore", invalid="ignore"):
             w = w + total / m.batch_size + noise
             y_prev, y = y, y - m.learning_rate * w
     return LocalResult(y, tuple(sizes), clipped, False)

@@ -1,14 +1,16 @@
 """The privacy spent so far (a run's ledger, runs composed), and where to import privacy from.
 
 :class:`PrivacyLedger` holds the events a run has released and reports ε by three accountants;
-:class:`RunEvents` is a run's whole planned schedule by counts and :func:`composed_epsilon` composes the
-runs a data owner's node has taken part in. The calibration of the noise (the closed forms of Gaussian DP,
-σ of a schedule) lives in :mod:`~diff2_flwr.core.calibration`, the events and dp-accounting's distributions
-of them in :mod:`~diff2_flwr.core.accounting`; both are importable from here too (``__all__``).
+:class:`RunEvents` is a run's whole planned schedule by counts and :func:`composed_epsilon` composes
+the runs a data owner's node has taken part in. The calibration of the noise (the closed forms of
+Gaussian DP, σ of a schedule) lives in :mod:`~diff2_flwr.core.calibration`, the events and
+dp-accounting's distributions of them in :mod:`~diff2_flwr.core.accounting`; both are importable
+from here too (``__all__``).
 
 References:
     Dong, Roth & Su (2019), "Gaussian Differential Privacy", Cor. 2.13 and Cor. 3.3.
-    Koskela, Jälkö & Honkela (2020) and dp-accounting's ``privacy_loss_distribution`` (PLD composition).
+    Koskela, Jälkö & Honkela (2020) and dp-accounting's ``privacy_loss_distribution`` (PLD
+    composition).
 """
 
 from __future__ import annotations
@@ -82,17 +84,17 @@ class PrivacyLedger:
     """The events released so far, and ε spent by three accountants.
 
     ``epsilon``: the budget guard's number. For full-batch Gaussian rounds only, the exact μ-GDP
-    composition (closed form); once a local phase (:class:`LocalEvent`, subsampled) is in the ledger no
-    closed form is exact and ``epsilon`` is the PLD accountant's (``exact`` says which).
+    composition (closed form); once a local phase (:class:`LocalEvent`, subsampled) is in the ledger
+    no closed form is exact and ``epsilon`` is the PLD accountant's (``exact`` says which).
     ``epsilon_pld``: Google's dp-accounting privacy-loss-distribution accountant, composed
     incrementally (one FFT convolution per released event), pessimistic by its discretisation.
-    ``epsilon_rdp``: dp-accounting's Rényi accountant (looser; for comparison). Its RDP accountant has no
-    replace-one Poisson subsampling, so a local step enters it unamplified (a full-batch Gaussian with
-    multiplier σ3 b / 2 over the replace-one sensitivity 2c/b): a valid, looser upper bound.
-    ``noise_multiplier = 0`` (a non-private event) makes every ε infinite.
+    ``epsilon_rdp``: dp-accounting's Rényi accountant (looser; for comparison). Its RDP accountant
+    has no replace-one Poisson subsampling, so a local step enters it unamplified (a full-batch
+    Gaussian with multiplier σ3 b / 2 over the replace-one sensitivity 2c/b): a valid, looser upper
+    bound. ``noise_multiplier = 0`` (a non-private event) makes every ε infinite.
 
-    A value: δ and the events, nothing else. What its PLD composition remembers across ledgers lives in a
-    :class:`PldMemo` (the process-wide :data:`PLD_MEMO`), which never changes a value.
+    A value: δ and the events, nothing else. What its PLD composition remembers across ledgers lives
+    in a :class:`PldMemo` (the process-wide :data:`PLD_MEMO`), which never changes a value.
     """
 
     delta: float
@@ -103,12 +105,14 @@ class PrivacyLedger:
 
     @property
     def exact(self) -> bool:
-        """Whether ``epsilon`` is the exact GDP closed form (no subsampled local phase in the ledger)."""
+        """Whether ``epsilon`` is the exact GDP closed form (no subsampled local phase in the
+        ledger)."""
         return not any(isinstance(e, LocalEvent) for e in self.events)
 
     @property
     def mu(self) -> float:
-        """μ of the exact GDP composition (full-batch Gaussian events only; nan with a local phase)."""
+        """μ of the exact GDP composition (full-batch Gaussian events only; nan with a local
+        phase)."""
         if not self.exact:
             return math.nan
         if any(e.noise_multiplier == 0 for e in self.events):
@@ -117,7 +121,8 @@ class PrivacyLedger:
 
     @property
     def epsilon(self) -> float:
-        """ε spent at the ledger's δ: exact for full-batch Gaussian composition, else the PLD accountant's."""
+        """ε spent at the ledger's δ: exact for full-batch Gaussian composition, else the PLD
+        accountant's."""
         return gdp_epsilon(self.mu, self.delta) if self.exact else self.epsilon_pld
 
     def _degenerate(self) -> float | None:
@@ -129,25 +134,30 @@ class PrivacyLedger:
         return None
 
     def _counts(self) -> tuple[tuple[float, int], ...]:
-        """(multiplier over the replace-one sensitivity, count) of full-batch Gaussians; local steps unamplified."""
+        """(multiplier over the replace-one sensitivity, count) of full-batch Gaussians; local steps
+        unamplified."""
         counts: dict[float, int] = {}
         for e in self.events:
-            z, n = (e.noise_multiplier / 2, e.steps) if isinstance(e, LocalEvent) else (e.noise_multiplier, 1)
+            z, n = (e.noise_multiplier / 2,
+                    e.steps) if isinstance(e, LocalEvent) else (e.noise_multiplier, 1)
             counts[z] = counts.get(z, 0) + n
         return tuple(sorted(counts.items()))
 
     @property
     def epsilon_pld(self) -> float:
-        """ε spent per dp-accounting's PLD accountant (an independent, slightly pessimistic bound)."""
+        """ε spent per dp-accounting's PLD accountant (an independent, slightly pessimistic
+        bound)."""
         return self.pld_epsilon(PLD_MEMO)
 
     def pld_epsilon(self, memo: PldMemo) -> float:
-        """:attr:`epsilon_pld`, composing only the events ``memo`` has not composed yet, and remembering in it."""
+        """:attr:`epsilon_pld`, composing only the events ``memo`` has not composed yet, and
+        remembering in it."""
         if (trivial := self._degenerate()) is not None:
             return trivial
         keys = tuple(event_key(e) for e in self.events)
         flat = [v for k in keys for v in k]
-        key = (self.delta, len(keys), hashlib.blake2b(struct.pack(f"{len(flat)}d", *flat), digest_size=32).digest())
+        key = (self.delta, len(keys), hashlib.blake2b(struct.pack(f"{len(flat)}d", *flat),
+                                                      digest_size=32).digest())
         if key in memo.epsilons:
             return memo.epsilons[key]
         pld, start = memo.longest_prefix(keys)
@@ -160,8 +170,8 @@ class PrivacyLedger:
 
     @functools.cached_property
     def event_counts(self) -> tuple[tuple[tuple[float, float, int], int], ...]:
-        """(:func:`~diff2_flwr.core.accounting.event_key`, count) of the ledger's distinct events, sorted (counted once
-        per ledger: a plan's are read every round)."""
+        """(:func:`~diff2_flwr.core.accounting.event_key`, count) of the ledger's distinct events,
+        sorted (counted once per ledger: a plan's are read every round)."""
         counts: dict[tuple[float, float, int], int] = {}
         for e in self.events:
             key = event_key(e)
@@ -169,9 +179,9 @@ class PrivacyLedger:
         return tuple(sorted(counts.items()))
 
     def within(self, other: "PrivacyLedger") -> bool:
-        """Whether every event of this ledger is matched by one of ``other``'s (the same δ; counted per distinct
-        event): then this ledger's mechanism is a part of ``other``'s, and any ε bound of ``other`` bounds it too
-        (post-processing)."""
+        """Whether every event of this ledger is matched by one of ``other``'s (the same δ; counted
+        per distinct event): then this ledger's mechanism is a part of ``other``'s, and any ε bound
+        of ``other`` bounds it too (post-processing)."""
         if self.delta != other.delta:
             return False
         theirs = dict(other.event_counts)
@@ -179,9 +189,10 @@ class PrivacyLedger:
 
     @property
     def epsilon_pld_by_counts(self) -> float:
-        """ε spent per dp-accounting's PLD accountant with the events composed by counts (each distinct event
-        self-composed): :func:`~diff2_flwr.core.accounting.counts_pld_epsilon`, one call for a whole schedule.
-        Not the same rounding as :attr:`epsilon_pld` (another composition order), equally pessimistic."""
+        """ε spent per dp-accounting's PLD accountant with the events composed by counts (each
+        distinct event self-composed): :func:`~diff2_flwr.core.accounting.counts_pld_epsilon`, one
+        call for a whole schedule. Not the same rounding as :attr:`epsilon_pld` (another composition
+        order), equally pessimistic."""
         if (trivial := self._degenerate()) is not None:
             return trivial
         return counts_pld_epsilon(self.delta, self.event_counts)
@@ -196,15 +207,18 @@ class PrivacyLedger:
 
 @dataclass(frozen=True)
 class RunEvents:
-    """One run's whole planned schedule of privacy events, by counts: what a data owner's node is charged.
+    """One run's whole planned schedule of privacy events, by counts: what a data owner's node is
+    charged.
 
-    ``gaussian``: (z, count) pairs, z in :class:`GaussianEvent`'s convention (std over the replace-one
-    sensitivity). ``local``: (z3, q, steps, phases) tuples, z3 and q in :class:`LocalEvent`'s convention,
-    ``steps`` Poisson-subsampled Gaussian steps per local phase and ``phases`` local phases (one per round).
-    ``delta`` is the run's own δ (its ε is reported at it; a node composes its runs at its own δ).
+    ``gaussian``: (z, count) pairs, z in :class:`GaussianEvent`'s convention (std over the
+    replace-one sensitivity). ``local``: (z3, q, steps, phases) tuples, z3 and q in
+    :class:`LocalEvent`'s convention, ``steps`` Poisson-subsampled Gaussian steps per local phase
+    and ``phases`` local phases (one per round). ``delta`` is the run's own δ (its ε is reported at
+    it; a node composes its runs at its own δ).
 
     References:
-        Murata & Suzuki (2023), Alg. 1 (m1 restart rounds, m2 difference rounds); DIFF2.md, accounting section.
+        Murata & Suzuki (2023), Alg. 1 (m1 restart rounds, m2 difference rounds); DIFF2.md,
+        accounting section.
     """
 
     delta: float
@@ -220,16 +234,19 @@ class RunEvents:
             _check_event("local", z3, steps, "steps")
             _check_event("local", z3, phases, "phases")
             if not (isinstance(q, (int, float)) and 0 < q <= 1):
-                raise ValueError(f"RunEvents: a local event's sampling probability `q` must be in (0, 1]. Found {q!r}.")
+                raise ValueError(
+                    f"RunEvents: a local event's sampling probability `q` must be in (0, 1]. "
+                    f"Found {q!r}.")
 
     @classmethod
     def from_calibration(cls, cal: Calibration) -> "RunEvents":
-        """The events of a calibrated schedule: m1 × z1, m2 × z2 and, with a local routine, R local phases
-        LocalEvent(z3, q, K - 1)."""
+        """The events of a calibrated schedule: m1 × z1, m2 × z2 and, with a local routine, R local
+        phases LocalEvent(z3, q, K - 1)."""
         counts = ((cal.z1, cal.restart_rounds), (cal.z2, cal.difference_rounds))
         gaussian = tuple((float(z), m) for z, m in counts if m)
         local = cal.local
-        phases = () if local is None else ((float(local.z3), float(local.sampling_prob), local.steps - 1, cal.rounds),)
+        phases = () if local is None else ((float(local.z3), float(local.sampling_prob),
+                                            local.steps - 1, cal.rounds),)
         return cls(delta=cal.delta, gaussian=gaussian, local=phases)
 
     @property
@@ -240,26 +257,31 @@ class RunEvents:
 
 def _check_event(kind: str, z: Any, count: Any, name: str) -> None:
     if not isinstance(z, (int, float)) or isinstance(z, bool) or not (math.isfinite(z) and z >= 0):
-        raise ValueError(f"RunEvents: a {kind} event's noise multiplier must be a finite number >= 0. Found {z!r}.")
+        raise ValueError(
+            f"RunEvents: a {kind} event's noise multiplier must be a finite number >= 0. Found "
+            f"{z!r}.")
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ValueError(f"RunEvents: a {kind} event's `{name}` must be an integer >= 1. Found {count!r}.")
+        raise ValueError(
+            f"RunEvents: a {kind} event's `{name}` must be an integer >= 1. Found {count!r}.")
 
 
 def composed_epsilon(runs: "Sequence[RunEvents]", delta: float) -> float:
     """ε at ``delta`` of all the runs' events composed together (dp-accounting's PLD, pessimistic).
 
-    Composition commutes, so the events are composed by counts: every full-batch Gaussian of every run
-    together is one Gaussian with μ² = Σ count / z² (exact: Dong, Roth & Su 2019, Cor. 3.3; dp-accounting's
-    ``PLDAccountant`` composes ``GaussianDpEvent`` × count the same way), and the local phases of one kind
-    (z3, q, steps) are one cached PLD self-composed by their total number of phases. ε is independent of the
-    order of the runs. No runs (or no events): 0; a noise multiplier 0: inf.
+    Composition commutes, so the events are composed by counts: every full-batch Gaussian of every
+    run together is one Gaussian with μ² = Σ count / z² (exact: Dong, Roth & Su 2019, Cor. 3.3;
+    dp-accounting's ``PLDAccountant`` composes ``GaussianDpEvent`` × count the same way), and the
+    local phases of one kind (z3, q, steps) are one cached PLD self-composed by their total number
+    of phases. ε is independent of the order of the runs. No runs (or no events): 0; a noise
+    multiplier 0: inf.
 
     Args:
         runs: the runs' planned events.
         delta: the δ at which ε is reported, in (0, 1).
 
     References:
-        Koskela, Jälkö & Honkela (2020) and dp-accounting's ``privacy_loss_distribution`` (PLD composition).
+        Koskela, Jälkö & Honkela (2020) and dp-accounting's ``privacy_loss_distribution`` (PLD
+        composition).
     """
     if not 0 < delta < 1:
         raise ValueError(f"`delta` must be in (0, 1). Found {delta!r}.")

@@ -15,8 +15,8 @@ parameters (``learning_rate`` plus its own, with defaults); :func:`routine_param
 latter, :func:`make_routine` builds one by name. Adding a routine is adding a class here.
 
 References:
-    Murata & Suzuki (2023), Algorithm 1 line 17 ("a general sub-routine") and Algorithm 3 (GD-Routine):
-    x_r = x_{r-1} - η ṽ_r; its conclusion ("accelerated gradient methods, adaptive
+    Murata & Suzuki (2023), Algorithm 1 line 17 ("a general sub-routine") and Algorithm 3
+    (GD-Routine): x_r = x_{r-1} - η ṽ_r; its conclusion ("accelerated gradient methods, adaptive
     gradient methods and so on can be incorporated into DIFF2 framework").
 """
 
@@ -47,7 +47,8 @@ __all__ = [
 
 
 class RoutineError(ValueError):
-    """An invalid routine parameter; ``key``, ``expected`` and ``found`` hold the parts of the message."""
+    """An invalid routine parameter; ``key``, ``expected`` and ``found`` hold the parts of the
+    message."""
 
     def __init__(self, key: str, expected: str, found: Any) -> None:
         super().__init__(f"`{key}` must be {expected}. Found {found!r}.")
@@ -77,12 +78,14 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 
 def _check_learning_rate(lr: Any) -> None:
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+    if isinstance(lr, bool) or not isinstance(lr, (int,
+                                                   float)) or not (math.isfinite(lr) and lr > 0):
         raise RoutineError("learning_rate", "a finite number > 0", lr)
 
 
 def _check_unit(key: str, value: Any) -> None:
-    """A decay rate in [0, 1) (1 would never forget, and Adam's bias correction 1 - β^t would be 0)."""
+    """A decay rate in [0, 1) (1 would never forget, and Adam's bias correction 1 - β^t would be
+    0)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < 1):
         raise RoutineError(key, "a number in [0, 1)", value)
 
@@ -145,7 +148,8 @@ class Momentum:
     def init(self, x0: np.ndarray) -> MomentumState:
         return MomentumState(_frozen(np.zeros_like(x0, dtype=np.float64)))
 
-    def update(self, x: np.ndarray, v: np.ndarray, state: MomentumState) -> tuple[np.ndarray, MomentumState]:
+    def update(self, x: np.ndarray, v: np.ndarray, state: MomentumState) -> tuple[np.ndarray,
+                                                                                  MomentumState]:
         buffer = self.momentum * state.buffer + v
         return x - self.learning_rate * buffer, MomentumState(_frozen(buffer))
 
@@ -158,16 +162,17 @@ class Nesterov(Momentum):
     (here ṽ_r estimates ∇f(x_{r-1})), as PyTorch's ``SGD(momentum=μ, nesterov=True)`` does.
 
     References:
-        Nesterov (1983); Sutskever, Martens, Dahl & Hinton (2013), "On the importance of initialization and
-        momentum in deep learning", eq. (3)-(4); Bengio, Boulanger-Lewandowski & Pascanu (2013), eq. (7);
-        PyTorch ``torch.optim.SGD`` (nesterov=True).
+        Nesterov (1983); Sutskever, Martens, Dahl & Hinton (2013), "On the importance of
+        initialization and momentum in deep learning", eq. (3)-(4); Bengio, Boulanger-Lewandowski &
+        Pascanu (2013), eq. (7); PyTorch ``torch.optim.SGD`` (nesterov=True).
 
     Momentum's parameters, checks and state; only the step differs.
     """
 
     name: ClassVar[str] = "nesterov"
 
-    def update(self, x: np.ndarray, v: np.ndarray, state: MomentumState) -> tuple[np.ndarray, MomentumState]:
+    def update(self, x: np.ndarray, v: np.ndarray, state: MomentumState) -> tuple[np.ndarray,
+                                                                                  MomentumState]:
         buffer = self.momentum * state.buffer + v
         return x - self.learning_rate * (v + self.momentum * buffer), MomentumState(_frozen(buffer))
 
@@ -180,9 +185,10 @@ class AdamState(NamedTuple):
     nu: np.ndarray
 
 
-def _adam_step(x: np.ndarray, g: np.ndarray, state: AdamState, lr: float, beta1: float, beta2: float,
-               eps: float) -> tuple[np.ndarray, AdamState]:
-    """One bias-corrected Adam step on gradient ``g`` (Kingma & Ba, Algorithm 1), in PyTorch's order."""
+def _adam_step(x: np.ndarray, g: np.ndarray, state: AdamState, lr: float, beta1: float,
+               beta2: float, eps: float) -> tuple[np.ndarray, AdamState]:
+    """One bias-corrected Adam step on gradient ``g`` (Kingma & Ba, Algorithm 1), in PyTorch's
+    order."""
     t = state.count + 1
     mu = beta1 * state.mu + (1 - beta1) * g
     nu = beta2 * state.nu + (1 - beta2) * (g * g)
@@ -225,7 +231,8 @@ class Adam:
         zeros = _frozen(np.zeros_like(x0, dtype=np.float64))
         return AdamState(0, zeros, zeros)
 
-    def update(self, x: np.ndarray, v: np.ndarray, state: AdamState) -> tuple[np.ndarray, AdamState]:
+    def update(self, x: np.ndarray, v: np.ndarray, state: AdamState) -> tuple[np.ndarray,
+                                                                              AdamState]:
         g = v + self.weight_decay * x if self.weight_decay else v
         return _adam_step(x, g, state, self.learning_rate, self.beta1, self.beta2, self.eps)
 
@@ -244,7 +251,8 @@ class AdamW(Adam):
     weight_decay: float = 0.01
     name: ClassVar[str] = "adamw"
 
-    def update(self, x: np.ndarray, v: np.ndarray, state: AdamState) -> tuple[np.ndarray, AdamState]:
+    def update(self, x: np.ndarray, v: np.ndarray, state: AdamState) -> tuple[np.ndarray,
+                                                                              AdamState]:
         decayed = x * (1 - self.learning_rate * self.weight_decay) if self.weight_decay else x
         return _adam_step(decayed, v, state, self.learning_rate, self.beta1, self.beta2, self.eps)
 
@@ -281,5 +289,6 @@ def make_routine(name: str, learning_rate: float, **params: Any) -> Routine:
 
 
 def describe_routine(routine: Routine) -> dict[str, Any]:
-    """``{"name": ..., "learning_rate": ..., <its parameters>}``: what identifies a routine's trajectory."""
+    """``{"name": ..., "learning_rate": ..., <its parameters>}``: what identifies a routine's
+    trajectory."""
     return {"name": routine.name, **dataclasses.asdict(routine)}  # type: ignore[call-overload]

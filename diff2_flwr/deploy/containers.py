@@ -1,8 +1,8 @@
-"""Podman itself, for :mod:`.podman`: the environment podman runs with (this project's containers.conf),
-running podman and podman-compose (a failure or a timeout is a :class:`PodmanError` carrying the command and
-its output), the images' official names, whether one exists and its labels, the script that finds files'
-bytes inside a container; and, on the host, whether a port is free and the copy of the project a compose build
-starts from.
+"""Podman itself, for :mod:`.podman`: the environment podman runs with (this project's
+containers.conf), running podman and podman-compose (a failure or a timeout is a
+:class:`PodmanError` carrying the command and its output), the images' official names, whether one
+exists and its labels, the script that finds files' bytes inside a container; and, on the host,
+whether a port is free and the copy of the project a compose build starts from.
 """
 
 from __future__ import annotations
@@ -18,18 +18,22 @@ from ..runtime.launch import tool
 from ..runtime.paths import APP_DIR
 from .compose import FLWR_VERSION
 
-__all__ = ["CONTAINERS_CONF", "FIND_FILES_PROBE", "PROJECT_FILES", "STANDIN_DIR", "PodmanError", "copy_project",
-           "image_exists", "image_label", "official_name", "podman", "podman_compose_tool", "podman_env", "port_free",
+__all__ = ["CONTAINERS_CONF", "FIND_FILES_PROBE", "PROJECT_FILES", "STANDIN_DIR", "PodmanError",
+           "copy_project",
+           "image_exists", "image_label", "official_name", "podman", "podman_compose_tool",
+           "podman_env", "port_free",
            "run_tool"]
 
 STANDIN_DIR = APP_DIR / "scripts" / "standin"
 #: runc instead of crun, no default ulimits: what these machines need (see the file).
 CONTAINERS_CONF = STANDIN_DIR / "containers.conf"
 #: What the build context and the compose files need, copied into a scratch project folder.
-PROJECT_FILES = ("docker-compose.yml", "docker-compose.tls.yml", ".dockerignore", "pyproject.toml", "README.md",
+PROJECT_FILES = ("docker-compose.yml", "docker-compose.tls.yml", ".dockerignore", "pyproject.toml",
+                 "README.md",
                  "server", "clients", "diff2_flwr", "configs")
-#: Run inside a container as ``python3 -c FIND_FILES_PROBE WANTED SIZES`` (JSON: {SHA-256: file name}, [sizes]):
-#: prints {file name: [paths]} of every file of those bytes (by size, then SHA-256); /proc, /sys, /dev skipped.
+#: Run inside a container as ``python3 -c FIND_FILES_PROBE WANTED SIZES`` (JSON: {SHA-256: file
+#: name}, [sizes]): prints {file name: [paths]} of every file of those bytes (by size, then
+#: SHA-256); /proc, /sys, /dev skipped.
 FIND_FILES_PROBE = (
     "import hashlib, json, os, sys\n"
     "wanted, sizes = json.loads(sys.argv[1]), set(json.loads(sys.argv[2]))\n"
@@ -64,11 +68,11 @@ def podman_env() -> dict[str, str]:
 
 def run_tool(cmd: list[str], *, timeout: float = 600, check: bool = True, cwd: Path | None = None,
              input: str | bytes | None = None, text: bool = True) -> subprocess.CompletedProcess:
-    """``cmd`` (podman, podman-compose, debootstrap) run with :func:`podman_env`, its output captured; a timeout,
-    or with ``check`` a non-zero exit, is a :class:`PodmanError`."""
+    """``cmd`` (podman, podman-compose, debootstrap) run with :func:`podman_env`, its output
+    captured; a timeout, or with ``check`` a non-zero exit, is a :class:`PodmanError`."""
     try:
-        done = subprocess.run(cmd, cwd=cwd, env=podman_env(), capture_output=True, text=text, timeout=timeout,
-                              input=input)
+        done = subprocess.run(cmd, cwd=cwd, env=podman_env(), capture_output=True, text=text,
+                              timeout=timeout, input=input)
     except subprocess.TimeoutExpired as err:
         raise PodmanError(f"`{shlex.join(cmd)}` did not finish within {timeout:.0f} s.") from err
     if check and done.returncode != 0:
@@ -97,7 +101,8 @@ def image_exists(name: str) -> bool:
 
 
 def image_label(name: str, label: str) -> str | None:
-    done = podman("image", "inspect", "--format", f'{{{{index .Labels "{label}"}}}}', name, check=False, timeout=60)
+    done = podman("image", "inspect", "--format", f'{{{{index .Labels "{label}"}}}}', name,
+                  check=False, timeout=60)
     value = done.stdout.strip()
     return value if done.returncode == 0 and value and value != "<no value>" else None
 
@@ -119,7 +124,8 @@ def copy_project(dest: Path, source: Path = APP_DIR) -> Path:
     for name in PROJECT_FILES:
         src = source / name
         if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), dirs_exist_ok=True)
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+                            dirs_exist_ok=True)
         elif src.is_file():
             shutil.copy2(src, dest / name)
     return dest

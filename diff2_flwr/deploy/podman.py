@@ -1,4 +1,5 @@
-"""``docker-compose.yml`` / ``docker-compose.tls.yml`` brought up for real, with Podman and podman-compose.
+"""``docker-compose.yml`` / ``docker-compose.tls.yml`` brought up for real, with Podman and
+podman-compose.
 
 A machine without a Docker engine (ours) runs the compose files with Podman: podman-compose reads
 them unchanged, and ``server/Dockerfile`` / ``clients/Dockerfile`` are built with ``podman build``.
@@ -20,12 +21,13 @@ and brings everything down again, also on failure. ``python -m diff2_flwr.deploy
 
     python -m diff2_flwr.deploy.podman run [--tls] [--resume] [--set KEY=VALUE ...] [CONFIG]
 
-``--set`` works as in ``diff2 run``: one ``--set`` takes several assignments (``--set training.rounds=40
-privacy.epsilon=8``), repeating it works too, and in ``--set a=1 CONFIG`` the last word without ``=`` is CONFIG
-when no other was given. CONFIG and the overrides are checked before any image is built or pulled.
+``--set`` works as in ``diff2 run``: one ``--set`` takes several assignments (``--set
+training.rounds=40 privacy.epsilon=8``), repeating it works too, and in ``--set a=1 CONFIG`` the
+last word without ``=`` is CONFIG when no other was given. CONFIG and the overrides are checked
+before any image is built or pulled.
 
-Running podman itself (its environment, errors, image names) is in :mod:`.containers`; the command line's
-parser in :mod:`.podman_cli`.
+Running podman itself (its environment, errors, image names) is in :mod:`.containers`; the command
+line's parser in :mod:`.podman_cli`.
 """
 
 from __future__ import annotations
@@ -62,15 +64,19 @@ from ..runtime.launch import (
 )
 from ..runtime.paths import APP_DIR
 from .certs import make_certificates, make_node_key, make_node_keys
-from .compose import CONTAINER_OUTPUTS, FEDERATION_KEYS, FLWR_VERSION, SECAGG_KEY, SUPERLINK_PORT, certificate_hosts
-from .containers import (CONTAINERS_CONF, FIND_FILES_PROBE, STANDIN_DIR, PodmanError, copy_project, image_exists,
-                         image_label, official_name, podman, podman_compose_tool, podman_env, port_free, run_tool)
+from .compose import (
+    CONTAINER_OUTPUTS, FEDERATION_KEYS, FLWR_VERSION, SECAGG_KEY, SUPERLINK_PORT, certificate_hosts,
+)
+from .containers import (CONTAINERS_CONF, FIND_FILES_PROBE, STANDIN_DIR, PodmanError, copy_project,
+                         image_exists, image_label, official_name, podman, podman_compose_tool,
+                         podman_env, port_free, run_tool)
 from .native import list_nodes, register_node
 from .podman_cli import build_parser, run_request
 from ..runtime.secret_files import make_superexec_secret, private_folder
 from .shards import write_shards
 
-__all__ = ["CONTAINERS_CONF", "ComposeStack", "ImageReport", "PodmanError", "STANDIN_DIR", "STANDIN_TARGETS",
+__all__ = ["CONTAINERS_CONF", "ComposeStack", "ImageReport", "PodmanError", "STANDIN_DIR",
+           "STANDIN_TARGETS",
            "copy_project", "ensure_images", "podman_env", "unavailable_reason"]
 
 #: Stage names in scripts/standin/Containerfile = the official image names flwr/<target>.
@@ -85,28 +91,36 @@ APP_UID = 49999
 def unavailable_reason() -> str | None:
     """Why the compose files cannot be brought up here, or None when they can."""
     if shutil.which("podman") is None:
-        return "podman is not installed (`apt-get install podman runc`; .ci/run installs it when it can)"
+        return ("podman is not installed (`apt-get install podman runc`; .ci/run installs it when "
+                "it can)")
     if podman_compose_tool() is None:
         return (f"podman-compose is not installed next to {sys.executable} or on PATH "
                 "(`pip install podman-compose`; .ci/run installs it when it can)")
     if os.geteuid() != 0:
-        return "the compose test runs rootful Podman (as root); rootless Podman is not set up or tested here"
+        return ("the compose test runs rootful Podman (as root); rootless Podman is not set up or "
+                "tested here")
     info = podman("info", "--format", "{{.Host.OCIRuntime.Name}}", timeout=120, check=False)
     if info.returncode != 0:
-        return f"`podman info` fails (CONTAINERS_CONF={podman_env()['CONTAINERS_CONF']}): {info.stderr.strip()[-500:]}"
+        return (f"`podman info` fails (CONTAINERS_CONF={podman_env()['CONTAINERS_CONF']}): "
+                f"{info.stderr.strip()[-500:]}")
     missing = [name for name in NEEDED if not image_exists(official_name(name))]
     if missing and shutil.which("debootstrap") is None:
-        return (f"images {', '.join(official_name(m) for m in missing)} are missing and debootstrap, needed to "
+        return (
+            f"images {', '.join(official_name(m) for m in missing)} are missing and debootstrap, "
+            f"needed to "
                 "build their stand-ins, is not installed (`apt-get install debootstrap`)")
     return None
 
 
 
-# ---------------------------------------------------------------- the host's pip configuration in a build
+# ---------------------------------------------------------------- the host's pip configuration in a
+# build
 
 def _pip_settings() -> dict[str, str]:
-    """``pip config list`` of this interpreter as {key: value}; environment variables win over files."""
-    done = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=120)
+    """``pip config list`` of this interpreter as {key: value}; environment variables win over
+    files."""
+    done = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
+                          text=True, timeout=120)
     files, env = {}, {}
     for line in done.stdout.splitlines():
         match = re.match(r"^(:env:|[a-z]+)\.([A-Za-z0-9_-]+)='(.*)'$", line.strip())
@@ -116,7 +130,8 @@ def _pip_settings() -> dict[str, str]:
 
 
 def pip_build_args(scratch: Path) -> list[str]:
-    """``podman build`` options that give a build the host's pip configuration, network and local indexes."""
+    """``podman build`` options that give a build the host's pip configuration, network and local
+    indexes."""
     settings = _pip_settings()
     mounts: list[str] = []
     for key, value in settings.items():
@@ -153,9 +168,11 @@ def debian_mirror() -> str:
         if not path.is_file() or path.suffix not in (".list", ".sources", ""):
             continue
         text = path.read_text(errors="replace")
-        for match in re.finditer(r"^\s*(?:URIs:\s*|deb\s+(?:\[[^\]]*\]\s+)?)(\S+/debian)/?\s*$", text, re.M):
+        for match in re.finditer(r"^\s*(?:URIs:\s*|deb\s+(?:\[[^\]]*\]\s+)?)(\S+/debian)/?\s*$",
+                                 text, re.M):
             return match.group(1)
-        for match in re.finditer(r"^\s*deb\s+(?:\[[^\]]*\]\s+)?(\S+/debian)/?\s+bookworm\b", text, re.M):
+        for match in re.finditer(r"^\s*deb\s+(?:\[[^\]]*\]\s+)?(\S+/debian)/?\s+bookworm\b", text,
+                                 re.M):
             return match.group(1)
     return "http://deb.debian.org/debian"
 
@@ -163,18 +180,22 @@ def debian_mirror() -> str:
 def _make_debian_base(log: Callable[[str], None]) -> None:
     debootstrap = shutil.which("debootstrap")
     if debootstrap is None:
-        raise PodmanError("debootstrap is not installed: `apt-get install debootstrap` (needed to make the local "
+        raise PodmanError(
+            "debootstrap is not installed: `apt-get install debootstrap` (needed to make the local "
                           f"Debian base {DEBIAN_BASE} of the stand-in images).")
     mirror = debian_mirror()
     with tempfile.TemporaryDirectory(prefix="diff2-rootfs-") as tmp:
         root = Path(tmp) / "rootfs"
-        log(f"[diff2] debootstrap bookworm from {mirror} (a minimal Debian 12 with Python 3.11; ~1 minute)")
-        run_tool([debootstrap, "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm",
-                  str(root), mirror], timeout=1800)
+        log(f"[diff2] debootstrap bookworm from {mirror} (a minimal Debian 12 with Python 3.11; "
+            f"~1 minute)")
+        run_tool([debootstrap, "--variant=minbase",
+                  "--include=python3,python3-venv,ca-certificates", "bookworm", str(root), mirror],
+                  timeout=1800)
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
         try:
-            imported = subprocess.run(["podman", "import", "-", DEBIAN_BASE], stdin=tar.stdout, env=podman_env(),
-                                      capture_output=True, text=True, timeout=1800)
+            imported = subprocess.run(["podman", "import", "-", DEBIAN_BASE], stdin=tar.stdout,
+                                      env=podman_env(), capture_output=True, text=True,
+                                      timeout=1800)
         finally:
             assert tar.stdout is not None
             tar.stdout.close()
@@ -184,8 +205,9 @@ def _make_debian_base(log: Callable[[str], None]) -> None:
 
 
 def ensure_images(*, force: bool = False, log: Callable[[str], None] = print) -> ImageReport:
-    """The images the compose files name: the official ones if present, else our stand-ins (built when
-    missing or when scripts/standin/Containerfile changed since they were built; all of them with ``force``)."""
+    """The images the compose files name: the official ones if present, else our stand-ins (built
+    when missing or when scripts/standin/Containerfile changed since they were built; all of them
+    with ``force``)."""
     started = time.perf_counter()
     containerfile = STANDIN_DIR / "Containerfile"
     digest = hashlib.sha256(containerfile.read_bytes()).hexdigest()[:16]
@@ -206,9 +228,11 @@ def ensure_images(*, force: bool = False, log: Callable[[str], None] = print) ->
         for target in STANDIN_TARGETS:
             t0 = time.perf_counter()
             log(f"[diff2] building stand-in {official_name(target)}")
-            podman("build", "--pull=never", "--target", target, "--build-arg", f"BASE_IMAGE={DEBIAN_BASE}",
-                   "--build-arg", f"FLWR_VERSION={FLWR_VERSION}", "--label", f"diff2.standin.containerfile={digest}",
-                   *build, "-f", str(containerfile), "-t", official_name(target), str(STANDIN_DIR), timeout=1800)
+            podman("build", "--pull=never", "--target", target, "--build-arg",
+                   f"BASE_IMAGE={DEBIAN_BASE}",
+                   "--build-arg", f"FLWR_VERSION={FLWR_VERSION}", "--label",
+                   f"diff2.standin.containerfile={digest}", *build, "-f", str(containerfile), "-t",
+                   official_name(target), str(STANDIN_DIR), timeout=1800)
             steps[target] = time.perf_counter() - t0
             log(f"[diff2] {official_name(target)} built in {steps[target]:.0f} s")
     return ImageReport("built", time.perf_counter() - started, steps)
@@ -220,11 +244,12 @@ def ensure_images(*, force: bool = False, log: Callable[[str], None] = print) ->
 class ComposeStack:
     """One compose project (plain or TLS) in ``project_dir``, driven through podman-compose.
 
-    Use as a context manager: leaving it brings the project down (containers, network), also on failure.
+    Use as a context manager: leaving it brings the project down (containers, network), also on
+    failure.
     """
 
-    def __init__(self, project_dir: str | os.PathLike[str], *, tls: bool, project: str = DEFAULT_PROJECT,
-                 log: Callable[[str], None] = print) -> None:
+    def __init__(self, project_dir: str | os.PathLike[str], *, tls: bool,
+                 project: str = DEFAULT_PROJECT, log: Callable[[str], None] = print) -> None:
         self.dir = Path(project_dir).resolve()
         self.tls, self.project, self.log = tls, project, log
         self.file = "docker-compose.tls.yml" if tls else "docker-compose.yml"
@@ -243,9 +268,10 @@ class ComposeStack:
         self._scratch = Path(tempfile.mkdtemp(prefix="diff2-compose-build-"))
 
     # -- plumbing
-    def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-        return run_tool([self._tool, "--no-ansi", "-p", self.project, "-f", self.file, *args], cwd=self.dir,
-                        timeout=timeout, check=check)
+    def compose(self, *args: str, timeout: float = 600,
+                check: bool = True) -> subprocess.CompletedProcess:
+        return run_tool([self._tool, "--no-ansi", "-p", self.project, "-f", self.file, *args],
+                        cwd=self.dir, timeout=timeout, check=check)
 
     def container(self, service: str) -> str:
         return f"{self.project}_{service}_1"  # podman-compose's naming: <project>_<service>_<index>
@@ -268,23 +294,26 @@ class ComposeStack:
         podman("start", self.container(service), timeout=120)
 
     def state(self, service: str) -> str:
-        done = podman("inspect", "--format", "{{.State.Status}}", self.container(service), check=False, timeout=60)
+        done = podman("inspect", "--format", "{{.State.Status}}", self.container(service),
+                      check=False, timeout=60)
         return done.stdout.strip() if done.returncode == 0 else "absent"
 
     # -- lifecycle
-    def prepare(self, config: str | os.PathLike[str], set_keys: Mapping[str, Any] | None = None) -> Path:
-        """``deploy/`` as the compose file's header asks: the shards of ``config`` (with ``set_keys``),
-        ``deploy/outputs`` owned by UID 49999, the SuperExec secrets (``deploy/secrets``: the SuperLink's and one per
-        SuperNode, owned by 49999), each data owner's node folder ``deploy/node-<i>`` (policy and lifetime ledger,
-        0700, owned by 49999), and for TLS the certificates and the P node keys (keys owned by 49999; all on this one
+    def prepare(self, config: str | os.PathLike[str], set_keys: Mapping[str,
+                                                                        Any] | None = None) -> Path:
+        """``deploy/`` as the compose file's header asks: the shards of ``config`` (with
+        ``set_keys``), ``deploy/outputs`` owned by UID 49999, the SuperExec secrets
+        (``deploy/secrets``: the SuperLink's and one per SuperNode, owned by 49999), each data
+        owner's node folder ``deploy/node-<i>`` (policy and lifetime ledger, 0700, owned by 49999),
+        and for TLS the certificates and the P node keys (keys owned by 49999; all on this one
         machine, as a test does). Returns the shard folder."""
         cfg = load_config(config, set_keys)
         if cfg.clients_auto:  # P = the compose file's SuperNodes
             cfg = cfg.with_clients(self.clients, f"the SuperNodes of {self.file}")
         if cfg.clients != self.clients:
             raise ValueError(f"{config}: training.clients = {cfg.clients} but {self.file} has "
-                             f"{self.clients} SuperNodes; regenerate it with `diff2 compose --clients "
-                             f"{cfg.clients}` or set training.clients = {self.clients}.")
+                             f"{self.clients} SuperNodes; regenerate it with `diff2 compose "
+                             f"--clients {cfg.clients}` or set training.clients = {self.clients}.")
         shards = self.deploy / "shards"
         write_shards(cfg, shards)
         self.outputs.mkdir(parents=True, exist_ok=True)
@@ -306,7 +335,8 @@ class ComposeStack:
             own = [node, node / "policy.yaml"]
             if self.node_auth:  # its SecAgg+ signing key and the federation's (agreed out of band)
                 (node / FEDERATION_KEYS).write_bytes(federation)
-                own += [node / f"{SECAGG_KEY}.key", node / f"{SECAGG_KEY}.pub", node / FEDERATION_KEYS]
+                own += [node / f"{SECAGG_KEY}.key", node / f"{SECAGG_KEY}.pub",
+                        node / FEDERATION_KEYS]
             for path in own:
                 os.chown(path, APP_UID, -1)
         self.home.mkdir(parents=True, exist_ok=True)
@@ -314,7 +344,8 @@ class ComposeStack:
         return shards
 
     def build(self) -> float:
-        """Build the serverapp image first (the clientapp builds then hit its layer cache), then the rest."""
+        """Build the serverapp image first (the clientapp builds then hit its layer cache), then the
+        rest."""
         started = time.perf_counter()
         args = shlex.join(["--pull=never", *pip_build_args(self._scratch)])
         self.compose("--podman-build-args", args, "build", "serverapp", timeout=3600)
@@ -322,18 +353,22 @@ class ComposeStack:
         return time.perf_counter() - started
 
     def up(self, timeout_s: float = 300) -> float:
-        """``up -d``, then wait until the SuperLink answers and all P SuperNodes are connected (TLS: after
-        registering their public keys). A leftover project of the same name is brought down first."""
+        """``up -d``, then wait until the SuperLink answers and all P SuperNodes are connected (TLS:
+        after registering their public keys). A leftover project of the same name is brought down
+        first."""
         started = time.perf_counter()
         self.down(quiet=True)
         if not port_free(SUPERLINK_PORT):
-            raise PodmanError(f"127.0.0.1:{SUPERLINK_PORT} is in use: the compose files publish the SuperLink there. "
-                              f"Stop what listens on it (`ss -ltnp 'sport = :{SUPERLINK_PORT}'`) and try again.")
+            raise PodmanError(
+                f"127.0.0.1:{SUPERLINK_PORT} is in use: the compose files publish the SuperLink "
+                f"there. Stop what listens on it (`ss -ltnp 'sport = :{SUPERLINK_PORT}'`) and try "
+                f"again.")
         self.compose("up", "-d", "--no-build", timeout=600)
         deadline = time.monotonic() + timeout_s
         self._wait_health(deadline)
         if self.node_auth:
-            keys = sorted(self.certs.glob("supernode-*.pub"), key=lambda p: int(p.stem.split("-")[1]))
+            keys = sorted(self.certs.glob("supernode-*.pub"),
+                          key=lambda p: int(p.stem.split("-")[1]))
             env = flwr_env(self.home)
             self.node_ids = {i: register_node(key, env, i) for i, key in enumerate(keys)}
         self._wait_nodes(deadline)
@@ -341,11 +376,12 @@ class ComposeStack:
 
     def _wait_health(self, deadline: float) -> None:
         scheme = "https" if self.tls else "http"
-        context = ssl.create_default_context(cafile=str(self.certs / "ca.crt")) if self.tls else None
+        context = ssl.create_default_context(cafile=str(
+            self.certs / "ca.crt")) if self.tls else None
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"{scheme}://127.0.0.1:{SUPERLINK_PORT}/health", timeout=2,
-                                            context=context) as resp:
+                with urllib.request.urlopen(f"{scheme}://127.0.0.1:{SUPERLINK_PORT}/health",
+                                            timeout=2, context=context) as resp:
                     if resp.status == 200:
                         return
             except OSError:
@@ -353,11 +389,14 @@ class ComposeStack:
             if self.state("superlink") not in ("running", "created", "configured"):
                 break
             time.sleep(1)
-        raise PodmanError(f"the superlink container did not become healthy ({self.state('superlink')}); its log:\n"
+        raise PodmanError(
+            f"the superlink container did not become healthy ({self.state('superlink')}); its "
+            f"log:\n"
                           + self.logs("superlink")[-3000:])
 
     def _wait_nodes(self, deadline: float) -> None:
-        """Every SuperNode connected: its node id known (registered keys, or the id it logs) and online."""
+        """Every SuperNode connected: its node id known (registered keys, or the id it logs) and
+        online."""
         while time.monotonic() < deadline:
             if not self.node_auth:
                 for i in range(self.clients):
@@ -371,17 +410,20 @@ class ComposeStack:
                 if set(self.node_ids.values()) <= online:
                     return
             time.sleep(2)
-        raise PodmanError(f"not all {self.clients} SuperNodes connected in time (known: {self.node_ids}); "
+        raise PodmanError(
+            f"not all {self.clients} SuperNodes connected in time (known: {self.node_ids}); "
                           "supernode-0's log:\n" + self.logs("supernode-0")[-3000:])
 
     def down(self, quiet: bool = False) -> None:
-        """``down`` (3 s grace), then remove whatever of the project is left, by id (containers, network)."""
+        """``down`` (3 s grace), then remove whatever of the project is left, by id (containers,
+        network)."""
         self.compose("down", "-t", "3", timeout=300, check=False)
         label = f"label=io.podman.compose.project={self.project}"
         left = podman("ps", "-a", "-q", "--filter", label, check=False, timeout=60).stdout.split()
         if left:
             podman("rm", "-f", "-t", "0", *left, check=False, timeout=120)
-        for network in podman("network", "ls", "-q", "--filter", label, check=False, timeout=60).stdout.split():
+        for network in podman("network", "ls", "-q", "--filter", label, check=False,
+                              timeout=60).stdout.split():
             podman("network", "rm", "-f", network, check=False, timeout=60)
         if not quiet:
             self.log(f"[diff2] compose project {self.project} is down")
@@ -397,7 +439,8 @@ class ComposeStack:
 
     # -- runs
     def fresh(self) -> None:
-        """Remove the checkpoint a previous run left in deploy/outputs (configs/deploy.yaml resumes from it)."""
+        """Remove the checkpoint a previous run left in deploy/outputs (configs/deploy.yaml resumes
+        from it)."""
         (self.outputs / "checkpoint.npz").unlink(missing_ok=True)
 
     def host_path(self, container_path: Path | str | None) -> Path | None:
@@ -411,14 +454,18 @@ class ComposeStack:
             return path
 
     def run(self, config: str = "configs/deploy.yaml", set_keys: Mapping[str, Any] | None = None, *,
-            on_line: Callable[[str], None] | None = None, echo: bool = False, timeout_s: float = 1800
+            on_line: Callable[[str], None] | None = None, echo: bool = False,
+            timeout_s: float = 1800
             ) -> LaunchResult:
-        """``flwr run <app> <connection to 127.0.0.1:8000> --stream`` with ``config`` (a path inside the app) and
-        ``set_keys``; raise :class:`SimulationFailed` unless the run completed. ``output_dir`` is the host path."""
-        overrides: dict[str, Any] = {"config": config, **{k: yaml_text(v) for k, v in (set_keys or {}).items()}}
+        """``flwr run <app> <connection to 127.0.0.1:8000> --stream`` with ``config`` (a path inside
+        the app) and ``set_keys``; raise :class:`SimulationFailed` unless the run completed.
+        ``output_dir`` is the host path."""
+        overrides: dict[str, Any] = {"config": config, **{k: yaml_text(v) for k,
+                                                          v in (set_keys or {}).items()}}
         result = flwr_run(APP_DIR, flwr_env(self.home), ["--run-config", run_config_arg(overrides)],
                           timeout_s=timeout_s, echo=echo, on_line=on_line)
-        return LaunchResult(result.run_id, result.status, result.details, result.log, self.host_path(result.output_dir))
+        return LaunchResult(result.run_id, result.status, result.details, result.log,
+                            self.host_path(result.output_dir))
 
     def nodes(self) -> list[dict]:
         """``flwr supernode ls``: the SuperLink's nodes."""
@@ -429,11 +476,12 @@ class ComposeStack:
                        capture_output=True, text=True, timeout=120)
 
     def find_files_with_content(self, service: str, files: Iterable[Path]) -> dict[str, list[str]]:
-        """Every path inside ``service``'s container whose bytes equal one of ``files`` (by size, then SHA-256),
-        as {file name: [container paths]}; /proc, /sys and /dev are skipped."""
+        """Every path inside ``service``'s container whose bytes equal one of ``files`` (by size,
+        then SHA-256), as {file name: [container paths]}; /proc, /sys and /dev are skipped."""
         wanted = {hashlib.sha256(Path(f).read_bytes()).hexdigest(): Path(f).name for f in files}
         sizes = sorted({Path(f).stat().st_size for f in files})
-        done = self.exec(service, ["python3", "-c", FIND_FILES_PROBE, json.dumps(wanted), json.dumps(sizes)],
+        done = self.exec(service, ["python3", "-c", FIND_FILES_PROBE, json.dumps(wanted),
+                                   json.dumps(sizes)],
                          check=True)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -441,9 +489,10 @@ class ComposeStack:
 def run_compose_deployment(config: str, *, tls: bool, set_keys: Mapping[str, Any] | None = None,
                            project_dir: Path = APP_DIR, resume: bool = False, echo: bool = True,
                            log: Callable[[str], None] = print) -> LaunchResult:
-    """The whole deployment of ``config`` (a path inside the app, e.g. configs/deploy.yaml) with the committed
-    compose file, in ``project_dir``'s ``deploy/``: images, shards, (certificates), build, up, (register),
-    ``flwr run``, down. A checkpoint left in deploy/outputs is removed first unless ``resume``."""
+    """The whole deployment of ``config`` (a path inside the app, e.g. configs/deploy.yaml) with the
+    committed compose file, in ``project_dir``'s ``deploy/``: images, shards, (certificates), build,
+    up, (register), ``flwr run``, down. A checkpoint left in deploy/outputs is removed first unless
+    ``resume``."""
     reason = unavailable_reason()
     if reason:
         raise PodmanError(f"cannot bring the compose files up here: {reason}")
@@ -451,7 +500,8 @@ def run_compose_deployment(config: str, *, tls: bool, set_keys: Mapping[str, Any
     log(f"[diff2] Flower images: {report.source} ({report.seconds:.0f} s)")
     with ComposeStack(project_dir, tls=tls, log=log) as stack:
         stack.prepare(Path(project_dir) / config, set_keys)
-        if load_config(Path(project_dir) / config, set_keys).clients_auto:  # the ServerApp of a deployment needs P
+        # the ServerApp of a deployment needs P
+        if load_config(Path(project_dir) / config, set_keys).clients_auto:
             set_keys = {**(set_keys or {}), "training.clients": stack.clients}
         if not resume:
             stack.fresh()
@@ -474,10 +524,12 @@ def _main(argv: list[str] | None = None) -> int:
         elif args.command == "run":
             try:
                 config, overrides = run_request(args)
-            except ValueError as err:  # refused before anything started: one line, in diff2 run's words
+            # refused before anything started: one line, in diff2 run's words
+            except ValueError as err:
                 print(f"[diff2] FAILED: {' '.join(str(err).split())}", file=sys.stderr)
                 return 2
-            result = run_compose_deployment(config, tls=args.tls, set_keys=overrides, resume=args.resume, log=log)
+            result = run_compose_deployment(config, tls=args.tls, set_keys=overrides,
+                                            resume=args.resume, log=log)
             print(json.dumps({"run_id": result.run_id, "status": result.status,
                               "output_dir": str(result.output_dir) if result.output_dir else None}))
         else:

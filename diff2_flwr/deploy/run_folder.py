@@ -1,6 +1,7 @@
-"""The run folder of a local deployment (``diff2 deploy-local``): the deployment's experiment file and its shards,
-each data owner's copy of the node policy, a previous run's checkpoint settled (fresh or resume), and what every
-data owner's node would refuse, said before anything starts. :mod:`.native` starts the processes in it."""
+"""The run folder of a local deployment (``diff2 deploy-local``): the deployment's experiment file
+and its shards, each data owner's copy of the node policy, a previous run's checkpoint settled
+(fresh or resume), and what every data owner's node would refuse, said before anything starts.
+:mod:`.native` starts the processes in it."""
 
 from __future__ import annotations
 
@@ -17,21 +18,25 @@ from ..runtime.shard_files import SERVER_FILE, read_server_data
 from .compose import CONTAINER_OUTPUTS
 from .shards import write_shards
 
-__all__ = ["EXPERIMENT_FOLDER", "default_run_folder", "deployment_config", "owner_policies", "prepare_run_folder",
+__all__ = ["EXPERIMENT_FOLDER", "default_run_folder", "deployment_config", "owner_policies",
+           "prepare_run_folder",
            "check_data_owners_rules"]
 
-#: The run folder's sub-folder of the deployment's experiment file: every data owner's node config names it as its
-#: ``experiments`` folder (a data owner's node opens no other file the run config names).
+#: The run folder's sub-folder of the deployment's experiment file: every data owner's node config
+#: names it as its ``experiments`` folder (a data owner's node opens no other file the run config
+#: names).
 EXPERIMENT_FOLDER = "experiment"
 
 
 def default_run_folder(config: str | os.PathLike[str]) -> Path:
-    """``./deploy-local/<config name>``: where a native deployment keeps its shards, logs, keys and outputs."""
+    """``./deploy-local/<config name>``: where a native deployment keeps its shards, logs, keys and
+    outputs."""
     return Path.cwd() / "deploy-local" / load_config(resolve_config_path(config)).name
 
 
 def _map_container_path(value: str | None, workdir: Path) -> str | None:
-    """``/outputs/...`` (the compose file's mount point) → ``<workdir>/outputs/...``; relative → absolute."""
+    """``/outputs/...`` (the compose file's mount point) → ``<workdir>/outputs/...``; relative →
+    absolute."""
     if value is None:
         return None
     path = PurePosixPath(value)
@@ -44,13 +49,17 @@ def _map_container_path(value: str | None, workdir: Path) -> str | None:
 
 def deployment_config(config: str | os.PathLike[str], workdir: Path, rounds: int | None = None,
                       clients: int | None = None, echo: bool = False) -> Path:
-    """Write the shards of ``config`` into ``workdir`` and a config that reads them (server: no train data)."""
+    """Write the shards of ``config`` into ``workdir`` and a config that reads them (server: no
+    train data)."""
     cfg = load_config(resolve_config_path(config))
     data = cfg.to_dict()
-    if clients is None and cfg.clients_auto:  # this deployment starts the SuperNodes: it says how many
+    # this deployment starts the SuperNodes: it says how many
+    if clients is None and cfg.clients_auto:
         clients = AUTO_CLIENTS_DEFAULT
         if echo:
-            print(f"[diff2] training.clients: auto -> P = {clients} SuperNodes (--clients N for another number)",
+            print(
+                f"[diff2] training.clients: auto -> P = {clients} SuperNodes (--clients N for "
+                f"another number)",
                   flush=True)
     if clients is not None:
         data["training"]["clients"] = clients
@@ -60,8 +69,8 @@ def deployment_config(config: str | os.PathLike[str], workdir: Path, rounds: int
     data["dataset"]["shards"] = str(shards)
     data["evaluation"]["train_metrics"] = False
     if data["privacy"].get("noise") == "distributed" and data["privacy"].get("n_min") is None:
-        # the federation's constant under distributed noise (every node refuses a run without it): the smallest
-        # shard's records, which this launcher knows as the one who wrote every shard
+        # the federation's constant under distributed noise (every node refuses a run without it):
+        # the smallest shard's records, which this launcher knows as the one who wrote every shard
         data["privacy"]["n_min"] = read_server_data(shards / SERVER_FILE, cfg).n_min
     if rounds is not None:
         data["training"]["rounds"] = rounds
@@ -70,10 +79,14 @@ def deployment_config(config: str | os.PathLike[str], workdir: Path, rounds: int
     for key in ("dir", "checkpoint"):
         given = data["output"][key]
         data["output"][key] = _map_container_path(given, workdir)
-        if echo and given is not None and data["output"][key] != given and Path(given).is_absolute():
-            print(f"[diff2] output.{key} {given} is a container path (docker-compose.yml mounts ./deploy/outputs at "
-                  f"{CONTAINER_OUTPUTS}); this native run uses {data['output'][key]}", flush=True)
-    folder = workdir / EXPERIMENT_FOLDER  # the data owners' `experiments` folder: this file and nothing else
+        if echo and given is not None and data["output"][key] != given and Path(
+            given).is_absolute():
+            print(
+                f"[diff2] output.{key} {given} is a container path (docker-compose.yml mounts "
+                f"./deploy/outputs at {CONTAINER_OUTPUTS}); this native run uses "
+                f"{data['output'][key]}", flush=True)
+    # the data owners' `experiments` folder: this file and nothing else
+    folder = workdir / EXPERIMENT_FOLDER
     folder.mkdir(exist_ok=True)
     path = folder / "deployment.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -81,17 +94,21 @@ def deployment_config(config: str | os.PathLike[str], workdir: Path, rounds: int
 
 
 def _fresh_or_resume(checkpoint: str | None, workdir: Path, resume: bool, echo: bool) -> None:
-    """A repeated run starts fresh unless asked to resume; never silently continue or delete a user's file."""
+    """A repeated run starts fresh unless asked to resume; never silently continue or delete a
+    user's file."""
     if checkpoint is None:
         if resume:
-            raise ValueError("--resume: the config sets no output.checkpoint, so there is nothing to resume. "
-                             "Set output.checkpoint (e.g. /outputs/checkpoint.npz) or run without --resume.")
+            raise ValueError(
+                "--resume: the config sets no output.checkpoint, so there is nothing to resume. "
+                "Set output.checkpoint (e.g. /outputs/checkpoint.npz) or run without --resume.")
         return
     path = Path(checkpoint)
     if resume:
         if not path.exists():
-            raise ValueError(f"--resume: no checkpoint at {path} (output.checkpoint) from a previous run in "
-                             f"{workdir}. Run without --resume to start fresh, or pass the --workdir of that run.")
+            raise ValueError(
+                f"--resume: no checkpoint at {path} (output.checkpoint) from a previous run in "
+                f"{workdir}. Run without --resume to start fresh, or pass the --workdir of that "
+                f"run.")
         if echo:
             print(f"[diff2] resuming from {path}", flush=True)
         return
@@ -100,16 +117,21 @@ def _fresh_or_resume(checkpoint: str | None, workdir: Path, resume: bool, echo: 
     if workdir.resolve() in path.resolve().parents:
         path.unlink()
         if echo:
-            print(f"[diff2] starting fresh: removed {path} left by a previous run (pass --resume to continue it)",
+            print(
+                f"[diff2] starting fresh: removed {path} left by a previous run (pass --resume to "
+                f"continue it)",
                   flush=True)
         return
-    raise ValueError(f"output.checkpoint {path} exists (a previous run's state, outside the run folder {workdir}). "
+    raise ValueError(
+        f"output.checkpoint {path} exists (a previous run's state, outside the run folder "
+        f"{workdir}). "
                      "Pass --resume to continue that run, or delete the file to start fresh.")
 
 
 def owner_policies(policy: str | os.PathLike[str], work: Path, clients: int) -> list[Path]:
-    """One copy of ``policy`` per data owner (``<work>/owners/<i>/policy.yaml``, 0600 in 0700 folders), each
-    with its own lifetime ledger beside it: on one machine the P owners are P nodes, each with its own budget."""
+    """One copy of ``policy`` per data owner (``<work>/owners/<i>/policy.yaml``, 0600 in 0700
+    folders), each with its own lifetime ledger beside it: on one machine the P owners are P nodes,
+    each with its own budget."""
     from ..runtime.config import read_yaml
     from ..runtime.policy import PolicyError, load_policy
 
@@ -121,14 +143,17 @@ def owner_policies(policy: str | os.PathLike[str], work: Path, clients: int) -> 
         own = dict(data)
         if isinstance(own.get("lifetime"), dict) and own["lifetime"].get("ledger"):
             own["lifetime"] = {**own["lifetime"], "ledger": str(folder / "ledger.json")}
-        paths.append(write_private(folder / "policy.yaml", yaml.safe_dump(own, sort_keys=False).encode()))
+        paths.append(write_private(folder / "policy.yaml",
+                                   yaml.safe_dump(own, sort_keys=False).encode()))
     return paths
 
 
-def prepare_run_folder(config: str | os.PathLike[str], work: Path, rounds: int | None, clients: int | None,
+def prepare_run_folder(config: str | os.PathLike[str], work: Path, rounds: int | None,
+                       clients: int | None,
                         resume: bool, echo: bool) -> tuple[Path, ExperimentConfig, Path]:
-    """The deployment config (and its shards) written into ``work``, a previous run's checkpoint settled (fresh
-    or resume) and an empty Flower home for ``flwr``: the config's path, the config, the home."""
+    """The deployment config (and its shards) written into ``work``, a previous run's checkpoint
+    settled (fresh or resume) and an empty Flower home for ``flwr``: the config's path, the config,
+    the home."""
     dep_config = deployment_config(config, work, rounds, clients, echo=echo)
     cfg = load_config(dep_config)
     _fresh_or_resume(cfg.output.checkpoint, work, resume, echo)
@@ -138,10 +163,12 @@ def prepare_run_folder(config: str | os.PathLike[str], work: Path, rounds: int |
     return dep_config, cfg, home
 
 
-def check_data_owners_rules(cfg: ExperimentConfig, node_policy: str | os.PathLike[str] | None) -> None:
-    """What every data owner's node would refuse at round 1 whatever the run's ε (a seed the policy does not allow,
-    node-side noise without a policy's answer log, an undeclared or unpinned n_min), said before anything starts:
-    the nodes' own rule (:func:`~diff2_flwr.runtime.node_guard.check_deployment_run`), the nodes' own words."""
+def check_data_owners_rules(cfg: ExperimentConfig,
+                            node_policy: str | os.PathLike[str] | None) -> None:
+    """What every data owner's node would refuse at round 1 whatever the run's ε (a seed the policy
+    does not allow, node-side noise without a policy's answer log, an undeclared or unpinned n_min),
+    said before anything starts: the nodes' own rule
+    (:func:`~diff2_flwr.runtime.node_guard.check_deployment_run`), the nodes' own words."""
     from ..runtime.node_guard import check_deployment_run
     from ..runtime.policy import load_policy
 

@@ -42,11 +42,11 @@ _POLL_S = 0.25
 class Diff2Strategy(Strategy):
     """Runs DIFF2 rounds over Flower; the math lives in the wrapped :class:`Diff2Server`."""
 
-    def __init__(self, *, server: Diff2Server, wait_for_clients_s: int = 300, round_retries: int = 0,
-                 crash_after_round: int | None = None) -> None:
-        """``round_retries``: how many times in the whole run a round whose clients failed or timed out
-        is retried (releasing nothing) once all P clients are connected again, before the run stops (with
-        the local routine: a gradient phase; a local phase is never retried)."""
+    def __init__(self, *, server: Diff2Server, wait_for_clients_s: int = 300,
+                 round_retries: int = 0, crash_after_round: int | None = None) -> None:
+        """``round_retries``: how many times in the whole run a round whose clients failed or timed
+        out is retried (releasing nothing) once all P clients are connected again, before the run
+        stops (with the local routine: a gradient phase; a local phase is never retried)."""
         super().__init__()
         if wait_for_clients_s < 1:
             raise ValueError(f"`wait_for_clients_s` must be >= 1. Found {wait_for_clients_s}.")
@@ -55,25 +55,30 @@ class Diff2Strategy(Strategy):
         self.server = server
         self.wait_for_clients_s = wait_for_clients_s
         self.retries_left = round_retries
-        self.crash_after_round = crash_after_round  # fault injection (tests): die after releasing this round
+        # fault injection (tests): die after releasing this round
+        self.crash_after_round = crash_after_round
         self._asked: set[str] = set()
         # A resumed server continues at its next round; Flower numbers this run's rounds from 1.
         self.offset = server.state.round
-        # Flower rounds per DIFF2 round: the gradient phase, and with the local routine the local phase.
+        # Flower rounds per DIFF2 round: the gradient phase, and with the local routine the local
+        # phase.
         self.phases = 1 if server.local is None else 2
         self._retried = 0  # Flower rounds spent on retried (gradient) phases
-        self._local: tuple[LocalTask, ClientProxy] | None = None  # the local phase due, and the chosen node
-        self._secure_released = False  # distributed noise: whether this Flower round's secure sum was released
+        # the local phase due, and the chosen node
+        self._local: tuple[LocalTask, ClientProxy] | None = None
+        # distributed noise: whether this Flower round's secure sum was released
+        self._secure_released = False
 
     @property
     def num_rounds(self) -> int:
-        """The Flower rounds to run (``ServerConfig(num_rounds=...)``): the DIFF2 rounds still to release
-        (fewer after a resume; two Flower rounds each with the local routine) plus the retries a failed
-        round may take."""
+        """The Flower rounds to run (``ServerConfig(num_rounds=...)``): the DIFF2 rounds still to
+        release (fewer after a resume; two Flower rounds each with the local routine) plus the
+        retries a failed round may take."""
         return self.phases * (self.server.rounds - self.server.state.round) + self.retries_left
 
     def _position(self, server_round: int) -> tuple[int, bool]:
-        """The DIFF2 round Flower round ``server_round`` belongs to, and whether it is that round's local phase."""
+        """The DIFF2 round Flower round ``server_round`` belongs to, and whether it is that round's
+        local phase."""
         f = server_round - self._retried
         return self.offset + (f + self.phases - 1) // self.phases, self.phases == 2 and f % 2 == 0
 
@@ -95,12 +100,14 @@ class Diff2Strategy(Strategy):
         if r != plan.round:
             resumed = f" (+{self.offset} resumed)" if self.offset else ""
             phase = f", the gradient phase of DIFF2 round {r}," if self.phases == 2 else ""
-            self._stop(RuntimeError(f"Flower asked for round {server_round}{resumed}{phase} but the DIFF2 server is at "
+            self._stop(RuntimeError(
+                f"Flower asked for round {server_round}{resumed}{phase} but the DIFF2 server is at "
                                     f"round {plan.round}."))
         p = self.server.clients
         available = self._await_clients(client_manager, p)
         if len(available) != p:
-            self._stop(RoundRejected(plan.round, "all-clients", _client_count_problem(p, available)))
+            self._stop(RoundRejected(plan.round, "all-clients", _client_count_problem(p,
+                                                                                      available)))
         arrays, config = protocol.encode_task(plan, self.server.layout, self.server.n_min)
         fit_ins = FitIns(parameters=ndarrays_to_parameters(arrays), config=config)
         self._asked = set(available)
@@ -109,8 +116,9 @@ class Diff2Strategy(Strategy):
     def _configure_local(self, server_round: int, r: int) -> list[tuple[ClientProxy, FitIns]]:
         """The local phase of round r: x_{r-1} and ṽ_r to the chosen worker's node only."""
         if self._local is None or self._local[0].round != r:
-            self._stop(RuntimeError(f"Flower asked for round {server_round}, the local phase of DIFF2 round {r}, but no "
-                                    f"local phase of round {r} is due."))
+            self._stop(RuntimeError(
+                f"Flower asked for round {server_round}, the local phase of DIFF2 round {r}, but "
+                f"no local phase of round {r} is due."))
         task, proxy = self._local  # type: ignore[misc]
         arrays, config = protocol.encode_local_task(task, self.server.layout)
         self._asked = {proxy.cid}
@@ -131,19 +139,23 @@ class Diff2Strategy(Strategy):
             error = RoundRejected(r, "client-failure", self._describe_failures(results, failures))
             if self.retries_left > 0:
                 self.retries_left -= 1
-                self._retried += 1  # the next Flower round retries this DIFF2 round; nothing was released
-                self.server.journal.say(f"[diff2] {error} Retrying the round ({self.retries_left} retries left).")
+                # the next Flower round retries this DIFF2 round; nothing was released
+                self._retried += 1
+                self.server.journal.say(
+                    f"[diff2] {error} Retrying the round ({self.retries_left} retries left).")
                 return None, {}
             self._stop(error)
         replies = []
         for proxy, res in results:
             arrays = self._arrays(r, proxy, res)
             try:
-                replies.append(protocol.decode_reply(f"node {proxy.cid}", arrays, res.num_examples, res.metrics, r))
+                replies.append(protocol.decode_reply(f"node {proxy.cid}", arrays, res.num_examples,
+                                                     res.metrics, r))
             except RoundRejected as err:
                 self._stop(err)
         released = self.server.release(replies)  # records and raises on a failed check
-        if isinstance(released, LocalTask):  # ṽ_r is out; x_r comes from the chosen worker's local phase
+        # ṽ_r is out; x_r comes from the chosen worker's local phase
+        if isinstance(released, LocalTask):
             # release() checked that the replies' partitions are exactly 0..P-1, once each.
             nodes = {reply.partition_id: proxy for (proxy, _), reply in zip(results, replies)}
             self._local = (released, nodes[released.partition_id])
@@ -151,59 +163,74 @@ class Diff2Strategy(Strategy):
         return self._released(released), {}
 
     def _aggregate_secure(
-        self, r: int, results: list[tuple[ClientProxy, FitRes]], failures: list[tuple[ClientProxy, FitRes] | BaseException]
+        self, r: int, results: list[tuple[ClientProxy, FitRes]],
+        failures: list[tuple[ClientProxy, FitRes] | BaseException]
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
-        """Distributed noise: SecAgg+ hands over the unmasked sum (as a mean, with each survivor's metrics); the
-        server decodes it and releases round r, or nothing with fewer than P - t survivors."""
+        """Distributed noise: SecAgg+ hands over the unmasked sum (as a mean, with each survivor's
+        metrics); the server decodes it and releases round r, or nothing with fewer than P - t
+        survivors."""
         noise = self.server.distributed
         assert noise is not None
-        named = [(f"node {proxy.cid}", self._arrays(r, proxy, res), res.metrics) for proxy, res in results]
+        named = [(f"node {proxy.cid}", self._arrays(r, proxy, res), res.metrics) for proxy,
+                 res in results]
         try:
             total, survivors = protocol.decode_secure_sum(named, r, self.server.clients, noise.bits)
         except RoundRejected as err:
             self._stop(err)
         if failures:
-            self.server.journal.say(f"[diff2] round {r}: {self._describe_failures(results, failures)}; the secure sum "
-                                    f"holds {survivors} of P = {self.server.clients} clients' messages.")
+            self.server.journal.say(
+                f"[diff2] round {r}: {self._describe_failures(results, failures)}; the secure sum "
+                f"holds {survivors} of P = {self.server.clients} clients' messages.")
         self._secure_released = True
         return self._released(self.server.release_sum(total, survivors)), {}
 
     def secure_round_ended(self, server_round: int) -> None:
-        """Called by the SecAgg+ workflow after each Flower round: a round whose secure aggregation halted (too few
-        clients to reconstruct the sum, or a client's error) never reached :meth:`aggregate_fit` and released
-        nothing; it is retried while ``round_retries`` allow, else the run stops with the reason."""
+        """Called by the SecAgg+ workflow after each Flower round: a round whose secure aggregation
+        halted (too few clients to reconstruct the sum, or a client's error) never reached
+        :meth:`aggregate_fit` and released nothing; it is retried while ``round_retries`` allow,
+        else the run stops with the reason."""
         released, self._secure_released = self._secure_released, False
         if released or self.server.done or not self._asked:
             return
         r, _ = self._position(server_round)
         noise = self.server.distributed
         assert noise is not None
-        error = RoundRejected(r, "secure-aggregation", f"Flower's SecAgg+ halted before the sum was unmasked (fewer "
-                              f"than P - t = {noise.threshold} clients took part to the end, or a client failed: see "
+        error = RoundRejected(r, "secure-aggregation",
+                              f"Flower's SecAgg+ halted before the sum was unmasked (fewer "
+                              f"than P - t = {noise.threshold} clients took part to the end, or a "
+                              f"client failed: see "
                               "the ServerApp's log); nothing was released.")
         self._asked = set()
         if self.retries_left > 0:
             self.retries_left -= 1
             self._retried += 1
-            self.server.journal.say(f"[diff2] {error} Retrying the round ({self.retries_left} retries left).")
+            self.server.journal.say(
+                f"[diff2] {error} Retrying the round ({self.retries_left} retries left).")
             return
         self._stop(error)
 
     def _aggregate_local(
-        self, r: int, results: list[tuple[ClientProxy, FitRes]], failures: list[tuple[ClientProxy, FitRes] | BaseException]
+        self, r: int, results: list[tuple[ClientProxy, FitRes]],
+        failures: list[tuple[ClientProxy, FitRes] | BaseException]
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
-        """y_K of the chosen node, checked, becomes x_r; any failure stops the run (no retry: see the module)."""
+        """y_K of the chosen node, checked, becomes x_r; any failure stops the run (no retry: see
+        the module)."""
         assert self._local is not None
         task, proxy = self._local
         who = f"node {proxy.cid}"
         if failures:
-            self._stop(RoundRejected(r, "client-failure", f"the local phase on partition {task.partition_id} ({who}) "
-                                     f"failed: {self._describe_failures(results, failures)}. The local phase is not "
-                                     "retried (its steps were charged to the budget when ṽ_r was released; a second "
+            self._stop(RoundRejected(r, "client-failure",
+                                     f"the local phase on partition {task.partition_id} ({who}) "
+                                     f"failed: {self._describe_failures(results, failures)}. The "
+                                     f"local phase is not "
+                                     "retried (its steps were charged to the budget when ṽ_r was "
+                                     "released; a second "
                                      "attempt would spend them again): the run stops."))
         if len(results) != 1 or results[0][0].cid != proxy.cid:
-            self._stop(RoundRejected(r, "local-worker", f"the local phase was sent to {who} (partition "
-                                     f"{task.partition_id}) only; {len(results)} replies came, from node(s) "
+            self._stop(RoundRejected(r, "local-worker",
+                                     f"the local phase was sent to {who} (partition "
+                                     f"{task.partition_id}) only; {len(results)} replies came, "
+                                     f"from node(s) "
                                      f"{', '.join(p.cid for p, _ in results) or 'none'}."))
         _, res = results[0]
         arrays = self._arrays(r, proxy, res)
@@ -211,20 +238,23 @@ class Diff2Strategy(Strategy):
             reply = protocol.decode_local_reply(who, arrays, res.num_examples, res.metrics, r)
         except RoundRejected as err:
             self._stop(err)
-        release = self.server.finish_local(reply)  # checks partition, shapes, finiteness, n_p; raises on failure
+        # checks partition, shapes, finiteness, n_p; raises on failure
+        release = self.server.finish_local(reply)
         self._local = None
         return self._released(release), {}
 
     def _released(self, release: Release) -> Parameters:
         if release.plan.round == self.crash_after_round:
-            raise RuntimeError(f"fault injection: the server crashes after releasing round {release.plan.round}")
+            raise RuntimeError(
+                f"fault injection: the server crashes after releasing round {release.plan.round}")
         return ndarrays_to_parameters(self.server.layout.split(release.x))
 
     def _arrays(self, r: int, proxy: ClientProxy, res: FitRes) -> list[np.ndarray]:
         try:
             return parameters_to_ndarrays(res.parameters)
         except Exception as err:  # corrupt bytes: nothing usable, nothing released
-            self._stop(RoundRejected(r, "protocol", f"cannot decode the reply's arrays: {err}.", f"node {proxy.cid}"))
+            self._stop(RoundRejected(r, "protocol", f"cannot decode the reply's arrays: {err}.",
+                                     f"node {proxy.cid}"))
 
     def _describe_failures(self, results: list[tuple[ClientProxy, FitRes]],
                            failures: list[tuple[ClientProxy, FitRes] | BaseException]) -> str:
@@ -235,12 +265,17 @@ class Diff2Strategy(Strategy):
             else:
                 proxy, res = failure
                 named.add(proxy.cid)
-                described.append(f"node {proxy.cid}: status {res.status.code.name} {res.status.message}")
+                described.append(
+                    f"node {proxy.cid}: status {res.status.code.name} {res.status.message}")
         silent = sorted(self._asked - {proxy.cid for proxy, _ in results} - named)
         if silent:  # a dead or timed-out node leaves no reply at all: name it from what was asked
-            # Flower names no node for a ClientApp's error (flwr.server.compat.grid_client_proxy's ValueError)
-            raised = any(isinstance(f, BaseException) and "Message contains an Error" in str(f) for f in failures)
-            why = "died, timed out, or raised one of the errors below" if raised else "died or timed out"
+            # Flower names no node for a ClientApp's error (flwr.server.compat.grid_client_proxy's
+            # ValueError)
+            raised = any(isinstance(f,
+                                    BaseException) and "Message contains an Error" in str(f)
+                                    for f in failures)
+            why = (
+                "died, timed out, or raised one of the errors below") if raised else "died or timed out"
             described.insert(0, f"no reply from node(s) {', '.join(silent)} ({why})")
         return f"{len(failures)} client(s) failed: " + "; ".join(described)
 
@@ -257,20 +292,24 @@ class Diff2Strategy(Strategy):
     ) -> tuple[float | None, dict[str, Scalar]]:
         return None, {}
 
-    def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
-        return None  # the Diff2Server evaluates each released iterate and records it in metrics.jsonl
+    def evaluate(self, server_round: int,
+                 parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
+        # the Diff2Server evaluates each released iterate and records it in metrics.jsonl
+        return None
 
     def _await_clients(self, client_manager: ClientManager, p: int) -> dict[str, ClientProxy]:
         """The connected clients once P are, or once waiting cannot help.
 
-        A deployment's SuperNodes may start slowly: wait up to ``wait_for_clients_s``. A simulation's
-        virtual SuperNodes (Flower's in-memory grid) all register at once, so when their number has
-        held for ``SIMULATION_SETTLE_S`` it is final: return at once instead of waiting in silence.
+        A deployment's SuperNodes may start slowly: wait up to ``wait_for_clients_s``. A
+        simulation's virtual SuperNodes (Flower's in-memory grid) all register at once, so when
+        their number has held for ``SIMULATION_SETTLE_S`` it is final: return at once instead of
+        waiting in silence.
         """
         deadline = time.monotonic() + self.wait_for_clients_s
         count, since = -1, time.monotonic()
         while True:
-            available = client_manager.all()  # Flower's compat layer refreshes the node list on this call
+            # Flower's compat layer refreshes the node list on this call
+            available = client_manager.all()
             now = time.monotonic()
             if len(available) != count:
                 count, since = len(available), now
@@ -278,7 +317,8 @@ class Diff2Strategy(Strategy):
                 return available
             if count and _simulated(available) and now - since >= SIMULATION_SETTLE_S:
                 return available
-            client_manager.wait_for(p, timeout=max(0.0, min(_POLL_S, deadline - now)))  # type: ignore[arg-type]
+            client_manager.wait_for(p, timeout=max(0.0, min(_POLL_S,
+                                                            deadline - now)))  # type: ignore[arg-type]
 
     def _stop(self, error: BaseException):
         self.server.fail(error)
@@ -286,7 +326,8 @@ class Diff2Strategy(Strategy):
 
 
 def _simulated(available: dict[str, ClientProxy]) -> bool:
-    """Whether the nodes are a simulation's virtual SuperNodes: their proxies talk to Flower's in-memory grid."""
+    """Whether the nodes are a simulation's virtual SuperNodes: their proxies talk to Flower's
+    in-memory grid."""
     return any(is_simulation(getattr(proxy, "grid", None)) for proxy in available.values())
 
 
@@ -294,11 +335,16 @@ def _client_count_problem(p: int, available: dict[str, ClientProxy]) -> str:
     """Why the round cannot start with ``len(available)`` clients, and the command that fixes it."""
     n = len(available)
     if _simulated(available):
-        return (f"the config has training.clients = {p} but this simulation has {n} SuperNodes (`flwr run` "
-                f"simulates 2 unless told otherwise). Every round needs exactly P = {p} workers. Run it again with\n"
+        return (
+            f"the config has training.clients = {p} but this simulation has {n} SuperNodes (`flwr "
+            f"run` "
+                f"simulates 2 unless told otherwise). Every round needs exactly P = {p} workers. "
+                f"Run it again with\n"
                 f"    flwr run . --federation-config \"num-supernodes={p}\"\n"
-                "(keep any other options you gave), or use ./scripts/run.sh / `diff2 run CONFIG`, which set it, or "
+                "(keep any other options you gave), or use ./scripts/run.sh / `diff2 run CONFIG`, "
+                "which set it, or "
                 "let P follow the simulation: --run-config \"training.clients='auto'\".")
-    return (f"the config has training.clients = {p} but {n} clients are connected. Every round needs exactly "
-            f"P = {p}; in a simulation pass --federation-config \"num-supernodes={p}\", in a deployment start "
-            f"one SuperNode per data owner ({p}).")
+    return (
+        f"the config has training.clients = {p} but {n} clients are connected. Every round needs "
+        f"exactly P = {p}; in a simulation pass --federation-config \"num-supernodes={p}\", in a "
+        f"deployment start one SuperNode per data owner ({p}).")

@@ -1,24 +1,27 @@
 """The batched engine's round backends: one round's clipped sums of every run, behind one interface.
 
-A :class:`RoundBackend` takes the K runs' iterates x [K, d], which of them restart and their radii, and returns the
-clipped sums per client and run [P, K, d] (float64), per client and run whether a per-sample norm overflowed, and,
-when asked, the unclipped sums and losses at x that the evaluation reads (by-products of the same pass). It keeps
-the pass at x for the next round, whose previous iterate x is: every round costs one forward and backward pass.
+A :class:`RoundBackend` takes the K runs' iterates x [K, d], which of them restart and their radii,
+and returns the clipped sums per client and run [P, K, d] (float64), per client and run whether a
+per-sample norm overflowed, and, when asked, the unclipped sums and losses at x that the evaluation
+reads (by-products of the same pass). It keeps the pass at x for the next round, whose previous
+iterate x is: every round costs one forward and backward pass.
 
 Two implementations, chosen once per batch by :func:`choose_backend`:
 
-- :class:`FusedBackend`, for an MLP with one hidden layer where the C++ kernel of :mod:`diff2_flwr.core.fused`
-  loads: the forward pass of a group of clients in torch (compiled or not), the rest in one kernel call;
-- :class:`TorchBackend` otherwise (deeper MLPs, or no C++ compiler): :func:`_round_core`, one client at a time,
-  the closed forms of :mod:`diff2_flwr.core.ghost` (compiled or not). Same maths, slower.
+- :class:`FusedBackend`, for an MLP with one hidden layer where the C++ kernel of
+  :mod:`diff2_flwr.core.fused` loads: the forward pass of a group of clients in torch (compiled or
+  not), the rest in one kernel call;
+- :class:`TorchBackend` otherwise (deeper MLPs, or no C++ compiler): :func:`_round_core`, one client
+  at a time, the closed forms of :mod:`diff2_flwr.core.ghost` (compiled or not). Same maths, slower.
 
-Only the forward and backward passes run in the compute dtype; norms, clip factors and sums are float64.
-The compiled functions are kept per MLP in a :class:`CompiledFunctions` (the process-wide :data:`COMPILED` by
-default; ``COMPILED.clear()`` forgets them).
+Only the forward and backward passes run in the compute dtype; norms, clip factors and sums are
+float64. The compiled functions are kept per MLP in a :class:`CompiledFunctions` (the process-wide
+:data:`COMPILED` by default; ``COMPILED.clear()`` forgets them).
 
 References:
     Murata & Suzuki (2023), Algorithm 1 (worker lines), Algorithm 2 (ClippedMean);
-    Li et al. (2022), "Large language models can be strong differentially private learners" (ghost clipping).
+    Li et al. (2022), "Large language models can be strong differentially private learners" (ghost
+    clipping).
 """
 
 from __future__ import annotations
@@ -33,25 +36,29 @@ import torch
 
 from ..core import fused
 from ..core.clipping import clip_factors
-from ..core.ghost import MLP, Pass, clipped_sums, forward, forward_head, norms as ghost_norms, prepare_for_compile
+from ..core.ghost import (
+    MLP, Pass, clipped_sums, forward, forward_head, norms as ghost_norms, prepare_for_compile,
+)
 from ..task.data import PreparedData
 
-__all__ = ["Batch", "ClientGroup", "RoundOut", "RoundBackend", "FusedBackend", "TorchBackend", "CompiledFunctions",
+__all__ = ["Batch", "ClientGroup", "RoundOut", "RoundBackend", "FusedBackend", "TorchBackend",
+           "CompiledFunctions",
            "COMPILED", "choose_backend", "retain_freed_memory"]
 
-#: Up to this many input features the fused kernel adds the first layer's weight sums itself (per lane, in the
-#: caches); with more, a batched matrix product of its c·dg_1 [K, H, M] does it faster. Measured (K = 18 or 8,
-#: float32, compiled, CPU ms per round): California's 8 features, 20-24 in the kernel against 26-28 with the
-#: product; KDD Cup 99's 118, 1.25x the torch path's time in the kernel, 0.78x with the product. The crossover
-#: between them was not measured.
+#: Up to this many input features the fused kernel adds the first layer's weight sums itself (per
+#: lane, in the caches); with more, a batched matrix product of its c·dg_1 [K, H, M] does it faster.
+#: Measured (K = 18 or 8, float32, compiled, CPU ms per round): California's 8 features, 20-24 in
+#: the kernel against 26-28 with the product; KDD Cup 99's 118, 1.25x the torch path's time in the
+#: kernel, 0.78x with the product. The crossover between them was not measured.
 KERNEL_W1_FEATURES = 32
 
 
 @dataclass(frozen=True)
 class ClientGroup:
-    """Consecutive clients' samples for the fused path: inputs [F, M] (compute dtype and float64), targets, ‖x‖²,
-    mask [M]. ``blocked``: the two inputs are in the kernel's blocked layout (:func:`~diff2_flwr.core.fused.to_blocked`),
-    as the kernel's own forward pass reads them (and writes its parts)."""
+    """Consecutive clients' samples for the fused path: inputs [F, M] (compute dtype and float64),
+    targets, ‖x‖², mask [M]. ``blocked``: the two inputs are in the kernel's blocked layout
+    (:func:`~diff2_flwr.core.fused.to_blocked`), as the kernel's own forward pass reads them (and
+    writes its parts)."""
 
     clients: int
     a_t: torch.Tensor
@@ -59,21 +66,24 @@ class ClientGroup:
     x64_t: torch.Tensor
     sq_a: torch.Tensor
     mask: torch.Tensor
-    x_rows: torch.Tensor | None  # [clients, N, F] float64 when the first layer's sums are a matrix product
+    # [clients, N, F] float64 when the first layer's sums are a matrix product
+    x_rows: torch.Tensor | None
     blocked: bool = False
 
     def to_blocked(self, block: int) -> ClientGroup:
-        """This group (in rows) with its inputs in the kernel's blocked layout (blocks of ``block`` samples)."""
+        """This group (in rows) with its inputs in the kernel's blocked layout (blocks of ``block``
+        samples)."""
         return replace(self, a_t=fused.to_blocked(self.a_t, self.clients, block),
                        x64_t=fused.to_blocked(self.x64_t, self.clients, block), blocked=True)
 
 
 class Batch:
-    """Padded shard tensors: samples innermost, client p's samples at m = p·N + n, on ``device`` (the CPU by
-    default; a CUDA device runs the torch backend there). The shard sizes ``n`` stay on the CPU, where the server's
-    step runs."""
+    """Padded shard tensors: samples innermost, client p's samples at m = p·N + n, on ``device``
+    (the CPU by default; a CUDA device runs the torch backend there). The shard sizes ``n`` stay on
+    the CPU, where the server's step runs."""
 
-    def __init__(self, data: PreparedData, dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+    def __init__(self, data: PreparedData, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
         self.device = torch.device(device or "cpu")
         sizes = data.shard_sizes
         self.P, self.N, self.F = len(sizes), max(sizes), data.num_features
@@ -92,10 +102,11 @@ class Batch:
         a64_t = self.a64.reshape(-1, self.F).T
         self.sq_a = (a64_t * a64_t).sum(0)  # ||a||² per sample, float64
         self.n = torch.tensor(sizes, dtype=torch.float64)
-        # One client at a time in a round: its [K, width, N] intermediates stay in the caches, where the whole
-        # batch's [K, width, P·N] would stream through memory once per kernel.
+        # One client at a time in a round: its [K, width, N] intermediates stay in the caches, where
+        # the whole batch's [K, width, P·N] would stream through memory once per kernel.
         self.clients = [(self.a_t[:, p * self.N:(p + 1) * self.N].contiguous(), self.a64[p:p + 1],
-                         self.y[p * self.N:(p + 1) * self.N], self.sq_a[p * self.N:(p + 1) * self.N],
+                         self.y[p * self.N:(p + 1) * self.N],
+                         self.sq_a[p * self.N:(p + 1) * self.N],
                          self.mask[p * self.N:(p + 1) * self.N]) for p in range(self.P)]
         self.a64_t = a64_t
         self.x_test_t = torch.as_tensor(data.x_test, dtype=dtype).T.contiguous().to(self.device)
@@ -103,23 +114,27 @@ class Batch:
         self.dtype = dtype
 
     def groups(self, runs: int, width: int, cap: int = 32 << 20) -> list[ClientGroup]:
-        """Clients in groups of consecutive ones (equal sizes but the last) whose [runs, width, samples] tensors in
-        the compute dtype stay under ``cap`` bytes (at least one client each): one forward call and one fused
-        kernel call per group and round. Under 32 MB glibc reuses their memory (see retain_freed_memory)."""
+        """Clients in groups of consecutive ones (equal sizes but the last) whose [runs, width,
+        samples] tensors in the compute dtype stay under ``cap`` bytes (at least one client each):
+        one forward call and one fused kernel call per group and round. Under 32 MB glibc reuses
+        their memory (see retain_freed_memory)."""
         per_client = runs * width * self.N * torch.finfo(self.dtype).bits // 8
         size = max(1, min(self.P, cap // max(1, per_client)))
         out = []
         for p0 in range(0, self.P, size):
             cols = slice(p0 * self.N, min(self.P, p0 + size) * self.N)
             rows = self.a64[p0:p0 + size] if self.F > KERNEL_W1_FEATURES else None
-            out.append(ClientGroup(len(range(p0, min(self.P, p0 + size))), self.a_t[:, cols].contiguous(), self.y[cols],
-                              self.a64_t[:, cols].contiguous(), self.sq_a[cols], self.mask[cols], rows))
+            out.append(ClientGroup(len(range(p0, min(self.P, p0 + size))),
+                                   self.a_t[:, cols].contiguous(), self.y[cols],
+                              self.a64_t[:, cols].contiguous(), self.sq_a[cols], self.mask[cols],
+                              rows))
         return out
 
 
 class RoundOut(NamedTuple):
-    """One round of every run: clipped sums [P, K, d] (float64), overflow [P, K] (bool: a per-sample norm was not
-    finite) and, when asked, the unclipped sums [P, K, d] and losses [K, M] (float64) at the round's iterate."""
+    """One round of every run: clipped sums [P, K, d] (float64), overflow [P, K] (bool: a per-sample
+    norm was not finite) and, when asked, the unclipped sums [P, K, d] and losses [K, M] (float64)
+    at the round's iterate."""
 
     sums: torch.Tensor
     overflow: torch.Tensor
@@ -133,24 +148,28 @@ class RoundBackend(Protocol):
 
     def round(self, x: torch.Tensor, restart: torch.Tensor, radius: torch.Tensor, *, train: bool,
               keep: bool = True) -> RoundOut:
-        """Round of iterates x [K, d] (float64): rows with ``restart`` [K] take plain gradients, the others the
-        difference with the previous round's pass; ``radius`` [K] float64; ``train``: also the unclipped sums;
-        ``keep`` False: the next round restarts every run, so this round's pass need not be kept for it."""
+        """Round of iterates x [K, d] (float64): rows with ``restart`` [K] take plain gradients, the
+        others the difference with the previous round's pass; ``radius`` [K] float64; ``train``:
+        also the unclipped sums; ``keep`` False: the next round restarts every run, so this round's
+        pass need not be kept for it."""
         ...
 
     def train(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unclipped sums [P, K, d] and losses [K, M] (float64) at x, outside a round (the last evaluation)."""
+        """Unclipped sums [P, K, d] and losses [K, M] (float64) at x, outside a round (the last
+        evaluation)."""
         ...
 
 
-def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, restart, radius, some_restart: bool):
-    """One round for every run: clipped sums per client [P, K, d] (float64); per client and run [P, K], whether
-    a per-sample (difference) gradient's norm was not finite (an overflow); and this round's pass at x (in the
-    compute dtype), which the next round reuses as its previous iterate's.
+def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, restart, radius,
+                some_restart: bool):
+    """One round for every run: clipped sums per client [P, K, d] (float64); per client and run [P,
+    K], whether a per-sample (difference) gradient's norm was not finite (an overflow); and this
+    round's pass at x (in the compute dtype), which the next round reuses as its previous iterate's.
 
-    ``prev_grads`` empty: every run restarts (no previous pass needed); ``some_restart``: some run restarts
-    (the others take differences). Only the forward and backward passes run in the compute dtype; norms,
-    clip factors and sums are float64 (the float64 copies of the passes are taken where they are read).
+    ``prev_grads`` empty: every run restarts (no previous pass needed); ``some_restart``: some run
+    restarts (the others take differences). Only the forward and backward passes run in the compute
+    dtype; norms, clip factors and sums are float64 (the float64 copies of the passes are taken
+    where they are read).
     """
     pass_ = forward(mlp, x, a_t, y)
     cur = pass_.to64()
@@ -167,38 +186,44 @@ def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, r
     return clipped_sums(cur, a64, c, prev), overflow, pass_.inputs, pass_.grads, pass_.loss
 
 
-def _fused_round(kernel: fused.FusedKernel, head: Callable, group: ClientGroup, x: torch.Tensor, w_out: torch.Tensor,
-                 prev: fused.Parts | None, restart: torch.Tensor | None,
-                 radius: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, fused.Parts, torch.Tensor]:
-    """What :func:`_round_core` gives, for a group of clients and an MLP with one hidden layer: the forward pass of
-    their samples in torch (``head``: :func:`~diff2_flwr.core.ghost.forward_head`, compiled or not: one call), the
-    rest in the fused kernel — clipped sums [clients, K, d] (float64), overflow [clients, K], and this round's
-    parts and losses [K, M] (compute dtype), which the next round reuses as its previous iterate's. ``w_out``: the
-    output layer's weights [K, O, H] in the compute dtype; ``prev`` None: every run restarts."""
+def _fused_round(kernel: fused.FusedKernel, head: Callable, group: ClientGroup, x: torch.Tensor,
+                 w_out: torch.Tensor, prev: fused.Parts | None, restart: torch.Tensor | None,
+                 radius: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, fused.Parts,
+                                                torch.Tensor]:
+    """What :func:`_round_core` gives, for a group of clients and an MLP with one hidden layer: the
+    forward pass of their samples in torch (``head``: :func:`~diff2_flwr.core.ghost.forward_head`,
+    compiled or not: one call), the rest in the fused kernel — clipped sums [clients, K, d]
+    (float64), overflow [clients, K], and this round's parts and losses [K, M] (compute dtype),
+    which the next round reuses as its previous iterate's. ``w_out``: the output layer's weights [K,
+    O, H] in the compute dtype; ``prev`` None: every run restarts."""
     a, dphi, g, loss = head(x, group.a_t, group.y)
     cur = fused.Parts(a.contiguous(), dphi.contiguous(), g.contiguous(), w_out)
-    sums, overflow = fused.clipped_sums(kernel, cur, group.x64_t, group.sq_a, group.mask, radius, prev, restart,
-                                        clients=group.clients, x_rows=group.x_rows)
+    sums, overflow = fused.clipped_sums(kernel, cur, group.x64_t, group.sq_a, group.mask, radius,
+                                        prev, restart, clients=group.clients, x_rows=group.x_rows)
     return sums, overflow, cur, loss
 
 
-def _fused_rounds(kernel: fused.FusedKernel, head: Callable | None, mlp: MLP, groups: Sequence[ClientGroup],
-                  x: torch.Tensor, prev: Sequence[fused.Parts] | None, restart: torch.Tensor | None,
+def _fused_rounds(kernel: fused.FusedKernel, head: Callable | None, mlp: MLP,
+                  groups: Sequence[ClientGroup], x: torch.Tensor,
+                  prev: Sequence[fused.Parts] | None, restart: torch.Tensor | None,
                   radius: torch.Tensor, keep: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor, list[fused.Parts | None], torch.Tensor]:
-    """:func:`_fused_round` for every group: sums [P, K, d], overflow [P, K], the parts per group, losses [K, M].
-    ``head`` None: the forward pass too is the kernel's (:func:`~diff2_flwr.core.fused.forward_sums`), which with
-    ``keep`` False (the caller's promise: ``prev`` None, not evaluated) does not keep its parts (None per group)."""
+    """:func:`_fused_round` for every group: sums [P, K, d], overflow [P, K], the parts per group,
+    losses [K, M]. ``head`` None: the forward pass too is the kernel's
+    (:func:`~diff2_flwr.core.fused.forward_sums`), which with ``keep`` False (the caller's promise:
+    ``prev`` None, not evaluated) does not keep its parts (None per group)."""
     if head is None:
         params = x.to(groups[0].a_t.dtype).contiguous()
-        outs = [fused.forward_sums(kernel, params, group.a_t, group.y, mlp.activations[0], mlp.loss, group.x64_t,
-                                   group.sq_a, group.mask, radius, None if prev is None else prev[i], restart,
-                                   hidden=mlp.sizes[1], outputs=mlp.sizes[2], clients=group.clients,
-                                   x_rows=group.x_rows, keep=keep, blocked=group.blocked)
+        outs = [fused.forward_sums(kernel, params, group.a_t, group.y, mlp.activations[0], mlp.loss,
+                                   group.x64_t, group.sq_a, group.mask, radius,
+                                   None if prev is None else prev[i], restart, hidden=mlp.sizes[1],
+                                   outputs=mlp.sizes[2], clients=group.clients, x_rows=group.x_rows,
+                                   keep=keep, blocked=group.blocked)
                 for i, group in enumerate(groups)]
     else:
         w_out = mlp.layers(x.to(groups[0].a_t.dtype))[1][0].contiguous()
-        outs = [_fused_round(kernel, head, group, x, w_out, None if prev is None else prev[i], restart, radius)
+        outs = [_fused_round(kernel, head, group, x, w_out, None if prev is None else prev[i],
+                             restart, radius)
                 for i, group in enumerate(groups)]
     if len(outs) == 1:
         return outs[0][0], outs[0][1], [outs[0][2]], outs[0][3]
@@ -207,9 +232,9 @@ def _fused_rounds(kernel: fused.FusedKernel, head: Callable | None, mlp: MLP, gr
 
 
 class CompiledFunctions:
-    """``torch.compile``'d round functions, one per (role, MLP): compiled on first use, reused by later batches of
-    the same MLP (a compilation takes seconds). :data:`COMPILED` is the process-wide one; ``clear()`` forgets them
-    (torch's own dynamo caches aside)."""
+    """``torch.compile``'d round functions, one per (role, MLP): compiled on first use, reused by
+    later batches of the same MLP (a compilation takes seconds). :data:`COMPILED` is the
+    process-wide one; ``clear()`` forgets them (torch's own dynamo caches aside)."""
 
     def __init__(self) -> None:
         self._fns: dict[tuple[str, MLP], Callable] = {}
@@ -217,7 +242,8 @@ class CompiledFunctions:
     def get(self, role: str, mlp: MLP, fn: Callable) -> Callable:
         """The compiled ``fn`` for (role, mlp), compiling ``fn`` only if there is none yet."""
         if (role, mlp) not in self._fns:
-            prepare_for_compile()  # the norms' rescaling stays eager (a data-dependent number of samples)
+            # the norms' rescaling stays eager (a data-dependent number of samples)
+            prepare_for_compile()
             self._fns[role, mlp] = torch.compile(fn, dynamic=True)
         return self._fns[role, mlp]
 
@@ -246,68 +272,85 @@ def _head(mlp: MLP, compile: bool, compiled: CompiledFunctions = COMPILED) -> Ca
 
 
 class TorchBackend:
-    """Rounds by the closed forms of :mod:`diff2_flwr.core.ghost` in torch (:func:`_round_core`), one client at a
-    time: any MLP the engine runs, with or without the fused kernel."""
+    """Rounds by the closed forms of :mod:`diff2_flwr.core.ghost` in torch (:func:`_round_core`),
+    one client at a time: any MLP the engine runs, with or without the fused kernel."""
 
     def __init__(self, mlp: MLP, batch: Batch, runs: int, *, compile: bool = False,
                  compiled: CompiledFunctions = COMPILED) -> None:
         self.mlp, self.batch, self.runs = mlp, batch, runs
         self._core = _core(mlp, compile, compiled)
-        # Compiled, the restart selection always runs (fused, it costs little): two round shapes to compile, not three.
+        # Compiled, the restart selection always runs (fused, it costs little): two round shapes to
+        # compile, not three.
         self._always_select = compile
-        self._prev: list[tuple[tuple, tuple]] = [((), ())] * batch.P  # per client: the pass at x (inputs, grads)
+        # per client: the pass at x (inputs, grads)
+        self._prev: list[tuple[tuple, tuple]] = [((), ())] * batch.P
 
     def round(self, x: torch.Tensor, restart: torch.Tensor, radius: torch.Tensor, *, train: bool,
               keep: bool = True) -> RoundOut:
         prev = [((), ())] * self.batch.P if bool(restart.all()) else self._prev
         flag = self._always_select or bool(restart.any())
-        device = self.batch.device  # the round on the batch's device; what it returns on the CPU (the server's)
+        # the round on the batch's device; what it returns on the CPU (the server's)
+        device = self.batch.device
         x, restart, radius = x.to(device), restart.to(device), radius.to(device)
-        parts = [self._core(*client, x, *prev[p], restart, radius, flag) for p, client in enumerate(self.batch.clients)]
+        parts = [self._core(*client, x, *prev[p], restart, radius, flag) for p,
+                 client in enumerate(self.batch.clients)]
         sums = torch.cat([part[0] for part in parts])
         overflow = torch.cat([part[1] for part in parts])
         unclipped = None
         if train:
-            joined = [torch.cat(ts, dim=-1) for ts in zip(*(part[2] + part[3] + (part[4],) for part in parts))]
+            joined = [torch.cat(ts,
+                                dim=-1) for ts in zip(*(part[2] + part[3] + (part[4],)
+                                                        for part in parts))]
             n_in = len(parts[0][2])
             joined_pass = Pass(tuple(joined[:n_in]), tuple(joined[n_in:-1]), joined[-1], joined[-1])
             unclipped = self._unclipped(joined_pass.to64())
-        self._prev = [(part[2], part[3]) for part in parts]  # the pass at x: the next round's previous iterate
+        # the pass at x: the next round's previous iterate
+        self._prev = [(part[2], part[3]) for part in parts]
         return RoundOut(sums.cpu(), overflow.cpu(), unclipped)
 
     def train(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._unclipped(forward(self.mlp, x.to(self.batch.device), self.batch.a_t, self.batch.y).to64())
+        return self._unclipped(forward(self.mlp, x.to(self.batch.device), self.batch.a_t,
+                                       self.batch.y).to64())
 
     def _unclipped(self, cur: Pass) -> tuple[torch.Tensor, torch.Tensor]:
         """Unclipped gradient sums [P, K, d] and losses [K, M] of a float64 pass (on the CPU)."""
-        return clipped_sums(cur, self.batch.a64, self.batch.mask.expand(self.runs, -1)).cpu(), cur.loss.cpu()
+        return clipped_sums(cur, self.batch.a64, self.batch.mask.expand(self.runs,
+                                                                        -1)).cpu(), cur.loss.cpu()
 
 
 class FusedBackend:
-    """Rounds of an MLP with one hidden layer by the fused kernel (:mod:`diff2_flwr.core.fused`), clients in the
-    groups of :meth:`Batch.groups`: per group one kernel call that does the forward pass too
-    (``forward="kernel"``: each block of samples goes through the whole round while it is in the caches), or one
-    forward call in torch (``head``, compiled or not) and one kernel call (``forward="torch"``). By default the
-    kernel's up to :data:`KERNEL_W1_FEATURES` input features, torch's above: the kernel computes W_1 x in lane loops,
-    and with many features a matrix product wins (measured on KDD Cup 99's 118, K = 8, float32, compiled, one thread:
-    147 ms CPU per configuration-round with the kernel's forward against 62 ms with torch's)."""
+    """Rounds of an MLP with one hidden layer by the fused kernel (:mod:`diff2_flwr.core.fused`),
+    clients in the groups of :meth:`Batch.groups`: per group one kernel call that does the forward
+    pass too (``forward="kernel"``: each block of samples goes through the whole round while it is
+    in the caches), or one forward call in torch (``head``, compiled or not) and one kernel call
+    (``forward="torch"``). By default the kernel's up to :data:`KERNEL_W1_FEATURES` input features,
+    torch's above: the kernel computes W_1 x in lane loops, and with many features a matrix product
+    wins (measured on KDD Cup 99's 118, K = 8, float32, compiled, one thread: 147 ms CPU per
+    configuration-round with the kernel's forward against 62 ms with torch's)."""
 
-    def __init__(self, kernel: fused.FusedKernel, mlp: MLP, batch: Batch, runs: int, *, compile: bool = False,
-                 compiled: CompiledFunctions = COMPILED, forward: str | None = None) -> None:
+    def __init__(self, kernel: fused.FusedKernel, mlp: MLP, batch: Batch, runs: int, *,
+                 compile: bool = False, compiled: CompiledFunctions = COMPILED,
+                 forward: str | None = None) -> None:
         if batch.device.type != "cpu":
-            raise ValueError(f"FusedBackend runs on the CPU; this batch is on {batch.device}. Use TorchBackend (or "
+            raise ValueError(
+                f"FusedBackend runs on the CPU; this batch is on {batch.device}. Use TorchBackend "
+                f"(or "
                              "choose_backend) for it.")
         if len(mlp.sizes) != 3:
-            raise ValueError(f"FusedBackend runs an MLP with one hidden layer. Found widths {mlp.sizes}; use "
+            raise ValueError(
+                f"FusedBackend runs an MLP with one hidden layer. Found widths {mlp.sizes}; use "
                              "TorchBackend (or choose_backend) for it.")
-        if forward is None:  # the kernel's own W_1 x is lane loops: a matrix product is faster with many features
+        # the kernel's own W_1 x is lane loops: a matrix product is faster with many features
+        if forward is None:
             forward = "kernel" if batch.F <= KERNEL_W1_FEATURES else "torch"
         if forward not in ("kernel", "torch"):
-            raise ValueError(f"FusedBackend: forward must be 'kernel' or 'torch'. Found {forward!r}.")
+            raise ValueError(
+                f"FusedBackend: forward must be 'kernel' or 'torch'. Found {forward!r}.")
         self.kernel, self.mlp, self.batch, self.runs = kernel, mlp, batch, runs
         self.head = None if forward == "kernel" else _head(mlp, compile, compiled)
         self.groups = batch.groups(runs, max(mlp.sizes[1:]))
-        if self.head is None:  # the kernel's forward: inputs and parts in its blocked layout (same bits, fewer streams)
+        # the kernel's forward: inputs and parts in its blocked layout (same bits, fewer streams)
+        if self.head is None:
             self.groups = [group.to_blocked(kernel.block) for group in self.groups]
         self._no_clip = torch.full((runs,), math.inf, dtype=torch.float64)
         self._prev: list[fused.Parts] | None = None  # per group: the parts at x
@@ -316,32 +359,36 @@ class FusedBackend:
               keep: bool = True) -> RoundOut:
         prev = None if bool(restart.all()) else self._prev
         if prev is not None and any(p is None for p in prev):
-            raise RuntimeError("FusedBackend: a difference round after a round whose pass was not kept (keep=False "
-                               "promised that the next round restarts every run).")
-        # The kernel's forward keeps no pass that no one reads: a round of plain gradients before one that restarts
-        # every run, not evaluated (the evaluation's unclipped sums read it).
+            raise RuntimeError(
+                "FusedBackend: a difference round after a round whose pass was not kept "
+                "(keep=False promised that the next round restarts every run).")
+        # The kernel's forward keeps no pass that no one reads: a round of plain gradients before
+        # one that restarts every run, not evaluated (the evaluation's unclipped sums read it).
         keep = keep or train or prev is not None
-        sums, overflow, self._prev, loss = _fused_rounds(self.kernel, self.head, self.mlp, self.groups, x, prev,
-                                                         restart, radius, keep)
+        sums, overflow, self._prev, loss = _fused_rounds(self.kernel, self.head, self.mlp,
+                                                         self.groups, x, prev, restart, radius,
+                                                         keep)
         return RoundOut(sums, overflow, self._unclipped(self._prev, loss) if train else None)
 
     def train(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        sums, _, _, loss = _fused_rounds(self.kernel, self.head, self.mlp, self.groups, x, None, None, self._no_clip)
+        sums, _, _, loss = _fused_rounds(self.kernel, self.head, self.mlp, self.groups, x, None,
+                                         None, self._no_clip)
         return sums, loss.to(torch.float64)
 
-    def _unclipped(self, parts: list[fused.Parts], loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _unclipped(self, parts: list[fused.Parts], loss: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                torch.Tensor]:
         """Unclipped gradient sums [P, K, d] and losses [K, M] (float64) of this round's parts."""
-        sums = [fused.clipped_sums(self.kernel, part, group.x64_t, group.sq_a, group.mask, self._no_clip,
-                                   clients=group.clients, x_rows=group.x_rows)[0]
+        sums = [fused.clipped_sums(self.kernel, part, group.x64_t, group.sq_a, group.mask,
+                                   self._no_clip, clients=group.clients, x_rows=group.x_rows)[0]
                 for part, group in zip(parts, self.groups)]
         return (sums[0] if len(sums) == 1 else torch.cat(sums)), loss.to(torch.float64)
 
 
 def choose_backend(mlp: MLP, batch: Batch, runs: int, *, compile: bool = False,
                    compiled: CompiledFunctions = COMPILED) -> RoundBackend:
-    """The backend for ``runs`` runs of ``mlp`` on ``batch``, chosen once: the fused kernel for an MLP with one
-    hidden layer where it loads (:func:`diff2_flwr.core.fused.load`: built once per machine, loaded once per
-    process), the torch path otherwise.
+    """The backend for ``runs`` runs of ``mlp`` on ``batch``, chosen once: the fused kernel for an
+    MLP with one hidden layer where it loads (:func:`diff2_flwr.core.fused.load`: built once per
+    machine, loaded once per process), the torch path otherwise.
 
     Args:
         mlp: the MLP every run trains.
@@ -357,11 +404,12 @@ def choose_backend(mlp: MLP, batch: Batch, runs: int, *, compile: bool = False,
 
 
 def retain_freed_memory() -> None:
-    """Let glibc keep freed blocks of up to 32 MB for reuse (a process setting; setting it again changes nothing). A
-    round allocates its [K, width, M] tensors afresh; by default glibc maps each block over 128 kB (or the last
-    freed size) from the OS and unmaps it on free, so every round pays a page fault per 4 kB touched: measured ≈ 3
-    ms of system time per round at K = 18 on California Housing (12 % of it). Values are unchanged; the process
-    holds up to 256 MB of freed memory."""
+    """Let glibc keep freed blocks of up to 32 MB for reuse (a process setting; setting it again
+    changes nothing). A round allocates its [K, width, M] tensors afresh; by default glibc maps each
+    block over 128 kB (or the last freed size) from the OS and unmaps it on free, so every round
+    pays a page fault per 4 kB touched: measured ≈ 3 ms of system time per round at K = 18 on
+    California Housing (12 % of it). Values are unchanged; the process holds up to 256 MB of freed
+    memory."""
     if not sys.platform.startswith("linux"):
         return
     try:

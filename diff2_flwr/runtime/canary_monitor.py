@@ -1,19 +1,22 @@
-"""A data owner's live audit of a run: canary records in its own replies, its observations on its own disk.
+"""A data owner's live audit of a run: canary records in its own replies, its observations on its
+own disk.
 
-A node whose policy has ``canaries: {count: B, state: FOLDER}`` (:class:`~diff2_flwr.runtime.policy.CanaryPolicy`)
-adds B canary records (:class:`~diff2_flwr.core.canaries.CanaryFrame`) to each of its gradient replies and, for
-every task, appends to ``FOLDER/<run id>/rounds.jsonl`` what it needs to score them: the round, its kind and
-radius, the noise std per coordinate the run config's calibration prescribes (σ_r = σ·radius) and the
-projections U x_(r-1) of the iterate it received. The canaries' secret seed is ``FOLDER/<run id>/seed``
-(0600 in a 0700 folder), drawn from the OS's secure generator at the run's first task unless the owner put one
-there (to reproduce a run); the server never sees it. ``diff2 audit --live FOLDER/<run id>`` scores the run so far,
-while it trains (:mod:`diff2_flwr.lab.audit.live`).
+A node whose policy has ``canaries: {count: B, state: FOLDER}``
+(:class:`~diff2_flwr.runtime.policy.CanaryPolicy`) adds B canary records
+(:class:`~diff2_flwr.core.canaries.CanaryFrame`) to each of its gradient replies and, for every
+task, appends to ``FOLDER/<run id>/rounds.jsonl`` what it needs to score them: the round, its kind
+and radius, the noise std per coordinate the run config's calibration prescribes (σ_r = σ·radius)
+and the projections U x_(r-1) of the iterate it received. The canaries' secret seed is ``FOLDER/<run
+id>/seed`` (0600 in a 0700 folder), drawn from the OS's secure generator at the run's first task
+unless the owner put one there (to reproduce a run); the server never sees it. ``diff2 audit --live
+FOLDER/<run id>`` scores the run so far, while it trains (:mod:`diff2_flwr.lab.audit.live`).
 
-Trust (``THREATS.md``): it protects the data owner against a server that adds less noise than the run config
-declares — by mistake (a miscalibrated σ, a factor √2, a wrong sensitivity) — measured on the iterates this node
-receives, without trusting the server. It cannot catch a server that adds the declared noise to what it releases
-and leaks the clipped means some other way, nor noise that is wrong only in round R (no task follows it).
-Workers keep no state in memory between messages: everything lives in the folder.
+Trust (``THREATS.md``): it protects the data owner against a server that adds less noise than the
+run config declares — by mistake (a miscalibrated σ, a factor √2, a wrong sensitivity) — measured on
+the iterates this node receives, without trusting the server. It cannot catch a server that adds the
+declared noise to what it releases and leaks the clipped means some other way, nor noise that is
+wrong only in round R (no task follows it). Workers keep no state in memory between messages:
+everything lives in the folder.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ class CanaryMonitor:
 
     @classmethod
     def open(cls, folder: Path, *, count: int, dim: int, meta: dict) -> "CanaryMonitor":
-        """The run's folder: its seed made (secret) on the first task, its meta written once and then checked."""
+        """The run's folder: its seed made (secret) on the first task, its meta written once and
+        then checked."""
         folder = private_folder(folder)
         seed_path = folder / SEED_FILE
         if not seed_path.exists():
@@ -68,21 +72,25 @@ class CanaryMonitor:
             old = json.loads(meta_path.read_text())
             if old != meta:
                 changed = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
-                raise ValueError(f"canary folder {folder}: this run's {changed} differ from what its first task "
-                                 f"recorded ({META_FILE}); one folder holds one run. Move it away, or fix the run.")
+                raise ValueError(
+                    f"canary folder {folder}: this run's {changed} differ from what its first "
+                    f"task recorded ({META_FILE}); one folder holds one run. Move it away, or fix "
+                    f"the run.")
         else:
             write_private(meta_path, json.dumps(meta, indent=1).encode())
         return cls(folder, _frame(seed, count, dim))
 
     def reply(self, r: int, restart: bool, radius: float, noise_std: float, x_current: np.ndarray,
               contribution: Contribution) -> Contribution:
-        """Record round r's observation (its kind, radius, the calibrated noise std per coordinate and U x_(r-1)),
-        then the reply with the B canary records added (an overflowing reply, which carries nothing, is left as
-        it is)."""
+        """Record round r's observation (its kind, radius, the calibrated noise std per coordinate
+        and U x_(r-1)), then the reply with the B canary records added (an overflowing reply, which
+        carries nothing, is left as it is)."""
         row = {"round": r, "restart": restart, "radius": radius, "noise_std": noise_std,
-               "x_max": float(np.max(np.abs(x_current))), "projection": self.frame.project(x_current).tolist()}
+               "x_max": float(np.max(np.abs(x_current))),
+               "projection": self.frame.project(x_current).tolist()}
         append_private(self.folder / ROUNDS_FILE, (json.dumps(row) + "\n").encode())
         if contribution.overflow:
             return contribution
         mean, n = self.frame.add(contribution.mean, contribution.num_samples, radius)
-        return Contribution(mean=mean, num_samples=n, num_clipped=contribution.num_clipped, overflow=False)
+        return Contribution(mean=mean, num_samples=n, num_clipped=contribution.num_clipped,
+                            overflow=False)

@@ -27,7 +27,8 @@ DEFAULT_THREADS = 1
 
 
 def compute_threads() -> dict[str, int]:
-    """The thread counts in force: torch's intra-op pool and each BLAS/OpenMP pool numpy or torch loaded."""
+    """The thread counts in force: torch's intra-op pool and each BLAS/OpenMP pool numpy or torch
+    loaded."""
     import torch
     from threadpoolctl import threadpool_info
 
@@ -38,12 +39,14 @@ def compute_threads() -> dict[str, int]:
 
 
 def pin_threads(threads: int = DEFAULT_THREADS) -> None:
-    """Pin torch's intra-op pool and every BLAS/OpenMP pool of this process to ``threads`` (process-wide).
+    """Pin torch's intra-op pool and every BLAS/OpenMP pool of this process to ``threads``
+    (process-wide).
 
-    Flower calls a ClientApp's ``client_fn`` for every message, so this runs once per client and round. Finding the
-    pools (threadpoolctl walks every loaded shared library: 1–5 ms in a Ray worker) is done again only when a module
-    was imported since the last call — a BLAS or OpenMP runtime is loaded with the extension module that links it
-    (numpy's, scipy's, torch's); the limits themselves are set on every call.
+    Flower calls a ClientApp's ``client_fn`` for every message, so this runs once per client and
+    round. Finding the pools (threadpoolctl walks every loaded shared library: 1–5 ms in a Ray
+    worker) is done again only when a module was imported since the last call — a BLAS or OpenMP
+    runtime is loaded with the extension module that links it (numpy's, scipy's, torch's); the
+    limits themselves are set on every call.
     """
     import torch
 
@@ -53,14 +56,16 @@ def pin_threads(threads: int = DEFAULT_THREADS) -> None:
     _pools().limit(limits=threads)
 
 
-#: (how many modules were imported, threadpoolctl's controller of the pools then), from the last scan.
+#: (how many modules were imported, threadpoolctl's controller of the pools then), from the last
+#: scan.
 _POOLS: tuple[int, Any] | None = None
 
 
 def _pools() -> Any:
-    """This process's BLAS/OpenMP pools (a ``threadpoolctl.ThreadpoolController``), scanned again when a module was
-    imported since the last scan. (Not ``dl_iterate_phdr`` with a Python callback: that holds the loader's lock
-    while it waits for the GIL, and a thread importing an extension holds the GIL while it waits for that lock.)"""
+    """This process's BLAS/OpenMP pools (a ``threadpoolctl.ThreadpoolController``), scanned again
+    when a module was imported since the last scan. (Not ``dl_iterate_phdr`` with a Python callback:
+    that holds the loader's lock while it waits for the GIL, and a thread importing an extension
+    holds the GIL while it waits for that lock.)"""
     from threadpoolctl import ThreadpoolController
 
     global _POOLS

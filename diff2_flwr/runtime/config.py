@@ -25,10 +25,10 @@ import yaml
 
 from .config_data import PAPER_MLP, DatasetConfig, ModelConfig, PartitionerConfig
 from .config_experiment import ExperimentConfig, Method
-from .config_training import (AUTO_CLIENTS_DEFAULT, CLIENTS_AUTO, EvaluationConfig, LocalConfig, OutputConfig,
-                              PrivacyConfig, RoutineConfig, TrainingConfig)
-from .spec import (ConfigError, Kwargs, argument_error, argument_names, content_free, help_of, nest_arguments,
-                   parse_section, require, setting, settable_keys)
+from .config_training import (AUTO_CLIENTS_DEFAULT, CLIENTS_AUTO, EvaluationConfig, LocalConfig,
+                              OutputConfig, PrivacyConfig, RoutineConfig, TrainingConfig)
+from .spec import (ConfigError, Kwargs, argument_error, argument_names, content_free, help_of,
+                   nest_arguments, parse_section, require, setting, settable_keys)
 from .spec import from_arguments as _from_arguments
 
 __all__ = [
@@ -81,18 +81,19 @@ def from_arguments(function: str, data: Mapping[str, Any], cls: type = Experimen
                    renamed: Mapping[str, str] | None = None) -> Any:
     """Validate a Python API call's keyword arguments with the YAML path's checks and messages.
 
-    ``data`` is shaped like the YAML for ``cls`` (for an experiment, ``{"method": ..., "privacy": {...},
-    "training": {...}}``; :func:`~diff2_flwr.runtime.spec.nest_arguments` shapes flat keyword arguments); a bad
-    value is reported by its argument's name (the key's declared ``argument``, else the key without its section,
-    or as ``renamed`` says), e.g. "diff2_flwr.make_strategy: argument `rounds`: expected an integer >= 1. Found 0."
+    ``data`` is shaped like the YAML for ``cls`` (for an experiment, ``{"method": ..., "privacy":
+    {...}, "training": {...}}``; :func:`~diff2_flwr.runtime.spec.nest_arguments` shapes flat keyword
+    arguments); a bad value is reported by its argument's name (the key's declared ``argument``,
+    else the key without its section, or as ``renamed`` says), e.g. "diff2_flwr.make_strategy:
+    argument `rounds`: expected an integer >= 1. Found 0."
     """
     return _from_arguments(function, data, cls, renamed)
 
 
 class _Loader(yaml.SafeLoader):
-    """Safe YAML with YAML 1.2 floats (PyYAML, YAML 1.1, reads ``1e-5`` as a string, not a number) that
-    refuses a key given twice in one mapping (PyYAML keeps the last one without a word: a file that says
-    ``epsilon`` twice would leave the reader guessing which budget was spent)."""
+    """Safe YAML with YAML 1.2 floats (PyYAML, YAML 1.1, reads ``1e-5`` as a string, not a number)
+    that refuses a key given twice in one mapping (PyYAML keeps the last one without a word: a file
+    that says ``epsilon`` twice would leave the reader guessing which budget was spent)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         if isinstance(node, yaml.MappingNode):
@@ -107,7 +108,9 @@ class _Loader(yaml.SafeLoader):
                     continue
                 if first is not None:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} is given twice in one mapping (line {first} and line {line}); "
+                        None, None,
+                        f"key {key!r} is given twice in one mapping (line {first} and line "
+                        f"{line}); "
                         "keep one of them", key_node.start_mark)
                 lines[key] = line
         return super().construct_mapping(node, deep=deep)
@@ -120,8 +123,10 @@ _Loader.add_implicit_resolver(
 )
 
 
-def read_yaml(path: str | Path, what: str = "experiment", error: type[ConfigError] = ConfigError) -> Any:
-    """Parse a YAML file (YAML 1.2 floats); an unreadable or malformed file raises ``error`` naming it."""
+def read_yaml(path: str | Path, what: str = "experiment",
+              error: type[ConfigError] = ConfigError) -> Any:
+    """Parse a YAML file (YAML 1.2 floats); an unreadable or malformed file raises ``error`` naming
+    it."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -132,15 +137,19 @@ def read_yaml(path: str | Path, what: str = "experiment", error: type[ConfigErro
     except yaml.YAMLError as exc:
         tab = _tab_at(exc, text)
         if tab is not None:  # PyYAML's own words ("cannot start any token") do not say what to do
-            raise error(f"{path}: not valid YAML: line {tab[0]}, column {tab[1]}: a tab character. YAML indents "
-                        "with spaces, not tabs: replace the tab with spaces.", line=tab[0], column=tab[1]) from exc
+            raise error(
+                f"{path}: not valid YAML: line {tab[0]}, column {tab[1]}: a tab character. YAML "
+                f"indents "
+                        "with spaces, not tabs: replace the tab with spaces.", line=tab[0],
+                        column=tab[1]) from exc
         mark = getattr(exc, "problem_mark", None)
         line, column = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
         raise error(f"{path}: not valid YAML: {exc}", line=line, column=column) from exc
 
 
 def _tab_at(exc: yaml.YAMLError, text: str) -> tuple[int, int] | None:
-    """(line, column), both from 1, of the tab character the parser stopped at; None if it stopped elsewhere."""
+    """(line, column), both from 1, of the tab character the parser stopped at; None if it stopped
+    elsewhere."""
     mark = getattr(exc, "problem_mark", None)
     if mark is None:
         return None
@@ -151,7 +160,8 @@ def _tab_at(exc: yaml.YAMLError, text: str) -> tuple[int, int] | None:
 
 
 def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> ExperimentConfig:
-    """Read and validate an experiment YAML file, with single keys overridden (``{"training.rounds": 200}``).
+    """Read and validate an experiment YAML file, with single keys overridden (``{"training.rounds":
+    200}``).
 
     The overrides are validated like the file (unknown keys, types, ranges); errors name them.
     """
@@ -166,13 +176,16 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
 # --------------------------------------------------------------------------- overrides
 
 def config_keys() -> list[str]:
-    """Every settable key of an experiment file, dotted (``training.rounds``), in declaration order."""
+    """Every settable key of an experiment file, dotted (``training.rounds``), in declaration
+    order."""
     return settable_keys(ExperimentConfig)
 
 
 def yaml_text(value: Any) -> str:
-    """A value as the YAML text that reads back as it (``200``, ``1.0e-06``, ``null``, ``[a, b]``)."""
-    return yaml.safe_dump(value, default_flow_style=True, width=10**9).strip().removesuffix("...").strip()
+    """A value as the YAML text that reads back as it (``200``, ``1.0e-06``, ``null``, ``[a,
+    b]``)."""
+    return yaml.safe_dump(value, default_flow_style=True,
+                          width=10**9).strip().removesuffix("...").strip()
 
 
 def _show(value: Any) -> str:
@@ -182,9 +195,11 @@ def _show(value: Any) -> str:
 def _yaml_value(text: str, key: str, source: str) -> Any:
     """A value written as YAML (``200``, ``1e-5``, ``null``, ``[a, b]``, ``{k: v}``, ``text``)."""
     try:
-        return yaml.load(text, Loader=_Loader) if text.strip() else ""  # noqa: S506 (a SafeLoader subclass)
+        return yaml.load(text,
+                         Loader=_Loader) if text.strip() else ""  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: override {key}={text!r} is not a valid YAML value: {exc}") from None
+        raise ConfigError(
+            f"{source}: override {key}={text!r} is not a valid YAML value: {exc}") from None
 
 
 def parse_assignment(text: str, source: str = "--set") -> tuple[str, Any]:
@@ -192,17 +207,20 @@ def parse_assignment(text: str, source: str = "--set") -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"{source}: expected KEY=VALUE (e.g. training.rounds=200). Found {text!r}.")
+        raise ConfigError(
+            f"{source}: expected KEY=VALUE (e.g. training.rounds=200). Found {text!r}.")
     return key, _yaml_value(value, key, source)
 
 
-def set_assignments(words: Sequence[str] | None, config: str | None, default: str) -> tuple[str, dict[str, Any]]:
-    """The experiment file and the overrides of a command line whose ``--set`` takes several assignments.
+def set_assignments(words: Sequence[str] | None, config: str | None,
+                    default: str) -> tuple[str, dict[str, Any]]:
+    """The experiment file and the overrides of a command line whose ``--set`` takes several
+    assignments.
 
-    ``words`` are every ``--set``'s words in order (argparse ``action="extend", nargs="+"``), ``config`` the
-    positional file or ``None``. ``--set`` swallows the file too in ``--set a=1 CONFIG``: a last word without
-    ``=`` is the experiment file when no other was given (any other such word is refused by
-    :func:`parse_assignment`, naming it); no file at all is ``default``.
+    ``words`` are every ``--set``'s words in order (argparse ``action="extend", nargs="+"``),
+    ``config`` the positional file or ``None``. ``--set`` swallows the file too in ``--set a=1
+    CONFIG``: a last word without ``=`` is the experiment file when no other was given (any other
+    such word is refused by :func:`parse_assignment`, naming it); no file at all is ``default``.
     """
     texts = list(words or ())
     if config is None and texts and "=" not in texts[-1]:
@@ -211,21 +229,25 @@ def set_assignments(words: Sequence[str] | None, config: str | None, default: st
 
 
 def apply_overrides(data: Any, overrides: Mapping[str, Any], source: str = "<overrides>") -> dict:
-    """A copy of the parsed file with each dotted key set; a key that does not exist is refused here."""
+    """A copy of the parsed file with each dotted key set; a key that does not exist is refused
+    here."""
     import copy
 
     known = config_keys()
     out = copy.deepcopy(data) if isinstance(data, Mapping) else ({} if data is None else data)
     if not isinstance(out, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of keys to values. Found {out!r}.")
-    # A whole section (training.routine=adam) before its keys (training.routine.beta1=0.8), whatever the order given.
+        raise ConfigError(
+            f"{source}: the top level must be a mapping of keys to values. Found {out!r}.")
+    # A whole section (training.routine=adam) before its keys (training.routine.beta1=0.8), whatever
+    # the order given.
     for key, value in sorted(overrides.items(), key=lambda item: item[0].count(".")):
         if key not in known:
             import difflib
 
             close = [k for k in known if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
             close = close or difflib.get_close_matches(key, known, n=3, cutoff=0.75)
-            hint = f" Did you mean {', '.join(close)}?" if close else f" Settable keys: {', '.join(known)}."
+            hint = f" Did you mean {', '.join(close)}?" if close else (f" Settable keys: "
+                                                                       f"{', '.join(known)}.")
             raise ConfigError(f"{source}: unknown key {key} in the overrides.{hint}")
         node = out
         parts = key.split(".")
@@ -233,10 +255,13 @@ def apply_overrides(data: Any, overrides: Mapping[str, Any], source: str = "<ove
             if node.get(part) is None:
                 node[part] = {}
             section = ".".join(parts[:i + 1])
-            if isinstance(node[part], str) and section in _SHORTHAND_SECTIONS:  # routine: adam -> {name: adam}
+            # routine: adam -> {name: adam}
+            if isinstance(node[part], str) and section in _SHORTHAND_SECTIONS:
                 node[part] = {_SHORTHAND_SECTIONS[section]: node[part]}
             if not isinstance(node[part], dict):
-                raise ConfigError(f"{source}: `{part}` must be a mapping of keys to values. Found {node[part]!r}.")
+                raise ConfigError(
+                    f"{source}: `{part}` must be a mapping of keys to values. Found "
+                    f"{node[part]!r}.")
             node = node[part]
         node[parts[-1]] = value
     return out
@@ -245,15 +270,17 @@ def apply_overrides(data: Any, overrides: Mapping[str, Any], source: str = "<ove
 #: Sections that a plain string may stand for, and the key the string sets (``routine: adam``).
 _SHORTHAND_SECTIONS = {"training.routine": RoutineConfig.SHORTHAND}
 
-#: A run-config value that leaves the file's value alone (Flower needs every key declared with a default).
+#: A run-config value that leaves the file's value alone (Flower needs every key declared with a
+#: default).
 UNSET = ""
 
 
 def run_config_overrides(run_config: Mapping[str, Any]) -> dict[str, Any]:
     """The experiment-file overrides among a Flower run config's keys (all but ``config``).
 
-    Strings are read as YAML (so ``training.seed='null'`` or ``dataset.drop='[a, b]'`` work); numbers
-    and booleans are taken as Flower typed them; ``""`` (the declared default) means "as in the file".
+    Strings are read as YAML (so ``training.seed='null'`` or ``dataset.drop='[a, b]'`` work);
+    numbers and booleans are taken as Flower typed them; ``""`` (the declared default) means "as in
+    the file".
     """
     out: dict[str, Any] = {}
     for key, value in run_config.items():
@@ -265,27 +292,33 @@ def run_config_overrides(run_config: Mapping[str, Any]) -> dict[str, Any]:
 
 def load_run_config(run_config: Mapping[str, Any], *, node_config: Mapping[str, Any] | None = None,
                     quote: bool = True) -> ExperimentConfig:
-    """The experiment of a Flower run config: the file named by key ``config``, the other keys as overrides.
+    """The experiment of a Flower run config: the file named by key ``config``, the other keys as
+    overrides.
 
-    A bad override is reported as the run-config key it is, in one line: "--run-config key `training.rounds`:
-    expected an integer. Found 'five' (experiment file configs/default.yaml)." (the file as the run config names
-    it, not the installed app's copy).
+    A bad override is reported as the run-config key it is, in one line: "--run-config key
+    `training.rounds`: expected an integer. Found 'five' (experiment file configs/default.yaml)."
+    (the file as the run config names it, not the installed app's copy).
 
-    ``node_config``: a data owner's node reads it (a deployment): the file only from inside the app bundle or the
-    folder its node config names (:func:`~diff2_flwr.runtime.paths.resolve_node_experiment`). ``quote=False`` (every
-    Flower app: its errors travel to other parties) reports a bad file by :func:`~diff2_flwr.runtime.spec.content_free`
-    messages, which quote nothing of it: the run config may have named any file the process can read.
+    ``node_config``: a data owner's node reads it (a deployment): the file only from inside the app
+    bundle or the folder its node config names
+    (:func:`~diff2_flwr.runtime.paths.resolve_node_experiment`). ``quote=False`` (every Flower app:
+    its errors travel to other parties) reports a bad file by
+    :func:`~diff2_flwr.runtime.spec.content_free` messages, which quote nothing of it: the run
+    config may have named any file the process can read.
     """
     from .paths import resolve_config_path, resolve_node_experiment
 
     given = str(run_config.get("config", ""))
     overrides = run_config_overrides(run_config)
-    path = resolve_config_path(given) if node_config is None else resolve_node_experiment(given, node_config)
+    path = resolve_config_path(given) if node_config is None else resolve_node_experiment(
+        given, node_config)
     try:
         return load_config(path, overrides)
     except ConfigError as err:
-        if err.key is not None and err.key in overrides:  # the run config's own value: no file content
-            raise ConfigError(f"--run-config key `{err.key}`: expected {err.expected}. Found {err.found!r} "
+        # the run config's own value: no file content
+        if err.key is not None and err.key in overrides:
+            raise ConfigError(
+                f"--run-config key `{err.key}`: expected {err.expected}. Found {err.found!r} "
                               f"(experiment file {given}).", key=err.key, expected=err.expected,
                               found=err.found) from None
         if quote:
@@ -294,8 +327,10 @@ def load_run_config(run_config: Mapping[str, Any], *, node_config: Mapping[str, 
                           expected=err.expected) from None
 
 
-def experiment_from_arguments(function: str, arguments: Mapping[str, Any], **fixed: Any) -> ExperimentConfig:
-    """An experiment from a Python API call's flat keyword arguments (named as :func:`argument_names` says, e.g.
-    ``rounds``, ``local_share``, ``eval_every``) and ``fixed`` keys (``method="diff2"``), validated by the one
-    validator with the YAML path's checks, each error naming its argument."""
+def experiment_from_arguments(function: str, arguments: Mapping[str, Any],
+                              **fixed: Any) -> ExperimentConfig:
+    """An experiment from a Python API call's flat keyword arguments (named as
+    :func:`argument_names` says, e.g. ``rounds``, ``local_share``, ``eval_every``) and ``fixed``
+    keys (``method="diff2"``), validated by the one validator with the YAML path's checks, each
+    error naming its argument."""
     return from_arguments(function, nest_arguments(ExperimentConfig, {**arguments, **fixed}))

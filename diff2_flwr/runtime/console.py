@@ -1,4 +1,5 @@
-"""The console of ``diff2 run``: our lines and real warnings, Flower's per-round chatter off, a summary at the end.
+"""The console of ``diff2 run``: our lines and real warnings, Flower's per-round chatter off, a
+summary at the end.
 
 ``flwr run --stream`` relays every log line of the simulation: five Flower INFO lines a round
 (``[ROUND r]``, ``configure_fit: ...``, ``configure_evaluate: no clients selected, skipping
@@ -23,7 +24,8 @@ from typing import Mapping, TextIO
 
 from .progress import ProgressReporter
 
-__all__ = ["VERBOSE_ENV", "KNOWN_NOISE", "RunConsole", "verbose_from_env", "parse_round_line", "run_report",
+__all__ = ["VERBOSE_ENV", "KNOWN_NOISE", "RunConsole", "verbose_from_env", "parse_round_line",
+           "run_report",
            "summary_block", "server_summary_block"]
 
 VERBOSE_ENV = "DIFF2_VERBOSE"
@@ -36,18 +38,25 @@ _RAY_ACTOR = re.compile(r"^\(\w+ pid=\d+(?:, ip=[^)]*)?\)\s*")  # Ray prefixes w
 _ROUND = re.compile(r"^\[diff2\] round (\d+)/(\d+) \((\w+)\)\s*(.*)$")
 _PAIR = re.compile(r"(\w+)=(\S+)")
 _RUN_DIR = re.compile(r"^\[diff2\] writing per-round metrics and summary to (\S+)")
-_SERVER_SUMMARY = "[diff2] summary: "  # the head of the summary block the ServerApp prints at its end
+# the head of the summary block the ServerApp prints at its end
+_SERVER_SUMMARY = "[diff2] summary: "
 
 #: Messages we cannot fix and that say nothing about this run (matched after colours are stripped).
 KNOWN_NOISE: tuple[re.Pattern[str], ...] = (
-    # Flower 1.42 logs this in every simulation, even when num-supernodes is given (our launcher always gives it).
-    re.compile(r"^WARNING\s*:\s*Since flwr 1\.32, default simulated SuperNodes changed from 10 to 2\.$"),
-    # Flower's Ray backend logs this for every ClientApp actor it stops at the normal end of a simulation.
+    # Flower 1.42 logs this in every simulation, even when num-supernodes is given (our launcher
+    # always gives it).
+    re.compile(
+        r"^WARNING\s*:\s*Since flwr 1\.32, default simulated SuperNodes changed from 10 to 2\.$"),
+    # Flower's Ray backend logs this for every ClientApp actor it stops at the normal end of a
+    # simulation.
     re.compile(r"^WARNING\s*:\s*Manually terminating ClientAppActor$"),
-    # Ray's FutureWarning about a future default on GPU visibility (this app uses no GPU); its source line follows.
-    re.compile(r"ray/_private/worker\.py:\d+: FutureWarning: Tip: In future versions of Ray, Ray will no longer "
-               r"override accelerator visible devices"),
-    # `flwr run` chatter before the stream: the connection, the run id (the summary names it), the FAB install.
+    # Ray's FutureWarning about a future default on GPU visibility (this app uses no GPU); its
+    # source line follows.
+    re.compile(
+        r"ray/_private/worker\.py:\d+: FutureWarning: Tip: In future versions of Ray, Ray will no "
+        r"longer override accelerator visible devices"),
+    # `flwr run` chatter before the stream: the connection, the run id (the summary names it), the
+    # FAB install.
     re.compile(r"^Using SuperLink: "),
     re.compile(r"^Successfully started run \d+"),
     re.compile(r"^Successfully installed \S+ to "),
@@ -61,11 +70,13 @@ def verbose_from_env(env: Mapping[str, str] | None = None) -> bool:
 
 
 def parse_round_line(line: str) -> tuple[int, int, str, dict[str, str]] | None:
-    """``(round, rounds, kind, {key: value text})`` of a ``[diff2] round r/R (kind) k=v ...`` line, else None."""
+    """``(round, rounds, kind, {key: value text})`` of a ``[diff2] round r/R (kind) k=v ...`` line,
+    else None."""
     found = _ROUND.match(line.strip())
     if not found:
         return None
-    return int(found.group(1)), int(found.group(2)), found.group(3), dict(_PAIR.findall(found.group(4)))
+    return int(found.group(1)), int(found.group(2)), found.group(3), dict(_PAIR.findall(found.group(
+        4)))
 
 
 def _round_status(kind: str, values: dict[str, str]) -> str:
@@ -81,7 +92,8 @@ def _round_status(kind: str, values: dict[str, str]) -> str:
 
 
 class RunConsole:
-    """Where the lines of a run go: filtered and condensed on ``stream`` (stderr), or all of them when verbose."""
+    """Where the lines of a run go: filtered and condensed on ``stream`` (stderr), or all of them
+    when verbose."""
 
     def __init__(self, *, verbose: bool = False, stream: TextIO | None = None) -> None:
         self.verbose = verbose
@@ -95,7 +107,8 @@ class RunConsole:
 
     # ---------------------------------------------------------------- input
     def feed(self, line: str) -> None:
-        """One line of ``flwr run --stream`` (or of our own progress); shown, condensed or dropped."""
+        """One line of ``flwr run --stream`` (or of our own progress); shown, condensed or
+        dropped."""
         text = line.rstrip("\r\n")
         plain = _ANSI.sub("", text)
         if (found := _RUN_DIR.match(plain)) and self.output_dir is None:
@@ -103,7 +116,8 @@ class RunConsole:
         if self.verbose:
             self._write(text)
             return
-        if plain.startswith(_SERVER_SUMMARY):  # the ServerApp's block: dropped with its lines, `diff2 run` prints its own
+        # the ServerApp's block: dropped with its lines, `diff2 run` prints its own
+        if plain.startswith(_SERVER_SUMMARY):
             self._keep_continuation = False
             self.dropped += 1
             return
@@ -111,8 +125,8 @@ class RunConsole:
             self._keep_continuation = True
             parsed = parse_round_line(plain)
             if parsed is None:
-                # Once each: `diff2 run`'s pre-flight said the shard report and the warnings before Flower started,
-                # and the ServerApp says them again.
+                # Once each: `diff2 run`'s pre-flight said the shard report and the warnings before
+                # Flower started, and the ServerApp says them again.
                 if plain in self._said:
                     self.dropped += 1
                 else:
@@ -129,7 +143,8 @@ class RunConsole:
     message = feed  # the progress callback of an in-process run
 
     def keep(self, plain: str) -> bool:
-        """Whether a line that is not ours is shown (colours stripped). Updates the continuation state."""
+        """Whether a line that is not ours is shown (colours stripped). Updates the continuation
+        state."""
         plain = _RAY_ACTOR.sub("", plain)
         if any(pattern.search(plain) for pattern in KNOWN_NOISE):
             self._keep_continuation = False
@@ -138,7 +153,8 @@ class RunConsole:
         if record:  # a new log record: INFO/DEBUG are Flower's chatter, WARNING and above are kept
             self._keep_continuation = record.group(1) not in ("DEBUG", "INFO")
             return self._keep_continuation
-        if not plain.strip() or plain[:1].isspace():  # a record's continuation (traceback frame, wrapped text)
+        # a record's continuation (traceback frame, wrapped text)
+        if not plain.strip() or plain[:1].isspace():
             return self._keep_continuation
         self._keep_continuation = True  # something we do not know (a traceback, a print): show it
         return True
@@ -147,9 +163,11 @@ class RunConsole:
     def _round(self, r: int, rounds: int, kind: str, values: dict[str, str]) -> None:
         if self._progress is None or self._progress.total != rounds:
             self._finish_progress()
-            self._progress = ProgressReporter(rounds, label="round", stream=self.stream, interval_s=0.0)
+            self._progress = ProgressReporter(rounds, label="round", stream=self.stream,
+                                              interval_s=0.0)
             self._rounds_seen = 0
-        if self._rounds_seen == 1:  # the first round released paid for starting Ray and the workers: pace from it,
+        # the first round released paid for starting Ray and the workers: pace from it,
+        if self._rounds_seen == 1:
             # over a few seconds: Flower relays the log in batches, so lines arrive in bursts
             self._progress.pace_from_here(done=r, measure_s=ETA_MEASURE_S)
         self._progress.update(r, status=_round_status(kind, values))
@@ -189,19 +207,24 @@ def _seconds(value: float | None) -> str:
     return f"{value:.1f} s" if value < 120 else f"{value / 60:.1f} min"
 
 
-_LABELS = {"train_loss": "train_loss", "test_loss": "test_loss", "grad_norm_sq": "‖∇f‖²", "test_accuracy": "test acc",
+_LABELS = {"train_loss": "train_loss", "test_loss": "test_loss", "grad_norm_sq": "‖∇f‖²",
+           "test_accuracy": "test acc",
            "train_accuracy": "train acc"}
 
 
-def run_report(output_dir: str | os.PathLike[str] | None, *, run_id: int | None = None, engine: str = "flower",
-               wall_time_s: float | None = None) -> dict:
-    """The key figures of a run from its ``summary.json`` (machine-readable; see :func:`summary_block`)."""
-    # Flower's run ids exceed 2**53 (and JSON readers' exact integers): a string, as `flwr ls --format json` has it.
-    report: dict = {"engine": engine, "run_id": None if run_id is None else str(run_id), "output_dir": None if output_dir is None else str(output_dir),
+def run_report(output_dir: str | os.PathLike[str] | None, *, run_id: int | None = None,
+               engine: str = "flower", wall_time_s: float | None = None) -> dict:
+    """The key figures of a run from its ``summary.json`` (machine-readable; see
+    :func:`summary_block`)."""
+    # Flower's run ids exceed 2**53 (and JSON readers' exact integers): a string, as `flwr ls
+    # --format json` has it.
+    report: dict = {"engine": engine, "run_id": None if run_id is None else str(run_id),
+                    "output_dir": None if output_dir is None else str(output_dir),
                     "wall_time_s": wall_time_s}
     path = None if output_dir is None else Path(output_dir) / "summary.json"
     if path is None or not path.is_file():
-        report.update(status="unknown", error=f"no summary.json in {output_dir}" if output_dir else "no run folder")
+        report.update(status="unknown",
+                      error=f"no summary.json in {output_dir}" if output_dir else "no run folder")
         return report
     summary = json.loads(path.read_text())
     privacy = summary.get("privacy") or {}
@@ -209,12 +232,14 @@ def run_report(output_dir: str | os.PathLike[str] | None, *, run_id: int | None 
     report.update(
         name=summary.get("name"), method=summary.get("method"), status=summary.get("status"),
         error=summary.get("error"), rounds_released=summary.get("rounds_released"),
-        rounds_planned=summary.get("rounds_planned"), final_round=(summary.get("final") or {}).get("round"),
-        final=final, best=summary.get("best") or {}, private=privacy.get("private"),
+        rounds_planned=summary.get("rounds_planned"),
+        final_round=(summary.get("final") or {}).get("round"), final=final,
+        best=summary.get("best") or {}, private=privacy.get("private"),
         epsilon_spent=privacy.get("epsilon_spent"), epsilon_pld=privacy.get("epsilon_pld"),
         epsilon_target=privacy.get("epsilon_target"), delta=privacy.get("delta"),
         training_time_s=summary.get("wall_time_s"), summary_file=str(path),
-        files=sorted(p.name for p in Path(output_dir).iterdir() if p.is_file() and not p.name.endswith(".tmp")),
+        files=sorted(p.name for p in Path(output_dir).iterdir() if p.is_file()
+                     and not p.name.endswith(".tmp")),
     )
     clients = ((summary.get("config") or {}).get("training") or {}).get("clients")
     report["clients"] = clients
@@ -226,18 +251,21 @@ def run_report(output_dir: str | os.PathLike[str] | None, *, run_id: int | None 
 
 
 def server_summary_block(report: dict) -> str:
-    """:func:`summary_block` as the ServerApp ends its log with it (``[diff2] summary: run completed: ...``): a head
-    that :class:`RunConsole` knows, so that `diff2 run` drops this copy and prints its own."""
+    """:func:`summary_block` as the ServerApp ends its log with it (``[diff2] summary: run
+    completed: ...``): a head that :class:`RunConsole` knows, so that `diff2 run` drops this copy
+    and prints its own."""
     return summary_block(report, head=_SERVER_SUMMARY + "run")
 
 
 def summary_block(report: dict, *, head: str = "[diff2] run") -> str:
-    """A short human-readable block: status, final and best metrics, ε by both accountants, time, files."""
+    """A short human-readable block: status, final and best metrics, ε by both accountants, time,
+    files."""
     status = report.get("status", "unknown")
     head = f"{head} {status}"
     if report.get("name"):
         routine = (report.get("routine") or {}).get("name")
-        head += f": {report['name']} ({report.get('method')}" + (f" + {routine}" if routine not in (None, "gd") else "")
+        head += f": {report['name']} ({report.get('method')}" + (f" + {routine}" if routine not in (
+            None, "gd") else "")
         if report.get("clients"):
             head += f", P = {report['clients']}"
         head += f", {report.get('rounds_released')}/{report.get('rounds_planned')} rounds)"
@@ -248,8 +276,10 @@ def summary_block(report: dict, *, head: str = "[diff2] run") -> str:
         lines.append(f"  error        {report['error']}")
     rise = report.get("loss_rise")
     if rise:
-        lines.append(f"  WARNING      {rise['metric']} ended at {_fmt(rise['final'])}, {_fmt(rise['ratio'])}× x_0's "
-                     f"{_fmt(rise['initial'])}: the model got worse (see the WARNING above; warnings in the JSON)")
+        lines.append(
+            f"  WARNING      {rise['metric']} ended at {_fmt(rise['final'])}, "
+            f"{_fmt(rise['ratio'])}× x_0's {_fmt(rise['initial'])}: the model got worse (see the "
+            f"WARNING above; warnings in the JSON)")
     final, best = report.get("final") or {}, report.get("best") or {}
     keys = [k for k in ("train_loss", "test_loss", "grad_norm_sq") if k in final or k in best]
     keys += sorted(k for k in {*final, *best} if k not in keys)
@@ -263,13 +293,16 @@ def summary_block(report: dict, *, head: str = "[diff2] run") -> str:
     elif report.get("epsilon_spent") is not None or report.get("epsilon_pld") is not None:
         target = ""
         if report.get("epsilon_target") is not None:
-            target = f"   (target ε = {_fmt(report['epsilon_target'])}, δ = {_fmt(report.get('delta'))})"
+            target = (f"   (target ε = {_fmt(report['epsilon_target'])}, δ = "
+                      f"{_fmt(report.get('delta'))})")
         lines.append(f"  ε spent      {_fmt(report.get('epsilon_spent'))} exact μ-GDP, "
                      f"{_fmt(report.get('epsilon_pld'))} PLD{target}")
     if report.get("wall_time_s") is not None:
-        training = f" (training {_seconds(report.get('training_time_s'))})" if report.get("training_time_s") else ""
+        training = f" (training {_seconds(report.get('training_time_s'))})" if report.get(
+            "training_time_s") else ""
         lines.append(f"  wall time    {_seconds(report.get('wall_time_s'))}{training}")
-    elif report.get("training_time_s") is not None:  # the ServerApp's own block: it does not know the launch time
+    # the ServerApp's own block: it does not know the launch time
+    elif report.get("training_time_s") is not None:
         lines.append(f"  training     {_seconds(report['training_time_s'])}")
     if report.get("output_dir"):
         files = f": {', '.join(report['files'])}" if report.get("files") else ""

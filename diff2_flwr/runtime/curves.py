@@ -1,4 +1,5 @@
-"""Pictures of runs: ``curves.png`` in every run folder, and ``diff2 plot RUN_DIR…`` for several runs.
+"""Pictures of runs: ``curves.png`` in every run folder, and ``diff2 plot RUN_DIR…`` for several
+runs.
 
 One panel per quantity against the round: train and test loss, ‖∇f(x_r)‖², accuracy (when the
 run measured it), ε spent (exact GDP and dp-accounting PLD), and the noise std and clipping radius
@@ -13,7 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["CURVES_FILE", "read_rows", "run_label", "run_labels", "run_settings", "panels", "plot_runs"]
+__all__ = ["CURVES_FILE", "read_rows", "run_label", "run_labels", "run_settings", "panels",
+           "plot_runs"]
 
 CURVES_FILE = "curves.png"
 
@@ -32,8 +34,10 @@ def read_rows(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The per-round rows of a run folder (``metrics.jsonl``); a clear error when it is not one."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run folder: it has no metrics.jsonl. Give the folder a run "
-                                "printed ('results in …'), e.g. outputs/default-20261130-101500-ab12cd.")
+        raise FileNotFoundError(
+            f"{run_dir} is not a run folder: it has no metrics.jsonl. Give the folder a run "
+                                "printed ('results in …'), e.g. "
+                                "outputs/default-20261130-101500-ab12cd.")
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if line.strip():
@@ -57,7 +61,8 @@ def run_label(run_dir: str | os.PathLike[str]) -> str:
 _SHORT = {
     "method": "", "privacy.epsilon": "ε", "privacy.delta": "δ", "training.restart_every": "T",
     "training.learning_rate": "η", "training.clip_restart": "C₁", "training.clip_diff": "C₂",
-    "training.rounds": "R", "training.clients": "P", "training.routine.name": "routine", "local.steps": "K",
+    "training.rounds": "R", "training.clients": "P", "training.routine.name": "routine",
+    "local.steps": "K",
     "training.seed": "seed", "dataset.name": "data",
 }
 #: At most this many differing settings in a label (then "…").
@@ -67,15 +72,18 @@ _MAX_SETTINGS = 4
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists as JSON text (comparable, hashable)."""
     if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in _flatten(item, f"{prefix}{key}.").items()}
+        return {k: v for key, item in value.items() for k, v in _flatten(item,
+                                                                         f"{prefix}{key}.").items()}
     return {prefix[:-1]: json.dumps(value, sort_keys=True) if isinstance(value, list) else value}
 
 
 def run_settings(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """What a run ran, as dotted keys of the experiment file, from its ``summary.json``; {} without one.
+    """What a run ran, as dotted keys of the experiment file, from its ``summary.json``; {} without
+    one.
 
-    A YAML run's summary has its whole config; a Python API run's (``make_strategy(output_dir=...)``) has
-    the method, the calibration and the routine, read into the same keys.
+    A YAML run's summary has its whole config; a Python API run's
+    (``make_strategy(output_dir=...)``) has the method, the calibration and the routine, read into
+    the same keys.
     """
     try:
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
@@ -89,13 +97,16 @@ def run_settings(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
         calibration = (summary.get("privacy") or {}).get("calibration") or {}
         routine = summary.get("routine") or {}
         settings = {"method": summary.get("method"), "privacy.epsilon": calibration.get("epsilon"),
-                    "privacy.delta": calibration.get("delta"), "training.rounds": calibration.get("rounds"),
+                    "privacy.delta": calibration.get("delta"),
+                    "training.rounds": calibration.get("rounds"),
                     "training.restart_every": calibration.get("restart_every"),
                     "training.clients": calibration.get("clients"),
                     "training.learning_rate": routine.get("learning_rate")}
         settings |= {f"training.routine.{k}": v for k, v in routine.items() if k != "learning_rate"}
-    if not isinstance(settings.get("training.routine.name"), str) and isinstance(settings.get("training.routine"), str):
-        settings["training.routine.name"] = settings.pop("training.routine")  # `routine: adam` is `routine.name: adam`
+    if not isinstance(settings.get("training.routine.name"),
+                      str) and isinstance(settings.get("training.routine"), str):
+        # `routine: adam` is `routine.name: adam`
+        settings["training.routine.name"] = settings.pop("training.routine")
     # The name and the output keys say where a run was written, not what it ran.
     return {k: v for k, v in settings.items() if k != "name" and not k.startswith("output.")}
 
@@ -108,8 +119,8 @@ def _show(key: str, value: Any) -> str:
 
 
 def run_labels(run_dirs: Sequence[str | os.PathLike[str]]) -> list[str]:
-    """A legend label per run: the settings in which the runs differ (``diff2, ε=8``), else the run's name and
-    method; runs still alike get their folder's id (``tiny (diff2) 2ae21b``).
+    """A legend label per run: the settings in which the runs differ (``diff2, ε=8``), else the
+    run's name and method; runs still alike get their folder's id (``tiny (diff2) 2ae21b``).
 
     One run is labelled by :func:`run_label`.
     """
@@ -118,24 +129,29 @@ def run_labels(run_dirs: Sequence[str | os.PathLike[str]]) -> list[str]:
     if len(dirs) < 2:
         return names
     settings = [run_settings(d) for d in dirs]
-    # A setting differs when the runs whose summaries have it disagree (one unknown is not a difference).
+    # A setting differs when the runs whose summaries have it disagree (one unknown is not a
+    # difference).
     keys = list(dict.fromkeys(k for s in settings for k in s))
-    differ = [k for k in keys if len({json.dumps(s[k], sort_keys=True, default=str) for s in settings if k in s}) > 1]
+    differ = [k for k in keys if len({json.dumps(s[k], sort_keys=True,
+                                                 default=str) for s in settings if k in s}) > 1]
     differ.sort(key=lambda k: list(_SHORT).index(k) if k in _SHORT else len(_SHORT))
     labels = []
     for name, s in zip(names, settings):
         shown = [_show(k, s[k]) for k in differ if k in s]
         more = ", …" if len(shown) > _MAX_SETTINGS else ""
         labels.append(", ".join(shown[:_MAX_SETTINGS]) + more if shown else name)
-    if len(set(labels)) < len(labels):  # alike in everything the summaries say: tell them apart by folder
+    # alike in everything the summaries say: tell them apart by folder
+    if len(set(labels)) < len(labels):
         labels = [f"{label} {d.name.rsplit('-', 1)[-1]}" if labels.count(label) > 1 else label
                   for label, d in zip(labels, dirs)]
     return labels
 
 
 def panels(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> list[str]:
-    """The titles of the panels drawn for ``runs``: those quantities some run has a finite value of."""
-    return [p[0] for p in _PANELS if any(_series(rows, key, p[2])[0] for _, rows in runs for key, _ in p[1])]
+    """The titles of the panels drawn for ``runs``: those quantities some run has a finite value
+    of."""
+    return [p[0] for p in _PANELS if any(_series(rows, key, p[2])[0] for _, rows in runs for key,
+                                         _ in p[1])]
 
 
 def _series(rows: Sequence[dict[str, Any]], key: str, log: bool) -> tuple[list[int], list[float]]:
@@ -150,9 +166,10 @@ def _series(rows: Sequence[dict[str, Any]], key: str, log: bool) -> tuple[list[i
 
 def plot_runs(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str | os.PathLike[str],
               title: str | None = None) -> Path:
-    """Draw ``(label, rows)`` runs into one figure (one panel per quantity that any run has) at ``out``."""
-    # matplotlib's object API, not pyplot: no global figure state (a ServerApp draws in a thread of Flower's
-    # simulation process) and no GUI backend to import (~0.5 s less in every ServerApp)
+    """Draw ``(label, rows)`` runs into one figure (one panel per quantity that any run has) at
+    ``out``."""
+    # matplotlib's object API, not pyplot: no global figure state (a ServerApp draws in a thread of
+    # Flower's simulation process) and no GUI backend to import (~0.5 s less in every ServerApp)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -171,8 +188,8 @@ def plot_runs(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str | o
                 xs, ys = _series(rows, key, log)
                 if xs:
                     parts = [p for p in ((label if len(runs) > 1 else ""), suffix) if p]
-                    ax.plot(xs, ys, style, color=color, lw=1.4, marker="." if len(xs) < 30 else None,
-                            label=" ".join(parts) or None)
+                    ax.plot(xs, ys, style, color=color, lw=1.4,
+                            marker="." if len(xs) < 30 else None, label=" ".join(parts) or None)
         ax.set_title(name)
         ax.set_xlabel("round")
         if log:

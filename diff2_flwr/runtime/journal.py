@@ -1,13 +1,14 @@
-"""Every side effect of a run's server, in one object: the checkpoint, the rows, the summary, curves, the console.
+"""Every side effect of a run's server, in one object: the checkpoint, the rows, the summary,
+curves, the console.
 
-The server's decisions are pure (:mod:`~diff2_flwr.runtime.server_core`); a driver hands the journal each state
-they return, and the journal makes it durable and visible, in this order for round r: the checkpoint
-(owner-only, before anything else of round r is written), the evaluation of x_r (when due) and round r's row
-(``history``, ``metrics.jsonl``, one console line), and at the end of the run the outcome check, the final
-parameters, ``summary.json`` and ``curves.png``.
+The server's decisions are pure (:mod:`~diff2_flwr.runtime.server_core`); a driver hands the journal
+each state they return, and the journal makes it durable and visible, in this order for round r: the
+checkpoint (owner-only, before anything else of round r is written), the evaluation of x_r (when
+due) and round r's row (``history``, ``metrics.jsonl``, one console line), and at the end of the run
+the outcome check, the final parameters, ``summary.json`` and ``curves.png``.
 
-The clip statistics (:data:`CLIP_STATS`) are counted on the private records without noise: the journal drops
-them from every row unless the run opts in (``evaluation.clip_stats``).
+The clip statistics (:data:`CLIP_STATS`) are counted on the private records without noise: the
+journal drops them from every row unless the run opts in (``evaluation.clip_stats``).
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ from .server_core import Released, ServerSpec, ServerState, is_done
 
 __all__ = ["CLIP_STATS", "Journal", "summarize"]
 
-#: Row keys computed from the private records without noise, released only with ``evaluation.clip_stats``
-#: (the server itself uses the workers' clip counts only to check each reply).
+#: Row keys computed from the private records without noise, released only with
+#: ``evaluation.clip_stats`` (the server itself uses the workers' clip counts only to check each
+#: reply).
 CLIP_STATS = ("clip_fraction",)
 
 
 class Journal:
-    """Writes and says what the server's states release; reads nothing back but a resumed run's rows.
+    """Writes and says what the server's states release; reads nothing back but a resumed run's
+    rows.
 
     Args:
         spec: the server the journal records (rounds, routine, calibration, n_min).
@@ -48,10 +51,13 @@ class Journal:
         clip_stats: release :data:`CLIP_STATS` (unaccounted) in the rows.
     """
 
-    def __init__(self, *, spec: ServerSpec, evaluator: Callable[[np.ndarray], dict[str, float]] | None = None,
-                 eval_every: int = 1, recorder: RunRecorder | None = None, run_info: Mapping[str, Any] | None = None,
-                 progress: Callable[[str], None] | None = print, checkpoint_path: Path | None = None,
-                 fingerprint: str = "", clip_stats: bool = False) -> None:
+    def __init__(self, *, spec: ServerSpec, evaluator: Callable[[np.ndarray],
+                                                                dict[str, float]] | None = None,
+                 eval_every: int = 1, recorder: RunRecorder | None = None,
+                 run_info: Mapping[str, Any] | None = None,
+                 progress: Callable[[str], None] | None = print,
+                 checkpoint_path: Path | None = None, fingerprint: str = "",
+                 clip_stats: bool = False) -> None:
         self.spec = spec
         self.evaluator, self.eval_every = evaluator, eval_every
         self.recorder, self.progress = recorder, progress
@@ -62,19 +68,22 @@ class Journal:
         self._started = time.perf_counter()
 
     @classmethod
-    def of(cls, spec: ServerSpec, *, evaluator: Callable[[np.ndarray], dict[str, float]] | None = None,
+    def of(cls, spec: ServerSpec, *, evaluator: Callable[[np.ndarray], dict[str,
+                                                                            float]] | None = None,
            recorder: RunRecorder | None = None, run_info: Mapping[str, Any] | None = None,
            progress: Callable[[str], None] | None = print, checkpoint_path: Path | None = None,
            fingerprint: str = "") -> "Journal":
-        """The journal of a server built from an experiment (:meth:`ServerSpec.of`): its options (``evaluation.every``,
-        ``evaluation.clip_stats``) read from the spec's settings; what it writes to and says given here."""
+        """The journal of a server built from an experiment (:meth:`ServerSpec.of`): its options
+        (``evaluation.every``, ``evaluation.clip_stats``) read from the spec's settings; what it
+        writes to and says given here."""
         if spec.settings is None:
-            raise ValueError("Journal.of needs a spec built from an experiment (ServerSpec.of); construct a Journal "
-                             "for a spec assembled by hand.")
+            raise ValueError(
+                "Journal.of needs a spec built from an experiment (ServerSpec.of); construct a "
+                "Journal for a spec assembled by hand.")
         evaluation = spec.settings.evaluation
-        return cls(spec=spec, evaluator=evaluator, eval_every=evaluation.every, recorder=recorder, run_info=run_info,
-                   progress=progress, checkpoint_path=checkpoint_path, fingerprint=fingerprint,
-                   clip_stats=evaluation.clip_stats)
+        return cls(spec=spec, evaluator=evaluator, eval_every=evaluation.every, recorder=recorder,
+                   run_info=run_info, progress=progress, checkpoint_path=checkpoint_path,
+                   fingerprint=fingerprint, clip_stats=evaluation.clip_stats)
 
     def say(self, line: str) -> None:
         """One console line (nothing without ``progress``)."""
@@ -83,23 +92,28 @@ class Journal:
 
     # ---------------------------------------------------------------- the run's events
     def start(self, state: ServerState) -> None:
-        """Round 0: the noise key is durable before anything is written or released; then x_0's row."""
+        """Round 0: the noise key is durable before anything is written or released; then x_0's
+        row."""
         initial = {"round": 0, "kind": "init"}
         self._checkpoint(state, initial)
         self._record_release(state, initial, True)
 
     def resume(self, state: ServerState, checkpoint: Checkpoint) -> None:
-        """Continue a checkpointed run: its rows so far; round r's row if the server died before writing it."""
+        """Continue a checkpointed run: its rows so far; round r's row if the server died before
+        writing it."""
         self.history = list(self.recorder.kept) if self.recorder else []
         self.say(f"[diff2] resumed from {self.checkpoint_path} after round {state.estimator.round} "
                  f"(ε spent so far {state.epsilon_spent:.4g})")
         recorded = {r["round"] for r in self.history}
         if self.recorder is not None and checkpoint.release_row is not None and state.estimator.round not in recorded:
-            # Died after round r's checkpoint, before its row: write the row now (x_r is released already).
-            self._record_release(state, dict(checkpoint.release_row), bool(np.all(np.isfinite(state.estimator.x))))
+            # Died after round r's checkpoint, before its row: write the row now (x_r is released
+            # already).
+            self._record_release(state, dict(checkpoint.release_row),
+                                 bool(np.all(np.isfinite(state.estimator.x))))
 
     def released(self, state: ServerState, out: Released) -> None:
-        """Round r: the checkpoint (durable before anything of round r is written elsewhere), then its row."""
+        """Round r: the checkpoint (durable before anything of round r is written elsewhere), then
+        its row."""
         row = dict(out.row)
         self._checkpoint(state, row)
         self._record_release(state, row, out.diverged is None)
@@ -113,27 +127,32 @@ class Journal:
         self._draw_curves(state)
 
     def failed(self, state: ServerState) -> None:
-        """The end of a run stopped by an error (``state.error``): say it, the summary and the curves."""
+        """The end of a run stopped by an error (``state.error``): say it, the summary and the
+        curves."""
         self.say(f"[diff2] run failed: {state.error}")
         self._write_summary(state)
         self._draw_curves(state)
 
     def summary(self, state: ServerState) -> dict:
         """The run's summary now (what ``summary.json`` holds)."""
-        return summarize(self.spec, state, self.history, self.run_info, time.perf_counter() - self._started)
+        return summarize(self.spec, state, self.history, self.run_info,
+                         time.perf_counter() - self._started)
 
     # ---------------------------------------------------------------- helpers
     def _checkpoint(self, state: ServerState, release_row: dict) -> None:
         if self.checkpoint_path is not None:
             run_dir = str(self.recorder.directory) if self.recorder else None
-            save_checkpoint(self.checkpoint_path, Checkpoint(self.fingerprint, state.estimator, state.ledger, run_dir,
-                                                             to_json(release_row), describe_routine(self.spec.routine)))
+            save_checkpoint(self.checkpoint_path, Checkpoint(self.fingerprint, state.estimator,
+                                                             state.ledger, run_dir, to_json(
+                                                                 release_row), describe_routine(
+                                                                     self.spec.routine)))
 
     def _record_release(self, state: ServerState, row: dict, finite: bool) -> None:
         """Evaluate x_r (when due and finite) and record round r's row."""
         r = state.estimator.round
         due = is_done(self.spec, state) or r == 0 or r % self.eval_every == 0
-        if "epsilon_pld" in row and row["epsilon_pld"] is None:  # an exact ledger's PLD: where the run evaluates
+        # an exact ledger's PLD: where the run evaluates
+        if "epsilon_pld" in row and row["epsilon_pld"] is None:
             if due:
                 row["epsilon_pld"] = state.epsilon_pld
             else:
@@ -143,7 +162,8 @@ class Journal:
         self._record(state, row)
 
     def _record(self, state: ServerState, row: dict) -> None:
-        """Release round r's row: history, metrics.jsonl, the console (without the clip statistics unless opted in)."""
+        """Release round r's row: history, metrics.jsonl, the console (without the clip statistics
+        unless opted in)."""
         if not self.clip_stats:
             for key in CLIP_STATS:
                 row.pop(key, None)
@@ -154,16 +174,21 @@ class Journal:
             if row["round"] == 0:
                 self._write_summary(state)
         if self.progress:
-            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k,
+                             v in row.items()
                              if k not in ("round", "kind", "elapsed_s"))
-            self.progress(f"[diff2] round {row['round']}/{self.spec.rounds} ({row['kind']}) {shown}")
+            self.progress(
+                f"[diff2] round {row['round']}/{self.spec.rounds} ({row['kind']}) {shown}")
 
     def _check_outcome(self) -> None:
-        """A completed run whose loss ended far above x_0's says so (console, summary): completed is not learned."""
+        """A completed run whose loss ended far above x_0's says so (console, summary): completed is
+        not learned."""
         rise = loss_rise(self.history)
         if rise is None:
             return
-        warning = loss_rise_warning(rise, private=self.spec.calibration is not None or self.spec.distributed is not None)
+        warning = loss_rise_warning(rise,
+                                    private=self.spec.calibration is not None
+                                    or self.spec.distributed is not None)
         self.run_info["loss_rise"] = rise.as_dict()
         self.run_info["warnings"] = [*self.run_info.get("warnings", ()), warning]
         self.say(f"[diff2] WARNING: {warning}")
@@ -173,7 +198,8 @@ class Journal:
             self.recorder.summary(self.summary(state))
 
     def _draw_curves(self, state: ServerState) -> None:
-        """``curves.png`` at the end of a run (completed or failed); a drawing failure never fails the run."""
+        """``curves.png`` at the end of a run (completed or failed); a drawing failure never fails
+        the run."""
         if self.recorder is None or not self.history:
             return
         name = self.run_info.get("name", "run")
@@ -185,9 +211,10 @@ class Journal:
             self.say(f"[diff2] WARNING: curves.png not drawn ({type(err).__name__}: {err})")
 
 
-def summarize(spec: ServerSpec, state: ServerState, history: list[dict[str, Any]], run_info: Mapping[str, Any],
-              wall_time_s: float) -> dict:
-    """The summary of a run: ``run_info``, how it stands, the privacy spent and the final and best metrics.
+def summarize(spec: ServerSpec, state: ServerState, history: list[dict[str, Any]],
+              run_info: Mapping[str, Any], wall_time_s: float) -> dict:
+    """The summary of a run: ``run_info``, how it stands, the privacy spent and the final and best
+    metrics.
 
     Args:
         spec: the run's server.
@@ -199,10 +226,14 @@ def summarize(spec: ServerSpec, state: ServerState, history: list[dict[str, Any]
     evaluated = [r for r in history if "train_loss" in r or "test_loss" in r]
     final = evaluated[-1] if evaluated else {}
     metric_keys = ("train_loss", "grad_norm_sq", "test_loss")
-    accuracy_keys = tuple(k for k in ("train_accuracy", "test_accuracy") if any(k in r for r in evaluated))
-    # Losses and ‖∇f‖²: best = smallest; accuracies: best = largest (each over the evaluated rounds).
-    best = {k: min((r[k] for r in evaluated if k in r and math.isfinite(r[k])), default=None) for k in metric_keys}
-    best |= {k: max((r[k] for r in evaluated if k in r and math.isfinite(r[k])), default=None) for k in accuracy_keys}
+    accuracy_keys = tuple(k for k in ("train_accuracy",
+                                      "test_accuracy") if any(k in r for r in evaluated))
+    # Losses and ‖∇f‖²: best = smallest; accuracies: best = largest (each over the evaluated
+    # rounds).
+    best = {k: min((r[k] for r in evaluated if k in r and math.isfinite(r[k])),
+                   default=None) for k in metric_keys}
+    best |= {k: max((r[k] for r in evaluated if k in r and math.isfinite(r[k])),
+                    default=None) for k in accuracy_keys}
     metric_keys += accuracy_keys
     return {
         **run_info,
@@ -220,50 +251,59 @@ def summarize(spec: ServerSpec, state: ServerState, history: list[dict[str, Any]
 
 
 def _privacy(spec: ServerSpec, state: ServerState) -> dict[str, Any]:
-    """The summary's ``privacy`` block: the guarantee, ε by each accountant, the calibration, the noise key's kind."""
+    """The summary's ``privacy`` block: the guarantee, ε by each accountant, the calibration, the
+    noise key's kind."""
     cal, ledger, local = spec.calibration, state.ledger, spec.local
     if spec.distributed is not None:
         return _distributed_privacy(spec, state)
     return {
         "private": cal is not None,
-        "guarantee": "record-level (ε, δ)-DP, replace-one adjacency, central DP (trusted server adds the noise)"
+        "guarantee": "record-level (ε, δ)-DP, replace-one adjacency, central DP (trusted server "
+                     "adds the noise)"
         if cal else "none (method gd: no clipping, no noise)",
         "epsilon_spent": state.epsilon_spent,
         "epsilon_accountant": "exact μ-GDP composition (Dong, Roth & Su 2019)" if local is None else
         "dp-accounting PLD (local steps: Poisson-subsampled Gaussian, replace-one)",
         "epsilon_pld": state.epsilon_pld if ledger else None,
-        "epsilon_pld_accountant": f"dp-accounting PLD, pessimistic, discretisation {PLD_DISCRETIZATION:g}",
+        "epsilon_pld_accountant": f"dp-accounting PLD, pessimistic, discretisation "
+                                  f"{PLD_DISCRETIZATION:g}",
         "epsilon_rdp": state.epsilon_rdp if ledger else None,
-        **({"epsilon_rdp_note": "dp-accounting's RDP accountant has no replace-one Poisson subsampling: local "
-            "steps enter it unamplified (a valid, looser bound)"} if local is not None else {}),
+        **({"epsilon_rdp_note": "dp-accounting's RDP accountant has no replace-one Poisson "
+                                "subsampling: local steps enter it unamplified (a valid, looser "
+                                "bound)"} if local is not None else {}),
         "delta": cal.delta if cal else None,
         "epsilon_target": cal.epsilon if cal else None,
         "calibration": cal.as_dict() if cal else None,
-        "noise_key": "seed (reproducible by anyone who knows it)" if state.estimator.noise_seeded else "os-entropy",
+        "noise_key": "seed (reproducible by anyone who knows it)" if state.estimator.noise_seeded
+        else "os-entropy",
         "n_min": spec.n_min,
     }
 
 
 def _distributed_privacy(spec: ServerSpec, state: ServerState) -> dict[str, Any]:
-    """The summary's ``privacy`` block under distributed noise: the Skellam accountant, the threat parameter."""
+    """The summary's ``privacy`` block under distributed noise: the Skellam accountant, the threat
+    parameter."""
     noise = spec.distributed
     assert noise is not None
     cal = noise.calibration
     return {
         "private": True,
-        "guarantee": f"record-level (ε, δ)-DP, replace-one adjacency, distributed noise: each client adds Skellam "
-                     f"noise, the server sees only the secure sum (Flower SecAgg+); holds if at most t = "
-                     f"{noise.tolerated} of the P = {noise.clients} clients drop out or collude with the server",
+        "guarantee": f"record-level (ε, δ)-DP, replace-one adjacency, distributed noise: each "
+                     f"client adds Skellam noise, the server sees only the secure sum (Flower "
+                     f"SecAgg+); holds if at most t = {noise.tolerated} of the P = "
+                     f"{noise.clients} clients drop out or collude with the server",
         "noise": "distributed",
         "epsilon_spent": state.epsilon_spent,
-        "epsilon_accountant": "Skellam Rényi DP (Agarwal, Kairouz & Liu 2021, Cor. 3.6) at Δ₂ = 2ρ, rounding "
-                              "included; dp-accounting's RDP-to-(ε, δ) conversion",
+        "epsilon_accountant": "Skellam Rényi DP (Agarwal, Kairouz & Liu 2021, Cor. 3.6) at Δ₂ = "
+                              "2ρ, rounding included; dp-accounting's RDP-to-(ε, δ) conversion",
         "epsilon_pld": None,
         "epsilon_rdp": state.epsilon_spent,
         "delta": cal.delta,
         "epsilon_target": cal.epsilon,
-        "calibration": {"z1": cal.z1, "z2": cal.z2, "u": cal.u, "restart_rounds": cal.restart_rounds,
-                        "difference_rounds": cal.difference_rounds, "rho": cal.rho, "padded_dim": cal.padded_dim,
+        "calibration": {"z1": cal.z1, "z2": cal.z2, "u": cal.u,
+                        "restart_rounds": cal.restart_rounds,
+                        "difference_rounds": cal.difference_rounds, "rho": cal.rho,
+                        "padded_dim": cal.padded_dim,
                         "bits": noise.bits, "tolerated": noise.tolerated, "wrap": noise.wrap,
                         "epsilon_planned": cal.epsilon_spent},
         "noise_key": "each client's own (OS entropy, or training.seed per client and round)",

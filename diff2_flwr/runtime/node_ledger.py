@@ -1,17 +1,19 @@
-"""A data owner's lifetime privacy ledger: one JSON file on the node, charged once per run, before it releases.
+"""A data owner's lifetime privacy ledger: one JSON file on the node, charged once per run, before
+it releases.
 
 Every run a node takes part in is charged with its whole planned schedule of privacy events
-(:class:`~diff2_flwr.core.privacy.RunEvents`) before the node releases anything in it; the node refuses a run
-whose charge would take the composed ε (PLD, at the node's δ_L) above its lifetime ε_L. A deployment starts a
-fresh ClientApp process per message, so every message of a run calls :meth:`NodeLedger.admit`: a run already
-charged with the same config digest is admitted again without a new charge.
+(:class:`~diff2_flwr.core.privacy.RunEvents`) before the node releases anything in it; the node
+refuses a run whose charge would take the composed ε (PLD, at the node's δ_L) above its lifetime
+ε_L. A deployment starts a fresh ClientApp process per message, so every message of a run calls
+:meth:`NodeLedger.admit`: a run already charged with the same config digest is admitted again
+without a new charge.
 
-Durable and crash-safe: read-check-write runs under an exclusive ``flock`` on a sibling lock file (simulated
-nodes and concurrent ClientApp processes share nothing else); the new ledger is written to a temporary file
-in the same folder, flushed and fsynced, renamed over the old one (atomic) and the folder fsynced, so a crash
-leaves the old ledger or the new one, never a part. Files are created 0600 and missing folders 0700 (by the
-mode of ``open``/``mkdir``, so no window with wider modes). A ledger that cannot be read is an error, never
-an empty ledger: that would reset the node's budget.
+Durable and crash-safe: read-check-write runs under an exclusive ``flock`` on a sibling lock file
+(simulated nodes and concurrent ClientApp processes share nothing else); the new ledger is written
+to a temporary file in the same folder, flushed and fsynced, renamed over the old one (atomic) and
+the folder fsynced, so a crash leaves the old ledger or the new one, never a part. Files are created
+0600 and missing folders 0700 (by the mode of ``open``/``mkdir``, so no window with wider modes). A
+ledger that cannot be read is an error, never an empty ledger: that would reset the node's budget.
 
 References:
     rename(2) and fsync(2) (POSIX: atomic replacement, durability of the folder entry); flock(2).
@@ -47,40 +49,48 @@ __all__ = [
 FORMAT = "diff2-node-ledger"
 VERSION = 1
 
-_WHAT_TO_DO_CORRUPT = ("It is not read as empty (that would reset this node's lifetime budget): restore the file "
+_WHAT_TO_DO_CORRUPT = (
+    "It is not read as empty (that would reset this node's lifetime budget): restore the file "
                        "from a backup or repair it by hand; until then this node admits no run.")
 
 
 class LedgerError(ValueError):
-    """The node's ledger cannot be read (unreadable, not JSON, another format or version, a bad charge) or
-    written (its folder, its lock, a full disk): the node admits no run until it is fixed."""
+    """The node's ledger cannot be read (unreadable, not JSON, another format or version, a bad
+    charge) or written (its folder, its lock, a full disk): the node admits no run until it is
+    fixed."""
 
 
 class BudgetExceeded(ValueError):
-    """A run would take the node's composed ε above its lifetime budget: refused, nothing charged."""
+    """A run would take the node's composed ε above its lifetime budget: refused, nothing
+    charged."""
 
 
 class RunChanged(ValueError):
-    """A run already charged comes back with another config digest: refused (its charge no longer covers it)."""
+    """A run already charged comes back with another config digest: refused (its charge no longer
+    covers it)."""
 
 
 def config_digest(config: Mapping[str, Any]) -> str:
-    """``sha256:<hex>`` of a run config as canonical JSON (sorted keys): what a charge records of its run."""
+    """``sha256:<hex>`` of a run config as canonical JSON (sorted keys): what a charge records of
+    its run."""
     text = json.dumps(config, sort_keys=True, separators=(",", ":"), allow_nan=True, default=repr)
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True)
 class Charge:
-    """What one run costs a node: its planned events, its own ε (at its own δ) and when it was charged.
+    """What one run costs a node: its planned events, its own ε (at its own δ) and when it was
+    charged.
 
     Attributes:
         run_id: the run's id (Flower's run id as text).
-        digest: digest of the run's config (see :func:`config_digest`): a run whose config changes is refused.
+        digest: digest of the run's config (see :func:`config_digest`): a run whose config
+            changes is refused.
         node: the node's name, for messages and the ledger's readers.
         events: the run's whole planned schedule of privacy events.
-        epsilon: the run's own ε at ``events.delta`` (a record; the budget is checked on ``events``); None until
-            charged (:meth:`NodeLedger.admit` computes it once, so later messages of the run do not).
+        epsilon: the run's own ε at ``events.delta`` (a record; the budget is checked on
+            ``events``); None until charged (:meth:`NodeLedger.admit` computes it once, so later
+            messages of the run do not).
         time: when it was charged, UTC, ISO 8601; None until charged.
     """
 
@@ -98,7 +108,8 @@ class Charge:
             if not isinstance(value, str) or not value:
                 raise ValueError(f"Charge: `{name}` must be a non-empty string. Found {value!r}.")
         if not isinstance(events, RunEvents):
-            raise ValueError(f"Charge: `events` must be a RunEvents. Found {type(events).__name__}.")
+            raise ValueError(
+                f"Charge: `events` must be a RunEvents. Found {type(events).__name__}.")
         return cls(run_id, digest, node, events)
 
     def priced(self) -> "Charge":
@@ -116,12 +127,16 @@ class Charge:
     @classmethod
     def from_json(cls, data: Any) -> "Charge":
         """The charge written by :meth:`as_json`; ValueError (what is wrong) on anything else."""
-        if not isinstance(data, dict) or set(data) != {"run_id", "digest", "node", "time", "epsilon", "events"}:
+        if not isinstance(data, dict) or set(data) != {"run_id", "digest", "node", "time",
+                                                       "epsilon", "events"}:
             found = sorted(data) if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"expected an object with keys run_id, digest, node, time, epsilon, events; found {found}")
+            raise ValueError(
+                f"expected an object with keys run_id, digest, node, time, epsilon, events; found "
+                f"{found}")
         ev = data["events"]
         if not isinstance(ev, dict) or set(ev) != {"delta", "gaussian", "local"}:
-            raise ValueError(f"`events` must be an object with keys delta, gaussian, local; found {ev!r}")
+            raise ValueError(
+                f"`events` must be an object with keys delta, gaussian, local; found {ev!r}")
         events = RunEvents(delta=ev["delta"], gaussian=tuple(tuple(g) for g in ev["gaussian"]),
                            local=tuple(tuple(e) for e in ev["local"]))
         for key in ("run_id", "digest", "node", "time"):
@@ -129,15 +144,18 @@ class Charge:
                 raise ValueError(f"`{key}` must be a string; found {data[key]!r}")
         if not isinstance(data["epsilon"], (int, float)):
             raise ValueError(f"`epsilon` must be a number; found {data['epsilon']!r}")
-        return cls(data["run_id"], data["digest"], data["node"], events, float(data["epsilon"]), data["time"])
+        return cls(data["run_id"], data["digest"], data["node"], events, float(data["epsilon"]),
+                   data["time"])
 
 
 @dataclass(frozen=True)
 class Admission:
-    """A run admitted by the node: its charge, whether it was charged now, and ε spent at the budget's δ.
+    """A run admitted by the node: its charge, whether it was charged now, and ε spent at the
+    budget's δ.
 
-    ``new`` is False when the run had already been charged (a later message of the same run): then nothing
-    was written and ``spent_before == spent_after`` (ε of every charge, this run's included).
+    ``new`` is False when the run had already been charged (a later message of the same run): then
+    nothing was written and ``spent_before == spent_after`` (ε of every charge, this run's
+    included).
     """
 
     charge: Charge
@@ -154,14 +172,16 @@ _LAST_KEYS = ("budget_epsilon", "budget_delta", "spent")
 @dataclass(frozen=True)
 class _State:
     charges: tuple[Charge, ...] = ()
-    last: tuple[float, float, float] | None = None  # the last admission's (ε_L, δ_L, ε spent at δ_L after it)
+    # the last admission's (ε_L, δ_L, ε spent at δ_L after it)
+    last: tuple[float, float, float] | None = None
 
     def find(self, run_id: str) -> Charge | None:
         return next((c for c in self.charges if c.run_id == run_id), None)
 
     def spent(self, delta: float) -> float:
-        """ε of every charge at ``delta``; the number stored by the last admission when ``delta`` is its δ_L
-        (a later message of a run admits again in a fresh process: it should not pay a PLD composition)."""
+        """ε of every charge at ``delta``; the number stored by the last admission when ``delta`` is
+        its δ_L (a later message of a run admits again in a fresh process: it should not pay a PLD
+        composition)."""
         if self.last is not None and self.last[1] == delta:
             return self.last[2]
         return composed_epsilon([c.events for c in self.charges], delta)
@@ -173,10 +193,12 @@ class _State:
 
 
 class NodeLedger:
-    """The lifetime ledger of one node over one JSON file (a missing file is a node that was never charged).
+    """The lifetime ledger of one node over one JSON file (a missing file is a node that was never
+    charged).
 
     Args:
-        path: the ledger file; its lock is the sibling ``<name>.lock``, its temporary files ``.<name>.*.tmp``.
+        path: the ledger file; its lock is the sibling ``<name>.lock``, its temporary files
+            ``.<name>.*.tmp``.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -191,7 +213,8 @@ class NodeLedger:
         return self._read().charges
 
     def spent(self, delta: float) -> float:
-        """ε spent at ``delta``: every charge composed (PLD, :func:`~diff2_flwr.core.privacy.composed_epsilon`)."""
+        """ε spent at ``delta``: every charge composed (PLD,
+        :func:`~diff2_flwr.core.privacy.composed_epsilon`)."""
         return composed_epsilon([c.events for c in self.charges()], delta)
 
     def admit(self, charge: Charge, *, budget_epsilon: float, budget_delta: float) -> Admission:
@@ -206,7 +229,8 @@ class NodeLedger:
             The admission: ε spent before and after this run, at ``budget_delta``.
 
         Raises:
-            BudgetExceeded: the run would take the composed ε above ``budget_epsilon``; nothing written.
+            BudgetExceeded: the run would take the composed ε above ``budget_epsilon``; nothing
+                written.
             RunChanged: the run id was charged with another config digest; nothing written.
             LedgerError: the ledger file cannot be read; nothing written.
         """
@@ -218,28 +242,34 @@ class NodeLedger:
                 return self._readmit(previous, charge, state, budget_epsilon, budget_delta)
             charge = charge.priced()
             before = state.spent(budget_delta)
-            after = composed_epsilon([c.events for c in state.charges] + [charge.events], budget_delta)
+            after = composed_epsilon([c.events for c in state.charges] + [charge.events],
+                                     budget_delta)
             if not after <= budget_epsilon:
-                raise BudgetExceeded(self._refusal(charge, len(state.charges), before, after, budget_epsilon,
-                                                   budget_delta))
-            self._write(_State(state.charges + (charge,), (float(budget_epsilon), float(budget_delta), after)))
+                raise BudgetExceeded(self._refusal(charge, len(state.charges), before, after,
+                                                   budget_epsilon, budget_delta))
+            self._write(_State(state.charges + (charge,), (float(budget_epsilon),
+                                                           float(budget_delta), after)))
         return Admission(charge, True, before, after, budget_epsilon, budget_delta)
 
     def summary(self, delta: float | None = None) -> dict[str, Any]:
-        """What ``diff2 ledger`` prints: every charge and ε spent at ``delta`` (default: the last admission's δ).
+        """What ``diff2 ledger`` prints: every charge and ε spent at ``delta`` (default: the last
+        admission's δ).
 
         Raises:
             FileNotFoundError: there is no ledger file at this path.
             LedgerError: the file cannot be read.
         """
         if not self.path.exists():
-            raise FileNotFoundError(f"No node ledger at {self.path}: no run was ever charged on this node, or the "
-                                    "path is wrong (give the ledger file named in the node's policy).")
+            raise FileNotFoundError(
+                f"No node ledger at {self.path}: no run was ever charged on this node, or the "
+                                    "path is wrong (give the ledger file named in the node's "
+                                    "policy).")
         state = self._read()
         if delta is None:
             delta = state.last[1] if state.last is not None else None
         if delta is None:
-            raise ValueError(f"Node ledger {self.path} records no δ of an admission: give one with --delta.")
+            raise ValueError(
+                f"Node ledger {self.path} records no δ of an admission: give one with --delta.")
         charges = [{**c.as_json(), "delta": c.events.delta} for c in state.charges]
         last = None if state.last is None else dict(zip(_LAST_KEYS, state.last))
         return {"ledger": str(self.path), "format": FORMAT, "version": VERSION, "delta": delta,
@@ -250,20 +280,23 @@ class NodeLedger:
                  budget_delta: float) -> Admission:
         if previous.digest != charge.digest:
             raise RunChanged(
-                f"Node {charge.node!r} refuses run {charge.run_id!r} (rule: lifetime budget): it was charged on "
-                f"{previous.time} with config digest {previous.digest}, and now comes with {charge.digest}; the "
-                f"charge in {self.path} does not cover a changed config. Submit the changed config as a new run.")
+                f"Node {charge.node!r} refuses run {charge.run_id!r} (rule: lifetime budget): it "
+                f"was charged on {previous.time} with config digest {previous.digest}, and now "
+                f"comes with {charge.digest}; the charge in {self.path} does not cover a changed "
+                f"config. Submit the changed config as a new run.")
         spent = state.spent(budget_delta)
         return Admission(previous, False, spent, spent, budget_epsilon, budget_delta)
 
-    def _refusal(self, charge: Charge, runs: int, before: float, after: float, budget_epsilon: float,
-                 budget_delta: float) -> str:
-        return (f"Node {charge.node!r} refuses run {charge.run_id!r} (rule: lifetime budget): the node has spent "
-                f"ε = {before:.6g} over {runs} run(s) at δ_L = {budget_delta:g}; this run alone costs ε = "
-                f"{charge.epsilon:.6g} (at its δ = {charge.events.delta:g}), together ε = {after:.6g} > the "
-                f"lifetime budget ε_L = {budget_epsilon:g} (ledger {self.path}). Nothing was charged or released. "
-                f"Submit the run with a smaller ε or fewer rounds, or take this node out of it; only the node's "
-                f"operator can raise the lifetime budget (node policy).")
+    def _refusal(self, charge: Charge, runs: int, before: float, after: float,
+                 budget_epsilon: float, budget_delta: float) -> str:
+        return (
+            f"Node {charge.node!r} refuses run {charge.run_id!r} (rule: lifetime budget): the "
+            f"node has spent ε = {before:.6g} over {runs} run(s) at δ_L = {budget_delta:g}; this "
+            f"run alone costs ε = {charge.epsilon:.6g} (at its δ = {charge.events.delta:g}), "
+            f"together ε = {after:.6g} > the lifetime budget ε_L = {budget_epsilon:g} (ledger "
+            f"{self.path}). Nothing was charged or released. Submit the run with a smaller ε or "
+            f"fewer rounds, or take this node out of it; only the node's operator can raise the "
+            f"lifetime budget (node policy).")
 
     def _read(self) -> _State:
         try:
@@ -271,21 +304,25 @@ class NodeLedger:
         except FileNotFoundError:
             return _State()
         except (OSError, UnicodeDecodeError) as err:
-            raise LedgerError(f"Node ledger {self.path} cannot be read ({err}). {_WHAT_TO_DO_CORRUPT}") from err
+            raise LedgerError(
+                f"Node ledger {self.path} cannot be read ({err}). {_WHAT_TO_DO_CORRUPT}") from err
         try:
             return _parse(text)
         except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError too
-            raise LedgerError(f"Node ledger {self.path} is not a diff2 node ledger (format {FORMAT!r}, version "
+            raise LedgerError(
+                f"Node ledger {self.path} is not a diff2 node ledger (format {FORMAT!r}, version "
                               f"{VERSION}): {err}. {_WHAT_TO_DO_CORRUPT}") from err
 
     def _locked(self) -> ContextManager[None]:
         return exclusive_lock(self.lock_path, lambda err: LedgerError(
-            f"Node ledger {self.path}: cannot create its folder or its lock file {self.lock_path} ({err}); nothing was "
+            f"Node ledger {self.path}: cannot create its folder or its lock file {self.lock_path} "
+            f"({err}); nothing was "
             "charged. The ClientApp's user must be able to write the ledger's folder."))
 
     def _write(self, state: _State) -> None:
         """Replace the ledger atomically and durably (call under the lock)."""
-        for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):  # a crashed writer's: we hold the lock
+        # a crashed writer's: we hold the lock
+        for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):
             stale.unlink(missing_ok=True)
         text = json.dumps(state.as_json(), indent=1, allow_nan=False) + "\n"
         tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(6)}.tmp")
@@ -299,8 +336,11 @@ class NodeLedger:
         except BaseException as err:
             tmp.unlink(missing_ok=True)
             if isinstance(err, OSError):
-                raise LedgerError(f"Node ledger {self.path} could not be written ({err}); nothing was charged and the "
-                                  "old ledger stands. Free space on its file system or fix its folder.") from err
+                raise LedgerError(
+                    f"Node ledger {self.path} could not be written ({err}); nothing was charged "
+                    f"and the "
+                                  "old ledger stands. Free space on its file system or fix its "
+                                  "folder.") from err
             raise
         fsync_folder(self.path.parent)
 
@@ -309,13 +349,16 @@ def _parse(text: str) -> _State:
     data = json.loads(text)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"expected a JSON object with \"format\": {FORMAT!r}; found {text[:60]!r}")
-    if data.get("version") != VERSION or set(data) != {"format", "version", "last_admission", "charges"}:
-        raise ValueError(f"expected version {VERSION} with keys format, version, last_admission, charges; found "
+    if data.get("version") != VERSION or set(data) != {"format", "version", "last_admission",
+                                                       "charges"}:
+        raise ValueError(
+            f"expected version {VERSION} with keys format, version, last_admission, charges; found "
                          f"version {data.get('version')!r}, keys {sorted(data)}")
     last = data["last_admission"]
     if last is not None and (not isinstance(last, dict) or set(last) != set(_LAST_KEYS)
                              or not all(isinstance(last[k], (int, float)) for k in _LAST_KEYS)):
-        raise ValueError(f"`last_admission` must be null or an object of numbers {', '.join(_LAST_KEYS)}; "
+        raise ValueError(
+            f"`last_admission` must be null or an object of numbers {', '.join(_LAST_KEYS)}; "
                          f"found {last!r}")
     if not isinstance(data["charges"], list):
         raise ValueError(f"`charges` must be a list; found {type(data['charges']).__name__}")
@@ -327,11 +370,14 @@ def _parse(text: str) -> _State:
             raise ValueError(f"charge {i}: {err}") from err
     if last is None:
         return _State(tuple(charges))
-    return _State(tuple(charges), (float(last["budget_epsilon"]), float(last["budget_delta"]), float(last["spent"])))
+    return _State(tuple(charges), (float(last["budget_epsilon"]), float(last["budget_delta"]),
+                                   float(last["spent"])))
 
 
 def _check_budget(epsilon: float, delta: float) -> None:
     if not isinstance(epsilon, (int, float)) or not (math.isfinite(epsilon) and epsilon > 0):
-        raise ValueError(f"`budget_epsilon` (the node's lifetime ε_L) must be a finite number > 0. Found {epsilon!r}.")
+        raise ValueError(
+            f"`budget_epsilon` (the node's lifetime ε_L) must be a finite number > 0. Found "
+            f"{epsilon!r}.")
     if not isinstance(delta, (int, float)) or not 0 < delta < 1:
         raise ValueError(f"`budget_delta` (the node's δ_L) must be in (0, 1). Found {delta!r}.")

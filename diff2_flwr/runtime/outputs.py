@@ -1,4 +1,5 @@
-"""A run's output folder: per-round metrics (JSON lines) and a summary (JSON), written as they come."""
+"""A run's output folder: per-round metrics (JSON lines) and a summary (JSON), written as they
+come."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ __all__ = ["RunRecorder", "new_run_dir", "to_json"]
 
 
 def to_json(value: Any) -> Any:
-    """Plain JSON values: non-finite floats become null (JSON has no inf/NaN), numpy scalars become numbers."""
+    """Plain JSON values: non-finite floats become null (JSON has no inf/NaN), numpy scalars become
+    numbers."""
     if isinstance(value, dict):
         return {str(k): to_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -35,14 +37,16 @@ def new_run_dir(root: str | os.PathLike[str], name: str) -> Path:
 
 
 class RunRecorder:
-    """Appends one JSON line per round to ``metrics.jsonl`` and rewrites ``summary.json`` atomically."""
+    """Appends one JSON line per round to ``metrics.jsonl`` and rewrites ``summary.json``
+    atomically."""
 
     METRICS = "metrics.jsonl"
     SUMMARY = "summary.json"
     PARAMETERS = "final_parameters.npy"
 
     def __init__(self, directory: Path, *, keep_through_round: int | None = None) -> None:
-        """Open (or create) a run folder; with ``keep_through_round`` (a resumed run) drop later rows."""
+        """Open (or create) a run folder; with ``keep_through_round`` (a resumed run) drop later
+        rows."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.kept: list[dict[str, Any]] = []

@@ -1,47 +1,59 @@
-"""A data owner's node policy: what a run may ask of this node's records, set by the node's operator only.
+"""A data owner's node policy: what a run may ask of this node's records, set by the node's operator
+only.
 
 Where it comes from (never from the run config, which the run submitter writes):
 
-- a deployment: Flower's node config, ``flower-supernode --node-config "... policy='/etc/diff2/policy.yaml'"``
-  (``Context.node_config["policy"]``), which only the SuperNode's operator sets;
-- a simulation on one's own machine: the environment variable ``DIFF2_NODE_POLICY`` of the process that runs
-  the simulated nodes (``diff2 run --node-policy FILE`` sets it for the SuperLink it starts; before a plain
-  ``flwr run .``, export it before the local SuperLink starts). Every simulated node then holds the policy.
+- a deployment: Flower's node config, ``flower-supernode --node-config "...
+  policy='/etc/diff2/policy.yaml'"`` (``Context.node_config["policy"]``), which only the SuperNode's
+  operator sets;
+- a simulation on one's own machine: the environment variable ``DIFF2_NODE_POLICY`` of the process
+  that runs the simulated nodes (``diff2 run --node-policy FILE`` sets it for the SuperLink it
+  starts; before a plain ``flwr run .``, export it before the local SuperLink starts). Every
+  simulated node then holds the policy.
 
 Example (``configs/policy.yaml``)::
 
     name: hospital-a         # how refusals name this node (default: its partition)
-    max_epsilon: 3.0         # the largest ε one run may spend on this node's records (privacy.epsilon)
-    max_delta: 1.0e-5        # the largest δ one run may use (privacy.delta)
-    methods: [dpgd, diff2]   # methods a run may use (gd releases unnoised means: never under a policy)
-    models: [paper_mlp]      # model factories a run may call on this node (default: the built-in models)
-    max_rounds: 2000         # the most rounds one run may take (null: no limit)
+    max_epsilon: 3.0         # the largest ε one run may spend on this node's records
+    (privacy.epsilon) max_delta: 1.0e-5        # the largest δ one run may use (privacy.delta)
+    methods: [dpgd, diff2]   # methods a run may use (gd releases unnoised means: never under a
+    policy) models: [paper_mlp]      # model factories a run may call on this node (default: the
+    built-in models) max_rounds: 2000         # the most rounds one run may take (null: no limit)
     local_routine: true      # whether the private local routine may run on this node's records
-    noise: [distributed]     # who may add the noise: central (the server, trusted) and/or distributed (SecAgg+)
-    min_honest: 3            # distributed: the fewest honest clients (P - t) whose shares carry the noise
-    n_min: 240               # the federation's n_min, agreed by the data owners out of band: a run must declare the
-                             # same privacy.n_min (null: any the run declares, at most this node's records)
-    allow_seeded: false      # a run with training.seed fixes this node's noise for whoever knows the seed: refused
-                             # on a data owner's node unless true (tests, a federation whose parties are one person)
+    noise: [distributed]     # who may add the noise: central (the server, trusted) and/or
+    distributed (SecAgg+) min_honest: 3            # distributed: the fewest honest clients (P - t)
+    whose shares carry the noise n_min: 240               # the federation's n_min, agreed by the
+    data owners out of band: a run must declare the
+                             # same privacy.n_min (null: any the run declares, at most this node's
+                             records)
+    allow_seeded: false      # a run with training.seed fixes this node's noise for whoever knows
+    the seed: refused
+                             # on a data owner's node unless true (tests, a federation whose parties
+                             are one person)
     lifetime:                # a budget over every run this node takes part in, composed by PLD
       epsilon: 10.0
       delta: 1.0e-5
-      ledger: ledger.json    # the node's durable ledger (owner-only); relative to this file's folder
-    answers: answers.log     # the node's record of each (run, round, stage) it answered (owner-only; a round is
+      ledger: ledger.json    # the node's durable ledger (owner-only); relative to this file's
+      folder
+    answers: answers.log     # the node's record of each (run, round, stage) it answered
+    (owner-only; a round is
                              # answered once: a replay is refused); relative to this file's folder
-    canaries:                # audit each run live from this node (diff2 audit --live FOLDER; central noise, gd)
+    canaries:                # audit each run live from this node (diff2 audit --live FOLDER;
+    central noise, gd)
       count: 64              # canary records added to this node's replies (even; 0: none)
-      state: canaries        # the owner-only folder of their secret seed and observations (relative: this file's)
+      state: canaries        # the owner-only folder of their secret seed and observations
+      (relative: this file's)
 
-Trust (``THREATS.md``): the policy protects this node's records against a run submitter whose run config asks
-too much (ε, δ, method, model, rounds, the lifetime budget) and against a server whose tasks disagree with the
-mechanism the run config declares (radius, round kind, n_min, σ3, q, b, K: :mod:`~diff2_flwr.runtime.node_guard`).
-It cannot protect against an app bundle that is not ours (the ClientApp that enforces it comes from the bundle:
-pin bundles with Flower's trusted entities), nor, under central noise, against a server that sees the clipped
-means and leaks them. Whether the server adds less noise than declared the node can check, live, with
-``canaries`` (:mod:`~diff2_flwr.runtime.canary_monitor`; the run must then use central noise, routine gd and no
-local steps). ``noise: [distributed]`` refuses central runs: the node's message then leaves only inside SecAgg+,
-with its own noise share (:mod:`diff2_flwr.fl.secagg`).
+Trust (``THREATS.md``): the policy protects this node's records against a run submitter whose run
+config asks too much (ε, δ, method, model, rounds, the lifetime budget) and against a server whose
+tasks disagree with the mechanism the run config declares (radius, round kind, n_min, σ3, q, b, K:
+:mod:`~diff2_flwr.runtime.node_guard`). It cannot protect against an app bundle that is not ours
+(the ClientApp that enforces it comes from the bundle: pin bundles with Flower's trusted entities),
+nor, under central noise, against a server that sees the clipped means and leaks them. Whether the
+server adds less noise than declared the node can check, live, with ``canaries``
+(:mod:`~diff2_flwr.runtime.canary_monitor`; the run must then use central noise, routine gd and no
+local steps). ``noise: [distributed]`` refuses central runs: the node's message then leaves only
+inside SecAgg+, with its own noise share (:mod:`diff2_flwr.fl.secagg`).
 """
 
 from __future__ import annotations
@@ -57,15 +69,19 @@ from .answer_log import AnswerLog
 from .node_mode import simulated_node
 from .config import ConfigError, ExperimentConfig, PAPER_MLP, parse_section, read_yaml, require
 
-__all__ = ["BUILTIN_MODELS", "ENV_VAR", "NODE_CONFIG_KEY", "CanaryPolicy", "LifetimeBudget", "NodePolicy",
+__all__ = ["BUILTIN_MODELS", "ENV_VAR", "NODE_CONFIG_KEY", "CanaryPolicy", "LifetimeBudget",
+           "NodePolicy",
            "PolicyError", "Refused", "answer_log_of", "check_run", "load_policy", "policy_path"]
 
-#: Node config key (``--node-config "policy='/path/policy.yaml'"``) and environment variable naming the policy.
+#: Node config key (``--node-config "policy='/path/policy.yaml'"``) and environment variable naming
+#: the policy.
 NODE_CONFIG_KEY = "policy"
 ENV_VAR = "DIFF2_NODE_POLICY"
 
-#: The models a node allows when its policy names none (and a deployment node without a policy): ours only.
-BUILTIN_MODELS: tuple[str, ...] = (PAPER_MLP, "diff2_flwr.task.models:TanhMLP", "diff2_flwr.task.models:DigitsCNN")
+#: The models a node allows when its policy names none (and a deployment node without a policy):
+#: ours only.
+BUILTIN_MODELS: tuple[str, ...] = (PAPER_MLP, "diff2_flwr.task.models:TanhMLP",
+                                   "diff2_flwr.task.models:DigitsCNN")
 _PRIVATE_METHODS = ("dpgd", "diff2")
 
 
@@ -80,7 +96,9 @@ class Refused(ValueError):
     """
 
     def __init__(self, node: str, rule: str, detail: str, *, message: str | None = None) -> None:
-        super().__init__(message or f"{node} refused: rule `{rule}`: {detail} Nothing was computed on this node's "
+        super().__init__(
+            message
+            or f"{node} refused: rule `{rule}`: {detail} Nothing was computed on this node's "
                          "records; the round releases nothing.")
         self.node, self.rule, self.detail = node, rule, detail
 
@@ -97,9 +115,11 @@ class LifetimeBudget:
         keys = ("epsilon", "delta", "ledger")
         missing = [k for k in keys if getattr(self, k) is None]
         if 0 < len(missing) < 3:
-            require(False, missing[0], "a value: a lifetime budget needs epsilon, delta and ledger together", None)
+            require(False, missing[0],
+                    "a value: a lifetime budget needs epsilon, delta and ledger together", None)
         if self.epsilon is not None:
-            require(math.isfinite(self.epsilon) and self.epsilon > 0, "epsilon", "a finite number > 0", self.epsilon)
+            require(math.isfinite(self.epsilon) and self.epsilon > 0, "epsilon",
+                    "a finite number > 0", self.epsilon)
             require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
             require(bool(self.ledger), "ledger", "the ledger file's path", self.ledger)
 
@@ -110,15 +130,16 @@ class LifetimeBudget:
 
 @dataclass(frozen=True)
 class CanaryPolicy:
-    """B canary records this node adds to its own replies, and the folder of their secret and observations
-    (:mod:`~diff2_flwr.runtime.canary_monitor`)."""
+    """B canary records this node adds to its own replies, and the folder of their secret and
+    observations (:mod:`~diff2_flwr.runtime.canary_monitor`)."""
 
     count: int = 0
     state: str = "canaries"
 
     def __post_init__(self) -> None:
         require(isinstance(self.count, int) and not isinstance(self.count, bool) and self.count >= 0
-                and self.count % 2 == 0, "count", "an even integer >= 0: canary records per reply, half + and half "
+                and self.count % 2 == 0, "count",
+                "an even integer >= 0: canary records per reply, half + and half "
                 "- (0: no canaries)", self.count)
         require(isinstance(self.state, str) and bool(self.state.strip()), "state",
                 "the folder (owner-only) of the canaries' secret seed and observations", self.state)
@@ -149,29 +170,38 @@ class NodePolicy:
     source: str = field(default="<memory>", compare=False)
 
     def __post_init__(self) -> None:
-        require(self.max_epsilon is not None and math.isfinite(self.max_epsilon) and self.max_epsilon > 0,
-                "max_epsilon", "a finite number > 0: the largest ε per run this node accepts (required)",
+        require(self.max_epsilon is not None and math.isfinite(self.max_epsilon)
+                and self.max_epsilon > 0,
+                "max_epsilon",
+                "a finite number > 0: the largest ε per run this node accepts (required)",
                 self.max_epsilon)
         require(self.max_delta is not None and 0 < self.max_delta < 1, "max_delta",
-                "a number in (0, 1): the largest δ per run this node accepts (required)", self.max_delta)
+                "a number in (0, 1): the largest δ per run this node accepts (required)",
+                self.max_delta)
         require(bool(self.methods) and set(self.methods) <= set(_PRIVATE_METHODS), "methods",
-                f"a non-empty list of {list(_PRIVATE_METHODS)} (gd adds no noise: no policy allows it)",
+                f"a non-empty list of {list(_PRIVATE_METHODS)} (gd adds no noise: no policy "
+                f"allows it)",
                 list(self.methods))
-        require(bool(self.models), "models", "a non-empty list of model names ('paper_mlp' or 'package.module:callable')",
+        require(bool(self.models), "models",
+                "a non-empty list of model names ('paper_mlp' or 'package.module:callable')",
                 list(self.models))
-        require(self.max_rounds is None or self.max_rounds >= 1, "max_rounds", "null or an integer >= 1",
-                self.max_rounds)
-        require(self.name is None or bool(self.name.strip()), "name", "null or a non-empty name", self.name)
+        require(self.max_rounds is None or self.max_rounds >= 1, "max_rounds",
+                "null or an integer >= 1", self.max_rounds)
+        require(self.name is None or bool(self.name.strip()), "name", "null or a non-empty name",
+                self.name)
         require(bool(self.noise) and set(self.noise) <= {"central", "distributed"}, "noise",
-                "a non-empty list of 'central' (the server adds the noise: trusted) and 'distributed' (each client "
-                "adds a share, the server sees only the SecAgg+ sum)", list(self.noise))
+                "a non-empty list of 'central' (the server adds the noise: trusted) and "
+                "'distributed' (each client adds a share, the server sees only the SecAgg+ sum)",
+                list(self.noise))
         require(self.n_min is None or (isinstance(self.n_min, int) and self.n_min >= 1), "n_min",
-                "null or an integer >= 1: the federation's n_min, agreed by the data owners (a run must declare the "
-                "same privacy.n_min)", self.n_min)
+                "null or an integer >= 1: the federation's n_min, agreed by the data owners (a "
+                "run must declare the same privacy.n_min)", self.n_min)
         require(isinstance(self.answers, str) and bool(self.answers.strip()), "answers",
-                "the file (owner-only) where the node records each (run, round, stage) it answered", self.answers)
+                "the file (owner-only) where the node records each (run, round, stage) it answered",
+                self.answers)
         require(isinstance(self.min_honest, int) and self.min_honest >= 1, "min_honest",
-                "an integer >= 1: the fewest honest clients (P - t) whose noise shares must carry a distributed run",
+                "an integer >= 1: the fewest honest clients (P - t) whose noise shares must carry "
+                "a distributed run",
                 self.min_honest)
 
     def _beside(self, value: str) -> Path:
@@ -182,25 +212,31 @@ class NodePolicy:
         return path
 
     def canary_folder(self, partition_id: int, shared: bool) -> Path:
-        """The canaries' state folder; ``shared`` (simulated nodes reading one policy): one per partition."""
+        """The canaries' state folder; ``shared`` (simulated nodes reading one policy): one per
+        partition."""
         path = self._beside(self.canaries.state)
         return path / f"partition-{partition_id}" if shared else path
 
     def answers_path(self, partition_id: int, shared: bool) -> Path:
-        """The node's answer log (:mod:`~diff2_flwr.runtime.answer_log`); ``shared``: one file per partition."""
+        """The node's answer log (:mod:`~diff2_flwr.runtime.answer_log`); ``shared``: one file per
+        partition."""
         path = self._beside(self.answers)
-        return path.with_name(f"{path.stem}.partition-{partition_id}{path.suffix}") if shared else path
+        return path.with_name(
+            f"{path.stem}.partition-{partition_id}{path.suffix}") if shared else path
 
     def ledger_path(self, partition_id: int, shared: bool) -> Path | None:
-        """The node's ledger file; ``shared`` (simulated nodes reading one policy): one file per partition."""
+        """The node's ledger file; ``shared`` (simulated nodes reading one policy): one file per
+        partition."""
         if not self.lifetime.enabled:
             return None
         path = self._beside(self.lifetime.ledger)  # type: ignore[arg-type]
-        return path.with_name(f"{path.stem}.partition-{partition_id}{path.suffix}") if shared else path
+        return path.with_name(
+            f"{path.stem}.partition-{partition_id}{path.suffix}") if shared else path
 
 
 def load_policy(path: str | os.PathLike[str]) -> NodePolicy:
-    """Read and validate a policy file; errors name the file, the key, what was expected and what was found."""
+    """Read and validate a policy file; errors name the file, the key, what was expected and what
+    was found."""
     path = Path(path)
     data = read_yaml(path, "node policy", PolicyError)
     try:
@@ -210,18 +246,24 @@ def load_policy(path: str | os.PathLike[str]) -> NodePolicy:
     return dataclasses.replace(policy, source=str(path))
 
 
-def answer_log_of(node_config: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> AnswerLog | None:
-    """The answer log of the node whose node config this is: its policy's ``answers`` file (one per partition when
-    simulated nodes share a policy from ``$DIFF2_NODE_POLICY``); None for a node without a policy."""
+def answer_log_of(node_config: Mapping[str, Any],
+                  environ: Mapping[str, str] = os.environ) -> AnswerLog | None:
+    """The answer log of the node whose node config this is: its policy's ``answers`` file (one per
+    partition when simulated nodes share a policy from ``$DIFF2_NODE_POLICY``); None for a node
+    without a policy."""
     path = policy_path(node_config, environ)
     if path is None:
         return None
-    shared = NODE_CONFIG_KEY not in node_config and simulated_node(node_config)  # as NodeGuard.admit_run decides
-    return AnswerLog(load_policy(path).answers_path(int(node_config.get("partition-id", 0)), shared))
+    # as NodeGuard.admit_run decides
+    shared = NODE_CONFIG_KEY not in node_config and simulated_node(node_config)
+    return AnswerLog(load_policy(path).answers_path(int(node_config.get("partition-id", 0)),
+                                                    shared))
 
 
-def policy_path(node_config: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> str | None:
-    """The policy file this node's operator named: the node config's ``policy``, else ``$DIFF2_NODE_POLICY``."""
+def policy_path(node_config: Mapping[str, Any], environ: Mapping[str,
+                                                                 str] = os.environ) -> str | None:
+    """The policy file this node's operator named: the node config's ``policy``, else
+    ``$DIFF2_NODE_POLICY``."""
     value = node_config.get(NODE_CONFIG_KEY) or environ.get(ENV_VAR) or None
     return None if value is None else str(value)
 
@@ -231,56 +273,78 @@ def _run_epsilon(cfg: ExperimentConfig) -> float:
 
 
 def check_run(policy: NodePolicy, cfg: ExperimentConfig, node: str) -> None:
-    """Refuse (:class:`Refused`) a run config the policy does not allow, before any record is touched."""
+    """Refuse (:class:`Refused`) a run config the policy does not allow, before any record is
+    touched."""
     where = f"(policy {policy.source})"
     if cfg.method not in policy.methods:
-        raise Refused(node, "methods", f"the run asks method {cfg.method!r}; this node allows {list(policy.methods)} "
-                      f"{where}.")
+        raise Refused(node, "methods",
+                      f"the run asks method {cfg.method!r}; this node allows "
+                      f"{list(policy.methods)} {where}.")
     if _run_epsilon(cfg) > policy.max_epsilon:  # type: ignore[operator]
-        raise Refused(node, "max_epsilon", f"the run asks ε = {cfg.privacy.epsilon:g} (privacy.epsilon); this node "
-                      f"allows at most ε = {policy.max_epsilon:g} per run {where}. Ask for ε <= {policy.max_epsilon:g}.")
+        raise Refused(node, "max_epsilon",
+                      f"the run asks ε = {cfg.privacy.epsilon:g} (privacy.epsilon); this node "
+                      f"allows at most ε = {policy.max_epsilon:g} per run {where}. Ask for ε <= "
+                      f"{policy.max_epsilon:g}.")
     if cfg.privacy.delta > policy.max_delta:  # type: ignore[operator]
-        raise Refused(node, "max_delta", f"the run asks δ = {cfg.privacy.delta:g} (privacy.delta); this node allows "
+        raise Refused(node, "max_delta",
+                      f"the run asks δ = {cfg.privacy.delta:g} (privacy.delta); this node allows "
                       f"at most δ = {policy.max_delta:g} per run {where}.")
     if policy.max_rounds is not None and cfg.training.rounds > policy.max_rounds:
-        raise Refused(node, "max_rounds", f"the run asks {cfg.training.rounds} rounds (training.rounds); this node "
+        raise Refused(node, "max_rounds",
+                      f"the run asks {cfg.training.rounds} rounds (training.rounds); this node "
                       f"allows at most {policy.max_rounds} {where}.")
     check_model(cfg, policy.models, node, where)
     noise = cfg.privacy.noise
     if cfg.private and noise not in policy.noise:
-        raise Refused(node, "noise", f"the run asks privacy.noise = {noise!r}; this node allows {list(policy.noise)} "
-                      f"{where}" + (": it does not trust the server with its clipped means. Ask for privacy.noise: "
-                                    "distributed." if noise == "central" else "."))
-    if cfg.private and noise == "distributed" and cfg.clients - cfg.privacy.tolerated < policy.min_honest:
-        raise Refused(node, "min_honest", f"the run counts on P - t = {cfg.clients} - {cfg.privacy.tolerated} = "
-                      f"{cfg.clients - cfg.privacy.tolerated} honest clients (training.clients, privacy.tolerated); "
-                      f"this node needs at least {policy.min_honest} {where}.")
+        raise Refused(node, "noise",
+                      f"the run asks privacy.noise = {noise!r}; this node allows "
+                      f"{list(policy.noise)} {where}" + (
+                          ": it does not trust the server with its clipped means. Ask for "
+                          "privacy.noise: distributed." if noise == "central" else "."))
+    if cfg.private and noise == (
+        "distributed") and cfg.clients - cfg.privacy.tolerated < policy.min_honest:
+        raise Refused(node, "min_honest",
+                      f"the run counts on P - t = {cfg.clients} - {cfg.privacy.tolerated} = "
+                      f"{cfg.clients - cfg.privacy.tolerated} honest clients (training.clients, "
+                      f"privacy.tolerated); this node needs at least {policy.min_honest} {where}.")
     if cfg.local.enabled and not policy.local_routine:
-        raise Refused(node, "local_routine", f"the run asks the private local routine (local.steps = "
+        raise Refused(node, "local_routine",
+                      f"the run asks the private local routine (local.steps = "
                       f"{cfg.local.steps}); this node does not allow it {where}.")
     if policy.canaries.enabled:
         _check_auditable(cfg, node, where)
 
 
 def _check_auditable(cfg: ExperimentConfig, node: str, where: str) -> None:
-    """A node that audits every run with canaries takes only the runs its audit reads: central noise, routine gd
-    (ṽ_r = (x_(r-1) - x_r)/η from the iterates it receives), no local routine (x_r is then not that step)."""
+    """A node that audits every run with canaries takes only the runs its audit reads: central
+    noise, routine gd (ṽ_r = (x_(r-1) - x_r)/η from the iterates it receives), no local routine (x_r
+    is then not that step)."""
     problems = []
     if cfg.privacy.distributed:
-        problems.append("privacy.noise: distributed (its replies leave only inside SecAgg+, without canaries)")
+        problems.append(
+            "privacy.noise: distributed (its replies leave only inside SecAgg+, without canaries)")
     if cfg.training.routine.name != "gd":
-        problems.append(f"training.routine {cfg.training.routine.name!r} (the audit reads ṽ_r from x_(r-1) - x_r, "
+        problems.append(
+            f"training.routine {cfg.training.routine.name!r} (the audit reads ṽ_r from x_(r-1) - "
+            f"x_r, "
                         "which only gd makes η ṽ_r)")
     if cfg.local.enabled:
-        problems.append(f"the local routine (local.steps = {cfg.local.steps}: x_r is not x_(r-1) - η ṽ_r)")
+        problems.append(
+            f"the local routine (local.steps = {cfg.local.steps}: x_r is not x_(r-1) - η ṽ_r)")
     if problems:
-        raise Refused(node, "canaries", f"this node audits every run with canary records {where}, and the run asks "
-                      + "; ".join(problems) + ". Ask for privacy.noise: central, routine gd and no local steps, or "
-                      "the node's operator removes `canaries` from its policy.")
+        raise Refused(node, "canaries",
+                      f"this node audits every run with canary records {where}, and the run asks "
+                      + "; ".join(
+                          problems) + ". Ask for privacy.noise: central, routine gd and no local "
+                                      "steps, or the node's operator removes `canaries` from its "
+                                      "policy.")
 
 
 def check_model(cfg: ExperimentConfig, allowed: tuple[str, ...], node: str, where: str) -> None:
-    """Refuse a model factory the node does not list, before it is imported (importing runs its code)."""
+    """Refuse a model factory the node does not list, before it is imported (importing runs its
+    code)."""
     if cfg.model.name not in allowed:
-        raise Refused(node, "models", f"the run asks model {cfg.model.name!r} (model.name); this node allows "
-                      f"{list(allowed)} {where}. A factory runs on a data owner's node only if its policy lists it.")
+        raise Refused(node, "models",
+                      f"the run asks model {cfg.model.name!r} (model.name); this node allows "
+                      f"{list(allowed)} {where}. A factory runs on a data owner's node only if "
+                      f"its policy lists it.")

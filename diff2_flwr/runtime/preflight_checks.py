@@ -1,7 +1,7 @@
-"""The checks before any transport: :func:`preflight` builds everything a run of a config needs that no
-transport does (data, partition, calibration, model, one probe gradient) and raises the first problem; its
-:class:`Preflight` is what :func:`~diff2_flwr.runtime.session.build_server` goes on with. Importable from
-:mod:`diff2_flwr.runtime.session` as well.
+"""The checks before any transport: :func:`preflight` builds everything a run of a config needs that
+no transport does (data, partition, calibration, model, one probe gradient) and raises the first
+problem; its :class:`Preflight` is what :func:`~diff2_flwr.runtime.session.build_server` goes on
+with. Importable from :mod:`diff2_flwr.runtime.session` as well.
 """
 
 from __future__ import annotations
@@ -31,18 +31,23 @@ def privacy_warnings(cfg: ExperimentConfig, n_train: int) -> list[str]:
     """What the run releases or assumes outside its (ε, δ) guarantee, said loudly."""
     out = []
     if cfg.evaluation.train_metrics:
-        out.append("evaluation.train_metrics is on: train_loss and grad_norm_sq are computed on the private training "
-                   "data without clipping or noise (train_accuracy too, for classification); they leak and are NOT covered by ε. Research only: set "
-                   "evaluation.train_metrics: false for anything deployed.")
+        out.append(
+            "evaluation.train_metrics is on: train_loss and grad_norm_sq are computed on the "
+            "private training data without clipping or noise (train_accuracy too, for "
+            "classification); they leak and are NOT covered by ε. Research only: set "
+            "evaluation.train_metrics: false for anything deployed.")
     if cfg.private and cfg.privacy.delta >= 1 / n_train:
-        out.append(f"privacy.delta = {cfg.privacy.delta:g} is not below 1/n = {1 / n_train:.3g} (n = {n_train} training "
-                   "records): a mechanism that publishes a random record in full would meet such a δ. Choose δ ≪ 1/n.")
+        out.append(
+            f"privacy.delta = {cfg.privacy.delta:g} is not below 1/n = {1 / n_train:.3g} (n = "
+            f"{n_train} training "
+                   "records): a mechanism that publishes a random record in full would meet such "
+                   "a δ. Choose δ ≪ 1/n.")
     return out
 
 
 class PreflightError(ValueError):
-    """The first problem of a run found before any transport; the message is one line (file or key, what was
-    expected, what was found, what to do)."""
+    """The first problem of a run found before any transport; the message is one line (file or key,
+    what was expected, what was found, what to do)."""
 
 
 #: Records of the probe: one clipped per-sample gradient at x_0 through the workers' own code.
@@ -51,19 +56,24 @@ PROBE_RECORDS = 4
 
 @dataclass(frozen=True)
 class Preflight:
-    """What a run of a config is built from, checked before any transport (see :func:`preflight`)."""
+    """What a run of a config is built from, checked before any transport (see
+    :func:`preflight`)."""
 
-    data: PreparedData  # the dataset; in a deployment (dataset.shards) the server's test split and shard sizes
+    # the dataset; in a deployment (dataset.shards) the server's test split and shard sizes
+    data: PreparedData
     n_min: int
     calibration: Calibration | None  # None for method gd
-    gradients: PerSampleGradients  # the model (factory imported and called, layers checked) and its loss
+    # the model (factory imported and called, layers checked) and its loss
+    gradients: PerSampleGradients
     lines: tuple[str, ...]  # what is said before training: the shards, n_min and σ
-    warnings: tuple[str, ...]  # what the run releases or assumes outside ε, and noise that drowns the signal
+    # what the run releases or assumes outside ε, and noise that drowns the signal
+    warnings: tuple[str, ...]
     noise: dict[str, float | int] | None  # E‖noise‖ / C per kind of round (None for gd)
 
 
 def _server_data(cfg: ExperimentConfig) -> PreparedData:
-    """The data the server holds: the whole prepared dataset, or in a deployment only ``server.npz``."""
+    """The data the server holds: the whole prepared dataset, or in a deployment only
+    ``server.npz``."""
     if not cfg.dataset.shards:
         return load_data(cfg)
     from .shard_files import SERVER_FILE, read_server_data
@@ -72,15 +82,16 @@ def _server_data(cfg: ExperimentConfig) -> PreparedData:
     if len(sdata.shard_sizes) != cfg.clients:
         raise ValueError(f"{cfg.source}: the shards are for {len(sdata.shard_sizes)} workers, "
                          f"training.clients = {cfg.clients}.")
-    return PreparedData(name=cfg.dataset.name, x_train=np.zeros((0, sdata.x_test.shape[1])), y_train=np.zeros(0),
-                        x_test=sdata.x_test, y_test=sdata.y_test,
-                        shard_bounds=tuple((0, n) for n in sdata.shard_sizes), target_scale=sdata.target_scale,
-                        task=sdata.task, classes=sdata.classes)
+    return PreparedData(name=cfg.dataset.name, x_train=np.zeros((0, sdata.x_test.shape[1])),
+                        y_train=np.zeros(0), x_test=sdata.x_test, y_test=sdata.y_test,
+                        shard_bounds=tuple((0, n) for n in sdata.shard_sizes),
+                        target_scale=sdata.target_scale, task=sdata.task, classes=sdata.classes)
 
 
 def _probe(cfg: ExperimentConfig, data: PreparedData, model: torch.nn.Module) -> None:
-    """One clipped per-sample gradient at x_0 on the first records the server holds, through a worker built as the
-    workers build theirs: a forward that does not fit the data, or targets the loss cannot take, fail here."""
+    """One clipped per-sample gradient at x_0 on the first records the server holds, through a
+    worker built as the workers build theirs: a forward that does not fit the data, or targets the
+    loss cannot take, fail here."""
     if data.x_train.shape[0]:
         features, targets = data.shard(0)
         where = "training records of partition 0"
@@ -90,27 +101,34 @@ def _probe(cfg: ExperimentConfig, data: PreparedData, model: torch.nn.Module) ->
     k = min(PROBE_RECORDS, int(features.shape[0]))
     if k == 0:
         return
-    worker = make_worker(model=model, loss=get_loss(cfg.loss), data=(features[:k], targets[:k]), partition_id=0,
-                         dtype=cfg.training.dtype, chunk_size=cfg.training.chunk_size,
-                         gradients=cfg.training.gradients, _function=cfg.source)
+    worker = make_worker(model=model, loss=get_loss(cfg.loss), data=(features[:k], targets[:k]),
+                         partition_id=0, dtype=cfg.training.dtype,
+                         chunk_size=cfg.training.chunk_size, gradients=cfg.training.gradients,
+                         _function=cfg.source)
     x0 = initial_point(cfg.source, model, None)[1]
     try:
         records = worker.records  # in memory: a (features, targets) pair
         contribution = worker.gradients.clipped_mean(x0, records.features, records.targets, 1.0)
     except Exception as err:  # noqa: BLE001 (the user's forward or loss: any error is the user's to fix)
         raise PreflightError(
-            f"{cfg.source}: the model (model.name {cfg.model.name}) and loss {cfg.loss} fail on the first {k} {where} "
-            f"at x_0: {type(err).__name__}: {' '.join(str(err).split())}. The model is called on features of shape "
-            f"[n, {data.num_features}] and must return [n, {data.num_outputs}] outputs; "
-            + ("cross_entropy takes integer class indices as targets." if cfg.loss == "cross_entropy" else
+            f"{cfg.source}: the model (model.name {cfg.model.name}) and loss {cfg.loss} fail on "
+            f"the first {k} {where} at x_0: {type(err).__name__}: {' '.join(str(err).split())}. "
+            f"The model is called on features of shape [n, {data.num_features}] and must return "
+            f"[n, {data.num_outputs}] outputs; "
+            + ("cross_entropy takes integer class indices as targets."
+               if cfg.loss == "cross_entropy" else
                "half_squared_error takes one real target per record.")) from None
     if contribution.overflow:
-        raise PreflightError(f"{cfg.source}: the per-sample gradients at x_0 are not finite on the first {k} {where}; "
-                             "check the model's initialisation (model.init_seed, the factory) and the data's scale.")
+        raise PreflightError(
+            f"{cfg.source}: the per-sample gradients at x_0 are not finite on the first {k} "
+            f"{where}; "
+                             "check the model's initialisation (model.init_seed, the factory) and "
+                             "the data's scale.")
 
 
 def _checked_gradients(cfg: ExperimentConfig, data: PreparedData) -> PerSampleGradients:
-    """The model (factory imported and called) and its per-sample gradients; a refusal names the file and key."""
+    """The model (factory imported and called) and its per-sample gradients; a refusal names the
+    file and key."""
     try:
         model = model_of(cfg, data.num_features, data.num_outputs)
     except ValueError as err:
@@ -118,49 +136,60 @@ def _checked_gradients(cfg: ExperimentConfig, data: PreparedData) -> PerSampleGr
     try:
         check_per_sample_safe(model)
     except ValueError as err:
-        raise PreflightError(f"{cfg.source}: key `model.name`: the model {cfg.model.name!r} cannot be trained "
+        raise PreflightError(
+            f"{cfg.source}: key `model.name`: the model {cfg.model.name!r} cannot be trained "
                              f"privately: {err}") from None
     return PerSampleGradients(model, get_loss(cfg.loss), dtype=DTYPES[cfg.training.dtype],
                               chunk_size=cfg.training.chunk_size)
 
 
 def preflight(cfg: ExperimentConfig) -> Preflight:
-    """Build and check everything a run of ``cfg`` needs that no transport does, and raise the first problem.
+    """Build and check everything a run of ``cfg`` needs that no transport does, and raise the first
+    problem.
 
-    In order: the data (files, columns, values, target), the partition (shard sizes, n_min, ``privacy.n_min``),
-    the local routine's limits (``local.batch_size`` <= n_min), the calibration (σ above
-    ``dataset.partitioner.max_sigma``, the planned ε), the model (factory imported and called, a
-    ``torch.nn.Module`` without batch-norm, finite x_0) and one clipped per-sample gradient at x_0 on a few
-    records. Each problem is a ``ValueError`` (``DataError``, ``ConfigError``, :class:`PreflightError`, ...)
-    whose message names the file or key, what was expected and what was found. Both engines of ``diff2 run``
-    and the ServerApp call it first (:func:`build_server` does); it writes nothing. The returned
-    :class:`Preflight` holds what :func:`build_server` goes on with, what to say before training and the
-    estimate of the noise against the clipping radius (:mod:`~diff2_flwr.runtime.noise_report`).
+    In order: the data (files, columns, values, target), the partition (shard sizes, n_min,
+    ``privacy.n_min``), the local routine's limits (``local.batch_size`` <= n_min), the calibration
+    (σ above ``dataset.partitioner.max_sigma``, the planned ε), the model (factory imported and
+    called, a ``torch.nn.Module`` without batch-norm, finite x_0) and one clipped per-sample
+    gradient at x_0 on a few records. Each problem is a ``ValueError`` (``DataError``,
+    ``ConfigError``, :class:`PreflightError`, ...) whose message names the file or key, what was
+    expected and what was found. Both engines of ``diff2 run`` and the ServerApp call it first
+    (:func:`build_server` does); it writes nothing. The returned :class:`Preflight` holds what
+    :func:`build_server` goes on with, what to say before training and the estimate of the noise
+    against the clipping radius (:mod:`~diff2_flwr.runtime.noise_report`).
     """
     data = _server_data(cfg)
-    check_shards(cfg, data.shard_sizes)  # an empty (or too small) shard: refused before any calibration
+    # an empty (or too small) shard: refused before any calibration
+    check_shards(cfg, data.shard_sizes)
     n_min = cfg.privacy.n_min or data.n_min
     if n_min > data.n_min:
         raise ValueError(
-            f"{cfg.source}: key `privacy.n_min` = {n_min} but the smallest shard has {data.n_min} samples; "
+            f"{cfg.source}: key `privacy.n_min` = {n_min} but the smallest shard has {data.n_min} "
+            f"samples; "
             "the noise would be calibrated for a smaller sensitivity than the real one."
         )
     if cfg.local.enabled and cfg.local.batch_size > n_min:
-        raise ConfigError(f"{cfg.source}: key `local.batch_size`: expected at most n_min = {n_min} (the smallest shard: "
-                          f"every worker samples each record with probability b / n_p <= 1). Found {cfg.local.batch_size}.",
-                          key="local.batch_size", expected=f"an integer <= {n_min}", found=cfg.local.batch_size)
-    calibration = cfg.calibration(n_min)  # make_server calibrates the same way; here for the checks and the report
+        raise ConfigError(
+            f"{cfg.source}: key `local.batch_size`: expected at most n_min = {n_min} (the "
+            f"smallest shard: every worker samples each record with probability b / n_p <= 1). "
+            f"Found {cfg.local.batch_size}.",
+                          key="local.batch_size", expected=f"an integer <= {n_min}",
+                          found=cfg.local.batch_size)
+    # make_server calibrates the same way; here for the checks and the report
+    calibration = cfg.calibration(n_min)
     check_shards(cfg, data.shard_sizes, calibration)
     if calibration is not None:
         check_planned_budget(calibration, cfg.source, "privacy.")
     gradients = _checked_gradients(cfg, data)
     initial_point(cfg.source, gradients.model, None)  # parameters to train, finite
-    if cfg.private and cfg.privacy.distributed:  # the bits, P, t and the budget, as make_server will build them
+    # the bits, P, t and the budget, as make_server will build them
+    if cfg.private and cfg.privacy.distributed:
         try:
             cfg.distributed_noise(n_min, gradients.layout.dim)
         except ValueError as err:
-            raise ConfigError(f"{cfg.source}: privacy.noise: distributed: {err}", key="privacy.bits",
-                              expected="settings the secure sum can hold", found=cfg.privacy.bits) from None
+            raise ConfigError(f"{cfg.source}: privacy.noise: distributed: {err}",
+                              key="privacy.bits", expected="settings the secure sum can hold",
+                              found=cfg.privacy.bits) from None
     _probe(cfg, data, model_of(cfg, data.num_features, data.num_outputs))
     warnings = privacy_warnings(cfg, n_train=sum(data.shard_sizes))
     noise = None

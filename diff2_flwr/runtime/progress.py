@@ -16,7 +16,8 @@ __all__ = ["ProgressReporter"]
 
 
 class ProgressReporter:
-    """``done`` of ``total`` units (fractions allowed), with elapsed time, an ETA and an optional status text."""
+    """``done`` of ``total`` units (fractions allowed), with elapsed time, an ETA and an optional
+    status text."""
 
     def __init__(self, total: float, *, label: str = "runs", stream: TextIO | None = None,
                  enabled: bool = True, interval_s: float = 10.0) -> None:
@@ -24,7 +25,8 @@ class ProgressReporter:
         self.stream = sys.stderr if stream is None else stream
         self.done = 0.0
         self.started = time.perf_counter()
-        self._eta_from = (self.started, 0.0)  # the ETA extrapolates the pace since this (time, done) ...
+        # the ETA extrapolates the pace since this (time, done) ...
+        self._eta_from = (self.started, 0.0)
         self._eta_after_s = 0.0  # ... once it has been measured for this long
         self._last_line = -math.inf
         self.status = ""
@@ -36,9 +38,10 @@ class ProgressReporter:
                 TimeRemainingColumn
 
             console = Console(file=self.stream, force_terminal=True)
-            self._bar = Progress(TextColumn(f"[diff2] {label}", markup=False), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                 TextColumn("{task.fields[status]}", markup=False), console=console)
+            self._bar = Progress(TextColumn(f"[diff2] {label}", markup=False), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
+                                 TimeRemainingColumn(), TextColumn("{task.fields[status]}",
+                                                                   markup=False), console=console)
             self._task = self._bar.add_task(label, total=total, status="")
             self._bar.start()
 
@@ -53,7 +56,8 @@ class ProgressReporter:
             self._bar.update(self._task, total=total)
 
     def update(self, done: float, status: str | None = None) -> None:
-        """Set the units done so far (monotone) and, optionally, a short status (e.g. the latest metrics)."""
+        """Set the units done so far (monotone) and, optionally, a short status (e.g. the latest
+        metrics)."""
         self.done = done
         if status is not None:
             self.status = status
@@ -82,12 +86,14 @@ class ProgressReporter:
         elapsed = now - self.started
         since, base = self._eta_from
         measured = self.done > base and now - since >= self._eta_after_s
-        eta = (now - since) / (self.done - base) * (self.total - self.done) if measured else math.nan
+        eta = (now - since) / (self.done - base) * (
+            self.total - self.done) if measured else math.nan
         eta_text = f"{eta:.0f} s" if math.isfinite(eta) else "?"
         shown = int(self.done) if float(self.done).is_integer() else round(self.done, 1)
         status = f", {self.status}" if self.status else ""
-        return (f"[diff2] {self.label} {shown}/{self.total:g} ({100 * self.done / self.total:.0f} %){status}, "
-                f"{elapsed:.0f} s elapsed, ETA {eta_text}")
+        return (
+            f"[diff2] {self.label} {shown}/{self.total:g} ({100 * self.done / self.total:.0f} "
+            f"%){status}, {elapsed:.0f} s elapsed, ETA {eta_text}")
 
     def write(self, line: str) -> None:
         """Print a line of text without breaking the bar (above it while it is live)."""

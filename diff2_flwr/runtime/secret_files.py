@@ -16,7 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-__all__ = ["SECRET_BYTES", "append_private", "exclusive_lock", "fsync_folder", "make_missing_folders", "private_folder",
+__all__ = ["SECRET_BYTES", "append_private", "exclusive_lock", "fsync_folder",
+           "make_missing_folders", "private_folder",
            "write_private", "make_superexec_secret"]
 
 #: Bytes of entropy of a SuperExec secret (written as hex; Flower reads the file's exact bytes).
@@ -32,18 +33,21 @@ def private_folder(folder: str | os.PathLike[str]) -> Path:
 
 
 def write_private(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` readable by its owner only: 0600 from creation (an existing file is replaced)."""
+    """Write ``data`` readable by its owner only: 0600 from creation (an existing file is
+    replaced)."""
     path = Path(path)
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as handle:
-        os.fchmod(handle.fileno(), 0o600)  # O_CREAT's mode is masked by the umask; a umask never adds bits
+        # O_CREAT's mode is masked by the umask; a umask never adds bits
+        os.fchmod(handle.fileno(), 0o600)
         handle.write(data)
     return path
 
 
 def append_private(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Append ``data`` to a file readable by its owner only: 0600 from creation, whatever the umask."""
+    """Append ``data`` to a file readable by its owner only: 0600 from creation, whatever the
+    umask."""
     path = Path(path)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with os.fdopen(fd, "ab") as handle:
@@ -53,10 +57,12 @@ def append_private(path: str | os.PathLike[str], data: bytes) -> Path:
 
 
 def make_superexec_secret(path: str | os.PathLike[str]) -> Path:
-    """A fresh SuperExec secret (256 bits from the OS's secure source, hex) at ``path``, 0600 in a 0700 folder.
+    """A fresh SuperExec secret (256 bits from the OS's secure source, hex) at ``path``, 0600 in a
+    0700 folder.
 
     Give the same file to the component that serves the runtime API (``flower-superlink`` or
-    ``flower-supernode``, with ``--isolation process``) and to the ``flower-superexec`` that runs its apps.
+    ``flower-supernode``, with ``--isolation process``) and to the ``flower-superexec`` that runs
+    its apps.
     """
     path = Path(path)
     private_folder(path.parent)
@@ -64,7 +70,8 @@ def make_superexec_secret(path: str | os.PathLike[str]) -> Path:
 
 
 def fsync_folder(folder: str | os.PathLike[str]) -> None:
-    """Make a rename into ``folder`` durable (POSIX; a no-op where folders cannot be opened or synced)."""
+    """Make a rename into ``folder`` durable (POSIX; a no-op where folders cannot be opened or
+    synced)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -78,8 +85,8 @@ def fsync_folder(folder: str | os.PathLike[str]) -> None:
 
 
 def make_missing_folders(folder: str | os.PathLike[str]) -> None:
-    """Create the missing folders of ``folder`` with mode 0700 by ``mkdir``'s mode (no window with wider modes);
-    existing ones are left as they are (another process may make one first)."""
+    """Create the missing folders of ``folder`` with mode 0700 by ``mkdir``'s mode (no window with
+    wider modes); existing ones are left as they are (another process may make one first)."""
     folder, missing = Path(folder), []
     while not folder.exists():
         missing.append(folder)
@@ -92,10 +99,12 @@ def make_missing_folders(folder: str | os.PathLike[str]) -> None:
 
 
 @contextmanager
-def exclusive_lock(lock_path: str | os.PathLike[str], error: Callable[[OSError], Exception]) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_path`` (created 0600, its missing folders 0700) for the ``with`` block:
-    the read-check-write of a node's durable files (its ledger, its answer log). A folder or lock file that cannot be
-    made raises ``error(oserror)``; nothing of the block runs then."""
+def exclusive_lock(lock_path: str | os.PathLike[str], error: Callable[[OSError],
+                                                                      Exception]) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (created 0600, its missing folders 0700) for the
+    ``with`` block: the read-check-write of a node's durable files (its ledger, its answer log). A
+    folder or lock file that cannot be made raises ``error(oserror)``; nothing of the block runs
+    then."""
     try:
         make_missing_folders(Path(lock_path).parent)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)

@@ -1,11 +1,12 @@
 """The trusted server of a DIFF2 run: the pure core and the journal, driven together.
 
-:class:`Diff2Server` holds the run's :class:`~diff2_flwr.runtime.server_core.ServerSpec`, its current
-:class:`~diff2_flwr.runtime.server_core.ServerState` and its :class:`~diff2_flwr.runtime.journal.Journal`. Each
-call hands the state to a pure function of :mod:`~diff2_flwr.runtime.server_core`, keeps the state it returns,
-and gives it to the journal to make durable and visible; a refused round (any exception but a call out of turn)
-is recorded as the run's failure and raised, with nothing released. The Flower Strategy and the in-process
-driver make the same calls in the same order.
+:class:`Diff2Server` holds the run's :class:`~diff2_flwr.runtime.server_core.ServerSpec`, its
+current :class:`~diff2_flwr.runtime.server_core.ServerState` and its
+:class:`~diff2_flwr.runtime.journal.Journal`. Each call hands the state to a pure function of
+:mod:`~diff2_flwr.runtime.server_core`, keeps the state it returns, and gives it to the journal to
+make durable and visible; a refused round (any exception but a call out of turn) is recorded as the
+run's failure and raised, with nothing released. The Flower Strategy and the in-process driver make
+the same calls in the same order.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ __all__ = ["Diff2Server"]
 
 
 def _spec_field(name: str) -> property:
-    """The spec's field ``name``, read-only (the spec is frozen; a test that needs another replaces ``spec``)."""
-    return property(lambda self: getattr(self.spec, name), doc=f"The run's ``{name}`` (see :class:`ServerSpec`).")
+    """The spec's field ``name``, read-only (the spec is frozen; a test that needs another replaces
+    ``spec``)."""
+    return property(lambda self: getattr(self.spec, name),
+                    doc=f"The run's ``{name}`` (see :class:`ServerSpec`).")
 
 
 def _journal_field(name: str) -> property:
-    return property(lambda self: getattr(self.journal, name), lambda self, value: setattr(self.journal, name, value),
+    return property(lambda self: getattr(self.journal, name), lambda self,
+                    value: setattr(self.journal, name, value),
                     doc=f"The journal's ``{name}`` (see :class:`Journal`).")
 
 
@@ -41,18 +45,21 @@ class Diff2Server:
     """The trusted server's side of DIFF2 (Algorithm 1, server lines), transport-free.
 
     Args:
-        spec: what the server is (:meth:`ServerSpec.of` from an experiment; checked against its calibration).
-        journal: what it writes and says (:meth:`Journal.of`); None: a silent journal that writes nothing.
+        spec: what the server is (:meth:`ServerSpec.of` from an experiment; checked against its
+            calibration).
+        journal: what it writes and says (:meth:`Journal.of`); None: a silent journal that
+            writes nothing.
         x0: the initial iterate (a flat vector of ``spec.layout.dim`` entries).
         seed: the noise key (None: OS entropy).
-        resume: a checkpoint of this run to continue from (its state and ledger) instead of x0 and the seed.
+        resume: a checkpoint of this run to continue from (its state and ledger) instead of x0
+            and the seed.
 
     References:
         Murata & Suzuki (2023), Algorithm 1 (server lines).
     """
 
-    def __init__(self, spec: ServerSpec, journal: Journal | None = None, *, x0: np.ndarray, seed: int | None = None,
-                 resume: Checkpoint | None = None) -> None:
+    def __init__(self, spec: ServerSpec, journal: Journal | None = None, *, x0: np.ndarray,
+                 seed: int | None = None, resume: Checkpoint | None = None) -> None:
         spec = server_core.check_spec(spec)
         self.journal = journal if journal is not None else Journal(spec=spec, progress=None)
         self.journal.spec = spec
@@ -61,7 +68,8 @@ class Diff2Server:
             self.journal.resume(self.core, resume)
         else:
             self.core = server_core.init(spec, x0, seed)
-            self.journal.start(self.core)  # the noise key is durable before anything is written or released
+            # the noise key is durable before anything is written or released
+            self.journal.start(self.core)
 
     mechanism = _spec_field("mechanism")
     routine = _spec_field("routine")
@@ -126,13 +134,15 @@ class Diff2Server:
 
     @property
     def epsilon_spent(self) -> float:
-        """ε spent so far: the exact μ-GDP composition of the ledger's Gaussian events (cheap, every round), or
-        with a local routine (subsampled steps, no closed form) dp-accounting's PLD accountant."""
+        """ε spent so far: the exact μ-GDP composition of the ledger's Gaussian events (cheap, every
+        round), or with a local routine (subsampled steps, no closed form) dp-accounting's PLD
+        accountant."""
         return self.core.epsilon_spent
 
     @property
     def epsilon_pld(self) -> float:
-        """ε spent so far per dp-accounting's PLD accountant (independent; one composition per round)."""
+        """ε spent so far per dp-accounting's PLD accountant (independent; one composition per
+        round)."""
         return self.core.epsilon_pld
 
     @property
@@ -145,32 +155,36 @@ class Diff2Server:
         """The next round's plan (kind, radius, iterates); derived from released values only."""
         try:
             return server_core.next_plan(self.spec, self.core)
-        except Diverged as err:  # a radius or noise std that is not finite: nothing to ask the workers
+        # a radius or noise std that is not finite: nothing to ask the workers
+        except Diverged as err:
             self.fail(err)
             raise
 
     def local_worker(self, r: int) -> int:
-        """p_r, the worker that runs round r's local phase: uniform over the P workers, from the noise key.
+        """p_r, the worker that runs round r's local phase: uniform over the P workers, from the
+        noise key.
 
-        The ledger charges every record every local phase, whichever worker runs it (no amplification by the
-        choice), so the analysis holds for any p_r; the audit (:mod:`diff2_flwr.lab.audit.runner`) overrides this in a
-        subclass of its own to force the canary's worker, the worst case. No config reaches that override.
+        The ledger charges every record every local phase, whichever worker runs it (no
+        amplification by the choice), so the analysis holds for any p_r; the audit
+        (:mod:`diff2_flwr.lab.audit.runner`) overrides this in a subclass of its own to force the
+        canary's worker, the worst case. No config reaches that override.
         """
         return choose_worker(self.state.noise_key, r, self.clients)
 
     def release(self, replies: Sequence[Reply]) -> Release | LocalTask:
         """Check and average the replies, add noise, step: release round r (or nothing, raising).
 
-        With the local routine the round is released in two steps: this returns the :class:`LocalTask` for
-        the worker drawn at random (ṽ_r leaves the server, and the ledger is charged for the server's round
-        and the local steps), and :meth:`finish_local` takes its y_K as x_r.
+        With the local routine the round is released in two steps: this returns the
+        :class:`LocalTask` for the worker drawn at random (ṽ_r leaves the server, and the ledger is
+        charged for the server's round and the local steps), and :meth:`finish_local` takes its y_K
+        as x_r.
         """
         out = self._step(server_core.release, replies, self.local_worker)
         return out if isinstance(out, LocalTask) else self._publish(out)
 
     def release_sum(self, total: np.ndarray, survivors: int) -> Release:
-        """Distributed noise: release round r from the secure sum of ``survivors`` clients' messages (or nothing,
-        raising; fewer than P - t survivors release nothing)."""
+        """Distributed noise: release round r from the secure sum of ``survivors`` clients' messages
+        (or nothing, raising; fewer than P - t survivors release nothing)."""
         return self._publish(self._step(server_core.release_sum, total, survivors))
 
     def finish_local(self, reply: Reply) -> Release:
@@ -186,7 +200,8 @@ class Diff2Server:
         return self.journal.summary(self.core)
 
     def _step(self, step: Callable[..., tuple[ServerState, Any]], *args: Any) -> Any:
-        """``step(spec, state, *args)``; its new state is kept, its refusal recorded as the run's failure."""
+        """``step(spec, state, *args)``; its new state is kept, its refusal recorded as the run's
+        failure."""
         try:
             self.core, out = step(self.spec, self.core, *args)
         except OutOfTurn:  # no round is due: nothing changed, the run goes on
@@ -197,7 +212,8 @@ class Diff2Server:
         return out
 
     def _publish(self, out: Released) -> Release:
-        """Round r released: the journal records it; a diverged iterate stops the run, round R completes it."""
+        """Round r released: the journal records it; a diverged iterate stops the run, round R
+        completes it."""
         self.journal.released(self.core, out)
         if out.diverged is not None:
             self.fail(out.diverged)

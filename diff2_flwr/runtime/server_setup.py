@@ -1,7 +1,7 @@
-"""The trusted server of a DIFF2 run from plain arguments (the Python API; the YAML path ends here too):
-:func:`make_server` takes a validated experiment, x_0 (a model or per-tensor arrays, see :func:`initial_point`)
-and what the server writes (run folder, checkpoint), and says the warnings of the server's own settings.
-Importable from :mod:`diff2_flwr.runtime.session` as well.
+"""The trusted server of a DIFF2 run from plain arguments (the Python API; the YAML path ends here
+too): :func:`make_server` takes a validated experiment, x_0 (a model or per-tensor arrays, see
+:func:`initial_point`) and what the server writes (run folder, checkpoint), and says the warnings of
+the server's own settings. Importable from :mod:`diff2_flwr.runtime.session` as well.
 """
 
 from __future__ import annotations
@@ -25,45 +25,57 @@ from .server_core import ServerSpec, check_planned_budget
 __all__ = ["CLIP_STATS_WARNING", "SEED_WARNING", "initial_point", "make_server"]
 
 
-CLIP_STATS_WARNING = ("evaluation.clip_stats is on: each round's clip_fraction (the share of the private training "
-                      "records whose gradient or gradient difference was clipped) is counted on the private data "
-                      "without noise; it leaks and is NOT covered by ε. Research only: set evaluation.clip_stats: "
-                      "false for anything deployed.")
+CLIP_STATS_WARNING = (
+    "evaluation.clip_stats is on: each round's clip_fraction (the share of the private training "
+    "records whose gradient or gradient difference was clipped) is counted on the private data "
+    "without noise; it leaks and is NOT covered by ε. Research only: set evaluation.clip_stats: "
+    "false for anything deployed.")
 
 
-SEED_WARNING = ("training.seed is set, so the noise is reproducible by anyone who knows the seed; use seeds for "
-                "research only. The seed is the noise key: whoever knows it (from the config, the run config, the "
-                "summary or the checkpoint) can subtract the noise from the released iterates.")
+SEED_WARNING = (
+    "training.seed is set, so the noise is reproducible by anyone who knows the seed; use seeds "
+    "for research only. The seed is the noise key: whoever knows it (from the config, the run "
+    "config, the summary or the checkpoint) can subtract the noise from the released iterates.")
 
 
 def initial_point(function: str, model: torch.nn.Module | None,
-                   initial_parameters: Sequence[np.ndarray] | None) -> tuple[ParameterLayout, np.ndarray]:
+                   initial_parameters: Sequence[np.ndarray] | None) -> tuple[ParameterLayout,
+                                                                             np.ndarray]:
     """x_0 and its layout from a model (its trainable parameters) or from per-tensor arrays."""
     if (model is None) == (initial_parameters is None):
-        raise ConfigError(f"{function}: give exactly one of `model` (a torch.nn.Module: x_0 is its parameters) and "
-                          "`initial_parameters` (x_0 as a list of arrays, one per model tensor). Found "
+        raise ConfigError(
+            f"{function}: give exactly one of `model` (a torch.nn.Module: x_0 is its parameters) "
+            f"and "
+                          "`initial_parameters` (x_0 as a list of arrays, one per model tensor). "
+                          "Found "
                           f"{'both' if model is not None else 'neither'}.")
     if model is not None:
         if not isinstance(model, torch.nn.Module):
             raise argument_error(function, "model", "a torch.nn.Module", type(model).__name__)
         layout = ParameterLayout.of(model)
         tensors = [p for _, p in model.named_parameters() if p.requires_grad]
-        x0 = np.concatenate([p.detach().to(torch.float64).reshape(-1).numpy() for p in tensors]) if tensors else np.zeros(0)
+        x0 = np.concatenate([p.detach().to(torch.float64).reshape(-1).numpy()
+                             for p in tensors]) if tensors else np.zeros(0)
     else:
         try:
             arrays = [np.asarray(a) for a in initial_parameters]  # type: ignore[union-attr]
         except TypeError:
-            raise argument_error(function, "initial_parameters", "a list of numpy arrays (one per model tensor)",
+            raise argument_error(function, "initial_parameters",
+                                 "a list of numpy arrays (one per model tensor)",
                                   type(initial_parameters).__name__) from None
         if not all(np.issubdtype(a.dtype, np.floating) for a in arrays):
             raise argument_error(function, "initial_parameters", "floating-point arrays",
                                   [str(a.dtype) for a in arrays])
-        layout = ParameterLayout(tuple(f"parameter_{i}" for i in range(len(arrays))), tuple(a.shape for a in arrays))
+        layout = ParameterLayout(tuple(f"parameter_{i}" for i in range(len(arrays))),
+                                 tuple(a.shape for a in arrays))
         x0 = layout.flatten(arrays)
     if layout.dim == 0:
-        raise ConfigError(f"{function}: the model has no trainable parameters: there is nothing to train.")
+        raise ConfigError(
+            f"{function}: the model has no trainable parameters: there is nothing to train.")
     if not np.all(np.isfinite(x0)):
-        raise ConfigError(f"{function}: x_0 (the initial parameters) has non-finite entries; initialise the model "
+        raise ConfigError(
+            f"{function}: x_0 (the initial parameters) has non-finite entries; initialise the "
+            f"model "
                           "with finite values.")
     return layout, x0
 
@@ -81,17 +93,20 @@ def make_server(
     source: str = "diff2_flwr.make_server",
     section: str = "",
 ) -> Diff2Server:
-    """The trusted server of a DIFF2 run of ``spec`` (validated: :func:`~diff2_flwr.runtime.config.from_arguments`
-    on the Python API's path, the experiment file on the YAML path); x_0 and what the server writes are given here.
+    """The trusted server of a DIFF2 run of ``spec`` (validated:
+    :func:`~diff2_flwr.runtime.config.from_arguments` on the Python API's path, the experiment file
+    on the YAML path); x_0 and what the server writes are given here.
 
-    ``spec.privacy.n_min`` is the fewest records any client holds: the noise is calibrated for it and every reply
-    with fewer is refused. x_0 is ``model``'s trainable parameters or ``initial_parameters`` (one array per tensor).
-    ``evaluate_fn(arrays) -> {metric: value}`` evaluates each released iterate (every ``evaluation.every`` rounds,
-    and always rounds 0 and R). With ``output_dir`` each round's row and a summary go into a new folder
-    ``output_dir/<spec.name>-<time>-<random>``. With ``checkpoint`` the server's state is durable after every round, and
-    an existing checkpoint of the same run is resumed. ``run_info``: extra fields of the summary; its ``"config"``
-    (the experiment file, on the YAML path) also identifies the run for a checkpoint. Errors name ``source`` and
-    the budget's keys with ``section`` (``"privacy."`` on the YAML path).
+    ``spec.privacy.n_min`` is the fewest records any client holds: the noise is calibrated for it
+    and every reply with fewer is refused. x_0 is ``model``'s trainable parameters or
+    ``initial_parameters`` (one array per tensor). ``evaluate_fn(arrays) -> {metric: value}``
+    evaluates each released iterate (every ``evaluation.every`` rounds, and always rounds 0 and R).
+    With ``output_dir`` each round's row and a summary go into a new folder
+    ``output_dir/<spec.name>-<time>-<random>``. With ``checkpoint`` the server's state is durable
+    after every round, and an existing checkpoint of the same run is resumed. ``run_info``: extra
+    fields of the summary; its ``"config"`` (the experiment file, on the YAML path) also identifies
+    the run for a checkpoint. Errors name ``source`` and the budget's keys with ``section``
+    (``"privacy."`` on the YAML path).
 
     References:
         Murata & Suzuki (2023), Algorithm 1 (server lines); Theorem 4.1 (the noise for (ε, δ)).
@@ -123,24 +138,29 @@ def make_server(
     warnings = _announce(spec, server_spec.calibration, progress)
     if warnings:
         info["warnings"] = [*info.get("warnings", ()), *warnings]
-    journal = Journal.of(server_spec, evaluator=evaluator, recorder=recorder, run_info=info, progress=progress,
-                         checkpoint_path=checkpoint_path, fingerprint=fingerprint)
+    journal = Journal.of(server_spec, evaluator=evaluator, recorder=recorder, run_info=info,
+                         progress=progress, checkpoint_path=checkpoint_path,
+                         fingerprint=fingerprint)
     return Diff2Server(server_spec, journal, x0=x0, seed=spec.training.seed, resume=resume)
 
 
 def _check_server_arguments(spec: ExperimentConfig, source: str, evaluate_fn: Any) -> None:
     """What :func:`make_server` needs beyond a valid experiment: n_min, a callable."""
     if spec.privacy.n_min is None:
-        raise argument_error(source, "n_min", "an integer >= 1 (the fewest records any client holds; the noise "
+        raise argument_error(source, "n_min",
+                             "an integer >= 1 (the fewest records any client holds; the noise "
                              "is calibrated for it)", None)
     if evaluate_fn is not None and not callable(evaluate_fn):
-        raise argument_error(source, "evaluate_fn", "None or a callable evaluate_fn(arrays) -> {metric: value}",
+        raise argument_error(source, "evaluate_fn",
+                             "None or a callable evaluate_fn(arrays) -> {metric: value}",
                              type(evaluate_fn).__name__)
 
 
-def _recorder(output_dir: str | Path | None, name: str, resume: Checkpoint | None, info: dict[str, Any],
+def _recorder(output_dir: str | Path | None, name: str, resume: Checkpoint | None, info: dict[str,
+                                                                                              Any],
               progress: Callable[[str], None] | None) -> RunRecorder | None:
-    """The run folder's writer (None without ``output_dir``); a resumed run continues in its own folder."""
+    """The run folder's writer (None without ``output_dir``); a resumed run continues in its own
+    folder."""
     if output_dir is None:
         return None
     if resume is not None and resume.run_dir:
@@ -157,13 +177,16 @@ def _recorder(output_dir: str | Path | None, name: str, resume: Checkpoint | Non
 
 def _announce(spec: ExperimentConfig, calibration: Calibration | None,
               progress: Callable[[str], None] | None) -> list[str]:
-    """Say where the noise key comes from, and return (and say) the warnings of the server's own settings: clip
-    statistics released (outside ε), a seeded noise key (the seed is the key). They go into the summary too."""
+    """Say where the noise key comes from, and return (and say) the warnings of the server's own
+    settings: clip statistics released (outside ε), a seeded noise key (the seed is the key). They
+    go into the summary too."""
     warnings = [CLIP_STATS_WARNING] if spec.evaluation.clip_stats else []
     if calibration is not None and spec.training.seed is not None:
         warnings.append(SEED_WARNING)
     if progress and calibration is not None and spec.training.seed is None:
-        progress("[diff2] noise key drawn from OS entropy (no training.seed): the noise is not reproducible.")
+        progress(
+            "[diff2] noise key drawn from OS entropy (no training.seed): the noise is not "
+            "reproducible.")
     for warning in warnings:
         if progress:
             progress(f"[diff2] WARNING: {warning}")

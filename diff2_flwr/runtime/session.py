@@ -3,15 +3,15 @@
 :class:`Diff2Server` (:mod:`~diff2_flwr.runtime.server`) is the trusted server: its pure core
 (:mod:`~diff2_flwr.runtime.server_core`) plans each round, checks and averages the workers' replies
 (failing closed), adds the noise, steps the estimator and keeps the privacy ledger; its journal
-(:mod:`~diff2_flwr.runtime.journal`) evaluates and records. :class:`Worker` is one data owner: its shard
-and the per-sample gradient machinery. The Flower Strategy and NumPyClient are thin wrappers around
-these two; an in-process driver makes the same calls in the same order.
+(:mod:`~diff2_flwr.runtime.journal`) evaluates and records. :class:`Worker` is one data owner: its
+shard and the per-sample gradient machinery. The Flower Strategy and NumPyClient are thin wrappers
+around these two; an in-process driver makes the same calls in the same order.
 
-This module builds the server of a config (:func:`build_server`, after :func:`preflight`) and is the one
-place to import the run's pieces from: :mod:`~diff2_flwr.runtime.workers` (:class:`Worker`,
-:func:`make_worker`), :mod:`~diff2_flwr.runtime.server_setup` (:func:`make_server` from plain arguments),
-:mod:`~diff2_flwr.runtime.loading` (a config's data and workers: :func:`load_data`, :func:`build_worker`)
-and :mod:`~diff2_flwr.runtime.preflight_checks` (:func:`preflight`).
+This module builds the server of a config (:func:`build_server`, after :func:`preflight`) and is the
+one place to import the run's pieces from: :mod:`~diff2_flwr.runtime.workers` (:class:`Worker`,
+:func:`make_worker`), :mod:`~diff2_flwr.runtime.server_setup` (:func:`make_server` from plain
+arguments), :mod:`~diff2_flwr.runtime.loading` (a config's data and workers: :func:`load_data`,
+:func:`build_worker`) and :mod:`~diff2_flwr.runtime.preflight_checks` (:func:`preflight`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ from .server_core import check_mechanism
 from .server_setup import make_server
 from .workers import DTYPES, Worker, make_worker
 
-__all__ = ["Diff2Server", "Worker", "Diverged", "Preflight", "PreflightError", "check_mechanism", "load_data",
-           "make_server", "make_worker", "preflight", "build_server", "build_worker", "initial_parameters",
+__all__ = ["Diff2Server", "Worker", "Diverged", "Preflight", "PreflightError", "check_mechanism",
+           "load_data",
+           "make_server", "make_worker", "preflight", "build_server", "build_worker",
+           "initial_parameters",
            "subsample_info"]
 
 
@@ -48,9 +50,10 @@ def build_server(
 ) -> Diff2Server:
     """The server of ``cfg``: calibration from the data's n_min, x_0, evaluator, run folder.
 
-    :func:`preflight` first (or ``checked``, its result for this very ``cfg``): every mistake it can find is
-    raised before anything is written. With ``dataset.shards`` (a deployment) the server reads only
-    ``server.npz`` there: the test split and the shard sizes, no training sample (so no train metrics).
+    :func:`preflight` first (or ``checked``, its result for this very ``cfg``): every mistake it can
+    find is raised before anything is written. With ``dataset.shards`` (a deployment) the server
+    reads only ``server.npz`` there: the test split and the shard sizes, no training sample (so no
+    train metrics).
     """
     pre = preflight(cfg) if checked is None else checked
     data, n_min, gradients = pre.data, pre.n_min, pre.gradients
@@ -64,7 +67,8 @@ def build_server(
         evaluate_fn = lambda arrays: evaluator(gradients.layout.flatten(arrays))  # noqa: E731
     run_info: dict[str, Any] = {
         "name": cfg.name, "method": cfg.method, "config_file": cfg.source, "config": cfg.to_dict(),
-        "dataset": {"name": data.name, "train": sum(data.shard_sizes), "test": int(data.x_test.shape[0]),
+        "dataset": {"name": data.name, "train": sum(data.shard_sizes),
+                    "test": int(data.x_test.shape[0]),
                     "shard_sizes": list(data.shard_sizes), **subsample_info(cfg, data),
                     "partitioner": cfg.dataset.partitioner.describe(
                         cfg.dataset.split_seed, cfg.dataset.task_kind, cfg.clients)}}
@@ -79,5 +83,6 @@ def build_server(
     return make_server(
         spec, model=model_of(cfg, data.num_features, data.num_outputs), evaluate_fn=evaluate_fn,
         output_dir=(output_root or cfg.output.dir) if record else None,
-        checkpoint=cfg.output.checkpoint, progress=progress, run_info=run_info, source=cfg.source, section="privacy.",
+        checkpoint=cfg.output.checkpoint, progress=progress, run_info=run_info, source=cfg.source,
+        section="privacy.",
     )

@@ -1,4 +1,5 @@
-"""What the partition does to the noise: shard sizes, n_min and σ said before training, and the refusal.
+"""What the partition does to the noise: shard sizes, n_min and σ said before training, and the
+refusal.
 
 DIFF2 calibrates its noise to the smallest shard: one sample replaced at worker p moves the
 averaged ClippedMean by at most 2C/(n_p P), so the round's noise std σC needs σ = 2z/(n_min P)
@@ -24,7 +25,8 @@ __all__ = ["PartitionRefused", "shard_lines", "check_shards"]
 
 
 class PartitionRefused(ValueError):
-    """A partition whose smallest shard is too small for the configured privacy budget; the message has the numbers."""
+    """A partition whose smallest shard is too small for the configured privacy budget; the message
+    has the numbers."""
 
 
 def _sigmas(cal: Calibration) -> str:
@@ -37,44 +39,54 @@ def _smallest(sizes: Sequence[int]) -> int:
     return min(range(len(sizes)), key=lambda p: sizes[p])
 
 
-def shard_lines(cfg: ExperimentConfig, sizes: Sequence[int], n_min: int, calibration: Calibration | None, *,
-                available: int | None = None) -> list[str]:
+def shard_lines(cfg: ExperimentConfig, sizes: Sequence[int], n_min: int,
+                calibration: Calibration | None, *, available: int | None = None) -> list[str]:
     """The pre-training lines: the partition and its shard sizes, n_min and the σ it forces.
 
-    With ``dataset.train_samples`` the first line says that the train samples are a subsample, its seed and (when
-    known, ``available``) how many records the train split held.
+    With ``dataset.train_samples`` the first line says that the train samples are a subsample, its
+    seed and (when known, ``available``) how many records the train split held.
     """
     d, p = cfg.dataset, len(sizes)
     sub = ""
     if d.train_samples is not None:
         of = f" of the {available} in the train split" if available is not None else ""
-        sub = f" (dataset.train_samples: a uniform random subsample{of}, subsample_seed {d.subsample_seed})"
+        sub = (f" (dataset.train_samples: a uniform random subsample{of}, subsample_seed "
+               f"{d.subsample_seed})")
     lines = [f"[diff2] shards: {d.partitioner.describe(d.split_seed, d.task_kind, p)}; P = {p}, "
              f"{sum(sizes)} train samples{sub}, sizes {list(sizes)}"]
     where = f"client {_smallest(sizes)}" + (", privacy.n_min" if cfg.privacy.n_min else "")
     if calibration is None and cfg.private and cfg.privacy.distributed:
-        lines.append(f"[diff2] n_min = {n_min} ({where}); distributed noise: each client adds Skellam noise, the "
-                     f"server learns only the SecAgg+ sum ({cfg.privacy.bits} bits, t = {cfg.privacy.tolerated})")
+        lines.append(
+            f"[diff2] n_min = {n_min} ({where}); distributed noise: each client adds Skellam "
+            f"noise, the server learns only the SecAgg+ sum ({cfg.privacy.bits} bits, t = "
+            f"{cfg.privacy.tolerated})")
         return lines
     if calibration is None:
         lines.append(f"[diff2] n_min = {n_min} ({where}); method {cfg.method}: no noise")
         return lines
-    lines.append(f"[diff2] n_min = {n_min} ({where}): {_sigmas(calibration)} for ε = {calibration.epsilon:g}, "
-                 f"δ = {calibration.delta:g}, R = {calibration.rounds}, T = {calibration.restart_every}")
+    lines.append(
+        f"[diff2] n_min = {n_min} ({where}): {_sigmas(calibration)} for ε = "
+        f"{calibration.epsilon:g}, δ = {calibration.delta:g}, R = {calibration.rounds}, T = "
+        f"{calibration.restart_every}")
     iid_min = sum(sizes) // p
     if iid_min > n_min:
         iid = cfg.calibration(iid_min)
         assert iid is not None
-        lines.append(f"[diff2] an IID split of the same {sum(sizes)} samples would give n_min = {iid_min} and "
-                     f"σ1 = {iid.sigma1:.4g}" + (f", σ2 = {iid.sigma2:.4g}" if iid.sigma2 is not None else "")
+        lines.append(
+            f"[diff2] an IID split of the same {sum(sizes)} samples would give n_min = {iid_min} "
+            f"and σ1 = {iid.sigma1:.4g}" + (f", σ2 = {iid.sigma2:.4g}" if iid.sigma2 is not None
+                                            else "")
                      + f": this partition adds {iid_min / n_min:.3g}× the noise")
     return lines
 
 
-def check_shards(cfg: ExperimentConfig, sizes: Sequence[int], calibration: Calibration | None = None) -> None:
-    """Refuse shards below ``min_samples`` or a σ above ``max_sigma``, naming client, size, n_min and σ.
+def check_shards(cfg: ExperimentConfig, sizes: Sequence[int],
+                 calibration: Calibration | None = None) -> None:
+    """Refuse shards below ``min_samples`` or a σ above ``max_sigma``, naming client, size, n_min
+    and σ.
 
-    Without ``calibration`` only the sizes are checked (σ of the smallest shard is computed for the message).
+    Without ``calibration`` only the sizes are checked (σ of the smallest shard is computed for the
+    message).
     """
     part = cfg.dataset.partitioner
     what = f"partition {part.describe(cfg.dataset.split_seed, cfg.dataset.task_kind, len(sizes))}"
@@ -88,9 +100,12 @@ def check_shards(cfg: ExperimentConfig, sizes: Sequence[int], calibration: Calib
             assert cal is not None
             sigma = _sigmas(cal)
         raise PartitionRefused(
-            f"{cfg.source}: the {what} leaves client(s) {small} with fewer than dataset.partitioner.min_samples = "
-            f"{part.min_samples} samples: client {q} holds {n_min}, so n_min = {n_min} and {sigma}. Shard sizes: "
-            f"{list(sizes)}. Use a milder skew (a larger alpha, dirichlet min_partition_size), fewer clients or "
+            f"{cfg.source}: the {what} leaves client(s) {small} with fewer than "
+            f"dataset.partitioner.min_samples = "
+            f"{part.min_samples} samples: client {q} holds {n_min}, so n_min = {n_min} and "
+            f"{sigma}. Shard sizes: "
+            f"{list(sizes)}. Use a milder skew (a larger alpha, dirichlet min_partition_size), "
+            f"fewer clients or "
             "more data.")
     if calibration is None or part.max_sigma is None:
         return
@@ -99,10 +114,15 @@ def check_shards(cfg: ExperimentConfig, sizes: Sequence[int], calibration: Calib
         q = _smallest(sizes)
         declared = f" (privacy.n_min = {calibration.n_min})" if cfg.privacy.n_min else ""
         raise PartitionRefused(
-            f"{cfg.source}: with the {what}, client {q} holds only {sizes[q]} samples; n_min = {calibration.n_min}"
-            f"{declared} gives {_sigmas(calibration)} at ε = {calibration.epsilon:g}, δ = {calibration.delta:g}, "
-            f"R = {calibration.rounds}, T = {calibration.restart_every}, P = {calibration.clients}. σ = {worst:.4g} is "
-            f"above dataset.partitioner.max_sigma = {part.max_sigma:g}: each coordinate's noise would exceed the "
+            f"{cfg.source}: with the {what}, client {q} holds only {sizes[q]} samples; n_min = "
+            f"{calibration.n_min}"
+            f"{declared} gives {_sigmas(calibration)} at ε = {calibration.epsilon:g}, δ = "
+            f"{calibration.delta:g}, "
+            f"R = {calibration.rounds}, T = {calibration.restart_every}, P = "
+            f"{calibration.clients}. σ = {worst:.4g} is "
+            f"above dataset.partitioner.max_sigma = {part.max_sigma:g}: each coordinate's noise "
+            f"would exceed the "
             "clipping radius, the bound on the whole averaged signal. Shard sizes: "
-            f"{list(sizes)}. Use a milder skew or fewer clients, a larger ε or fewer rounds, or set "
+            f"{list(sizes)}. Use a milder skew or fewer clients, a larger ε or fewer rounds, or "
+            f"set "
             "dataset.partitioner.max_sigma (null: no limit) to run anyway.")

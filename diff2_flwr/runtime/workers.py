@@ -1,6 +1,7 @@
-"""One data owner of a DIFF2 run: :class:`Worker` (its records and the per-sample gradient machinery) and
-:func:`make_worker`, which builds one from a model, a per-sample loss and records (the Python API and the
-YAML path both call it). Importable from :mod:`diff2_flwr.runtime.session` as well.
+"""One data owner of a DIFF2 run: :class:`Worker` (its records and the per-sample gradient
+machinery) and :func:`make_worker`, which builds one from a model, a per-sample loss and records
+(the Python API and the YAML path both call it). Importable from :mod:`diff2_flwr.runtime.session`
+as well.
 """
 
 from __future__ import annotations
@@ -46,67 +47,81 @@ class Worker:
     def features(self) -> torch.Tensor:
         """The features of in-memory records (a Dataset is only ever read in chunks)."""
         if not isinstance(self.records, TensorRecords):
-            raise AttributeError("This worker reads a Dataset in chunks; it holds no features tensor.")
+            raise AttributeError(
+                "This worker reads a Dataset in chunks; it holds no features tensor.")
         return self.records.features
 
     @property
     def targets(self) -> torch.Tensor:
         """The targets of in-memory records."""
         if not isinstance(self.records, TensorRecords):
-            raise AttributeError("This worker reads a Dataset in chunks; it holds no targets tensor.")
+            raise AttributeError(
+                "This worker reads a Dataset in chunks; it holds no targets tensor.")
         return self.records.targets
 
-    def contribute(self, radius: float, x_current: np.ndarray, x_previous: np.ndarray | None) -> Contribution:
+    def contribute(self, radius: float, x_current: np.ndarray,
+                   x_previous: np.ndarray | None) -> Contribution:
         """ClippedMean of per-sample gradients (x_previous None) or of gradient differences."""
         if isinstance(self.records, TensorRecords):
-            return self.gradients.clipped_mean(x_current, self.records.features, self.records.targets, radius,
-                                               x_previous)
+            return self.gradients.clipped_mean(x_current, self.records.features,
+                                               self.records.targets, radius, x_previous)
         return self.gradients.clipped_mean_of(x_current, self.records.chunks(), radius, x_previous)
 
     def reply(self, plan: RoundPlan) -> Reply:
-        """This worker's reply to ``plan`` exactly as the wire carries it (one float64 array per tensor)."""
+        """This worker's reply to ``plan`` exactly as the wire carries it (one float64 array per
+        tensor)."""
         c = self.contribute(plan.radius, plan.x_current, plan.x_previous)
         return Reply(client=f"partition {self.partition_id}", partition_id=self.partition_id,
-                     arrays=self.gradients.layout.split(c.mean), num_samples=c.num_samples, num_clipped=c.num_clipped,
-                     overflow=c.overflow)
+                     arrays=self.gradients.layout.split(c.mean), num_samples=c.num_samples,
+                     num_clipped=c.num_clipped, overflow=c.overflow)
 
     def message(self, noise: DistributedNoise, r: int, radius: float, x_current: np.ndarray,
                 x_previous: np.ndarray | None, seed: int | None) -> np.ndarray:
-        """``privacy.noise: distributed``: this worker's round-r message for the secure sum: its ClippedMean
-        (restart: x_previous None; difference otherwise), projected onto the radius's ball, rotated, rounded and
-        noised with this worker's share (int64 in [0, 2**bits)).
+        """``privacy.noise: distributed``: this worker's round-r message for the secure sum: its
+        ClippedMean (restart: x_previous None; difference otherwise), projected onto the radius's
+        ball, rotated, rounded and noised with this worker's share (int64 in [0, 2**bits)).
 
-        The noise comes from OS entropy, or with ``seed`` (``training.seed``) from (seed, partition, round): the
-        seed then reproduces every client's noise (tests only). A worker whose gradients overflow raises
-        :class:`~diff2_flwr.core.estimator.Diverged`: the secure sum then misses it and the round releases nothing.
+        The noise comes from OS entropy, or with ``seed`` (``training.seed``) from (seed, partition,
+        round): the seed then reproduces every client's noise (tests only). A worker whose gradients
+        overflow raises :class:`~diff2_flwr.core.estimator.Diverged`: the secure sum then misses it
+        and the round releases nothing.
         """
         c = self.contribute(radius, x_current, x_previous)
         if c.overflow:
-            raise Diverged(r, "gradients", f"partition {self.partition_id}: per-sample gradients overflow at "
+            raise Diverged(r, "gradients",
+                           f"partition {self.partition_id}: per-sample gradients overflow at "
                            f"x_{r - 1}; it sends no message, so the round releases nothing.")
         mean = c.mean
         norm = robust_norm(mean)
-        if norm > radius:  # no server checks a message: the worker's own mean must be within the radius
+        # no server checks a message: the worker's own mean must be within the radius
+        if norm > radius:
             mean = project_onto_ball(mean, radius, norm)
-        return noise.encode(mean, r, x_previous is None, radius, client_rng(seed, self.partition_id, r))
+        return noise.encode(mean, r, x_previous is None, radius, client_rng(seed, self.partition_id,
+                                                                            r))
 
     def local_phase(self, task: LocalTask) -> Reply:
-        """The private local steps of the local routine (:mod:`diff2_flwr.core.local`) on this shard: y_K as a reply.
+        """The private local steps of the local routine (:mod:`diff2_flwr.core.local`) on this
+        shard: y_K as a reply.
 
-        The worker checks what it receives (its partition, shapes, finiteness, b <= n_p) before touching data.
+        The worker checks what it receives (its partition, shapes, finiteness, b <= n_p) before
+        touching data.
         """
         if task.partition_id != self.partition_id:
-            raise ValueError(f"The local task is for partition {task.partition_id}; this worker is partition "
+            raise ValueError(
+                f"The local task is for partition {task.partition_id}; this worker is partition "
                              f"{self.partition_id}.")
         if task.x_start.shape != (self.gradients.layout.dim,):
-            raise ValueError(f"The local task's x_(r-1) has shape {task.x_start.shape}; the model has "
+            raise ValueError(
+                f"The local task's x_(r-1) has shape {task.x_start.shape}; the model has "
                              f"{self.gradients.layout.dim} parameters.")
         if not isinstance(self.records, TensorRecords):
-            raise ValueError("The local routine needs the shard in memory (features and targets tensors); this worker "
-                             "reads a Dataset in chunks.")
+            raise ValueError(
+                "The local routine needs the shard in memory (features and targets tensors); this "
+                "worker reads a Dataset in chunks.")
         features, targets = self.records.features, self.records.targets
 
-        def clipped_sum(y: np.ndarray, y_prev: np.ndarray, batch: np.ndarray, radius: float) -> tuple[np.ndarray, int, bool]:
+        def clipped_sum(y: np.ndarray, y_prev: np.ndarray, batch: np.ndarray,
+                        radius: float) -> tuple[np.ndarray, int, bool]:
             index = torch.from_numpy(batch)
             c = self.gradients.clipped_mean(y, features[index], targets[index], radius, y_prev)
             return c.mean * batch.size, c.num_clipped, c.overflow
@@ -118,7 +133,8 @@ class Worker:
 
 
 def _closed_form_applies(model: torch.nn.Module, loss: LossFn) -> bool:
-    """The closed form is for the paper MLP (one softplus hidden layer, one output) with ½-squared error."""
+    """The closed form is for the paper MLP (one softplus hidden layer, one output) with ½-squared
+    error."""
     return type(model) is PaperMLP and loss is half_squared_error and model.out.out_features == 1
 
 
@@ -135,12 +151,12 @@ def make_worker(
 ) -> Worker:
     """One worker from a model, a per-sample loss and its records; the YAML path calls it too.
 
-    ``loss(output[n, ...], target[n]) -> losses[n]`` (one loss per record, no reduction), or the name of one
-    of ours. ``data``: ``(features, targets)`` tensors or arrays, or a map-style ``Dataset`` of
-    ``(features, target)`` pairs, read ``chunk_size`` records at a time. ``model`` is copied (its parameters
-    come from the server each round; the caller's module is left as it is). ``gradients``: "auto" takes the
-    closed form for the paper MLP with ½-squared error, ``torch.func`` otherwise. Models that mix the samples
-    of a batch (batch-norm) are refused.
+    ``loss(output[n, ...], target[n]) -> losses[n]`` (one loss per record, no reduction), or the
+    name of one of ours. ``data``: ``(features, targets)`` tensors or arrays, or a map-style
+    ``Dataset`` of ``(features, target)`` pairs, read ``chunk_size`` records at a time. ``model`` is
+    copied (its parameters come from the server each round; the caller's module is left as it is).
+    ``gradients``: "auto" takes the closed form for the paper MLP with ½-squared error,
+    ``torch.func`` otherwise. Models that mix the samples of a batch (batch-norm) are refused.
 
     References:
         Murata & Suzuki (2023), Algorithm 1 (worker lines), Algorithm 2 (ClippedMean).
@@ -153,34 +169,44 @@ def make_worker(
         raise argument_error(_function, "model", "a torch.nn.Module", type(model).__name__)
     if isinstance(loss, str):
         if loss not in LOSSES:
-            raise argument_error(_function, "loss", f"a callable loss(output, target) -> per-sample losses, or one "
+            raise argument_error(_function, "loss",
+                                 f"a callable loss(output, target) -> per-sample losses, or one "
                                   f"of {sorted(LOSSES)}", loss)
         loss = get_loss(loss)
     if not callable(loss):
-        raise argument_error(_function, "loss", "a callable loss(output, target) -> per-sample losses",
+        raise argument_error(_function, "loss",
+                             "a callable loss(output, target) -> per-sample losses",
                               type(loss).__name__)
     torch_dtype = DTYPES[options.dtype]
-    generic = PerSampleGradients(copy.deepcopy(model), loss, dtype=torch_dtype, chunk_size=options.chunk_size)
+    generic = PerSampleGradients(copy.deepcopy(model), loss, dtype=torch_dtype,
+                                 chunk_size=options.chunk_size)
     closed_form = _closed_form_applies(model, loss)
     if options.gradients == "closed_form" and not closed_form:
-        raise argument_error(_function, "gradients", "'auto' or 'torch_func' unless the model is the paper MLP "
-                              "(PaperMLP, one output) with loss half_squared_error (the closed form is for that model)",
+        raise argument_error(_function, "gradients",
+                             "'auto' or 'torch_func' unless the model is the paper MLP (PaperMLP, "
+                             "one output) with loss half_squared_error (the closed form is for "
+                             "that model)",
                               options.gradients)
     grads: PerSampleGradients | PaperMLPGradients = generic
     if closed_form and options.gradients != "torch_func":
         grads = PaperMLPGradients(generic.layout, dtype=torch_dtype)
     records = as_records(data, dtype=torch_dtype, chunk_size=options.chunk_size)
     if records.num_samples == 0:
-        raise ValueError(f"Partition {partition_id} holds no samples: an empty shard cannot contribute a ClippedMean.")
+        raise ValueError(
+            f"Partition {partition_id} holds no samples: an empty shard cannot contribute a "
+            f"ClippedMean.")
     _check_first_records(_function, model, loss, records, torch_dtype)
     return Worker(partition_id, grads, records)
 
 
-def _check_first_records(function: str, model: torch.nn.Module, loss: LossFn, records: TensorRecords | DatasetRecords,
-                         dtype: torch.dtype) -> None:
-    """The loss on the first two records, so that a target the loss cannot take fails here, in one line."""
-    x, y = (records.features[:2], records.targets[:2]) if isinstance(records, TensorRecords) else next(records.chunks())
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):  # no draw from torch's global generator leaks out
+def _check_first_records(function: str, model: torch.nn.Module, loss: LossFn,
+                         records: TensorRecords | DatasetRecords, dtype: torch.dtype) -> None:
+    """The loss on the first two records, so that a target the loss cannot take fails here, in one
+    line."""
+    x, y = (records.features[:2],
+            records.targets[:2]) if isinstance(records, TensorRecords) else next(records.chunks())
+    # no draw from torch's global generator leaks out
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
         try:
             output = copy.deepcopy(model).to(dtype)(x[:2])
         except Exception:  # noqa: BLE001 - the model's own failure is reported where the gradients run it
@@ -189,7 +215,10 @@ def _check_first_records(function: str, model: torch.nn.Module, loss: LossFn, re
             loss(output, y[:2])
         except Exception as exc:  # noqa: BLE001 - any failure of the loss is reported, in one line
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise argument_error(function, "loss", "a loss that takes this client's targets (floating-point "
-                                  f"targets arrive as {dtype}, integer ones as they are: give class labels as "
-                                  "integers, e.g. y.astype(int), or convert in the loss with target.long())",
+            raise argument_error(function, "loss",
+                                 "a loss that takes this client's targets (floating-point "
+                                  f"targets arrive as {dtype}, integer ones as they are: give "
+                                  f"class labels as "
+                                  "integers, e.g. y.astype(int), or convert in the loss with "
+                                  "target.long())",
                                   f"{type(exc).__name__}: {first}") from None

@@ -11,18 +11,18 @@ Datasets: ``synthetic`` (in-package, deterministic by seed: the embedded default
 ``covertype`` (classification), read from files in a data directory given in the config or by
 ``DIFF2_DATA_DIR`` (never downloaded; expected file names in :data:`EXPECTED_FILES`); and
 ``csv``, any CSV file with a header (a target column, columns to drop, categorical columns); and
-``digits``, scikit-learn's bundled 8×8 handwritten digits (1,797 images, 10 classes, no download; the
-``examples`` extra), whose 64 pixel intensities 0..16 are divided by 16 into [0, 1] and not
-standardised (a CNN reads them as a 1×8×8 image; per-pixel standardisation would blow up the
-nearly always blank border pixels).
-For classification the target is a class index and is not scaled: labels that are all numbers must be
-integers (``1`` and ``1.0`` are class 1; classes ordered by value), other labels are text (ordered as text).
-Non-IID shards (Dirichlet, pathological, size-skewed) come from :mod:`diff2_flwr.task.partitions`.
+``digits``, scikit-learn's bundled 8×8 handwritten digits (1,797 images, 10 classes, no download;
+the ``examples`` extra), whose 64 pixel intensities 0..16 are divided by 16 into [0, 1] and not
+standardised (a CNN reads them as a 1×8×8 image; per-pixel standardisation would blow up the nearly
+always blank border pixels). For classification the target is a class index and is not scaled:
+labels that are all numbers must be integers (``1`` and ``1.0`` are class 1; classes ordered by
+value), other labels are text (ordered as text). Non-IID shards (Dirichlet, pathological,
+size-skewed) come from :mod:`diff2_flwr.task.partitions`.
 
-Every CSV file is read by pyarrow through :mod:`diff2_flwr.task.csvfile`, chosen because its number parser
-is correctly rounded (the arrays are bit for bit those of the hand-written reader it replaced) and it names
-the row of a malformed line; messages name the file's 1-based line (header = line 1, empty lines skipped
-but counted).
+Every CSV file is read by pyarrow through :mod:`diff2_flwr.task.csvfile`, chosen because its number
+parser is correctly rounded (the arrays are bit for bit those of the hand-written reader it
+replaced) and it names the row of a malformed line; messages name the file's 1-based line (header =
+line 1, empty lines skipped but counted).
 """
 
 from __future__ import annotations
@@ -54,17 +54,21 @@ __all__ = [
 ]
 
 DATA_DIR_ENV = "DIFF2_DATA_DIR"
-DATASETS = ("synthetic", "california_housing", "gas_turbine", "blogfeedback", "kddcup99", "covertype", "digits", "csv")
+DATASETS = ("synthetic", "california_housing", "gas_turbine", "blogfeedback", "kddcup99",
+            "covertype", "digits", "csv")
 CLASSIFICATION = ("kddcup99", "covertype", "digits")
-#: Datasets whose features arrive on a fixed, known scale and are not standardised (digits: pixels / 16 in [0, 1]).
+#: Datasets whose features arrive on a fixed, known scale and are not standardised (digits: pixels /
+#: 16 in [0, 1]).
 PRESCALED = ("digits",)
 
 #: Files each real dataset is read from (in ``<data dir>/<dataset>/`` or ``<data dir>/``).
 EXPECTED_FILES = {
     "california_housing": ("cal_housing.csv",),
     "gas_turbine": tuple(f"gt_{year}.csv" for year in range(2011, 2016)),
-    "blogfeedback": ("blogData_train.csv",),  # UCI BlogFeedback: 281 numbers per row, no header, target last
-    "kddcup99": ("kddcup.data_10_percent",),  # UCI KDD Cup 1999, 10 % file (or .gz / .csv): 41 features + label
+    # UCI BlogFeedback: 281 numbers per row, no header, target last
+    "blogfeedback": ("blogData_train.csv",),
+    # UCI KDD Cup 1999, 10 % file (or .gz / .csv): 41 features + label
+    "kddcup99": ("kddcup.data_10_percent",),
     "covertype": ("covtype.data",),  # UCI Covertype (or .gz): 54 features + cover type 1..7
 }
 
@@ -91,7 +95,8 @@ class PreparedData:
     classes: tuple[str, ...] = ()
     feature_mean: np.ndarray | None = None  # the standardisation statistics (train split)
     feature_std: np.ndarray | None = None
-    #: Records of the train split before ``train_samples`` kept a subsample of them (None: no subsample).
+    #: Records of the train split before ``train_samples`` kept a subsample of them (None: no
+    #: subsample).
     train_available: int | None = None
     subsample_seed: int | None = None  # the seed of that subsample (None: no subsample)
 
@@ -115,19 +120,23 @@ class PreparedData:
     def shard(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
         """Features and targets of worker ``partition_id``'s shard."""
         if not 0 <= partition_id < len(self.shard_bounds):
-            raise DataError(f"partition-id must be in 0..{len(self.shard_bounds) - 1}. Found {partition_id}.")
+            raise DataError(
+                f"partition-id must be in 0..{len(self.shard_bounds) - 1}. Found {partition_id}.")
         a, b = self.shard_bounds[partition_id]
         return self.x_train[a:b], self.y_train[a:b]
 
 
-def synthetic_regression(num_samples: int, num_features: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def synthetic_regression(num_samples: int, num_features: int, seed: int) -> tuple[np.ndarray,
+                                                                                  np.ndarray]:
     """A smooth nonlinear regression task, deterministic by ``seed`` (needs no download).
 
     y = tanh(w1·x) + 0.5 sin(w2·x) + 0.1 (w3·x)² + 0.1 N(0, 1), with x ~ N(0, I) and fixed
     random directions w.
     """
     if num_samples < 2 or num_features < 1:
-        raise DataError(f"synthetic data needs num_samples >= 2 and num_features >= 1. Found {num_samples}, {num_features}.")
+        raise DataError(
+            f"synthetic data needs num_samples >= 2 and num_features >= 1. Found {num_samples}, "
+            f"{num_features}.")
     rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(0x5EED,)))
     w = rng.standard_normal((3, num_features)) / np.sqrt(num_features)
     x = rng.standard_normal((num_samples, num_features))
@@ -145,7 +154,8 @@ def resolve_data_dir(configured: str | os.PathLike[str] | None) -> Path:
     if env:
         return Path(env).expanduser()
     raise DataError(
-        f"No data directory: set `dataset.dir` in the config or the environment variable {DATA_DIR_ENV} "
+        f"No data directory: set `dataset.dir` in the config or the environment variable "
+        f"{DATA_DIR_ENV} "
         "to the folder holding california_housing/ and gas_turbine/ (e.g. ../shared/data)."
     )
 
@@ -156,13 +166,16 @@ def _find(data_dir: Path, sub: str, filename: str, variants: tuple[str, ...] = (
             if candidate.is_file():
                 return candidate
     raise DataError(
-        f"Dataset file {filename!r} not found: looked for {data_dir / sub / filename} and {data_dir / filename}. "
-        f"Point `dataset.dir` or {DATA_DIR_ENV} at the folder that holds it."
+        f"Dataset file {filename!r} not found: looked for {data_dir / sub / filename} and "
+        f"{data_dir / filename}. Point `dataset.dir` or {DATA_DIR_ENV} at the folder that holds "
+        f"it."
     )
 
 
-def _features_and_target(path: Path, target: str, drop: tuple[str, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
-    """A numeric CSV file with a header: the features (every column but the target and ``drop``) and the target."""
+def _features_and_target(path: Path, target: str, drop: tuple[str, ...] = ()) -> tuple[np.ndarray,
+                                                                                       np.ndarray]:
+    """A numeric CSV file with a header: the features (every column but the target and ``drop``) and
+    the target."""
     file = CsvFile.open(path)
     t = file.index(target, "target column")
     keep = [j for j, name in enumerate(file.names) if j != t and name not in drop]
@@ -178,14 +191,15 @@ def load_raw(
     if name == "synthetic":
         return synthetic_regression(num_samples, num_features, seed)
     if name == "california_housing":
-        return _features_and_target(_find(resolve_data_dir(data_dir), "california_housing", _CALIFORNIA_FILE),
+        return _features_and_target(_find(resolve_data_dir(data_dir), "california_housing",
+                                          _CALIFORNIA_FILE),
                                     _CALIFORNIA_TARGET)
     if name == "gas_turbine":
         root = resolve_data_dir(data_dir)
         parts = []
         for filename in _GAS_TURBINE_FILES:
-            parts.append(_features_and_target(_find(root, "gas_turbine", filename), _GAS_TURBINE_TARGET,
-                                              _GAS_TURBINE_DROP))
+            parts.append(_features_and_target(_find(root, "gas_turbine", filename),
+                                              _GAS_TURBINE_TARGET, _GAS_TURBINE_DROP))
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     if name == "blogfeedback":
         path = _find(resolve_data_dir(data_dir), "blogfeedback", "blogData_train.csv", ("", ".gz"))
@@ -197,14 +211,18 @@ def load_raw(
 
 
 def _encode(file: CsvFile, target: int, categorical: set[int], drop: set[int], classification: bool,
-            labels: Callable[[pa.Array], pa.Array] | None = None) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
-    """Features (categorical columns one-hot, in order of first appearance) and target (class index, or number).
+            labels: Callable[[pa.Array], pa.Array] | None = None) -> tuple[np.ndarray, np.ndarray,
+                                                                           tuple[str, ...]]:
+    """Features (categorical columns one-hot, in order of first appearance) and target (class index,
+    or number).
 
-    ``labels`` maps the target's text before the classes are taken (KDD Cup 99: any attack -> "attack").
+    ``labels`` maps the target's text before the classes are taken (KDD Cup 99: any attack ->
+    "attack").
     """
     keep = [j for j in range(len(file.names)) if j != target and j not in drop]
     numeric = [j for j in keep if j not in categorical]
-    hints = {} if classification else {target: "A regression target must be a number: for class labels write "
+    hints = {} if classification else {
+        target: "A regression target must be a number: for class labels write "
                                                 "`dataset.task: classification`."}
     table = file.read(numeric if classification else numeric + [target],
                       text=sorted(categorical) + ([target] if classification else []), hints=hints)
@@ -222,12 +240,13 @@ def _encode(file: CsvFile, target: int, categorical: set[int], drop: set[int], c
     return x, y, classes
 
 
-def class_indices(file: CsvFile, column: int, values: pa.Array) -> tuple[np.ndarray, tuple[str, ...]]:
+def class_indices(file: CsvFile, column: int, values: pa.Array) -> tuple[np.ndarray, tuple[str,
+                                                                                           ...]]:
     """Class index (float64) of each label, and the class names.
 
-    Labels that are all numbers must hold integers (``1`` and ``1.0`` are class 1), ordered by value and named
-    ``"1"``; text labels are ordered as text. Anything else (``1.5``, ``nan``, an empty label) is refused with
-    its line.
+    Labels that are all numbers must hold integers (``1`` and ``1.0`` are class 1), ordered by value
+    and named ``"1"``; text labels are ordered as text. Anything else (``1.5``, ``nan``, an empty
+    label) is refused with its line.
     """
     try:
         numbers = pac.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
@@ -237,8 +256,10 @@ def class_indices(file: CsvFile, column: int, values: pa.Array) -> tuple[np.ndar
         bad = ~np.isfinite(numbers) | (numbers != np.round(numbers))
         if bad.any():
             row = int(np.argmax(bad))
-            raise DataError(f"{file.path}: line {file.line(row)}, {file.label(column)} holds the class label "
-                            f"{values[row].as_py()!r}: class labels must be integers (1 or 1.0) or text. Round the "
+            raise DataError(
+                f"{file.path}: line {file.line(row)}, {file.label(column)} holds the class label "
+                            f"{values[row].as_py()!r}: class labels must be integers (1 or 1.0) "
+                            f"or text. Round the "
                             "labels, or for a numeric target write `dataset.task: regression`.")
         levels = np.unique(numbers)
         classes = tuple(str(int(v)) for v in levels)
@@ -246,24 +267,32 @@ def class_indices(file: CsvFile, column: int, values: pa.Array) -> tuple[np.ndar
     else:
         empty = pac.equal(values, "").to_numpy(zero_copy_only=False)
         if empty.any():
-            raise DataError(f"{file.path}: line {file.line(int(np.argmax(empty)))}, {file.label(column)} holds no "
+            raise DataError(
+                f"{file.path}: line {file.line(int(np.argmax(empty)))}, {file.label(column)} "
+                f"holds no "
                             "class label. Fill in or drop the records without a label first.")
         classes = tuple(sorted(set(values.unique().to_pylist())))
-        y = pac.index_in(values, value_set=pa.array(classes)).to_numpy(zero_copy_only=False).astype(np.float64)
+        y = pac.index_in(values,
+                         value_set=pa.array(classes)).to_numpy(zero_copy_only=False).astype(
+                             np.float64)
     if len(classes) < 2:
-        raise DataError(f"{file.path}: the target {file.label(column)} has a single class {classes}: "
+        raise DataError(
+            f"{file.path}: the target {file.label(column)} has a single class {classes}: "
                         "classification needs at least two.")
     return y, classes
 
 
 def load_digits() -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
-    """scikit-learn's bundled handwritten digits: 1,797 rows of 64 pixels / 16 (in [0, 1]), class 0..9, names."""
+    """scikit-learn's bundled handwritten digits: 1,797 rows of 64 pixels / 16 (in [0, 1]), class
+    0..9, names."""
     try:
         from sklearn.datasets import load_digits as _sklearn_load_digits
     except ImportError as exc:
         raise DataError(
-            "dataset `digits` reads scikit-learn's bundled handwritten digits, but scikit-learn is not installed "
-            f"({exc}). Install the examples extra: pip install 'diff2-flwr[examples]' (scripts/setup.sh does)."
+            "dataset `digits` reads scikit-learn's bundled handwritten digits, but scikit-learn "
+            "is not installed "
+            f"({exc}). Install the examples extra: pip install 'diff2-flwr[examples]' "
+            f"(scripts/setup.sh does)."
         ) from None
     bunch = _sklearn_load_digits()
     x = np.asarray(bunch.data, dtype=np.float64) / 16.0  # intensities 0..16 -> [0, 1]
@@ -272,8 +301,8 @@ def load_digits() -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
 
 
 def load_classification(name: str, *, data_dir: str | os.PathLike[str] | None = None):
-    """KDD Cup 99 (normal vs attack), Covertype (7 cover types) or digits (10 digits): features, class index,
-    class names."""
+    """KDD Cup 99 (normal vs attack), Covertype (7 cover types) or digits (10 digits): features,
+    class index, class names."""
     if name == "digits":
         return load_digits()
     root = resolve_data_dir(data_dir)
@@ -281,15 +310,21 @@ def load_classification(name: str, *, data_dir: str | os.PathLike[str] | None = 
         path = _find(root, "kddcup99", "kddcup.data_10_percent", ("", ".gz", ".csv"))
         file = CsvFile.open(path, header=False)
         if len(file.names) != 42:
-            raise DataError(f"{path}: KDD Cup 99 rows have 42 values (41 features and a label). Found {len(file.names)}.")
-        return _encode(file, target=41, categorical={1, 2, 3}, drop=set(), classification=True, labels=_normal_or_attack)
+            raise DataError(
+                f"{path}: KDD Cup 99 rows have 42 values (41 features and a label). Found "
+                f"{len(file.names)}.")
+        return _encode(file, target=41, categorical={1, 2, 3}, drop=set(), classification=True,
+                       labels=_normal_or_attack)
     if name == "covertype":
         path = _find(root, "covertype", "covtype.data", ("", ".gz"))
         file = CsvFile.open(path, header=False)
         if len(file.names) != 55:
-            raise DataError(f"{path}: Covertype rows have 55 values (54 features and the cover type). Found {len(file.names)}.")
+            raise DataError(
+                f"{path}: Covertype rows have 55 values (54 features and the cover type). Found "
+                f"{len(file.names)}.")
         return _encode(file, target=54, categorical=set(), drop=set(), classification=True)
-    raise DataError(f"Unknown classification dataset {name!r}. Expected one of {list(CLASSIFICATION)}.")
+    raise DataError(
+        f"Unknown classification dataset {name!r}. Expected one of {list(CLASSIFICATION)}.")
 
 
 def load_csv(path: str | os.PathLike[str], *, target: str, drop: tuple[str, ...] = (),
@@ -307,12 +342,15 @@ def load_csv(path: str | os.PathLike[str], *, target: str, drop: tuple[str, ...]
         if missing:
             close = difflib.get_close_matches(missing[0], file.names, n=1)
             hint = f"Did you mean {close[0]!r}? " if close else ""
-            raise DataError(f"{path}: `dataset.{key}` names column(s) {missing} that the header lacks. {hint}"
+            raise DataError(
+                f"{path}: `dataset.{key}` names column(s) {missing} that the header lacks. {hint}"
                             f"Columns: {list(file.names)}.")
     if target in drop or target in categorical:
-        raise DataError(f"{path}: the target column {target!r} cannot also be dropped or categorical.")
+        raise DataError(
+            f"{path}: the target column {target!r} cannot also be dropped or categorical.")
     return _encode(file, target=t, categorical={file.names.index(c) for c in categorical},
-                   drop={file.names.index(c) for c in drop}, classification=task == "classification")
+                   drop={file.names.index(c) for c in drop},
+                   classification=task == "classification")
 
 
 def _normal_or_attack(labels: pa.Array) -> pa.Array:
@@ -322,27 +360,28 @@ def _normal_or_attack(labels: pa.Array) -> pa.Array:
 
 
 def prepare(
-    name: str, x: np.ndarray, y: np.ndarray, *, clients: int, test_fraction: float = 0.2, split_seed: int = 0,
-    classes: tuple[str, ...] = (), partitioner: Mapping[str, Any] | None = None, standardise: bool | None = None,
+    name: str, x: np.ndarray, y: np.ndarray, *, clients: int, test_fraction: float = 0.2,
+    split_seed: int = 0, classes: tuple[str, ...] = (),
+    partitioner: Mapping[str, Any] | None = None, standardise: bool | None = None,
     train_samples: int | None = None, subsample_seed: int = 0,
 ) -> PreparedData:
     """Split, standardise, scale the target (regression only) and shard (the paper's preparation).
 
     With ``classes`` the task is classification: ``y`` holds class indices and is not scaled.
     ``partitioner`` holds the keyword arguments of :func:`~diff2_flwr.task.partitions.partition`
-    (``name``, ``seed``, ``alpha``, ...); ``None`` or ``{"name": "iid"}`` is the paper's IID cut. The
-    train split is then reordered so that shard p is the contiguous block ``shard_bounds[p]``; the
-    test split and the standardisation statistics do not depend on the partition. ``standardise``
-    (default: unless ``name`` is in :data:`PRESCALED`) False keeps the features as they are (mean 0, std 1
-    are recorded as the statistics).
+    (``name``, ``seed``, ``alpha``, ...); ``None`` or ``{"name": "iid"}`` is the paper's IID cut.
+    The train split is then reordered so that shard p is the contiguous block ``shard_bounds[p]``;
+    the test split and the standardisation statistics do not depend on the partition.
+    ``standardise`` (default: unless ``name`` is in :data:`PRESCALED`) False keeps the features as
+    they are (mean 0, std 1 are recorded as the statistics).
 
     ``train_samples`` N keeps a uniform random subset of N records of the train split, drawn with
-    ``subsample_seed``, *before* standardising and sharding: the kept records are the training set from then
-    on (their statistics standardise the features, the partitioner cuts them into the P shards, n_min
-    follows), while the test split holds the same records as without a subsample and the target keeps its
-    scale (the largest |target| of the whole dataset). The subsets of one seed are nested (the N₁ records
-    kept for N₁ < N₂ are among the N₂ kept for N₂), and N = the whole train split keeps every record in
-    its order, i.e. gives exactly the data without a subsample.
+    ``subsample_seed``, *before* standardising and sharding: the kept records are the training set
+    from then on (their statistics standardise the features, the partitioner cuts them into the P
+    shards, n_min follows), while the test split holds the same records as without a subsample and
+    the target keeps its scale (the largest |target| of the whole dataset). The subsets of one seed
+    are nested (the N₁ records kept for N₁ < N₂ are among the N₂ kept for N₂), and N = the whole
+    train split keeps every record in its order, i.e. gives exactly the data without a subsample.
     """
     n = x.shape[0]
     if not 0 < test_fraction < 1:
@@ -358,24 +397,29 @@ def prepare(
         )
     target_scale = 1.0 if classes else float(np.max(np.abs(y)))
     if target_scale == 0:
-        raise DataError(f"Dataset {name!r}: every target is 0, so the target cannot be scaled by max|y|.")
-    perm = np.random.default_rng(np.random.SeedSequence(split_seed, spawn_key=(0x5B117,))).permutation(n)
+        raise DataError(
+            f"Dataset {name!r}: every target is 0, so the target cannot be scaled by max|y|.")
+    perm = np.random.default_rng(np.random.SeedSequence(split_seed,
+                                                        spawn_key=(0x5B117,))).permutation(n)
     test, train = perm[:n_test], perm[n_test:]
     available = None
     if train_samples is not None:
         available = len(train)
-        train = train[subsample(available, train_samples, subsample_seed, name=name, clients=clients)]
+        train = train[subsample(available, train_samples, subsample_seed, name=name,
+                                clients=clients)]
     if standardise is None:
         standardise = name not in PRESCALED
     if standardise:
         mean, std = x[train].mean(axis=0), x[train].std(axis=0)
         std = np.where(std > 0, std, 1.0)
     else:
-        mean, std = np.zeros(x.shape[1]), np.ones(x.shape[1])  # a constant column stays 0 after centring
+        # a constant column stays 0 after centring
+        mean, std = np.zeros(x.shape[1]), np.ones(x.shape[1])
     spec = dict(partitioner or {})
     if spec.get("name", "iid") != "iid":  # shard p becomes the contiguous block of its rows
         try:
-            parts = partition(y[train], clients, task="classification" if classes else "regression", **spec)
+            parts = partition(y[train], clients, task="classification" if classes else "regression",
+                              **spec)
         except PartitionError as exc:
             raise DataError(f"Dataset {name!r}: {exc}") from None
         train = train[np.concatenate(parts)]
@@ -396,20 +440,27 @@ def prepare(
     )
 
 
-def subsample(available: int, train_samples: int, seed: int, *, name: str = "dataset", clients: int = 1) -> np.ndarray:
-    """Positions (ascending) of ``train_samples`` of ``available`` train records: a uniform random subset.
+def subsample(available: int, train_samples: int, seed: int, *, name: str = "dataset",
+              clients: int = 1) -> np.ndarray:
+    """Positions (ascending) of ``train_samples`` of ``available`` train records: a uniform random
+    subset.
 
-    The subset is the first ``train_samples`` entries of one permutation drawn from ``seed`` (so the subsets of
-    one seed are nested), sorted, so that the kept records stay in the train split's (already random) order.
+    The subset is the first ``train_samples`` entries of one permutation drawn from ``seed`` (so the
+    subsets of one seed are nested), sorted, so that the kept records stay in the train split's
+    (already random) order.
     """
     if isinstance(train_samples, bool) or not isinstance(train_samples, (int, np.integer)):
-        raise DataError(f"`dataset.train_samples` must be an integer (records of the train split to keep). "
+        raise DataError(
+            f"`dataset.train_samples` must be an integer (records of the train split to keep). "
                         f"Found {train_samples!r}.")
     if train_samples < clients:
-        raise DataError(f"`dataset.train_samples` = {train_samples} leaves too few training records for "
-                        f"{clients} clients: every client needs at least one. Keep at least {clients} records.")
+        raise DataError(
+            f"`dataset.train_samples` = {train_samples} leaves too few training records for "
+            f"{clients} clients: every client needs at least one. Keep at least {clients} records.")
     if train_samples > available:
-        raise DataError(f"`dataset.train_samples` = {train_samples} is more than the {available} records in the train "
-                        f"split of dataset {name!r}. Use at most {available}, or null to keep them all.")
+        raise DataError(
+            f"`dataset.train_samples` = {train_samples} is more than the {available} records in "
+            f"the train split of dataset {name!r}. Use at most {available}, or null to keep them "
+            f"all.")
     rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(0x5AB5E7,)))
     return np.sort(rng.permutation(available)[:train_samples])

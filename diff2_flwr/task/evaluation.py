@@ -29,11 +29,12 @@ class Evaluator:
     """Computes the evaluation metrics of a flat parameter vector."""
 
     def __init__(
-        self, gradients: PerSampleGradients, *, shards: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+        self, gradients: PerSampleGradients, *, shards: Sequence[tuple[np.ndarray,
+                                                                       np.ndarray]] = (),
         test: tuple[np.ndarray, np.ndarray] | None = None, classification: bool = False,
     ) -> None:
-        """``shards``: the train shards for train loss and ‖∇f‖² (none: not computed); ``test``: the test split;
-        ``classification``: targets are class indices, and accuracy is reported too."""
+        """``shards``: the train shards for train loss and ‖∇f‖² (none: not computed); ``test``: the
+        test split; ``classification``: targets are class indices, and accuracy is reported too."""
         self.gradients = gradients
         self.classification = classification
         as_t = lambda a: torch.as_tensor(a, dtype=gradients.dtype)  # noqa: E731
@@ -44,25 +45,30 @@ class Evaluator:
     def of(cls, gradients: PerSampleGradients, data: PreparedData, *, train_metrics: bool = True,
            test_metrics: bool = True) -> "Evaluator":
         shards = [data.shard(p) for p in range(len(data.shard_bounds))] if train_metrics else []
-        return cls(gradients, shards=shards, test=(data.x_test, data.y_test) if test_metrics else None,
+        return cls(gradients, shards=shards, test=(data.x_test,
+                                                   data.y_test) if test_metrics else None,
                    classification=data.task == "classification")
 
     def _correct(self, x: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> int:
         outputs = self.gradients.outputs(x, features)
         if outputs.ndim != 2 or outputs.shape[1] < 2:
-            raise ValueError(f"Accuracy needs one output per class; the model gives outputs of shape {tuple(outputs.shape)}.")
+            raise ValueError(
+                f"Accuracy needs one output per class; the model gives outputs of shape "
+                f"{tuple(outputs.shape)}.")
         return int((outputs.argmax(dim=1) == targets.long()).sum())
 
     def __call__(self, x: np.ndarray) -> dict[str, float]:
         out: dict[str, float] = {}
         if self._shards:
-            losses, grads = zip(*(self.gradients.loss_and_gradient(x, xs, ys) for xs, ys in self._shards))
+            losses, grads = zip(*(self.gradients.loss_and_gradient(x, xs, ys) for xs,
+                                  ys in self._shards))
             full_grad = np.mean(grads, axis=0)
             out["train_loss"] = float(np.mean(losses))
             out["grad_norm_sq"] = float(full_grad @ full_grad)
             if self.classification:
                 total = sum(int(xs.shape[0]) for xs, _ in self._shards)
-                out["train_accuracy"] = sum(self._correct(x, xs, ys) for xs, ys in self._shards) / total
+                out["train_accuracy"] = sum(self._correct(x, xs, ys) for xs,
+                                            ys in self._shards) / total
         if self._test is not None:
             out["test_loss"] = self.gradients.mean_loss(x, *self._test)
             if self.classification:

@@ -15,8 +15,8 @@ Datasets (``flwr-datasets``) partitioner of the same name, run on an in-memory
 Label-based partitioners read the class index for classification; for regression they read
 the target cut into ``bins`` quantile bins of the train split (default: one per client, at least
 2; bin edges at the j/bins quantiles of the train targets, j = 1..bins-1; tied edges merge, so
-a target with many ties may give fewer bins). Everything is deterministic given ``seed``; the test split is cut
-before and never seen here.
+a target with many ties may give fewer bins). Everything is deterministic given ``seed``; the test
+split is cut before and never seen here.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PARTITIONERS", "LABEL_PARTITIONERS", "SIZE_FUNCTIONS", "PartitionError", "partition", "quantile_bins",
+__all__ = ["PARTITIONERS", "LABEL_PARTITIONERS", "SIZE_FUNCTIONS", "PartitionError", "partition",
+           "quantile_bins",
            "INSTALL_HINT"]
 
 PARTITIONERS = ("iid", "dirichlet", "pathological", "size", "linear", "square", "exponential")
 LABEL_PARTITIONERS = ("dirichlet", "pathological")
-#: shard p (p = 1..P) of the size-skewed partitioners gets a share ∝ f(p) (Flower's IdToSizeFncPartitioner).
+#: shard p (p = 1..P) of the size-skewed partitioners gets a share ∝ f(p) (Flower's
+#: IdToSizeFncPartitioner).
 SIZE_FUNCTIONS = {"linear": lambda p: p, "square": np.square, "exponential": np.exp}
 INSTALL_HINT = ("non-IID partitioners need Flower Datasets: pip install 'diff2-flwr[partitions]' "
                 "(or pip install flwr-datasets); scripts/setup.sh installs it")
@@ -56,10 +58,13 @@ def _flower(name: str, column: np.ndarray, clients: int, **params: Any) -> list[
         from datasets import Dataset
         from flwr_datasets import partitioner as fp
     except ImportError as exc:
-        raise PartitionError(f"`dataset.partitioner.name: {name}`: {INSTALL_HINT} ({exc}).") from None
+        raise PartitionError(
+            f"`dataset.partitioner.name: {name}`: {INSTALL_HINT} ({exc}).") from None
     builders = {
-        "dirichlet": lambda: fp.DirichletPartitioner(num_partitions=clients, partition_by="label", **params),
-        "pathological": lambda: fp.PathologicalPartitioner(num_partitions=clients, partition_by="label", **params),
+        "dirichlet": lambda: fp.DirichletPartitioner(num_partitions=clients, partition_by="label",
+                                                     **params),
+        "pathological": lambda: fp.PathologicalPartitioner(num_partitions=clients,
+                                                           partition_by="label", **params),
         "linear": lambda: fp.LinearPartitioner(clients),
         "square": lambda: fp.SquarePartitioner(clients),
         "exponential": lambda: fp.ExponentialPartitioner(clients),
@@ -69,7 +74,8 @@ def _flower(name: str, column: np.ndarray, clients: int, **params: Any) -> list[
     # The row number rides along, so each partition's rows are read back through the public API.
     part.dataset = Dataset.from_dict({"label": column, "row": np.arange(len(column))})
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Dirichlet's resampling notes; the outcome is checked below
+        # Dirichlet's resampling notes; the outcome is checked below
+        warnings.simplefilter("ignore")
         return [np.asarray(part.load_partition(p)["row"], dtype=np.int64) for p in range(clients)]
 
 
@@ -79,7 +85,8 @@ def partition(
     classes_per_client: int | None = None, class_assignment: str = "first-deterministic",
     bins: int | None = None, sizes: tuple[int, ...] = (),
 ) -> list[np.ndarray]:
-    """Indices into the train split (``y``: its targets, class indices for classification) of each shard.
+    """Indices into the train split (``y``: its targets, class indices for classification) of each
+    shard.
 
     The shards are disjoint and cover every train sample exactly once; a partitioner that would drop
     samples (a class no client gets) is refused. ``iid`` is ``np.array_split`` of ``arange(n)``.
@@ -88,7 +95,8 @@ def partition(
     if name == "iid":
         return _iid(n, clients)
     if name not in PARTITIONERS:
-        raise PartitionError(f"`dataset.partitioner.name`: expected one of {list(PARTITIONERS)}. Found {name!r}.")
+        raise PartitionError(
+            f"`dataset.partitioner.name`: expected one of {list(PARTITIONERS)}. Found {name!r}.")
     key = f"`dataset.partitioner` ({name})"
     if name in LABEL_PARTITIONERS:
         column, params = _label_column_and_params(
@@ -102,8 +110,10 @@ def partition(
         parts = _flower(name, column, clients, **params)
     except PartitionError:
         raise
-    except ValueError as exc:  # Flower's own refusal (e.g. Dirichlet's min_partition_size never met)
-        raise PartitionError(f"{key} with {params or 'defaults'} on {n} train samples, {clients} clients: "
+    # Flower's own refusal (e.g. Dirichlet's min_partition_size never met)
+    except ValueError as exc:
+        raise PartitionError(
+            f"{key} with {params or 'defaults'} on {n} train samples, {clients} clients: "
                              f"Flower Datasets refused: {exc}") from None
     _check_every_sample_placed(parts, column, key=key, class_assignment=class_assignment)
     return parts
@@ -130,9 +140,11 @@ def _label_column_and_params(
         what = ("classes" if task == "classification"
                 else f"non-empty target bins (of {bins or max(clients, 2)} quantile bins)")
         if classes_per_client is None or not 1 <= classes_per_client <= len(found):
-            raise PartitionError(f"{key}: `classes_per_client` must be in 1..{len(found)}: the train split has "
+            raise PartitionError(
+                f"{key}: `classes_per_client` must be in 1..{len(found)}: the train split has "
                                  f"{len(found)} {what}. Found {classes_per_client!r}.")
-        params = {"num_classes_per_partition": classes_per_client, "class_assignment_mode": class_assignment,
+        params = {"num_classes_per_partition": classes_per_client,
+                  "class_assignment_mode": class_assignment,
                   "seed": seed}
     return column, params
 
@@ -143,9 +155,10 @@ def _size_params(n: int, clients: int, *, name: str, key: str,
     params: dict[str, Any] = {}
     if name == "size":
         if len(sizes) != clients or sum(sizes) != n or min(sizes, default=0) < 1:
-            raise PartitionError(f"{key}: `sizes` must list {clients} shard sizes (training.clients), each >= 1, "
-                                 f"summing to the {n} samples of the train split. Found {list(sizes)} "
-                                 f"(sum {sum(sizes)}).")
+            raise PartitionError(
+                f"{key}: `sizes` must list {clients} shard sizes (training.clients), each >= 1, "
+                f"summing to the {n} samples of the train split. Found {list(sizes)} (sum "
+                f"{sum(sizes)}).")
         params = {"partition_sizes": tuple(int(s) for s in sizes)}
     else:
         shares = SIZE_FUNCTIONS[name](np.arange(1, clients + 1, dtype=np.float64))
@@ -153,8 +166,10 @@ def _size_params(n: int, clients: int, *, name: str, key: str,
         planned[-1] += n - planned.sum()  # Flower gives the rounding remainder to the last shard
         if planned.min() < 1:
             raise PartitionError(
-                f"{key}: {n} train samples in {clients} shards with sizes ∝ {name}(p) leave shard(s) "
-                f"{[int(p) for p in np.flatnonzero(planned < 1)]} empty (sizes {planned.tolist()}). Use fewer "
+                f"{key}: {n} train samples in {clients} shards with sizes ∝ {name}(p) leave "
+                f"shard(s) "
+                f"{[int(p) for p in np.flatnonzero(planned < 1)]} empty (sizes "
+                f"{planned.tolist()}). Use fewer "
                 "clients, more data, or a milder size skew (linear or square).")
     return params
 
@@ -168,7 +183,9 @@ def _check_every_sample_placed(parts: list[np.ndarray], column: np.ndarray, *, k
         left = np.setdiff1d(np.arange(n), placed)
         lost = sorted({int(c) for c in column[left]})
         raise PartitionError(
-            f"{key}: {len(left)} of the {n} train samples are on no client (labels {lost} were assigned to no "
+            f"{key}: {len(left)} of the {n} train samples are on no client (labels {lost} were "
+            f"assigned to no "
             f"client with class_assignment {class_assignment!r}). Raise `classes_per_client`, use "
-            "`class_assignment: first-deterministic` or `deterministic` with at least as many clients as classes, "
+            "`class_assignment: first-deterministic` or `deterministic` with at least as many "
+            "clients as classes, "
             "or fewer bins.")

@@ -17,7 +17,8 @@ class TimedFedAvg(FedAvg):
 
 def server_fn(context: Context) -> ServerAppComponents:
     n = int(context.run_config["num-server-rounds"])
-    strategy = TimedFedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=2, min_available_clients=2,
+    strategy = TimedFedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=2,
+                           min_available_clients=2,
                            initial_parameters=ndarrays_to_parameters([np.zeros(101)]))
     return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=n))
 

@@ -1,7 +1,7 @@
 """`diff2 bench`: speed (rounds/s, the protocol's wall time, Flower's overhead, the JAX peer).
 
-Its public face is below, imported on first use (a part's import, such as the CLI's parser's, stays light);
-the modules hold the parts."""
+Its public face is below, imported on first use (a part's import, such as the CLI's parser's, stays
+light); the modules hold the parts."""
 
 from __future__ import annotations
 

@@ -1,28 +1,31 @@
-"""The ``jax_peer`` section of ``diff2 bench``: the batched engine's speed against hand-written JAX, as ratios
-measured in the same run.
+"""The ``jax_peer`` section of ``diff2 bench``: the batched engine's speed against hand-written JAX,
+as ratios measured in the same run.
 
-Both sides do the same work on the same bits: California Housing as the project prepares it, P = 10 clients (the
-project's shards, padded as :class:`~diff2_flwr.lab.backend.Batch` pads them), the paper MLP 8 → 10 softplus → 1
-with ½-squared error, full-batch rounds, x_0 from the project's init seeds. A cell is (round kind, K, dtype):
-DP-GD or DIFF2 (one restart round, then difference rounds), K = 1 or 18 configurations (η ∈ {0.125, 0.25, 0.5}
-× C ∈ {0.5, 1, 2} × init seed ∈ {0, 1}), float32 or float64; σ from the project's own calibration for the rounds
-run.
+Both sides do the same work on the same bits: California Housing as the project prepares it, P = 10
+clients (the project's shards, padded as :class:`~diff2_flwr.lab.backend.Batch` pads them), the
+paper MLP 8 → 10 softplus → 1 with ½-squared error, full-batch rounds, x_0 from the project's init
+seeds. A cell is (round kind, K, dtype): DP-GD or DIFF2 (one restart round, then difference rounds),
+K = 1 or 18 configurations (η ∈ {0.125, 0.25, 0.5} × C ∈ {0.5, 1, 2} × init seed ∈ {0, 1}), float32
+or float64; σ from the project's own calibration for the rounds run.
 
-Sides: ``project`` = ``run_batch(..., compile=True)`` (as ``configs/paper/`` runs), ``project_eager`` = the same
-with ``compile=False`` (``--jax-eager``), and the JAX variants of :mod:`diff2_flwr.lab.bench.jax_peer` (``jax_vmap``,
-``jax_ghost``, ``jax_ghost_map`` at K = 18). The JAX side is a subprocess of an interpreter that has jax (this one, or
-``--jax-python`` / ``DIFF2_JAX_PYTHON``): XLA's thread flags must be set before jax starts, and its thread pools
-stay out of torch's. The project runs in this process with one torch thread; both are pinned to one core.
+Sides: ``project`` = ``run_batch(..., compile=True)`` (as ``configs/paper/`` runs),
+``project_eager`` = the same with ``compile=False`` (``--jax-eager``), and the JAX variants of
+:mod:`diff2_flwr.lab.bench.jax_peer` (``jax_vmap``, ``jax_ghost``, ``jax_ghost_map`` at K = 18). The
+JAX side is a subprocess of an interpreter that has jax (this one, or ``--jax-python`` /
+``DIFF2_JAX_PYTHON``): XLA's thread flags must be set before jax starts, and its thread pools stay
+out of torch's. The project runs in this process with one torch thread; both are pinned to one core.
 
-Timing: compilation is warmed up first and excluded (JAX: ahead of time, reported; project: its first call,
-reported). Then per repetition every side of every cell runs once, A/B/C in even repetitions and C/B/A in odd ones
-(drift in the machine's load hits every side alike); a side's rate is R / median seconds. A ``run_batch`` call
-also sets up and evaluates the loss at rounds 0 and R, which the JAX loop does not: each project call is paired
-with a 1-round call, and the ratios (``project_over_best_jax``, ``best_jax_over_project``, ``meets_target``) use
-the marginal rate (R - 1) / median(t_R - t_1), the per-round speed a 2,000-round sweep sees; whole calls' ratio is
-``project_over_best_jax_whole_calls`` (at the short default R it understates the project). Before timing, one
-round's update (DIFF2: the restart and the first difference round) without noise is compared between the project
-and each JAX variant; ``diverged`` names, per side, the runs a timed call found diverged (or left non-finite).
+Timing: compilation is warmed up first and excluded (JAX: ahead of time, reported; project: its
+first call, reported). Then per repetition every side of every cell runs once, A/B/C in even
+repetitions and C/B/A in odd ones (drift in the machine's load hits every side alike); a side's rate
+is R / median seconds. A ``run_batch`` call also sets up and evaluates the loss at rounds 0 and R,
+which the JAX loop does not: each project call is paired with a 1-round call, and the ratios
+(``project_over_best_jax``, ``best_jax_over_project``, ``meets_target``) use the marginal rate (R -
+1) / median(t_R - t_1), the per-round speed a 2,000-round sweep sees; whole calls' ratio is
+``project_over_best_jax_whole_calls`` (at the short default R it understates the project). Before
+timing, one round's update (DIFF2: the restart and the first difference round) without noise is
+compared between the project and each JAX variant; ``diverged`` names, per side, the runs a timed
+call found diverged (or left non-finite).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["CELLS", "SKIPPED", "TARGET", "Cell", "JaxPeerPlan", "find_jax_python", "jax_peer_section", "measure",
+__all__ = ["CELLS", "SKIPPED", "TARGET", "Cell", "JaxPeerPlan", "find_jax_python",
+           "jax_peer_section", "measure",
            "parse_cells", "parse_rounds", "plan_jax_peer", "run_jax_peer", "schedule", "summarise"]
 
 #: The project must run at least this many times as many rounds per second as the best JAX variant.
@@ -50,15 +54,17 @@ SKIPPED = "jax is not importable (pip install jax jaxlib, or --jax-python PATH)"
 JAX_VARIANTS = ("jax_vmap", "jax_ghost", "jax_ghost_map")
 DEFAULT_ROUNDS = {1: 100, 18: 10}
 LRS, CLIPS, INITS = (0.125, 0.25, 0.5), (0.5, 1.0, 2.0), (0, 1)
-#: Largest relative difference of one checked update (project vs JAX) called agreement: float32 sums of 16,512
-#: samples in another order differ by ~√M·ε ≈ 1e-5; float64's by ~1e-14.
+#: Largest relative difference of one checked update (project vs JAX) called agreement: float32 sums
+#: of 16,512 samples in another order differ by ~√M·ε ≈ 1e-5; float64's by ~1e-14.
 AGREEMENT_TOLERANCE = {"f32": 1e-4, "f64": 1e-10}
 PEER = Path(__file__).with_name("jax_peer.py")
-Timing = tuple[float, float | None]  # seconds of R rounds; of a 1-round call right after (project sides)
+# seconds of R rounds; of a 1-round call right after (project sides)
+Timing = tuple[float, float | None]
 
 
 class Cell(NamedTuple):
-    """One benchmark cell: round kind (``dpgd`` / ``diff2``), K configurations, dtype (``f32`` / ``f64``)."""
+    """One benchmark cell: round kind (``dpgd`` / ``diff2``), K configurations, dtype (``f32`` /
+    ``f64``)."""
 
     kind: str
     K: int
@@ -69,24 +75,28 @@ class Cell(NamedTuple):
         return f"{self.kind}:{self.K}:{self.dtype}"
 
 
-CELLS = tuple(Cell(kind, K, dt) for kind in ("dpgd", "diff2") for K in (1, 18) for dt in ("f32", "f64"))
+CELLS = tuple(Cell(kind, K, dt) for kind in ("dpgd", "diff2") for K in (1, 18) for dt in ("f32",
+                                                                                          "f64"))
 
 
 def parse_cells(text: str | None) -> tuple[Cell, ...]:
-    """Cells named as ``kind:K:dtype``, comma-separated (``None`` or ``all``: every cell), in :data:`CELLS` order."""
+    """Cells named as ``kind:K:dtype``, comma-separated (``None`` or ``all``: every cell), in
+    :data:`CELLS` order."""
     if text is None or text.strip() == "all":
         return CELLS
     names = {c.name: c for c in CELLS}
     wanted = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [w for w in wanted if w not in names]
     if unknown or not wanted:
-        raise ValueError(f"--jax-cells: {', '.join(unknown) or repr(text)} is not a cell. Give a comma-separated "
-                         f"list of {', '.join(names)}, or all.")
+        raise ValueError(
+            f"--jax-cells: {', '.join(unknown) or repr(text)} is not a cell. Give a "
+            f"comma-separated list of {', '.join(names)}, or all.")
     return tuple(c for c in CELLS if c.name in wanted)
 
 
 def parse_rounds(text: str | None) -> dict[int, int]:
-    """``R1,R18``: rounds per timed call at K = 1 and at K = 18 (``None``: :data:`DEFAULT_ROUNDS`)."""
+    """``R1,R18``: rounds per timed call at K = 1 and at K = 18 (``None``:
+    :data:`DEFAULT_ROUNDS`)."""
     if text is None:
         return dict(DEFAULT_ROUNDS)
     try:
@@ -94,8 +104,10 @@ def parse_rounds(text: str | None) -> dict[int, int]:
     except ValueError:
         r1 = r18 = 0
     if min(r1, r18) < 2:
-        raise ValueError(f"--jax-rounds: expected two integers ≥ 2, 'R1,R18' (rounds per timed call at K = 1 and "
-                         f"K = 18; DIFF2 needs a difference round), found {text!r}. E.g. --jax-rounds 100,10.")
+        raise ValueError(
+            f"--jax-rounds: expected two integers ≥ 2, 'R1,R18' (rounds per timed call at K = 1 "
+            f"and K = 18; DIFF2 needs a difference round), found {text!r}. E.g. --jax-rounds "
+            f"100,10.")
     return {1: r1, 18: r18}
 
 
@@ -108,8 +120,9 @@ def grid(K: int) -> list[tuple[float, float, int]]:
 
 def specs_for(cell: Cell, rounds: int, sigmas: Mapping[str, tuple[float, float]],
               zero_noise: bool = False) -> list[tuple]:
-    """RunSpec fields (T, η, C1, C2, σ1, σ2, noise seed, init seed) of the cell's runs over ``rounds`` rounds: DP-GD
-    restarts every round with C1 = C; DIFF2 restarts once (T = rounds) with C1 = 1 and C2 = C."""
+    """RunSpec fields (T, η, C1, C2, σ1, σ2, noise seed, init seed) of the cell's runs over
+    ``rounds`` rounds: DP-GD restarts every round with C1 = C; DIFF2 restarts once (T = rounds) with
+    C1 = 1 and C2 = C."""
     s1, s2 = (0.0, 0.0) if zero_noise else sigmas[cell.kind]
     if cell.kind == "dpgd":
         return [(1, lr, c, c, s1, 0.0, s, s) for lr, c, s in grid(cell.K)]
@@ -123,7 +136,8 @@ def sides_of(cell: Cell, eager: bool = False) -> tuple[str, ...]:
 
 
 def schedule(cells: Sequence[Cell], reps: int, eager: bool = False) -> list[tuple[int, Cell, str]]:
-    """(repetition, cell, side) in timing order: each cell's sides A/B/C in even repetitions, C/B/A in odd ones."""
+    """(repetition, cell, side) in timing order: each cell's sides A/B/C in even repetitions, C/B/A
+    in odd ones."""
     return [(rep, cell, side) for rep in range(reps) for cell in cells
             for side in (sides_of(cell, eager) if rep % 2 == 0 else sides_of(cell, eager)[::-1])]
 
@@ -139,11 +153,12 @@ def measure(plan: Sequence[tuple[int, Cell, str]], run_one: Callable[[Cell, str]
     return times
 
 
-def summarise(cells: Sequence[Cell], times: Mapping[tuple[str, Cell], Sequence[Timing]], rounds: Mapping[int, int],
-              eager: bool = False) -> dict[str, dict[str, Any]]:
-    """Per cell: each side's rounds/s (R / median seconds), the project's marginal rate ((R - 1) / median of
-    t_R - t_1 over the repetitions), the best JAX variant, and the ratios both ways against :data:`TARGET`: of the
-    marginal rate (``project_over_best_jax``, the per-round speed a 2,000-round sweep sees) and of whole calls."""
+def summarise(cells: Sequence[Cell], times: Mapping[tuple[str, Cell], Sequence[Timing]],
+              rounds: Mapping[int, int], eager: bool = False) -> dict[str, dict[str, Any]]:
+    """Per cell: each side's rounds/s (R / median seconds), the project's marginal rate ((R - 1) /
+    median of t_R - t_1 over the repetitions), the best JAX variant, and the ratios both ways
+    against :data:`TARGET`: of the marginal rate (``project_over_best_jax``, the per-round speed a
+    2,000-round sweep sees) and of whole calls."""
     out = {}
     for cell in cells:
         R, row = rounds[cell.K], {}
@@ -152,38 +167,45 @@ def summarise(cells: Sequence[Cell], times: Mapping[tuple[str, Cell], Sequence[T
             row[f"{side}_rounds_per_s"] = R / statistics.median(t for t, _ in ts)
             if side.startswith("project"):
                 extra = statistics.median(t - t1 for t, t1 in ts)
-                row[f"{side}_marginal_rounds_per_s"] = (R - 1) / extra if extra > 0 else float("nan")
-        best = max((v for v in sides_of(cell, eager) if v.startswith("jax")), key=lambda v: row[f"{v}_rounds_per_s"])
+                row[f"{side}_marginal_rounds_per_s"] = (R - 1) / extra if extra > 0 else float(
+                    "nan")
+        best = max((v for v in sides_of(cell, eager) if v.startswith("jax")),
+                   key=lambda v: row[f"{v}_rounds_per_s"])
         ratio = row["project_marginal_rounds_per_s"] / row[f"{best}_rounds_per_s"]
         whole = row["project_rounds_per_s"] / row[f"{best}_rounds_per_s"]
         out[cell.name] = {"rounds": R, **row, "best_jax": best, "best_jax_over_project": 1 / ratio,
-                          "project_over_best_jax": ratio, "target": TARGET, "meets_target": bool(ratio >= TARGET),
+                          "project_over_best_jax": ratio, "target": TARGET,
+                          "meets_target": bool(ratio >= TARGET),
                           "project_over_best_jax_whole_calls": whole}
     return out
 
 
 def find_jax_python(jax_python: str | None = None) -> str | None:
-    """The interpreter the JAX side runs in: ``jax_python``, else ``$DIFF2_JAX_PYTHON``, else this one when jax is
-    importable here; None when none is."""
-    for given, source in ((jax_python, "--jax-python"), (os.environ.get("DIFF2_JAX_PYTHON"), "DIFF2_JAX_PYTHON")):
+    """The interpreter the JAX side runs in: ``jax_python``, else ``$DIFF2_JAX_PYTHON``, else this
+    one when jax is importable here; None when none is."""
+    for given, source in ((jax_python, "--jax-python"), (os.environ.get("DIFF2_JAX_PYTHON"),
+                                                         "DIFF2_JAX_PYTHON")):
         if given:
             if not os.access(given, os.X_OK) or os.path.isdir(given):
-                raise FileNotFoundError(f"{source}: {given!r} is not an executable file. Give a Python interpreter "
-                                        f"that has jax (e.g. JAXENV/bin/python), or pass --skip-jax.")
+                raise FileNotFoundError(
+                    f"{source}: {given!r} is not an executable file. Give a Python interpreter "
+                    f"that has jax (e.g. JAXENV/bin/python), or pass --skip-jax.")
             return given
     return sys.executable if importlib.util.find_spec("jax") is not None else None
 
 
 class _Peer:
-    """The JAX side: :mod:`diff2_flwr.lab.bench.jax_peer` in a subprocess of ``python``, pickled requests on its stdin."""
+    """The JAX side: :mod:`diff2_flwr.lab.bench.jax_peer` in a subprocess of ``python``, pickled
+    requests on its stdin."""
 
     def __init__(self, python: str) -> None:
-        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu",
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
+                   JAX_PLATFORMS="cpu",
                    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
         code = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
         self.python = python
-        self.proc = subprocess.Popen([python, "-c", code, str(PEER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env)
+        self.proc = subprocess.Popen([python, "-c", code, str(PEER)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
 
     def ask(self, *request: Any) -> Any:
         try:
@@ -192,9 +214,10 @@ class _Peer:
             return pickle.load(self.proc.stdout)
         except (EOFError, BrokenPipeError, pickle.UnpicklingError) as exc:
             self.proc.kill()
-            raise RuntimeError(f"The JAX side ({self.python} running {PEER.name}) stopped at {request[0]!r} (exit "
-                               f"{self.proc.wait()}); its error is above on stderr. Check that `{self.python} -c "
-                               f"'import jax'` works, or pass --skip-jax.") from exc
+            raise RuntimeError(
+                f"The JAX side ({self.python} running {PEER.name}) stopped at {request[0]!r} "
+                f"(exit {self.proc.wait()}); its error is above on stderr. Check that "
+                f"`{self.python} -c 'import jax'` works, or pass --skip-jax.") from exc
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -208,7 +231,8 @@ class _Peer:
 
 
 class _Project:
-    """The project side in this process: California Housing loaded once, σ per round kind, x_0 per init seed."""
+    """The project side in this process: California Housing loaded once, σ per round kind, x_0 per
+    init seed."""
 
     def __init__(self, data_dir: str | None, rounds: Mapping[int, int]) -> None:
         from ...runtime.config import parse_config
@@ -216,10 +240,13 @@ class _Project:
         from ..sweep import batch_model
 
         def config(method: str, R: int) -> Any:
-            training = {"rounds": R, "clip_restart": 1.0, "learning_rate": 0.25, "clients": 10, "seed": 0,
-                        **({"restart_every": R, "clip_diff": 1.0} if method == "diff2" else {})}
-            return parse_config({"name": "jax-peer", "method": method, "training": training, "evaluation": {"every": R},
-                                 "dataset": {"name": "california_housing", **({"dir": data_dir} if data_dir else {})}})
+            training = {"rounds": R, "clip_restart": 1.0, "learning_rate": 0.25, "clients": 10,
+                        "seed": 0, **({"restart_every": R,
+                                       "clip_diff": 1.0} if method == "diff2" else {})}
+            return parse_config({"name": "jax-peer", "method": method, "training": training,
+                                 "evaluation": {"every": R},
+                                 "dataset": {"name": "california_housing",
+                                             **({"dir": data_dir} if data_dir else {})}})
 
         self.data = load_data(config("dpgd", 2))
         self.sigmas: dict[tuple[str, int], tuple[float, float]] = {}
@@ -231,7 +258,8 @@ class _Project:
         self.x0 = {s: batch_model(self.data, init_seed=s)[1] for s in INITS}
 
     def shards(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A [P, N, F], Y [P, N], mask [P, N], float64: client p's samples first, zeros after (Batch's padding)."""
+        """A [P, N, F], Y [P, N], mask [P, N], float64: client p's samples first, zeros after
+        (Batch's padding)."""
         sizes = self.data.shard_sizes
         P, N, F = len(sizes), max(sizes), self.data.num_features
         A, Y, mask = np.zeros((P, N, F)), np.zeros((P, N)), np.zeros((P, N))
@@ -241,20 +269,24 @@ class _Project:
         return A, Y, mask
 
     def specs(self, cell: Cell, rounds: int, zero_noise: bool = False) -> list[tuple]:
-        return specs_for(cell, rounds, {k: self.sigmas[k, rounds] for k in ("dpgd", "diff2")}, zero_noise)
+        return specs_for(cell, rounds, {k: self.sigmas[k, rounds] for k in ("dpgd", "diff2")},
+                         zero_noise)
 
-    def run(self, cell: Cell, specs: list[tuple], rounds: int, compile: bool) -> tuple[float, np.ndarray, list[int]]:
-        """Seconds of one ``run_batch`` call, the final iterates [K, d] and the runs it found diverged."""
+    def run(self, cell: Cell, specs: list[tuple], rounds: int,
+            compile: bool) -> tuple[float, np.ndarray, list[int]]:
+        """Seconds of one ``run_batch`` call, the final iterates [K, d] and the runs it found
+        diverged."""
         import torch
 
         from ..sweep import RunSpec, run_batch
 
         dtype = {"f32": torch.float32, "f64": torch.float64}[cell.dtype]
         t = time.perf_counter()
-        res = run_batch(self.data, [RunSpec(*s) for s in specs], rounds=rounds, eval_every=rounds, dtype=dtype,
-                        compile=compile)
+        res = run_batch(self.data, [RunSpec(*s) for s in specs], rounds=rounds, eval_every=rounds,
+                        dtype=dtype, compile=compile)
         seconds = time.perf_counter() - t
-        return seconds, np.stack([r.final_x for r in res]), [k for k, r in enumerate(res) if r.diverged_at is not None]
+        return seconds, np.stack([r.final_x for r in res]), [k for k, r in enumerate(res)
+                                                             if r.diverged_at is not None]
 
 
 @contextmanager
@@ -270,7 +302,8 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 def _set_affinity(cores: set[int]) -> None:
-    """Every thread of this process on ``cores`` (``sched_setaffinity(0)`` alone moves only the calling thread)."""
+    """Every thread of this process on ``cores`` (``sched_setaffinity(0)`` alone moves only the
+    calling thread)."""
     tasks = Path("/proc/self/task")
     for tid in (int(t) for t in os.listdir(tasks)) if tasks.is_dir() else [0]:
         try:
@@ -281,8 +314,9 @@ def _set_affinity(cores: set[int]) -> None:
 
 @contextmanager
 def _one_core() -> Iterator[int | None]:
-    """This process, and the subprocesses it starts meanwhile, on one core (the last it may use); restored after.
-    None where the OS has no affinity call (the sides then share whatever cores the OS gives)."""
+    """This process, and the subprocesses it starts meanwhile, on one core (the last it may use);
+    restored after. None where the OS has no affinity call (the sides then share whatever cores the
+    OS gives)."""
     if not hasattr(os, "sched_setaffinity"):
         yield None
         return
@@ -300,8 +334,9 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _agreement(cell: Cell, project: _Project, peer: _Peer, rounds: int) -> dict[str, Any]:
-    """The change of the iterates after DP-GD's round 1 / DIFF2's restart and first difference round, noise off,
-    project (compile=True) against each JAX variant; and how many samples the clip binds on there (run 0)."""
+    """The change of the iterates after DP-GD's round 1 / DIFF2's restart and first difference
+    round, noise off, project (compile=True) against each JAX variant; and how many samples the clip
+    binds on there (run 0)."""
     checked = 1 if cell.kind == "dpgd" else 2
     specs = project.specs(cell, rounds, zero_noise=True)
     x0 = np.stack([project.x0[s[7]] for s in specs])
@@ -309,8 +344,10 @@ def _agreement(cell: Cell, project: _Project, peer: _Peer, rounds: int) -> dict[
     out: dict[str, Any] = {}
     variants = [v for v in sides_of(cell) if v.startswith("jax")]
     for v in variants:
-        out[f"{v}_max_rel_diff"] = _rel(peer.ask("run", f"{v}@{cell.name}", checked, True)["x"] - x0, xp - x0)
-    out["clipped_fraction_run0"] = peer.ask("clipped_fraction", f"jax_ghost@{cell.name}")["fraction"]
+        out[f"{v}_max_rel_diff"] = _rel(peer.ask("run", f"{v}@{cell.name}", checked,
+                                                 True)["x"] - x0, xp - x0)
+    out["clipped_fraction_run0"] = peer.ask("clipped_fraction",
+                                            f"jax_ghost@{cell.name}")["fraction"]
     out["tolerance"] = AGREEMENT_TOLERANCE[cell.dtype]
     out["agrees"] = all(out[f"{v}_max_rel_diff"] <= out["tolerance"] for v in variants)
     return out
@@ -318,7 +355,8 @@ def _agreement(cell: Cell, project: _Project, peer: _Peer, rounds: int) -> dict[
 
 def _warm_project(cells: Sequence[Cell], project: _Project, rounds: Mapping[int, int], eager: bool,
                   say: Callable[[str], None]) -> dict[str, dict[str, Any]]:
-    """The project's first call per cell and side (``torch.compile`` compiles there): its seconds, excluded."""
+    """The project's first call per cell and side (``torch.compile`` compiles there): its seconds,
+    excluded."""
     warm: dict[str, dict[str, Any]] = {}
     for cell in cells:
         specs = project.specs(cell, rounds[cell.K])
@@ -332,12 +370,14 @@ def _warm_project(cells: Sequence[Cell], project: _Project, rounds: Mapping[int,
 
 def _build_jax(cells: Sequence[Cell], project: _Project, peer: _Peer, rounds: Mapping[int, int],
                warm: dict[str, dict[str, Any]], say: Callable[[str], None]) -> None:
-    """Each cell's JAX variants compiled ahead of time (seconds into ``warm``) and run for 3 rounds."""
+    """Each cell's JAX variants compiled ahead of time (seconds into ``warm``) and run for 3
+    rounds."""
     for cell in cells:
         specs = project.specs(cell, rounds[cell.K])
         x0 = np.stack([project.x0[s[7]] for s in specs])
         for side in (v for v in sides_of(cell) if v.startswith("jax")):
-            reply = peer.ask("build", f"{side}@{cell.name}", cell.kind, side[4:], cell.dtype, specs, x0)
+            reply = peer.ask("build", f"{side}@{cell.name}", cell.kind, side[4:], cell.dtype, specs,
+                             x0)
             peer.ask("run", f"{side}@{cell.name}", 3, False)
             warm.setdefault(cell.name, {})[f"{side}_compile_s"] = sum(reply["compile_s"].values())
             say(f"jax_peer: {cell.name} {side} ready")
@@ -345,10 +385,12 @@ def _build_jax(cells: Sequence[Cell], project: _Project, peer: _Peer, rounds: Ma
 
 @dataclass(frozen=True)
 class JaxPeerPlan:
-    """What the section runs, validated before ``diff2 bench`` starts measuring (:func:`plan_jax_peer`).
+    """What the section runs, validated before ``diff2 bench`` starts measuring
+    (:func:`plan_jax_peer`).
 
     Attributes:
-        python: the interpreter the JAX side runs in; None when jax is found nowhere (the section is skipped).
+        python: the interpreter the JAX side runs in; None when jax is found nowhere (the
+            section is skipped).
         reps: timed repetitions per side and cell (two give one A/B/C and one C/B/A pass).
         cells: the cells timed.
         rounds: rounds per timed call, by K.
@@ -364,10 +406,12 @@ class JaxPeerPlan:
 
 def plan_jax_peer(*, jax_python: str | None = None, reps: int = 2, cells: str | None = None,
                   rounds: str | None = None, eager: bool = False) -> JaxPeerPlan:
-    """The section's plan from ``diff2 bench``'s flags; a ValueError or FileNotFoundError naming the flag.
+    """The section's plan from ``diff2 bench``'s flags; a ValueError or FileNotFoundError naming the
+    flag.
 
     Args:
-        jax_python: ``--jax-python`` (else ``$DIFF2_JAX_PYTHON``, else this interpreter if it has jax).
+        jax_python: ``--jax-python`` (else ``$DIFF2_JAX_PYTHON``, else this interpreter if it
+            has jax).
         reps: ``--jax-reps`` (≥ 1).
         cells: ``--jax-cells``, as :func:`parse_cells` reads it.
         rounds: ``--jax-rounds``, as :func:`parse_rounds` reads it.
@@ -375,7 +419,8 @@ def plan_jax_peer(*, jax_python: str | None = None, reps: int = 2, cells: str | 
     """
     if reps < 1:
         raise ValueError(f"--jax-reps must be at least 1. Found {reps}.")
-    return JaxPeerPlan(find_jax_python(jax_python), reps, parse_cells(cells), parse_rounds(rounds), eager)
+    return JaxPeerPlan(find_jax_python(jax_python), reps, parse_cells(cells), parse_rounds(rounds),
+                       eager)
 
 
 def run_jax_peer(plan: JaxPeerPlan, *, data_dir: str | None = None,
@@ -394,13 +439,17 @@ def run_jax_peer(plan: JaxPeerPlan, *, data_dir: str | None = None,
     t0 = time.perf_counter()
     project = _Project(data_dir, rounds)
     with _one_torch_thread():
-        warm = _warm_project(cells, project, rounds, eager, say)  # unpinned: torch.compile's workers use every core
+        # unpinned: torch.compile's workers use every core
+        warm = _warm_project(cells, project, rounds, eager, say)
         run = _pinned_run(plan, project, warm, say)
     table = summarise(cells, run["times"], rounds, eager)
     for name, row in table.items():
-        row.update(warm=warm[name], agreement=run["agreement"][name], diverged=run["diverged"][name])
-    return {"cells": table, "reps": plan.reps, "rounds": {f"K{k}": v for k, v in rounds.items()}, "core": run["core"],
-            "jax": run["setup"]["jax"], "jax_python": python, "xla_flags": run["setup"]["xla_flags"],
+        row.update(warm=warm[name], agreement=run["agreement"][name],
+                   diverged=run["diverged"][name])
+    return {"cells": table, "reps": plan.reps, "rounds": {f"K{k}": v for k, v in rounds.items()},
+            "core": run["core"],
+            "jax": run["setup"]["jax"], "jax_python": python,
+            "xla_flags": run["setup"]["xla_flags"],
             "sigmas": {f"{k}_R{R}": v for (k, R), v in project.sigmas.items()}, "target": TARGET,
             "all_cells_meet_target": all(row["meets_target"] for row in table.values()),
             "seconds": time.perf_counter() - t0}
@@ -408,7 +457,8 @@ def run_jax_peer(plan: JaxPeerPlan, *, data_dir: str | None = None,
 
 def _pinned_run(plan: JaxPeerPlan, project: _Project, warm: dict[str, dict[str, Any]],
                 say: Callable[[str], None]) -> dict[str, Any]:
-    """On one core: start the JAX side, compile its cells, check agreement, then the interleaved timed calls."""
+    """On one core: start the JAX side, compile its cells, check agreement, then the interleaved
+    timed calls."""
     rounds = plan.rounds
     with _one_core() as core:
         peer = _Peer(str(plan.python))
@@ -438,13 +488,14 @@ def _pinned_run(plan: JaxPeerPlan, project: _Project, warm: dict[str, dict[str, 
             times = measure(schedule(plan.cells, plan.reps, plan.eager), run_one, say)
         finally:
             peer.close()
-    return {"core": core, "setup": setup, "agreement": agreement, "times": times, "diverged": diverged}
+    return {"core": core, "setup": setup, "agreement": agreement, "times": times,
+            "diverged": diverged}
 
 
 def jax_peer_section(plan: JaxPeerPlan, *, data_dir: str | None = None,
                      progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """``diff2 bench``'s ``jax_peer`` entry: :func:`run_jax_peer`'s result, or ``{"skipped": SKIPPED}`` and one line
-    to ``progress`` when the plan found no interpreter with jax."""
+    """``diff2 bench``'s ``jax_peer`` entry: :func:`run_jax_peer`'s result, or ``{"skipped":
+    SKIPPED}`` and one line to ``progress`` when the plan found no interpreter with jax."""
     if plan.python is None:
         if progress:
             progress(f"jax_peer skipped: {SKIPPED}")

@@ -1,31 +1,35 @@
-"""The JAX side of ``diff2 bench``'s ``jax_peer`` section: what an engineer would write in JAX instead of the
-batched engine, on the same work (the paper MLP, ½-squared error, full-batch DP-GD and DIFF2 rounds, K runs).
+"""The JAX side of ``diff2 bench``'s ``jax_peer`` section: what an engineer would write in JAX
+instead of the batched engine, on the same work (the paper MLP, ½-squared error, full-batch DP-GD
+and DIFF2 rounds, K runs).
 
-It reproduces the reviewers' benchmark ``shared/bench/jax_peer.py`` (its maths and its three variants); the
-driver, the cells and the bookkeeping are the project's, in :mod:`diff2_flwr.lab.bench.jax_cells`. Variants:
+It reproduces the reviewers' benchmark ``shared/bench/jax_peer.py`` (its maths and its three
+variants); the driver, the cells and the bookkeeping are the project's, in
+:mod:`diff2_flwr.lab.bench.jax_cells`. Variants:
 
-- ``vmap``: ``jax.vmap(jax.grad)`` per-sample gradients (DIFF2: at both iterates), clipped and averaged;
-- ``ghost``: closed-form per-sample norms and clipped sums of the one-hidden-layer MLP, no per-sample gradient
-  materialised, samples innermost; DIFF2 keeps the previous iterate's forward quantities (one forward pass a
-  round); the K runs by an outer ``vmap``;
-- ``ghost_map``: the same, the K runs one after another by ``lax.map`` inside one program (each run's
-  intermediates stay in cache); K > 1 only.
+- ``vmap``: ``jax.vmap(jax.grad)`` per-sample gradients (DIFF2: at both iterates), clipped and
+  averaged;
+- ``ghost``: closed-form per-sample norms and clipped sums of the one-hidden-layer MLP, no
+  per-sample gradient materialised, samples innermost; DIFF2 keeps the previous iterate's forward
+  quantities (one forward pass a round); the K runs by an outer ``vmap``;
+- ``ghost_map``: the same, the K runs one after another by ``lax.map`` inside one program (each
+  run's intermediates stay in cache); K > 1 only.
 
-Why a module of its own, loaded by file: it runs in the user's JAX interpreter (often a venv of its own, with
-jax and numpy but neither torch nor this package), as a subprocess serving pickled requests on stdin/stdout. So
-it imports nothing of the package, only the standard library, numpy and (lazily) jax; it lives in ``lab/`` rather
-than ``benchmarks/`` because the installed package carries ``lab/`` and ``diff2 bench`` must find it there.
+Why a module of its own, loaded by file: it runs in the user's JAX interpreter (often a venv of its
+own, with jax and numpy but neither torch nor this package), as a subprocess serving pickled
+requests on stdin/stdout. So it imports nothing of the package, only the standard library, numpy and
+(lazily) jax; it lives in ``lab/`` rather than ``benchmarks/`` because the installed package carries
+``lab/`` and ``diff2 bench`` must find it there.
 
 Protocol (one pickled tuple per request, one pickled reply each):
 ``("setup", A [P, N, F], Y [P, N], mask [P, N], sizes, hidden)`` -> versions and affinity;
 ``("build", name, kind, variant, dtype, specs, x0)`` -> compile seconds (AOT, excluded from timing);
 ``("run", name, rounds, zero_noise)`` -> seconds of the timed loop and the final iterates [K, d];
-``("clipped_fraction", name)`` -> the share of real samples the clip binds on in the checked round (run 0);
-``("quit",)``.
+``("clipped_fraction", name)`` -> the share of real samples the clip binds on in the checked round
+(run 0); ``("quit",)``.
 
 References:
-    Murata & Suzuki (2023), DIFF2 (Algorithms 1-2) and DP-GD; Goodfellow (2015) and Li et al. (2022) for
-    per-sample norms without per-sample gradients ("ghost clipping").
+    Murata & Suzuki (2023), DIFF2 (Algorithms 1-2) and DP-GD; Goodfellow (2015) and Li et al. (2022)
+    for per-sample norms without per-sample gradients ("ghost clipping").
 """
 
 from __future__ import annotations
@@ -43,13 +47,14 @@ __all__ = ["JaxCell", "build_maths", "serve"]
 XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
-def build_maths(jax: Any, jnp: Any, A: np.ndarray, Y: np.ndarray, mask: np.ndarray, sizes: list[int],
-                hidden: int) -> dict[str, Any]:
+def build_maths(jax: Any, jnp: Any, A: np.ndarray, Y: np.ndarray, mask: np.ndarray,
+                sizes: list[int], hidden: int) -> dict[str, Any]:
     """The JAX round functions and the data in float32 and float64.
 
     Args:
         jax, jnp: the jax modules (x64 enabled).
-        A, Y, mask: the project's padded shards [P, N, F], [P, N], [P, N] (client p's samples at m = p·N + n).
+        A, Y, mask: the project's padded shards [P, N, F], [P, N], [P, N] (client p's samples at
+            m = p·N + n).
         sizes: the shard sizes n_p.
         hidden: the hidden width H; x = (W1 [H, F], b1, W2 [1, H], b2), nn.Linear's parameter order.
     """
@@ -60,7 +65,8 @@ def build_maths(jax: Any, jnp: Any, A: np.ndarray, Y: np.ndarray, mask: np.ndarr
     data = {}
     for name, dt in (("f32", jnp.float32), ("f64", jnp.float64)):
         data[name] = {"A": jnp.asarray(flat, dt), "AT": jnp.asarray(flat.T.copy(), dt),
-                      "Y": jnp.asarray(Y.reshape(-1), dt), "mask": jnp.asarray(mask.reshape(-1), dt),
+                      "Y": jnp.asarray(Y.reshape(-1), dt), "mask": jnp.asarray(mask.reshape(-1),
+                                                                               dt),
                       "inv_n": jnp.asarray(1.0 / n, dt),
                       "sqA1": jnp.asarray((flat ** 2).sum(1) + 1.0, dt),
                       "w": jnp.asarray((mask / (P * n)[:, None]).reshape(-1), dt)}
@@ -69,7 +75,8 @@ def build_maths(jax: Any, jnp: Any, A: np.ndarray, Y: np.ndarray, mask: np.ndarr
         return x[:H * F].reshape(H, F), x[H * F:H * F + H], x[H * F + H:H * F + 2 * H], x[D - 1]
 
     def clip_factors(sq, radius, m):
-        """radius / ||g|| where ||g|| > radius, else 1 (the project's rule), times the padding mask."""
+        """radius / ||g|| where ||g|| > radius, else 1 (the project's rule), times the padding
+        mask."""
         nrm = jnp.sqrt(sq)
         over = nrm > radius
         return jnp.where(over, radius / jnp.where(over, nrm, 1.0), 1.0) * m
@@ -93,7 +100,8 @@ def build_maths(jax: Any, jnp: Any, A: np.ndarray, Y: np.ndarray, mask: np.ndarr
     def vm_diff_mean(x, xp, prev, radius, Dd):
         return vm_clipped_mean(psg(x, Dd["A"], Dd["Y"]) - psg(xp, Dd["A"], Dd["Y"]), radius, Dd), ()
 
-    # ---- ghost: closed-form norms and clipped sums, samples innermost ([H, M], the project's layout)
+    # ---- ghost: closed-form norms and clipped sums, samples innermost ([H, M], the project's
+    # layout)
     def parts(x, Dd):
         W1, b1, w2, b2 = unpack(x)
         h = W1 @ Dd["AT"] + b1[:, None]
@@ -104,8 +112,8 @@ def build_maths(jax: Any, jnp: Any, A: np.ndarray, Y: np.ndarray, mask: np.ndarr
         return s, e, w2[:, None] * dphi * e  # delta = dℓ/dh [H, M]
 
     def ghost_sums(c, dd, u, de, Dd):
-        """Σ_i w_i (dd_i ⊗ a_i, dd_i, u_i, de_i), w_i = c_i / (P n_p(i)): the average over clients of their clipped
-        means folded into one weight per sample."""
+        """Σ_i w_i (dd_i ⊗ a_i, dd_i, u_i, de_i), w_i = c_i / (P n_p(i)): the average over clients
+        of their clipped means folded into one weight per sample."""
         w = c * Dd["w"]
         cd = dd * w
         return jnp.concatenate([(cd @ Dd["A"]).reshape(-1), cd.sum(1), u @ w, (de * w).sum()[None]])
@@ -154,7 +162,8 @@ def build_maths(jax: Any, jnp: Any, A: np.ndarray, Y: np.ndarray, mask: np.ndarr
             return x - lr * v, x, v, key, pr
         return step
 
-    def diff_round(variant):  # v_r = v_{r-1} + mean of clipped differences + noise, radius C2 ||x - xp||
+    # v_r = v_{r-1} + mean of clipped differences + noise, radius C2 ||x - xp||
+    def diff_round(variant):
         diff_fn = means[variant][1]
 
         def step(x, xp, v, key, pr, hp, Dd):
@@ -167,7 +176,8 @@ def build_maths(jax: Any, jnp: Any, A: np.ndarray, Y: np.ndarray, mask: np.ndarr
         return step
 
     def clipped_fraction(x, xp, radius):
-        """Share of real samples whose (difference) gradient norm exceeds ``radius`` (float64; xp None: DP-GD)."""
+        """Share of real samples whose (difference) gradient norm exceeds ``radius`` (float64; xp
+        None: DP-GD)."""
         Dd = data["f64"]
         if xp is None:
             sq = ghost_sq(x, Dd)[0]
@@ -175,13 +185,14 @@ def build_maths(jax: Any, jnp: Any, A: np.ndarray, Y: np.ndarray, mask: np.ndarr
             sq = diff_sq(x, parts(xp, Dd), Dd)[0]
         return float(((jnp.sqrt(sq) > radius) * Dd["mask"]).sum() / Dd["mask"].sum())
 
-    return {"data": data, "dpgd_round": dpgd_round, "restart_round": restart_round, "diff_round": diff_round,
+    return {"data": data, "dpgd_round": dpgd_round, "restart_round": restart_round,
+            "diff_round": diff_round,
             "clipped_fraction": clipped_fraction, "D": D}
 
 
 class JaxCell:
-    """One (kind, variant, dtype) over K runs: the round functions compiled ahead of time (seconds kept), and
-    :meth:`run` timing R rounds.
+    """One (kind, variant, dtype) over K runs: the round functions compiled ahead of time (seconds
+    kept), and :meth:`run` timing R rounds.
 
     Args:
         jax, jnp: the jax modules.
@@ -189,18 +200,20 @@ class JaxCell:
         kind: ``"dpgd"`` or ``"diff2"`` (one restart round, then difference rounds).
         variant: ``"vmap"``, ``"ghost"`` or ``"ghost_map"``.
         dtype: ``"f32"`` or ``"f64"``.
-        specs: K tuples (restart_every, learning_rate, clip_restart, clip_diff, sigma_restart, sigma_diff,
-            noise_seed, init_seed), the project's RunSpec fields.
+        specs: K tuples (restart_every, learning_rate, clip_restart, clip_diff, sigma_restart,
+            sigma_diff, noise_seed, init_seed), the project's RunSpec fields.
         x0: the K initial iterates [K, d] (float64), the project's.
     """
 
-    def __init__(self, jax: Any, jnp: Any, maths: dict[str, Any], kind: str, variant: str, dtype: str,
-                 specs: list[tuple], x0: np.ndarray) -> None:
+    def __init__(self, jax: Any, jnp: Any, maths: dict[str, Any], kind: str, variant: str,
+                 dtype: str, specs: list[tuple], x0: np.ndarray) -> None:
         dt = {"f32": jnp.float32, "f64": jnp.float64}[dtype]
         self.kind, self.K, self.maths, self.Dd = kind, len(specs), maths, maths["data"][dtype]
         mapped, base = variant.endswith("_map"), variant.removesuffix("_map")
         if mapped and self.K == 1:
-            raise ValueError(f"Variant {variant!r} maps over the K runs; K = 1 has nothing to map (use 'ghost').")
+            raise ValueError(
+                f"Variant {variant!r} maps over the K runs; K = 1 has nothing to map (use "
+                f"'ghost').")
         col = lambda i: jnp.asarray([s[i] for s in specs], dt)  # noqa: E731
         self.x0 = jnp.asarray(x0, dt)
         self.keys = jnp.stack([jax.random.PRNGKey(1000 + int(s[6])) for s in specs])
@@ -223,7 +236,8 @@ class JaxCell:
         self.compile_s: dict[str, float] = {}
         t = time.perf_counter()
         if kind == "dpgd":
-            self.step = jax.jit(batched(maths["dpgd_round"](base), 2)).lower(self.x0, self.keys, self.hp1,
+            self.step = jax.jit(batched(maths["dpgd_round"](base), 2)).lower(self.x0, self.keys,
+                                                                             self.hp1,
                                                                                self.Dd).compile()
             self.compile_s["round"] = time.perf_counter() - t
             return
@@ -232,11 +246,13 @@ class JaxCell:
         self.compile_s["restart"] = time.perf_counter() - t
         t = time.perf_counter()
         shapes = jax.eval_shape(restart, self.x0, self.keys, self.hp1, self.Dd)
-        self.diff = jax.jit(batched(maths["diff_round"](base), 5)).lower(*shapes, self.hp, self.Dd).compile()
+        self.diff = jax.jit(batched(maths["diff_round"](base), 5)).lower(*shapes, self.hp,
+                                                                         self.Dd).compile()
         self.compile_s["diff"] = time.perf_counter() - t
 
     def run(self, rounds: int, zero_noise: bool = False) -> tuple[float, np.ndarray]:
-        """Seconds of ``rounds`` rounds from x_0 (ready results included) and the final iterates [K, d]."""
+        """Seconds of ``rounds`` rounds from x_0 (ready results included) and the final iterates [K,
+        d]."""
         hp1, hp = self.hp1, self.hp
         if zero_noise:
             hp1, hp = hp1[:2] + (hp1[2] * 0,), hp[:2] + (hp[2] * 0,)
@@ -254,8 +270,8 @@ class JaxCell:
         return time.perf_counter() - t, np.asarray(x, np.float64).reshape(self.K, -1)
 
     def clipped_fraction(self, specs: list[tuple]) -> float:
-        """Run 0's share of clipped samples in the checked round (DP-GD: round 1; DIFF2: its first difference
-        round, at (x_1, x_0)), without noise."""
+        """Run 0's share of clipped samples in the checked round (DP-GD: round 1; DIFF2: its first
+        difference round, at (x_1, x_0)), without noise."""
         x0 = np.asarray(self.x0, np.float64).reshape(self.K, -1)[0]
         if self.kind == "dpgd":
             return self.maths["clipped_fraction"](x0, None, specs[0][2])
@@ -292,7 +308,8 @@ def serve(stdin: Any, stdout: Any) -> None:
             maths.update(build_maths(jax, jnp, A, Y, mask, sizes, hidden))
             reply: Any = {"jax": jax.__version__, "numpy": np.__version__, "python": sys.executable,
                           "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                          "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+                          "affinity": sorted(os.sched_getaffinity(0))
+                          if hasattr(os, "sched_getaffinity") else None}
         elif op == "build":
             _, name, kind, variant, dtype, specs, x0 = req
             cell = JaxCell(jax, jnp, maths, kind, variant, dtype, specs, x0)
@@ -306,7 +323,8 @@ def serve(stdin: Any, stdout: Any) -> None:
             cell, specs = cells[req[1]]
             reply = {"fraction": cell.clipped_fraction(specs)}
         else:
-            raise ValueError(f"Unknown request {op!r}; expected setup, build, run, clipped_fraction or quit.")
+            raise ValueError(
+                f"Unknown request {op!r}; expected setup, build, run, clipped_fraction or quit.")
         pickle.dump(reply, stdout)
         stdout.flush()
 

@@ -5,19 +5,21 @@
   which runs exactly the Flower path's code, for comparison);
 - ``protocol_wall_s``: wall seconds of the full California ε = 3 study of ``configs/paper/`` (its
   ``workers`` processes, one thread each on a 2-core machine), with ``protocol_gflops``: the matrix
-  products' arithmetic of the batched engine over the study (:meth:`~diff2_flwr.core.ghost.MLP.matmul_flops`
-  for every run and round) per wall second, against ``matmul_gflops``: a plain torch matrix product's
-  (float32 and float64, 1,024², one thread, and on all cores) on the same machine — the floor;
-  ``load_average``: the machine's 1-minute load before and after (other work skews every figure);
-- ``kdd_floor`` (with the protocol): a lower bound on the full KDD Cup 99 ε = 3 study's wall time on this machine
-  from its first layer's float64 clipped sums alone at the float64 matmul peak (:func:`first_layer_floor`), against
-  the 30-minute target; ``{"skipped": ...}`` without the data;
+  products' arithmetic of the batched engine over the study
+  (:meth:`~diff2_flwr.core.ghost.MLP.matmul_flops` for every run and round) per wall second, against
+  ``matmul_gflops``: a plain torch matrix product's (float32 and float64, 1,024², one thread, and on
+  all cores) on the same machine — the floor; ``load_average``: the machine's 1-minute load before
+  and after (other work skews every figure);
+- ``kdd_floor`` (with the protocol): a lower bound on the full KDD Cup 99 ε = 3 study's wall time on
+  this machine from its first layer's float64 clipped sums alone at the float64 matmul peak
+  (:func:`first_layer_floor`), against the 30-minute target; ``{"skipped": ...}`` without the data;
 - ``flower_round_s`` / ``flower_floor_round_s``: median seconds per round (rounds 2..N) of a
   10-client ``flwr run`` simulation of DIFF2-GD, and of a do-nothing NumPyClient app
   (``benchmarks/floor_app``) measured in the same run: the framework's own floor;
-- ``jax_peer``: the batched engine (``compile=True``) against hand-written JAX on the same work, per cell (DP-GD /
-  DIFF2 × K = 1 / 18 × float32 / float64): rounds/s of each side and the ratios, against the target of 1.5
-  (:mod:`.jax_cells`); ``{"skipped": ...}`` when no interpreter with jax is found.
+- ``jax_peer``: the batched engine (``compile=True``) against hand-written JAX on the same work, per
+  cell (DP-GD / DIFF2 × K = 1 / 18 × float32 / float64): rounds/s of each side and the ratios,
+  against the target of 1.5 (:mod:`.jax_cells`); ``{"skipped": ...}`` when no interpreter with jax
+  is found.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def _machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
@@ -66,13 +69,16 @@ def _california(data_dir: str | None) -> dict:
 
 def _diff2_config(data_dir: str | None, rounds: int, out: str) -> dict:
     return {"name": "bench", "method": "diff2", "dataset": _california(data_dir),
-            "training": {"rounds": rounds, "restart_every": 20, "clip_restart": 1.0, "clip_diff": 1.0,
+            "training": {"rounds": rounds, "restart_every": 20, "clip_restart": 1.0,
+                         "clip_diff": 1.0,
                          "learning_rate": 0.25, "clients": 10, "seed": 0},
             "evaluation": {"every": 50}, "output": {"dir": out}}
 
 
-def _matmul_gflops(dtype: torch.dtype, threads: int, size: int = 1024, seconds: float = 1.0) -> float:
-    """GFLOP/s of a plain ``a @ b`` of two size × size matrices: the floor an engine's arithmetic is measured against."""
+def _matmul_gflops(dtype: torch.dtype, threads: int, size: int = 1024,
+                   seconds: float = 1.0) -> float:
+    """GFLOP/s of a plain ``a @ b`` of two size × size matrices: the floor an engine's arithmetic is
+    measured against."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -102,20 +108,22 @@ def _paper_study(path: Path, data_dir: str | None):
 
 
 def _study_data(study):
-    """The study's prepared data and MLP, the same for all its runs (the data depend on the dataset's settings, not
-    on a run's seed); a ``DataError`` if its files are missing."""
+    """The study's prepared data and MLP, the same for all its runs (the data depend on the
+    dataset's settings, not on a run's seed); a ``DataError`` if its files are missing."""
     from ...runtime.session import load_data
     from ..sweep import batch_model
 
-    probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
+    probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0],
+                             study.tune_seeds[0])
     data = load_data(probe)
-    mlp, _ = batch_model(data, model=study.model, hidden=study.hidden, model_kwargs=study.model_kwargs,
-                         loss=probe.loss)
+    mlp, _ = batch_model(data, model=study.model, hidden=study.hidden,
+                         model_kwargs=study.model_kwargs, loss=probe.loss)
     return data, mlp
 
 
 def _study_flops(study, runs_dir: Path, mlp, n_samples: int) -> int:
-    """Matrix-product arithmetic of every run file of a batched study (rounds × per-round FLOPs; evaluation not counted)."""
+    """Matrix-product arithmetic of every run file of a batched study (rounds × per-round FLOPs;
+    evaluation not counted)."""
     total = 0
     for path in runs_dir.glob("*.json"):
         record = json.loads(path.read_text())
@@ -126,16 +134,19 @@ def _study_flops(study, runs_dir: Path, mlp, n_samples: int) -> int:
     return total
 
 
-def first_layer_floor(study, records: int, features: int, hidden: int, float64_gflops_1_thread: float,
-                      cores: int, target_s: float = KDD_TARGET_S) -> dict[str, Any]:
-    """A lower bound on a batched study's wall time from its first layer's float64 clipped sums alone: every run
-    sums c_i · δ_i x_iᵀ over its ``records`` samples each round (2 · hidden · features · records FLOP, float64, as
-    the engine keeps every sum), at this machine's float64 matrix-product peak (``float64_gflops_1_thread``, a
-    1,024² product) on ``min(workers, cores)`` cores. The runs counted are the fewest the study computes: every
-    tuning configuration once per tuning seed, and one evaluation run per method and evaluation seed (a criterion
-    choosing another point adds runs). Nothing else of a round is counted (forward pass, norms, evaluation): the
-    study cannot be faster than this on this machine while its sums stay float64 and dense. ``target_s``: the wall
-    time the study should take, for the budget per configuration-round it leaves."""
+def first_layer_floor(study, records: int, features: int, hidden: int,
+                      float64_gflops_1_thread: float, cores: int,
+                      target_s: float = KDD_TARGET_S) -> dict[str, Any]:
+    """A lower bound on a batched study's wall time from its first layer's float64 clipped sums
+    alone: every run sums c_i · δ_i x_iᵀ over its ``records`` samples each round (2 · hidden ·
+    features · records FLOP, float64, as the engine keeps every sum), at this machine's float64
+    matrix-product peak (``float64_gflops_1_thread``, a 1,024² product) on ``min(workers, cores)``
+    cores. The runs counted are the fewest the study computes: every tuning configuration once per
+    tuning seed, and one evaluation run per method and evaluation seed (a criterion choosing another
+    point adds runs). Nothing else of a round is counted (forward pass, norms, evaluation): the
+    study cannot be faster than this on this machine while its sums stay float64 and dense.
+    ``target_s``: the wall time the study should take, for the budget per configuration-round it
+    leaves."""
     tuning = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds)
     evaluation = len(study.methods) * len(study.eval_seeds)
     flop = 2 * hidden * features * records
@@ -150,7 +161,8 @@ def first_layer_floor(study, records: int, features: int, hidden: int, float64_g
 
 
 def _kdd_floor(data_dir: str | None, float64_gflops_1_thread: float) -> dict[str, Any]:
-    """:func:`first_layer_floor` of the full KDD Cup 99 ε = 3 study, or ``{"skipped": why}`` without its data."""
+    """:func:`first_layer_floor` of the full KDD Cup 99 ε = 3 study, or ``{"skipped": why}`` without
+    its data."""
     from ...task.data import DataError
 
     study = _paper_study(KDD_STUDY, data_dir)
@@ -158,8 +170,8 @@ def _kdd_floor(data_dir: str | None, float64_gflops_1_thread: float) -> dict[str
         data, mlp = _study_data(study)
     except DataError as exc:
         return {"skipped": f"no KDD Cup 99 data ({exc})"}
-    return first_layer_floor(study, len(data.y_train), mlp.sizes[0], mlp.sizes[1], float64_gflops_1_thread,
-                             os.cpu_count() or 1, KDD_TARGET_S)
+    return first_layer_floor(study, len(data.y_train), mlp.sizes[0], mlp.sizes[1],
+                             float64_gflops_1_thread, os.cpu_count() or 1, KDD_TARGET_S)
 
 
 def _rounds_per_s(data_dir: str | None, rounds: int) -> dict[str, float]:
@@ -195,20 +207,23 @@ def _flower(data_dir: str | None, rounds: int) -> dict[str, float]:
         path = Path(tmp) / "bench.yaml"
         path.write_text(yaml.safe_dump(_diff2_config(data_dir, rounds, tmp)))
         result = run_simulation(str(path), echo=False)
-        rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line)
+                for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
     elapsed = [r["elapsed_s"] for r in rows[1:]]  # rows[i] is round i
     diff2 = statistics.median(b - a for a, b in zip(elapsed, elapsed[1:]))  # rounds 2..N
-    floor = run_simulation(None, app_dir=FLOOR_APP, clients=10, run_config={"num-server-rounds": rounds}, echo=False)
+    floor = run_simulation(None, app_dir=FLOOR_APP, clients=10,
+                           run_config={"num-server-rounds": rounds}, echo=False)
     stamps = [float(t) for t in re.findall(r"\[floor\] round \d+ t=([0-9.]+)", floor.log)]
     if len(stamps) != rounds:
         raise RuntimeError(f"The floor app logged {len(stamps)} of {rounds} rounds.")
     floor_s = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
-    return {"flower_round_s": diff2, "flower_floor_round_s": floor_s, "flower_ratio": diff2 / floor_s,
+    return {"flower_round_s": diff2, "flower_floor_round_s": floor_s,
+            "flower_ratio": diff2 / floor_s,
             "flower_rounds": rounds}
 
 
-def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: bool = True, rounds: int = 300,
-              flower_rounds: int = 30, jax_peer: JaxPeerPlan | None = None,
+def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: bool = True,
+              rounds: int = 300, flower_rounds: int = 30, jax_peer: JaxPeerPlan | None = None,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure and return the figures (see the module docstring).
 
@@ -218,13 +233,16 @@ def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: boo
         flower: run the two Flower simulations.
         rounds: rounds timed for ``diff2_rounds_per_s``.
         flower_rounds: rounds of each Flower simulation.
-        jax_peer: the ``jax_peer`` section's plan (:func:`~diff2_flwr.lab.bench.jax_cells.plan_jax_peer`); None: no section.
+        jax_peer: the ``jax_peer`` section's plan
+            (:func:`~diff2_flwr.lab.bench.jax_cells.plan_jax_peer`); None: no section.
         progress: called with one line per step of the ``jax_peer`` section, and with its skip line.
     """
     out: dict[str, Any] = {"machine": _machine(), "load_average_before": os.getloadavg()[0]}
     out["matmul_gflops"] = {f"{name}_{label}": _matmul_gflops(dtype, threads)
-                            for name, dtype in (("float32", torch.float32), ("float64", torch.float64))
-                            for label, threads in (("1_thread", 1), ("all_cores", os.cpu_count() or 1))}
+                            for name, dtype in (("float32", torch.float32), ("float64",
+                                                                             torch.float64))
+                            for label, threads in (("1_thread", 1), ("all_cores",
+                                                                     os.cpu_count() or 1))}
     out.update(_rounds_per_s(data_dir, rounds))
     if protocol:
         from ..study.runner import run_study
@@ -253,5 +271,6 @@ def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: boo
         out["jax_peer"] = jax_peer_section(jax_peer, data_dir=data_dir, progress=progress)
     out["load_average_after"] = os.getloadavg()[0]
     rounded = lambda v: float(np.round(v, 4)) if isinstance(v, float) else v  # noqa: E731
-    return {k: ({a: rounded(b) for a, b in v.items()} if isinstance(v, dict) and k != "machine" else rounded(v))
+    return {k: ({a: rounded(b) for a,
+                 b in v.items()} if isinstance(v, dict) and k != "machine" else rounded(v))
             for k, v in out.items()}

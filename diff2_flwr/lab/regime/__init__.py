@@ -1,7 +1,8 @@
-"""The regime map of a study family: cells, the studies' files, the fit and its bootstrap, report, plots.
+"""The regime map of a study family: cells, the studies' files, the fit and its bootstrap, report,
+plots.
 
-Its public face is below, imported on first use (a part's import, such as the CLI's parser's, stays light);
-the modules hold the parts."""
+Its public face is below, imported on first use (a part's import, such as the CLI's parser's, stays
+light); the modules hold the parts."""
 
 from __future__ import annotations
 

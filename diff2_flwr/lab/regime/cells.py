@@ -1,8 +1,10 @@
-"""The regime map's cells: the endpoints, the stall rule, one (dataset, n, ε) cell and its adjusted tests.
+"""The regime map's cells: the endpoints, the stall rule, one (dataset, n, ε) cell and its adjusted
+tests.
 
-A :class:`Cell` holds both methods' per-seed endpoint values (:data:`ENDPOINTS`) and its stalled runs
-(:func:`stall_reason`); :func:`cell_tests` adjusts the cells' p-values (Holm over the primary endpoint, BH over
-every exploratory one) and marks them (:func:`mark`). What the map is and why: :mod:`.regime`.
+A :class:`Cell` holds both methods' per-seed endpoint values (:data:`ENDPOINTS`) and its stalled
+runs (:func:`stall_reason`); :func:`cell_tests` adjusts the cells' p-values (Holm over the primary
+endpoint, BH over every exploratory one) and marks them (:func:`mark`). What the map is and why:
+:mod:`.regime`.
 """
 
 from __future__ import annotations
@@ -16,19 +18,26 @@ import numpy as np
 from ..study.stats import endpoint_value
 from ..study.inference import benjamini_hochberg, holm, paired_ttest
 
-__all__ = ["ALPHA", "ENDPOINTS", "LEGEND", "MARK_BETTER", "MARK_WORSE", "PRIMARY", "STALL_PROGRESS", "STALL_RULE",
+__all__ = ["ALPHA", "ENDPOINTS", "LEGEND", "MARK_BETTER", "MARK_WORSE", "PRIMARY", "STALL_PROGRESS",
+           "STALL_RULE",
            "Cell", "Endpoint", "RegimeError", "cell_tests", "mark", "stall_reason"]
 
 ALPHA = 0.05
-#: A run *stalls* when it diverged, or when its final train loss is >= STALL_PROGRESS x its train loss at the
-#: first recorded round (less than 10 % progress over the run). Applied mechanically to every run of both
-#: methods at the ‖∇f‖²-best point; a cell with a stalled run leaves the sensitivity fit (never the main one).
+#: A run *stalls* when it diverged, or when its final train loss is >= STALL_PROGRESS x its train
+#: loss at the first recorded round (less than 10 % progress over the run). Applied mechanically to
+#: every run of both methods at the ‖∇f‖²-best point; a cell with a stalled run leaves the
+#: sensitivity fit (never the main one).
 STALL_PROGRESS = 0.9
-STALL_RULE = (f"a run stalls if it diverged or its final train loss is >= {STALL_PROGRESS:g} x its train loss at the "
-              "first recorded round; a cell leaves the sensitivity fit if any run of either method at the "
+STALL_RULE = (
+    f"a run stalls if it diverged or its final train loss is >= {STALL_PROGRESS:g} x its train "
+    f"loss at the "
+              "first recorded round; a cell leaves the sensitivity fit if any run of either "
+              "method at the "
               "‖∇f‖²-best point stalled")
 MARK_BETTER, MARK_WORSE = "*", "†"
-LEGEND = (f"{MARK_BETTER} DIFF2-GD lower, {MARK_WORSE} DP-GD lower: two-sided paired t-test by seed, adjusted p < α "
+LEGEND = (
+    f"{MARK_BETTER} DIFF2-GD lower, {MARK_WORSE} DP-GD lower: two-sided paired t-test by seed, "
+    f"adjusted p < α "
           "(Holm for final ‖∇f‖², Benjamini–Hochberg q for the exploratory endpoints)")
 
 
@@ -49,7 +58,8 @@ class Endpoint:
 
 
 ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (
-    # the study's own endpoint rules (lab.analysis): one definition of "final", "best" and "train_best"
+    # the study's own endpoint rules (lab.analysis): one definition of "final", "best" and
+    # "train_best"
     Endpoint("grad_norm_sq_final", "grad_norm_sq", "final ‖∇f‖²", True, True,
              lambda r: endpoint_value(r, "grad_norm_sq", "final")),
     Endpoint("grad_norm_sq_min", "grad_norm_sq", "min ‖∇f‖²", True, False,
@@ -70,14 +80,16 @@ def stall_reason(run: Mapping[str, Any]) -> str | None:
     if not math.isfinite(final):
         return "non-finite final train loss"
     if final >= STALL_PROGRESS * first:
-        return (f"final train loss {final:.4g} >= {STALL_PROGRESS:g} x {first:.4g} at the first recorded round "
-                f"{run['rounds'][0]}")
+        return (
+            f"final train loss {final:.4g} >= {STALL_PROGRESS:g} x {first:.4g} at the first "
+            f"recorded round {run['rounds'][0]}")
     return None
 
 
 @dataclass(frozen=True)
 class Cell:
-    """One (dataset, n, ε) of the family: both methods' per-seed endpoint values and their stalled runs."""
+    """One (dataset, n, ε) of the family: both methods' per-seed endpoint values and their stalled
+    runs."""
 
     dataset: str
     n: int  # training records (sum of the shard sizes)
@@ -91,8 +103,10 @@ class Cell:
     control_values: Mapping[str, Sequence[float]]
     stalled: tuple[str, ...] = ()  # one line per stalled run at the ‖∇f‖²-best point
     train_available: int | None = None  # records of the whole train split when n is a subsample
-    points: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)  # chosen hyper-parameters
-    grids: Mapping[str, Mapping[str, Sequence[float]]] = field(default_factory=dict)  # each method's grid
+    # chosen hyper-parameters
+    points: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
+    # each method's grid
+    grids: Mapping[str, Mapping[str, Sequence[float]]] = field(default_factory=dict)
 
     @property
     def x(self) -> float:
@@ -109,21 +123,25 @@ class Cell:
         return float(v.mean()) if np.all(np.isfinite(v)) else math.inf
 
     def ratio(self, endpoint: str) -> float:
-        """DIFF2-GD's seed mean / DP-GD's (inf or 0 when one of them diverged on a seed, NaN when both did)."""
+        """DIFF2-GD's seed mean / DP-GD's (inf or 0 when one of them diverged on a seed, NaN when
+        both did)."""
         a, b = self.mean(endpoint, self.diff2), self.mean(endpoint, self.control)
         if not (math.isfinite(a) and math.isfinite(b)):
-            return math.nan if not math.isfinite(a) and not math.isfinite(b) else (math.inf if not math.isfinite(a)
+            return math.nan if not math.isfinite(a) and not math.isfinite(b) else (
+                math.inf if not math.isfinite(a)
                                                                                    else 0.0)
         return a / b if b > 0 else math.nan
 
     def fit_ready(self, endpoint: str = PRIMARY) -> bool:
-        """Every per-seed value of both methods finite and positive (a ratio of seed means under any resample)."""
+        """Every per-seed value of both methods finite and positive (a ratio of seed means under any
+        resample)."""
         v = np.asarray([self.diff2_values[endpoint], self.control_values[endpoint]], dtype=float)
         return bool(np.all(np.isfinite(v)) and np.all(v > 0))
 
     def tested(self, endpoint: str) -> tuple[np.ndarray, np.ndarray]:
         """The two per-seed samples the t-test compares (log10 for a log endpoint)."""
-        a, b = (np.asarray(v[endpoint], dtype=float) for v in (self.diff2_values, self.control_values))
+        a, b = (np.asarray(v[endpoint], dtype=float) for v in (self.diff2_values,
+                                                               self.control_values))
         if ENDPOINTS[endpoint].log:
             with np.errstate(divide="ignore", invalid="ignore"):
                 a, b = np.log10(a), np.log10(b)
@@ -141,12 +159,14 @@ class Cell:
         return float(d.mean()) if np.all(np.isfinite(d)) else math.nan
 
     def edges(self, criterion: str) -> dict[str, list[str]]:
-        """Per method, the hyper-parameters chosen at the lowest or highest value of their grid axis (an axis of
-        more than one value): there the grid may have been too narrow for that method, and the ratio unfair."""
+        """Per method, the hyper-parameters chosen at the lowest or highest value of their grid axis
+        (an axis of more than one value): there the grid may have been too narrow for that method,
+        and the ratio unfair."""
         out: dict[str, list[str]] = {}
         for method in (self.diff2, self.control):
             point, grid = self.points.get(method, {}).get(criterion, {}), self.grids.get(method, {})
-            hits = [f"{k}={v:g} ({'lowest' if v == min(grid[k]) else 'highest'})" for k, v in point.items()
+            hits = [f"{k}={v:g} ({'lowest' if v == min(grid[k]) else 'highest'})" for k,
+                    v in point.items()
                     if len(grid.get(k, ())) > 1 and v in (min(grid[k]), max(grid[k]))]
             if hits:
                 out[method] = hits
@@ -154,15 +174,16 @@ class Cell:
 
 
 def mark(p_adjusted: float, mean_difference: float, alpha: float = ALPHA) -> str:
-    """``*`` if the adjusted p < α and DIFF2-GD is lower on average, ``†`` if DP-GD is, else ``""``."""
+    """``*`` if the adjusted p < α and DIFF2-GD is lower on average, ``†`` if DP-GD is, else
+    ``""``."""
     if not (math.isfinite(p_adjusted) and math.isfinite(mean_difference)) or p_adjusted >= alpha:
         return ""
     return MARK_BETTER if mean_difference < 0 else MARK_WORSE if mean_difference > 0 else ""
 
 
 def cell_tests(cells: Sequence[Cell], alpha: float = ALPHA) -> list[dict[str, dict[str, Any]]]:
-    """Per cell and endpoint: raw two-sided p, adjusted p (Holm over the primary family, BH over every
-    exploratory test of the map), the mean paired difference and the mark."""
+    """Per cell and endpoint: raw two-sided p, adjusted p (Holm over the primary family, BH over
+    every exploratory test of the map), the mean paired difference and the mark."""
     out: list[dict[str, dict[str, Any]]] = [{} for _ in cells]
     raw = {e: [cell.p_value(e) for cell in cells] for e in ENDPOINTS}
     adjusted = {PRIMARY: holm(raw[PRIMARY])}

@@ -1,4 +1,5 @@
-"""The regime map's figures: one heatmap per dataset (the ratios over n × ε) and the scatter against nε/√d.
+"""The regime map's figures: one heatmap per dataset (the ratios over n × ε) and the scatter against
+nε/√d.
 
 matplotlib is imported when a figure is drawn, never at import.
 """
@@ -36,19 +37,22 @@ def _cell_text(cell: Cell, endpoint: str, mark_: str) -> str:
     return f"{' and '.join(gone)}\ndiverged" if gone else "–"
 
 
-#: The colour scale of a heatmap panel saturates at this factor either way (the cell's text gives the exact ratio).
+#: The colour scale of a heatmap panel saturates at this factor either way (the cell's text gives
+#: the exact ratio).
 MAX_SPAN_DECADES = 1.0
 
 
 def _ticks(span: float) -> list[float]:
-    """Colour-bar ticks inside [10^-span, 10^span]: decades and halves for a wide span, finer steps near 1."""
+    """Colour-bar ticks inside [10^-span, 10^span]: decades and halves for a wide span, finer steps
+    near 1."""
     wide = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
     narrow = (0.25, 0.33, 0.5, 0.67, 0.8, 0.9, 1, 1.1, 1.25, 1.5, 2, 3, 4)
     return [v for v in (wide if span > 0.45 else narrow)
             if 10 ** -span <= v * (1 + 1e-9) and v <= 10 ** span * (1 + 1e-9)]
 
 
-def heatmap_png(cells: Sequence[Cell], result: Mapping[str, Any], dataset: str, alpha: float) -> bytes:
+def heatmap_png(cells: Sequence[Cell], result: Mapping[str, Any], dataset: str,
+                alpha: float) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,13 +73,14 @@ def heatmap_png(cells: Sequence[Cell], result: Mapping[str, Any], dataset: str, 
             cell = by.get((n, ep))
             if cell is not None and math.isfinite(cell.ratio(e)) and cell.ratio(e) > 0:
                 grid[i, j] = cell.ratio(e)
-        # one scale per panel (the endpoints differ by orders of magnitude), symmetric in log so that a ratio of 1
-        # is the centre colour, saturating at MAX_SPAN_DECADES
+        # one scale per panel (the endpoints differ by orders of magnitude), symmetric in log so
+        # that a ratio of 1 is the centre colour, saturating at MAX_SPAN_DECADES
         finite = grid[np.isfinite(grid)]
         span = float(np.max(np.abs(np.log10(finite)))) if finite.size else 0.05
         span = min(max(span, 0.05), MAX_SPAN_DECADES)
         cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="0.85")
-        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=LogNorm(vmin=10 ** -span, vmax=10 ** span),
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=LogNorm(vmin=10 ** -span,
+                                                                              vmax=10 ** span),
                           origin="lower", aspect="auto")
         for i, n in enumerate(ns):
             for j, ep in enumerate(eps):
@@ -83,13 +88,17 @@ def heatmap_png(cells: Sequence[Cell], result: Mapping[str, Any], dataset: str, 
                 text = "no run" if cell is None else _cell_text(cell, e, marks[n, ep][e])
                 if cell is not None and cell.stalled and spec.criterion == "grad_norm_sq":
                     text += f"\n{len(cell.stalled)} run(s) stalled"
-                dark = cell is not None and math.isfinite(grid[i, j]) and abs(math.log10(grid[i, j])) > 0.6 * span
-                ax.text(j, i, text, ha="center", va="center", fontsize=10, color="white" if dark else "black")
+                dark = cell is not None and math.isfinite(grid[i, j]) and abs(math.log10(grid[
+                    i, j])) > 0.6 * span
+                ax.text(j, i, text, ha="center", va="center", fontsize=10,
+                        color="white" if dark else "black")
         ax.set_xticks(range(len(eps)), [f"{v:g}" for v in eps])
         ax.set_yticks(range(len(ns)), [f"{n:,}" for n in ns])
         ax.set_xlabel("ε")
-        ax.set_title(f"{spec.label}{'' if spec.primary else ' (exploratory)'}: DIFF2-GD / DP-GD", fontsize=10)
-        bar = fig.colorbar(image, ax=ax, shrink=0.9, extend="both" if span >= MAX_SPAN_DECADES else "neither")
+        ax.set_title(f"{spec.label}{'' if spec.primary else ' (exploratory)'}: DIFF2-GD / DP-GD",
+                     fontsize=10)
+        bar = fig.colorbar(image, ax=ax, shrink=0.9,
+                           extend="both" if span >= MAX_SPAN_DECADES else "neither")
         bar.ax.minorticks_off()
         ticks = _ticks(span)
         bar.set_ticks(ticks, labels=[f"{v:g}" for v in ticks])
@@ -109,13 +118,14 @@ def scatter_png(cells: Sequence[Cell], result: Mapping[str, Any], alpha: float) 
 
     datasets = sorted({cell.dataset for cell in cells})
     markers = dict(zip(datasets, "osD^v<>p"))
-    colours = dict(zip(datasets, ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown")))
+    colours = dict(zip(datasets, ("tab:blue", "tab:orange", "tab:green", "tab:purple",
+                                  "tab:brown")))
     marks = [{e: v["mark"] for e, v in row["endpoints"].items()} for row in result["cells"]]
     fig, axes = plt.subplots(1, len(ENDPOINTS), figsize=(5.2 * len(ENDPOINTS), 4.8))
     for ax, (e, spec) in zip(axes, ENDPOINTS.items()):
         if not any(math.isfinite(cell.ratio(e)) and cell.ratio(e) > 0 for cell in cells):
-            ax.text(0.5, 0.5, f"{spec.label}: no finite ratio\n(a method diverged in every cell)", ha="center",
-                    va="center", transform=ax.transAxes)
+            ax.text(0.5, 0.5, f"{spec.label}: no finite ratio\n(a method diverged in every cell)",
+                    ha="center", va="center", transform=ax.transAxes)
             ax.set_axis_off()
             continue
         for ds in datasets:
@@ -126,28 +136,36 @@ def scatter_png(cells: Sequence[Cell], result: Mapping[str, Any], alpha: float) 
                 ax.scatter(cell.x, r, marker=markers[ds], s=40, edgecolors=colours[ds],
                            facecolors=colours[ds] if m[e] else "none", zorder=3)
                 if m[e]:
-                    ax.annotate(m[e], (cell.x, r), textcoords="offset points", xytext=(5, 3), fontsize=10)
-            ax.scatter([], [], marker=markers[ds], edgecolors=colours[ds], facecolors="none", label=ds)
-        stalled = [cell for cell in cells if cell.stalled and math.isfinite(cell.ratio(e)) and cell.ratio(e) > 0]
+                    ax.annotate(m[e], (cell.x, r), textcoords="offset points", xytext=(5, 3),
+                                fontsize=10)
+            ax.scatter([], [], marker=markers[ds], edgecolors=colours[ds], facecolors="none",
+                       label=ds)
+        stalled = [cell for cell in cells if cell.stalled and math.isfinite(cell.ratio(e))
+                   and cell.ratio(e) > 0]
         if spec.primary and stalled:
-            ax.scatter([c.x for c in stalled], [c.ratio(e) for c in stalled], marker="x", s=90, color="k", lw=1.0,
-                       zorder=4, label="a run stalled (out of the sensitivity fit)")
+            ax.scatter([c.x for c in stalled], [c.ratio(e) for c in stalled], marker="x", s=90,
+                       color="k", lw=1.0, zorder=4,
+                       label="a run stalled (out of the sensitivity fit)")
         ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
         ax.set_xscale("log")
         ax.set_yscale("log")
         title = spec.label if spec.primary else f"{spec.label} (exploratory, no fit)"
         fit = result["fits"]["pooled"] if spec.primary else None
         if fit is not None:
-            lx = np.linspace(math.log10(min(c.x for c in cells)) - 0.1, math.log10(max(c.x for c in cells)) + 0.1, 50)
+            lx = np.linspace(math.log10(min(c.x for c in cells)) - 0.1,
+                             math.log10(max(c.x for c in cells)) + 0.1, 50)
             for ds, a in fit["intercepts"].items():
                 ax.plot(10 ** lx, 10 ** (a + fit["slope"] * lx), color=colours[ds], lw=1.2)
             ax.plot([], [], color="k", lw=1.2,
-                    label=f"fit: slope {fit['slope']:.2f} [{fit['ci95'][0]:.2f}, {fit['ci95'][1]:.2f}]")
-            ax0, ay0 = math.log10(fit["theory_line_through"]["x"]), math.log10(fit["theory_line_through"]["ratio"])
-            ax.plot(10 ** lx, 10 ** (ay0 + THEORY_SLOPE * (lx - ax0)), color="tab:red", lw=1.0, ls="--",
-                    label="slope −1/3 (theory)")
+                    label=f"fit: slope {fit['slope']:.2f} [{fit['ci95'][0]:.2f}, "
+                          f"{fit['ci95'][1]:.2f}]")
+            ax0, ay0 = math.log10(fit["theory_line_through"]["x"]), math.log10(fit[
+                "theory_line_through"]["ratio"])
+            ax.plot(10 ** lx, 10 ** (ay0 + THEORY_SLOPE * (lx - ax0)), color="tab:red", lw=1.0,
+                    ls="--", label="slope −1/3 (theory)")
             title += f" (k = {fit['k']} cells)"
-        for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1, 2, 5 × 10^k (matplotlib's minor labels overlap)
+        # plain numbers at 1, 2, 5 × 10^k (matplotlib's minor labels overlap)
+        for axis in (ax.xaxis, ax.yaxis):
             axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             axis.set_minor_locator(NullLocator())

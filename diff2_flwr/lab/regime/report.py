@@ -1,4 +1,5 @@
-"""The regime map as Markdown (``regime.md``): the cells' tables, the counts, the fits and the stalled cells."""
+"""The regime map as Markdown (``regime.md``): the cells' tables, the counts, the fits and the
+stalled cells."""
 
 from __future__ import annotations
 
@@ -24,33 +25,40 @@ def _fit_row(name: str, fit: Mapping[str, Any] | None) -> str:
         return f"| {name} | < 3 | – | – | – | – | – | – |"
     crossing = ", ".join(f"{ds}: {_fmt(x)}" for ds, x in fit["crossing_x"].items())
     lack = fit["lack_of_fit"]
-    return (f"| {name} | {fit['k']} | {fit['slope']:.3f} | [{fit['ci95'][0]:.3f}, {fit['ci95'][1]:.3f}] | "
-            f"{_fmt(fit['p_slope_equals_theory'], 2)} | {_fmt(fit['p_slope_equals_zero'], 2)} | "
-            f"{_fmt(lack['residual_sd_log10'], 2)} / {_fmt(lack['seed_sd_log10'], 2)} | {crossing} |")
+    return (
+        f"| {name} | {fit['k']} | {fit['slope']:.3f} | [{fit['ci95'][0]:.3f}, "
+        f"{fit['ci95'][1]:.3f}] | {_fmt(fit['p_slope_equals_theory'], 2)} | "
+        f"{_fmt(fit['p_slope_equals_zero'], 2)} | {_fmt(lack['residual_sd_log10'], 2)} / "
+        f"{_fmt(lack['seed_sd_log10'], 2)} | {crossing} |")
 
 
 def markdown(cells: Sequence[Cell], result: Mapping[str, Any], alpha: float = ALPHA) -> str:
     """The cells and fits as Markdown."""
     rows = result["cells"]
-    lines = [*_primary_table(cells, rows, alpha), *_exploratory_table(cells, rows), *_edge_lines(cells),
-             *_fit_section(result)]
+    lines = [*_primary_table(cells, rows, alpha), *_exploratory_table(cells, rows),
+             *_edge_lines(cells), *_fit_section(result)]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def _primary_table(cells: Sequence[Cell], rows: Sequence[Mapping[str, Any]], alpha: float) -> list[str]:
+def _primary_table(cells: Sequence[Cell], rows: Sequence[Mapping[str, Any]],
+                   alpha: float) -> list[str]:
     """The title, the legend and the table of the primary endpoint (Holm over the cells)."""
     lines = ["# Regime map: DIFF2-GD / DP-GD", "",
-             "Ratio = DIFF2-GD's mean over seeds / DP-GD's; < 1: DIFF2-GD lower. p = two-sided paired t-test by seed "
-             f"(on log10 values for ‖∇f‖²). {LEGEND} (α = {alpha:g}). n = training records (sum of the shard sizes), "
+             "Ratio = DIFF2-GD's mean over seeds / DP-GD's; < 1: DIFF2-GD lower. p = two-sided "
+             "paired t-test by seed "
+             f"(on log10 values for ‖∇f‖²). {LEGEND} (α = {alpha:g}). n = training records (sum "
+             f"of the shard sizes), "
              "d = parameters, x = nε/√d.", "",
-             f"## Primary: {ENDPOINTS[PRIMARY].label} (runs of the ‖∇f‖²-best point; Holm over {len(cells)} cells)", "",
+             f"## Primary: {ENDPOINTS[PRIMARY].label} (runs of the ‖∇f‖²-best point; Holm over "
+             f"{len(cells)} cells)", "",
              "| dataset | n | ε | d | nε/√d | ratio | p | p (Holm) | mark | stalled runs |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         e = row["endpoints"][PRIMARY]
-        lines.append(f"| {row['dataset']} | {row['n']} | {row['epsilon']:g} | {row['d']} | {row['x']:.4g} | "
-                     f"{_fmt(e['ratio'])} | {_fmt(e['p_value'], 2)} | {_fmt(e['p_adjusted'], 2)} | {e['mark']} | "
-                     f"{len(row['stalled_runs']) or ''} |")
+        lines.append(
+            f"| {row['dataset']} | {row['n']} | {row['epsilon']:g} | {row['d']} | {row['x']:.4g} "
+            f"| {_fmt(e['ratio'])} | {_fmt(e['p_value'], 2)} | {_fmt(e['p_adjusted'], 2)} | "
+            f"{e['mark']} | {len(row['stalled_runs']) or ''} |")
     return lines
 
 
@@ -59,13 +67,16 @@ def _exploratory_table(cells: Sequence[Cell], rows: Sequence[Mapping[str, Any]])
     explore = [e for e in ENDPOINTS if not ENDPOINTS[e].primary]
     lines = ["", "## Exploratory endpoints (descriptive; Benjamini–Hochberg q over all "
              f"{len(explore) * len(cells)} exploratory tests; no slope is fitted to them)", "",
-             "| dataset | n | ε | " + " | ".join(f"{ENDPOINTS[e].label}: ratio (p, q)" for e in explore) + " |",
+             "| dataset | n | ε | " + " | ".join(f"{ENDPOINTS[e].label}: ratio (p, q)"
+                                                 for e in explore) + " |",
              "|---|---|---|" + "---|" * len(explore)]
     for row in rows:
         parts = [f"{_fmt(row['endpoints'][e]['ratio'])}{row['endpoints'][e]['mark']} "
-                 f"({_fmt(row['endpoints'][e]['p_value'], 2)}, {_fmt(row['endpoints'][e]['p_adjusted'], 2)})"
+                 f"({_fmt(row['endpoints'][e]['p_value'], 2)}, "
+                 f"{_fmt(row['endpoints'][e]['p_adjusted'], 2)})"
                  for e in explore]
-        lines.append(f"| {row['dataset']} | {row['n']} | {row['epsilon']:g} | " + " | ".join(parts) + " |")
+        lines.append(f"| {row['dataset']} | {row['n']} | {row['epsilon']:g} | " + " | ".join(
+            parts) + " |")
     return lines
 
 
@@ -77,27 +88,39 @@ def _edge_lines(cells: Sequence[Cell]) -> list[str]:
              for cell in cells for c in criteria if cell.edges(c)]
     if not edges:
         return []
-    return ["", "Chosen at an edge of its grid (lowest or highest value of an axis; the grid may have been too "
-            "narrow for that method there, so read the ratio with care):", "", *edges]
+    return ["",
+            "Chosen at an edge of its grid (lowest or highest value of an axis; the grid may have "
+            "been too narrow for that method there, so read the ratio with care):", "", *edges]
 
 
 def _fit_section(result: Mapping[str, Any]) -> list[str]:
-    """The counts of marks, the fits' table and what the fits leave out (non-finite cells, stalled runs)."""
+    """The counts of marks, the fits' table and what the fits leave out (non-finite cells, stalled
+    runs)."""
     fits = result["fits"]
     boot = (fits["pooled"] or {}).get("bootstrap") or {}
     lines = ["", "Counts: " + "; ".join(
-        f"{ENDPOINTS[e].label}: {k['diff2_lower']} {MARK_BETTER}, {k['dpgd_lower']} {MARK_WORSE}, ratio < 1 in "
-        f"{k['ratio_below_1']} of {k['cells']}" for e, k in result["counts"].items()), "",
+        f"{ENDPOINTS[e].label}: {k['diff2_lower']} {MARK_BETTER}, {k['dpgd_lower']} {MARK_WORSE}, "
+        f"ratio < 1 in {k['ratio_below_1']} of {k['cells']}" for e, k in result["counts"].items()),
+        "",
         f"## Fit of {ENDPOINTS[PRIMARY].label}: {fits['model']}", "",
-        f"One intercept per dataset, one common slope (least squares). 95 % CI: percentile cluster bootstrap over "
-        f"evaluation {boot.get('cluster', 'seed')}s ({boot.get('replicates', '–')} replicates, seed "
-        f"{boot.get('seed', '–')}): each replicate resamples the seeds with replacement, the same draw in every cell. "
-        f"p(=theory): bootstrap two-sided p of slope = {THEORY_SLOPE:.3f}; p(=0): of slope = 0. With few seeds the "
-        "bootstrap has few distinct resamples and its interval is likely too narrow. The bootstrap holds the cells "
-        "(their chosen points) fixed and varies only the seeds: 'resid. / seed sd' compares the cells' log10 scatter "
-        "about the fitted lines with the log10 spread of one cell's ratio over seed resamples; a residual sd well "
-        "above the seed sd means the cells depart from the line by more than seed noise, and the interval "
-        "understates the slope's uncertainty. 'crossing': nε/√d where the dataset's fitted ratio is 1. Cells with "
+        f"One intercept per dataset, one common slope (least squares). 95 % CI: percentile "
+        f"cluster bootstrap over "
+        f"evaluation {boot.get('cluster', 'seed')}s ({boot.get('replicates', '–')} replicates, "
+        f"seed "
+        f"{boot.get('seed', '–')}): each replicate resamples the seeds with replacement, the same "
+        f"draw in every cell. "
+        f"p(=theory): bootstrap two-sided p of slope = {THEORY_SLOPE:.3f}; p(=0): of slope = 0. "
+        f"With few seeds the "
+        "bootstrap has few distinct resamples and its interval is likely too narrow. The "
+        "bootstrap holds the cells "
+        "(their chosen points) fixed and varies only the seeds: 'resid. / seed sd' compares the "
+        "cells' log10 scatter "
+        "about the fitted lines with the log10 spread of one cell's ratio over seed resamples; a "
+        "residual sd well "
+        "above the seed sd means the cells depart from the line by more than seed noise, and the "
+        "interval "
+        "understates the slope's uncertainty. 'crossing': nε/√d where the dataset's fitted ratio "
+        "is 1. Cells with "
         "a non-finite or zero value on a seed are left out of every fit.", "",
         "| fit | k | slope | 95 % CI | p(=theory) | p(=0) | resid. / seed sd | crossing |",
         "|---|---|---|---|---|---|---|---|",
@@ -106,10 +129,14 @@ def _fit_section(result: Mapping[str, Any]) -> list[str]:
         *(_fit_row(f"{ds} alone (exploratory)", fit) for ds, fit in fits["per_dataset"].items()),
         "", f"Stall rule (stated as a constant, applied mechanically): {STALL_RULE}."]
     if fits["not_fitted"]:
-        lines += ["", "Left out of every fit (a method's final ‖∇f‖² not finite and positive on some seed, e.g. a "
-                  "diverged run): " + "; ".join(fits["not_fitted"]) + "."]
+        lines += ["",
+                  "Left out of every fit (a method's final ‖∇f‖² not finite and positive on some "
+                  "seed, e.g. a diverged run): " + "; ".join(fits["not_fitted"]) + "."]
     excluded = fits["sensitivity"]["excluded"]
-    lines += ["", "Cells left out of the sensitivity fit:" if excluded else "No cell has a stalled run.", ""]
-    lines += [f"- {x['dataset']}, n = {x['n']}, ε = {x['epsilon']:g}: " + "; ".join(x["stalled_runs"])
+    lines += ["",
+              "Cells left out of the sensitivity fit:" if excluded
+              else "No cell has a stalled run.", ""]
+    lines += [f"- {x['dataset']}, n = {x['n']}, ε = {x['epsilon']:g}: " + "; ".join(x[
+        "stalled_runs"])
               for x in excluded]
     return lines
