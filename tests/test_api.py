@@ -425,8 +425,8 @@ def test_a_dataset_whose_length_lies_fails_the_reply():
     client = diff2_flwr.make_client(model=TanhMLP(in_features=2, out_features=1),
                                     loss=half_squared_error, data=Short(x, y), partition_id=0,
                                     chunk_size=4)
-    x0 = client.worker.gradients.layout.flatten([p.detach().double().numpy()
-                                                 for p in client.worker.gradients.model.parameters()])
+    params = client.worker.gradients.model.parameters()
+    x0 = client.worker.gradients.layout.flatten([p.detach().double().numpy() for p in params])
     with pytest.raises(IndexError):
         client.worker.contribute(1.0, x0, None)
     records = DatasetRecords(TensorDataset(x, y), torch.float64, 4)

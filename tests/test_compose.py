@@ -32,8 +32,8 @@ def test_topology_one_shard_per_node(clients, tls):
     mounted = []
     for i in range(clients):
         node = " ".join(services[f"supernode-{i}"]["command"])
-        assert (
-            f"partition-id={i} num-partitions={clients}") in node and "--superlink superlink:8000" in node
+        assert f"partition-id={i} num-partitions={clients}" in node
+        assert "--superlink superlink:8000" in node
         app = services[f"clientapp-{i}"]
         assert app["build"]["dockerfile"] == "clients/Dockerfile"
         assert app["command"][-1] == f"supernode-{i}:9094"

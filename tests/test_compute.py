@@ -135,8 +135,9 @@ import scipy.linalg  # loads scipy's own OpenBLAS, whose pool starts at OPENBLAS
 compute.pin_threads(1)
 scipy_scans = len(scans) - before_scipy
 pools = {p["filepath"]: p["num_threads"] for p in threadpoolctl.threadpool_info()}
-print(json.dumps({"first": first, "moved": moved, "pinned_back": pinned_back, "scipy_scans": scipy_scans,
-                  "after_change": after_change, "pools": pools, "torch": torch.get_num_threads()}))
+print(json.dumps({"first": first, "moved": moved, "pinned_back": pinned_back,
+                  "scipy_scans": scipy_scans, "after_change": after_change, "pools": pools,
+                  "torch": torch.get_num_threads()}))
 """
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,

@@ -70,7 +70,7 @@ Successfully installed diff2-flwr to /tmp/diff2-flwr-home-h3nifuez/apps/diff2.di
   File "/work/diff2_flwr/fl/strategy.py", line 71, in configure_fit
     raise error
 RuntimeError: boom
-"""
+"""  # noqa: E501 -- a recorded log, verbatim
 
 
 def feed(console: RunConsole, text: str) -> None:
@@ -102,8 +102,8 @@ def test_flower_info_noise_is_dropped_ours_and_warnings_are_kept():
     assert f"{Y}WARNING {Z}:   No fit_metrics_aggregation_fn provided" in lines
     # Ray actor lines, too
     assert "Manually terminating" not in text and "an actor's info line" not in text
-    assert (
-        f"\x1b[36m(ClientAppActor pid=11329)\x1b[0m {Y}WARNING {Z}:   an actor's real warning") in lines
+    actor = "\x1b[36m(ClientAppActor pid=11329)\x1b[0m"
+    assert f"{actor} {Y}WARNING {Z}:   an actor's real warning" in lines
     assert f"{R}ERROR {Z}:     ServerApp thread raised an exception: boom" in lines
     assert '  File "/work/diff2_flwr/fl/strategy.py", line 71, in configure_fit' in lines
     assert lines[-1] == "RuntimeError: boom"
@@ -265,8 +265,8 @@ def test_a_run_that_fails_says_so_in_its_summary(tmp_path, capsys):
     # gradients that overflow at a finite iterate: divergence, not a privacy rejection (nothing
     # released)
     assert report["status"] == "diverged" and "check 'gradients' failed" in report["error"]
-    assert (
-        "[diff2] FAILED: Diverged: Round 2 released nothing: check 'gradients' failed") in captured.err
+    failed = "[diff2] FAILED: Diverged: Round 2 released nothing: check 'gradients' failed"
+    assert failed in captured.err
     assert "[diff2] run diverged: tiny (diff2, P = 3, 1/6 rounds)" in captured.err
 
 

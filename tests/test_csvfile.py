@@ -357,8 +357,8 @@ def test_the_task_of_a_csv_is_said_by_the_loss_or_required(tmp_path: Path) -> No
     path = _csv(tmp_path, "a,label\n1,0.0\n")
     cfg = parse_config(_float_label_config(path, loss="cross_entropy"))
     assert cfg.dataset.task == "classification" and cfg.dataset.task_kind == "classification"
-    assert parse_config(_float_label_config(path,
-                                            loss="half_squared_error")).dataset.task_kind == "regression"
+    regression = parse_config(_float_label_config(path, loss="half_squared_error"))
+    assert regression.dataset.task_kind == "regression"
     with pytest.raises(ConfigError,
                        match=r"key `dataset.task`: expected regression or classification for "
                              r"dataset csv \(or model.loss: cross_entropy"):

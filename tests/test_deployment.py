@@ -203,7 +203,7 @@ def test_deploy_local_starts_ten_supernodes_for_auto_unless_told(tmp_path, capsy
     written = load_config(deployment_config(default, tmp_path / "ten", rounds=2, echo=True))
     assert written.clients == 10 and len(list((tmp_path / "ten" / "shards").glob(
         "shard-*.npz"))) == 10
-    assert (
-        "training.clients: auto -> P = 10 SuperNodes (--clients N for another number)") in capsys.readouterr().out
+    resolved = "training.clients: auto -> P = 10 SuperNodes (--clients N for another number)"
+    assert resolved in capsys.readouterr().out
     assert load_config(deployment_config(default, tmp_path / "three", rounds=2,
                                          clients=3)).clients == 3

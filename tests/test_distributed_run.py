@@ -249,7 +249,7 @@ def test_a_checkpoint_keeps_the_skellam_ledger(tmp_path: Path):
         1])
 
 
-def test_a_data_owner_who_does_not_trust_the_server_refuses_central_noise_and_too_few_honest_clients():
+def test_a_data_owner_who_distrusts_the_server_refuses_central_noise_and_too_few_honest_clients():
     from diff2_flwr.runtime.policy import NodePolicy, Refused, check_run
 
     policy = NodePolicy(max_epsilon=5.0, max_delta=1e-4, noise=("distributed",), min_honest=3)

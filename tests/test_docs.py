@@ -208,10 +208,12 @@ RUN_BY = {
         "tests/test_node_auth.py::test_operator_takes_data_owners_public_keys_and_refuses_anything_else"],
     "diff2 compose": [
         "tests/test_compose.py::test_multi_host_file_names_the_right_certificate_hosts_and_each_side_s_steps"],
+    # with Podman, where it and root are available
     "docker compose": [
-        "tests/test_compose_podman.py::TestPlainCompose::test_a_run_completes_and_equals_the_in_process_driver", "tests/test_compose_podman.py::TestTlsCompose::test_a_tls_run_with_registered_node_keys_"
-                       # with Podman, where it and root are available
-                       "equals_the_in_process_driver"],
+        "tests/test_compose_podman.py::TestPlainCompose::test_a_run_completes_and_equals_the_in_"
+        "process_driver",
+        "tests/test_compose_podman.py::TestTlsCompose::test_a_tls_run_with_registered_node_keys_"
+        "equals_the_in_process_driver"],
 }
 #: Shell steps around the commands (files, ownership, variables), not commands of this project.
 SHELL = ("mkdir ", "sudo chown ", "cp ", "git clone ", "export ")

@@ -86,8 +86,8 @@ def test_the_server_app_takes_p_from_the_simulation_and_says_it(tmp_path, capsys
     cfg, checked = server_app.checked_config({"config": str(path)}, InMemoryGrid([3]).start())
     assert cfg.clients == 3 and len(checked.data.shard_bounds) == 3
     assert checked.calibration == load_config(path).with_clients(3).calibration(checked.n_min)
-    assert (
-        "[diff2] training.clients: auto -> P = 3, the SuperNodes of this simulation") in capsys.readouterr().out
+    resolved = "[diff2] training.clients: auto -> P = 3, the SuperNodes of this simulation"
+    assert resolved in capsys.readouterr().out
     components = server_app.server_fn(Context(run_id=1, node_id=0, node_config={},
                                               state=RecordDict(), run_config={"config": str(path)}),
                                               InMemoryGrid([4]).start())

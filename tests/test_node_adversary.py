@@ -34,7 +34,9 @@ server_app = importlib.import_module("server.server_app")
 SEED = "1203858192292812017313580008727545364\n"  # a canary seed file
 PEM = (
     "-----BEGIN OPENSSH PRIVATE "
-    "KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAaAAAABNlY2RzYS1zaGEyLW5pc3RwMjU2AAAACG5pc3RwMjU2AAAAQQR9WZPeBSvixkhjQOh9yCXXlEx5CTRERTBVvNUrbwcgxB9HsQt3\n-----END "
+    "KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAaAAAABNlY2RzYS1zaGEy"
+    "LW5pc3RwMjU2AAAACG5pc3RwMjU2AAAAQQR9WZPeBSvixkhjQOh9yCXXlEx5CTRERTBVvNUrbwcgxB9HsQt3"
+    "\n-----END "
     "OPENSSH PRIVATE KEY-----\n")
 HEX = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\n"  # a SuperExec secret
 CSV = "age,income,diagnosis\n34,52000,1\n61,38000,0\n"  # records
@@ -391,10 +393,11 @@ def test_a_distributed_run_without_a_declared_n_min_is_refused_and_a_pinned_one_
     """The review's attack: a server that sends every node its own n_p as n_min shrinks every share.
     Under distributed noise the run must declare privacy.n_min (each task must carry it); a policy
     may pin it."""
-    monkeypatch.setattr(client_app, "build_worker", lambda *a,
-                        **k: pytest.fail("the node loaded data"))
-    undeclared = write(tmp_path / "undeclared.yaml", {**DISTRIBUTED, "privacy": {**BASE["privacy"],
-                                                                                  "noise": "distributed"},
+    monkeypatch.setattr(client_app, "build_worker",
+                        lambda *a, **k: pytest.fail("the node loaded data"))
+    undeclared = write(tmp_path / "undeclared.yaml", {**DISTRIBUTED,
+                                                      "privacy": {**BASE["privacy"],
+                                                                  "noise": "distributed"},
                                                       "training": {**BASE["training"],
                                                                    "seed": None},
                                                       "output": {"dir": str(tmp_path / "out")}})

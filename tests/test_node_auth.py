@@ -146,8 +146,8 @@ def test_only_registered_supernodes_join_and_the_run_completes_with_them(tmp_pat
     # exits
     no_key, unregistered = result.intruders
     assert no_key.kind == "no-key" and no_key.returncode not in (None, 0)
-    assert (
-        "[code: 2001] SuperNode authentication is enabled. All SuperNodes must be registered") in no_key.log.read_text()
+    refused = "[code: 2001] SuperNode authentication is enabled. All SuperNodes must be registered"
+    assert refused in no_key.log.read_text()
     # a SuperNode with a key pair nobody registered is refused and exits
     assert unregistered.returncode not in (None, 0)
     assert "[code: 2004] Failed to activate SuperNode." in unregistered.log.read_text()

@@ -181,9 +181,8 @@ def test_the_simulation_policy_comes_from_the_environment_and_the_node_config_wi
         call_app(experiment, arrays, conf, node_config={"policy": str(strict)})
 
 
-def test_a_deployment_node_without_a_policy_runs_only_builtin_models_and_private_methods(experiment,
-                                                                                         tmp_path,
-                                                                                         monkeypatch, no_data):
+def test_a_deployment_node_without_a_policy_runs_only_builtin_models_and_private_methods(
+        experiment, tmp_path, monkeypatch, no_data):
     import torch.hub
 
     monkeypatch.setattr(torch.hub, "load", lambda *a,
@@ -463,11 +462,12 @@ from pathlib import Path
 from diff2_flwr.runtime.session import Worker
 import os
 if {crash!r}:
-    Worker.contribute = lambda self, *a: os._exit(9)  # the node dies after its charge, before it answers
+    # the node dies after its charge, before it answers
+    Worker.contribute = lambda self, *a: os._exit(9)
 _, (arrays, conf) = t.task_of_round(Path({config!r}), 1)
 try:
-    t.call_app(Path({config!r}), arrays, conf, node_config={{"policy": {policy!r}}}, run_id={run_id},
-               run_config={run_config!r})
+    t.call_app(Path({config!r}), arrays, conf, node_config={{"policy": {policy!r}}},
+               run_id={run_id}, run_config={run_config!r})
     print("ADMITTED")
 except Exception as err:
     print("REFUSED", err)

@@ -133,7 +133,8 @@ class _Node:
 
     def __init__(self, node_id: int, partition_id: int, message: np.ndarray, clients: int,
                  tolerated: int, bits: int) -> None:
-        self.node_id, self.partition_id, self.message, self.bits = node_id, partition_id, message, bits
+        self.node_id, self.partition_id = node_id, partition_id
+        self.message, self.bits = message, bits
         self.context = Context(run_id=1, node_id=node_id, node_config={}, state=RecordDict(),
                                run_config={})
         self.mod = secure_sum_mod(lambda ctxt: (clients, tolerated, bits), round_key=protocol.ROUND)

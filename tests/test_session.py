@@ -255,9 +255,9 @@ def test_noise_key_comes_from_os_entropy_per_run_and_a_seed_is_flagged(tmp_path)
     seeded = build_server(config(seed=5), record=False, progress=lines.append)
     assert seeded.state.noise_seeded and seeded.summary()["privacy"]["noise_key"].startswith(
         "seed (reproducible")
-    assert any(
-        "WARNING: training.seed is set, so the noise is reproducible by anyone who knows the seed" in line
-               for line in lines)
+    warning = ("WARNING: training.seed is set, so the noise is reproducible by anyone who knows "
+               "the seed")
+    assert any(warning in line for line in lines)
 
 
 def released(tmp_path, cfg):

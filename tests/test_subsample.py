@@ -271,8 +271,8 @@ def test_dataset_standardise_is_one_declaration_and_leaves_earlier_files_matchin
     mean, std = scaled.feature_mean, scaled.feature_std
     # same records, same order
     np.testing.assert_allclose((kept.x_train - mean) / std, scaled.x_train, atol=1e-12)
-    assert default.dataset.standardise is None and _cfg({**base,
-                                                         "standardise": True}).dataset.standardise is True
+    assert default.dataset.standardise is None
+    assert _cfg({**base, "standardise": True}).dataset.standardise is True
     with pytest.raises(ConfigError, match=r"key `dataset.standardise`: expected"):
         _cfg({**base, "standardise": "yes"})
     # --set, Flower's run config (pyproject.toml is checked equal)
