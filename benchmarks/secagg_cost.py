@@ -38,12 +38,30 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app.message_type import MessageType
+from flwr.common import (
+    Code, FitIns, FitRes, Status, bytes_to_ndarray, ndarray_to_bytes, ndarrays_to_parameters,
+)
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.compat.common import recorddict_compat as compat
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.task_identity import TaskIdentity
 
+from diff2_flwr.core.skellam import modular_sum
+from diff2_flwr.deploy.native import run_local_deployment
+from diff2_flwr.fl import protocol
+from diff2_flwr.fl.client import Diff2Client
+from diff2_flwr.fl.secagg import from_secagg, mask_stream, secagg_settings, use_secure_masks
 from diff2_flwr.runtime.config import load_config, parse_config
+from diff2_flwr.runtime.driver import secure_sum
+from diff2_flwr.runtime.launch import run_simulation
 from diff2_flwr.runtime.paths import resolve_config_path
+from diff2_flwr.runtime.session import build_server, build_worker
 
 
 def log(text: str) -> None:
+    """One progress line on stderr."""
     print(f"[secagg_cost] {text}", file=sys.stderr, flush=True)
 
 
@@ -64,10 +82,6 @@ def write_config(config: str, noise: str, clients: int, rounds: int, folder: Pat
 def objects_bytes(content, *, reply_to=None, dst: int = 0) -> int:
     """The bytes of every object Flower stores and pushes for a message with ``content``
     (deflated)."""
-    from flwr.app import Message
-    from flwr.app.message_type import MessageType
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
-
     if reply_to is not None:
         msg = Message(content, reply_to=reply_to)
     else:
@@ -79,8 +93,6 @@ def objects_bytes(content, *, reply_to=None, dst: int = 0) -> int:
 def payload(values) -> int:
     """Bytes of record values: arrays as sent (``ndarray_to_bytes``, Flower's ``Array.data``), bytes
     and strings their length, each number 8."""
-    from flwr.common import ndarray_to_bytes
-
     total = 0
     for value in values:
         for item in value if isinstance(value, list) else [value]:
@@ -105,11 +117,6 @@ def content_payload(content) -> int:
 def a_round(path: Path, r: int):
     """Round ``r`` of ``path`` in this process (the rounds before it released by the in-process
     driver's code): the server, the fit instruction (arrays, config) and every client."""
-    from diff2_flwr.fl.client import Diff2Client
-    from diff2_flwr.fl import protocol
-    from diff2_flwr.runtime.driver import secure_sum
-    from diff2_flwr.runtime.session import build_server, build_worker
-
     cfg = load_config(path)
     server = build_server(cfg, record=False, progress=None)
     workers = [build_worker(cfg, p) for p in range(cfg.clients)]
@@ -130,9 +137,6 @@ def a_round(path: Path, r: int):
 def fit_messages(arrays, config, client):
     """The FitIns content the server sends and the client's FitRes content (Flower's compat
     conversions)."""
-    from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters
-    from flwr.compat.common import recorddict_compat as compat
-
     fitins = FitIns(ndarrays_to_parameters(arrays), dict(config))
     out, n, metrics = client.fit(arrays, dict(config))
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(out), n, metrics)
@@ -140,10 +144,8 @@ def fit_messages(arrays, config, client):
 
 
 def central_bytes(path: Path, r: int) -> dict:
-    from flwr.app import Message
-    from flwr.app.message_type import MessageType
-    from flwr.compat.common import recorddict_compat as compat
-
+    """Round ``r`` of ``path`` with central noise, per client: the bytes of its FitRes upload (its
+    clipped mean) and of its FitIns download, as payload and as Flower's objects."""
     cfg, server, plan, arrays, config, clients = a_round(path, r)
     down, fitres, out = fit_messages(arrays, config, clients[0])
     request = Message(content=down, dst_node_id=1, message_type=MessageType.TRAIN, group_id="1")
@@ -163,15 +165,6 @@ def central_bytes(path: Path, r: int) -> dict:
 def distributed_bytes(path: Path, r: int) -> dict:
     """One SecAgg+ round of ``path`` with Flower's own client stage functions, per client (the
     average over the P clients, which differ only in their node ids' varint lengths)."""
-    from flwr.app import ConfigRecord, Message, RecordDict
-    from flwr.app.message_type import MessageType
-    from flwr.common import bytes_to_ndarray, ndarray_to_bytes
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
-    from flwr.compat.common import recorddict_compat as compat
-
-    from diff2_flwr.core.skellam import modular_sum
-    from diff2_flwr.fl.secagg import from_secagg, mask_stream, secagg_settings, use_secure_masks
-
     # by module path: the package re-exports the function under the module's name
     mod = importlib.import_module("flwr.client.mod.secure_aggregation.secaggplus_mod")
     use_secure_masks()
@@ -269,14 +262,14 @@ def _sum(stages: dict) -> dict:
 
 
 def seconds(rows_path: Path) -> list[float]:
+    """Seconds between consecutive rows of a run's metrics.jsonl (``elapsed_s``): one per round."""
     elapsed = [json.loads(line)["elapsed_s"] for line in rows_path.read_text().splitlines()]
     return [b - a for a, b in zip(elapsed, elapsed[1:])]
 
 
 def timed(kind: str, noise: str, path: Path, folder: Path) -> dict:
-    from diff2_flwr.deploy.native import run_local_deployment
-    from diff2_flwr.runtime.launch import run_simulation
-
+    """Run ``path`` as a Flower simulation or (``kind`` "deployment") a native loopback deployment
+    with TLS; its status, wall seconds and seconds per round."""
     log(f"{kind}, {noise} noise ...")
     started = time.perf_counter()
     if kind == "simulation":
@@ -295,6 +288,8 @@ def timed(kind: str, noise: str, path: Path, folder: Path) -> dict:
 
 
 def main() -> None:
+    """Bytes of one round (a restart, then a difference round when R > 1) and, unless skipped, the
+    seconds of a simulation and a deployment, central against distributed; printed as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--clients", type=int, default=10)
@@ -309,7 +304,6 @@ def main() -> None:
         paths = {noise: write_config(args.config, noise, args.clients, args.rounds, folder)
                  for noise in ("central", "distributed")}
         log("bytes of one round ...")
-        from flwr.supercore.task_identity import TaskIdentity
         # a run id as Flower draws them (Message metadata)
         TaskIdentity.run_id = random.Random(1).getrandbits(63)
         TaskIdentity.node_id = 1  # the sender of the server's messages (Flower's SUPERLINK_NODE_ID)

@@ -80,6 +80,12 @@ def run_experiment(context: Context) -> ExperimentConfig:
 
 
 def client_fn(context: Context) -> Client:
+    """This node's worker for shard ``partition-id`` of the run's experiment, checked by its policy.
+
+    Checks ``num-partitions`` against ``training.clients`` and the run against the node's policy
+    (:class:`~diff2_flwr.runtime.node_guard.NodeGuard`) before any record is read; the records are
+    loaded on the first task. With distributed noise the worker adds its own noise share.
+    """
     partition_id, num_partitions = _node_keys(context)
     deployment = not simulated_node(context.node_config)
     # a deployment: this node's own shard file only

@@ -26,7 +26,7 @@ __all__ = ["make_strategy", "make_client", "run_secure", "secure_sum_mod"]
 
 def __getattr__(name: str) -> Any:  # PEP 562: the API is imported when first asked for
     if name in __all__:
-        from . import api
+        from . import api  # noqa: PLC0415 -- lazy on purpose: `import diff2_flwr` stays light
 
         return getattr(api, name)
     raise AttributeError(f"module 'diff2_flwr' has no attribute {name!r}")

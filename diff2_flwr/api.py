@@ -38,6 +38,7 @@ from .fl.secagg import run_secure, secure_sum_mod
 from .fl.strategy import Diff2Strategy
 from .runtime.config import experiment_from_arguments
 from .runtime.session import make_server, make_worker
+from .runtime.spec import argument_error
 
 __all__ = ["make_strategy", "make_client", "run_secure", "secure_sum_mod"]
 
@@ -69,7 +70,7 @@ NOT_ARGUMENTS: dict[str, str] = {
 }
 
 
-def make_strategy(
+def make_strategy(  # noqa: PLR0913 -- public API: keyword arguments mirror the declared settings
     *,
     epsilon: float,
     delta: float,
@@ -178,7 +179,7 @@ def make_strategy(
                          wait_for_clients_s=wait_for_clients_s)
 
 
-def make_client(
+def make_client(  # noqa: PLR0913 -- public API: keyword-only, one argument per client setting
     *,
     model: torch.nn.Module,
     loss: LossFn | str,
@@ -237,8 +238,6 @@ def _distributed_settings(function: str, given: Mapping[str, Any]) -> Callable[[
     """``make_client(distributed=...)``: the run's settings checked as the strategy's are (by the
     experiment file's checks, named as the caller wrote them); the client's ``noise(n_min,
     dim)``."""
-    from .runtime.spec import argument_error
-
     if not isinstance(given,
                       Mapping) or set(given) - set(_DISTRIBUTED_REQUIRED + _DISTRIBUTED_OPTIONAL):
         raise argument_error(function, "distributed", "a mapping of the strategy's " + ", ".join(

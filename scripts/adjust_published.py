@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -234,8 +235,6 @@ def headline(tests: list[dict], when: str = "min over rounds") -> dict:
 def ols_slope(x: np.ndarray, y: np.ndarray, groups: list[str] | None = None) -> dict:
     """OLS of y on x (one intercept, or one per group): slope, 95 % CI, p(slope < 0), p(slope =
     −1/3) two-sided."""
-    from scipy import stats
-
     k = len(x)
     if groups is None:
         X = np.column_stack([x, np.ones(k)])
@@ -261,6 +260,9 @@ def ols_slope(x: np.ndarray, y: np.ndarray, groups: list[str] | None = None) -> 
 
 
 def regime(cells: list[dict]) -> dict:
+    """The report's regime section from the published cells: the ‖∇f‖² column's published p
+    adjusted over every cell (and over the 48 cell tests), and OLS refits of log₁₀ ratio on
+    log₁₀ nε/√d."""
     x = np.log10([c["x"] for c in cells])
     y = np.log10([c["grad"] for c in cells])
     ds = [c["dataset"] for c in cells]
@@ -339,6 +341,8 @@ def unqualified_claim_lines(text: str) -> list[tuple[int, str]]:
 # --------------------------------------------------------------------------------------------------
 # output
 def fmt(v: float) -> str:
+    """A p-value as the annotated tables print it: two significant digits, "1" from 0.995 up, "–"
+    when not finite."""
     if not math.isfinite(v):
         return "–"
     if v >= 0.995:
@@ -384,6 +388,8 @@ def annotate(text: str) -> str:
 
 
 def report(text: str) -> dict:
+    """The JSON report of the results file ``text``: every parsed test with its adjusted p, the
+    survivors per study, the pooled and headline families, and the regime refits."""
     tests = adjust(parse_tests(text))
     sections = sorted({t["section"] for t in tests}, key=[t["section"] for t in tests].index)
     per_study = {}
@@ -444,6 +450,8 @@ def report(text: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print :func:`report` of the results file as JSON (``--annotate``: first rewrite its t-test
+    tables with the adjusted columns); 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--annotate", action="store_true",

@@ -15,6 +15,8 @@ from diff2_flwr.cli.docs import GENERATED
 
 
 def on_files(files: Files, config) -> Files:
+    """MkDocs' ``on_files`` hook: add each generated page to the site's files; a PluginError when
+    docs/ holds a copy of one, or when one cannot be rendered (e.g. a setting without help)."""
     for path, render in GENERATED.items():
         if files.get_file_from_path(path) is not None:
             raise PluginError(

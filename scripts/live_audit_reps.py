@@ -16,17 +16,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_audit_live import config, run  # noqa: E402
 
 from diff2_flwr.lab.audit.live import live_audit  # noqa: E402
+from diff2_flwr.runtime.compute import pinned_threads  # noqa: E402
 from diff2_flwr.runtime.config import load_config  # noqa: E402
+from diff2_flwr.runtime.session import build_server, build_worker  # noqa: E402
 
 
 def _seeds(text: str) -> list[int]:
@@ -38,13 +43,6 @@ def fraction(path: str) -> dict:
     """One run of CONFIG (no canaries): per round, the run's own update projected on a random unit
     direction, ‖update‖/√d, against the noise std along it; and the μ an optimal random-direction
     canary reaches over the calibrated μ, were those projections Gaussian noise of that size."""
-    import math
-
-    import numpy as np
-
-    from diff2_flwr.runtime.compute import pinned_threads
-    from diff2_flwr.runtime.session import build_server, build_worker
-
     cfg = load_config(path)
     cfg = cfg.with_clients(3, "live_audit_reps") if cfg.clients_auto else cfg
     rows = []
@@ -68,6 +66,8 @@ def fraction(path: str) -> dict:
 
 
 def main() -> int:
+    """Print one JSON line per (noise scale, seed): the live audit of a run with canaries, scored
+    from its folder (``--fraction``: instead :func:`fraction` of each config); 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default=None,
                         help="an experiment YAML (default: the results' schedule)")

@@ -36,6 +36,8 @@ def render(text: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    """Rewrite pyproject.toml's run-config keys when they are stale; with ``--check``, write
+    nothing and return 1 if they are stale (else 0)."""
     text = PYPROJECT.read_text()
     new = render(text)
     if "--check" in argv:

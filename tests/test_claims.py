@@ -1,5 +1,5 @@
-"""Claims on a shared study folder: exclusive, taken over only when stale (released, dead, silent), and
-atomic result files. Each test drives :class:`ClaimBook` as several drivers would."""
+"""Claims on a shared study folder: exclusive, taken over only when stale (released, dead, silent),
+and atomic result files. Each test drives :class:`ClaimBook` as several drivers would."""
 
 from __future__ import annotations
 
@@ -47,19 +47,21 @@ def test_a_claim_is_exclusive_and_a_finished_run_is_never_claimed(tmp_path):
 
 
 def test_a_run_finished_between_the_check_and_the_claim_is_let_go(tmp_path):
-    """The re-check after the exclusive create: a driver whose listing predates the result computes nothing."""
+    """The re-check after the exclusive create: a driver whose listing predates the result computes
+    nothing."""
     a, b = ClaimBook(tmp_path), ClaimBook(tmp_path)
     assert a.try_claim("r")
     b.refresh()  # b sees a's claim
     (tmp_path / "r.json").write_text("{}")
     a.finish("r")
-    # b's first look predates the result (its listing even shows a's claim, now deleted, which reads as
-    # stale): it creates the next generation, then the re-check finds the result and lets go
+    # b's first look predates the result (its listing even shows a's claim, now deleted, which reads
+    # as stale): it creates the next generation, then the re-check finds the result and lets go
     looks = []
 
     def done(run_id: str) -> bool:
         looks.append(run_id)
-        return len(looks) > 1 and (tmp_path / f"{run_id}.json").exists()  # the first look is before the result
+        # the first look is before the result
+        return len(looks) > 1 and (tmp_path / f"{run_id}.json").exists()
 
     b.done = done
     assert not b.try_claim("r")
@@ -67,17 +69,20 @@ def test_a_run_finished_between_the_check_and_the_claim_is_let_go(tmp_path):
 
 
 def test_the_claim_of_a_driver_killed_after_writing_its_result_is_swept(tmp_path):
-    """A driver killed between writing a result and deleting its claim leaves a claim on a finished run: the next
-    driver that finds the run finished deletes it (and no claim of an unfinished run)."""
+    """A driver killed between writing a result and deleting its claim leaves a claim on a finished
+    run: the next driver that finds the run finished deletes it (and no claim of an unfinished
+    run)."""
     dead, alive = ClaimBook(tmp_path), ClaimBook(tmp_path)
     assert dead.try_claim("done") and dead.try_claim("open")
     (tmp_path / "done.json").write_text("{}")  # ... and the driver dies before finish("done")
     assert alive.sweep_finished(["done", "open", "other"]) == 1
-    assert list(tmp_path.glob("done.claim-*")) == [] and len(list(tmp_path.glob("open.claim-*"))) == 1
+    assert list(tmp_path.glob("done.claim-*")) == [] and len(list(tmp_path.glob(
+        "open.claim-*"))) == 1
 
 
 def test_racing_drivers_claim_each_run_exactly_once(tmp_path):
-    """Eight drivers (threads with their own books) race for 40 runs: every run has exactly one winner."""
+    """Eight drivers (threads with their own books) race for 40 runs: every run has exactly one
+    winner."""
     books = [ClaimBook(tmp_path) for _ in range(8)]
     runs = [f"run-{i}" for i in range(40)]
     won: dict[int, list[str]] = {}
@@ -130,7 +135,8 @@ def test_another_machines_claim_is_taken_over_only_after_its_heartbeat_stops(tmp
     assert not local.try_claim("r")  # first sighting
     clock.now += 59
     assert not local.try_claim("r")
-    path = tmp_path / "r.claim-1"  # a heartbeat (the remote driver's utime) moves the modification time
+    # a heartbeat (the remote driver's utime) moves the modification time
+    path = tmp_path / "r.claim-1"
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
     clock.now += 30
     assert not local.try_claim("r")
@@ -143,7 +149,8 @@ def test_another_machines_claim_is_taken_over_only_after_its_heartbeat_stops(tmp
 def test_two_drivers_judging_the_same_claim_stale_cannot_both_take_it(tmp_path):
     clock = Clock()
     ClaimBook(tmp_path, owner=other_host_owner()).try_claim("r")
-    b, c = ClaimBook(tmp_path, stale_after_s=10, clock=clock), ClaimBook(tmp_path, stale_after_s=10, clock=clock)
+    b, c = ClaimBook(tmp_path, stale_after_s=10, clock=clock), ClaimBook(tmp_path, stale_after_s=10,
+                                                                         clock=clock)
     assert not b.try_claim("r") and not c.try_claim("r")
     clock.now += 10
     b.refresh(), c.refresh()  # both see generation 1, silent for 10 s
@@ -168,7 +175,8 @@ def test_live_foreign_claims_block_fresh_and_dead_ones_do_not(tmp_path):
     me = ClaimBook(tmp_path)
     proc = subprocess.Popen(["true"])
     proc.wait()
-    ClaimBook(tmp_path, owner=dataclasses.replace(Owner.this_process(), pid=proc.pid)).try_claim("dead")
+    ClaimBook(tmp_path, owner=dataclasses.replace(Owner.this_process(),
+                                                  pid=proc.pid)).try_claim("dead")
     assert me.live_foreign_claims() == []
     ClaimBook(tmp_path, owner=other_host_owner()).try_claim("remote")
     live = me.live_foreign_claims()
@@ -176,7 +184,8 @@ def test_live_foreign_claims_block_fresh_and_dead_ones_do_not(tmp_path):
 
 
 def test_atomic_writes_of_one_path_by_two_writers_never_tear(tmp_path):
-    """Two writers replace one file 200 times each while a reader checks that it is always one payload whole."""
+    """Two writers replace one file 200 times each while a reader checks that it is always one
+    payload whole."""
     path = tmp_path / "run.json"
     payloads = [b"a" * 300_000, b"b" * 200_000]
     atomic_write_bytes(path, payloads[0])
@@ -207,7 +216,8 @@ def test_atomic_writes_of_one_path_by_two_writers_never_tear(tmp_path):
     stop.set()
     r.join()
     assert errors == [] and path.read_bytes() in payloads and seen <= {b"a300000", b"b200000"}
-    assert not [p for p in tmp_path.iterdir() if p.name != "run.json"]  # no temporary file left behind
+    # no temporary file left behind
+    assert not [p for p in tmp_path.iterdir() if p.name != "run.json"]
 
 
 @pytest.mark.parametrize("bad", [0, -1.0])

@@ -1,7 +1,7 @@
-"""Studies on a Ray cluster: a real local cluster (a head and one more worker node, each a `ray start`
-process group started and stopped by PID, on loopback) runs a study through `diff2 experiment --ray`,
-which must give the local engine's summary and run files bit for bit, resume without computing, and
-refuse a node that read other data."""
+"""Studies on a Ray cluster: a real local cluster (a head and one more worker node, each a `ray
+start` process group started and stopped by PID, on loopback) runs a study through `diff2 experiment
+--ray`, which must give the local engine's summary and run files bit for bit, resume without
+computing, and refuse a node that read other data."""
 
 from __future__ import annotations
 
@@ -31,13 +31,18 @@ RAY = Path(sys.executable).with_name("ray")
 LOOPBACK = "127.0.0.2"
 
 TINY = {
-    "name": "tiny-ray", "dataset": {"name": "synthetic", "num_samples": 400}, "clients": 2, "rounds": 12,
-    "delta": 1e-5, "epsilons": [3.0], "eval_every": 4, "seeds": {"tune": [7], "evaluate": [1, 2]}, "analysis": {"protocol": "paper"},
+    "name": "tiny-ray", "dataset": {"name": "synthetic", "num_samples": 400}, "clients": 2,
+    "rounds": 12,
+    "delta": 1e-5, "epsilons": [3.0], "eval_every": 4, "seeds": {"tune": [7], "evaluate": [1, 2]},
+    "analysis": {"protocol": "paper"},
     "batch_size": 2, "threads": 1,
     "methods": [
-        {"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.2, 0.4], "clip_restart": [0.5, 1.0]}},
-        {"name": "DIFF2", "method": "diff2", "grid": {"restart_every": [3], "learning_rate": [0.2, 0.4],
-                                                     "clip_restart": [0.5, 1.0], "clip_diff": [3.0]}},
+        {"name": "DP-GD", "method": "dpgd", "grid": {"learning_rate": [0.2, 0.4],
+                                                     "clip_restart": [0.5, 1.0]}},
+        {"name": "DIFF2", "method": "diff2", "grid": {"restart_every": [3], "learning_rate": [0.2,
+                                                                                              0.4],
+                                                     "clip_restart": [0.5, 1.0],
+                                                     "clip_diff": [3.0]}},
     ],
 }
 
@@ -59,17 +64,20 @@ class LocalRayCluster:
     """A head and one worker node on loopback, each `ray start --block` in its own process group."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.tmp = Path(tempfile.mkdtemp(prefix="d2ray-", dir="/tmp"))  # short: Ray's socket paths must fit
-        self.env = {**env, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+        # short: Ray's socket paths must fit
+        self.tmp = Path(tempfile.mkdtemp(prefix="d2ray-", dir="/tmp"))
+        self.env = {**env, "RAY_USAGE_STATS_ENABLED": "0",
+                    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
         self.procs: list[subprocess.Popen] = []
         self.port, *ports = _free_ports(14)  # all at once: distinct
         head_ports, worker_ports = ports[:7], ports[7:]
         self.address = f"{LOOPBACK}:{self.port}"
-        common = ["--node-ip-address", LOOPBACK, "--num-cpus", "1", "--temp-dir", str(self.tmp), "--block",
+        common = ["--node-ip-address", LOOPBACK, "--num-cpus", "1", "--temp-dir", str(self.tmp),
+                  "--block",
                   "--disable-usage-stats"]
         self._start("head", ["--head", "--port", str(self.port), "--include-dashboard", "false",
-                             "--ray-client-server-port", str(head_ports[0]), *self._node_ports(head_ports[1:]),
-                             *common])
+                             "--ray-client-server-port", str(head_ports[0]),
+                             *self._node_ports(head_ports[1:]), *common])
         self._start("worker", ["--address", self.address, *self._node_ports(worker_ports), *common])
 
     @staticmethod
@@ -81,14 +89,16 @@ class LocalRayCluster:
     def _start(self, name: str, args: list[str]) -> None:
         log = self.tmp / f"{name}.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen([str(RAY), "start", *args], env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen([str(RAY), "start", *args], env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
         self.procs.append(proc)
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in log.read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"`ray start` ({name}) did not come up:\n{log.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"`ray start` ({name}) did not come up:\n{log.read_text()[-3000:]}")
             time.sleep(0.3)
 
     def stop(self) -> None:
@@ -112,14 +122,17 @@ class LocalRayCluster:
 
 
 def _write_housing_csv(folder: Path, bump: float) -> None:
-    """A small California-like file; ``bump`` changes one cell (data that differs between machines)."""
+    """A small California-like file; ``bump`` changes one cell (data that differs between
+    machines)."""
     rng = np.random.default_rng(0)
     values = rng.uniform(1, 10, size=(300, 9))
     values[0, 0] += bump
-    header = ("longitude,latitude,housing_median_age,total_rooms,total_bedrooms,population,households,"
+    header = (
+        "longitude,latitude,housing_median_age,total_rooms,total_bedrooms,population,households,"
               "median_income,median_house_value")
     (folder / "california_housing").mkdir(parents=True)
-    np.savetxt(folder / "california_housing" / "cal_housing.csv", values, delimiter=",", header=header, comments="")
+    np.savetxt(folder / "california_housing" / "cal_housing.csv", values, delimiter=",",
+               header=header, comments="")
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +149,8 @@ def cluster(tmp_path_factory):
 
 
 def _experiment(study: Path, out: Path, address: str, env: dict[str, str] | None = None):
-    return subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "experiment", str(study), "--output", str(out),
+    return subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "experiment", str(study),
+                           "--output", str(out),
                            "--ray", address], capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})})
 
@@ -157,15 +171,22 @@ def test_a_study_on_a_ray_cluster_equals_the_local_one_bit_for_bit_and_resumes(c
     assert len(ex["ray_nodes"]) == 2, ex  # both nodes computed units
     local = run_study(load_study(path), output_root=tmp_path / "local", show_progress=False,
                       make_plots=False)
-    assert remote["epsilons"] == to_json(local["epsilons"])  # bit for bit (floats through JSON's exact repr)
+    # bit for bit (floats through JSON's exact repr)
+    assert remote["epsilons"] == to_json(local["epsilons"])
     for r in runs:
-        a, b = json.loads(r.read_text()), json.loads((tmp_path / "local" / "tiny-ray" / "runs" / r.name).read_text())
-        assert {k: v for k, v in a.items() if k != "computed_by"} == {k: v for k, v in b.items() if k != "computed_by"}
-    print(f"ray study: {len(runs)} runs on {ex['ray_nodes']} in {took:.1f} s (driver process included)")
+        a, b = json.loads(r.read_text()), json.loads((
+            tmp_path / "local" / "tiny-ray" / "runs" / r.name).read_text())
+        assert {k: v for k,
+                v in a.items() if k != "computed_by"} == {k: v for k,
+                                                          v in b.items() if k != "computed_by"}
+    print(
+        f"ray study: {len(runs)} runs on {ex['ray_nodes']} in {took:.1f} s (driver process "
+        f"included)")
     # the same command again: every run is reused, nothing is computed
     again = _experiment(path, tmp_path / "ray", c.address)
     assert again.returncode == 0, again.stderr[-4000:]
-    assert "0 run(s) computed by this driver (ray), 0 by other drivers, %d reused" % len(runs) in again.stderr
+    assert "0 run(s) computed by this driver (ray), 0 by other drivers, %d reused" % len(
+        runs) in again.stderr
     assert not list((tmp_path / "ray" / "tiny-ray" / "runs").glob("*.claim-*"))
 
 
@@ -175,7 +196,10 @@ def test_a_node_with_other_data_stops_the_study(cluster, tmp_path):
              "methods": TINY["methods"][:1]}
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(study))
-    proc = _experiment(path, tmp_path / "out", c.address, env={"DIFF2_DATA_DIR": str(data / "driver")})
+    proc = _experiment(path, tmp_path / "out", c.address,
+                       env={"DIFF2_DATA_DIR": str(data / "driver")})
     assert proc.returncode == 2
-    assert "computed with other data than the driver" in proc.stderr and "DIFF2_DATA_DIR" in proc.stderr
-    assert not list((tmp_path / "out" / "other-data" / "runs").glob("*.json"))  # nothing of the mixed data kept
+    assert "computed with other data than the driver" in proc.stderr
+    assert "DIFF2_DATA_DIR" in proc.stderr
+    # nothing of the mixed data kept
+    assert not list((tmp_path / "out" / "other-data" / "runs").glob("*.json"))

@@ -38,7 +38,8 @@ _DELETE = object()  # marks a key to remove in _variant
 def _variant(tmp_path: Path, top: dict[str, Any] | None = None, **sections: dict[str, Any]) -> Path:
     """The default config with top-level and per-section overrides (value None deletes a key)."""
     data = copy.deepcopy(_default_dict())
-    for mapping, overrides in [(data, top or {})] + [(data.setdefault(s, {}), o) for s, o in sections.items()]:
+    for mapping, overrides in [(data, top or {})] + [(data.setdefault(s, {}), o) for s,
+                                                     o in sections.items()]:
         for key, value in overrides.items():
             if value is _DELETE:
                 mapping.pop(key, None)
@@ -72,31 +73,40 @@ def test_default_yaml_loads_with_its_values() -> None:
 
 
 def test_the_default_leaves_p_to_the_federation_and_says_so_where_a_number_is_needed() -> None:
-    """configs/default.yaml says `clients: auto`: P is resolved by whoever runs it (with_clients), re-checked with
-    that P; a number asked of an unresolved config is a ConfigError naming the key and what resolves it."""
+    """configs/default.yaml says `clients: auto`: P is resolved by whoever runs it (with_clients),
+    re-checked with that P; a number asked of an unresolved config is a ConfigError naming the key
+    and what resolves it."""
     cfg = load_config(DEFAULT_YAML)
     assert cfg.clients_auto and cfg.training.clients == "auto"
-    with pytest.raises(ConfigError, match=r"key `training.clients`: expected the number of clients P here\. Found "
-                       r"'auto', which only a federation resolves \(a Flower simulation: its SuperNodes; `diff2 run`: "
-                       r"10, or --set training.clients=N\)"):
+    with pytest.raises(ConfigError,
+                       match=r"key `training.clients`: expected the number of clients P here\. "
+                             r"Found 'auto', which only a federation resolves \(a Flower "
+                             r"simulation: its SuperNodes; `diff2 run`: 10, or --set "
+                             r"training.clients=N\)"):
         cfg.calibration(N_MIN)
     two = cfg.with_clients(2)
     assert two.clients == 2 and not two.clients_auto and two.source == cfg.source
-    assert two.calibration(N_MIN).clients == 2 and two.calibration(N_MIN) != cfg.with_clients(10).calibration(N_MIN)
+    assert two.calibration(N_MIN).clients == 2 and two.calibration(N_MIN) != cfg.with_clients(
+        10).calibration(N_MIN)
     assert two == load_config(DEFAULT_YAML, {"training.clients": 2})  # as if the file said 2
 
 
 def test_a_resolved_p_is_checked_like_a_declared_one(tmp_path: Path) -> None:
     """The checks that need P run when auto is resolved, naming where the number came from."""
-    path = _variant(tmp_path, dataset={"train_samples": 100, "partitioner": {"name": "iid", "min_samples": 20}},
+    path = _variant(tmp_path, dataset={"train_samples": 100, "partitioner": {"name": "iid",
+                                                                             "min_samples": 20}},
                     training={"clients": "auto"})
     cfg = load_config(path)  # no P yet: nothing to check against
     assert cfg.with_clients(5).clients == 5
-    with pytest.raises(ConfigError, match=re.escape(f"{path} (P = 6: the simulation's SuperNodes): key "
-                                                    "`dataset.train_samples`: expected at least training.clients × "
-                                                    "dataset.partitioner.min_samples = 6 × 20 = 120 records")):
+    with pytest.raises(ConfigError,
+                       match=re.escape(f"{path} (P = 6: the simulation's SuperNodes): key "
+                                                    "`dataset.train_samples`: expected at least "
+                                                    "training.clients × "
+                                                    "dataset.partitioner.min_samples = 6 × 20 = "
+                                                    "120 records")):
         cfg.with_clients(6, "the simulation's SuperNodes")
-    with pytest.raises(ConfigError, match=r"key `training.clients`: expected an integer >= 1, or auto"):
+    with pytest.raises(ConfigError,
+                       match=r"key `training.clients`: expected an integer >= 1, or auto"):
         cfg.with_clients(0)
 
 
@@ -149,7 +159,8 @@ def test_wrong_type_names_file_key_expected_and_found(
     tmp_path: Path, section: str, key: str, value: Any, expected: str, found: str
 ) -> None:
     path = _variant(tmp_path, **{section: {key: value}})
-    pattern = rf"{re.escape(str(path))}: key `{section}\.{key}`: expected {re.escape(expected)}\. Found {found}\."
+    pattern = (rf"{re.escape(str(path))}: key `{section}\.{key}`: expected "
+               rf"{re.escape(expected)}\. Found {found}\.")
     with pytest.raises(ConfigError, match=pattern):
         load_config(path)
 
@@ -165,14 +176,16 @@ def test_section_that_is_not_a_mapping(tmp_path: Path) -> None:
 @pytest.mark.parametrize("epsilon", [0, -1.0])
 def test_epsilon_must_be_positive(tmp_path: Path, epsilon: float) -> None:
     path = _variant(tmp_path, privacy={"epsilon": epsilon})
-    with pytest.raises(ConfigError, match=_msg(path, "privacy.epsilon", re.escape(repr(float(epsilon))))):
+    with pytest.raises(ConfigError, match=_msg(path, "privacy.epsilon",
+                                               re.escape(repr(float(epsilon))))):
         load_config(path)
 
 
 @pytest.mark.parametrize("delta", [0, 1, 1.5])
 def test_delta_must_be_in_open_unit_interval(tmp_path: Path, delta: float) -> None:
     path = _variant(tmp_path, privacy={"delta": delta})
-    with pytest.raises(ConfigError, match=_msg(path, "privacy.delta", re.escape(repr(float(delta))))):
+    with pytest.raises(ConfigError, match=_msg(path, "privacy.delta",
+                                               re.escape(repr(float(delta))))):
         load_config(path)
 
 
@@ -195,7 +208,8 @@ def test_diff2_needs_u_above_one_when_restart_every_above_one(tmp_path: Path, u:
 
 def test_u_one_is_fine_for_dpgd(tmp_path: Path) -> None:
     """DP-GD has no difference rounds, so u is irrelevant."""
-    path = _variant(tmp_path, top={"method": "dpgd"}, privacy={"u": 1.0}, training={"restart_every": _DELETE})
+    path = _variant(tmp_path, top={"method": "dpgd"}, privacy={"u": 1.0},
+                    training={"restart_every": _DELETE})
     cfg = load_config(path)
     assert cfg.method == "dpgd" and cfg.restart_every == 1 and cfg.privacy.u == 1.0
 
@@ -265,13 +279,16 @@ def test_malformed_yaml_names_the_file(tmp_path: Path) -> None:
     ("training:\n  rounds: 5\n  \tseed: 1\n", 3, 3),
     ("name:\tfoo\n", 1, 6),
 ])
-def test_a_tab_says_yaml_indents_with_spaces(tmp_path: Path, text: str, line: int, column: int) -> None:
-    """PyYAML says only "found character '\\t' that cannot start any token": we say where, and what to do."""
+def test_a_tab_says_yaml_indents_with_spaces(tmp_path: Path, text: str, line: int,
+                                             column: int) -> None:
+    """PyYAML says only "found character '\\t' that cannot start any token": we say where, and what
+    to do."""
     path = tmp_path / "tabbed.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as caught:
         load_config(path)
-    assert str(caught.value) == (f"{path}: not valid YAML: line {line}, column {column}: a tab character. YAML "
+    assert str(caught.value) == (
+        f"{path}: not valid YAML: line {line}, column {column}: a tab character. YAML "
                                  "indents with spaces, not tabs: replace the tab with spaces.")
 
 
@@ -280,21 +297,25 @@ def test_a_tab_in_a_study_file_says_the_same(tmp_path: Path) -> None:
 
     path = tmp_path / "study.yaml"
     path.write_text("name: s\nmethods:\n\t- name: GD\n")
-    with pytest.raises(StudyError, match=r"study.yaml: not valid YAML: line 3, column 1: a tab character\. YAML "
-                                         r"indents with spaces, not tabs"):
+    with pytest.raises(StudyError,
+                       match=r"study.yaml: not valid YAML: line 3, column 1: a tab character\. "
+                             r"YAML indents with spaces, not tabs"):
         load_study(path)
 
 
 @pytest.mark.parametrize("text, key, first, second", [
-    ("privacy:\n  epsilon: 3\n  delta: 1.0e-5\n  epsilon: 8\ntraining:\n  restart_every: 2\n", "epsilon", 2, 4),
+    ("privacy:\n  epsilon: 3\n  delta: 1.0e-5\n  epsilon: 8\ntraining:\n  restart_every: 2\n",
+     "epsilon", 2, 4),
     ("training: {rounds: 3, rounds: 5, restart_every: 2}\n", "rounds", 1, 1),
     ("name: a\nmethod: dpgd\nname: b\n", "name", 1, 3),
 ])
-def test_a_key_given_twice_is_refused_with_both_lines(tmp_path: Path, text: str, key: str, first: int, second: int) -> None:
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path: Path, text: str, key: str,
+                                                      first: int, second: int) -> None:
     """PyYAML would keep the last value silently: which ε was spent would be a guess."""
     path = tmp_path / "twice.yaml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}: not valid YAML: key '{key}' is given twice "
+    with pytest.raises(ConfigError,
+                       match=rf"{re.escape(str(path))}: not valid YAML: key '{key}' is given twice "
                        rf"in one mapping \(line {first} and line {second}\)"):
         load_config(path)
 
@@ -317,7 +338,8 @@ def test_top_level_list_is_rejected(tmp_path: Path) -> None:
         load_config(path)
 
 
-# --------------------------------------------------------------------------- calibration -> mechanism
+# --------------------------------------------------------------------------- calibration ->
+# mechanism
 
 N_MIN = 800
 
@@ -334,7 +356,8 @@ def test_mechanism_for_gd_is_unclipped_and_noiseless(tmp_path: Path) -> None:
 
 def test_mechanism_for_dpgd(tmp_path: Path) -> None:
     """DP-GD: T = 1, all R rounds are restarts, σ1 from the calibration, no σ2."""
-    cfg = load_config(_variant(tmp_path, top={"method": "dpgd"}, training={"restart_every": _DELETE}))
+    cfg = load_config(_variant(tmp_path, top={"method": "dpgd"},
+                               training={"restart_every": _DELETE}))
     cal = cfg.calibration(N_MIN)
     assert cal is not None
     assert cal.restart_every == 1 and cal.restart_rounds == 100 and cal.difference_rounds == 0
@@ -371,7 +394,8 @@ def test_calibration_depends_on_n_min() -> None:
 def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
     """YAML 1.1 (PyYAML) would read `1e-5` as a string; users write it that way."""
     path = tmp_path / "exp.yaml"
-    path.write_text("method: dpgd\nprivacy: {epsilon: 3, delta: 1e-5}\ntraining: {learning_rate: 5E-1}\n")
+    path.write_text(
+        "method: dpgd\nprivacy: {epsilon: 3, delta: 1e-5}\ntraining: {learning_rate: 5E-1}\n")
     cfg = load_config(path)
     assert cfg.privacy.delta == 1e-5 and cfg.training.learning_rate == 0.5
     path.write_text('privacy: {delta: "1e-5"}\n')  # a quoted string stays a string, and is refused
@@ -384,31 +408,38 @@ def test_to_dict_round_trips_through_yaml():
 
     from diff2_flwr.runtime.config import parse_config
 
-    cfg = parse_config({"method": "dpgd", "dataset": {"name": "csv", "path": "d.csv", "target": "y", "drop": ["a", "b"],
+    cfg = parse_config({"method": "dpgd", "dataset": {"name": "csv", "path": "d.csv", "target": "y",
+                                                      "drop": ["a", "b"],
                                                       "task": "regression"}})
     again = parse_config(yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
     assert again == cfg
 
 
-# --------------------------------------------------------------------------- overrides (--set, --run-config)
+# --------------------------------------------------------------------------- overrides (--set,
+# --run-config)
 
 def test_every_config_key_is_a_declared_flower_run_config_key() -> None:
-    """Flower refuses run-config keys the app does not declare: the declared list must follow the config."""
+    """Flower refuses run-config keys the app does not declare: the declared list must follow the
+    config."""
     import tomllib
 
     from diff2_flwr.runtime.config import config_keys
 
     declared = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     app_config = declared["tool"]["flwr"]["app"]["config"]
-    assert [k for k in app_config if k != "config"] == config_keys(), "run scripts/run_config_keys.py"
+    assert [k for k in app_config
+            if k != "config"] == config_keys(), "run scripts/run_config_keys.py"
     assert all(app_config[k] == "" for k in config_keys())
 
 
 def test_the_run_config_list_is_the_generators_output() -> None:
     import runpy
 
-    generator = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "run_config_keys.py"))
-    assert generator["main"](["--check"]) == 0, "pyproject.toml's run-config list is stale: run scripts/run_config_keys.py"
+    generator = runpy.run_path(str(Path(__file__).resolve().parents[
+        1] / "scripts" / "run_config_keys.py"))
+    assert generator["main"]([
+        "--check"]) == 0, ("pyproject.toml's run-config list is stale: run "
+                           "scripts/run_config_keys.py")
 
 
 def test_every_settable_key_has_help_text() -> None:
@@ -420,8 +451,8 @@ def test_every_settable_key_has_help_text() -> None:
 
 
 def test_the_python_apis_setting_arguments_are_declared_keys() -> None:
-    """make_strategy's keyword arguments (but x_0, callables and where the run writes) are settings: each one sets
-    the key its declaration names, and an error about it names the argument."""
+    """make_strategy's keyword arguments (but x_0, callables and where the run writes) are settings:
+    each one sets the key its declaration names, and an error about it names the argument."""
     import inspect
 
     import diff2_flwr
@@ -434,7 +465,8 @@ def test_the_python_apis_setting_arguments_are_declared_keys() -> None:
         return key_of(value, f"{prefix}{name}.") if isinstance(value, dict) else prefix + name
 
     names = argument_names(ExperimentConfig)
-    settings = [p for p in inspect.signature(diff2_flwr.make_strategy).parameters if p not in _NOT_SETTINGS]
+    settings = [p for p in inspect.signature(diff2_flwr.make_strategy).parameters
+                if p not in _NOT_SETTINGS]
     assert len(settings) >= 20
     for argument in settings:
         assert names[key_of(nest_arguments(ExperimentConfig, {argument: 0}))] == argument
@@ -448,32 +480,44 @@ def test_overrides_change_single_keys_and_are_validated_like_the_file(tmp_path: 
     from diff2_flwr.runtime.config import parse_assignment
 
     path = tmp_path / "base.yaml"
-    path.write_text("name: base\ntraining: {rounds: 10, restart_every: 5, seed: 3}\nprivacy: {epsilon: 3.0}\n")
+    path.write_text(
+        "name: base\ntraining: {rounds: 10, restart_every: 5, seed: 3}\nprivacy: {epsilon: 3.0}\n")
     cfg = load_config(path, dict(map(parse_assignment, ["training.rounds=20", "privacy.epsilon=8",
-                                                        "training.seed=null", "privacy.delta=1e-6"])))
-    assert (cfg.training.rounds, cfg.privacy.epsilon, cfg.training.seed, cfg.privacy.delta) == (20, 8.0, None, 1e-6)
+                                                        "training.seed=null",
+                                                        "privacy.delta=1e-6"])))
+    assert (cfg.training.rounds, cfg.privacy.epsilon, cfg.training.seed,
+            cfg.privacy.delta) == (20, 8.0, None, 1e-6)
     assert cfg.training.restart_every == 5 and cfg.name == "base"  # the rest as in the file
     assert "with overrides training.rounds=20" in cfg.source
-    with pytest.raises(ConfigError, match=r"unknown key rounds in the overrides. Did you mean training.rounds\?"):
+    unknown = r"unknown key rounds in the overrides. Did you mean training.rounds\?"
+    with pytest.raises(ConfigError, match=unknown):
         load_config(path, {"rounds": 3})
-    with pytest.raises(ConfigError, match=r"unknown key training.roundz in the overrides. Did you mean training.rounds"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown key training.roundz in the overrides. Did you mean "
+                             r"training.rounds"):
         load_config(path, {"training.roundz": 3})
-    with pytest.raises(ConfigError, match=r"with overrides training.rounds=4\): key `training.restart_every`: "
+    with pytest.raises(ConfigError,
+                       match=r"with overrides training.rounds=4\): key `training.restart_every`: "
                                           r"expected at most training.rounds = 4"):
         load_config(path, {"training.rounds": 4})
-    with pytest.raises(ConfigError, match=r"key `privacy.epsilon`: expected a finite number > 0. Found -1"):
+    with pytest.raises(ConfigError,
+                       match=r"key `privacy.epsilon`: expected a finite number > 0. Found -1"):
         load_config(path, {"privacy.epsilon": -1})
-    with pytest.raises(ConfigError, match=r"--set: expected KEY=VALUE \(e.g. training.rounds=200\). Found 'rounds'"):
+    with pytest.raises(ConfigError,
+                       match=r"--set: expected KEY=VALUE \(e.g. training.rounds=200\). Found "
+                             r"'rounds'"):
         parse_assignment("rounds")
 
 
 def test_run_config_overrides_read_flower_values() -> None:
     from diff2_flwr.runtime.config import run_config_overrides, yaml_text
 
-    got = run_config_overrides({"config": "configs/default.yaml", "training.rounds": "", "training.seed": "null",
+    got = run_config_overrides({"config": "configs/default.yaml", "training.rounds": "",
+                                "training.seed": "null",
                                 "privacy.epsilon": 8.0, "dataset.drop": "[a, b]", "name": "mine",
                                 "training.clip_diff": ".inf"})
-    assert got == {"training.seed": None, "privacy.epsilon": 8.0, "dataset.drop": ["a", "b"], "name": "mine",
+    assert got == {"training.seed": None, "privacy.epsilon": 8.0, "dataset.drop": ["a", "b"],
+                   "name": "mine",
                    "training.clip_diff": math.inf}
     for value in (200, 1e-6, None, ["a", "b"], "abc", True, math.inf, "null"):
         assert run_config_overrides({"k": yaml_text(value)}) == {"k": value}
@@ -483,9 +527,11 @@ def test_diff2_run_set_overrides_the_file(tmp_path: Path, capsys) -> None:
     from diff2_flwr.cli import main
 
     path = tmp_path / "tiny.yaml"
-    path.write_text(f"name: tiny\ndataset: {{name: synthetic, num_samples: 300}}\ntraining: {{rounds: 9, "
-                    f"restart_every: 3, clients: 2, seed: 1}}\noutput: {{dir: {tmp_path / 'out'}}}\n")
-    assert main(["run", str(path), "--engine", "inprocess", "--set", "training.rounds=4", "--set", "name=over"]) == 0
+    path.write_text(
+        f"name: tiny\ndataset: {{name: synthetic, num_samples: 300}}\ntraining: {{rounds: 9, "
+        f"restart_every: 3, clients: 2, seed: 1}}\noutput: {{dir: {tmp_path / 'out'}}}\n")
+    assert main(["run", str(path), "--engine", "inprocess", "--set", "training.rounds=4", "--set",
+                 "name=over"]) == 0
     (run_dir,) = (tmp_path / "out").iterdir()
     import json
 
@@ -497,24 +543,32 @@ def test_diff2_run_set_overrides_the_file(tmp_path: Path, capsys) -> None:
 
 
 def test_one_set_takes_several_assignments_and_the_file_may_follow(tmp_path: Path, capsys) -> None:
-    """``--set a=1 b=2`` sets both (with a repeated ``--set`` too); ``--set a=1 CONFIG`` still reads CONFIG; a word
-    without ``=`` elsewhere is refused naming it."""
+    """``--set a=1 b=2`` sets both (with a repeated ``--set`` too); ``--set a=1 CONFIG`` still reads
+    CONFIG; a word without ``=`` elsewhere is refused naming it."""
     import json
 
     from diff2_flwr.cli import main
 
     path = tmp_path / "tiny.yaml"
-    path.write_text(f"name: tiny\ndataset: {{name: synthetic, num_samples: 300}}\ntraining: {{rounds: 9, "
-                    f"restart_every: 3, clients: 2, seed: 1}}\noutput: {{dir: {tmp_path / 'out'}}}\n")
-    assert main(["run", str(path), "--engine", "inprocess", "--set", "training.rounds=4", "name=both",
+    path.write_text(
+        f"name: tiny\ndataset: {{name: synthetic, num_samples: 300}}\ntraining: {{rounds: 9, "
+        f"restart_every: 3, clients: 2, seed: 1}}\noutput: {{dir: {tmp_path / 'out'}}}\n")
+    assert main(["run", str(path), "--engine", "inprocess", "--set", "training.rounds=4",
+                 "name=both",
                  "--set", "training.restart_every=2"]) == 0
-    assert main(["run", "--engine", "inprocess", "--set", "training.rounds=3", "name=after", str(path)]) == 0
-    runs = {d.name.split("-")[0]: json.loads((d / "summary.json").read_text()) for d in (tmp_path / "out").iterdir()}
-    assert runs["both"]["rounds_released"] == 4 and runs["both"]["config"]["training"]["restart_every"] == 2
-    assert runs["after"]["rounds_released"] == 3 and runs["after"]["config_file"].startswith(f"{path} (with overrides")
+    assert main(["run", "--engine", "inprocess", "--set", "training.rounds=3", "name=after",
+                 str(path)]) == 0
+    runs = {d.name.split("-")[0]: json.loads((d / "summary.json").read_text())
+            for d in (tmp_path / "out").iterdir()}
+    assert runs["both"]["rounds_released"] == 4 and runs["both"]["config"]["training"][
+        "restart_every"] == 2
+    assert runs["after"]["rounds_released"] == 3 and runs["after"]["config_file"].startswith(
+        f"{path} (with overrides")
     capsys.readouterr()
-    assert main(["run", str(path), "--engine", "inprocess", "--set", "training.rounds=4", "rounds", "name=x"]) == 2
-    assert "--set: expected KEY=VALUE (e.g. training.rounds=200). Found 'rounds'." in capsys.readouterr().err
+    assert main(["run", str(path), "--engine", "inprocess", "--set", "training.rounds=4", "rounds",
+                 "name=x"]) == 2
+    expected = "--set: expected KEY=VALUE (e.g. training.rounds=200). Found 'rounds'."
+    assert expected in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- training.routine
@@ -524,14 +578,18 @@ def test_routine_is_a_name_or_a_mapping_and_builds_the_core_routine(tmp_path: Pa
 
     cfg = load_config(_variant(tmp_path, training={"routine": "gd"}))
     assert cfg.training.routine.build(cfg.training.learning_rate) == GD(cfg.training.learning_rate)
-    assert cfg.to_dict()["training"]["routine"] == "gd"  # as files have always said it (checkpoint fingerprints)
-    cfg = load_config(_variant(tmp_path, training={"routine": {"name": "adam", "beta1": 0.8, "eps": 1e-6},
+    # as files have always said it (checkpoint fingerprints)
+    assert cfg.to_dict()["training"]["routine"] == "gd"
+    cfg = load_config(_variant(tmp_path, training={"routine": {"name": "adam", "beta1": 0.8,
+                                                               "eps": 1e-6},
                                                    "learning_rate": 0.01}))
-    assert cfg.training.routine.build(0.01) == Adam(0.01, beta1=0.8, eps=1e-6)  # beta2, weight_decay: defaults
+    # beta2, weight_decay: defaults
+    assert cfg.training.routine.build(0.01) == Adam(0.01, beta1=0.8, eps=1e-6)
     assert cfg.to_dict()["training"]["routine"] == {"name": "adam", "beta1": 0.8, "eps": 1e-6}
     cfg = load_config(_variant(tmp_path, training={"routine": {"name": "momentum", "momentum": 0}}))
     assert cfg.training.routine.build(0.5) == Momentum(0.5, momentum=0.0)
-    assert load_config(_variant(tmp_path, training=_default_dict()["training"])).training.routine.name == "gd"
+    assert load_config(_variant(tmp_path,
+                                training=_default_dict()["training"])).training.routine.name == "gd"
 
 
 def test_routine_round_trips_through_yaml() -> None:
@@ -543,24 +601,29 @@ def test_routine_round_trips_through_yaml() -> None:
 
 
 @pytest.mark.parametrize("routine, key, expected, found", [
-    ("sgd", "training.routine.name", "one of 'gd', 'momentum', 'nesterov', 'adam', 'adamw'", "'sgd'"),
+    ("sgd", "training.routine.name", "one of 'gd', 'momentum', 'nesterov', 'adam', 'adamw'",
+     "'sgd'"),
     ({"name": "momentum", "beta1": 0.9}, "training.routine.beta1",
      r"nothing for routine momentum \(its keys: momentum\)", "0.9"),
     ({"name": "gd", "momentum": 0.9}, "training.routine.momentum",
      r"nothing for routine gd \(its keys: none \(its step is training.learning_rate\)\)", "0.9"),
     ({"name": "adam", "beta1": 1.0}, "training.routine.beta1", r"a number in \[0, 1\)", "1.0"),
     ({"name": "adam", "eps": 0}, "training.routine.eps", "a finite number > 0", "0.0"),
-    ({"name": "adamw", "weight_decay": -0.1}, "training.routine.weight_decay", "a finite number >= 0", "-0.1"),
-    ({"name": "nesterov", "momentum": "high"}, "training.routine.momentum", "a number or null", "'high'"),
-    (3, "training.routine", "must be a mapping of keys to values", "a number"),  # its kind: no value quoted
+    ({"name": "adamw", "weight_decay": -0.1}, "training.routine.weight_decay",
+     "a finite number >= 0", "-0.1"),
+    ({"name": "nesterov", "momentum": "high"}, "training.routine.momentum", "a number or null",
+     "'high'"),
+    # its kind: no value quoted
+    (3, "training.routine", "must be a mapping of keys to values", "a number"),
 ])
-def test_bad_routines_are_refused_naming_key_expectation_and_finding(tmp_path: Path, routine, key, expected,
-                                                                     found) -> None:
+def test_bad_routines_are_refused_naming_key_expectation_and_finding(tmp_path: Path, routine, key,
+                                                                     expected, found) -> None:
     path = _variant(tmp_path, training={"routine": routine})
     with pytest.raises(ConfigError) as info:
         load_config(path)
     message = str(info.value)
-    assert str(path) in message and key.rpartition(".")[2] in message and f"Found {found}" in message
+    assert str(path) in message and key.rpartition(".")[
+        2] in message and f"Found {found}" in message
     assert re.search(expected, message), message
     if routine != 3:
         assert f"key `{key}`: expected" in message
@@ -568,27 +631,34 @@ def test_bad_routines_are_refused_naming_key_expectation_and_finding(tmp_path: P
 
 def test_an_unknown_routine_key_names_the_allowed_ones(tmp_path: Path) -> None:
     path = _variant(tmp_path, training={"routine": {"name": "adam", "beta3": 0.5}})
-    with pytest.raises(ConfigError, match=r"unknown key training.routine.beta3. Allowed in training.routine: name, "
-                                          r"momentum, beta1, beta2, eps, weight_decay"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown key training.routine.beta3. Allowed in training.routine: "
+                             r"name, momentum, beta1, beta2, eps, weight_decay"):
         load_config(path)
 
 
 def test_routine_keys_can_be_overridden_one_by_one(tmp_path: Path) -> None:
     from diff2_flwr.runtime.config import config_keys, run_config_overrides
 
-    assert {"training.routine", "training.routine.name", "training.routine.beta1"} <= set(config_keys())
+    assert {"training.routine", "training.routine.name",
+            "training.routine.beta1"} <= set(config_keys())
     path = _variant(tmp_path)  # routine absent from the file: gd
     cfg = load_config(path, {"training.routine.name": "adam", "training.routine.beta2": 0.99})
     assert cfg.training.routine.params() == {"beta2": 0.99} and cfg.training.routine.name == "adam"
-    path = _variant(tmp_path, training={"routine": "momentum"})  # the shorthand, then one of its keys
-    assert load_config(path, {"training.routine.momentum": 0.5}).training.routine.params() == {"momentum": 0.5}
+    # the shorthand, then one of its keys
+    path = _variant(tmp_path, training={"routine": "momentum"})
+    assert load_config(path,
+                       {"training.routine.momentum": 0.5}).training.routine.params() == {
+                           "momentum": 0.5}
     # the whole routine and one key: the whole first, whatever the order given
     cfg = load_config(path, {"training.routine.beta1": 0.7, "training.routine": "adamw"})
     assert (cfg.training.routine.name, cfg.training.routine.params()) == ("adamw", {"beta1": 0.7})
-    with pytest.raises(ConfigError, match=r"key `training.routine.beta1`: expected nothing for routine momentum"):
+    refused = r"key `training.routine.beta1`: expected nothing for routine momentum"
+    with pytest.raises(ConfigError, match=refused):
         load_config(path, {"training.routine.beta1": 0.7})
     # as Flower hands them over (strings read as YAML)
-    got = run_config_overrides({"training.routine.name": "nesterov", "training.routine.momentum": 0.8,
+    got = run_config_overrides({"training.routine.name": "nesterov",
+                                "training.routine.momentum": 0.8,
                                 "training.routine.beta1": ""})
     assert load_config(path, got).training.routine.build(0.1).momentum == 0.8
 
@@ -599,12 +669,15 @@ def test_diff2_run_set_routine(tmp_path: Path) -> None:
     from diff2_flwr.cli import main
 
     path = tmp_path / "tiny.yaml"
-    path.write_text(f"name: tiny\ndataset: {{name: synthetic, num_samples: 300}}\ntraining: {{rounds: 3, "
-                    f"restart_every: 3, clients: 2, seed: 1}}\noutput: {{dir: {tmp_path / 'out'}}}\n")
+    path.write_text(
+        f"name: tiny\ndataset: {{name: synthetic, num_samples: 300}}\ntraining: {{rounds: 3, "
+        f"restart_every: 3, clients: 2, seed: 1}}\noutput: {{dir: {tmp_path / 'out'}}}\n")
     assert main(["run", str(path), "--engine", "inprocess", "--set", "training.routine.name=adam",
-                 "--set", "training.routine.beta1=0.5", "--set", "training.learning_rate=0.01"]) == 0
+                 "--set", "training.routine.beta1=0.5", "--set",
+                 "training.learning_rate=0.01"]) == 0
     (run_dir,) = (tmp_path / "out").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["config"]["training"]["routine"] == {"name": "adam", "beta1": 0.5}
-    assert summary["routine"] == {"name": "adam", "learning_rate": 0.01, "beta1": 0.5, "beta2": 0.999, "eps": 1e-8,
+    assert summary["routine"] == {"name": "adam", "learning_rate": 0.01, "beta1": 0.5,
+                                  "beta2": 0.999, "eps": 1e-8,
                                   "weight_decay": 0.0}

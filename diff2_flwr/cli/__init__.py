@@ -16,10 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from ..lab.audit.spec import AuditSpec
+from ..lab.study.claims import STALE_AFTER_S  # standard library only
 from ..runtime.spec import add_setting_flags
-from . import deployment, experiments
+from . import deployment, docs, experiments
 from .experiments import DEFAULT_CONFIG
 
 __all__ = ["DEFAULT_CONFIG", "build_parser", "main"]
@@ -29,8 +32,6 @@ __all__ = ["DEFAULT_CONFIG", "build_parser", "main"]
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("diff2-flwr")
     except PackageNotFoundError:  # a source tree that is not installed
@@ -88,8 +89,6 @@ def _add_run_commands(sub: Any) -> None:
                      help="run the study's runs as tasks of the Ray cluster at ADDRESS (host:port "
                           "of its head, or 'auto' for RAY_ADDRESS / the cluster started on this "
                           "machine); same files and summary")
-    from ..lab.study.claims import STALE_AFTER_S  # standard library only
-
     exp.add_argument("--stale-after", type=float, default=STALE_AFTER_S, metavar="SECONDS",
                      help="take over a run another driver claimed once its heartbeat has been "
                           "silent this long (default %(default)s; a driver on this machine that "
@@ -249,8 +248,6 @@ def _add_secret_commands(sub: Any) -> None:
 
 def _add_lab_commands(sub: Any) -> None:
     """The commands audit (its flags derived from AuditSpec), bench, ledger."""
-    from ..lab.audit.spec import AuditSpec
-
     aud = sub.add_parser("audit",
                          help="empirically audit the (ε, δ) guarantee of the real server path "
                               "(JSON; exit 3 if the audit proves it false)")
@@ -304,8 +301,6 @@ def _add_lab_commands(sub: Any) -> None:
 
 def _add_docs_command(sub: Any) -> None:
     """The command docs: build (and serve) this documentation site, offline."""
-    from . import docs
-
     doc = sub.add_parser("docs",
                          help="build the documentation site (mkdocs --strict, offline) and print "
                               "where it is as JSON; --serve then serves it on localhost")
@@ -320,6 +315,8 @@ def _add_docs_command(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``diff2`` parser: every subcommand with its flags, each bound to its handler
+    (``args.func``)."""
     parser = argparse.ArgumentParser(prog="diff2",
                                      description="DIFF2 differentially private federated training "
                                                  "on Flower.")
@@ -333,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, *, _seen: list | None = None) -> int:
+    """Run the ``diff2`` command of ``argv`` (default: the process's) and return its exit code; a
+    ValueError or FileNotFoundError becomes one ``diff2 <command>: error:`` line and exit code 2."""
     args = build_parser().parse_args(argv)
     if _seen is not None:
         _seen.append(args)

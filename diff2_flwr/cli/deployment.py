@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -17,6 +18,8 @@ __all__ = ["certs", "compose", "deploy_local", "ledger", "node_key", "secret", "
 
 
 def shard(args: argparse.Namespace) -> int:
+    """``diff2 shard``: write one shard file per data owner (and the server's) of the config's
+    dataset into ``--out``, printing each path."""
     from ..runtime.config import load_config
     from ..deploy.shards import write_shards
 
@@ -27,6 +30,8 @@ def shard(args: argparse.Namespace) -> int:
 
 
 def deploy_local(args: argparse.Namespace) -> int:
+    """``diff2 deploy-local``: run the config on a native loopback deployment (SuperLink and P
+    SuperNodes) and print its status, median seconds per round and folders; 1 if it failed."""
     from ..deploy.native import run_local_deployment
     from ..runtime.launch import SimulationFailed
 
@@ -49,6 +54,8 @@ def deploy_local(args: argparse.Namespace) -> int:
 
 
 def certs(args: argparse.Namespace) -> int:
+    """``diff2 certs``: a CA and a SuperLink certificate in ``--out``, the data owners' public keys
+    checked and copied beside them (or, for one-machine tests, P key pairs made there)."""
     from ..deploy.certs import make_certificates
 
     if args.clients and args.node_pub:
@@ -75,8 +82,6 @@ def _node_publics(files: list[str], out: Path) -> list[Path]:
     """The data owners' public keys checked, then copied as ``out/supernode-<i>.pub``: i from a file
     already named so (``diff2 node-key --name supernode-<i>``), else its position among the files
     given."""
-    import re
-
     from ..deploy.certs import load_node_public_keys, node_key_names
 
     keys = load_node_public_keys(files)
@@ -115,6 +120,8 @@ def _test_node_keys(out: str, clients: int) -> int:
 
 
 def node_key(args: argparse.Namespace) -> int:
+    """``diff2 node-key``: make a data owner's SuperNode key pair and print the public key, the one
+    file that leaves the machine."""
     from ..deploy.certs import make_node_key
 
     key = make_node_key(args.out, args.name)
@@ -127,6 +134,8 @@ def node_key(args: argparse.Namespace) -> int:
 
 
 def secret(args: argparse.Namespace) -> int:
+    """``diff2 secret``: one SuperExec secret file (0600) per name in ``--out``; exit code 2 for a
+    name that is a path."""
     from ..runtime.secret_files import make_superexec_secret
 
     for name in args.names:
@@ -144,6 +153,8 @@ def secret(args: argparse.Namespace) -> int:
 
 
 def compose(args: argparse.Namespace) -> int:
+    """``diff2 compose``: print the docker-compose.yml of P data owners (TLS and SuperNode
+    authentication as asked)."""
     from ..deploy.compose import render_compose
 
     print(render_compose(args.clients, args.tls, node_auth=args.node_auth, publish=args.publish,
@@ -152,6 +163,8 @@ def compose(args: argparse.Namespace) -> int:
 
 
 def ledger(args: argparse.Namespace) -> int:
+    """``diff2 ledger``: print a data owner's node ledger as JSON: the runs it charged, each run's ε
+    and the lifetime ε spent at ``--delta``."""
     from ..runtime.node_ledger import NodeLedger
 
     print(json.dumps(to_json(NodeLedger(args.path).summary(args.delta))))

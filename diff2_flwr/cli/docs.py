@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
 import typing
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,6 @@ def missing_help(cls: type | None = None) -> list[str]:
 def run_config_drift(pyproject: Path = REPO / "pyproject.toml") -> str:
     """"" if the Flower app's run-config keys (``[tool.flwr.app.config]`` but ``config``) are the
     experiment file's keys, in order; else what differs."""
-    import tomllib
-
     from ..runtime.config import config_keys
 
     declared = [key for key in tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]
@@ -158,7 +157,7 @@ def configuration_page() -> str:
 
 
 def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
-    from . import build_parser
+    from . import build_parser  # noqa: PLC0415 -- a cycle: this package's __init__ imports docs
 
     parser = build_parser()
     out = [("diff2", parser)]

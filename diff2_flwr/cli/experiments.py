@@ -8,8 +8,10 @@ so that ``diff2 --help`` loads none of torch, scipy or Flower.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 from ..runtime.outputs import to_json
@@ -20,6 +22,8 @@ __all__ = ["DEFAULT_CONFIG", "audit", "bench", "experiment", "family", "noise", 
 
 
 def noise(args: argparse.Namespace) -> int:
+    """``diff2 noise``: print the noise calibration of the schedule as JSON (σ1, σ2, z1, z2, ...)
+    with its ε by the closed form and by dp-accounting's PLD and RDP accountants."""
     from ..core.privacy import calibrate, schedule_cross_check
 
     cal = calibrate(
@@ -77,8 +81,6 @@ def run(args: argparse.Namespace) -> int:
     mistake is one line on stderr and the JSON's ``error`` within seconds, before Flower (or any
     round) starts.
     """
-    import time
-
     started = time.perf_counter()
     try:
         from ..runtime.config import AUTO_CLIENTS_DEFAULT, load_config, set_assignments
@@ -155,13 +157,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def experiment(args: argparse.Namespace) -> int:
+    """``diff2 experiment``: run (or resume) a study file and print where its summary and report
+    are, with its primary results, as JSON; 2 if its Ray cluster fails."""
     from ..lab.study.cluster import ClusterError
     from ..lab.study.runner import load_study, run_study
 
     study = load_study(args.study)
     if args.engine:
-        import dataclasses
-
         study = dataclasses.replace(study, engine=args.engine)
     if not args.stale_after > 0:
         raise ValueError(
@@ -186,6 +188,8 @@ def experiment(args: argparse.Namespace) -> int:
 
 
 def family(args: argparse.Namespace) -> int:
+    """``diff2 family``: Holm across the primary tests of several finished studies, printed as
+    JSON (family.json and family.md written)."""
     from ..lab.study.family import run_family
 
     print(json.dumps(to_json(run_family(args.family, output_root=args.output))))
@@ -193,6 +197,8 @@ def family(args: argparse.Namespace) -> int:
 
 
 def regime(args: argparse.Namespace) -> int:
+    """``diff2 regime``: the regime map of finished studies (ratios over n × ε, marks, the slope's
+    bootstrap fit) written to ``--out`` and printed as JSON."""
     from ..lab.regime.runner import BOOTSTRAP_REPLICATES, BOOTSTRAP_SEED, read_cells, write_regime
 
     if not 0 < args.alpha < 1:
@@ -215,6 +221,8 @@ def _bench_line(message: str) -> None:
 
 
 def bench(args: argparse.Namespace) -> int:
+    """``diff2 bench``: measure the engine's speed and print the figures as JSON; the JAX peer's
+    flags are checked before anything is measured."""
     from ..lab.bench.runner import run_bench
     from ..lab.bench.jax_cells import plan_jax_peer
 
@@ -229,6 +237,8 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def audit(args: argparse.Namespace) -> int:
+    """``diff2 audit``: audit the (ε, δ) guarantee of the real server path and print the result as
+    JSON; exit code 3 when the audit proves the claimed ε false."""
     from ..lab.audit.runner import AuditSpec, run_audit, stderr_progress, summary_line
 
     if args.live is not None:
@@ -244,9 +254,9 @@ def audit(args: argparse.Namespace) -> int:
     if result["violation"]:
         found = " and ".join({
             "clopper_pearson": f"Clopper–Pearson ε̂ >= {result['epsilon_lower_bound']:.4g}",
-                              "gdp": f"μ-GDP ε̂ >= "
-                                     f"{(result['gdp'] or {}).get('epsilon_interval', [0])[0]:.4g}"}[k]
-                             for k in result["violation_by"])
+            "gdp": f"μ-GDP ε̂ >= "
+                   f"{(result['gdp'] or {}).get('epsilon_interval', [0])[0]:.4g}"}[k]
+            for k in result["violation_by"])
         print(f"diff2 audit: VIOLATION: {found} > claimed ε = {result['epsilon_claimed']:.4g} "
               f"(confidence {result['confidence']:.2%})", file=sys.stderr)
         return 3
@@ -281,6 +291,8 @@ def _live_audit(args: argparse.Namespace) -> int:
 
 
 def plot(args: argparse.Namespace) -> int:
+    """``diff2 plot``: draw the per-round curves of one or several run folders side by side and
+    print the PNG's path."""
     from ..runtime.curves import CURVES_FILE, plot_runs, read_rows, run_labels
 
     dirs = [Path(d).expanduser() for d in args.run_dirs]

@@ -88,7 +88,7 @@ def event_key(event: "GaussianEvent | LocalEvent") -> tuple[float, float, int]:
 def gaussian_pld(noise_multiplier: float) -> Any:
     """PLD of one full-batch Gaussian mechanism with this multiplier (dp-accounting,
     pessimistic)."""
-    from dp_accounting.pld import privacy_loss_distribution
+    from dp_accounting.pld import privacy_loss_distribution  # noqa: PLC0415 -- dp-accounting: ~2 s import, on first use
 
     return privacy_loss_distribution.from_gaussian_mechanism(
         standard_deviation=noise_multiplier, sensitivity=1.0,
@@ -99,8 +99,8 @@ def gaussian_pld(noise_multiplier: float) -> Any:
 def local_pld(noise_multiplier: float, sampling_prob: float, steps: int, interval: float) -> Any:
     """PLD of ``steps`` Poisson-subsampled Gaussian steps under replace-one (dp-accounting,
     pessimistic)."""
-    from dp_accounting import NeighboringRelation
-    from dp_accounting.pld import privacy_loss_distribution
+    from dp_accounting import NeighboringRelation  # noqa: PLC0415 -- dp-accounting: ~2 s import, on first use
+    from dp_accounting.pld import privacy_loss_distribution  # noqa: PLC0415 -- dp-accounting: ~2 s import, on first use
 
     one = privacy_loss_distribution.from_gaussian_mechanism(
         standard_deviation=noise_multiplier, sensitivity=1.0, sampling_prob=sampling_prob,
@@ -110,12 +110,12 @@ def local_pld(noise_multiplier: float, sampling_prob: float, steps: int, interva
 
 
 @functools.lru_cache(maxsize=1024)
-def schedule_pld_epsilon(delta: float, m1: int, z1: float, m2: int, z2: float | None, z3: float,
-                         q: float, local_steps: int, rounds: int,
-                         interval: float = PLD_DISCRETIZATION) -> float:
+def schedule_pld_epsilon(  # noqa: PLR0913 -- lru_cache'd: the schedule as hashable numbers
+        delta: float, m1: int, z1: float, m2: int, z2: float | None, z3: float, q: float,
+        local_steps: int, rounds: int, interval: float = PLD_DISCRETIZATION) -> float:
     """ε (PLD, composed by counts) of m1 + m2 server rounds and ``rounds`` local phases of
     ``local_steps`` steps."""
-    from dp_accounting.pld import privacy_loss_distribution as plds
+    from dp_accounting.pld import privacy_loss_distribution as plds  # noqa: PLC0415 -- dp-accounting: ~2 s import, on first use
 
     local = local_pld(z3, q, local_steps, interval)
     pld = local.self_compose(rounds) if rounds > 1 else local
@@ -148,8 +148,8 @@ def counts_pld_epsilon(delta: float, counts: tuple[tuple[tuple[float, float, int
 def rdp_epsilon(delta: float, counts: tuple[tuple[float, int], ...]) -> float:
     """ε at ``delta`` of (multiplier, count) full-batch Gaussians by dp-accounting's RDP
     accountant."""
-    from dp_accounting import dp_event
-    from dp_accounting.rdp import rdp_privacy_accountant
+    from dp_accounting import dp_event  # noqa: PLC0415 -- dp-accounting: ~2 s import, on first use
+    from dp_accounting.rdp import rdp_privacy_accountant  # noqa: PLC0415 -- dp-accounting: ~2 s import, on first use
 
     accountant = rdp_privacy_accountant.RdpAccountant()
     for z, count in counts:
@@ -193,6 +193,7 @@ class PldMemo:
         self.chains = _BoundedCache(chains)  # events' keys -> their composed PLD
 
     def clear(self) -> None:
+        """Forget every remembered ε and composed PLD (later values are the same, only slower)."""
         self.epsilons.clear()
         self.chains.clear()
 

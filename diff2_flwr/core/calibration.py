@@ -223,6 +223,7 @@ class Calibration:
         return gdp_epsilon(mu, self.delta)
 
     def as_dict(self) -> dict[str, float | int | str | None]:
+        """The calibration as plain data (inputs, m1, m2, B, z, σ, μ, planned ε, the local part)."""
         return {
             "mode": self.mode, "epsilon": self.epsilon, "delta": self.delta, "rounds": self.rounds,
             "restart_every": self.restart_every, "u": self.u, "n_min": self.n_min,
@@ -235,13 +236,14 @@ class Calibration:
 
 
 def check_epsilon_delta(epsilon: float, delta: float) -> None:
+    """Refuse a budget unless ε is finite and > 0 and δ is in (0, 1) (a ValueError naming which)."""
     if not (math.isfinite(epsilon) and epsilon > 0):
         raise ValueError(f"`epsilon` must be a finite number > 0. Found {epsilon}.")
     if not 0 < delta < 1:
         raise ValueError(f"`delta` must be in (0, 1). Found {delta}.")
 
 
-def calibrate(
+def calibrate(  # noqa: PLR0913 -- keyword-only: the privacy settings, one keyword each
     *,
     epsilon: float,
     delta: float,
@@ -319,9 +321,11 @@ class LocalCalibration:
 
     @property
     def event(self) -> LocalEvent:
+        """What one round's local phase costs: K - 1 subsampled Gaussian steps of multiplier z3."""
         return LocalEvent(self.z3, self.sampling_prob, self.steps - 1)
 
     def as_dict(self) -> dict[str, float | int | str]:
+        """The local calibration as plain data (K, b, share, q, z3, σ3), its sampling in words."""
         return {"steps": self.steps, "batch_size": self.batch_size, "share": self.share,
                 "sampling": "Poisson, each record with probability b / n_p; the sum is divided by "
                             "b",
@@ -391,8 +395,8 @@ def calibrate_local(server: Calibration, steps: int, batch_size: int | None,
 def schedule_cross_check(cal: Calibration) -> dict[str, float]:
     """ε of a whole calibrated schedule by dp-accounting's PLD and RDP accountants (composed by
     counts), next to the closed form: what ``diff2 noise`` prints to cross-check a calibration."""
-    from dp_accounting import dp_event
-    from dp_accounting.pld import pld_privacy_accountant
+    from dp_accounting import dp_event  # noqa: PLC0415 -- dp-accounting: ~2 s import, on first use
+    from dp_accounting.pld import pld_privacy_accountant  # noqa: PLC0415 -- dp-accounting: ~2 s import, on first use
 
     pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
     counts = [(cal.z1, cal.restart_rounds), (cal.z2, cal.difference_rounds)]

@@ -95,6 +95,7 @@ class PaperMLPGradients:
 
     def unpack(self, x_vec: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                  torch.Tensor]:
+        """(W1, b1, w2, b2) of the flat vector ``x_vec`` in the compute dtype (w2 flat, b2 0-d)."""
         w1, b1, w2, b2 = (torch.as_tensor(a, dtype=self.dtype) for a in self.layout.split(x_vec))
         return w1, b1, w2.reshape(-1), b2.reshape(())
 
@@ -149,6 +150,11 @@ class PaperMLPGradients:
         self, x_current: np.ndarray, features: torch.Tensor, targets: torch.Tensor, radius: float,
         x_previous: np.ndarray | None = None,
     ) -> Contribution:
+        """ClippedMean of the closed-form per-sample gradients at ``x_current`` (or differences).
+
+        Same arguments and result as :meth:`PerSampleGradients.clipped_mean`; an empty shard or a
+        radius that is NaN or < 0 raises ValueError.
+        """
         n = int(features.shape[0])
         if n == 0:
             raise ValueError(

@@ -102,12 +102,14 @@ class DistributedCalibration:
     epsilon_spent: float  # the schedule's ε by this accounting (<= epsilon)
 
     def event(self, restart: bool) -> SkellamEvent:
+        """What one restart round (``restart`` False: a difference round) of the schedule costs."""
         z = self.z1 if restart else self.z2
         if z is None:
             raise ValueError("this schedule has no difference rounds (T = 1).")
         return SkellamEvent(z, self.rho, self.padded_dim, "restart" if restart else "difference")
 
     def events(self) -> list[SkellamEvent]:
+        """Every round's event: the m1 restart rounds', then the m2 difference rounds'."""
         differences = [self.event(False)] * self.difference_rounds if self.difference_rounds else []
         return [self.event(True)] * self.restart_rounds + differences
 
@@ -173,6 +175,7 @@ class SkellamLedger:
     events: tuple[SkellamEvent, ...] = ()
 
     def record(self, *events: SkellamEvent) -> "SkellamLedger":
+        """A new ledger with ``events`` released after this one's (this ledger is unchanged)."""
         return SkellamLedger(self.delta, self.events + tuple(events))
 
     exact = False
@@ -185,10 +188,12 @@ class SkellamLedger:
 
     @property
     def epsilon_pld(self) -> float:
+        """:attr:`epsilon`, under the central ledger's name for its PLD cross-check."""
         return self.epsilon
 
     @property
     def epsilon_rdp(self) -> float:
+        """:attr:`epsilon`, under the central ledger's name for its RDP cross-check."""
         return self.epsilon
 
 
@@ -218,6 +223,7 @@ class DistributedNoise:
         return self.clients - self.tolerated
 
     def event(self, restart: bool) -> SkellamEvent:
+        """What a restart round (or, ``restart`` False, a difference round) of this run costs."""
         return self.calibration.event(restart)
 
     def code(self, r: int, restart: bool, radius: float) -> SkellamCode:
@@ -277,9 +283,9 @@ def _round_code(noise: DistributedNoise, r: int, restart: bool, radius: float) -
     return noise._code(r, restart, radius)
 
 
-def distributed_noise(*, epsilon: float, delta: float, rounds: int, restart_every: int, u: float,
-                      dim: int, bits: int, clients: int, tolerated: int, n_min: int,
-                      wrap: float) -> DistributedNoise:
+def distributed_noise(  # noqa: PLR0913 -- keyword-only: the run's settings, one keyword each
+        *, epsilon: float, delta: float, rounds: int, restart_every: int, u: float, dim: int,
+        bits: int, clients: int, tolerated: int, n_min: int, wrap: float) -> DistributedNoise:
     """The distributed-noise settings of a run, calibrated for (ε, δ) over its schedule and checked:
     parameters under which the sum would wrap around at every grid, or the honest clients could not
     carry the noise, raise.

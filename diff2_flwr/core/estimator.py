@@ -130,6 +130,7 @@ class RoundPlan:
 
     @property
     def kind(self) -> str:
+        """The round's kind as the run's records name it: "restart" or "difference"."""
         return "restart" if self.restart else "difference"
 
 

@@ -127,7 +127,7 @@ class FusedKernel:
 def _cache_dir() -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if not root:
-        from torch.utils.cpp_extension import get_default_build_root
+        from torch.utils.cpp_extension import get_default_build_root  # noqa: PLC0415 -- pulls in setuptools; only if needed
         root = get_default_build_root()
     return Path(root) / "diff2_fused"
 
@@ -211,10 +211,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def clipped_sums(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.Tensor,
-                 mask: torch.Tensor, radius: torch.Tensor, prev: Parts | None = None,
-                 restart: torch.Tensor | None = None, *, clients: int = 1,
-                 x_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as the C++ entry)
+        kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor,
+        radius: torch.Tensor, prev: Parts | None = None, restart: torch.Tensor | None = None, *,
+        clients: int = 1, x_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped sums per client and run [P, K, d] (float64, the flat (W_1, b_1, W_2, b_2) order) and
     whether a real sample's norm was not finite [P, K] (bool), for the ``clients`` (P) clients whose
     samples lie side by side: client p's are the samples p·N .. (p + 1)·N - 1 of the M = P·N.
@@ -247,11 +247,12 @@ def clipped_sums(kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.T
                  "fused.clipped_sums")
 
 
-def _call(kernel: FusedKernel, cur: Parts, dims: tuple[torch.dtype, int, int, int, int],
-          x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor, radius: torch.Tensor,
-          prev: Parts | None, restart: torch.Tensor | None, clients: int,
-          x_rows: torch.Tensor | None, forward: tuple | None, who: str) -> tuple[torch.Tensor,
-                                                                                 torch.Tensor]:
+def _call(  # noqa: PLR0913 -- clipped_sums' and forward_sums' arguments, passed to the kernel
+        kernel: FusedKernel, cur: Parts, dims: tuple[torch.dtype, int, int, int, int],
+        x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor, radius: torch.Tensor,
+        prev: Parts | None, restart: torch.Tensor | None, clients: int,
+        x_rows: torch.Tensor | None, forward: tuple | None,
+        who: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel call of :func:`clipped_sums` (``forward`` None: ``cur`` is read) or
     :func:`forward_sums` (``forward`` = (params, activation code, loss code, x_t, y, losses):
     ``cur`` and the losses are written; ``cur``'s a, dphi and grad_out None: the pass is not kept);
@@ -308,13 +309,13 @@ def _call(kernel: FusedKernel, cur: Parts, dims: tuple[torch.dtype, int, int, in
     return sums, overflow
 
 
-def forward_sums(kernel: FusedKernel, params: torch.Tensor, x_t: torch.Tensor, y: torch.Tensor,
-                 activation: str, loss: str, x: torch.Tensor, sq_x: torch.Tensor,
-                 mask: torch.Tensor, radius: torch.Tensor, prev: Parts | None = None,
-                 restart: torch.Tensor | None = None, *, hidden: int, outputs: int,
-                 clients: int = 1, x_rows: torch.Tensor | None = None, keep: bool = True,
-                 blocked: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, Parts | None, torch.Tensor]:
+def forward_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as the C++ entry)
+        kernel: FusedKernel, params: torch.Tensor, x_t: torch.Tensor, y: torch.Tensor,
+        activation: str, loss: str, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor,
+        radius: torch.Tensor, prev: Parts | None = None, restart: torch.Tensor | None = None, *,
+        hidden: int, outputs: int, clients: int = 1, x_rows: torch.Tensor | None = None,
+        keep: bool = True, blocked: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, Parts | None, torch.Tensor]:
     """:func:`clipped_sums` with the forward pass in the kernel too: for the K runs' parameters
     ``params`` [K, d] (the compute dtype, the flat (W_1, b_1, W_2, b_2) order) and the inputs
     ``x_t`` [F, M] and targets ``y`` [M] in the compute dtype, the kernel computes per block of

@@ -143,6 +143,7 @@ class MLP:
 
     @property
     def dim(self) -> int:
+        """d = Σ_l (out_l·in_l + out_l): the parameters, flat as (W_1, b_1, W_2, b_2, ...)."""
         return sum(o * i + o for i, o in zip(self.sizes, self.sizes[1:]))
 
     def layers(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -186,6 +187,7 @@ class Pass:
     outputs: torch.Tensor
 
     def to64(self) -> "Pass":
+        """This pass with its inputs, gradients and losses in float64 (``outputs`` as they are)."""
         f64 = torch.float64
         return Pass(tuple(a.to(f64) for a in self.inputs), tuple(g.to(f64) for g in self.grads),
                     self.loss.to(f64), self.outputs)

@@ -63,6 +63,7 @@ class Contribution:
 
     @property
     def clip_fraction(self) -> float:
+        """The share of the worker's samples whose gradient (difference) was clipped, in [0, 1]."""
         return self.num_clipped / self.num_samples
 
 

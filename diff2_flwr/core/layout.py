@@ -26,15 +26,18 @@ class ParameterLayout:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ParameterLayout":
+        """The layout of ``model``'s parameters that require gradients (frozen ones left out)."""
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         return cls(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named))
 
     @functools.cached_property  # immutable: computed once (the wire path asks every message)
     def sizes(self) -> tuple[int, ...]:
+        """The number of entries of each tensor, in layout order."""
         return tuple(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
 
     @functools.cached_property
     def dim(self) -> int:
+        """d: the length of the flat vector, every tensor's entries together."""
         return sum(self.sizes)
 
     def flatten(self, arrays: Sequence[np.ndarray]) -> np.ndarray:

@@ -101,6 +101,7 @@ class PrivacyLedger:
     events: tuple[GaussianEvent | LocalEvent, ...] = ()
 
     def record(self, *events: GaussianEvent | LocalEvent) -> "PrivacyLedger":
+        """A new ledger with ``events`` released after this one's (this ledger is unchanged)."""
         return PrivacyLedger(self.delta, self.events + tuple(events))
 
     @property

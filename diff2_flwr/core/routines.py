@@ -112,9 +112,11 @@ class GD:
         _check_learning_rate(self.learning_rate)
 
     def init(self, x0: np.ndarray) -> None:
+        """No state: GD keeps nothing between rounds."""
         return None
 
     def update(self, x: np.ndarray, v: np.ndarray, state: None) -> tuple[np.ndarray, None]:
+        """x_r = x_{r-1} - η ṽ_r; the state stays None."""
         return x - self.learning_rate * v, None
 
 
@@ -146,10 +148,12 @@ class Momentum:
         _check_unit("momentum", self.momentum)
 
     def init(self, x0: np.ndarray) -> MomentumState:
+        """The zero buffer b_0, shaped as ``x0``."""
         return MomentumState(_frozen(np.zeros_like(x0, dtype=np.float64)))
 
     def update(self, x: np.ndarray, v: np.ndarray, state: MomentumState) -> tuple[np.ndarray,
                                                                                   MomentumState]:
+        """b_r = μ b_{r-1} + ṽ_r, then x_r = x_{r-1} - η b_r; the state holds b_r."""
         buffer = self.momentum * state.buffer + v
         return x - self.learning_rate * buffer, MomentumState(_frozen(buffer))
 
@@ -173,6 +177,7 @@ class Nesterov(Momentum):
 
     def update(self, x: np.ndarray, v: np.ndarray, state: MomentumState) -> tuple[np.ndarray,
                                                                                   MomentumState]:
+        """b_r = μ b_{r-1} + ṽ_r, then x_r = x_{r-1} - η (ṽ_r + μ b_r); the state holds b_r."""
         buffer = self.momentum * state.buffer + v
         return x - self.learning_rate * (v + self.momentum * buffer), MomentumState(_frozen(buffer))
 
@@ -228,11 +233,13 @@ class Adam:
         _check_positive("weight_decay", self.weight_decay, zero=True)
 
     def init(self, x0: np.ndarray) -> AdamState:
+        """Step count t = 0 and zero moments m_0 = s_0 = 0, shaped as ``x0``."""
         zeros = _frozen(np.zeros_like(x0, dtype=np.float64))
         return AdamState(0, zeros, zeros)
 
     def update(self, x: np.ndarray, v: np.ndarray, state: AdamState) -> tuple[np.ndarray,
                                                                               AdamState]:
+        """One bias-corrected Adam step on g = ṽ_r + λ x_{r-1}; the state counts it (t + 1)."""
         g = v + self.weight_decay * x if self.weight_decay else v
         return _adam_step(x, g, state, self.learning_rate, self.beta1, self.beta2, self.eps)
 
@@ -253,6 +260,7 @@ class AdamW(Adam):
 
     def update(self, x: np.ndarray, v: np.ndarray, state: AdamState) -> tuple[np.ndarray,
                                                                               AdamState]:
+        """x_{r-1}(1 - η λ), then one bias-corrected Adam step on ṽ_r alone; the state counts it."""
         decayed = x * (1 - self.learning_rate * self.weight_decay) if self.weight_decay else x
         return _adam_step(decayed, v, state, self.learning_rate, self.beta1, self.beta2, self.eps)
 

@@ -186,10 +186,12 @@ class SkellamCode:
 
     @property
     def modulus(self) -> int:
+        """M = 2**bits: secure aggregation adds the clients' integers modulo M."""
         return 1 << self.bits
 
     @property
     def padded(self) -> int:
+        """D: the vector's length once zero-padded for the rotation (:func:`padded_dim`)."""
         return padded_dim(self.dim)
 
 
@@ -267,7 +269,7 @@ def rdp_to_epsilon(rdp: Sequence[float], orders: Sequence[int], delta: float) ->
     """
     if not 0 < delta < 1:
         raise ValueError(f"`delta` must be in (0, 1). Found {delta}.")
-    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon  # noqa: PLC0415 -- dp-accounting: ~2 s import, on first use
 
     return float(compute_epsilon(list(orders), list(rdp), delta)[0])
 
@@ -310,8 +312,9 @@ def wrap_probability(code: SkellamCode, sum_l2: float, clients: int, variance: f
     return float(min(np.min(d * (p_signal + tail)), 1.0))
 
 
-def choose_scale(dim: int, bits: int, sum_l2: float, clients: int, noise_multiplier: float,
-                 record_l2: float, rho: float, wrap: float, seed: int) -> SkellamCode:
+def choose_scale(  # noqa: PLR0913 -- a round's numbers (grid, sum, noise): no type holds them
+        dim: int, bits: int, sum_l2: float, clients: int, noise_multiplier: float,
+        record_l2: float, rho: float, wrap: float, seed: int) -> SkellamCode:
     """The finest grid (largest scale) whose noised sum wraps around with probability <= ``wrap``.
 
     The noise is calibrated to the *integer* sensitivity: its std is ``noise_multiplier ·

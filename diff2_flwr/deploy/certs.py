@@ -17,6 +17,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import (Encoding, PublicFormat,
+                                                          load_ssh_public_key)
+from cryptography.x509.oid import NameOID
+
 from ..runtime.secret_files import private_folder, write_private
 
 __all__ = ["Certificates", "NodeKey", "load_node_public_keys", "make_certificates", "make_node_key",
@@ -26,6 +33,9 @@ __all__ = ["Certificates", "NodeKey", "load_node_public_keys", "make_certificate
 
 @dataclass(frozen=True)
 class Certificates:
+    """The files :func:`make_certificates` wrote: the CA's certificate (what clients verify
+    against), the SuperLink's certificate and its private key (0600)."""
+
     ca: Path
     cert: Path
     key: Path
@@ -34,8 +44,6 @@ class Certificates:
 def _subject_alt_name(host: str):
     """An IP address (IPv4 or IPv6, brackets allowed) as an IPAddress entry, anything else as a DNS
     name."""
-    from cryptography import x509
-
     try:
         return x509.IPAddress(ipaddress.ip_address(host.strip("[]")))
     except ValueError:
@@ -46,11 +54,6 @@ def make_certificates(folder: str | os.PathLike[str],
                       hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> Certificates:
     """A self-signed CA and a server certificate for ``hosts`` (for tests and local deployments
     only)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
     folder = private_folder(folder)
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -88,6 +91,9 @@ _NIST_CURVES = ("secp256r1", "secp384r1", "secp521r1")
 
 @dataclass(frozen=True)
 class NodeKey:
+    """One SuperNode key pair's files: the private key (0600, stays with its data owner) and the
+    public key (registered with the SuperLink)."""
+
     private: Path
     public: Path
 
@@ -104,17 +110,14 @@ def make_node_key(folder: str | os.PathLike[str], name: str = "supernode") -> No
     ``flwr supernode register`` an OpenSSH public key on a NIST curve; P-384 as in Flower's guide.
     Existing files are replaced: a new pair must be registered again.
     """
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
     folder = private_folder(folder)
     key = ec.generate_private_key(ec.SECP384R1())
     out = NodeKey(folder / f"{name}.key", folder / f"{name}.pub")
     write_private(out.private, key.private_bytes(serialization.Encoding.PEM,
                                                  serialization.PrivateFormat.OpenSSH,
                                                  serialization.NoEncryption()))
-    out.public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                         serialization.PublicFormat.OpenSSH) + b"\n")
+    out.public.write_bytes(key.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b"\n")
     return out
 
 
@@ -139,11 +142,6 @@ def load_node_public_keys(files: list[str | os.PathLike[str]]) -> list[bytes]:
     A private key sent by mistake is refused too (it must stay with its data owner: make a new
     pair).
     """
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.hazmat.primitives.serialization import (
-        Encoding, PublicFormat, load_ssh_public_key,
-    )
-
     loaded = []
     for file in files:
         path = Path(file)

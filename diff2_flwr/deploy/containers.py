@@ -82,10 +82,12 @@ def run_tool(cmd: list[str], *, timeout: float = 600, check: bool = True, cwd: P
 
 
 def podman(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """``podman ARGS`` run by :func:`run_tool` (this project's containers.conf, output captured)."""
     return run_tool(["podman", *args], timeout=timeout, check=check)
 
 
 def podman_compose_tool() -> str | None:
+    """The path of ``podman-compose`` (beside this Python first, else on PATH), or None."""
     try:
         return tool("podman-compose")
     except FileNotFoundError:
@@ -93,14 +95,17 @@ def podman_compose_tool() -> str | None:
 
 
 def official_name(target: str) -> str:
+    """Flower's official image name of ``target`` (``superlink``, ...) at the pinned version."""
     return f"docker.io/flwr/{target}:{FLWR_VERSION}"
 
 
 def image_exists(name: str) -> bool:
+    """Whether podman holds the image ``name`` (pulled or built)."""
     return podman("image", "exists", name, check=False, timeout=60).returncode == 0
 
 
 def image_label(name: str, label: str) -> str | None:
+    """The value of image ``name``'s label ``label``, or None (no such image or label)."""
     done = podman("image", "inspect", "--format", f'{{{{index .Labels "{label}"}}}}', name,
                   check=False, timeout=60)
     value = done.stdout.strip()

@@ -53,14 +53,13 @@ from ..runtime.launch import (
 )
 from ..runtime.paths import APP_DIR
 from ..runtime.shard_files import shard_name
-from .run_folder import (EXPERIMENT_FOLDER, check_data_owners_rules,
-                         default_run_folder,  # noqa: F401
-                         deployment_config, owner_policies, prepare_run_folder)
+from .run_folder import (check_data_owners_rules, default_run_folder, deployment_config,
+                         owner_policies, prepare_run_folder)
 from .certs import Certificates, NodeKey, make_certificates, make_node_keys
 from ..runtime.secret_files import make_superexec_secret
 
 __all__ = ["DeploymentResult", "Intruder", "LiveDeployment", "run_local_deployment",
-           "default_run_folder",
+           "default_run_folder", "deployment_config",
            "start_superexec", "start_superlink", "register_node", "list_nodes", "INTRUDER_KINDS"]
 
 #: Fault injection for tests (``intruders=``): a SuperNode posing as data owner 0 with no key of its
@@ -71,6 +70,9 @@ INTRUDER_KINDS = ("no-key", "unregistered-key")
 
 @dataclass(frozen=True)
 class Intruder:
+    """How an injected intruder SuperNode ended (fault injection): its kind (one of
+    :data:`INTRUDER_KINDS`), its exit code and its log."""
+
     kind: str
     returncode: int | None  # None: still running when the run started (it was not refused)
     log: Path
@@ -93,6 +95,9 @@ class LiveDeployment:
 
 @dataclass(frozen=True)
 class DeploymentResult:
+    """A completed native deployment: the ``flwr run`` result, the config it ran, the seconds
+    between rounds, the run folder, and the data owners' nodes as the SuperLink saw them."""
+
     launch: LaunchResult
     config: Path  # the deployment config actually run (shards set, train metrics off)
     round_seconds: list[float]
@@ -326,7 +331,7 @@ def _round_seconds(output_dir: Path | None) -> list[float]:
     return [b - a for a, b in zip(elapsed, elapsed[1:])]
 
 
-def run_local_deployment(
+def run_local_deployment(  # noqa: PLR0913 -- keyword-only options: CLI flags and test hooks
     config: str | os.PathLike[str],
     *,
     tls: bool = False,

@@ -26,8 +26,9 @@ training.rounds=40 privacy.epsilon=8``), repeating it works too, and in ``--set 
 last word without ``=`` is CONFIG when no other was given. CONFIG and the overrides are checked
 before any image is built or pulled.
 
-Running podman itself (its environment, errors, image names) is in :mod:`.containers`; the command
-line's parser in :mod:`.podman_cli`.
+Running podman itself (its environment, errors, image names) is in :mod:`.containers`; the
+project's files and its ``deploy/`` folder in :mod:`.compose_folder`; the command line's parser in
+:mod:`.podman_cli`.
 """
 
 from __future__ import annotations
@@ -49,8 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..runtime.config import load_config, yaml_text
 from ..runtime.launch import (
     CONNECTION,
@@ -60,20 +59,15 @@ from ..runtime.launch import (
     flwr_env,
     flwr_run,
     run_config_arg,
-    write_connection,
 )
 from ..runtime.paths import APP_DIR
-from .certs import make_certificates, make_node_key, make_node_keys
-from .compose import (
-    CONTAINER_OUTPUTS, FEDERATION_KEYS, FLWR_VERSION, SECAGG_KEY, SUPERLINK_PORT, certificate_hosts,
-)
+from .compose import FLWR_VERSION, SUPERLINK_PORT
+from .compose_folder import ComposeFolder
 from .containers import (CONTAINERS_CONF, FIND_FILES_PROBE, STANDIN_DIR, PodmanError, copy_project,
                          image_exists, image_label, official_name, podman, podman_compose_tool,
                          podman_env, port_free, run_tool)
 from .native import list_nodes, register_node
 from .podman_cli import build_parser, run_request
-from ..runtime.secret_files import make_superexec_secret, private_folder
-from .shards import write_shards
 
 __all__ = ["CONTAINERS_CONF", "ComposeStack", "ImageReport", "PodmanError", "STANDIN_DIR",
            "STANDIN_TARGETS",
@@ -85,7 +79,6 @@ STANDIN_TARGETS = ("base", "superlink", "supernode", "superexec", "serverapp", "
 NEEDED = ("superlink", "supernode", "superexec")
 DEBIAN_BASE = "localhost/diff2-debian:bookworm"
 DEFAULT_PROJECT = "diff2-compose"
-APP_UID = 49999
 
 
 def unavailable_reason() -> str | None:
@@ -156,6 +149,9 @@ def pip_build_args(scratch: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class ImageReport:
+    """Where the Flower images came from, how long :func:`ensure_images` took, and each build
+    step's seconds."""
+
     source: str  # "official" (present, not ours), "standin" (present and current) or "built"
     seconds: float
     steps: dict[str, float]
@@ -241,8 +237,9 @@ def ensure_images(*, force: bool = False, log: Callable[[str], None] = print) ->
 # ---------------------------------------------------------------- one compose project
 
 
-class ComposeStack:
-    """One compose project (plain or TLS) in ``project_dir``, driven through podman-compose.
+class ComposeStack(ComposeFolder):
+    """One compose project (plain or TLS) in ``project_dir``, driven through podman-compose; its
+    files and ``deploy/`` folder as in :class:`~.compose_folder.ComposeFolder`.
 
     Use as a context manager: leaving it brings the project down (containers, network), also on
     failure.
@@ -250,17 +247,8 @@ class ComposeStack:
 
     def __init__(self, project_dir: str | os.PathLike[str], *, tls: bool,
                  project: str = DEFAULT_PROJECT, log: Callable[[str], None] = print) -> None:
-        self.dir = Path(project_dir).resolve()
-        self.tls, self.project, self.log = tls, project, log
-        self.file = "docker-compose.tls.yml" if tls else "docker-compose.yml"
-        services = yaml.safe_load((self.dir / self.file).read_text())["services"]
-        self.clients = sum(1 for name in services if name.startswith("supernode-"))
-        self.node_auth = "--enable-supernode-auth" in services["superlink"]["command"]
-        self.deploy = self.dir / "deploy"
-        self.outputs = self.deploy / "outputs"
-        self.certs = self.deploy / "certs"
-        self.secrets = self.deploy / "secrets"
-        self.home = self.deploy / "flwr-home"
+        super().__init__(project_dir, tls=tls)
+        self.project, self.log = project, log
         self.node_ids: dict[int, int] = {}
         self._tool = podman_compose_tool()
         if self._tool is None:
@@ -270,79 +258,43 @@ class ComposeStack:
     # -- plumbing
     def compose(self, *args: str, timeout: float = 600,
                 check: bool = True) -> subprocess.CompletedProcess:
+        """``podman-compose ARGS`` on this project (with ``check``, a failure raises)."""
         return run_tool([self._tool, "--no-ansi", "-p", self.project, "-f", self.file, *args],
                         cwd=self.dir, timeout=timeout, check=check)
 
     def container(self, service: str) -> str:
+        """``service``'s container name, as podman-compose names it (``<project>_<service>_1``)."""
         return f"{self.project}_{service}_1"  # podman-compose's naming: <project>_<service>_<index>
 
     def exec(self, service: str, argv: list[str], *, check: bool = False, timeout: float = 300
              ) -> subprocess.CompletedProcess:
+        """Run ``argv`` inside ``service``'s container (output captured)."""
         return podman("exec", self.container(service), *argv, check=check, timeout=timeout)
 
     def logs(self, service: str) -> str:
+        """``service``'s log so far, stdout then stderr (podman's error if it has no container)."""
         done = podman("logs", self.container(service), check=False, timeout=120)
         return done.stdout + done.stderr
 
     def kill(self, service: str) -> None:
+        """Kill ``service``'s container at once (SIGKILL, no grace)."""
         podman("kill", self.container(service), timeout=120)
 
     def stop(self, service: str, grace_s: int = 10) -> None:
+        """Stop ``service``'s container: SIGTERM, SIGKILL after ``grace_s`` seconds."""
         podman("stop", "-t", str(grace_s), self.container(service), timeout=120)
 
     def start(self, service: str) -> None:
+        """Start ``service``'s stopped container again."""
         podman("start", self.container(service), timeout=120)
 
     def state(self, service: str) -> str:
+        """``service``'s container state (``running``, ``exited``, ...), or ``absent``."""
         done = podman("inspect", "--format", "{{.State.Status}}", self.container(service),
                       check=False, timeout=60)
         return done.stdout.strip() if done.returncode == 0 else "absent"
 
     # -- lifecycle
-    def prepare(self, config: str | os.PathLike[str], set_keys: Mapping[str,
-                                                                        Any] | None = None) -> Path:
-        """``deploy/`` as the compose file's header asks: the shards of ``config`` (with
-        ``set_keys``), ``deploy/outputs`` owned by UID 49999, the SuperExec secrets
-        (``deploy/secrets``: the SuperLink's and one per SuperNode, owned by 49999), each data
-        owner's node folder ``deploy/node-<i>`` (policy and lifetime ledger, 0700, owned by 49999),
-        and for TLS the certificates and the P node keys (keys owned by 49999; all on this one
-        machine, as a test does). Returns the shard folder."""
-        cfg = load_config(config, set_keys)
-        if cfg.clients_auto:  # P = the compose file's SuperNodes
-            cfg = cfg.with_clients(self.clients, f"the SuperNodes of {self.file}")
-        if cfg.clients != self.clients:
-            raise ValueError(f"{config}: training.clients = {cfg.clients} but {self.file} has "
-                             f"{self.clients} SuperNodes; regenerate it with `diff2 compose "
-                             f"--clients {cfg.clients}` or set training.clients = {self.clients}.")
-        shards = self.deploy / "shards"
-        write_shards(cfg, shards)
-        self.outputs.mkdir(parents=True, exist_ok=True)
-        os.chown(self.outputs, APP_UID, -1)
-        names = ["superlink", *(f"supernode-{i}" for i in range(self.clients))]
-        private = [make_superexec_secret(self.secrets / f"{name}.secret") for name in names]
-        if self.tls:
-            make_certificates(self.certs, hosts=tuple(certificate_hosts()))
-            keys = make_node_keys(self.certs, self.clients) if self.node_auth else []
-            private += [self.certs / "server.key", *(k.private for k in keys)]
-        for path in private:
-            os.chown(path, APP_UID, -1)  # 0600: the containers' user must own them
-        owners = [private_folder(self.deploy / f"node-{i}") for i in range(self.clients)]
-        signing = [make_node_key(node, SECAGG_KEY) for node in owners] if self.node_auth else []
-        federation = b"".join(key.public.read_bytes().rstrip(b"\n") + b"\n" for key in signing)
-        for node in owners:  # each data owner's node policy, its lifetime ledger written beside it
-            if not (node / "policy.yaml").exists():  # a data owner's own edits stand
-                shutil.copyfile(self.dir / "configs" / "policy.yaml", node / "policy.yaml")
-            own = [node, node / "policy.yaml"]
-            if self.node_auth:  # its SecAgg+ signing key and the federation's (agreed out of band)
-                (node / FEDERATION_KEYS).write_bytes(federation)
-                own += [node / f"{SECAGG_KEY}.key", node / f"{SECAGG_KEY}.pub",
-                        node / FEDERATION_KEYS]
-            for path in own:
-                os.chown(path, APP_UID, -1)
-        self.home.mkdir(parents=True, exist_ok=True)
-        write_connection(self.home, SUPERLINK_PORT, self.certs / "ca.crt" if self.tls else None)
-        return shards
-
     def build(self) -> float:
         """Build the serverapp image first (the clientapp builds then hit its layer cache), then the
         rest."""
@@ -438,21 +390,6 @@ class ComposeStack:
             shutil.rmtree(self._scratch, ignore_errors=True)
 
     # -- runs
-    def fresh(self) -> None:
-        """Remove the checkpoint a previous run left in deploy/outputs (configs/deploy.yaml resumes
-        from it)."""
-        (self.outputs / "checkpoint.npz").unlink(missing_ok=True)
-
-    def host_path(self, container_path: Path | str | None) -> Path | None:
-        """``/outputs/...`` in the serverapp container → ``deploy/outputs/...`` here."""
-        if container_path is None:
-            return None
-        path = Path(container_path)
-        try:
-            return self.outputs / path.relative_to(CONTAINER_OUTPUTS)
-        except ValueError:
-            return path
-
     def run(self, config: str = "configs/deploy.yaml", set_keys: Mapping[str, Any] | None = None, *,
             on_line: Callable[[str], None] | None = None, echo: bool = False,
             timeout_s: float = 1800
@@ -472,6 +409,7 @@ class ComposeStack:
         return list_nodes(flwr_env(self.home))
 
     def stop_run(self, run_id: int) -> None:
+        """``flwr stop RUN_ID``: the SuperLink stops that run (whatever the command answers)."""
         subprocess.run([tool("flwr"), "stop", str(run_id), CONNECTION], env=flwr_env(self.home),
                        capture_output=True, text=True, timeout=120)
 

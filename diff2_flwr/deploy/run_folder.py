@@ -11,8 +11,11 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from ..runtime.config import AUTO_CLIENTS_DEFAULT, ExperimentConfig, load_config, parse_config
+from ..runtime.config import (AUTO_CLIENTS_DEFAULT, ExperimentConfig, load_config, parse_config,
+                              read_yaml)
+from ..runtime.node_guard import check_deployment_run
 from ..runtime.paths import resolve_config_path
+from ..runtime.policy import PolicyError, load_policy
 from ..runtime.secret_files import private_folder, write_private
 from ..runtime.shard_files import SERVER_FILE, read_server_data
 from .compose import CONTAINER_OUTPUTS
@@ -132,9 +135,6 @@ def owner_policies(policy: str | os.PathLike[str], work: Path, clients: int) -> 
     """One copy of ``policy`` per data owner (``<work>/owners/<i>/policy.yaml``, 0600 in 0700
     folders), each with its own lifetime ledger beside it: on one machine the P owners are P nodes,
     each with its own budget."""
-    from ..runtime.config import read_yaml
-    from ..runtime.policy import PolicyError, load_policy
-
     load_policy(policy)  # a bad policy fails here, before anything starts
     data = read_yaml(policy, "node policy", PolicyError)
     paths = []
@@ -169,8 +169,5 @@ def check_data_owners_rules(cfg: ExperimentConfig,
     does not allow, node-side noise without a policy's answer log, an undeclared or unpinned n_min),
     said before anything starts: the nodes' own rule
     (:func:`~diff2_flwr.runtime.node_guard.check_deployment_run`), the nodes' own words."""
-    from ..runtime.node_guard import check_deployment_run
-    from ..runtime.policy import load_policy
-
     policy = load_policy(node_policy) if node_policy is not None else None
     check_deployment_run(cfg, "every data owner's node", policy, keeps_record=policy is not None)

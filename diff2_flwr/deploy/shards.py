@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from ..runtime.config import ExperimentConfig
+from ..runtime.session import load_data
 from ..runtime.shard_report import check_shards
 from ..runtime.shard_files import FORMAT, SERVER_FILE, data_fingerprint, save_npz, shard_name
 
@@ -20,8 +21,6 @@ __all__ = ["write_shards"]
 
 def write_shards(cfg: ExperimentConfig, out: str | os.PathLike[str]) -> list[Path]:
     """Write the P worker files and the server file; return their paths."""
-    from ..runtime.session import load_data
-
     data = load_data(cfg)
     check_shards(cfg, data.shard_sizes,
                  cfg.calibration(cfg.privacy.n_min or data.n_min) if data.n_min else None)

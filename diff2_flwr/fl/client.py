@@ -43,11 +43,14 @@ class Diff2Client(NumPyClient):
 
     @property
     def worker(self) -> Worker:
+        """This node's worker (its shard and model), built on first use when given as a callable."""
         if not isinstance(self._worker, Worker):
             self._worker = self._worker()
         return self._worker
 
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
+        """Answer one server task once the guard passed it: the clipped mean (gradient phase), the
+        noised SecAgg+ share (distributed noise) or y_K (local phase), encoded for the wire."""
         if protocol.is_local(config):
             return self._local_phase(parameters, config)
         layout = self.worker.gradients.layout

@@ -96,11 +96,14 @@ class WorkerTask:
 
     @property
     def kind(self) -> str:
+        """``"restart"`` (x_r only: a full gradient) or ``"difference"`` (x_r and x_{r-1})."""
         return "restart" if self.x_previous is None else "difference"
 
 
 def encode_task(plan: RoundPlan, layout: ParameterLayout,
                 n_min: int) -> tuple[list[np.ndarray], dict[str, int | float | str]]:
+    """The server's gradient task of ``plan``: x_r (and x_{r-1} in a difference round) as arrays,
+    round, kind, clipping radius and n_min as config."""
     arrays = layout.split(plan.x_current)
     if plan.x_previous is not None:
         arrays += layout.split(plan.x_previous)
@@ -135,6 +138,8 @@ def decode_task(arrays: Sequence[np.ndarray], config: Mapping,
 def encode_reply(
     task: WorkerTask, contribution: Contribution, partition_id: int, layout: ParameterLayout
 ) -> tuple[list[np.ndarray], int, dict[str, int]]:
+    """A worker's reply to a gradient task: its clipped mean as arrays, n_p, and as metrics its
+    partition, the echoed round, how many records were clipped and the overflow flag."""
     metrics = {PARTITION_ID: partition_id, ECHO_ROUND: task.round,
                NUM_CLIPPED: contribution.num_clipped, OVERFLOW: int(contribution.overflow)}
     return layout.split(contribution.mean), contribution.num_samples, metrics

@@ -40,11 +40,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from ..core.skellam import centre
+from ..runtime.policy import answer_log_of
 from .secagg_checks import (MASKING_MODULES, SIGNATURES, SIGNED_KEYS, SecAggRefused,
                             check_flower_masking, check_unmask, node_keys, sign_public_keys,
                             verify_public_keys)
+
+# Flower is imported inside the functions that use it: they run only under SecAgg+ (distributed
+# noise), and this module, which fl/protocol.py imports, loads no Flower otherwise.
 
 __all__ = ["SecAggSettings", "secagg_settings", "to_secagg", "from_secagg", "mask_stream",
            "use_secure_masks",
@@ -142,8 +147,6 @@ def mask_stream(seed: bytes, num_range: int,
         raise ValueError(
             f"`num_range` must be a power of two in [2, 2**62] (SecAgg+'s modulus). Found "
             f"{num_range}.")
-    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-
     key = hashlib.sha256(_MASK_DOMAIN + bytes(seed)).digest()
     sizes = [math.prod(shape) for shape in dimensions_list]
     encryptor = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
@@ -184,7 +187,7 @@ def check_setup(configs: Mapping[str, Any], *, clients: int, tolerated: int, bit
     Raises:
         ValueError: naming the setting, the value the server sent and the value this node expects.
     """
-    from flwr.common.secure_aggregation.secaggplus_constants import Key
+    from flwr.common.secure_aggregation.secaggplus_constants import Key  # noqa: PLC0415 -- Flower internals, only under SecAgg+
 
     want = secagg_settings(bits, clients)
     expected = {Key.SAMPLE_NUMBER: clients, Key.SHARE_NUMBER: clients,
@@ -226,9 +229,9 @@ def secure_sum_mod(settings: Callable[[Any], tuple[int, int, int] | None], *,
       refused, also after a restart.
     """
     def mod(msg: Any, ctxt: Any, call_next: Callable) -> Any:
-        from flwr.app import ConfigRecord
-        from flwr.app.message_type import MessageType
-        from flwr.common.secure_aggregation.secaggplus_constants import (
+        from flwr.app import ConfigRecord  # noqa: PLC0415 -- Flower, only under SecAgg+
+        from flwr.app.message_type import MessageType  # noqa: PLC0415 -- Flower, only under SecAgg+
+        from flwr.common.secure_aggregation.secaggplus_constants import (  # noqa: PLC0415 -- Flower internals, only under SecAgg+
             RECORD_KEY_CONFIGS, Key, Stage,
         )
 
@@ -279,8 +282,8 @@ _FIT_CONFIG = "fitins.config"
 def _signed(reply: Any, keys: Any, ctxt: Any) -> Any:
     """The set-up reply with this node's signature of its fresh public keys, where it has an
     ``auth-key``."""
-    from flwr.app import ConfigRecord
-    from flwr.common.secure_aggregation.secaggplus_constants import (
+    from flwr.app import ConfigRecord  # noqa: PLC0415 -- Flower, only under SecAgg+
+    from flwr.common.secure_aggregation.secaggplus_constants import (  # noqa: PLC0415 -- Flower internals, only under SecAgg+
         RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key,
     )
 
@@ -296,7 +299,7 @@ def _signed(reply: Any, keys: Any, ctxt: Any) -> Any:
 
 def _remember_round(msg: Any, ctxt: Any, round_key: str) -> None:
     """The round this masking request is for, kept for the unmask request (which carries none)."""
-    from flwr.app import ConfigRecord
+    from flwr.app import ConfigRecord  # noqa: PLC0415 -- Flower, only under SecAgg+
 
     config = msg.content.config_records.get(_FIT_CONFIG) or {}
     round_ = config.get(round_key)
@@ -307,10 +310,8 @@ def _remember_round(msg: Any, ctxt: Any, round_key: str) -> None:
 def _check_and_claim_unmask(configs: Any, ctxt: Any, *, clients: int, tolerated: int) -> None:
     """The unmask request against what the node knows, then this (run, round) claimed once in its
     answer log."""
-    from flwr.app import ConfigRecord
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
-
-    from ..runtime.policy import answer_log_of
+    from flwr.app import ConfigRecord  # noqa: PLC0415 -- Flower, only under SecAgg+
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE  # noqa: PLC0415 -- Flower internals, only under SecAgg+
 
     check_unmask(configs, ctxt.state.config_records.get(RECORD_KEY_STATE),
                  node_id=int(ctxt.node_id), clients=clients, tolerated=tolerated)
@@ -332,9 +333,9 @@ def _secagg_workflow() -> type:
     """Flower's SecAgg+ fit workflow, telling the strategy when a round ended (released or halted),
     and relaying each node's signature of its public keys (set-up reply) with those keys (share-keys
     request)."""
-    from flwr.server.workflow import SecAggPlusWorkflow
-    from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD
-    from flwr.server.workflow.constant import Key as WorkflowKey
+    from flwr.server.workflow import SecAggPlusWorkflow  # noqa: PLC0415 -- Flower internals, only under SecAgg+
+    from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD  # noqa: PLC0415 -- Flower internals, only under SecAgg+
+    from flwr.server.workflow.constant import Key as WorkflowKey  # noqa: PLC0415 -- Flower internals, only under SecAgg+
 
     class Diff2SecAggPlus(SecAggPlusWorkflow):
         def __call__(self, grid: Any, context: Any) -> None:
@@ -368,8 +369,8 @@ class _SignatureRelay:
         return getattr(self._grid, name)
 
     def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
-        from flwr.app import ConfigRecord
-        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+        from flwr.app import ConfigRecord  # noqa: PLC0415 -- Flower, only under SecAgg+
+        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key  # noqa: PLC0415 -- Flower internals, only under SecAgg+
 
         messages = list(messages)
         if not self._collect:
@@ -397,8 +398,8 @@ def run_secure(grid: Any, context: Any, strategy: Any, config: Any) -> None:
     and the quantisation passes the clients' integer messages unchanged (:func:`secagg_settings`);
     masks come from :func:`mask_stream`. ``config``: Flower's ``ServerConfig`` (its ``num_rounds`` =
     ``strategy.num_rounds``; its ``round_timeout`` bounds each SecAgg+ stage)."""
-    from flwr.server.compat import LegacyContext
-    from flwr.server.workflow import DefaultWorkflow
+    from flwr.server.compat import LegacyContext  # noqa: PLC0415 -- Flower internals, only under SecAgg+
+    from flwr.server.workflow import DefaultWorkflow  # noqa: PLC0415 -- Flower internals, only under SecAgg+
 
     noise = strategy.server.distributed
     if noise is None:

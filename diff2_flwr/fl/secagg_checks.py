@@ -41,6 +41,16 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import (
+    Encoding, PublicFormat, load_ssh_private_key, load_ssh_public_key,
+)
+
+# Flower is imported inside the functions that use it: they run only under SecAgg+ (distributed
+# noise), and this module, which fl/protocol.py imports through fl/secagg.py, loads no Flower
+# otherwise.
 
 __all__ = ["AUTH_KEY", "FEDERATION_KEYS", "CHECKED_FLOWER", "MASKING_MODULES", "SIGNATURES",
            "SIGNED_KEYS",
@@ -101,7 +111,7 @@ def check_unmask(configs: Mapping[str, Any], state: Mapping[str, Any] | None, *,
         SecAggRefused: a rule failed (``duplicate``, ``overlap``, ``unknown``, ``self``,
             ``threshold``).
     """
-    from flwr.common.secure_aggregation.secaggplus_constants import Key
+    from flwr.common.secure_aggregation.secaggplus_constants import Key  # noqa: PLC0415 -- Flower internals, only under SecAgg+
 
     active, dead = list(configs.get(Key.ACTIVE_NODE_ID_LIST,
                                     [])), list(configs.get(Key.DEAD_NODE_ID_LIST, []))
@@ -193,9 +203,6 @@ def sign_public_keys(keys: NodeKeys, *, run_id: int, node_id: int, pk1: bytes,
                      pk2: bytes) -> dict[str, bytes]:
     """This node's signed set-up reply record: ECDSA (SHA-384) over (domain, run id, node id, pk1,
     pk2)."""
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
-
     signature = keys.signer.sign(_signed_bytes(run_id, node_id, pk1, pk2),
                                  ec.ECDSA(hashes.SHA384()))
     return {"signer": keys.public, "signature": signature}
@@ -217,11 +224,7 @@ def verify_public_keys(configs: Mapping[str, Any], signatures: Mapping[str, Any]
         SecAggRefused: rule ``format``, ``signature`` (missing or invalid), ``registered`` or
             ``distinct``.
     """
-    from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.hazmat.primitives.serialization import load_ssh_public_key
-    from flwr.common.secure_aggregation.secaggplus_constants import Key
+    from flwr.common.secure_aggregation.secaggplus_constants import Key  # noqa: PLC0415 -- Flower internals, only under SecAgg+
 
     signatures = signatures or {}
     owners: dict[bytes, int] = {}
@@ -271,8 +274,6 @@ def _signed_bytes(run_id: int, node_id: int, pk1: bytes, pk2: bytes) -> bytes:
 
 
 def _openssh(public_key: Any) -> bytes:
-    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
     return public_key.public_bytes(Encoding.OpenSSH, PublicFormat.OpenSSH)
 
 
@@ -283,14 +284,10 @@ def _read(path: str, key: str) -> bytes:
         raise ValueError(
             f"Node config `{key}`: the file cannot be read ({type(err).__name__}, errno "
             f"{err.errno}); "
-                         "fix the path or its permissions (the ClientApp's user must read it).") from None
+            "fix the path or its permissions (the ClientApp's user must read it).") from None
 
 
 def _private_key(path: str) -> Any:
-    from cryptography.exceptions import UnsupportedAlgorithm
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
-
     try:
         key = load_ssh_private_key(_read(path, AUTH_KEY), password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm):
@@ -305,10 +302,6 @@ def _private_key(path: str) -> Any:
 
 
 def _federation(path: str) -> frozenset[bytes]:
-    from cryptography.exceptions import UnsupportedAlgorithm
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.hazmat.primitives.serialization import load_ssh_public_key
-
     keys = set()
     for number, line in enumerate(_read(path, FEDERATION_KEYS).splitlines(), 1):
         if not line.strip() or line.lstrip().startswith(b"#"):
@@ -352,7 +345,7 @@ def check_flower_masking(mask: Callable[[bytes, int, Sequence[tuple[int, ...]]],
     Raises:
         RuntimeError: naming what was found and what to do; the run is refused.
     """
-    import flwr
+    import flwr  # noqa: PLC0415 -- Flower, only under SecAgg+
 
     found = str(getattr(flwr, "__version__", "unknown"))
     if not found.startswith(CHECKED_FLOWER):
@@ -368,9 +361,8 @@ def check_flower_masking(mask: Callable[[bytes, int, Sequence[tuple[int, ...]]],
         code = getattr(reader, "__code__", None)
         # the global must exist and be what the drawing function looks up at call time, in that
         # module's namespace
-        if not hasattr(module,
-                       "pseudo_rand_gen") or code is None or "pseudo_rand_gen" not in code.co_names \
-                or reader.__globals__ is not vars(module):
+        if not hasattr(module, "pseudo_rand_gen") or code is None \
+                or "pseudo_rand_gen" not in code.co_names or reader.__globals__ is not vars(module):
             raise RuntimeError(
                 f"Flower's {name} no longer draws its SecAgg+ masks from its module global "
                                "`pseudo_rand_gen`: patching it would leave Flower's 32-bit-seeded "
@@ -384,13 +376,13 @@ def check_flower_masking(mask: Callable[[bytes, int, Sequence[tuple[int, ...]]],
 def _known_answer(client: Any, mask: Callable) -> None:
     """Flower's ``_collect_masked_vectors`` on node 2 with one peer (node 1) against the same sum
     done here."""
-    from flwr.common import bytes_to_ndarray, ndarrays_to_parameters
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
+    from flwr.common import bytes_to_ndarray, ndarrays_to_parameters  # noqa: PLC0415 -- Flower, only under SecAgg+
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import (  # noqa: PLC0415 -- Flower internals, only under SecAgg+
         encrypt, generate_shared_key,
     )
-    from flwr.common.secure_aggregation.secaggplus_constants import Key
-    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_concat
-    from flwr.supercore.primitives.asymmetric import (
+    from flwr.common.secure_aggregation.secaggplus_constants import Key  # noqa: PLC0415 -- Flower internals, only under SecAgg+
+    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_concat  # noqa: PLC0415 -- Flower internals, only under SecAgg+
+    from flwr.supercore.primitives.asymmetric import (  # noqa: PLC0415 -- Flower internals, only under SecAgg+
         generate_key_pairs, private_key_to_bytes, public_key_to_bytes,
     )
 

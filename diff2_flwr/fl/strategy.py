@@ -86,11 +86,14 @@ class Diff2Strategy(Strategy):
         return f"Diff2Strategy(clients={self.server.clients}, rounds={self.server.rounds})"
 
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
+        """The server's current iterate (x_0, or a resumed run's last x_r) as Flower parameters."""
         return ndarrays_to_parameters(self.server.layout.split(self.server.state.x))
 
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
+        """The gradient task of the next DIFF2 round to all P clients (once connected), or the local
+        phase's task to the chosen node; stops the run if the rounds or the clients do not match."""
         if self.server.done:  # Flower rounds reserved for retries that were not needed
             return []
         r, local = self._position(server_round)
@@ -130,6 +133,8 @@ class Diff2Strategy(Strategy):
         results: list[tuple[ClientProxy, FitRes]],
         failures: list[tuple[ClientProxy, FitRes] | BaseException],
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """Hand the round's replies to the server: the released iterate, or None while a local
+        phase is due or a failed round is retried; a rejected reply stops the run."""
         r, local = self._position(server_round)
         if local:
             return self._aggregate_local(r, results, failures)
@@ -274,14 +279,15 @@ class Diff2Strategy(Strategy):
             raised = any(isinstance(f,
                                     BaseException) and "Message contains an Error" in str(f)
                                     for f in failures)
-            why = (
-                "died, timed out, or raised one of the errors below") if raised else "died or timed out"
+            why = ("died, timed out, or raised one of the errors below" if raised
+                   else "died or timed out")
             described.insert(0, f"no reply from node(s) {', '.join(silent)} ({why})")
         return f"{len(failures)} client(s) failed: " + "; ".join(described)
 
     def configure_evaluate(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, EvaluateIns]]:
+        """No client evaluates (an empty list): the server evaluates on data it is given."""
         return []  # evaluation happens on the server, on data it is given for evaluation
 
     def aggregate_evaluate(
@@ -290,10 +296,12 @@ class Diff2Strategy(Strategy):
         results: list[tuple[ClientProxy, EvaluateRes]],
         failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
     ) -> tuple[float | None, dict[str, Scalar]]:
+        """Nothing to aggregate: clients never evaluate (``(None, {})``)."""
         return None, {}
 
     def evaluate(self, server_round: int,
                  parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
+        """None: the :class:`Diff2Server` evaluates each released iterate itself (metrics.jsonl)."""
         # the Diff2Server evaluates each released iterate and records it in metrics.jsonl
         return None
 

@@ -160,8 +160,9 @@ class RoundBackend(Protocol):
         ...
 
 
-def _round_core(mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, restart, radius,
-                some_restart: bool):
+def _round_core(  # noqa: PLR0913 -- compiled on flat tensors: a client's data and the round's state
+        mlp: MLP, a_t, a64, y, sq_a, mask, x, prev_inputs, prev_grads, restart, radius,
+        some_restart: bool):
     """One round for every run: clipped sums per client [P, K, d] (float64); per client and run [P,
     K], whether a per-sample (difference) gradient's norm was not finite (an overflow); and this
     round's pass at x (in the compute dtype), which the next round reuses as its previous iterate's.
@@ -203,11 +204,11 @@ def _fused_round(kernel: fused.FusedKernel, head: Callable, group: ClientGroup, 
     return sums, overflow, cur, loss
 
 
-def _fused_rounds(kernel: fused.FusedKernel, head: Callable | None, mlp: MLP,
-                  groups: Sequence[ClientGroup], x: torch.Tensor,
-                  prev: Sequence[fused.Parts] | None, restart: torch.Tensor | None,
-                  radius: torch.Tensor, keep: bool = True
-                  ) -> tuple[torch.Tensor, torch.Tensor, list[fused.Parts | None], torch.Tensor]:
+def _fused_rounds(  # noqa: PLR0913 -- stateless: the backend's parts and a round's inputs
+        kernel: fused.FusedKernel, head: Callable | None, mlp: MLP, groups: Sequence[ClientGroup],
+        x: torch.Tensor, prev: Sequence[fused.Parts] | None, restart: torch.Tensor | None,
+        radius: torch.Tensor, keep: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, list[fused.Parts | None], torch.Tensor]:
     """:func:`_fused_round` for every group: sums [P, K, d], overflow [P, K], the parts per group,
     losses [K, M]. ``head`` None: the forward pass too is the kernel's
     (:func:`~diff2_flwr.core.fused.forward_sums`), which with ``keep`` False (the caller's promise:
@@ -248,6 +249,7 @@ class CompiledFunctions:
         return self._fns[role, mlp]
 
     def clear(self) -> None:
+        """Forget every compiled function: the next batch of any MLP compiles again."""
         self._fns.clear()
 
     def __len__(self) -> int:
@@ -287,6 +289,8 @@ class TorchBackend:
 
     def round(self, x: torch.Tensor, restart: torch.Tensor, radius: torch.Tensor, *, train: bool,
               keep: bool = True) -> RoundOut:
+        """:meth:`RoundBackend.round` one client at a time on the batch's device, the results on the
+        CPU; this round's pass is kept whatever ``keep`` says."""
         prev = [((), ())] * self.batch.P if bool(restart.all()) else self._prev
         flag = self._always_select or bool(restart.any())
         # the round on the batch's device; what it returns on the CPU (the server's)
@@ -309,6 +313,7 @@ class TorchBackend:
         return RoundOut(sums.cpu(), overflow.cpu(), unclipped)
 
     def train(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`RoundBackend.train`: one forward and backward pass of the whole batch at x."""
         return self._unclipped(forward(self.mlp, x.to(self.batch.device), self.batch.a_t,
                                        self.batch.y).to64())
 
@@ -357,6 +362,8 @@ class FusedBackend:
 
     def round(self, x: torch.Tensor, restart: torch.Tensor, radius: torch.Tensor, *, train: bool,
               keep: bool = True) -> RoundOut:
+        """:meth:`RoundBackend.round` by the fused kernel, group by group; a RuntimeError for a
+        difference round after a round that promised (``keep`` False) that none would follow."""
         prev = None if bool(restart.all()) else self._prev
         if prev is not None and any(p is None for p in prev):
             raise RuntimeError(
@@ -371,6 +378,7 @@ class FusedBackend:
         return RoundOut(sums, overflow, self._unclipped(self._prev, loss) if train else None)
 
     def train(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`RoundBackend.train`: a round of plain gradients with no clipping (radius ∞)."""
         sums, _, _, loss = _fused_rounds(self.kernel, self.head, self.mlp, self.groups, x, None,
                                          None, self._no_clip)
         return sums, loss.to(torch.float64)

@@ -70,6 +70,7 @@ class RunSpec:
     routine_params: tuple[tuple[str, float], ...] = ()  # its parameters beyond the learning rate
 
     def make_routine(self) -> Routine:
+        """The run's routine (x_r = Routine(x_{r-1}, ṽ_r)) with its learning rate and parameters."""
         return make_routine(self.routine, self.learning_rate, **dict(self.routine_params))
 
 
@@ -254,10 +255,11 @@ def _metrics(r: int, mlp: MLP, b: Batch, x: torch.Tensor, alive: torch.Tensor,
     return r, train_loss.numpy().copy(), gn.numpy().copy(), test.numpy().copy(), accuracy
 
 
-def _server_step(r: int, specs: Sequence[RunSpec], client_means: torch.Tensor, std: np.ndarray,
-                 restart: torch.Tensor, x: torch.Tensor, v: torch.Tensor, routines: _Routines,
-                 alive: torch.Tensor,
-                 diverged: list[int | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _server_step(  # noqa: PLR0913 -- round r's server state, alive and diverged updated in place
+        r: int, specs: Sequence[RunSpec], client_means: torch.Tensor, std: np.ndarray,
+        restart: torch.Tensor, x: torch.Tensor, v: torch.Tensor, routines: _Routines,
+        alive: torch.Tensor,
+        diverged: list[int | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The server's release and step of round r for every run: ṽ_r = (1/P) Σ_p ClippedMean_p (+
     ṽ_{r-1} in a difference round) + N(0, std²) from (noise seed, r), then x_r = Routine(x_{r-1},
     ṽ_r). A run whose iterate is not finite diverges at r, in place, and is parked (x kept, ṽ
@@ -285,7 +287,7 @@ def _server_step(r: int, specs: Sequence[RunSpec], client_means: torch.Tensor, s
     return x_prev, x, v
 
 
-def run_batch(
+def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model, loss, device
     data: PreparedData,
     specs: Sequence[RunSpec],
     *,

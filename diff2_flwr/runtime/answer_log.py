@@ -114,7 +114,7 @@ class AnswerLog:
         except (OSError, UnicodeDecodeError) as err:
             raise AnswerLogError(
                 f"Answer log {self.path} cannot be read ({err}); it is not read as empty (every "
-                                 "round could then be answered again): restore or repair it.") from err
+                "round could then be answered again): restore or repair it.") from err
         out: dict[tuple[str, int, str], str | None] = {}
         for number, line in enumerate(text.splitlines(), 1):
             if not line or line.startswith("#"):
@@ -143,7 +143,7 @@ class AnswerLog:
         except OSError as err:
             raise AnswerLogError(
                 f"Answer log {self.path} could not be written ({err}); nothing was answered. Free "
-                                 "space on its file system or fix its folder's permissions.") from err
+                "space on its file system or fix its folder's permissions.") from err
 
     def _locked(self) -> ContextManager[None]:
         return exclusive_lock(self.lock_path, lambda err: AnswerLogError(

@@ -98,6 +98,10 @@ def legacy_config_fingerprint(config: dict[str, Any], n_min: int) -> str:
 
 @dataclass(frozen=True)
 class Checkpoint:
+    """What :func:`save_checkpoint` writes after each released round: the server's state (x_r,
+    x_{r-1}, ṽ_r, the noise key), its privacy ledger, the fingerprint of the config a resume must
+    match, and the run folder."""
+
     fingerprint: str
     state: Diff2State
     ledger: PrivacyLedger | SkellamLedger | None

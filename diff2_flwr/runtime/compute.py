@@ -20,6 +20,9 @@ import contextlib
 import sys
 from typing import Any, Iterator
 
+import torch
+from threadpoolctl import ThreadpoolController, threadpool_info, threadpool_limits
+
 __all__ = ["DEFAULT_THREADS", "pin_threads", "pinned_threads", "compute_threads"]
 
 #: Threads per computing process unless the config says otherwise.
@@ -29,9 +32,6 @@ DEFAULT_THREADS = 1
 def compute_threads() -> dict[str, int]:
     """The thread counts in force: torch's intra-op pool and each BLAS/OpenMP pool numpy or torch
     loaded."""
-    import torch
-    from threadpoolctl import threadpool_info
-
     out = {"torch": torch.get_num_threads()}
     for pool in threadpool_info():
         out[f"{pool['user_api']}:{pool['internal_api']}"] = int(pool["num_threads"])
@@ -48,8 +48,6 @@ def pin_threads(threads: int = DEFAULT_THREADS) -> None:
     runtime is loaded with the extension module that links it (numpy's, scipy's, torch's); the
     limits themselves are set on every call.
     """
-    import torch
-
     if threads < 1:
         raise ValueError(f"`threads` must be an integer >= 1. Found {threads}.")
     torch.set_num_threads(threads)
@@ -66,8 +64,6 @@ def _pools() -> Any:
     when a module was imported since the last scan. (Not ``dl_iterate_phdr`` with a Python callback:
     that holds the loader's lock while it waits for the GIL, and a thread importing an extension
     holds the GIL while it waits for that lock.)"""
-    from threadpoolctl import ThreadpoolController
-
     global _POOLS
     imported = len(sys.modules)
     if _POOLS is None or _POOLS[0] != imported:
@@ -79,9 +75,6 @@ def _pools() -> Any:
 @contextlib.contextmanager
 def pinned_threads(threads: int = DEFAULT_THREADS) -> Iterator[None]:
     """:func:`pin_threads` for a block, restoring the caller's thread counts afterwards."""
-    import torch
-    from threadpoolctl import threadpool_limits
-
     before = torch.get_num_threads()
     with threadpool_limits(limits=threads):
         torch.set_num_threads(threads)

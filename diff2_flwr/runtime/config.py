@@ -17,6 +17,8 @@ Example (``configs/default.yaml``)::
 
 from __future__ import annotations
 
+import copy
+import difflib
 import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -27,6 +29,7 @@ from .config_data import PAPER_MLP, DatasetConfig, ModelConfig, PartitionerConfi
 from .config_experiment import ExperimentConfig, Method
 from .config_training import (AUTO_CLIENTS_DEFAULT, CLIENTS_AUTO, EvaluationConfig, LocalConfig,
                               OutputConfig, PrivacyConfig, RoutineConfig, TrainingConfig)
+from .paths import resolve_config_path, resolve_node_experiment
 from .spec import (ConfigError, Kwargs, argument_error, argument_names, content_free, help_of,
                    nest_arguments, parse_section, require, setting, settable_keys)
 from .spec import from_arguments as _from_arguments
@@ -231,8 +234,6 @@ def set_assignments(words: Sequence[str] | None, config: str | None,
 def apply_overrides(data: Any, overrides: Mapping[str, Any], source: str = "<overrides>") -> dict:
     """A copy of the parsed file with each dotted key set; a key that does not exist is refused
     here."""
-    import copy
-
     known = config_keys()
     out = copy.deepcopy(data) if isinstance(data, Mapping) else ({} if data is None else data)
     if not isinstance(out, dict):
@@ -242,8 +243,6 @@ def apply_overrides(data: Any, overrides: Mapping[str, Any], source: str = "<ove
     # the order given.
     for key, value in sorted(overrides.items(), key=lambda item: item[0].count(".")):
         if key not in known:
-            import difflib
-
             close = [k for k in known if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
             close = close or difflib.get_close_matches(key, known, n=3, cutoff=0.75)
             hint = f" Did you mean {', '.join(close)}?" if close else (f" Settable keys: "
@@ -306,8 +305,6 @@ def load_run_config(run_config: Mapping[str, Any], *, node_config: Mapping[str, 
     :func:`~diff2_flwr.runtime.spec.content_free` messages, which quote nothing of it: the run
     config may have named any file the process can read.
     """
-    from .paths import resolve_config_path, resolve_node_experiment
-
     given = str(run_config.get("config", ""))
     overrides = run_config_overrides(run_config)
     path = resolve_config_path(given) if node_config is None else resolve_node_experiment(

@@ -169,9 +169,10 @@ def plot_runs(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str | o
     """Draw ``(label, rows)`` runs into one figure (one panel per quantity that any run has) at
     ``out``."""
     # matplotlib's object API, not pyplot: no global figure state (a ServerApp draws in a thread of
-    # Flower's simulation process) and no GUI backend to import (~0.5 s less in every ServerApp)
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    # Flower's simulation process) and no GUI backend to import (~0.5 s less in every ServerApp);
+    # imported here, when a figure is drawn: `diff2 --help` imports this module (via outputs.py)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 -- see above
+    from matplotlib.figure import Figure  # noqa: PLC0415 -- see above
 
     chosen = [p for p in _PANELS if p[0] in panels(runs)]
     if not chosen:

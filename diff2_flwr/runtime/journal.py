@@ -51,13 +51,14 @@ class Journal:
         clip_stats: release :data:`CLIP_STATS` (unaccounted) in the rows.
     """
 
-    def __init__(self, *, spec: ServerSpec, evaluator: Callable[[np.ndarray],
-                                                                dict[str, float]] | None = None,
-                 eval_every: int = 1, recorder: RunRecorder | None = None,
-                 run_info: Mapping[str, Any] | None = None,
-                 progress: Callable[[str], None] | None = print,
-                 checkpoint_path: Path | None = None, fingerprint: str = "",
-                 clip_stats: bool = False) -> None:
+    def __init__(  # noqa: PLR0913 -- the journal's options, keyword-only (Journal.of reads them)
+            self, *, spec: ServerSpec,
+            evaluator: Callable[[np.ndarray], dict[str, float]] | None = None,
+            eval_every: int = 1, recorder: RunRecorder | None = None,
+            run_info: Mapping[str, Any] | None = None,
+            progress: Callable[[str], None] | None = print,
+            checkpoint_path: Path | None = None, fingerprint: str = "",
+            clip_stats: bool = False) -> None:
         self.spec = spec
         self.evaluator, self.eval_every = evaluator, eval_every
         self.recorder, self.progress = recorder, progress
@@ -105,7 +106,8 @@ class Journal:
         self.say(f"[diff2] resumed from {self.checkpoint_path} after round {state.estimator.round} "
                  f"(ε spent so far {state.epsilon_spent:.4g})")
         recorded = {r["round"] for r in self.history}
-        if self.recorder is not None and checkpoint.release_row is not None and state.estimator.round not in recorded:
+        if (self.recorder is not None and checkpoint.release_row is not None
+                and state.estimator.round not in recorded):
             # Died after round r's checkpoint, before its row: write the row now (x_r is released
             # already).
             self._record_release(state, dict(checkpoint.release_row),

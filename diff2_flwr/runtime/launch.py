@@ -54,6 +54,10 @@ class SimulationFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class LaunchResult:
+    """How a ``flwr run`` ended: its run id, final status (``flwr ls``'s, e.g.
+    ``finished:completed``), Flower's status details, the streamed log, and the output folder the
+    ServerApp announced in it (None if none)."""
+
     run_id: int
     status: str
     details: str
@@ -145,6 +149,9 @@ def tool(name: str) -> str:
 
 def wait_healthy(port: int, process: subprocess.Popen, log_path: Path, timeout_s: float = 60,
                   ca_file: Path | None = None) -> None:
+    """Return once the SuperLink answers ``/health`` on 127.0.0.1:``port`` (HTTPS verified with
+    ``ca_file``); raise :class:`SimulationFailed` with its log if ``process`` exits or after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     scheme = "https" if ca_file else "http"
     context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
@@ -217,8 +224,8 @@ def flwr_env(home: Path, env: dict[str, str] | None = None) -> dict[str, str]:
 
 def write_connection(home: Path, port: int, root_certificates: Path | None = None) -> None:
     """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default."""
-    tls = (
-        f'root-certificates = "{root_certificates}"\n') if root_certificates else "insecure = true\n"
+    tls = (f'root-certificates = "{root_certificates}"\n' if root_certificates
+           else "insecure = true\n")
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = '
         f'"127.0.0.1:{port}"\n{tls}'
@@ -309,7 +316,7 @@ def _flwr_run(app_dir: Path, run_env: dict[str, str], extra: list[str], *, cwd, 
     return result
 
 
-def run_simulation(
+def run_simulation(  # noqa: PLR0913 -- the launcher's options, keyword-only (CLI, lab, tests)
     config: str | None = "configs/default.yaml",
     *,
     app_dir: str | os.PathLike[str] = APP_DIR,
@@ -381,4 +388,6 @@ def run_simulation(
 
 
 def run_config_arg(overrides: dict[str, str | int | float]) -> str:
+    """``overrides`` as the value of ``flwr run --run-config``: ``key=value`` pairs, strings
+    TOML-quoted (a value holding a single quote is refused)."""
     return " ".join(f"{k}={_toml(v)}" for k, v in overrides.items())

@@ -19,6 +19,7 @@ from ..task.losses import get_loss
 from ..task.models import build_model
 from .config import ExperimentConfig
 from .server_setup import initial_point
+from .shard_files import read_shard
 from .workers import Worker, make_worker
 
 __all__ = ["build_worker", "initial_parameters", "load_data", "model_of", "subsample_info"]
@@ -85,8 +86,6 @@ def build_worker(cfg: ExperimentConfig, partition_id: int, data_path: str | None
     shard.
     """
     if data_path is not None:
-        from .shard_files import read_shard
-
         shard = read_shard(data_path, cfg, partition_id, cfg.clients)
         features, targets = shard.features, shard.targets
         num_outputs = _num_outputs(cfg, shard.classes)

@@ -41,9 +41,12 @@ import numpy as np
 from ..core.estimator import difference_radius, is_restart
 from ..core.gradients import Contribution
 from ..core.local import LocalTask, local_seed
-from ..core.privacy import Calibration
+from ..core.privacy import Calibration, RunEvents
 from .answer_log import AnswerLog, AnswerLogError, Replayed
+from .canary_monitor import CanaryMonitor
 from .config import ExperimentConfig
+from .node_ledger import (BudgetExceeded, Charge, LedgerError, NodeLedger, RunChanged,
+                          config_digest)
 from .policy import BUILTIN_MODELS, NodePolicy, Refused, check_model, check_run
 
 __all__ = ["NodeGuard", "check_deployment_run"]
@@ -157,8 +160,6 @@ class NodeGuard:
         ``contribution`` itself."""
         if self.policy is None or not self.policy.canaries.enabled:
             return contribution
-        from .canary_monitor import CanaryMonitor
-
         t = self.cfg.training
         folder = self.policy.canary_folder(self.partition_id,
                                            self.shared_policy) / _folder_name(self.run_id)
@@ -250,11 +251,6 @@ class NodeGuard:
     def _charge(self, cal: Calibration | None) -> None:
         """The run's whole planned schedule, charged once to the node's durable ledger (refused past
         the budget)."""
-        from ..core.privacy import RunEvents
-        from .node_ledger import (
-            BudgetExceeded, Charge, LedgerError, NodeLedger, RunChanged, config_digest,
-        )
-
         assert cal is not None  # a policy allows private methods only
         path = self.policy.ledger_path(self.partition_id,
                                        self.shared_policy)  # type: ignore[union-attr]
@@ -315,7 +311,8 @@ def check_deployment_run(cfg: ExperimentConfig, node: str, policy: NodePolicy | 
                       "must declare privacy.n_min (the smallest shard's record count, agreed by "
                       "the data owners). Each node calibrates its share from it: a server that "
                       "sent each node its own n_min would shrink every share.")
-    if private and policy is not None and policy.n_min is not None and cfg.privacy.n_min != policy.n_min:
+    if (private and policy is not None and policy.n_min is not None
+            and cfg.privacy.n_min != policy.n_min):
         raise Refused(node, "n_min",
                       f"the run declares privacy.n_min = {cfg.privacy.n_min}; this node's policy "
                       f"pins the federation's n_min = {policy.n_min}{where}. Declare "

@@ -119,6 +119,7 @@ class Charge:
         return dataclasses.replace(self, epsilon=epsilon, time=self.time or stamp)
 
     def as_json(self) -> dict[str, Any]:
+        """The charge as the ledger stores it: its run, config digest, node, time, ε and events."""
         events = {"delta": self.events.delta, "gaussian": [list(g) for g in self.events.gaussian],
                   "local": [list(e) for e in self.events.local]}
         return {"run_id": self.run_id, "digest": self.digest, "node": self.node, "time": self.time,

@@ -99,6 +99,7 @@ class LossRise:
     ratio: float
 
     def as_dict(self) -> dict[str, float | str]:
+        """The rise as the summary's ``loss_rise`` entry, with :data:`LOSS_RISE_LIMIT`."""
         return {"metric": self.metric, "initial": self.initial, "final": self.final,
                 "ratio": self.ratio,
                 "limit": LOSS_RISE_LIMIT}

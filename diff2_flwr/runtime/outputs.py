@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .curves import CURVES_FILE, plot_runs
+
 __all__ = ["RunRecorder", "new_run_dir", "to_json"]
 
 
@@ -60,16 +62,18 @@ class RunRecorder:
         self._metrics = metrics.open("a", buffering=1)
 
     def row(self, values: dict[str, Any]) -> None:
+        """Append one round's metrics to ``metrics.jsonl`` (a line, flushed; non-finite as null)."""
         self._metrics.write(json.dumps(to_json(values), allow_nan=False) + "\n")
 
     def summary(self, values: dict[str, Any]) -> None:
+        """Replace ``summary.json`` with ``values`` atomically (a reader never sees half a file)."""
         tmp = self.directory / (self.SUMMARY + ".tmp")
         tmp.write_text(json.dumps(to_json(values), indent=2, allow_nan=False) + "\n")
         os.replace(tmp, self.directory / self.SUMMARY)
 
     def parameters(self, x) -> None:
         """The released final iterate x_R (a flat float64 vector; public output of the run)."""
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 -- keeps `diff2 --help` light (the CLI imports this)
 
         tmp = self.directory / (self.PARAMETERS + ".tmp.npy")
         np.save(tmp, np.asarray(x, dtype=np.float64))
@@ -77,9 +81,8 @@ class RunRecorder:
 
     def curves(self, rows: list[dict[str, Any]], title: str) -> Path:
         """``curves.png``: the run's per-round metrics against the round (see :mod:`.curves`)."""
-        from .curves import CURVES_FILE, plot_runs
-
         return plot_runs([(title, rows)], self.directory / CURVES_FILE, title=title)
 
     def close(self) -> None:
+        """Close ``metrics.jsonl`` (every row was flushed as it was written)."""
         self._metrics.close()

@@ -125,6 +125,7 @@ class LifetimeBudget:
 
     @property
     def enabled(self) -> bool:
+        """Whether the node keeps a lifetime budget (ε, δ and the ledger set)."""
         return self.epsilon is not None
 
 
@@ -146,6 +147,7 @@ class CanaryPolicy:
 
     @property
     def enabled(self) -> bool:
+        """Whether the node adds canary records to its replies (``count`` > 0)."""
         return self.count > 0
 
 

@@ -21,6 +21,7 @@ from .loading import load_data, model_of
 from .noise_report import noise_summary, noise_warning
 from .server_core import check_planned_budget
 from .server_setup import initial_point
+from .shard_files import SERVER_FILE, read_server_data
 from .shard_report import check_shards, shard_lines
 from .workers import DTYPES, make_worker
 
@@ -76,8 +77,6 @@ def _server_data(cfg: ExperimentConfig) -> PreparedData:
     ``server.npz``."""
     if not cfg.dataset.shards:
         return load_data(cfg)
-    from .shard_files import SERVER_FILE, read_server_data
-
     sdata = read_server_data(Path(cfg.dataset.shards).expanduser() / SERVER_FILE, cfg)
     if len(sdata.shard_sizes) != cfg.clients:
         raise ValueError(f"{cfg.source}: the shards are for {len(sdata.shard_sizes)} workers, "

@@ -12,6 +12,10 @@ import sys
 import time
 from typing import TextIO
 
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+
 __all__ = ["ProgressReporter"]
 
 
@@ -33,10 +37,6 @@ class ProgressReporter:
         self._bar = None
         self._task = None
         if enabled and _is_terminal(self.stream):
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-                TimeRemainingColumn
-
             console = Console(file=self.stream, force_terminal=True)
             self._bar = Progress(TextColumn(f"[diff2] {label}", markup=False), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
@@ -47,6 +47,7 @@ class ProgressReporter:
 
     @property
     def is_live(self) -> bool:
+        """Whether a live bar is drawn (a terminal), rather than plain periodic lines."""
         return self._bar is not None
 
     def set_total(self, total: float) -> None:
@@ -104,6 +105,7 @@ class ProgressReporter:
             self.stream.flush()
 
     def finish(self) -> None:
+        """Stop the bar, or write the last line of an unfinished job (a finished one wrote it)."""
         if self._bar is not None:
             self._bar.stop()
             self._bar = None

@@ -112,6 +112,7 @@ class Diff2Server:
 
     @property
     def ledger(self) -> PrivacyLedger | None:
+        """The noise events released so far, from which ε is composed (None without privacy)."""
         return self.core.ledger
 
     @ledger.setter
@@ -130,6 +131,7 @@ class Diff2Server:
 
     @property
     def done(self) -> bool:
+        """Whether all R rounds are released."""
         return server_core.is_done(self.spec, self.core)
 
     @property
@@ -197,6 +199,7 @@ class Diff2Server:
         self.journal.failed(self.core)
 
     def summary(self) -> dict:
+        """The run's summary now (what ``summary.json`` holds)."""
         return self.journal.summary(self.core)
 
     def _step(self, step: Callable[..., tuple[ServerState, Any]], *args: Any) -> Any:

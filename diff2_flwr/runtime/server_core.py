@@ -180,7 +180,8 @@ def check_spec(spec: ServerSpec) -> ServerSpec:
     ``ValueError``."""
     if spec.distributed is not None:
         m = spec.mechanism
-        if spec.calibration is not None or spec.local is not None or m.sigma_restart or m.sigma_diff:
+        if (spec.calibration is not None or spec.local is not None or m.sigma_restart
+                or m.sigma_diff):
             raise ValueError(
                 "With distributed noise the server adds none: no central calibration, no local "
                 "routine, σ1 = σ2 = 0.")

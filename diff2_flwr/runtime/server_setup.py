@@ -80,7 +80,7 @@ def initial_point(function: str, model: torch.nn.Module | None,
     return layout, x0
 
 
-def make_server(
+def make_server(  # noqa: PLR0913 -- the Python API's options, keyword-only, documented below
     spec: ExperimentConfig,
     *,
     model: torch.nn.Module | None = None,

@@ -46,11 +46,15 @@ def data_fingerprint(cfg: ExperimentConfig) -> str:
 
 
 def shard_name(partition_id: int, clients: int) -> str:
+    """The file name of data owner ``partition_id``'s shard of P = ``clients``."""
     return f"shard-{partition_id}-of-{clients}.npz"
 
 
 @dataclass(frozen=True)
 class Shard:
+    """Data owner ``partition_id``'s training records (of ``num_partitions``), and the class names
+    of a classification task."""
+
     partition_id: int
     num_partitions: int
     features: np.ndarray
@@ -60,6 +64,9 @@ class Shard:
 
 @dataclass(frozen=True)
 class ServerData:
+    """What ``server.npz`` gives the server: the test split, every shard's size, the normalisation
+    statistics, the target scale, the task and its class names (no training record)."""
+
     x_test: np.ndarray
     y_test: np.ndarray
     shard_sizes: tuple[int, ...]
@@ -71,10 +78,13 @@ class ServerData:
 
     @property
     def n_min(self) -> int:
+        """The fewest records any data owner holds (the smallest shard)."""
         return min(self.shard_sizes)
 
 
 def save_npz(path: Path, meta: dict, **arrays: np.ndarray) -> None:
+    """Write ``arrays`` and ``meta`` (as JSON) to the .npz ``path``: a temporary file renamed over
+    it, so a reader never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as fh:
         np.savez(fh, meta=np.array(json.dumps(meta)), **arrays)
@@ -92,8 +102,8 @@ def _load(path: Path, kind: str) -> tuple[dict, dict[str, np.ndarray]]:
             meta = json.loads(str(npz["meta"]))
             arrays = {k: np.array(npz[k]) for k in npz.files if k != "meta"}
     except (OSError, ValueError, KeyError, EOFError, json.JSONDecodeError) as exc:
-        raise ShardError(
-            f"{kind.capitalize()} data file {path} is unreadable ({type(exc).__name__}: {exc}).") from None
+        raise ShardError(f"{kind.capitalize()} data file {path} is unreadable "
+                         f"({type(exc).__name__}: {exc}).") from None
     if meta.get("format") != FORMAT or meta.get("kind") != kind:
         raise ShardError(
             f"{path} is not a {kind} data file of diff2-flwr (found {meta.get('format')}, "
@@ -125,6 +135,7 @@ def read_shard(path: str | os.PathLike[str], cfg: ExperimentConfig, partition_id
 
 
 def read_server_data(path: str | os.PathLike[str], cfg: ExperimentConfig) -> ServerData:
+    """The server's evaluation data (``server.npz``); refuse a file of another run's settings."""
     path = Path(path)
     meta, a = _load(path, "server")
     if meta["fingerprint"] != data_fingerprint(cfg):

@@ -206,6 +206,7 @@ class Kwargs(tuple):
     nested mappings become :class:`Kwargs` and lists tuples (a config is frozen and hashable)."""
 
     def __new__(cls, pairs: Any = ()) -> "Kwargs":
+        """``pairs`` (a mapping, or ``(name, value)`` pairs) frozen and sorted by name."""
         items = pairs.items() if isinstance(pairs, Mapping) else pairs
         return super().__new__(cls, sorted((str(k), _frozen(v)) for k, v in items))
 
@@ -233,6 +234,7 @@ def _thawed(value: Any) -> Any:
 
 
 def is_int(v: Any) -> bool:
+    """Whether ``v`` is an integer: ``True`` and ``False`` are not (although bools are ints)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -274,6 +276,7 @@ def type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
 
 
 def describe_type(hint: Any) -> str:
+    """A field's type hint in an error message's words (``an integer``, ``null or a number``)."""
     origin = typing.get_origin(hint)
     if origin is Literal:
         args = typing.get_args(hint)

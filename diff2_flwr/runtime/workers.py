@@ -41,6 +41,7 @@ class Worker:
 
     @property
     def num_samples(self) -> int:
+        """n_p, the records this worker holds."""
         return self.records.num_samples
 
     @property

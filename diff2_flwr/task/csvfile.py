@@ -140,6 +140,7 @@ class CsvTable:
 
     @property
     def num_rows(self) -> int:
+        """The number of records read (data rows; the header is not one)."""
         return self.table.num_rows
 
     def numbers(self, columns: Iterable[int]) -> np.ndarray:
@@ -201,7 +202,8 @@ def _arrow(path: Path, call: Callable[[], T], invalid: list[pcsv.InvalidRow], he
     except OSError as exc:  # a missing file, or a truncated or broken gzip stream
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DataError(
-            f"Cannot read {path}: {first}. Check the file (a .gz file must be complete gzip).") from None
+            f"Cannot read {path}: {first}. Check the file (a .gz file must be complete gzip)."
+        ) from None
 
 
 def _explain(path: Path, message: str, invalid: list[pcsv.InvalidRow], header: bool,

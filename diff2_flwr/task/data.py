@@ -107,14 +107,17 @@ class PreparedData:
 
     @property
     def num_features(self) -> int:
+        """Model inputs: the features per record after preprocessing (one-hot columns counted)."""
         return int(self.x_train.shape[1])
 
     @property
     def shard_sizes(self) -> tuple[int, ...]:
+        """n_p: the number of train records of each worker's shard, in partition order."""
         return tuple(b - a for a, b in self.shard_bounds)
 
     @property
     def n_min(self) -> int:
+        """The smallest shard's size: the n_min of the sensitivity 2C/(n_min P)."""
         return min(self.shard_sizes)
 
     def shard(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -286,7 +289,7 @@ def load_digits() -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     """scikit-learn's bundled handwritten digits: 1,797 rows of 64 pixels / 16 (in [0, 1]), class
     0..9, names."""
     try:
-        from sklearn.datasets import load_digits as _sklearn_load_digits
+        from sklearn.datasets import load_digits as _sklearn_load_digits  # noqa: PLC0415 -- optional extra (examples)
     except ImportError as exc:
         raise DataError(
             "dataset `digits` reads scikit-learn's bundled handwritten digits, but scikit-learn "
@@ -359,7 +362,7 @@ def _normal_or_attack(labels: pa.Array) -> pa.Array:
     return pac.if_else(normal, "normal", "attack")
 
 
-def prepare(
+def prepare(  # noqa: PLR0913 -- keyword-only options, most of them the dataset section's settings
     name: str, x: np.ndarray, y: np.ndarray, *, clients: int, test_fraction: float = 0.2,
     split_seed: int = 0, classes: tuple[str, ...] = (),
     partitioner: Mapping[str, Any] | None = None, standardise: bool | None = None,

@@ -44,6 +44,8 @@ class Evaluator:
     @classmethod
     def of(cls, gradients: PerSampleGradients, data: PreparedData, *, train_metrics: bool = True,
            test_metrics: bool = True) -> "Evaluator":
+        """An evaluator of ``data``: its train shards if ``train_metrics``, its test split if
+        ``test_metrics``."""
         shards = [data.shard(p) for p in range(len(data.shard_bounds))] if train_metrics else []
         return cls(gradients, shards=shards, test=(data.x_test,
                                                    data.y_test) if test_metrics else None,
@@ -58,6 +60,8 @@ class Evaluator:
         return int((outputs.argmax(dim=1) == targets.long()).sum())
 
     def __call__(self, x: np.ndarray) -> dict[str, float]:
+        """The metrics at ``x`` by name: train_loss and grad_norm_sq (given shards), test_loss
+        (given a test split), and for classification their accuracies."""
         out: dict[str, float] = {}
         if self._shards:
             losses, grads = zip(*(self.gradients.loss_and_gradient(x, xs, ys) for xs,

@@ -21,6 +21,7 @@ LOSSES = {"half_squared_error": half_squared_error, "cross_entropy": cross_entro
 
 
 def get_loss(name: str):
+    """The per-sample loss named ``name`` (a key of :data:`LOSSES`); ValueError if there is none."""
     try:
         return LOSSES[name]
     except KeyError:

@@ -43,6 +43,7 @@ class PaperMLP(nn.Module):
                                        dtype=torch.float64).mul(2 * bound).sub(bound))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Outputs [n, out_features] of inputs [n, in_features]."""
         return self.out(nn.functional.softplus(self.hidden(x)))
 
 
@@ -58,6 +59,7 @@ class TanhMLP(nn.Module):
                                                                                     out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Outputs [n, out_features] of inputs [n, in_features]."""
         return self.layers(x)
 
 
@@ -91,6 +93,7 @@ class DigitsCNN(nn.Module):
         self.out = nn.Linear(channels * (side // 2) ** 2, out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class scores [n, out_features] of images given as rows [n, side²]."""
         h = self.pool(torch.tanh(self.conv(x.reshape(-1, 1, self.side, self.side))))
         return self.out(h.flatten(1))
 
@@ -186,7 +189,8 @@ def _call_factory(path: str, factory: Callable[..., Any], kwargs: Mapping[str, A
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         raise ValueError(
             f"key `model.name`: the model factory {path!r} raised {type(err).__name__}: "
-            f"{_one_line(err)} (called as factory({shown})). Fix the factory or model.kwargs.") from err
+            f"{_one_line(err)} (called as factory({shown})). Fix the factory or model.kwargs."
+        ) from err
     if not isinstance(model, nn.Module):
         raise ValueError(
             f"key `model.name`: the model factory {path!r} returned a {type(model).__name__}, not "

@@ -55,8 +55,8 @@ def _iid(n: int, clients: int) -> list[np.ndarray]:
 
 def _flower(name: str, column: np.ndarray, clients: int, **params: Any) -> list[np.ndarray]:
     try:
-        from datasets import Dataset
-        from flwr_datasets import partitioner as fp
+        from datasets import Dataset  # noqa: PLC0415 -- optional extra (partitions)
+        from flwr_datasets import partitioner as fp  # noqa: PLC0415 -- optional extra (partitions)
     except ImportError as exc:
         raise PartitionError(
             f"`dataset.partitioner.name: {name}`: {INSTALL_HINT} ({exc}).") from None
@@ -79,7 +79,7 @@ def _flower(name: str, column: np.ndarray, clients: int, **params: Any) -> list[
         return [np.asarray(part.load_partition(p)["row"], dtype=np.int64) for p in range(clients)]
 
 
-def partition(
+def partition(  # noqa: PLR0913 -- keyword-only: dataset.partitioner's keys (and task), one each
     y: np.ndarray, clients: int, *, name: str = "iid", task: str = "regression", seed: int = 0,
     alpha: float | None = None, min_partition_size: int = 10, self_balancing: bool = False,
     classes_per_client: int | None = None, class_assignment: str = "first-deterministic",
@@ -119,7 +119,7 @@ def partition(
     return parts
 
 
-def _label_column_and_params(
+def _label_column_and_params(  # noqa: PLR0913 -- partition()'s label keys, passed through
     y: np.ndarray, clients: int, *, name: str, key: str, task: str, seed: int,
     alpha: float | None, min_partition_size: int, self_balancing: bool,
     classes_per_client: int | None, class_assignment: str, bins: int | None,

@@ -49,10 +49,12 @@ class TensorRecords:
 
     @classmethod
     def of(cls, features: Any, targets: Any, dtype: torch.dtype) -> "TensorRecords":
+        """Records from tensors or arrays: floating-point ones cast to ``dtype``, integers kept."""
         return cls(_cast(features, dtype, "features"), _cast(targets, dtype, "targets"))
 
     @property
     def num_samples(self) -> int:
+        """n_p: the number of records."""
         return int(self.features.shape[0])
 
 
@@ -79,6 +81,7 @@ class DatasetRecords:
 
     @property
     def num_samples(self) -> int:
+        """n_p: the number of records, the dataset's ``len()``."""
         return len(self.dataset)  # type: ignore[arg-type]
 
     def chunks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

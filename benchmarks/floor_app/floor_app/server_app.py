@@ -9,13 +9,19 @@ from flwr.server.strategy import FedAvg
 
 
 class TimedFedAvg(FedAvg):
+    """FedAvg that prints a ``[floor] round <r> t=<seconds>`` line after each round's aggregation:
+    the timestamps ``diff2 bench`` reads the floor from."""
+
     def aggregate_fit(self, server_round, results, failures):
+        """FedAvg's aggregation of the round, then its timestamp line (``time.perf_counter``)."""
         out = super().aggregate_fit(server_round, results, failures)
         print(f"[floor] round {server_round} t={time.perf_counter():.6f}", flush=True)
         return out
 
 
 def server_fn(context: Context) -> ServerAppComponents:
+    """TimedFedAvg over every client (at least 2) of a 101-float zero model, for the run config's
+    ``num-server-rounds`` rounds."""
     n = int(context.run_config["num-server-rounds"])
     strategy = TimedFedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=2,
                            min_available_clients=2,

@@ -37,16 +37,21 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
+import torch
+
+from ...runtime.config import parse_config
+from ...runtime.session import load_data
+from ..sweep import RunSpec, batch_model, run_batch
+from .pinning import one_core, one_torch_thread
 
 __all__ = ["CELLS", "SKIPPED", "TARGET", "Cell", "JaxPeerPlan", "find_jax_python",
-           "jax_peer_section", "measure",
-           "parse_cells", "parse_rounds", "plan_jax_peer", "run_jax_peer", "schedule", "summarise"]
+           "jax_peer_section", "measure", "parse_cells", "parse_rounds", "plan_jax_peer",
+           "run_jax_peer", "schedule", "summarise"]
 
 #: The project must run at least this many times as many rounds per second as the best JAX variant.
 TARGET = 1.5
@@ -72,6 +77,7 @@ class Cell(NamedTuple):
 
     @property
     def name(self) -> str:
+        """``kind:K:dtype``, as ``--jax-cells`` names the cell and the section's JSON keys it."""
         return f"{self.kind}:{self.K}:{self.dtype}"
 
 
@@ -235,10 +241,6 @@ class _Project:
     init seed."""
 
     def __init__(self, data_dir: str | None, rounds: Mapping[int, int]) -> None:
-        from ...runtime.config import parse_config
-        from ...runtime.session import load_data
-        from ..sweep import batch_model
-
         def config(method: str, R: int) -> Any:
             training = {"rounds": R, "clip_restart": 1.0, "learning_rate": 0.25, "clients": 10,
                         "seed": 0, **({"restart_every": R,
@@ -276,10 +278,6 @@ class _Project:
             compile: bool) -> tuple[float, np.ndarray, list[int]]:
         """Seconds of one ``run_batch`` call, the final iterates [K, d] and the runs it found
         diverged."""
-        import torch
-
-        from ..sweep import RunSpec, run_batch
-
         dtype = {"f32": torch.float32, "f64": torch.float64}[cell.dtype]
         t = time.perf_counter()
         res = run_batch(self.data, [RunSpec(*s) for s in specs], rounds=rounds, eval_every=rounds,
@@ -287,45 +285,6 @@ class _Project:
         seconds = time.perf_counter() - t
         return seconds, np.stack([r.final_x for r in res]), [k for k, r in enumerate(res)
                                                              if r.diverged_at is not None]
-
-
-@contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _set_affinity(cores: set[int]) -> None:
-    """Every thread of this process on ``cores`` (``sched_setaffinity(0)`` alone moves only the
-    calling thread)."""
-    tasks = Path("/proc/self/task")
-    for tid in (int(t) for t in os.listdir(tasks)) if tasks.is_dir() else [0]:
-        try:
-            os.sched_setaffinity(tid, cores)
-        except OSError:  # a thread that ended meanwhile
-            pass
-
-
-@contextmanager
-def _one_core() -> Iterator[int | None]:
-    """This process, and the subprocesses it starts meanwhile, on one core (the last it may use);
-    restored after. None where the OS has no affinity call (the sides then share whatever cores the
-    OS gives)."""
-    if not hasattr(os, "sched_setaffinity"):
-        yield None
-        return
-    before = os.sched_getaffinity(0)
-    _set_affinity({max(before)})
-    try:
-        yield max(before)
-    finally:
-        _set_affinity(before)
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -362,8 +321,8 @@ def _warm_project(cells: Sequence[Cell], project: _Project, rounds: Mapping[int,
         specs = project.specs(cell, rounds[cell.K])
         for side in sides_of(cell, eager):
             if side.startswith("project"):
-                warm.setdefault(cell.name, {})[f"{side}_first_call_s"] = project.run(cell, specs, 3,
-                                                                                     side == "project")[0]
+                seconds = project.run(cell, specs, 3, side == "project")[0]
+                warm.setdefault(cell.name, {})[f"{side}_first_call_s"] = seconds
                 say(f"jax_peer: {cell.name} {side} ready")
     return warm
 
@@ -438,7 +397,7 @@ def run_jax_peer(plan: JaxPeerPlan, *, data_dir: str | None = None,
     say = progress or (lambda _: None)
     t0 = time.perf_counter()
     project = _Project(data_dir, rounds)
-    with _one_torch_thread():
+    with one_torch_thread():
         # unpinned: torch.compile's workers use every core
         warm = _warm_project(cells, project, rounds, eager, say)
         run = _pinned_run(plan, project, warm, say)
@@ -460,7 +419,7 @@ def _pinned_run(plan: JaxPeerPlan, project: _Project, warm: dict[str, dict[str, 
     """On one core: start the JAX side, compile its cells, check agreement, then the interleaved
     timed calls."""
     rounds = plan.rounds
-    with _one_core() as core:
+    with one_core() as core:
         peer = _Peer(str(plan.python))
         try:
             A, Y, mask = project.shards()

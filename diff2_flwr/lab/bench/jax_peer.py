@@ -282,10 +282,10 @@ class JaxCell:
 def _jax() -> tuple[Any, Any]:
     os.environ.setdefault("XLA_FLAGS", XLA_ONE_THREAD)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
+    import jax  # noqa: PLC0415 -- optional, in the JAX interpreter; XLA_FLAGS must be set first
 
     jax.config.update("jax_enable_x64", True)
-    import jax.numpy as jnp
+    import jax.numpy as jnp  # noqa: PLC0415 -- as jax above, once its settings are made
 
     return jax, jnp
 

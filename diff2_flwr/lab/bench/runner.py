@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -38,7 +39,14 @@ import numpy as np
 import torch
 import yaml
 
+from ...runtime.config import parse_config
+from ...runtime.driver import run_inprocess
+from ...runtime.launch import run_simulation
 from ...runtime.paths import APP_DIR
+from ...runtime.session import load_data
+from ...task.data import DataError
+from ..study.runner import load_study, run_study
+from ..sweep import RunSpec, batch_model, run_batch
 from .jax_cells import JaxPeerPlan, jax_peer_section
 
 __all__ = ["run_bench"]
@@ -97,12 +105,8 @@ def _matmul_gflops(dtype: torch.dtype, threads: int, size: int = 1024,
 
 def _paper_study(path: Path, data_dir: str | None):
     """The study of ``path`` (a paper config), its data read from ``data_dir`` when given."""
-    from ..study.runner import load_study
-
     study = load_study(path)
     if data_dir:
-        import dataclasses
-
         study = dataclasses.replace(study, dataset={**study.dataset, "dir": data_dir})
     return study
 
@@ -110,9 +114,6 @@ def _paper_study(path: Path, data_dir: str | None):
 def _study_data(study):
     """The study's prepared data and MLP, the same for all its runs (the data depend on the
     dataset's settings, not on a run's seed); a ``DataError`` if its files are missing."""
-    from ...runtime.session import load_data
-    from ..sweep import batch_model
-
     probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0],
                              study.tune_seeds[0])
     data = load_data(probe)
@@ -163,8 +164,6 @@ def first_layer_floor(study, records: int, features: int, hidden: int,
 def _kdd_floor(data_dir: str | None, float64_gflops_1_thread: float) -> dict[str, Any]:
     """:func:`first_layer_floor` of the full KDD Cup 99 ε = 3 study, or ``{"skipped": why}`` without
     its data."""
-    from ...task.data import DataError
-
     study = _paper_study(KDD_STUDY, data_dir)
     try:
         data, mlp = _study_data(study)
@@ -175,11 +174,6 @@ def _kdd_floor(data_dir: str | None, float64_gflops_1_thread: float) -> dict[str
 
 
 def _rounds_per_s(data_dir: str | None, rounds: int) -> dict[str, float]:
-    from ...runtime.config import parse_config
-    from ...runtime.driver import run_inprocess
-    from ...runtime.session import load_data
-    from ..sweep import RunSpec, run_batch
-
     cfg = parse_config(_diff2_config(data_dir, rounds, "unused"))
     data = load_data(cfg)
     cal = cfg.calibration(data.n_min)
@@ -201,8 +195,6 @@ def _rounds_per_s(data_dir: str | None, rounds: int) -> dict[str, float]:
 
 
 def _flower(data_dir: str | None, rounds: int) -> dict[str, float]:
-    from ...runtime.launch import run_simulation
-
     with tempfile.TemporaryDirectory(prefix="diff2-bench-") as tmp:
         path = Path(tmp) / "bench.yaml"
         path.write_text(yaml.safe_dump(_diff2_config(data_dir, rounds, tmp)))
@@ -245,8 +237,6 @@ def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: boo
                                                                      os.cpu_count() or 1))}
     out.update(_rounds_per_s(data_dir, rounds))
     if protocol:
-        from ..study.runner import run_study
-
         study = _paper_study(PAPER_STUDY, data_dir)
         with tempfile.TemporaryDirectory(prefix="diff2-bench-study-") as tmp:
             t = time.perf_counter()

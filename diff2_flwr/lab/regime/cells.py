@@ -115,9 +115,12 @@ class Cell:
 
     @property
     def label(self) -> str:
+        """``<dataset> n=<n> ε=<ε>``: how the fit and the reports name the cell."""
         return f"{self.dataset} n={self.n} ε={self.epsilon:g}"
 
     def mean(self, endpoint: str, method: str) -> float:
+        """The seed mean of ``method``'s ``endpoint`` values (``method`` is :attr:`diff2` or
+        :attr:`control`); inf when a seed's value is not finite (a diverged run)."""
         values = self.diff2_values if method == self.diff2 else self.control_values
         v = np.asarray(values[endpoint], dtype=float)
         return float(v.mean()) if np.all(np.isfinite(v)) else math.inf

@@ -52,6 +52,7 @@ class Fit:
 
     @property
     def k(self) -> int:
+        """The number of cells fitted."""
         return len(self.cells)
 
     @property
@@ -70,6 +71,8 @@ class Fit:
             return math.inf
 
     def as_dict(self) -> dict[str, Any]:
+        """The fit as the regime map's JSON reports it: slope, 95 % interval, intercepts, both
+        bootstrap p, crossings, the bootstrap's settings, lack of fit, the theory line's anchor."""
         return {"k": self.k, "cells": list(self.cells), "slope": self.slope, "ci95": [self.ci_low,
                                                                                       self.ci_high],
                 "intercepts": dict(self.intercepts), "p_slope_equals_theory": self.p_theory,

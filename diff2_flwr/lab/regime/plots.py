@@ -19,7 +19,7 @@ __all__ = ["MAX_SPAN_DECADES", "heatmap_png", "scatter_png"]
 
 
 def _png(fig: Any) -> bytes:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 -- matplotlib loads when a figure is drawn
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
@@ -53,11 +53,13 @@ def _ticks(span: float) -> list[float]:
 
 def heatmap_png(cells: Sequence[Cell], result: Mapping[str, Any], dataset: str,
                 alpha: float) -> bytes:
-    import matplotlib
+    """The PNG of ``dataset``'s heatmaps, one panel per endpoint: DIFF2-GD / DP-GD over n × ε, each
+    cell's ratio marked where its adjusted p < ``alpha`` (``result``: the regime map's)."""
+    import matplotlib  # noqa: PLC0415 -- matplotlib loads when a figure is drawn (on Agg)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
+    import matplotlib.pyplot as plt  # noqa: PLC0415 -- once the Agg backend is chosen
+    from matplotlib.colors import LogNorm  # noqa: PLC0415 -- loaded when a figure is drawn
 
     marks = {(row["n"], row["epsilon"]): {e: v["mark"] for e, v in row["endpoints"].items()}
              for row in result["cells"] if row["dataset"] == dataset}
@@ -110,11 +112,15 @@ def heatmap_png(cells: Sequence[Cell], result: Mapping[str, Any], dataset: str,
 
 
 def scatter_png(cells: Sequence[Cell], result: Mapping[str, Any], alpha: float) -> bytes:
-    import matplotlib
+    """The PNG of the ratios against nε/√d, one panel per endpoint, filled where significant, with
+    the primary endpoint's pooled fit and the theory's slope −1/3 drawn through its anchor."""
+    import matplotlib  # noqa: PLC0415 -- matplotlib loads when a figure is drawn (on Agg)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
+    import matplotlib.pyplot as plt  # noqa: PLC0415 -- once the Agg backend is chosen
+    from matplotlib.ticker import (  # noqa: PLC0415 -- matplotlib loads when a figure is drawn
+        FuncFormatter, LogLocator, NullFormatter, NullLocator,
+    )
 
     datasets = sorted({cell.dataset for cell in cells})
     markers = dict(zip(datasets, "osD^v<>p"))

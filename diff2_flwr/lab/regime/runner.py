@@ -85,6 +85,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ...runtime.outputs import to_json
 from ..study.claims import atomic_write_bytes, atomic_write_text
 from .cells import (ALPHA, ENDPOINTS, LEGEND, MARK_BETTER, MARK_WORSE, PRIMARY, STALL_PROGRESS,
                     STALL_RULE,
@@ -172,8 +173,6 @@ def write_regime(cells: Sequence[Cell], out: str | Path, *, alpha: float = ALPHA
         files["figures"].append(str(path))
     result["files"] = files
     atomic_write_text(out / "regime.md", markdown(cells, result, alpha))
-    from ...runtime.outputs import to_json
-
     atomic_write_text(out / "regime.json", json.dumps(to_json(result), indent=2) + "\n")
     print(
         f"[diff2] regime map of {len(cells)} cell(s) "
