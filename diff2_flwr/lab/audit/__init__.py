@@ -1,7 +1,8 @@
-"""`diff2 audit`: the empirical audit of the (ε, δ) guarantee through the production path, and `--live`.
+"""`diff2 audit`: the empirical audit of the (ε, δ) guarantee through the production path, and
+`--live`.
 
-Its public face is below, imported on first use (a part's import, such as the CLI's parser's, stays light);
-the modules hold the parts."""
+Its public face is below, imported on first use (a part's import, such as the CLI's parser's, stays
+light); the modules hold the parts."""
 
 from __future__ import annotations
 

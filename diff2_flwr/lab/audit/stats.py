@@ -1,8 +1,9 @@
-"""The audit's statistics: the likelihood-ratio scores under the claimed mechanism, and ε̂ from the scores.
+"""The audit's statistics: the likelihood-ratio scores under the claimed mechanism, and ε̂ from the
+scores.
 
-The local step's log-likelihood ratio and the claimed score's moments (which fix the threshold grid of a
-diff2-bvr audit), the fixed threshold grids, the Clopper–Pearson bounds and the Bonferroni-corrected ε lower
-bound. What they mean: :mod:`.audit`.
+The local step's log-likelihood ratio and the claimed score's moments (which fix the threshold grid
+of a diff2-bvr audit), the fixed threshold grids, the Clopper–Pearson bounds and the
+Bonferroni-corrected ε lower bound. What they mean: :mod:`.audit`.
 """
 
 from __future__ import annotations
@@ -19,29 +20,33 @@ from .spec import LOCAL_STEPS, AuditSpec
 __all__ = ["POWER_SCALES", "claimed_score_moments", "clopper_pearson_upper", "epsilon_lower_bound",
            "local_log_likelihood_ratio", "local_power", "score_grid", "threshold_grid"]
 
-# ------------------------------------------------------------------------- the scores' claimed distribution
+# ----------------------------------------------------------------- the scores' claimed distribution
 
 def local_log_likelihood_ratio(t: np.ndarray | float, q: float, z: float) -> np.ndarray:
-    """ln p_D(t) / p_D′(t) of one local step's output along e, in units of the canary's term Δ = c/b.
+    """ln p_D(t) / p_D′(t) of one local step's output along e, in units of the canary's term Δ =
+    c/b.
 
-    Under D the canary adds +1 when sampled (probability q), under D′ −1; the noise is N(0, z²) with z the
-    claimed z3 = σ3·b. Dividing both mixtures by the density of N(0, z²) at t:
+    Under D the canary adds +1 when sampled (probability q), under D′ −1; the noise is N(0, z²) with
+    z the claimed z3 = σ3·b. Dividing both mixtures by the density of N(0, z²) at t:
 
         ln((1 − q) + q·exp((2t − 1)/(2z²))) − ln((1 − q) + q·exp((−2t − 1)/(2z²)));
 
     for q = 1 this is the Gaussian 2t/z².
 
     References:
-        dp-accounting, ``privacy_loss_mechanism.AdditiveNoisePrivacyLoss`` (REPLACE, sub-sampled: the same pair).
+        dp-accounting, ``privacy_loss_mechanism.AdditiveNoisePrivacyLoss`` (REPLACE, sub-sampled:
+        the same pair).
     """
     t = np.asarray(t, dtype=np.float64)
     keep = -math.inf if q >= 1 else math.log1p(-q)
     log_q, two_z2 = math.log(q), 2 * z * z
-    return np.logaddexp(keep, log_q + (2 * t - 1) / two_z2) - np.logaddexp(keep, log_q + (-2 * t - 1) / two_z2)
+    return (np.logaddexp(keep, log_q + (2 * t - 1) / two_z2)
+            - np.logaddexp(keep, log_q + (-2 * t - 1) / two_z2))
 
 
 def _local_loss_moments(q: float, z: float, nodes: int = 201) -> tuple[float, float]:
-    """Mean and variance under D of :func:`local_log_likelihood_ratio` (Gauss–Hermite over each mixture part)."""
+    """Mean and variance under D of :func:`local_log_likelihood_ratio` (Gauss–Hermite over each
+    mixture part)."""
     x, w = np.polynomial.hermite_e.hermegauss(nodes)
     w = w / w.sum()
     first = second = 0.0
@@ -56,8 +61,8 @@ def _local_loss_moments(q: float, z: float, nodes: int = 201) -> tuple[float, fl
 def claimed_score_moments(spec: AuditSpec, calibration: Calibration) -> tuple[float, float]:
     """Mean and standard deviation under D of the audit's score if the mechanism is the claimed one.
 
-    The score is a sum of independent log-likelihood ratios (given the announced radii): per server round a
-    Gaussian one, N(1/(2z²), 1/z²), and per local step :func:`local_log_likelihood_ratio`'s.
+    The score is a sum of independent log-likelihood ratios (given the announced radii): per server
+    round a Gaussian one, N(1/(2z²), 1/z²), and per local step :func:`local_log_likelihood_ratio`'s.
     """
     mean = variance = 0.0
     for r in range(1, spec.rounds + 1):
@@ -70,7 +75,7 @@ def claimed_score_moments(spec: AuditSpec, calibration: Calibration) -> tuple[fl
     return mean, math.sqrt(variance)
 
 
-# ------------------------------------------------------------------------- statistics
+# --------------------------------------------------------------------------------------- statistics
 
 def clopper_pearson_upper(k: np.ndarray | int, n: int, alpha: float) -> np.ndarray:
     """One-sided (1 − alpha) Clopper–Pearson upper bound on a rate with k successes in n trials."""
@@ -78,19 +83,21 @@ def clopper_pearson_upper(k: np.ndarray | int, n: int, alpha: float) -> np.ndarr
     return np.where(k >= n, 1.0, beta.ppf(1 - alpha, k + 1, np.maximum(n - k, 1)))
 
 
-def _bounds(d: np.ndarray, d_prime: np.ndarray, thresholds: np.ndarray, alpha: float, delta: float) -> dict:
+def _bounds(d: np.ndarray, d_prime: np.ndarray, thresholds: np.ndarray, alpha: float,
+            delta: float) -> dict:
     """ε lower bounds (and their counts) at each threshold; "guess D iff score > t"."""
     d_sorted, p_sorted = np.sort(d), np.sort(d_prime)
     fn = np.searchsorted(d_sorted, thresholds, side="right")  # D scored <= t: missed
     fp = len(p_sorted) - np.searchsorted(p_sorted, thresholds, side="right")  # D′ scored > t
     fnr_hi = clopper_pearson_upper(fn, len(d), alpha / 2)
     fpr_hi = clopper_pearson_upper(fp, len(d_prime), alpha / 2)
-    return {"epsilon": _epsilon_of_rates(fpr_hi, fnr_hi, delta), "fn": fn, "fp": fp, "fnr_hi": fnr_hi, "fpr_hi": fpr_hi}
+    return {"epsilon": _epsilon_of_rates(fpr_hi, fnr_hi, delta), "fn": fn, "fp": fp,
+            "fnr_hi": fnr_hi, "fpr_hi": fpr_hi}
 
 
 def _epsilon_of_rates(fpr: np.ndarray | float, fnr: np.ndarray | float, delta: float) -> np.ndarray:
-    """The smallest ε that (ε, δ)-DP allows for a test with these error rates (0 if none is implied):
-    max(ln((1 − δ − FPR)/FNR), ln((1 − δ − FNR)/FPR), 0)."""
+    """The smallest ε that (ε, δ)-DP allows for a test with these error rates (0 if none is
+    implied): max(ln((1 − δ − FPR)/FNR), ln((1 − δ − FNR)/FPR), 0)."""
     fpr, fnr = np.asarray(fpr, dtype=float), np.asarray(fnr, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         one = np.log(np.clip(1 - delta - fpr, 0, None) / fnr)
@@ -99,14 +106,16 @@ def _epsilon_of_rates(fpr: np.ndarray | float, fnr: np.ndarray | float, delta: f
 
 
 def score_grid(mean: float, sd: float, points: int = 65) -> np.ndarray:
-    """Thresholds fixed before any trial runs: mean + sd·k/4, k = −32..32, with the claimed score's mean and
-    standard deviation under D (:func:`claimed_score_moments`); :func:`threshold_grid` for a μ-GDP claim."""
+    """Thresholds fixed before any trial runs: mean + sd·k/4, k = −32..32, with the claimed score's
+    mean and standard deviation under D (:func:`claimed_score_moments`); :func:`threshold_grid` for
+    a μ-GDP claim."""
     half = (points - 1) // 2
     return mean + sd * np.arange(-half, half + 1) / 4
 
 
 def threshold_grid(mu_claimed: float, points: int = 65) -> np.ndarray:
-    """Thresholds fixed before any trial runs: μ²/2 + μ·k/4, k = −32..32, in the claimed score units.
+    """Thresholds fixed before any trial runs: μ²/2 + μ·k/4, k = −32..32, in the claimed score
+    units.
 
     Under the claim the scores are N(±μ²/2, μ²); a mechanism with less noise than claimed keeps
     the means and shrinks the spread, so the grid covers both. Fixing it in advance (rather than
@@ -119,17 +128,20 @@ def threshold_grid(mu_claimed: float, points: int = 65) -> np.ndarray:
 
 def epsilon_lower_bound(d: np.ndarray, d_prime: np.ndarray, *, delta: float, thresholds: np.ndarray,
                         alpha: float = 0.05) -> dict:
-    """ε̂ with confidence 1 − alpha from scores on D and D′: the best of the fixed ``thresholds``, each
-    bound at level alpha/len(thresholds) (Bonferroni), so the maximum is a valid lower bound."""
+    """ε̂ with confidence 1 − alpha from scores on D and D′: the best of the fixed ``thresholds``,
+    each bound at level alpha/len(thresholds) (Bonferroni), so the maximum is a valid lower
+    bound."""
     per_threshold = alpha / len(thresholds)
     bounds = _bounds(d, d_prime, thresholds, per_threshold, delta)
     k = int(np.argmax(bounds["epsilon"]))
     fn, fp = int(bounds["fn"][k]), int(bounds["fp"][k])
     fnr, fpr = fn / len(d), fp / len(d_prime)
     point = float(_epsilon_of_rates(fpr, fnr, delta))
-    # Assuming a Gaussian trade-off curve (μ-GDP, as Nasr et al. 2023): μ ≥ Φ⁻¹(1 − FPR⁺) − Φ⁻¹(FNR⁺).
+    # Assuming a Gaussian trade-off curve (μ-GDP, as Nasr et al. 2023):
+    # μ ≥ Φ⁻¹(1 − FPR⁺) − Φ⁻¹(FNR⁺).
     fpr_hi, fnr_hi = float(bounds["fpr_hi"][k]), float(bounds["fnr_hi"][k])
-    mu_lower = max(0.0, float(ndtri(1 - fpr_hi) - ndtri(fnr_hi))) if fpr_hi < 1 and fnr_hi < 1 else 0.0
+    mu_lower = (max(0.0, float(ndtri(1 - fpr_hi) - ndtri(fnr_hi)))
+                if fpr_hi < 1 and fnr_hi < 1 else 0.0)
     return {
         "epsilon_lower_bound": float(bounds["epsilon"][k]),
         "threshold": float(thresholds[k]),
@@ -142,17 +154,18 @@ def epsilon_lower_bound(d: np.ndarray, d_prime: np.ndarray, *, delta: float, thr
     }
 
 
-# ------------------------------------------------------------------------- power of the Clopper–Pearson test
+# ---------------------------------------------------------------- power of the Clopper–Pearson test
 
 #: The local noise scales at which :func:`local_power` measures the test, largest first.
 POWER_SCALES = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1)
 
 
-def _simulated_local_scores(rng: np.random.Generator, spec: AuditSpec, calibration: Calibration, scale: float,
-                            sign: int, n: int) -> np.ndarray:
-    """n scores of a diff2-bvr audit under the claimed model with the local noise scaled by ``scale``: per round
-    the server's Gaussian term N(±1/(2z²), 1/z²) and one local step's log-likelihood ratio at t = ±B + N(0, (k z3)²),
-    B ~ Bernoulli(q) (the canary sampled), scored with the claimed z3."""
+def _simulated_local_scores(rng: np.random.Generator, spec: AuditSpec, calibration: Calibration,
+                            scale: float, sign: int, n: int) -> np.ndarray:
+    """n scores of a diff2-bvr audit under the claimed model with the local noise scaled by
+    ``scale``: per round the server's Gaussian term N(±1/(2z²), 1/z²) and one local step's
+    log-likelihood ratio at t = ±B + N(0, (k z3)²), B ~ Bernoulli(q) (the canary sampled), scored
+    with the claimed z3."""
     assert calibration.local is not None
     q, z3 = calibration.local.sampling_prob, calibration.local.z3
     score = np.zeros(n)
@@ -166,14 +179,16 @@ def _simulated_local_scores(rng: np.random.Generator, spec: AuditSpec, calibrati
     return score
 
 
-def local_power(spec: AuditSpec, calibration: Calibration, epsilon_claimed: float, *, reps: int = 100,
-                power: float = 0.95, seed: int = 26) -> dict:
-    """The power of a diff2-bvr audit's Clopper–Pearson test at its trial count, simulated from the claimed score
-    model (the scores' claimed moments are checked on the real path by tests/test_audit.py): for each local noise
-    scale k of :data:`POWER_SCALES`, the fraction of ``reps`` seeded audits of ``spec.trials`` runs per federation
-    that report ε̂ > ε claimed; ``noise_scale`` is the largest k reported in at least ``power`` of them (``None`` if
-    none is)."""
-    rng = np.random.default_rng(seed)  # a simulation of the test, not the mechanism's noise: fixed on purpose
+def local_power(spec: AuditSpec, calibration: Calibration, epsilon_claimed: float, *,
+                reps: int = 100, power: float = 0.95, seed: int = 26) -> dict:
+    """The power of a diff2-bvr audit's Clopper–Pearson test at its trial count, simulated from the
+    claimed score model (the scores' claimed moments are checked on the real path by
+    tests/test_audit.py): for each local noise scale k of :data:`POWER_SCALES`, the fraction of
+    ``reps`` seeded audits of ``spec.trials`` runs per federation that report ε̂ > ε claimed;
+    ``noise_scale`` is the largest k reported in at least ``power`` of them (``None`` if none
+    is)."""
+    # a simulation of the test, not the mechanism's noise: fixed on purpose
+    rng = np.random.default_rng(seed)
     mean, sd = claimed_score_moments(spec, calibration)
     grid = score_grid(mean, sd)
     rates, found = {}, None
@@ -190,6 +205,8 @@ def local_power(spec: AuditSpec, calibration: Calibration, epsilon_claimed: floa
             break
     text = ("not reached at any local noise scale down to 0.1" if found is None else
             f"detects local noise <= {found:g} x calibrated with {power:.0%} probability")
-    return {"noise_scale": found, "probability": power, "trials": spec.trials, "rates": rates, "reps": reps,
-            "statement": f"{text} at {spec.trials} trials per federation (Clopper–Pearson test, level {spec.alpha:g}; "
-                         f"simulated from the claimed score model, {reps} seeded audits per scale)"}
+    return {"noise_scale": found, "probability": power, "trials": spec.trials, "rates": rates,
+            "reps": reps,
+            "statement": f"{text} at {spec.trials} trials per federation (Clopper–Pearson test, "
+                         f"level {spec.alpha:g}; simulated from the claimed score model, {reps} "
+                         "seeded audits per scale)"}
