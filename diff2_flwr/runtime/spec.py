@@ -106,7 +106,10 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", *,
 
 
 def _fields(cls: type) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.name != "source"]
+    """The fields a file may give: not ``source``, nor one marked ``metadata={"derived": True}``
+    (a value the section computes from other keys)."""
+    return [f for f in dataclasses.fields(cls)
+            if f.name != "source" and not f.metadata.get("derived")]
 
 
 def _section(cls: type, name: str) -> type | None:

@@ -1,4 +1,5 @@
-"""Claims on a shared study folder: every run is computed once, however many drivers share the folder.
+"""Claims on a shared study folder: every run is computed once, however many drivers share the
+folder.
 
 A study writes one result file per run into ``runs/``; a run whose file exists is done. Before a
 driver computes a run it *claims* it by creating ``runs/<run_id>.claim-<g>`` with
@@ -99,7 +100,8 @@ def _read(path: str) -> str:
 
 
 def _start_time(pid: int) -> str:
-    """The start time of ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22), "" if unknown."""
+    """The start time of ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22), "" if
+    unknown."""
     stat = _read(f"/proc/{pid}/stat")
     if not stat:
         return ""
@@ -119,6 +121,7 @@ class Owner:
 
     @classmethod
     def this_process(cls) -> "Owner":
+        """This process: its driver id, host, boot, pid namespace, pid and start time."""
         try:
             pid_ns = os.readlink("/proc/self/ns/pid")
         except OSError:
@@ -128,8 +131,10 @@ class Owner:
                    pid_start=_start_time(os.getpid()))
 
     def same_machine(self, other: "Owner") -> bool:
-        """Whether PIDs of ``other`` can be checked from here (same host, boot and PID namespace)."""
-        return bool(self.boot) and (self.host, self.boot, self.pid_ns) == (other.host, other.boot, other.pid_ns)
+        """Whether PIDs of ``other`` can be checked from here (same host, boot and PID
+        namespace)."""
+        mine, theirs = (self.host, self.boot, self.pid_ns), (other.host, other.boot, other.pid_ns)
+        return bool(self.boot) and mine == theirs
 
     def process_gone(self) -> bool:
         """Whether this owner's process has ended (call only for an owner on this machine)."""
@@ -145,10 +150,12 @@ class Owner:
         return False
 
     def to_json(self) -> str:
+        """The owner as a claim file's JSON text."""
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Owner | None":
+        """The owner a claim file names (None: not a claim of this format)."""
         try:
             return cls(**json.loads(text))
         except (ValueError, TypeError):
@@ -178,20 +185,24 @@ class ClaimBook:
         self.folder = Path(folder)
         self.owner = owner or Owner.this_process()
         self.stale_after_s = float(stale_after_s)
-        self.heartbeat_s = float(heartbeat_s if heartbeat_s is not None else min(HEARTBEAT_S, stale_after_s / 5))
+        self.heartbeat_s = float(heartbeat_s if heartbeat_s is not None
+                                 else min(HEARTBEAT_S, stale_after_s / 5))
         self._clock = clock
         self._held: dict[str, Path] = {}
         self._claims: dict[str, _Claim] | None = None  # the last listing (refresh)
-        self._seen: dict[Path, tuple[int, float]] = {}  # claim -> (mtime_ns last seen, when it last changed)
+        # claim -> (mtime_ns last seen, when it last changed)
+        self._seen: dict[Path, tuple[int, float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- files
     def result_path(self, run_id: str) -> Path:
+        """The result file of ``run_id``."""
         return self.folder / f"{run_id}.json"
 
     def done(self, run_id: str) -> bool:
+        """Whether ``run_id``'s result file exists."""
         return self.result_path(run_id).exists()
 
     def refresh(self) -> None:
@@ -210,9 +221,11 @@ class ClaimBook:
                     released.add(name[: -len(_RELEASED)])
                     continue
                 run_id, sep, tail = name.rpartition(_CLAIM)
-                if sep and tail.isdigit() and (run_id not in latest or int(tail) > latest[run_id][0]):
+                if sep and tail.isdigit() and (run_id not in latest
+                                               or int(tail) > latest[run_id][0]):
                     latest[run_id] = (int(tail), name)
-        self._claims = {r: _Claim(r, g, self.folder / name, name in released) for r, (g, name) in latest.items()}
+        self._claims = {r: _Claim(r, g, self.folder / name, name in released)
+                        for r, (g, name) in latest.items()}
 
     def _latest(self, run_id: str) -> _Claim | None:
         if self._claims is None:
@@ -233,7 +246,8 @@ class ClaimBook:
         try:
             mtime = claim.path.stat().st_mtime_ns
         except FileNotFoundError:
-            return True  # finished meanwhile (claims of a finished run are deleted): the result re-check decides
+            # finished meanwhile (claims of a finished run are deleted): the result re-check decides
+            return True
         now = self._clock()
         seen = self._seen.get(claim.path)
         if seen is None or seen[0] != mtime:
@@ -242,7 +256,8 @@ class ClaimBook:
         return now - seen[1] >= self.stale_after_s
 
     def held_by_other(self, run_id: str) -> Owner | None | bool:
-        """The live owner of ``run_id``'s claim if another driver holds it (``True`` if unreadable), else ``False``."""
+        """The live owner of ``run_id``'s claim if another driver holds it (``True`` if unreadable),
+        else ``False``."""
         claim = self._latest(run_id)
         if claim is None or run_id in self._held or self.is_stale(claim):
             return False
@@ -279,18 +294,21 @@ class ClaimBook:
         return True
 
     def claim(self, run_ids: Iterable[str]) -> list[str]:
-        """Claim each of ``run_ids`` (after one fresh listing); return those now held by this driver."""
+        """Claim each of ``run_ids`` (after one fresh listing); return those now held by this
+        driver."""
         self.refresh()
         return [r for r in run_ids if self.try_claim(r)]
 
     def release(self, run_id: str) -> None:
-        """Give ``run_id`` up unfinished: mark our claim released, so any driver may take it at once."""
+        """Give ``run_id`` up unfinished: mark our claim released, so any driver may take it at
+        once."""
         with self._lock:
             path = self._held.pop(run_id, None)
         if path is not None:
             Path(f"{path}{_RELEASED}").touch()
 
     def release_all(self) -> None:
+        """Release every claim this book holds."""
         for run_id in list(self._held):
             self.release(run_id)
 
@@ -304,9 +322,9 @@ class ClaimBook:
     def sweep_finished(self, run_ids: Iterable[str]) -> int:
         """Delete the claims left on finished runs among ``run_ids``; return how many.
 
-        A driver killed between writing a result and deleting its claims leaves a claim on a finished run. No one
-        computes a finished run (a claimer re-checks the result), so such a claim is garbage whoever holds it: a
-        live holder is about to delete it itself.
+        A driver killed between writing a result and deleting its claims leaves a claim on a
+        finished run. No one computes a finished run (a claimer re-checks the result), so such a
+        claim is garbage whoever holds it: a live holder is about to delete it itself.
         """
         finished = {r for r in run_ids if self.done(r)}
         swept = 0
@@ -318,6 +336,7 @@ class ClaimBook:
 
     @property
     def held(self) -> tuple[str, ...]:
+        """The run ids this book holds claims on."""
         return tuple(self._held)
 
     # -- heartbeat
@@ -338,7 +357,8 @@ class ClaimBook:
     def __enter__(self) -> "ClaimBook":
         self.folder.mkdir(parents=True, exist_ok=True)
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="diff2-claims-heartbeat", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="diff2-claims-heartbeat",
+                                        daemon=True)
         self._thread.start()
         return self
 
@@ -350,7 +370,8 @@ class ClaimBook:
 
     # -- a folder's claims as a whole
     def live_foreign_claims(self) -> list[tuple[Path, Owner | None]]:
-        """Claims in the folder that are not this driver's and not provably dead (for ``--fresh``)."""
+        """Claims in the folder that are not this driver's and not provably dead (for
+        ``--fresh``)."""
         out = []
         for path in sorted(self.folder.glob(f"*{_CLAIM}*")):
             if not path.name.rsplit("-", 1)[-1].isdigit() or Path(f"{path}{_RELEASED}").exists():

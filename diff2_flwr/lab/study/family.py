@@ -26,24 +26,27 @@ from typing import Any, Mapping
 from ...runtime.config import ConfigError, read_yaml
 from .claims import atomic_write_text
 from .inference import holm
+from .report import _endpoint
 from .runner import load_study
 
 __all__ = ["FamilyError", "run_family"]
 
 
 class FamilyError(ConfigError):
-    """An invalid family file, or a study of it that has not run; the message names the file and what to do."""
+    """An invalid family file, or a study of it that has not run; the message names the file and
+    what to do."""
 
 
 def _load(path: Path) -> dict[str, Any]:
     data = read_yaml(path, "family", FamilyError)
-    if not isinstance(data, Mapping) or set(data) - {"name", "studies", "alpha"} or "studies" not in data:
-        raise FamilyError(f"{path}: expected a mapping with keys name, studies (a list of study files) and "
-                          f"optionally alpha. Found {data!r}.")
+    keys = {"name", "studies", "alpha"}
+    if not isinstance(data, Mapping) or set(data) - keys or "studies" not in data:
+        raise FamilyError(f"{path}: expected a mapping with keys name, studies (a list of study "
+                          f"files) and optionally alpha. Found {data!r}.")
     studies = data["studies"]
     if not isinstance(studies, list) or not studies or not all(isinstance(s, str) for s in studies):
-        raise FamilyError(f"{path}: key `studies`: expected a non-empty list of study files (relative to {path.parent}). "
-                          f"Found {studies!r}.")
+        raise FamilyError(f"{path}: key `studies`: expected a non-empty list of study files "
+                          f"(relative to {path.parent}). Found {studies!r}.")
     alpha = data.get("alpha", 0.05)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha < 1:
         raise FamilyError(f"{path}: key `alpha`: expected a number in (0, 1). Found {alpha!r}.")
@@ -59,29 +62,35 @@ def run_family(path: str | Path, *, output_root: str | Path | None = None) -> di
     for study_path in spec["studies"]:
         study = load_study(study_path)
         if not study.analysis.primary:
-            raise FamilyError(f"{study_path}: the study declares no primary endpoint (`analysis.primary`), so it has "
-                              "nothing to contribute to a confirmation family. Declare them before it runs.")
+            raise FamilyError(f"{study_path}: the study declares no primary endpoint "
+                              "(`analysis.primary`), so it has nothing to contribute to a "
+                              "confirmation family. Declare them before it runs.")
         root = Path(output_root or study.output_dir).expanduser().resolve() / study.name
         summary_file = root / "summary.json"
         if not summary_file.is_file():
             raise FamilyError(f"{study_path}: no results at {summary_file}. Run it first: "
-                              f"diff2 experiment {study_path}" + (f" --output {output_root}" if output_root else ""))
+                              f"diff2 experiment {study_path}"
+                              + (f" --output {output_root}" if output_root else ""))
         summary = json.loads(summary_file.read_text())
         primary = summary.get("inference", {}).get("primary_results")
         if not primary:
-            raise FamilyError(f"{summary_file}: no primary results (written by an older diff2, or the study's "
-                              "analysis block changed). Run `diff2 experiment` on it again: it reuses every run.")
-        studies.append({"study": study.name, "source": str(study_path), "summary": str(summary_file),
-                        "wall_time_s": summary.get("wall_time_s"), "dataset": summary.get("dataset", {}).get("name")})
+            raise FamilyError(f"{summary_file}: no primary results (written by an older diff2, or "
+                              "the study's analysis block changed). Run `diff2 experiment` on it "
+                              "again: it reuses every run.")
+        studies.append({"study": study.name, "source": str(study_path),
+                        "summary": str(summary_file),
+                        "wall_time_s": summary.get("wall_time_s"),
+                        "dataset": summary.get("dataset", {}).get("name")})
         rows += [dict(r, study=study.name, p_study_adjusted=r["p_adjusted"]) for r in primary]
     for r, p in zip(rows, holm([r["p_value"] for r in rows])):
         r["p_adjusted"] = p
         r["significant"] = bool(math.isfinite(p) and p < spec["alpha"])
-    out = {"family": spec["name"], "source": str(path), "alpha": spec["alpha"], "adjustment": "holm",
-           "size": len(rows), "studies": studies, "results": rows,
+    out = {"family": spec["name"], "source": str(path), "alpha": spec["alpha"],
+           "adjustment": "holm", "size": len(rows), "studies": studies, "results": rows,
            "significant": [f"{r['study']} ε={r['epsilon']:g} {r['pair']} {r['criterion']}@{r['at']}"
                            for r in rows if r["significant"]]}
-    root = Path(output_root or load_study(spec["studies"][0]).output_dir).expanduser().resolve() / spec["name"]
+    root = Path(output_root
+                or load_study(spec["studies"][0]).output_dir).expanduser().resolve() / spec["name"]
     root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(root / "family.json", json.dumps(out, indent=2, default=str) + "\n")
     atomic_write_text(root / "family.md", markdown(out))
@@ -95,17 +104,18 @@ def _fmt(v: Any, digits: int = 3) -> str:
 
 
 def markdown(result: Mapping[str, Any]) -> str:
-    """The family's table: every primary test with its raw, within-study and family (Holm) adjusted p."""
-    from .report import _endpoint
-
+    """The family's table: every primary test with its raw, within-study and family (Holm) adjusted
+    p."""
     lines = [f"# Family `{result['family']}`", "",
-             f"Holm over the {result['size']} primary tests of {len(result['studies'])} studies, α = {result['alpha']}.",
-             "", "| study | ε | comparison | endpoint | alternative | mean difference (treatment − control) | p | "
-             "Holm p (study) | Holm p (family) | result |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"Holm over the {result['size']} primary tests of {len(result['studies'])} studies, α "
+             f"= {result['alpha']}.",
+             "", "| study | ε | comparison | endpoint | alternative | mean difference (treatment − "
+             "control) | p | Holm p (study) | Holm p (family) | result |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["results"]:
-        verdict = (f"significant: {r['treatment'] if r['lower'] == 'treatment' else r['control']} lower"
-                   if r["significant"] else "not significant")
-        lines.append(f"| {r['study']} | {r['epsilon']:g} | {r['pair']} | {_endpoint(r)} | {r['alternative']} | "
-                     f"{_fmt(r['mean_difference'])} | {_fmt(r['p_value'])} | {_fmt(r['p_study_adjusted'])} | "
-                     f"{_fmt(r['p_adjusted'])} | {verdict} |")
+        lower = r["treatment"] if r["lower"] == "treatment" else r["control"]
+        verdict = f"significant: {lower} lower" if r["significant"] else "not significant"
+        lines.append(f"| {r['study']} | {r['epsilon']:g} | {r['pair']} | {_endpoint(r)} | "
+                     f"{r['alternative']} | {_fmt(r['mean_difference'])} | {_fmt(r['p_value'])} | "
+                     f"{_fmt(r['p_study_adjusted'])} | {_fmt(r['p_adjusted'])} | {verdict} |")
     return "\n".join(lines) + "\n"

@@ -34,20 +34,24 @@ Alternative = Literal["less", "greater", "two-sided"]
 ALTERNATIVES: tuple[str, ...] = ("less", "greater", "two-sided")
 
 
-def paired_ttest(treatment: Sequence[float], control: Sequence[float], alternative: Alternative = "less") -> float:
-    """p of the paired t-test of ``treatment`` against ``control`` (pairs by position; n − 1 degrees of freedom).
+def paired_ttest(treatment: Sequence[float], control: Sequence[float],
+                 alternative: Alternative = "less") -> float:
+    """p of the paired t-test of ``treatment`` against ``control`` (pairs by position; n − 1 degrees
+    of freedom).
 
-    NaN when a difference is not finite. With zero variance of the differences the test is degenerate:
-    p is 0 when every difference lies strictly in the direction of H1 and 1 otherwise.
+    NaN when a difference is not finite. With zero variance of the differences the test is
+    degenerate: p is 0 when every difference lies strictly in the direction of H1 and 1 otherwise.
     """
-    from scipy import stats
+    from scipy import stats  # noqa: PLC0415 -- scipy loads only where a test is computed
 
     if alternative not in ALTERNATIVES:
-        raise ValueError(f"alternative must be one of {', '.join(ALTERNATIVES)}. Found {alternative!r}.")
+        raise ValueError(f"alternative must be one of {', '.join(ALTERNATIVES)}. Found "
+                         f"{alternative!r}.")
     t = np.asarray(treatment, dtype=float)
     c = np.asarray(control, dtype=float)
     if t.shape != c.shape or t.ndim != 1 or t.size < 2:
-        raise ValueError(f"A paired t-test needs two samples of equal size >= 2. Found {t.size} and {c.size}.")
+        raise ValueError(f"A paired t-test needs two samples of equal size >= 2. Found {t.size} "
+                         f"and {c.size}.")
     d = t - c
     if not np.all(np.isfinite(d)):
         return math.nan
@@ -58,7 +62,8 @@ def paired_ttest(treatment: Sequence[float], control: Sequence[float], alternati
 
 
 def two_sided(p_one_sided: float) -> float:
-    """The two-sided p of a test whose one-sided p is given (both tails read: 2·min(p, 1 − p), at most 1)."""
+    """The two-sided p of a test whose one-sided p is given (both tails read: 2·min(p, 1 − p), at
+    most 1)."""
     if not math.isfinite(p_one_sided):
         return math.nan
     return min(1.0, 2.0 * min(p_one_sided, 1.0 - p_one_sided))
@@ -89,7 +94,8 @@ def holm(pvalues: Sequence[float]) -> list[float]:
 
 
 def benjamini_hochberg(pvalues: Sequence[float]) -> list[float]:
-    """Benjamini–Hochberg q-values (step-up adjusted p), in the input order (NaN stays NaN; m counts every test)."""
+    """Benjamini–Hochberg q-values (step-up adjusted p), in the input order (NaN stays NaN; m counts
+    every test)."""
     p = _clean(pvalues)
     m = p.size
     out = np.full(m, math.nan)

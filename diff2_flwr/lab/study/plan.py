@@ -1,4 +1,5 @@
-"""A study's plan: which runs it needs (their ids), how they are grouped into units, and how a grid grows.
+"""A study's plan: which runs it needs (their ids), how they are grouped into units, and how a
+grid grows.
 
 A run is one (phase, method, grid point, ε, seed); its id is a hash of what identifies it, so a run
 file found under that id is the same run and is reused (ids of studies run before a setting existed
@@ -13,45 +14,65 @@ References:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
+import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from ...core.routines import ROUTINES
-from ...runtime.config import ConfigError, ExperimentConfig
+from ...runtime.config import ConfigError, ExperimentConfig, ModelConfig, config_keys
+from ...runtime.shard_report import check_shards
+from .cluster import unit_data
 from .stats import MAX_EXTENSIONS
 from .spec import CRITERIA, MethodSpec, Study, slug
 
-__all__ = ["GridSearch", "Job", "Unit", "batchable", "check_point", "eval_jobs", "method_key", "plan_units",
-           "planned_runs", "run_id", "tune_jobs"]
+__all__ = ["GridSearch", "Job", "Unit", "batchable", "check_point", "eval_jobs", "method_key",
+           "plan_units", "planned_runs", "run_id", "tune_jobs"]
 
 #: The criteria that pick a grid point (the test loss is read at the train-loss pick).
 SELECTING = ("train_loss", "grad_norm_sq")
+#: The width a run id names for a study of a factory model (which has none): the paper MLP's, as
+#: it always has.
+_PAPER_WIDTH = ModelConfig().hidden_units
 
 
 def method_key(method: MethodSpec) -> dict:
-    """What identifies a method's runs; a plain-GD method's is as before routines existed (its run files are reused)."""
-    key = asdict(method)
-    if method.routine == "gd" and not method.routine_params:
-        del key["routine"], key["routine_params"]
-    if not method.local:  # run ids of methods without a local routine are as before it existed
-        del key["local"]
-    if method.rounds is None:  # nor are those of methods that run the study's R
-        del key["rounds"]
-    if not method.seed_offset:
-        del key["seed_offset"]
-    if not method.privacy:  # nor are those of methods with central noise
-        del key["privacy"]
+    """What identifies a method's runs: its name, base method, grid, and the settings it fixes,
+    grouped as the method entries first named them (``u``, ``routine``, ``local``, ``rounds``,
+    ``privacy``; the others, under ``settings``). A group at its default is left out, so the ids of
+    methods that do not set it are as before it existed (a plain-GD method's as before routines) and
+    their run files are reused."""
+    key: dict[str, Any] = {"name": method.name, "method": method.method,
+                           "grid": [[k, list(v)] for k, v in method.grid], "u": method.u}
+    if method.routine != "gd" or method.routine_params:
+        key.update(routine=method.routine, routine_params=[list(p) for p in method.routine_params])
+    if method.local:  # run ids of methods without a local routine are as before it existed
+        key["local"] = [list(p) for p in method.local]
+    if method.rounds is not None:  # nor are those of methods that run the study's R
+        key["rounds"] = method.rounds
+    if method.seed_offset:
+        key["seed_offset"] = method.seed_offset
+    if method.privacy:  # nor are those of methods with central noise
+        key["privacy"] = [list(p) for p in method.privacy]
+    grouped = ("privacy.", "training.routine.", "local.", "training.rounds")
+    others = [[k, v] for k, v in method.settings if not k.startswith(grouped)]
+    if others:  # nor are those of methods that fix no other setting
+        key["settings"] = others
     return key
 
 
-def run_id(phase: str, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int, study: Study) -> str:
-    """The id of one run: ``{phase}-{method slug}-{12 hex digits of the hash of what identifies it}``."""
-    key = json.dumps({"phase": phase, "method": method_key(method), "point": dict(point), "epsilon": epsilon,
-                      "seed": seed, "rounds": study.rounds, "delta": study.delta, "mode": study.mode,
-                      "dataset": dict(study.dataset), "clients": study.clients, "eval_every": study.eval_every,
-                      "hidden": study.hidden}, sort_keys=True)
+def run_id(phase: str, method: MethodSpec, point: Mapping[str, float], epsilon: float, seed: int,
+           study: Study) -> str:
+    """The id of one run: ``{phase}-{method slug}-{12 hex digits of the hash of what identifies
+    it}``."""
+    key = json.dumps({"phase": phase, "method": method_key(method), "point": dict(point),
+                      "epsilon": epsilon, "seed": seed, "rounds": study.rounds,
+                      "delta": study.delta, "mode": study.mode, "dataset": dict(study.dataset),
+                      "clients": study.clients, "eval_every": study.eval_every,
+                      "hidden": _PAPER_WIDTH if study.hidden is None else study.hidden},
+                     sort_keys=True)
     return f"{phase}-{slug(method.name)}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -79,8 +100,8 @@ def tune_jobs(study: Study, tuned: Mapping[str, Sequence[dict]], epsilon: float)
 
 
 def eval_jobs(study: Study, chosen: Mapping[str, Mapping[str, dict]], epsilon: float) -> list[Job]:
-    """The evaluation phase at ``epsilon``: each method's pick per criterion on every evaluation seed, each run once
-    (two criteria that picked one point share its runs)."""
+    """The evaluation phase at ``epsilon``: each method's pick per criterion on every evaluation
+    seed, each run once (two criteria that picked one point share its runs)."""
     jobs: dict[str, Job] = {}
     for m in study.methods:
         for c in CRITERIA:
@@ -92,16 +113,17 @@ def eval_jobs(study: Study, chosen: Mapping[str, Mapping[str, dict]], epsilon: f
 
 
 def planned_runs(study: Study) -> tuple[int, int]:
-    """(tuning runs, evaluation runs) of the declared grids: every point on the tuning seeds, and per method and
-    selecting criterion its pick on the evaluation seeds (a grid extension adds to the first)."""
+    """(tuning runs, evaluation runs) of the declared grids: every point on the tuning seeds, and
+    per method and selecting criterion its pick on the evaluation seeds (a grid extension adds to
+    the first)."""
     tune = sum(len(m.points()) for m in study.methods) * len(study.tune_seeds) * len(study.epsilons)
     return tune, len(SELECTING) * len(study.methods) * len(study.eval_seeds) * len(study.epsilons)
 
 
-def check_point(study: Study, m: MethodSpec, point: Mapping[str, float], epsilon: float, data: Any) -> None:
-    """Refuse a grid point whose partition or calibration the refusal rule refuses (min_samples, max_sigma)."""
-    from ...runtime.shard_report import check_shards
-
+def check_point(study: Study, m: MethodSpec, point: Mapping[str, float], epsilon: float,
+                data: Any) -> None:
+    """Refuse a grid point whose partition or calibration the refusal rule refuses (min_samples,
+    max_sigma)."""
     cfg = study.experiment(m, point, epsilon, study.tune_seeds[0])
     check_shards(cfg, data.shard_sizes, cfg.calibration(cfg.privacy.n_min or data.n_min))
 
@@ -110,7 +132,8 @@ def check_point(study: Study, m: MethodSpec, point: Mapping[str, float], epsilon
 
 @dataclass(frozen=True)
 class Unit:
-    """Runs computed together, in one process: one batch of the batched engine, or one run of another engine."""
+    """Runs computed together, in one process: one batch of the batched engine, or one run of
+    another engine."""
 
     engine: str
     jobs: tuple[Job, ...]
@@ -124,20 +147,22 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
     batch with T > 1 runs; within a group, batches are balanced (no batch much smaller than the
     others), sorted by T, and as many as a multiple of ``study.workers`` where there are runs
     enough, so that every worker process has its share. Runs the batched engine cannot run (a
-    model that is not an MLP, a routine that computes on private data, the local routine, distributed noise) are
-    units of one ``inprocess`` run. Units are ordered by their cost, largest first, so that no
-    worker is left with a big one at the end.
+    model that is not an MLP, a routine that computes on private data, the local routine,
+    distributed noise) are units of one ``inprocess`` run. Units are ordered by their cost, largest
+    first, so that no worker is left with a big one at the end.
     """
     engine = study.engine
     if engine != "batch":
         return [Unit(engine, (j,)) for j in jobs]
     mlp = bool(jobs) and batchable(study, jobs[0].cfg)  # one model and dataset per study
     fits = [j for j in jobs if mlp and ROUTINES[j.cfg.training.routine.name].post_processing
-            and not j.cfg.local.enabled and not j.cfg.privacy.distributed and not batch_ignores(j.cfg)]
+            and not j.cfg.local.enabled and not j.cfg.privacy.distributed
+            and not batch_ignores(j.cfg)]
     units = [Unit("inprocess", (j,)) for j in jobs if j not in fits]
-    groups = {(j.cfg.training.rounds, j.cfg.restart_every == 1): None for j in fits}  # a batch shares R
+    groups = {(j.cfg.training.rounds, j.cfg.restart_every == 1): None for j in fits}  # R shared
     for rounds, every in groups:
-        group = [j for j in fits if (j.cfg.training.rounds, j.cfg.restart_every == 1) == (rounds, every)]
+        group = [j for j in fits
+                 if (j.cfg.training.rounds, j.cfg.restart_every == 1) == (rounds, every)]
         group.sort(key=lambda j: j.cfg.restart_every)
         if group:
             count = -(-len(group) // study.batch_size)
@@ -148,31 +173,35 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
 
 
 def unit_cost(unit: Unit) -> float:
-    """Relative cost of a unit, in batched-engine restart rounds of one run: a difference round does a little more
-    than a restart round; one run on the per-run path costs about as much as a batch of twenty."""
+    """Relative cost of a unit, in batched-engine restart rounds of one run: a difference round does
+    a little more than a restart round; one run on the per-run path costs about as much as a batch
+    of twenty."""
     if unit.engine != "batch":
         return 20.0 * sum(j.cfg.training.rounds for j in unit.jobs)
-    return sum((1.0 if j.cfg.restart_every == 1 else 1.5) * j.cfg.training.rounds for j in unit.jobs)
+    return sum((1.0 if j.cfg.restart_every == 1 else 1.5) * j.cfg.training.rounds
+               for j in unit.jobs)
 
 
-#: The settings the batched engine honours (a key ending in "." stands for its section): it builds each run's
-#: mechanism, routine, seeds, model and data from them. Any other declared setting that a run sets away from its
-#: default sends the run to the per-run path, which honours every setting (:func:`batch_ignores`): a setting added
-#: later is never silently ignored by the batch.
-BATCH_HONOURS = ("name", "method", "dataset.", "model.", "output.", "privacy.epsilon", "privacy.delta", "privacy.mode",
-                 "privacy.u", "privacy.n_min", "privacy.noise", "privacy.bits", "privacy.tolerated", "privacy.wrap",
-                 "training.rounds", "training.restart_every",
-                 "training.clip_restart", "training.clip_diff", "training.learning_rate", "training.clients",
-                 "training.seed", "training.routine", "training.routine.", "training.dtype", "training.chunk_size", "training.gradients",
-                 "training.threads", "training.round_retries", "training.round_timeout_s", "evaluation.every",
-                 "evaluation.train_metrics", "evaluation.test_metrics", "local.")  # (distributed noise and the local routine
-#: are sent to the per-run path by name in plan_units)
+#: The settings the batched engine honours (a key ending in "." stands for its section): it builds
+#: each run's server spec (mechanism, routine), seeds, model and data from them. Any other declared
+#: setting that a run sets away from its default sends the run to the per-run path, which honours
+#: every setting (:func:`batch_ignores`): a setting added later is never silently ignored by the
+#: batch. (``privacy.n_min`` is not among them: the batch calibrates for its data's smallest shard.
+#: Distributed noise and the local routine are sent to the per-run path by name in
+#: :func:`plan_units`.)
+BATCH_HONOURS = ("name", "method", "dataset.", "model.", "output.", "privacy.epsilon",
+                 "privacy.delta", "privacy.mode", "privacy.u", "privacy.noise", "privacy.bits",
+                 "privacy.tolerated", "privacy.wrap", "training.rounds", "training.restart_every",
+                 "training.clip_restart", "training.clip_diff", "training.learning_rate",
+                 "training.clients", "training.seed", "training.routine", "training.routine.",
+                 "training.dtype", "training.chunk_size", "training.gradients", "training.threads",
+                 "training.round_retries", "training.round_timeout_s", "evaluation.every",
+                 "evaluation.train_metrics", "evaluation.test_metrics", "local.")
 
 
 def batch_ignores(cfg: ExperimentConfig) -> list[str]:
-    """The declared settings ``cfg`` sets away from their defaults that the batched engine does not honour."""
-    from ...runtime.config import config_keys
-
+    """The declared settings ``cfg`` sets away from their defaults that the batched engine does not
+    honour."""
     default = _flat(_defaults(type(cfg)))
     given = _flat(asdict(cfg))
     return [key for key in config_keys() if given.get(key) != default.get(key)
@@ -180,10 +209,8 @@ def batch_ignores(cfg: ExperimentConfig) -> list[str]:
 
 
 def _defaults(cls: type) -> dict[str, Any]:
-    """Each declared setting's default, section by section (the experiment itself has required keys)."""
-    import dataclasses
-    import typing
-
+    """Each declared setting's default, section by section (the experiment itself has required
+    keys)."""
     hints, out = typing.get_type_hints(cls), {}
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
@@ -198,7 +225,7 @@ def _defaults(cls: type) -> dict[str, Any]:
 def _flat(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
-        if isinstance(value, Mapping) and not hasattr(value, "as_dict"):  # a section, not a Kwargs value
+        if isinstance(value, Mapping) and not hasattr(value, "as_dict"):  # a section, not Kwargs
             out.update(_flat(value, f"{prefix}{key}."))
         out[f"{prefix}{key}"] = value
     return out
@@ -207,26 +234,27 @@ def _flat(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def batchable(study: Study, cfg: ExperimentConfig) -> bool:
     """Whether the batched engine has closed forms for this study's model and loss (an MLP; see
     :func:`~diff2_flwr.task.models.mlp_shape`)."""
-    from .cluster import unit_data
-    from ..sweep import batch_model
+    from ..sweep import batch_model  # noqa: PLC0415 -- the batched engine loads where a batch is planned
 
     try:
-        batch_model(unit_data(cfg), model=study.model, hidden=study.hidden, model_kwargs=study.model_kwargs,
-                    loss=cfg.loss)
+        batch_model(unit_data(cfg), model=study.model, hidden=study.hidden,
+                    model_kwargs=study.model_kwargs, loss=cfg.loss)
     except ValueError:
         return False
     return True
 
 
-# ------------------------------------------------------------------------------- the grid's extension
+# ---------------------------------------------------------------------- the grid's extension
 
 def line(points: Sequence[Mapping[str, float]], pick: Mapping[str, float], key: str) -> list[float]:
     """The sorted values of ``key`` among the points that agree with ``pick`` on every other key."""
-    return sorted({float(p[key]) for p in points if all(p[k] == v for k, v in pick.items() if k != key)})
+    return sorted({float(p[key]) for p in points
+                   if all(p[k] == v for k, v in pick.items() if k != key)})
 
 
 def step_out(axis: Sequence[float], side: str, key: str) -> float:
-    """One geometric step past an edge of a grid axis: the ratio of its two outermost values on that side."""
+    """One geometric step past an edge of a grid axis: the ratio of its two outermost values on that
+    side."""
     if side == "high":
         new = axis[-1] * axis[-1] / axis[-2]
     else:
@@ -238,8 +266,10 @@ def step_out(axis: Sequence[float], side: str, key: str) -> float:
     return float(new)
 
 
-def _edge(points: Sequence[Mapping[str, float]], pick: Mapping[str, float], key: str) -> tuple[list[float], str | None]:
-    """The pick's line along ``key`` and the edge it lies on (``high``, ``low``, or None: interior or a single value)."""
+def _edge(points: Sequence[Mapping[str, float]], pick: Mapping[str, float],
+          key: str) -> tuple[list[float], str | None]:
+    """The pick's line along ``key`` and the edge it lies on (``high``, ``low``, or None: interior
+    or a single value)."""
     axis = line(points, pick, key)
     if len(axis) < 2 or pick[key] not in (axis[0], axis[-1]):
         return axis, None
@@ -250,8 +280,8 @@ def _edge(points: Sequence[Mapping[str, float]], pick: Mapping[str, float], key:
 class GridSearch:
     """One ε's tuned points per method, grown by the line search of the corrected protocol.
 
-    When a pick's value of a key is the smallest or largest among the tuned points that agree with the
-    pick on every other key (its *line*), the point one geometric step further along that key is
+    When a pick's value of a key is the smallest or largest among the tuned points that agree with
+    the pick on every other key (its *line*), the point one geometric step further along that key is
     tuned too (within the analysis's ``extend`` bounds, at most ``MAX_EXTENSIONS`` steps per key and
     side). One new point per step: extending the whole product would multiply the cost by every axis
     that moves at once.
@@ -269,7 +299,8 @@ class GridSearch:
 
     def extend(self, study: Study, chosen: Mapping[str, Mapping[str, dict]],
                admit: Callable[[MethodSpec, dict], None]) -> list[dict]:
-        """Add the next point of every pick on an edge (``admit`` refuses a point by raising); return the new ones."""
+        """Add the next point of every pick on an edge (``admit`` refuses a point by raising);
+        return the new ones."""
         new = []
         for m in study.methods:
             for c in SELECTING:
@@ -289,7 +320,8 @@ class GridSearch:
             return None
         new = step_out(axis, side, key)
         if not bounds[0] <= new <= bounds[1]:
-            self.refused[m.name, key, side] = f"the bound {bounds[0 if side == 'low' else 1]:g} of analysis.extend"
+            bound = bounds[0 if side == "low" else 1]
+            self.refused[m.name, key, side] = f"the bound {bound:g} of analysis.extend"
             return None
         point = dict(pick) | {key: new}
         if point in self.tuned[m.name]:
@@ -306,8 +338,8 @@ class GridSearch:
         return {**step, "method": m.name, "from": pick[key]}
 
     def searched(self, study: Study, chosen: Mapping[str, Mapping[str, dict]]) -> dict[str, dict]:
-        """Per method: the values searched per key, the points tuned, the extensions made and the picks that stay
-        on an edge (with the reason)."""
+        """Per method: the values searched per key, the points tuned, the extensions made and the
+        picks that stay on an edge (with the reason)."""
         out = {}
         for m in study.methods:
             edges = {}
@@ -316,18 +348,19 @@ class GridSearch:
                 if any(hits):
                     edges[c] = [h for h in hits if h]
             values = {k: sorted({float(p[k]) for p in self.tuned[m.name]}) for k, _ in m.grid}
-            out[m.name] = {"grid": values, "points": len(self.tuned[m.name]), "extensions": self.made[m.name],
-                           "edges": edges}
+            out[m.name] = {"grid": values, "points": len(self.tuned[m.name]),
+                           "extensions": self.made[m.name], "edges": edges}
         return out
 
     def _why(self, study: Study, m: MethodSpec, pick: dict, key: str) -> dict | None:
-        """A pick that stays on an edge of ``key``, and why it was not extended further (None: interior)."""
+        """A pick that stays on an edge of ``key``, and why it was not extended further (None:
+        interior)."""
         _, side = _edge(self.tuned[m.name], pick, key)
         if side is None:
             return None
+        paper = "" if study.analysis.corrected else " (the paper's protocol extends nothing)"
         why = (self.refused.get((m.name, key, side))
-               or ("at most " + str(MAX_EXTENSIONS) + " extensions per key and side"
+               or (f"at most {MAX_EXTENSIONS} extensions per key and side"
                    if self.count[m.name, key, side] >= MAX_EXTENSIONS else
-                   "not extended: no bound in analysis.extend" + (" (the paper's protocol extends nothing)"
-                                                                  if not study.analysis.corrected else "")))
+                   "not extended: no bound in analysis.extend" + paper))
         return {"key": key, "value": pick[key], "side": side, "why": why}

@@ -1,4 +1,5 @@
-"""A study's report: a Markdown table of the summary, and plots in the style of the paper's Figure 2."""
+"""A study's report: a Markdown table of the summary, and plots in the style of the paper's Figure
+2."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 
 def _routine(entry: dict) -> str:
-    """``adam(beta1=0.9)`` for a method's routine (its fixed parameters; grid ones are in the point), or ``gd``."""
+    """``adam(beta1=0.9)`` for a method's routine (its fixed parameters; grid ones are in the
+    point), or ``gd``."""
     routine = dict(entry.get("routine") or {"name": "gd"})
     name = routine.pop("name")
     return f"{name}({', '.join(f'{k}={_fmt(v)}' for k, v in routine.items())})" if routine else name
@@ -37,14 +39,16 @@ _AT = {"best": "best over rounds", "final": "final", "train_best": "at the train
 
 
 def _endpoint(row: dict) -> str:
-    return f"{'log ' if row.get('scale') == 'log' else ''}{_LABELS[row['criterion']]}, {_AT[row['at']]}"
+    scale = "log " if row.get("scale") == "log" else ""
+    return f"{scale}{_LABELS[row['criterion']]}, {_AT[row['at']]}"
 
 
 def format_table(eps_summary: dict) -> str:
-    """Markdown tables of one ε: per method and criterion the chosen point and mean ± std of its reported endpoint and
-    of the final value; the choices left on a grid edge; every test with its raw and adjusted p."""
-    lines = ["| method | routine | criterion | chosen hyper-parameters | reported (mean ± std) | final (mean ± std) | σ₁ / σ₂ | z₁ / z₂ |",
-             "|---|---|---|---|---|---|---|---|"]
+    """Markdown tables of one ε: per method and criterion the chosen point and mean ± std of its
+    reported endpoint and of the final value; the choices left on a grid edge; every test with its
+    raw and adjusted p."""
+    lines = ["| method | routine | criterion | chosen hyper-parameters | reported (mean ± std) | "
+             "final (mean ± std) | σ₁ / σ₂ | z₁ / z₂ |", "|---|---|---|---|---|---|---|---|"]
     for name, entry in eps_summary["methods"].items():
         for c, info in entry["criteria"].items():
             point = ", ".join(f"{k}={_fmt(v)}" for k, v in info["point"].items()) or "–"
@@ -53,43 +57,53 @@ def format_table(eps_summary: dict) -> str:
             zs = "–" if cal is None else f"{_fmt(cal['z1'])} / {_fmt(cal['z2'])}"
             rep = info["reported"]
             lines.append(
-                f"| {name} | {_routine(entry)} | {_LABELS[c]} | {point} | {_fmt(rep['mean'])} ± {_fmt(rep['std'], 2)} "
-                f"({_AT[rep['at']]}) | {_fmt(info['final_mean'])} ± {_fmt(info['final_std'], 2)} | {sig} | {zs} |"
+                f"| {name} | {_routine(entry)} | {_LABELS[c]} | {point} | {_fmt(rep['mean'])} ± "
+                f"{_fmt(rep['std'], 2)} ({_AT[rep['at']]}) | {_fmt(info['final_mean'])} ± "
+                f"{_fmt(info['final_std'], 2)} | {sig} | {zs} |"
             )
-    accuracy = {name: e["accuracy"] for name, e in eps_summary["methods"].items() if "accuracy" in e}
+    accuracy = {name: e["accuracy"] for name, e in eps_summary["methods"].items()
+                if "accuracy" in e}
     if accuracy:
-        lines += ["", "Test accuracy at the train-loss-best grid point (reported, never selected on):", "",
-                  "| method | chosen hyper-parameters | reported (mean ± std) | final (mean ± std) |",
-                  "|---|---|---|---|"]
+        lines += ["", "Test accuracy at the train-loss-best grid point (reported, never "
+                  "selected on):", "",
+                  "| method | chosen hyper-parameters | reported (mean ± std) "
+                  "| final (mean ± std) |", "|---|---|---|---|"]
         for name, info in accuracy.items():
             point = ", ".join(f"{k}={_fmt(v)}" for k, v in info["point"].items()) or "–"
             rep = info["reported"]
-            lines.append(f"| {name} | {point} | {_fmt(rep['mean'])} ± {_fmt(rep['std'], 2)} ({_AT[rep['at']]}) | "
-                         f"{_fmt(info['final_mean'])} ± {_fmt(info['final_std'], 2)} |")
-    edges = [(name, c, h) for name, e in eps_summary["methods"].items() for c, hits in e.get("edges", {}).items()
-             for h in hits]
-    grown = [(name, x) for name, e in eps_summary["methods"].items() for x in e.get("extensions", [])]
+            lines.append(f"| {name} | {point} | {_fmt(rep['mean'])} ± {_fmt(rep['std'], 2)} "
+                         f"({_AT[rep['at']]}) | {_fmt(info['final_mean'])} ± "
+                         f"{_fmt(info['final_std'], 2)} |")
+    edges = [(name, c, h) for name, e in eps_summary["methods"].items()
+             for c, hits in e.get("edges", {}).items() for h in hits]
+    grown = [(name, x) for name, e in eps_summary["methods"].items()
+             for x in e.get("extensions", [])]
     if grown:
-        lines += ["", "Grid extensions (a pick on the edge of its line on the tuning seeds: the point one step further "
-                  "along that key was tuned too): "
-                  + "; ".join(f"{name}: {x['key']} → {_fmt(x['value'])} ({x['because']})" for name, x in grown) + "."]
+        lines += ["", "Grid extensions (a pick on the edge of its line on the tuning seeds: the "
+                  "point one step further along that key was tuned too): "
+                  + "; ".join(f"{name}: {x['key']} → {_fmt(x['value'])} ({x['because']})"
+                              for name, x in grown) + "."]
     if edges:
         lines += ["", "**Picks still on a grid edge** (the grid may be too narrow there): "
-                  + "; ".join(f"{name}, {_LABELS[c]}: {h['key']} = {_fmt(h['value'])} ({h['side']}; {h['why']})"
+                  + "; ".join(f"{name}, {_LABELS[c]}: {h['key']} = {_fmt(h['value'])} "
+                              f"({h['side']}; {h['why']})"
                               for name, c, h in edges) + "."]
     if eps_summary["tests"]:
-        lines += ["", "Paired t-tests by evaluation seed (alternative said of treatment − control). **Primary** "
-                  "tests: Holm-adjusted p over the study's primary family; exploratory tests: Benjamini–Hochberg q "
-                  "over its exploratory family (never a confirmed result).", "",
-                  "| comparison | endpoint | family | alternative | mean difference | p | adjusted | df |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "Paired t-tests by evaluation seed (alternative said of treatment − "
+                  "control). **Primary** tests: Holm-adjusted p over the study's primary family; "
+                  "exploratory tests: Benjamini–Hochberg q over its exploratory family (never a "
+                  "confirmed result).", "",
+                  "| comparison | endpoint | family | alternative | mean difference | p | adjusted "
+                  "| df |", "|---|---|---|---|---|---|---|---|"]
         for pair, tests in eps_summary["tests"].items():
             for c, t in tests.items():
                 for row in t["rows"].values():
                     adj = row.get("p_adjusted")
-                    lines.append(f"| {pair} | {_endpoint(row)} | {'**primary**' if row['family'] == 'primary' else 'exploratory'} | "
-                                 f"{row['alternative']} | {_fmt(row['mean_difference'], 3)} | {_fmt(row['p_value'], 3)} | "
-                                 f"{_fmt(adj, 3)} ({'Holm' if row.get('adjustment') == 'holm' else 'BH q'}) | {row['df']} |")
+                    family = "**primary**" if row["family"] == "primary" else "exploratory"
+                    how = "Holm" if row.get("adjustment") == "holm" else "BH q"
+                    lines.append(f"| {pair} | {_endpoint(row)} | {family} | {row['alternative']} | "
+                                 f"{_fmt(row['mean_difference'], 3)} | {_fmt(row['p_value'], 3)} | "
+                                 f"{_fmt(adj, 3)} ({how}) | {row['df']} |")
     return "\n".join(lines)
 
 
@@ -100,25 +114,29 @@ def format_inference(summary: dict) -> str:
         return ""
     lines = [f"**Protocol:** {inf['label']}."]
     if inf["primary"]:
-        lines += ["", f"**Primary endpoints** (declared in the study file; Holm over {inf['families']['primary']['size']} "
-                  f"tests, α = {inf['alpha']}):", "", "| ε | comparison | endpoint | alternative | mean difference | p | Holm p | result |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "**Primary endpoints** (declared in the study file; Holm over "
+                  f"{inf['families']['primary']['size']} tests, α = {inf['alpha']}):", "",
+                  "| ε | comparison | endpoint | alternative | mean difference | p | Holm p | "
+                  "result |", "|---|---|---|---|---|---|---|---|"]
         for r in inf["primary_results"]:
-            verdict = (f"significant: {r['treatment'] if r['lower'] == 'treatment' else r['control']} lower"
-                       if r["significant"] else "not significant (no claim either way)")
-            lines.append(f"| {r['epsilon']:g} | {r['pair']} | {_endpoint(r)} | {r['alternative']} | "
-                         f"{_fmt(r['mean_difference'], 3)} | {_fmt(r['p_value'], 3)} | {_fmt(r['p_adjusted'], 3)} | {verdict} |")
+            lower = r["treatment"] if r["lower"] == "treatment" else r["control"]
+            verdict = (f"significant: {lower} lower" if r["significant"] else
+                       "not significant (no claim either way)")
+            lines.append(f"| {r['epsilon']:g} | {r['pair']} | {_endpoint(r)} | {r['alternative']} "
+                         f"| {_fmt(r['mean_difference'], 3)} | {_fmt(r['p_value'], 3)} | "
+                         f"{_fmt(r['p_adjusted'], 3)} | {verdict} |")
     else:
         lines += ["", "No primary endpoint is declared: every test below is **exploratory**."]
     lines += ["", f"Exploratory tests: {inf['families']['exploratory']['size']}, of which "
-              f"{inf['exploratory_raw_below_alpha']} have raw p < {inf['alpha']} and {inf['exploratory_below_alpha']} "
-              f"BH q < {inf['alpha']}."]
+              f"{inf['exploratory_raw_below_alpha']} have raw p < {inf['alpha']} and "
+              f"{inf['exploratory_below_alpha']} BH q < {inf['alpha']}."]
     return "\n".join(lines)
 
 
 def aligned_metric(runs: list[dict], criterion: str) -> tuple[np.ndarray, np.ndarray]:
-    """The runs' values of ``criterion`` on one round axis [runs, rounds]: the longest run's rounds, inf where a run
-    has no value (it diverged before: the per-run path stops there, the batched engine records inf)."""
+    """The runs' values of ``criterion`` on one round axis [runs, rounds]: the longest run's rounds,
+    inf where a run has no value (it diverged before: the per-run path stops there, the batched
+    engine records inf)."""
     axis = max((r["rounds"] for r in runs), key=len)
     values = np.full((len(runs), len(axis)), math.inf)
     for i, r in enumerate(runs):
@@ -132,17 +150,20 @@ def _count(value: Any) -> str:
 
 
 def format_cost(eps_summary: dict) -> str:
-    """The cost table: per method and criterion, R, gradient evaluations, and what it took to reach the reference."""
+    """The cost table: per method and criterion, R, gradient evaluations, and what it took to reach
+    the reference."""
     cost = eps_summary.get("cost")
     if not cost:
         return ""
     ref, slack = cost["reference"], cost["target_slack"]
-    lines = [f"Cost (n = {cost['n_train']} training samples; per-sample gradient evaluations as the algorithm counts "
-             "them: n per restart round, 2n per difference round, 2b(K − 1) expected per local phase). "
-             + (f"\"To {ref}'s utility\": the first evaluated round at which the method's seed-mean running minimum "
-                f"is within {slack:.0%} of {ref}'s mean minimum, and the evaluations spent by then (– : never)."
-                if ref else ""), "",
-             "| method | criterion | R | local exchanges | gradient evaluations | min over rounds (mean) |"
+    lines = [f"Cost (n = {cost['n_train']} training samples; per-sample gradient evaluations as "
+             "the algorithm counts them: n per restart round, 2n per difference round, 2b(K − 1) "
+             "expected per local phase). "
+             + (f"\"To {ref}'s utility\": the first evaluated round at which the method's "
+                f"seed-mean running minimum is within {slack:.0%} of {ref}'s mean minimum, and "
+                "the evaluations spent by then (– : never)." if ref else ""), "",
+             "| method | criterion | R | local exchanges | gradient evaluations "
+             "| min over rounds (mean) |"
              + (" round to reference | evaluations to reference |" if ref else ""),
              "|---|---|---|---|---|---|" + ("---|---|" if ref else "")]
     for name, entry in cost["methods"].items():
@@ -151,29 +172,37 @@ def format_cost(eps_summary: dict) -> str:
                    f"{_count(info['gradient_evaluations'][-1])} | "
                    f"{_fmt(eps_summary['methods'][name]['criteria'][c]['min_mean'])} |")
             if ref:
-                row += f" {_count(info.get('round_to_target'))} | {_count(info.get('evaluations_to_target'))} |"
+                row += (f" {_count(info.get('round_to_target'))} | "
+                        f"{_count(info.get('evaluations_to_target'))} |")
             lines.append(row)
     return "\n".join(lines)
+
+
 def _records(summary: dict) -> str:
-    """`` (n = 1000 training records: a uniform subsample, seed 0, of the train split's 16512; d = 101)``."""
+    """`` (n = 1000 training records: a uniform subsample, seed 0, of the train split's 16512; d =
+    101)``."""
     info = summary.get("dataset")
     if not info:
         return ""
-    sub = (f": a uniform subsample (`train_samples`, seed {info['subsample_seed']}) of the train split's "
-           f"{info['train_available']}" if "train_samples" in info else "")
-    return f" (n = {info['train']} training records{sub}; {info['test']} test records; d = {info['parameters']} parameters)"
+    sub = (f": a uniform subsample (`train_samples`, seed {info['subsample_seed']}) of the train "
+           f"split's {info['train_available']}" if "train_samples" in info else "")
+    return (f" (n = {info['train']} training records{sub}; {info['test']} test records; "
+            f"d = {info['parameters']} parameters)")
 
 
-def write_report(study, summary: dict, root: Path, runs_dir: Path, *, make_plots: bool = True) -> None:
+def write_report(study, summary: dict, root: Path, runs_dir: Path, *,
+                 make_plots: bool = True) -> None:
     """Write ``report.md`` and one PNG per ε (three panels, one per criterion) into ``root``."""
     parts = [f"# Study `{study.name}`", "",
-             f"Dataset `{study.dataset.get('name')}`{_records(summary)}, P = {study.clients}, R = {study.rounds} "
-             f"(unless a method sets its own), δ = {study.delta}, "
-             f"calibration `{study.mode}`, n_min = {summary['n_min']}, tuning seeds {list(study.tune_seeds)}, "
+             f"Dataset `{study.dataset.get('name')}`{_records(summary)}, P = {study.clients}, R = "
+             f"{study.rounds} (unless a method sets its own), δ = {study.delta}, "
+             f"calibration `{study.mode}`, n_min = {summary['n_min']}, tuning seeds "
+             f"{list(study.tune_seeds)}, "
              f"evaluation seeds {list(study.eval_seeds)}, engine `{study.engine}` ({study.dtype}). "
              "Criteria are evaluated every "
-             f"{study.eval_every} rounds; each training criterion is reported at its own grid point (chosen on the "
-             "tuning seeds), the test metrics at the train-loss point. Evaluation metrics are outside the private "
+             f"{study.eval_every} rounds; each training criterion is reported at its own grid "
+             "point (chosen on the tuning seeds), the test metrics at the train-loss point. "
+             "Evaluation metrics are outside the private "
              "protocol.", "", format_inference(summary), ""]
     for eps, eps_summary in summary["epsilons"].items():
         parts += [f"## ε = {eps}", "", format_table(eps_summary), ""]
@@ -186,12 +215,14 @@ def write_report(study, summary: dict, root: Path, runs_dir: Path, *, make_plots
                 png = _plot_cost(float(eps), eps_summary, root)
                 parts += [f"![cost, ε = {eps}]({png.name})", ""]
     parts += [f"Wall time: {summary['wall_time_s']:.0f} s.", ""]
-    atomic_write_text(root / "report.md", "\n".join(parts))  # drivers sharing a folder each write it whole
+    # drivers sharing a folder each write it whole
+    atomic_write_text(root / "report.md", "\n".join(parts))
 
 
 def _save(fig: Any, path: Path) -> Path:
-    """Write ``fig`` as a PNG at ``path`` whole (drivers sharing a folder each write it) and close it."""
-    import matplotlib.pyplot as plt
+    """Write ``fig`` as a PNG at ``path`` whole (drivers sharing a folder each write it) and close
+    it."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415 -- matplotlib loads only to draw
 
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
@@ -201,12 +232,12 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def _plot_cost(epsilon: float, eps_summary: dict, root: Path) -> Path:
-    """Two rows of three panels: the seed-mean running minimum of each criterion against communication rounds,
-    and against per-sample gradient evaluations."""
-    import matplotlib
+    """Two rows of three panels: the seed-mean running minimum of each criterion against
+    communication rounds, and against per-sample gradient evaluations."""
+    import matplotlib  # noqa: PLC0415 -- matplotlib loads only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 -- matplotlib loads only to draw
 
     cost = eps_summary["cost"]
     criteria = [c for c in ("train_loss", "grad_norm_sq", "test_loss")
@@ -215,7 +246,8 @@ def _plot_cost(epsilon: float, eps_summary: dict, root: Path) -> Path:
     for col, c in enumerate(criteria):
         for name, entry in cost["methods"].items():
             info = entry["criteria"][c]
-            curve = np.asarray([math.inf if v is None else v for v in info["running_min_mean"]], dtype=float)
+            curve = np.asarray([math.inf if v is None else v for v in info["running_min_mean"]],
+                               dtype=float)
             if not np.all(np.isfinite(curve)):
                 continue
             axes[0, col].plot(info["rounds"], curve, label=name)
@@ -229,7 +261,8 @@ def _plot_cost(epsilon: float, eps_summary: dict, root: Path) -> Path:
             ax.set_yscale("log")
             ax.set_xlabel(xlabel)
             ax.set_ylabel(f"{_LABELS[c]}: running min, mean over seeds")
-            ax.set_title(f"{_LABELS[c]} (ε={epsilon:g})" + (f"; dotted: {ref}'s min + {cost['target_slack']:.0%}"
+            ax.set_title(f"{_LABELS[c]} (ε={epsilon:g})"
+                         + (f"; dotted: {ref}'s min + {cost['target_slack']:.0%}"
                                                           if ref else ""), fontsize=8)
     axes[0, 0].legend(fontsize=8)
     fig.tight_layout()
@@ -237,10 +270,10 @@ def _plot_cost(epsilon: float, eps_summary: dict, root: Path) -> Path:
 
 
 def _plot(study, epsilon: float, eps_summary: dict, root: Path, runs_dir: Path) -> Path:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 -- matplotlib loads only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 -- matplotlib loads only to draw
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     tests = eps_summary["tests"]
@@ -261,10 +294,12 @@ def _plot(study, epsilon: float, eps_summary: dict, root: Path, runs_dir: Path) 
         for pair, t in tests.items():
             if c in t:
                 row = next(iter(t[c]["rows"].values()))
-                ps.append(f"{pair.replace('DIFF2-GD ', '')}: {'Holm p' if row.get('adjustment') == 'holm' else 'BH q'}"
-                          f"={_fmt(row.get('p_adjusted'), 2)}")
+                how = "Holm p" if row.get("adjustment") == "holm" else "BH q"
+                short = pair.replace("DIFF2-GD ", "")
+                ps.append(f"{short}: {how}={_fmt(row.get('p_adjusted'), 2)}")
         lines = ["; ".join(ps[i:i + 2]) for i in range(0, len(ps), 2)]
-        ax.set_title("\n".join([f"{_LABELS[c]} (ε={epsilon:g}), adjusted p of the reported endpoint"] + lines),
+        ax.set_title("\n".join([
+            f"{_LABELS[c]} (ε={epsilon:g}), adjusted p of the reported endpoint"] + lines),
                      fontsize=8)
     axes[0].legend(fontsize=8)
     fig.tight_layout()

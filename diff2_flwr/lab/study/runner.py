@@ -1,4 +1,5 @@
-"""Studies: the paper's protocol (grid search per method, seeds, criteria, t-tests) from one YAML file.
+"""Studies: the paper's protocol (grid search per method, seeds, criteria, t-tests) from one YAML
+file.
 
 A study names a dataset, R, δ and a list of ε; a list of methods, each a base method (gd,
 dpgd, diff2) with a routine (gd by default; momentum, nesterov, adam, adamw: post-processing of
@@ -45,10 +46,13 @@ from typing import Any, Callable
 
 from ...runtime.config import ExperimentConfig
 from ...runtime.outputs import to_json
+from ...runtime.session import initial_parameters, subsample_info
 from .claims import STALE_AFTER_S, ClaimBook, atomic_write_text
+from .cluster import unit_data
 from .scheduler import Progress, Tally, execute, load_runs, make_executor
 from .analysis import inference, select_method, summarise
 from .plan import GridSearch, Job, check_point, eval_jobs, planned_runs, tune_jobs
+from .report import write_report
 from .spec import MethodSpec, Study, StudyError, load_study, parse_study
 
 # Names that code and tests import from here, each defined in its part (``X as X``: re-exported).
@@ -56,8 +60,7 @@ from .scheduler import compute_unit as compute_unit
 from .analysis import cost_summary as cost_summary, paired_one_sided_ttest as paired_one_sided_ttest
 from .analysis import select as select
 from .plan import Unit as Unit, batchable as batchable, plan_units as plan_units
-from .spec import ACCURACY as ACCURACY, CRITERIA as CRITERIA, GRID_KEYS as GRID_KEYS
-from .spec import LOCAL_KEYS as LOCAL_KEYS, ROUTINE_GRID_KEYS as ROUTINE_GRID_KEYS, test_pairs as test_pairs
+from .spec import ACCURACY as ACCURACY, CRITERIA as CRITERIA, test_pairs as test_pairs
 
 __all__ = [
     "ACCURACY",
@@ -74,29 +77,35 @@ __all__ = [
 
 
 def run_study(
-    study: Study, *, output_root: str | Path | None = None, fresh: bool = False, show_progress: bool = True,
+    study: Study, *, output_root: str | Path | None = None, fresh: bool = False,
+    show_progress: bool = True,
     make_plots: bool = True, ray_address: str | None = None, stale_after_s: float = STALE_AFTER_S,
 ) -> dict:
-    """Run the whole study (resumable) and write summary.json, report.md and plots; return the summary.
+    """Run the whole study (resumable) and write summary.json, report.md and plots; return the
+    summary.
 
-    With ``ray_address`` the units run as tasks of that Ray cluster (:class:`~.cluster.RayExecutor`),
-    else in this process. Any number of drivers (processes, machines) may share one output folder:
-    each run is claimed before it is computed (:mod:`~.claims`), so none is computed twice, every
-    file is written whole, and a run claimed by a driver that died is taken over (at once if that
-    driver ran on this machine, else after ``stale_after_s`` seconds without its heartbeat).
+    With ``ray_address`` the units run as tasks of that Ray cluster
+    (:class:`~.cluster.RayExecutor`), else in this process. Any number of drivers (processes,
+    machines) may share one output folder: each run is claimed before it is computed
+    (:mod:`~.claims`), so none is computed twice, every file is written whole, and a run claimed by
+    a driver that died is taken over (at once if that driver ran on this machine, else after
+    ``stale_after_s`` seconds without its heartbeat).
     """
     if ray_address is not None and study.engine == "flower":
-        raise StudyError(f"{study.source}: key `engine`: expected 'batch' or 'inprocess' on a Ray cluster (each "
-                         "`flower` run is a Flower simulation that starts its own Ray). Found 'flower'.")
+        raise StudyError(f"{study.source}: key `engine`: expected 'batch' or 'inprocess' on a Ray "
+                         "cluster (each `flower` run is a Flower simulation that starts its own "
+                         "Ray). Found 'flower'.")
     root = Path(output_root or study.output_dir).expanduser().resolve() / study.name
     runs_dir = root / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
-    # On the way out (done, error, Ctrl-C): the executor stops first, then every claim still held is released.
-    with ClaimBook(runs_dir, stale_after_s=stale_after_s) as book, contextlib.ExitStack() as cleanup:
+    # On the way out (done, error, Ctrl-C): the executor stops first, then every claim still held is
+    # released.
+    with ClaimBook(runs_dir,
+                   stale_after_s=stale_after_s) as book, contextlib.ExitStack() as cleanup:
         if fresh:
             _start_afresh(study, runs_dir, book)
-        return _run_study(study, root, runs_dir, book, cleanup, ray_address=ray_address, show_progress=show_progress,
-                          make_plots=make_plots)
+        return _run_study(study, root, runs_dir, book, cleanup, ray_address=ray_address,
+                          show_progress=show_progress, make_plots=make_plots)
 
 
 def _start_afresh(study: Study, runs_dir: Path, book: ClaimBook) -> None:
@@ -106,25 +115,27 @@ def _start_afresh(study: Study, runs_dir: Path, book: ClaimBook) -> None:
         path, owner = live[0]
         who = f"driver on {owner.host} (pid {owner.pid})" if owner else "another driver"
         raise StudyError(
-            f"{study.source}: --fresh would delete the runs of {runs_dir}, but {len(live)} run(s) there are "
-            f"claimed by a live {who}, e.g. {path.name}. Stop that driver first (or, if it is gone and "
-            "ran on another machine, delete runs/*.claim-*), or run without --fresh to share its work.")
+            f"{study.source}: --fresh would delete the runs of {runs_dir}, but {len(live)} run(s) "
+            f"there are claimed by a live {who}, e.g. {path.name}. Stop that driver first (or, if "
+            "it is gone and ran on another machine, delete runs/*.claim-*), or run without "
+            "--fresh to share its work.")
     for f in runs_dir.glob("*.json"):
         f.unlink()
     book.clear()
 
 
-def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanup: contextlib.ExitStack, *,
-               ray_address: str | None, show_progress: bool, make_plots: bool) -> dict:
-    """Spec → plan → scheduler → analysis, per ε: tune (and extend), select, evaluate, summarise; then the
-    study's inference, its summary.json and its report."""
-    from .cluster import unit_data
-
+def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook,
+               cleanup: contextlib.ExitStack, *, ray_address: str | None, show_progress: bool,
+               make_plots: bool) -> dict:
+    """Spec → plan → scheduler → analysis, per ε: tune (and extend), select, evaluate, summarise;
+    then the study's inference, its summary.json and its report."""
     started = time.perf_counter()
-    probe = study.experiment(study.methods[0], study.methods[0].points()[0], study.epsilons[0], study.tune_seeds[0])
+    first = study.methods[0]
+    probe = study.experiment(first, first.points()[0], study.epsilons[0], study.tune_seeds[0])
     data = unit_data(probe)
-    # Every configuration of the grid passes the partition's refusal rule (min_samples, max_sigma) before any
-    # run starts, on every engine: the batched one never builds a server that would check it.
+    # Every configuration of the grid passes the partition's refusal rule (min_samples, max_sigma)
+    # before any run starts, on every engine: the batched one never builds a server that would check
+    # it.
     for epsilon in study.epsilons:
         for m in study.methods:
             for p in m.points():
@@ -138,21 +149,23 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
         execute(study, jobs, runs_dir, progress, executor, book, tally)
         load_runs(runs_dir, (j.run_id for j in jobs), table)
 
-    rows: list[dict] = []  # every test of the study, across ε: the families are corrected over all of them
+    # every test of the study, across ε: the families are corrected over all of them
+    rows: list[dict] = []
     for epsilon in study.epsilons:
         table: dict[str, dict] = {}  # this ε's runs, read once: what the analysis sees
-        # 1. tuning, and 2. selection on the tuning seeds' mean; an edge pick extends its axis and re-tunes
+        # 1. tuning, and 2. selection on the tuning seeds' mean; an edge pick extends its axis and
+        # re-tunes
         chosen, searched = _tune(study, epsilon, data, run, table, progress)
         # 3. evaluation
         jobs = eval_jobs(study, chosen, epsilon)
         run(jobs, table)
-        # Planned per selection criterion (train loss, ‖∇f‖²); where both picked one point, its runs are done with
-        # their twins.
+        # Planned per selection criterion (train loss, ‖∇f‖²); where both picked one point, its runs
+        # are done with their twins.
         progress.done += 2 * len(study.methods) * len(study.eval_seeds) - len(jobs)
         progress.show()
         # 4. summary
-        summary["epsilons"][str(epsilon)], found = summarise(study, epsilon, chosen, searched, table, data.n_min,
-                                                             sum(data.shard_sizes))
+        summary["epsilons"][str(epsilon)], found = summarise(
+            study, epsilon, chosen, searched, table, data.n_min, sum(data.shard_sizes))
         rows += found
     summary["inference"] = inference(study, rows)
     progress.finish()
@@ -160,13 +173,14 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook, cleanu
     return _finish(study, summary, root, runs_dir, executor, book, tally, make_plots)
 
 
-def _tune(study: Study, epsilon: float, data: Any, run: Callable[[list[Job], dict[str, dict]], None],
-          table: dict[str, dict], progress: Progress) -> tuple[dict[str, dict[str, dict]], dict[str, dict]]:
-    """Tune every method at ``epsilon``: run its grid on the tuning seeds, pick per criterion, and extend where a
-    pick lies on an edge (:class:`~.plan.GridSearch`), until no pick moves outward.
+def _tune(study: Study, epsilon: float, data: Any,
+          run: Callable[[list[Job], dict[str, dict]], None], table: dict[str, dict],
+          progress: Progress) -> tuple[dict[str, dict[str, dict]], dict[str, dict]]:
+    """Tune every method at ``epsilon``: run its grid on the tuning seeds, pick per criterion, and
+    extend where a pick lies on an edge (:class:`~.plan.GridSearch`), until no pick moves outward.
 
-    Returns the picks (method -> criterion -> point) and, per method, the values searched per key, the points
-    tuned, the extensions made and the picks that stay on an edge (with the reason).
+    Returns the picks (method -> criterion -> point) and, per method, the values searched per key,
+    the points tuned, the extensions made and the picks that stay on an edge (with the reason).
     """
     search = GridSearch.start(study)
     done: set[str] = set()
@@ -174,12 +188,15 @@ def _tune(study: Study, epsilon: float, data: Any, run: Callable[[list[Job], dic
         jobs = [j for j in tune_jobs(study, search.tuned, epsilon) if j.run_id not in done]
         done.update(j.run_id for j in jobs)  # each extension tunes its new points only
         run(jobs, table)
-        chosen = {m.name: select_method(study, m, search.tuned[m.name], epsilon, table) for m in study.methods}
-        steps = search.extend(study, chosen, lambda m, point: check_point(study, m, point, epsilon, data))
+        chosen = {m.name: select_method(study, m, search.tuned[m.name], epsilon, table)
+                  for m in study.methods}
+        steps = search.extend(study, chosen,
+                              lambda m, point: check_point(study, m, point, epsilon, data))
         for step in steps:
-            print(f"[diff2] study {study.name}, ε = {epsilon:g}: {step['method']} picked {step['key']} = "
-                  f"{step['from']:g} on the {step['side']} edge of its line for {step['because']}: tuning "
-                  f"{step['key']} = {step['value']:g} there", file=sys.stderr)
+            print(f"[diff2] study {study.name}, ε = {epsilon:g}: {step['method']} picked "
+                  f"{step['key']} = {step['from']:g} on the {step['side']} edge of its line for "
+                  f"{step['because']}: tuning {step['key']} = {step['value']:g} there",
+                  file=sys.stderr)
             progress.grow(len(study.tune_seeds))
         if not steps:
             return chosen, search.searched(study, chosen)
@@ -187,36 +204,39 @@ def _tune(study: Study, epsilon: float, data: Any, run: Callable[[list[Job], dic
 
 def _header(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, Any]:
     """The summary's description of the study, before any result."""
-    return {"study": study.name, "source": study.source, "rounds": study.rounds, "delta": study.delta,
-            "mode": study.mode, "clients": study.clients, "n_min": data.n_min, "dataset": _data_info(study, probe, data),
-            "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds), "engine": study.engine,
-            "dtype": study.dtype, "threads": study.threads, "workers": study.workers, "epsilons": {}}
+    return {"study": study.name, "source": study.source, "rounds": study.rounds,
+            "delta": study.delta, "mode": study.mode, "clients": study.clients,
+            "n_min": data.n_min, "dataset": _data_info(study, probe, data),
+            "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds),
+            "engine": study.engine, "dtype": study.dtype, "threads": study.threads,
+            "workers": study.workers, "epsilons": {}}
 
 
 def _data_info(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, Any]:
-    """The data a study trained on: its dataset settings, the training records n (the sum of the shard sizes), the
-    test records, the shard sizes, the subsample (``train_samples``) if any, and the model's parameter count d."""
-    from ...runtime.session import initial_parameters, subsample_info
-
-    settings = {k: v for k, v in study.dataset.items() if k != "dir"}  # where the files lie is not the data
+    """The data a study trained on: its dataset settings, the training records n (the sum of the
+    shard sizes), the test records, the shard sizes, the subsample (``train_samples``) if any, and
+    the model's parameter count d."""
+    # where the files lie is not the data
+    settings = {k: v for k, v in study.dataset.items() if k != "dir"}
     return {"settings": settings, "name": data.name, "train": int(sum(data.shard_sizes)),
-            "test": int(data.x_test.shape[0]), "shard_sizes": list(data.shard_sizes), **subsample_info(probe, data),
+            "test": int(data.x_test.shape[0]), "shard_sizes": list(data.shard_sizes),
+            **subsample_info(probe, data),
             "parameters": int(initial_parameters(probe, data).size), "features": data.num_features,
             "outputs": data.num_outputs}
 
 
-def _finish(study: Study, summary: dict, root: Path, runs_dir: Path, executor: Any, book: ClaimBook, tally: Tally,
-            make_plots: bool) -> dict:
+def _finish(study: Study, summary: dict, root: Path, runs_dir: Path, executor: Any, book: ClaimBook,
+            tally: Tally, make_plots: bool) -> dict:
     """Say who computed what, write summary.json (whole) and the report; return the summary."""
-    # Who computed what, as this driver saw it (drivers sharing the folder each rewrite the summary, whole).
-    summary["execution"] = {**executor.describe(), "driver": book.owner.driver, "host": book.owner.host,
-                            "runs_computed_here": tally.computed, "runs_by_other_drivers": tally.by_others,
-                            "runs_reused": tally.reused}
+    # Who computed what, as this driver saw it (drivers sharing the folder each rewrite the summary,
+    # whole).
+    summary["execution"] = {**executor.describe(), "driver": book.owner.driver,
+                            "host": book.owner.host,
+                            "runs_computed_here": tally.computed,
+                            "runs_by_other_drivers": tally.by_others, "runs_reused": tally.reused}
     print(f"[diff2] study {study.name}: {tally.computed} run(s) computed by this driver "
-          f"({summary['execution']['executor']}), {tally.by_others} by other drivers, {tally.reused} reused",
-          file=sys.stderr)
+          f"({summary['execution']['executor']}), {tally.by_others} by other drivers, "
+          f"{tally.reused} reused", file=sys.stderr)
     atomic_write_text(root / "summary.json", json.dumps(to_json(summary), indent=2) + "\n")
-    from .report import write_report
-
     write_report(study, summary, root, runs_dir, make_plots=make_plots)
     return summary

@@ -1,4 +1,5 @@
-"""A study's scheduler: computes the planned runs that have no result file yet, each exactly once across drivers.
+"""A study's scheduler: computes the planned runs that have no result file yet, each exactly once
+across drivers.
 
 The runs of one phase are planned into units (:func:`~.plan.plan_units`), claimed run by run
 (:class:`~.claims.ClaimBook`), computed by an executor (here, in a local pool of worker processes,
@@ -16,6 +17,7 @@ import collections
 import json
 import math
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,26 +25,36 @@ from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
+from ...core.layout import ParameterLayout
+from ...runtime.compute import pinned_threads
 from ...runtime.config import ExperimentConfig
+from ...runtime.driver import run_inprocess
+from ...runtime.launch import SimulationDiverged, run_simulation
+from ...runtime.loading import model_of
 from ...runtime.outputs import to_json
 from ...runtime.progress import ProgressReporter
+from ...runtime.server_core import ServerSpec
 from .claims import ClaimBook, Owner, atomic_write_text
+from .cluster import (LocalExecutor, PoolExecutor, RayExecutor, code_fingerprint, node_report,
+                      unit_data)
 from .plan import Job, Unit, plan_units
 from .spec import ACCURACY, CRITERIA, Study
 
-__all__ = ["POLL_S", "Progress", "Tally", "compute_unit", "execute", "load_run", "load_runs", "make_executor",
-           "write_run"]
+__all__ = ["POLL_S", "Progress", "Tally", "compute_unit", "execute", "load_run", "load_runs",
+           "make_executor", "write_run"]
 
 #: Seconds between two looks at runs that other drivers are computing.
 POLL_S = 1.0
 
 
 class Progress:
-    """Runs done / total with an ETA on stderr: a live bar on a terminal, plain periodic lines otherwise.
+    """Runs done / total with an ETA on stderr: a live bar on a terminal, plain periodic lines
+    otherwise.
 
-    The total never goes down: it is the plan (every grid point on the tuning seeds, and per method and
-    selection criterion its pick on the evaluation seeds), grown only when a grid extends (:meth:`grow`).
-    Runs found done (reused, by other drivers, or shared by two criteria that picked one point) count as done.
+    The total never goes down: it is the plan (every grid point on the tuning seeds, and per method
+    and selection criterion its pick on the evaluation seeds), grown only when a grid extends
+    (:meth:`grow`). Runs found done (reused, by other drivers, or shared by two criteria that picked
+    one point) count as done.
     """
 
     def __init__(self, total: int, enabled: bool) -> None:
@@ -51,6 +63,7 @@ class Progress:
 
     @property
     def total(self) -> int:
+        """The runs planned so far."""
         return self._total
 
     def grow(self, runs: int) -> None:
@@ -60,17 +73,20 @@ class Progress:
         self._total += runs
 
     def show(self, fraction_of_batch: float = 0.0, batch: int = 0) -> None:
+        """Show the runs done, plus ``fraction_of_batch`` of a running batch of ``batch`` runs."""
         if self._reporter.total != self.total:
             self._reporter.set_total(self.total)
         self._reporter.update(self.done + fraction_of_batch * batch)
 
     def finish(self) -> None:
+        """End the progress display."""
         self._reporter.finish()
 
 
 @dataclass
 class Tally:
-    """Runs this driver computed, found done by other drivers, and reused from earlier (the study's ``execution``)."""
+    """Runs this driver computed, found done by other drivers, and reused from earlier (the study's
+    ``execution``)."""
 
     computed: int = 0
     by_others: int = 0
@@ -79,8 +95,10 @@ class Tally:
 
 # ------------------------------------------------------------------------------- computing one unit
 
-def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None] | None = None) -> list[dict]:
-    """Compute the runs of ``unit`` in this process; one ``{"metrics", "diverged_at", "engine"}`` per run.
+def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None]
+                 | None = None) -> list[dict]:
+    """Compute the runs of ``unit`` in this process; one ``{"metrics", "diverged_at", "engine"}``
+    per run.
 
     Every thread pool is pinned to ``study.threads`` while it computes (the inprocess and flower
     engines pin ``training.threads``, which the study sets to the same): on one machine a unit
@@ -97,27 +115,33 @@ def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None] 
 
 
 def _run_batch(study: Study, unit: Unit, progress: Callable[[int, int], None] | None) -> list[dict]:
-    """The runs of one batch of the batched engine (:func:`~.sweep.run_batch`)."""
-    import torch
+    """The runs of one batch of the batched engine (:func:`~.sweep.run_batch`), each run as the
+    server of the per-run path would be: its mechanism, checked against its calibration, from the
+    one place a server is built from an experiment
+    (:meth:`~diff2_flwr.runtime.server_core.ServerSpec.of`), for the n_min the per-run path takes (a
+    run that sets what the batch cannot honour is not here: :func:`~.plan.batch_ignores`)."""
+    import torch  # noqa: PLC0415 -- torch and the batched engine load where a batch runs
 
-    from ...runtime.compute import pinned_threads
-    from .cluster import unit_data
-    from ..sweep import RunSpec, run_batch
+    from ..sweep import RunSpec, run_batch  # noqa: PLC0415 -- see above
 
     batch = unit.jobs
     with pinned_threads(study.threads):
         cfg = batch[0].cfg
         data = unit_data(cfg)
+        layout = ParameterLayout.of(model_of(cfg, data.num_features, data.num_outputs))
         specs = []
         for j in batch:
-            mech = j.cfg.mechanism(j.cfg.calibration(data.n_min))
-            routine = j.cfg.training.routine
-            specs.append(RunSpec(mech.restart_every, j.cfg.training.learning_rate, mech.clip_restart,
-                                 mech.clip_diff, mech.sigma_restart, mech.sigma_diff, j.cfg.training.seed,
-                                 j.cfg.model.init_seed,
-                                 routine=routine.name, routine_params=tuple(sorted(routine.params().items()))))
-        results = run_batch(data, specs, rounds=cfg.training.rounds, hidden=study.hidden, model=study.model,
-                            model_kwargs=study.model_kwargs, loss=cfg.loss, eval_every=study.eval_every,
+            server = ServerSpec.of(j.cfg, layout=layout, n_min=j.cfg.privacy.n_min or data.n_min)
+            mech, routine = server.mechanism, j.cfg.training.routine
+            specs.append(RunSpec(mech.restart_every, j.cfg.training.learning_rate,
+                                 mech.clip_restart, mech.clip_diff, mech.sigma_restart,
+                                 mech.sigma_diff, j.cfg.training.seed, j.cfg.model.init_seed,
+                                 routine=routine.name,
+                                 routine_params=tuple(sorted(routine.params().items()))))
+        model = cfg.model  # the study's, in every run config
+        results = run_batch(data, specs, rounds=cfg.training.rounds, hidden=model.hidden_units,
+                            model=model.name, model_kwargs=model.kwargs.as_dict(), loss=cfg.loss,
+                            eval_every=cfg.evaluation.every,
                             dtype=torch.float32 if study.dtype == "float32" else torch.float64,
                             compile=study.compile, progress=progress, device=study.device)
     out = []
@@ -131,9 +155,8 @@ def _run_batch(study: Study, unit: Unit, progress: Callable[[int, int], None] | 
 
 
 def _run_single(cfg: ExperimentConfig, engine: str) -> tuple[dict, int | None]:
-    """One run on the per-run path (``inprocess``: the in-process driver; ``flower``: a Flower simulation)."""
-    from ...runtime.driver import run_inprocess
-
+    """One run on the per-run path (``inprocess``: the in-process driver; ``flower``: a Flower
+    simulation)."""
     if engine == "flower":
         rows, diverged = _run_flower(cfg)
     else:
@@ -141,20 +164,19 @@ def _run_single(cfg: ExperimentConfig, engine: str) -> tuple[dict, int | None]:
         rows, diverged = server.history, server.diverged_at
     rows = [r for r in rows if "train_loss" in r or "test_loss" in r]
     accuracy = any(ACCURACY in r for r in rows)
-    if diverged is not None:  # the diverged iterate has no finite metrics: its criteria are inf from then on
+    # the diverged iterate has no finite metrics: its criteria are inf from then on
+    if diverged is not None:
         rows.append({"round": diverged, **{c: math.inf for c in CRITERIA}, ACCURACY: math.nan})
-    metrics = {"rounds": [r["round"] for r in rows], **{c: [r.get(c, math.inf) for r in rows] for c in CRITERIA}}
+    metrics = {"rounds": [r["round"] for r in rows],
+               **{c: [r.get(c, math.inf) for r in rows] for c in CRITERIA}}
     if accuracy:  # a diverged iterate's accuracy is unknown (NaN), never counted as a best
         metrics[ACCURACY] = [r.get(ACCURACY, math.nan) for r in rows]
     return metrics, diverged
 
 
 def _run_flower(cfg: ExperimentConfig) -> tuple[list[dict], int | None]:
-    """The metric rows of one Flower simulation of ``cfg``, and the round it diverged at (None: it did not)."""
-    import tempfile
-
-    from ...runtime.launch import SimulationDiverged, run_simulation
-
+    """The metric rows of one Flower simulation of ``cfg``, and the round it diverged at (None: it
+    did not)."""
     with tempfile.TemporaryDirectory(prefix="diff2-study-") as tmp:
         path = Path(tmp) / "run.yaml"
         data = cfg.to_dict()
@@ -164,23 +186,26 @@ def _run_flower(cfg: ExperimentConfig) -> tuple[list[dict], int | None]:
             result, diverged = run_simulation(str(path), echo=False), None
         except SimulationDiverged as err:  # a training failure: the study records it and goes on
             result, diverged = err.result, err.diverged_at
-        return [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()], diverged
+        rows = (result.output_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in rows], diverged
 
 
 # ------------------------------------------------------------------------------- run files
 
 def write_run(runs_dir: Path, job: Job, metrics: dict, diverged: int | None, engine: str,
               computed_by: Mapping[str, str] | None = None) -> None:
-    """Write one run's record, whole (atomically): what it is, its per-round metrics, and who computed it."""
+    """Write one run's record, whole (atomically): what it is, its per-round metrics, and who
+    computed it."""
     record = {"run_id": job.run_id, "method": job.method.name, "base_method": job.method.method,
               "routine": job.method.routine_of(job.point), "point": job.point,
-              "epsilon": job.epsilon, "seed": job.seed, "engine": engine, "diverged_at": diverged, **metrics,
-              "computed_by": dict(computed_by or {})}
+              "epsilon": job.epsilon, "seed": job.seed, "engine": engine, "diverged_at": diverged,
+              **metrics, "computed_by": dict(computed_by or {})}
     atomic_write_text(runs_dir / f"{job.run_id}.json", json.dumps(to_json(record)))
 
 
 def load_run(runs_dir: Path, run_id: str) -> dict:
-    """One run's record, with JSON's nulls as inf (a criterion of a diverged run) or NaN (its accuracy)."""
+    """One run's record, with JSON's nulls as inf (a criterion of a diverged run) or NaN (its
+    accuracy)."""
     record = json.loads((runs_dir / f"{run_id}.json").read_text())
     for c in CRITERIA:  # null = inf/NaN (a diverged run)
         record[c] = [math.inf if v is None else v for v in record[c]]
@@ -189,8 +214,10 @@ def load_run(runs_dir: Path, run_id: str) -> dict:
     return record
 
 
-def load_runs(runs_dir: Path, run_ids: Iterable[str], table: dict[str, dict] | None = None) -> dict[str, dict]:
-    """The table of runs (run id -> record) of ``run_ids``, added to ``table`` (runs already in it are not re-read)."""
+def load_runs(runs_dir: Path, run_ids: Iterable[str],
+              table: dict[str, dict] | None = None) -> dict[str, dict]:
+    """The table of runs (run id -> record) of ``run_ids``, added to ``table`` (runs already in it
+    are not re-read)."""
     table = {} if table is None else table
     for rid in run_ids:
         if rid not in table:
@@ -201,17 +228,18 @@ def load_runs(runs_dir: Path, run_ids: Iterable[str], table: dict[str, dict] | N
 # ------------------------------------------------------------------------------- executing a phase
 
 def make_executor(study: Study, ray_address: str | None, probe: ExperimentConfig) -> Any:
-    """Where units run: this process (``workers: 1``), a pool of this machine's processes, or a Ray cluster."""
-    from .cluster import LocalExecutor, PoolExecutor, RayExecutor, code_fingerprint, node_report
-
+    """Where units run: this process (``workers: 1``), a pool of this machine's processes, or a Ray
+    cluster."""
     if ray_address is not None:
         if study.workers > 1:
-            print(f"[diff2] study {study.name}: `workers: {study.workers}` is for this machine; on the Ray cluster "
-                  "the cluster's CPUs set how many units run at once", file=sys.stderr)
+            print(f"[diff2] study {study.name}: `workers: {study.workers}` is for this machine; on "
+                  "the Ray cluster the cluster's CPUs set how many units run at once",
+                  file=sys.stderr)
         return RayExecutor(ray_address, compute_unit, threads=study.threads,
                            expect={"code": code_fingerprint(), "data": node_report(probe)["data"]})
-    return LocalExecutor(compute_unit) if study.workers == 1 else PoolExecutor(compute_unit, study.workers,
-                                                                                study.source)
+    if study.workers == 1:
+        return LocalExecutor(compute_unit)
+    return PoolExecutor(compute_unit, study.workers, study.source)
 
 
 @dataclass
@@ -226,7 +254,8 @@ class _Phase:
     tally: Tally
 
     def submit(self, queue: collections.deque) -> list[Job]:
-        """Claim and submit units while the executor has room; return the runs other drivers hold."""
+        """Claim and submit units while the executor has room; return the runs other drivers
+        hold."""
         held: list[Job] = []
         while queue and self.executor.has_capacity():
             unit = queue.popleft()
@@ -245,8 +274,9 @@ class _Phase:
         """Write the results of the units that completed (waiting up to ``POLL_S`` for one)."""
         for unit, outcomes in self.executor.completed(timeout=POLL_S):
             for j, outcome in zip(unit.jobs, outcomes):
-                write_run(self.runs_dir, j, outcome["metrics"], outcome["diverged_at"], outcome["engine"],
-                          {"driver": self.book.owner.driver, "host": outcome.get("host", self.book.owner.host)})
+                write_run(self.runs_dir, j, outcome["metrics"], outcome["diverged_at"],
+                          outcome["engine"], {"driver": self.book.owner.driver,
+                                              "host": outcome.get("host", self.book.owner.host)})
                 self.book.finish(j.run_id)
             self._count("computed", len(unit.jobs))
             self.progress.show()
@@ -264,9 +294,10 @@ class _Phase:
         self.progress.done += runs
 
 
-def execute(study: Study, jobs: list[Job], runs_dir: Path, progress: Progress, executor: Any, book: ClaimBook,
-            tally: Tally) -> None:
-    """Compute every job whose result file is missing, each exactly once across the drivers sharing ``runs_dir``.
+def execute(study: Study, jobs: list[Job], runs_dir: Path, progress: Progress, executor: Any,
+            book: ClaimBook, tally: Tally) -> None:
+    """Compute every job whose result file is missing, each exactly once across the drivers sharing
+    ``runs_dir``.
 
     Units are planned from the missing runs and claimed run by run (:class:`ClaimBook`); a unit is
     computed (by ``executor``: here, or as tasks of a Ray cluster) for the runs this driver won,
@@ -293,8 +324,8 @@ def execute(study: Study, jobs: list[Job], runs_dir: Path, progress: Progress, e
             continue
         if not announced:
             holders = {_describe(book.held_by_other(j.run_id)) for j in waiting}
-            print(f"[diff2] study {study.name}: waiting for {len(waiting)} run(s) held by other driver(s) "
-                  f"({', '.join(sorted(holders))})", file=sys.stderr)
+            print(f"[diff2] study {study.name}: waiting for {len(waiting)} run(s) held by other "
+                  f"driver(s) ({', '.join(sorted(holders))})", file=sys.stderr)
             announced = True
         book.refresh()
         stale = [j for j in waiting if not book.held_by_other(j.run_id)]

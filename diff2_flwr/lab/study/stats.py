@@ -1,15 +1,17 @@
-"""A study's analysis plan, declared in its file before it runs: protocol, endpoints, families, grid extension.
+"""A study's analysis plan, declared in its file before it runs: protocol, endpoints, families, grid
+extension.
 
 A study file's ``analysis:`` block fixes how the runs become claims, before any run exists::
 
     analysis:
-      protocol: corrected          # the default; `paper` is the paper's own rule (optimistic, see below)
+      protocol: corrected    # the default; `paper` is the paper's own rule (optimistic, see below)
       alpha: 0.05
-      primary:                     # the pre-registered endpoints: Holm across them (and every ε and pair)
+      primary:               # the pre-registered endpoints: Holm across them (every ε and pair too)
         - {criterion: grad_norm_sq, at: final, scale: log, alternative: two-sided}
         - {criterion: train_loss, at: best, alternative: two-sided}
-      alternative: two-sided       # of the exploratory tests (every other reported comparison): BH q
-      extend: {learning_rate: [0.0078125, 8.0], clip_restart: [0.125, 8.0]}   # bounds of the grid extension
+      alternative: two-sided # of the exploratory tests (every other reported comparison): BH q
+      # bounds of the grid extension:
+      extend: {learning_rate: [0.0078125, 8.0], clip_restart: [0.125, 8.0]}
 
 **Endpoints.** An endpoint is a criterion (``train_loss``, ``grad_norm_sq``, ``test_loss``,
 ``test_accuracy``) read at a round: ``best`` (the run's own best over rounds: the minimum, the
@@ -58,8 +60,8 @@ import numpy as np
 
 from .inference import ALTERNATIVES, benjamini_hochberg, holm
 
-__all__ = ["AT", "Analysis", "Endpoint", "METRICS", "TEST_METRICS", "TRAIN_METRICS", "correct_families",
-           "endpoint_value", "parse_analysis", "train_best_round"]
+__all__ = ["AT", "Analysis", "Endpoint", "METRICS", "TEST_METRICS", "TRAIN_METRICS",
+           "correct_families", "endpoint_value", "parse_analysis", "train_best_round"]
 
 TRAIN_METRICS = ("train_loss", "grad_norm_sq")
 TEST_METRICS = ("test_loss", "test_accuracy")
@@ -72,47 +74,60 @@ Protocol = Literal["corrected", "paper"]
 DEFAULT_EXTEND: dict[str, tuple[float, float]] = {
     "learning_rate": (2.0 ** -10, 2.0 ** 4), "clip_restart": (2.0 ** -6, 2.0 ** 6),
     "clip_diff": (2.0 ** -6, 2.0 ** 6), "restart_every": (2.0, math.inf)}
-#: Extensions of one axis in one direction, at most (a guard: each costs a full re-tuning of the new points).
+#: Extensions of one axis in one direction, at most (a guard: each costs a full re-tuning of the new
+#: points).
 MAX_EXTENSIONS = 4
 
 
 @dataclass(frozen=True)
 class Endpoint:
+    """A test's endpoint: a criterion, the round it is read at, its scale and the alternative."""
+
     criterion: str
     at: str = "best"
     scale: str = "linear"
     alternative: str = "two-sided"
 
     def label(self) -> str:
-        at = {"best": "best over rounds", "final": "final", "train_best": "at the train-loss-best round"}[self.at]
+        """``log grad_norm_sq final``: the endpoint in words."""
+        at = {"best": "best over rounds", "final": "final",
+              "train_best": "at the train-loss-best round"}[self.at]
         return f"{'log ' if self.scale == 'log' else ''}{self.criterion} {at}"
 
     def matches(self, criterion: str, at: str) -> bool:
+        """Whether this is the endpoint of ``criterion`` read ``at``."""
         return (self.criterion, self.at) == (criterion, at)
 
     def as_dict(self) -> dict[str, str]:
-        return {"criterion": self.criterion, "at": self.at, "scale": self.scale, "alternative": self.alternative}
+        """Plain data, as the summary gives it."""
+        return {"criterion": self.criterion, "at": self.at, "scale": self.scale,
+                "alternative": self.alternative}
 
 
 @dataclass(frozen=True)
 class Analysis:
+    """A study's analysis plan: its protocol, α, primary endpoints and the grid's extension."""
+
     protocol: Protocol = "corrected"
     alpha: float = 0.05
     primary: tuple[Endpoint, ...] = ()
     alternative: str = "two-sided"  # of the exploratory tests
-    extend: tuple[tuple[str, float, float], ...] = ()  # (key, low, high) bounds of the grid extension
+    extend: tuple[tuple[str, float, float], ...] = ()  # (key, low, high): the extension's bounds
     declared: bool = False  # the file has an analysis block
 
     @property
     def corrected(self) -> bool:
+        """Whether the protocol is the corrected one (not the paper's)."""
         return self.protocol == "corrected"
 
     def bounds(self, key: str) -> tuple[float, float] | None:
+        """The extension's (low, high) bounds of grid key ``key`` (None: it is not extended)."""
         return next(((lo, hi) for k, lo, hi in self.extend if k == key), None)
 
     def selection(self, criterion: str) -> Endpoint:
-        """The endpoint a training criterion selects its grid point by: its first primary endpoint if one is
-        declared (the corrected protocol), else its best over rounds (the paper's rule)."""
+        """The endpoint a training criterion selects its grid point by: its first primary endpoint
+        if one is declared (the corrected protocol), else its best over rounds (the paper's
+        rule)."""
         if self.corrected:
             for e in self.primary:
                 if e.criterion == criterion and e.at != "train_best":
@@ -120,35 +135,45 @@ class Analysis:
         return Endpoint(criterion, "best")
 
     def reported_at(self, criterion: str) -> tuple[str, ...]:
-        """The rounds a criterion is reported (and compared) at: training criteria at their best and final; test
-        metrics at the train-loss-best round and final (corrected) or at their own best and final (paper)."""
+        """The rounds a criterion is reported (and compared) at: training criteria at their best and
+        final; test metrics at the train-loss-best round and final (corrected) or at their own best
+        and final (paper)."""
         if criterion in TRAIN_METRICS:
             return ("best", "final")
         return ("train_best", "final") if self.corrected else ("best", "final")
 
     def primary_for(self, criterion: str, at: str) -> Endpoint | None:
+        """The primary endpoint of ``criterion`` read ``at`` (None: it is exploratory)."""
         return next((e for e in self.primary if e.matches(criterion, at)), None)
 
     def as_dict(self) -> dict[str, Any]:
+        """Plain data, as the summary gives it (with the protocol in words)."""
         return {"protocol": self.protocol, "declared": self.declared, "alpha": self.alpha,
-                "primary": [e.as_dict() for e in self.primary], "exploratory_alternative": self.alternative,
+                "primary": [e.as_dict() for e in self.primary],
+                "exploratory_alternative": self.alternative,
                 "extend": {k: [lo, hi] for k, lo, hi in self.extend},
-                "label": ("corrected: test metrics at the train-loss-best round, selection on the tuning seeds' "
-                          "mean, Holm over the primary family, BH q over the exploratory one") if self.corrected else
-                         ("the paper's protocol (Section 6): test metrics at their own best over rounds, i.e. "
-                          "early stopping on the test set: optimistic; kept for the faithful reproduction")}
+                "label": ("corrected: test metrics at the train-loss-best round, selection on the "
+                          "tuning seeds' mean, Holm over the primary family, BH q over the "
+                          "exploratory one") if self.corrected else
+                         ("the paper's protocol (Section 6): test metrics at their own best over "
+                          "rounds, i.e. early stopping on the test set: optimistic; kept for the "
+                          "faithful reproduction")}
 
 
-def parse_analysis(data: Any, fail: Callable[[str, str, Any], Exception], *, tune_seeds: int, rounds: int) -> Analysis:
-    """Validate a study's ``analysis`` block (``None``: the corrected protocol with no primary endpoint)."""
+def parse_analysis(data: Any, fail: Callable[[str, str, Any], Exception], *, tune_seeds: int,
+                   rounds: int) -> Analysis:
+    """Validate a study's ``analysis`` block (``None``: the corrected protocol with no primary
+    endpoint)."""
     declared = data is not None
     data = {} if data is None else data
-    if not isinstance(data, Mapping) or set(data) - {"protocol", "alpha", "primary", "alternative", "extend"}:
-        raise fail("analysis", "a mapping with keys among protocol, alpha, primary, alternative, extend", data)
+    keys = {"protocol", "alpha", "primary", "alternative", "extend"}
+    if not isinstance(data, Mapping) or set(data) - keys:
+        raise fail("analysis", "a mapping with keys among protocol, alpha, primary, alternative, "
+                   "extend", data)
     protocol = data.get("protocol", "corrected")
     if protocol not in ("corrected", "paper"):
-        raise fail("analysis.protocol", "'corrected' (the default) or 'paper' (the paper's Section 6 rule, "
-                   "optimistic)", protocol)
+        raise fail("analysis.protocol", "'corrected' (the default) or 'paper' (the paper's Section "
+                   "6 rule, optimistic)", protocol)
     alpha = data.get("alpha", 0.05)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha < 1:
         raise fail("analysis.alpha", "a number in (0, 1)", alpha)
@@ -157,18 +182,22 @@ def parse_analysis(data: Any, fail: Callable[[str, str, Any], Exception], *, tun
         raise fail("analysis.alternative", f"one of {', '.join(ALTERNATIVES)}", alternative)
     primary = _parse_primary(data.get("primary") or [], protocol, fail)
     if protocol == "corrected" and tune_seeds < 3:
-        raise fail("seeds.tune", "at least 3 tuning seeds under the corrected protocol (selection on one seed "
-                   "picks that seed's noise); add seeds, or set `analysis: {protocol: paper}` for the paper's "
-                   "one-seed rule", f"{tune_seeds} seed(s)")
+        raise fail("seeds.tune", "at least 3 tuning seeds under the corrected protocol (selection "
+                   "on one seed picks that seed's noise); add seeds, or set `analysis: {protocol: "
+                   "paper}` for the paper's one-seed rule", f"{tune_seeds} seed(s)")
     extend = _parse_extend(data.get("extend"), protocol, fail, rounds)
-    return Analysis(protocol=protocol, alpha=float(alpha), primary=tuple(primary), alternative=str(alternative),
-                    extend=tuple((k, lo, hi) for k, (lo, hi) in sorted(extend.items())), declared=declared)
+    return Analysis(protocol=protocol, alpha=float(alpha), primary=tuple(primary),
+                    alternative=str(alternative), declared=declared,
+                    extend=tuple((k, lo, hi) for k, (lo, hi) in sorted(extend.items())))
 
 
-def _parse_primary(raw: Any, protocol: str, fail: Callable[[str, str, Any], Exception]) -> list[Endpoint]:
-    """The ``analysis.primary`` list: each endpoint valid under ``protocol``, each (criterion, at) once."""
+def _parse_primary(raw: Any, protocol: str,
+                   fail: Callable[[str, str, Any], Exception]) -> list[Endpoint]:
+    """The ``analysis.primary`` list: each endpoint valid under ``protocol``, each (criterion, at)
+    once."""
     if not isinstance(raw, list):
-        raise fail("analysis.primary", "a list of endpoints {criterion, at, scale, alternative}", raw)
+        raise fail("analysis.primary", "a list of endpoints {criterion, at, scale, alternative}",
+                   raw)
     primary: list[Endpoint] = []
     for i, e in enumerate(raw):
         where = f"analysis.primary[{i}]"
@@ -179,9 +208,11 @@ def _parse_primary(raw: Any, protocol: str, fail: Callable[[str, str, Any], Exce
     return primary
 
 
-def _parse_endpoint(e: Any, where: str, protocol: str, fail: Callable[[str, str, Any], Exception]) -> Endpoint:
+def _parse_endpoint(e: Any, where: str, protocol: str,
+                    fail: Callable[[str, str, Any], Exception]) -> Endpoint:
     """One entry of ``analysis.primary`` (at ``where``) as an :class:`Endpoint`."""
-    if not isinstance(e, Mapping) or set(e) - {"criterion", "at", "scale", "alternative"} or "criterion" not in e:
+    keys = {"criterion", "at", "scale", "alternative"}
+    if not isinstance(e, Mapping) or set(e) - keys or "criterion" not in e:
         raise fail(where, "a mapping with criterion and optionally at, scale, alternative", e)
     if e["criterion"] not in METRICS:
         raise fail(f"{where}.criterion", f"one of {', '.join(METRICS)}", e["criterion"])
@@ -189,14 +220,16 @@ def _parse_endpoint(e: Any, where: str, protocol: str, fail: Callable[[str, str,
     if at not in AT:
         raise fail(f"{where}.at", f"one of {', '.join(AT)}", at)
     if protocol == "corrected" and e["criterion"] in TEST_METRICS and at == "best":
-        raise fail(f"{where}.at", "'train_best' or 'final' for a test metric (its own best over rounds lets the "
-                   "test set choose the round; the paper's protocol does that: analysis.protocol: paper)", at)
+        raise fail(f"{where}.at", "'train_best' or 'final' for a test metric (its own best over "
+                   "rounds lets the test set choose the round; the paper's protocol does that: "
+                   "analysis.protocol: paper)", at)
     if e.get("scale", "linear") not in ("linear", "log"):
         raise fail(f"{where}.scale", "'linear' or 'log'", e.get("scale"))
     if e.get("alternative", "two-sided") not in ALTERNATIVES:
-        raise fail(f"{where}.alternative", f"one of {', '.join(ALTERNATIVES)} (of treatment − control)",
-                   e.get("alternative"))
-    return Endpoint(str(e["criterion"]), str(at), str(e.get("scale", "linear")), str(e.get("alternative", "two-sided")))
+        raise fail(f"{where}.alternative", f"one of {', '.join(ALTERNATIVES)} (of treatment − "
+                   "control)", e.get("alternative"))
+    return Endpoint(str(e["criterion"]), str(at), str(e.get("scale", "linear")),
+                    str(e.get("alternative", "two-sided")))
 
 
 def _parse_extend(extend_raw: Any, protocol: str, fail: Callable[[str, str, Any], Exception],
@@ -208,11 +241,12 @@ def _parse_extend(extend_raw: Any, protocol: str, fail: Callable[[str, str, Any]
         extend = {}
     elif extend_raw is not None:
         if not isinstance(extend_raw, Mapping):
-            raise fail("analysis.extend", "a mapping key -> [low, high] (bounds of the grid extension), or false",
-                       extend_raw)
+            raise fail("analysis.extend", "a mapping key -> [low, high] (bounds of the grid "
+                       "extension), or false", extend_raw)
         for key, bounds in extend_raw.items():
             if (not isinstance(bounds, list) or len(bounds) != 2 or not all(
-                    isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0 for b in bounds)
+                    isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0
+                    for b in bounds)
                     or bounds[0] > bounds[1]):
                 raise fail(f"analysis.extend.{key}", "[low, high] with 0 < low <= high", bounds)
             extend[str(key)] = (float(bounds[0]), float(bounds[1]))
@@ -230,7 +264,8 @@ def train_best_round(run: Mapping[str, Any]) -> int:
 
 
 def endpoint_value(run: Mapping[str, Any], criterion: str, at: str, scale: str = "linear") -> float:
-    """One run's value of an endpoint (inf: a loss diverged; NaN: an accuracy that does not exist)."""
+    """One run's value of an endpoint (inf: a loss diverged; NaN: an accuracy that does not
+    exist)."""
     accuracy = criterion == "test_accuracy"
     missing = math.nan if accuracy else math.inf
     values = np.asarray([missing if v is None else v for v in run[criterion]], dtype=float)
@@ -244,18 +279,21 @@ def endpoint_value(run: Mapping[str, Any], criterion: str, at: str, scale: str =
     else:
         v = float(values.min())
     if scale == "log":
-        v = math.log(v) if v > 0 and math.isfinite(v) else (v if not math.isfinite(v) else -math.inf)
+        v = math.log(v) if v > 0 and math.isfinite(v) else (
+            v if not math.isfinite(v) else -math.inf)
     return v
 
 
 def correct_families(rows: Sequence[dict]) -> dict[str, Any]:
-    """Adjust the test rows of a study in place: Holm over the ``primary`` rows, BH over the ``exploratory`` ones.
+    """Adjust the test rows of a study in place: Holm over the ``primary`` rows, BH over the
+    ``exploratory`` ones.
 
-    Each row has ``family`` and ``p_value``; it gains ``p_adjusted`` and ``adjustment``. Returns the families'
-    sizes and adjustments.
+    Each row has ``family`` and ``p_value``; it gains ``p_adjusted`` and ``adjustment``. Returns the
+    families' sizes and adjustments.
     """
     out = {}
-    for family, adjust, name in (("primary", holm, "holm"), ("exploratory", benjamini_hochberg, "bh")):
+    for family, adjust, name in (("primary", holm, "holm"),
+                                 ("exploratory", benjamini_hochberg, "bh")):
         members = [r for r in rows if r["family"] == family]
         for r, p in zip(members, adjust([r["p_value"] for r in members])):
             r["p_adjusted"], r["adjustment"] = p, name

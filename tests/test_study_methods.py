@@ -1,0 +1,193 @@
+"""A study's methods are overrides of the experiment's declared settings (issue 39, item 2): fixed
+or on a grid, written dotted or by the short names study files have always used, checked and cast by
+the declarations, and run by the batched engine only where it honours every setting they make."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from diff2_flwr.lab.study import plan
+from diff2_flwr.lab.study.methods import STUDY_SETS, dotted, point_key
+from diff2_flwr.lab.study.spec import Study, StudyError, load_study, parse_study
+from diff2_flwr.runtime.config import config_keys, parse_config, parse_section
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+STUDIES = sorted(p for p in CONFIGS.rglob("*.yaml")
+                 if "methods" in (yaml.safe_load(p.read_text()) or {})
+                 and "seeds" in yaml.safe_load(p.read_text()))
+SMOKE = CONFIGS / "smoke.yaml"
+
+
+def _dotted_entry(entry: dict) -> dict:
+    """A method entry with every key written as its dotted experiment key (nested blocks
+    flattened)."""
+    out = {}
+    for key, value in entry.items():
+        if key in ("name", "method", "seed_offset"):
+            out[key] = value
+        elif key == "grid":
+            out["grid"] = {dotted(k): v for k, v in value.items()}
+        elif key == "routine" and isinstance(value, str):
+            out["training.routine.name"] = value
+        elif isinstance(value, dict):
+            section = "training.routine" if key == "routine" else dotted(key)
+            out.update({f"{section}.{k}": v for k, v in value.items()})
+        else:
+            out[dotted(key)] = value
+    return out
+
+
+def test_the_committed_studies_are_found():
+    names = {str(p.relative_to(CONFIGS)) for p in STUDIES}
+    assert {"smoke.yaml", "digits_study.yaml", "confirm/california.yaml",
+            "regime/california_full.yaml", "routines/california_eps3.yaml",
+            "paper/kddcup99_eps3.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", STUDIES, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_dotted_keys_and_short_names_make_the_same_methods_runs_and_run_ids(path):
+    data = yaml.safe_load(path.read_text())
+    short = parse_section(Study, data, str(path))
+    again = parse_section(Study, {**data, "methods": [_dotted_entry(m) for m in data["methods"]]},
+                          str(path))
+    assert again == short and again.methods == short.methods  # so every run and run id is too
+    for a, b in zip(again.methods, short.methods):
+        point, seed = a.points()[0], short.tune_seeds[0]
+        assert again.experiment(a, point, 3.0, seed) == short.experiment(b, point, 3.0, seed)
+        assert plan.run_id("tune", a, point, 3.0, seed, again) == plan.run_id(
+            "tune", b, point, 3.0, seed, short)
+
+
+def test_run_ids_of_committed_studies_are_as_before_the_overrides():
+    """Pinned from the version with its own key lists: routines, a local routine, a method's R, a
+    factory model."""
+    routines = load_study(CONFIGS / "routines" / "california_eps3.yaml")
+    digits = load_study(CONFIGS / "digits_study.yaml")
+
+    def first(study, i):
+        m = study.methods[i]
+        return plan.run_id("tune", m, m.points()[0], study.epsilons[0], study.tune_seeds[0], study)
+
+    assert [first(routines, i) for i in (1, 4, 6)] == [
+        "tune-dp-gd---adam-d49a1887b84d", "tune-diff2-bvr-l-sgd--t-20-dfe4eef76a13",
+        "tune-diff2-bvr-l-sgd--t-20--r-500-add9d6ddf16c"]
+    assert [first(digits, i) for i in range(3)] == [
+        "tune-gd-1895f1696f99", "tune-dp-gd-c7153f68356b", "tune-diff2-gd-fe67b462a3c8"]
+
+
+def _smoke(*methods: dict, **changes) -> dict:
+    data = yaml.safe_load(SMOKE.read_text())
+    data.update(methods=list(methods), **changes)
+    return data
+
+
+DIFF2 = {"name": "D", "method": "diff2", "grid": {"restart_every": [4], "learning_rate": [0.2]}}
+
+
+def test_a_method_fixes_and_grids_any_key_the_study_leaves_to_it():
+    method = {**DIFF2, "training.clip_diff": 3.0, "privacy": {"bits": 16},
+              "grid": {**DIFF2["grid"], "privacy.u": [1.25, 1.5], "local.batch_size": [8]}}
+    study = parse_study(_smoke(method), "s.yaml")
+    m = study.methods[0]
+    assert [p["u"] for p in m.points()] == [1.25, 1.5]  # a point names a key by its short name
+    cfg = study.experiment(m, m.points()[1], 3.0, 100)
+    got = (cfg.training.clip_diff, cfg.privacy.bits, cfg.privacy.u, cfg.local.batch_size)
+    assert got == (3.0, 16, 1.5, 8)
+    # a fixed setting identifies the runs (a method that does not set it keeps its run ids)
+    plain = parse_study(_smoke({**DIFF2, "grid": {**DIFF2["grid"], "u": [1.25, 1.5]}}), "s.yaml")
+    assert plan.method_key(m)["settings"] == [["training.clip_diff", 3.0]]
+    assert "settings" not in plan.method_key(plain.methods[0])
+
+
+def test_values_are_cast_to_their_declared_types():
+    method = {**DIFF2, "local": {"steps": 3.0, "batch_size": 16},
+              "grid": {"restart_every": [4.0], "learning_rate": [1]}}
+    study = parse_study(_smoke(method), "s.yaml")
+    m = study.methods[0]
+    cfg = study.experiment(m, m.points()[0], 3.0, 100)
+    assert type(cfg.training.restart_every) is int and type(cfg.local.steps) is int
+    assert type(cfg.training.learning_rate) is float
+    extended = study.experiment(m, {"restart_every": 8.0, "learning_rate": 0.2}, 3.0, 100)  # grown
+    assert extended.training.restart_every == 8 and type(extended.training.restart_every) is int
+
+
+BAD = [  # (method, the error it makes)
+    ({**DIFF2, "lr": 0.1},
+     r"s\.yaml: key `methods\[0\]\.lr`: expected a key of the experiment.*Found 0\.1\.$"),
+    ({**DIFF2, "grid": {**DIFF2["grid"], "training.learnig_rate": [0.1]}},
+     r"`methods\[0\]\.grid\.training\.learnig_rate`: .*did you mean training\.learning_rate\?"),
+    ({**DIFF2, "privacy.epsilon": 8.0},
+     r"key `methods\[0\]\.privacy\.epsilon`: expected a key the study leaves to its methods "
+     r"\(privacy\.epsilon is set .* study's epsilons\)"),
+    ({**DIFF2, "seed": 3},
+     r"key `methods\[0\]\.seed`: .*training\.seed is set for every run by the study's seeds"),
+    ({**DIFF2, "privacy": {"n_min": 10}},
+     r"key `methods\[0\]\.privacy\.n_min`: expected a key the study leaves"),
+    ({**DIFF2, "local": {"steps": "five"}},
+     r"key `methods\[0\]\.local\.steps`: expected an integer\. Found 'five'\.$"),
+    ({**DIFF2, "privacy.bits": 2.5},
+     r"key `methods\[0\]\.privacy\.bits`: expected an integer\. Found 2\.5\.$"),
+    ({**DIFF2, "grid": {**DIFF2["grid"], "privacy.noise": ["central"]}},
+     r"key `methods\[0\]\.grid\.privacy\.noise`: expected a key whose values are numbers"),
+    ({**DIFF2, "grid": {**DIFF2["grid"], "training.restart_every": [8]}},
+     r"key `methods\[0\]\.grid\.training\.restart_every`: expected training\.restart_every once"),
+    ({**DIFF2, "clip_diff": 1.0, "grid": {**DIFF2["grid"], "training.clip_diff": [1.0]}},
+     r"key `methods\[0\]\.grid`: expected no key that methods\[0\] already fixes \(clip_diff\)"),
+    ({**DIFF2, "u": 1.25, "privacy": {"u": 1.5}},
+     r"key `methods\[0\]\.privacy\.u`: expected privacy\.u once"),
+    ({**DIFF2, "grid": {**DIFF2["grid"], "local.clip": [True]}},
+     r"key `methods\[0\]\.grid\.local\.clip`: expected a list of values of local\.clip, each a"),
+]
+
+
+@pytest.mark.parametrize("method, match", BAD)
+def test_a_bad_key_or_value_is_refused_in_one_line(method, match):
+    with pytest.raises(StudyError, match=match) as err:
+        parse_study(_smoke(method), "s.yaml")
+    assert "\n" not in str(err.value)
+
+
+def test_every_key_is_either_a_methods_or_the_studys():
+    for key in config_keys():
+        if key != dotted(key) or point_key(key) != key:
+            assert dotted(point_key(key)) == key  # a short name stands for one key, both ways
+    owned = [k for k in config_keys()
+             if any(k == s or (s.endswith(".") and k.startswith(s)) for s in STUDY_SETS)]
+    assert {"privacy.epsilon", "training.seed", "dataset.name", "model.hidden",
+            "evaluation.every"} <= set(owned)
+    assert not {"privacy.u", "training.learning_rate", "local.steps"} & set(owned)
+
+
+def test_one_study_value_is_parsed_by_the_experiment_files_machinery_and_checked_again_on_replace():
+    data = _smoke(DIFF2, workers=2)
+    study = parse_study(data, "s.yaml")
+    assert parse_section(Study, data, "s.yaml") == study
+    moved = dataclasses.replace(study, dataset={**study.dataset, "dir": "/data"})
+    assert moved.methods == study.methods
+    with pytest.raises(ValueError, match=r"key `workers`: expected 1 with engine 'flower'"):
+        dataclasses.replace(study, engine="flower")
+    extend = {"training.learning_rate": [0.1, 1]}
+    same = parse_study({**data, "analysis": {"protocol": "paper", "extend": extend}}, "s.yaml")
+    assert same.analysis.bounds("learning_rate") == (0.1, 1.0)  # a grid key as the points name it
+
+
+def test_a_run_that_sets_n_min_is_sent_to_the_per_run_path(monkeypatch):
+    """The batched engine calibrates for its data's smallest shard: a run config that sets
+    privacy.n_min is not batched (where it would be ignored) but run on the per-run path, which
+    honours it."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(plan, "batchable", lambda study, cfg: True)
+    base = {"name": "e", "method": "dpgd", "dataset": {"name": "synthetic", "num_samples": 400},
+            "training": {"rounds": 4, "clients": 2, "seed": 1}}
+    plain = parse_config(base, "e.yaml")
+    pinned = parse_config({**base, "privacy": {"n_min": 100}}, "e.yaml")
+    assert plan.batch_ignores(plain) == [] and plan.batch_ignores(pinned) == ["privacy.n_min"]
+    jobs = [plan.Job(f"run-{i}", None, {}, 3.0, i, cfg) for i, cfg in enumerate([plain, pinned])]
+    units = plan.plan_units(SimpleNamespace(engine="batch", batch_size=8, workers=1), jobs)
+    engine = {j.run_id: u.engine for u in units for j in u.jobs}
+    assert engine == {"run-0": "batch", "run-1": "inprocess"}
