@@ -120,3 +120,66 @@ def test_the_batch_engine_sends_a_setting_it_does_not_honour_to_the_per_run_path
     engine = {j.run_id: u.engine for u in units for j in u.jobs}
     assert engine == {"run-0": "batch", "run-1": "batch", "run-2": "inprocess",
                       "run-3": "inprocess"}
+
+
+# ------------------------------------------------------------------------- a setting's use
+
+#: Sections whose keys may reach their use as keyword arguments (``**section``) rather than as
+#: attributes: such a key is read when it is a keyword parameter of the function named.
+_PASSED_AS_KEYWORDS = {"dataset.partitioner.": ("diff2_flwr.task.partitions", "partition")}
+#: Where the settings are declared and parsed (a read there is not a use).
+_DECLARING = ("diff2_flwr/runtime/config", "diff2_flwr/runtime/spec.py")
+
+
+def _reads() -> set[str]:
+    """Every attribute name read (``x.name`` in a load context) in the package and the two apps,
+    outside the modules that declare and parse the settings."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(api.__file__).resolve().parents[1]
+    names: set[str] = set()
+    for folder in ("diff2_flwr", "server", "clients"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path.relative_to(root).as_posix().startswith(_DECLARING):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                    names.add(node.attr)
+    return names
+
+
+def _unused(keys) -> list[str]:
+    """The declared keys whose leaf is never read: neither an attribute read outside the
+    declarations nor a keyword parameter of the function their section is passed to."""
+    import importlib
+
+    reads = _reads()
+    out = []
+    for key in keys:
+        leaf = key.rsplit(".", 1)[-1]
+        section = next((s for s in _PASSED_AS_KEYWORDS if key.startswith(s)), None)
+        used = leaf in reads
+        if section is not None and not used:
+            module, function = _PASSED_AS_KEYWORDS[section]
+            used = leaf in inspect.signature(
+                getattr(importlib.import_module(module), function)).parameters
+        if not used:
+            out.append(key)
+    return out
+
+
+def test_every_declared_setting_is_read_somewhere():
+    """A setting is its declaration and its use: a declared key nothing reads (its use forgotten)
+    fails here. The check is by name (a leaf such as ``seed`` is read in many places, so it proves
+    little for common names); it catches a new, specifically named setting whose use was never
+    written."""
+    from diff2_flwr.runtime.config import config_keys
+
+    assert _unused(config_keys()) == []
+
+
+def test_the_use_check_catches_a_setting_declared_and_never_read():
+    assert _unused(["privacy.pld_check", "dataset.partitioner.pld_check",
+                    "privacy.epsilon", "dataset.partitioner.alpha"]) == [
+        "privacy.pld_check", "dataset.partitioner.pld_check"]
