@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -27,12 +29,14 @@ from typing import Any
 
 __all__ = ["REPO", "MKDOCS_YML", "GENERATED", "configuration_page", "cli_page", "missing_help",
            "run_config_drift",
-           "build", "docs"]
+           "build", "DEFAULT_PORT", "port_free", "serve_port", "docs"]
 
 #: The clone this package was imported from (``mkdocs.yml`` and ``docs/`` sit there, not in a
 #: wheel).
 REPO = Path(__file__).resolve().parents[2]
 MKDOCS_YML = REPO / "mkdocs.yml"
+#: The class of the configuration reference's table (docs/stylesheets/extra.css styles it).
+KEYS_CLASS = "config-keys"
 #: Help text width of the CLI page (the terminal's would make the page depend on who built it).
 _WIDTH = 100
 
@@ -118,6 +122,12 @@ def configuration_page() -> str:
             f"| `{key}` | {_cell(kind)} | {_cell(_default(field))} | "
             f"{_cell(help_of(ExperimentConfig, key))} |")
     return "\n".join([
+        # no sections, so no table of contents: its column goes to the table
+        "---",
+        "hide:",
+        "  - toc",
+        "---",
+        "",
         "# Configuration reference (generated)",
         "",
         "<!-- Generated while the site builds (diff2_flwr/cli/docs.py, from the settings' "
@@ -149,9 +159,15 @@ def configuration_page() -> str:
         "",
         f"{len(rows)} keys, in declaration order.",
         "",
+        # the table's class: no key or default of it breaks over two lines
+        # (docs/stylesheets/extra.css; md_in_html reads the Markdown inside)
+        f'<div class="{KEYS_CLASS}" markdown="1">',
+        "",
         "| key | type | default | help |",
         "|---|---|---|---|",
         *rows,
+        "",
+        "</div>",
         "",
     ])
 
@@ -229,34 +245,107 @@ def build(site_dir: str | Path, *, strict: bool = True,
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
 
 
+#: ``diff2 docs --serve``'s port when none is asked for: not 8000, the compose SuperLink's
+#: (docker-compose.yml), nor mkdocs' own default (also 8000). Taken, another free one is chosen.
+DEFAULT_PORT = 8765
+_HOST = "127.0.0.1"
+
+
+def port_free(port: int, host: str = _HOST) -> bool:
+    """Whether a server could listen on ``host:port`` now (bound as mkdocs' server binds: with
+    SO_REUSEADDR, so a port left in TIME_WAIT counts as free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def serve_port(requested: int | None, host: str = _HOST) -> tuple[int, str]:
+    """The port ``diff2 docs --serve`` listens on, and a note for stderr ("" when none).
+
+    ``requested`` is ``--port`` (``None``: not given). A port given but taken is a ValueError
+    saying so and what to do; none given, :data:`DEFAULT_PORT`, or a free port the system picks
+    when that one is taken."""
+    if requested is not None:
+        if not 0 < requested < 65536:
+            raise ValueError(f"--port {requested} is not a TCP port (expected 1 to 65535)")
+        if not port_free(requested, host):
+            raise ValueError(
+                f"port {requested} on {host} is in use (--port asked for it): pass another "
+                f"--port, or leave --port out to let diff2 docs choose a free one")
+        return requested, ""
+    if port_free(DEFAULT_PORT, host):
+        return DEFAULT_PORT, ""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    return port, f"port {DEFAULT_PORT} is in use: serving on the free port {port} instead"
+
+
+def _fail(error: str, **report: Any) -> int:
+    """Report a failure: one JSON object on stdout, one line on stderr; exit code 1."""
+    print(json.dumps({"status": "failed", "error": error, **report}))
+    print(f"diff2 docs: error: {error}", file=sys.stderr)
+    return 1
+
+
+def _serve(url: str, address: str) -> int:
+    """``mkdocs serve`` of this clone's site on ``address`` (rebuilt on changes), in this process:
+    a port taken meanwhile is one line, not a traceback. Its log goes to stderr."""
+    from mkdocs.commands.serve import serve
+
+    log = logging.getLogger("mkdocs")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[mkdocs] %(message)s"))
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        serve(config_file=str(MKDOCS_YML), dev_addr=address, livereload=True)
+    except KeyboardInterrupt:
+        pass
+    except OSError as err:  # the port was taken between the check and mkdocs' bind
+        print(f"diff2 docs: error: could not serve on {url} ({err.strerror}): run diff2 docs "
+              f"--serve again (it picks a free port), or pass another --port", file=sys.stderr)
+        return 1
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return 0
+
+
 def docs(args: argparse.Namespace) -> int:
-    """``diff2 docs``: build the site (strict) and print where it is, as JSON; ``--serve`` then
-    serves it on localhost, rebuilding on changes, until interrupted. Offline: nothing is
-    fetched."""
+    """``diff2 docs``: build the site (strict) and print where it is, as one JSON object on
+    stdout; ``--serve`` then serves it on 127.0.0.1 (the JSON says the URL), rebuilding on
+    changes, until interrupted. Offline: nothing is fetched."""
     out = Path(args.out or REPO / "site").resolve()
+    port, note = None, ""
+    if args.serve:
+        try:
+            port, note = serve_port(args.port)
+        except ValueError as err:  # a port asked for and taken: fail before the build
+            return _fail(str(err))
     print(f"[diff2] building the documentation into {out} ...", file=sys.stderr)
     start = time.perf_counter()
     done = build(out)
     seconds = round(time.perf_counter() - start, 1)
     if done.returncode != 0:
         sys.stderr.write(done.stderr)
-        error = "the documentation did not build (mkdocs --strict; its messages above)"
-        print(json.dumps({"status": "failed", "error": error, "seconds": seconds}))
-        print(f"diff2 docs: error: {error}", file=sys.stderr)
-        return 1
+        return _fail("the documentation did not build (mkdocs --strict; its messages above)",
+                     seconds=seconds)
     index = out / "index.html"
-    print(json.dumps({"status": "built", "site": str(out), "index": str(index),
-                      "seconds": seconds}))
+    report = {"status": "built", "site": str(out), "index": str(index), "seconds": seconds}
     if not args.serve:
-        print(f"[diff2] built in {seconds} s: open {index.as_uri()} in a browser", file=sys.stderr)
+        print(json.dumps(report))
+        print(f"[diff2] built in {seconds} s: open {index.as_uri()} in a browser (search works "
+              f"from the file too)", file=sys.stderr)
         return 0
-    address = f"127.0.0.1:{args.port}"
-    print(f"[diff2] serving on http://{address}/ (Ctrl-C stops)", file=sys.stderr)
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    try:
-        return subprocess.call([*_mkdocs(), "serve", "--config-file", str(MKDOCS_YML), "--dev-addr",
-                                address],
-                               cwd=REPO, env=env)
-    except KeyboardInterrupt:
-        return 0
+    url = f"http://{_HOST}:{port}/"
+    print(json.dumps({**report, "status": "serving", "url": url}), flush=True)
+    if note:
+        print(f"[diff2] {note}", file=sys.stderr)
+    print(f"[diff2] serving on {url} (rebuilt on changes; Ctrl-C stops)", file=sys.stderr)
+    return _serve(url, f"{_HOST}:{port}")
