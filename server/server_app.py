@@ -40,8 +40,9 @@ def checked_config(run_config: Mapping[str, Any],
         if cfg.clients_auto:
             p = simulation_supernodes(grid)
             cfg = cfg.with_clients(p, "the simulation's SuperNodes")
-            print(f"[diff2] training.clients: auto -> P = {p}, the SuperNodes of this simulation",
-                  flush=True)
+            # the first line of ours a user sees: plain `flwr run .` simulates 2 SuperNodes
+            print(f"[diff2] training.clients: auto -> P = {p}, the SuperNodes of this simulation "
+                  f"(another P: flwr run . --federation-config \"num-supernodes=N\")", flush=True)
         # the evaluation's reductions add in the same order as the in-process driver's
         pin_threads(cfg.training.threads)
         return cfg, preflight(cfg)

@@ -108,7 +108,23 @@ def test_diff2_plot_labels_runs_by_what_differs_between_them(tmp_path, monkeypat
     # the API run's summary read into the same keys
     assert curves.run_labels([eps8, api])[1] == "R=20, P=2"
     seen = []
-    monkeypatch.setattr(curves, "plot_runs", lambda runs, out,
-                        title=None: seen.append([r[0] for r in runs]) or out)
+    monkeypatch.setattr(curves, "plot_runs", lambda runs, out, title=None,
+                        privacy=None: seen.append([r[0] for r in runs]) or out)
     assert main(["plot", str(eps5), str(eps8), "--out", str(tmp_path / "two.png")]) == 0
     assert seen == [["ε=5", "ε=8"]]
+
+
+def test_the_epsilon_legends_of_a_summary_written_before_privacy_accountant():
+    """Run folders written before the summary named its accountant are read from its other fields;
+    a folder without a summary names the row keys, not an accountant it cannot know."""
+    from diff2_flwr.runtime.curves import epsilon_series
+
+    assert epsilon_series({"private": True, "epsilon_accountant": "exact μ-GDP composition"}) == (
+        ("epsilon_spent", "exact μ-GDP"), ("epsilon_pld", "PLD"))
+    assert epsilon_series({"private": True, "epsilon_accountant": "dp-accounting PLD (local "
+                                                                  "steps: ...)"}) == (
+        ("epsilon_spent", "PLD"),)
+    assert epsilon_series({"private": True, "noise": "distributed"}) == (
+        ("epsilon_spent", "Skellam RDP"),)
+    assert epsilon_series(None) == (("epsilon_spent", "epsilon_spent"),
+                                    ("epsilon_pld", "epsilon_pld"))

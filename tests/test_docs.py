@@ -199,6 +199,9 @@ RUN_BY = {
     "flwr supernode register": [
         "tests/test_node_auth.py::test_only_registered_supernodes_join_and_the_run_completes_"
                                 "with_them"],
+    "diff2 superlink": [
+        "tests/test_local_superlink.py::test_diff2_superlink_stops_the_local_superlink_by_its_pid_"
+        "and_nothing_else"],
     "diff2 shard": ["tests/test_shards.py::test_cli_shard"],
     "diff2 secret": [
         "tests/test_superexec_auth.py::test_every_private_file_the_cli_writes_is_owner_only_under_umask_022"],
@@ -210,13 +213,15 @@ RUN_BY = {
         "tests/test_compose.py::test_multi_host_file_names_the_right_certificate_hosts_and_each_side_s_steps"],
     # with Podman, where it and root are available
     "docker compose": [
+        "tests/test_deploy_tutorial.py::test_the_data_owners_services_come_up_and_read_their_files",
         "tests/test_compose_podman.py::TestPlainCompose::test_a_run_completes_and_equals_the_in_"
         "process_driver",
         "tests/test_compose_podman.py::TestTlsCompose::test_a_tls_run_with_registered_node_keys_"
         "equals_the_in_process_driver"],
 }
-#: Shell steps around the commands (files, ownership, variables), not commands of this project.
-SHELL = ("mkdir ", "sudo chown ", "cp ", "git clone ", "export ")
+#: Shell steps around the commands (files, ownership, variables), not commands of this project
+#: (the deployment tutorial's are typed by tests/test_deploy_tutorial.py).
+SHELL = ("mkdir ", "sudo chown ", "cp ", "cat ", "git clone ", "export ")
 
 
 def _tutorial_commands() -> list[tuple[str, str]]:

@@ -4,6 +4,7 @@ partitioners with their properties, validation, and the refusal of shards too sm
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -266,7 +267,8 @@ def cfg_of(partitioner=None, dataset=None, training=None, privacy=None, **top):
     ({"name": "iid", "min_samples": 0}, {},
      r"`dataset.partitioner.min_samples`: expected an integer >= 1"),
     ({"name": "iid", "max_sigma": 0}, {},
-     r"`dataset.partitioner.max_sigma`: expected null or a finite number > 0"),
+     r"key `dataset.partitioner.max_sigma` has moved to `privacy.max_sigma` \(the same setting\): "
+     r"write it there"),
     ({"name": "iid", "beta": 1}, {},
      r"unknown key dataset.partitioner.beta. Allowed in dataset.partitioner: name"),
     ("dirichlet", {}, r"`dataset.partitioner` must be a mapping"),
@@ -325,15 +327,41 @@ def test_a_partition_forcing_sigma_above_max_sigma_is_refused_and_null_lifts_the
     cfg = cfg_of({"name": "square"}, privacy=tight, training={"rounds": 40, "restart_every": 4})
     with pytest.raises(PartitionRefused,
                        match=r"client 0 holds only \d+ samples; n_min = \d+ gives σ1 = .*above "
-                                               r"dataset.partitioner.max_sigma = 1"):
+                                               r"privacy.max_sigma = 1"):
         build_server(cfg, record=False, progress=None)
     # the IID split of the same data has 11× more samples in its smallest shard and stays below the
     # limit
     build_server(cfg_of(privacy=tight, training={"rounds": 40, "restart_every": 4}), record=False,
                  progress=None)
-    lifted = cfg_of({"name": "square", "max_sigma": None}, privacy=tight,
+    lifted = cfg_of({"name": "square"}, privacy={**tight, "max_sigma": None},
                     training={"rounds": 40, "restart_every": 4})
     assert build_server(lifted, record=False, progress=None).calibration.sigma2 > 1
+
+
+def test_the_sigma_refusal_advises_what_helps_for_its_partition():
+    """IID: n_min·P is about the records whatever P, so the advice is never "fewer clients" or "a
+    milder skew" (issue 40); a skewed partition is told its own key; both name the threshold's key
+    and what raising it means. (1600 records, P = 5: IID n_min·P = 1600.)"""
+    tight = {"privacy": {"epsilon": 0.01}, "training": {"rounds": 40, "restart_every": 4}}
+    with pytest.raises(PartitionRefused) as iid:
+        build_server(cfg_of(**tight), record=False, progress=None)
+    text = " ".join(str(iid.value).split())
+    assert ("The partition is IID: n_min·P = 1600 is about the 1600 train records whatever P, so "
+            "fewer clients do not lower σ; more records do") in text
+    assert "milder skew" not in text and "Use fewer clients" not in text
+    assert ("a larger privacy.epsilon or fewer training.rounds lower z, hence σ. Or raise "
+            "privacy.max_sigma (null: no limit), the threshold of this check") in text
+    with pytest.raises(PartitionRefused) as skewed:
+        build_server(cfg_of({"name": "dirichlet", "alpha": 0.1, "seed": 0}, **tight),
+                     record=False, progress=None)
+    text = " ".join(str(skewed.value).split())
+    assert re.search(r"This partition gives n_min·P = \d+; an IID split of the same 1600 records "
+                     r"gives about 1600, so a milder skew \(a larger dataset.partitioner.alpha or "
+                     r"min_partition_size\) lowers σ up to [\d.]+×", text), text
+    # too few records per shard under IID: there, fewer clients do help
+    with pytest.raises(PartitionRefused, match=r"The partition is IID \(shards of about 1600 / P "
+                                               r"records\): fewer clients \(P <= 4\)"):
+        build_server(cfg_of({"name": "iid", "min_samples": 400}), record=False, progress=None)
 
 
 def test_an_in_process_run_on_a_skewed_partition_completes_with_smaller_n_min_and_larger_sigma(
@@ -427,7 +455,7 @@ def test_a_study_refuses_a_grid_point_whose_sigma_is_above_max_sigma_before_any_
             "engine": "batch",
             "methods": [{"name": "DIFF2-GD", "method": "diff2", "grid": {"restart_every": [4],
                                                                          "learning_rate": [0.2]}}]}
-    with pytest.raises(PartitionRefused, match=r"above dataset.partitioner.max_sigma = 1"):
+    with pytest.raises(PartitionRefused, match=r"above privacy.max_sigma = 1"):
         run_study(parse_study(data, "skewed.yaml"), output_root=tmp_path, show_progress=False,
                   make_plots=False)
     # refused before the ε = 3 runs too

@@ -40,6 +40,9 @@ OFFLINE = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"
 #: A simulation with the wrong number of SuperNodes must fail long before the strategy's 5-minute
 #: deployment wait.
 FAIL_WITHIN_S = 120
+#: The ServerApp's line that says P, and how to change it (issue 40: P silently became 2).
+P_LINE = ('[diff2] training.clients: auto -> P = 2, the SuperNodes of this simulation (another P: '
+          'flwr run . --federation-config "num-supernodes=N")')
 
 
 def _user_env(home: Path) -> dict[str, str]:
@@ -151,8 +154,7 @@ def test_plain_flwr_run_completes_with_p_the_simulations_supernodes(tmp_path):
             0])
         assert first["round"] == 0 and summary["final"]["train_loss"] < first["train_loss"], summary
         log = _activated(f"flwr log {run_id} --show", env, app, timeout=60).stdout
-        assert "training.clients: auto -> P = 2, the SuperNodes of this simulation" in log, log[
-            -3000:]
+        assert P_LINE in log, log[-3000:]
         # the log ends with the outcome: the summary block, ε and where the files are
         assert "[diff2] summary: run completed: default (diff2, P = 2, 100/100 rounds)" in log, log[
             -3000:]
@@ -196,3 +198,29 @@ def test_plain_flwr_run_completes_with_p_the_simulations_supernodes(tmp_path):
     finally:
         stop_superlinks(home)
     assert not superlink_pids(home)
+
+
+@pytest.mark.flower
+def test_plain_flwr_run_stream_says_p_first_and_diff2_superlink_stops_what_it_left(tmp_path):
+    """`flwr run . --stream` typed in an activated shell: the first line of ours in what it prints
+    says P and how to change it; then `diff2 superlink stop`, typed in the same shell, stops the
+    local SuperLink that `flwr run` started and left running, by its PID."""
+    app = copy_app(tmp_path / "app")
+    home = tmp_path / "flwr-home"
+    env = _user_env(home)
+    command = 'flwr run . --stream --run-config "training.rounds=2 training.restart_every=2"'
+    try:
+        done = _activated(command, env, app, timeout=600)
+        if missed_slow_start(done):
+            start_local_superlink({**env, "PATH": f"{VENV / 'bin'}{os.pathsep}{env['PATH']}"})
+            done = _activated(command, env, app, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        ours = [line for line in done.stdout.splitlines() if line.startswith("[diff2]")]
+        assert ours and ours[0] == P_LINE, done.stdout[:3000]
+        assert "[diff2] summary: run completed: default (diff2, P = 2, 2/2 rounds)" in ours
+        (pid,) = superlink_pids(home)  # Flower left it running
+        stop = _activated("diff2 superlink stop", env, app)
+        assert stop.returncode == 0 and f"(PID {pid})" in stop.stdout, stop.stdout + stop.stderr
+        assert superlink_pids(home) == []
+    finally:
+        stop_superlinks(home)

@@ -7,7 +7,8 @@ diff2_flwr.cli``).
     diff2 audit --method diff2 --epsilon 3 --rounds 10 --trials 10000   # try to break the guarantee
 
 The commands' handlers are in :mod:`.experiments` (noise, run, experiment, family, regime, plot,
-audit, bench), :mod:`.deployment` (shard, deploy-local, certs, node-key, secret, compose, ledger)
+audit, bench), :mod:`.deployment` (shard, deploy-local, certs, node-key, secret, compose, ledger,
+superlink)
 and :mod:`.docs` (docs: the documentation site).
 """
 
@@ -148,6 +149,19 @@ def _add_study_commands(sub: Any) -> None:
                                                   "./curves-comparison.png for several)")
     plot.add_argument("--title", default=None, help="figure title")
     plot.set_defaults(func=experiments.plot)
+
+
+def _add_superlink_command(sub: Any) -> None:
+    """The command superlink: the local SuperLink plain `flwr run .` starts and leaves running."""
+    link = sub.add_parser("superlink",
+                          help="the local SuperLink plain `flwr run .` leaves running: its PID "
+                               "(status) or stop it (stop)")
+    link.add_argument("action", choices=("status", "stop"),
+                      help="status: print its PID and address; stop: SIGTERM to its process group "
+                           "(its simulation too), SIGKILL after 15 s")
+    link.add_argument("--flwr-home", default=None, metavar="DIR",
+                      help="the FLWR_HOME `flwr run` used (default: $FLWR_HOME, else ~/.flwr)")
+    link.set_defaults(func=deployment.superlink)
 
 
 def _add_deploy_commands(sub: Any) -> None:
@@ -307,10 +321,11 @@ def _add_docs_command(sub: Any) -> None:
     doc.add_argument("--out", default=None,
                      help="folder of the built site (default: site/ in the clone)")
     doc.add_argument("--serve", action="store_true",
-                     help="after building, serve the site (rebuilt on changes) "
-                                                          "until Ctrl-C")
-    doc.add_argument("--port", type=int, default=8000,
-                     help="port of --serve on 127.0.0.1 (default 8000)")
+                     help="after building, serve the site on 127.0.0.1 (rebuilt on changes) "
+                          "until Ctrl-C; the JSON gives its URL")
+    doc.add_argument("--port", type=int, default=None,
+                     help=f"port of --serve (default {docs.DEFAULT_PORT}, or a free one when that "
+                          f"is taken; a port given here and taken is an error)")
     doc.set_defaults(func=docs.docs)
 
 
@@ -323,8 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    for add in (_add_run_commands, _add_study_commands, _add_deploy_commands, _add_secret_commands,
-                _add_lab_commands, _add_docs_command):
+    for add in (_add_run_commands, _add_superlink_command, _add_study_commands,
+                _add_deploy_commands, _add_secret_commands, _add_lab_commands, _add_docs_command):
         add(sub)
     return parser
 

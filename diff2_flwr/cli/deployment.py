@@ -1,5 +1,6 @@
 """The handlers of the ``diff2`` commands of a deployment and its parties: shard, deploy-local,
-certs, node-key, secret, compose, ledger (the parser is in :mod:`diff2_flwr.cli`).
+certs, node-key, secret, compose, ledger, and superlink (the local SuperLink of plain ``flwr run
+.``) (the parser is in :mod:`diff2_flwr.cli`).
 
 Each takes the parsed arguments and returns the exit code; each imports what it needs when it runs.
 """
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from ..runtime.outputs import to_json
 
-__all__ = ["certs", "compose", "deploy_local", "ledger", "node_key", "secret", "shard"]
+__all__ = ["certs", "compose", "deploy_local", "ledger", "node_key", "secret", "shard",
+           "superlink"]
 
 
 def shard(args: argparse.Namespace) -> int:
@@ -169,3 +171,32 @@ def ledger(args: argparse.Namespace) -> int:
 
     print(json.dumps(to_json(NodeLedger(args.path).summary(args.delta))))
     return 0
+
+
+def superlink(args: argparse.Namespace) -> int:
+    """``diff2 superlink status|stop``: the local SuperLink plain ``flwr run .`` left running for
+    an FLWR_HOME, by PID; 1 if one would not stop."""
+    from ..runtime.local_superlink import (find_local_superlinks, flwr_home,
+                                           stop_local_superlink)
+
+    home = Path(args.flwr_home).expanduser() if args.flwr_home else flwr_home()
+    links = find_local_superlinks(home)
+    if not links:
+        print(f"no local SuperLink of FLWR_HOME={home} is running (plain `flwr run .` starts one "
+              f"on its first run)")
+        return 0
+    code = 0
+    for link in links:
+        if args.action == "status":
+            print(f"local SuperLink of FLWR_HOME={home}: PID {link.pid}, on {link.address} "
+                  f"(log {link.log_file}); stop it: diff2 superlink stop")
+        elif stop_local_superlink(link):
+            print(f"stopped the local SuperLink of FLWR_HOME={home} (PID {link.pid}) and its "
+                  f"process group; the next `flwr run .` starts a new one")
+        else:
+            print(f"diff2 superlink: PID {link.pid} (the local SuperLink of FLWR_HOME={home}) is "
+                  f"still running after SIGTERM and SIGKILL: it is not ours to stop (another "
+                  f"user's?) or stuck in the kernel; see `ps -o pid,user,stat -p {link.pid}`.",
+                  file=sys.stderr)
+            code = 1
+    return code

@@ -2,8 +2,9 @@
 runs.
 
 One panel per quantity against the round: train and test loss, ‖∇f(x_r)‖², accuracy (when the
-run measured it), ε spent (exact GDP and dp-accounting PLD), and the noise std and clipping radius
-of each round. Losses, ‖∇f‖², noise and radius span orders of magnitude: log scales.
+run measured it), ε spent (each series named by its accountant: :func:`epsilon_accountants`), and
+the noise std and clipping radius of each round. Losses, ‖∇f‖², noise and radius span orders of
+magnitude: log scales.
 """
 
 from __future__ import annotations
@@ -12,22 +13,71 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-__all__ = ["CURVES_FILE", "read_rows", "run_label", "run_labels", "run_settings", "panels",
-           "plot_runs"]
+__all__ = ["CURVES_FILE", "EXACT_GDP", "PLD", "SKELLAM_RDP", "epsilon_accountants",
+           "epsilon_series", "read_rows", "read_privacy", "run_label", "run_labels",
+           "run_settings", "panels", "plot_runs"]
 
 CURVES_FILE = "curves.png"
+
+#: The accountants a run's ε can come from (a summary's ``privacy.accountant``): central noise with
+#: full-batch rounds, the exact μ-GDP closed form; with the local routine's subsampled steps,
+#: dp-accounting's PLD; distributed noise, the Skellam Rényi DP ledger.
+EXACT_GDP, PLD, SKELLAM_RDP = "exact μ-GDP", "PLD", "Skellam RDP"
 
 #: (panel title, [(metric key, legend suffix)], log scale)
 _PANELS: tuple[tuple[str, tuple[tuple[str, str], ...], bool], ...] = (
     ("loss", (("train_loss", "train"), ("test_loss", "test")), True),
     ("‖∇f(x_r)‖²", (("grad_norm_sq", ""),), True),
     ("accuracy", (("train_accuracy", "train"), ("test_accuracy", "test")), False),
-    ("ε spent", (("epsilon_spent", "exact GDP"), ("epsilon_pld", "PLD")), False),
+    # the legends are the run's accountants (epsilon_series)
+    ("ε spent", (("epsilon_spent", ""), ("epsilon_pld", "")), False),
     ("noise std per round", (("noise_std", ""),), True),
     ("clipping radius", (("radius", ""),), True),
 )
+
+
+def epsilon_accountants(privacy: Mapping[str, Any] | None) -> tuple[str, str | None]:
+    """Who computed a run's ε figures: (the accountant of ``epsilon_spent``, that of
+    ``epsilon_pld`` when it is a separate cross-check, else None).
+
+    Central noise, full-batch rounds: the exact μ-GDP closed form, dp-accounting's PLD beside it.
+    With the local routine: PLD, which ``epsilon_pld`` repeats. Distributed noise: the Skellam RDP
+    ledger, the mechanism's only accountant (the rows' ``epsilon_pld`` repeats it). A summary
+    written before ``privacy.accountant`` existed is read from its other fields; without one (or
+    for a run without noise) the row keys name the series.
+
+    Args:
+        privacy: the ``privacy`` block of the run's ``summary.json``, or None.
+    """
+    privacy = privacy or {}
+    name = privacy.get("accountant")
+    if name is None and privacy.get("noise") == "distributed":
+        name = SKELLAM_RDP
+    elif name is None and str(privacy.get("epsilon_accountant", "")).startswith("dp-accounting"):
+        name = PLD
+    elif name is None and privacy.get("private"):
+        name = EXACT_GDP
+    if name is None:
+        return "epsilon_spent", "epsilon_pld"
+    return name, PLD if name == EXACT_GDP else None
+
+
+def epsilon_series(privacy: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
+    """The ε panel's series of a run: (row key, legend) for each figure its accountants give (see
+    :func:`epsilon_accountants`)."""
+    spent, cross = epsilon_accountants(privacy)
+    return (("epsilon_spent", spent),) + ((("epsilon_pld", cross),) if cross else ())
+
+
+def read_privacy(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``privacy`` block of a run folder's ``summary.json``; None without a readable one."""
+    try:
+        privacy = json.loads((Path(run_dir) / "summary.json").read_text()).get("privacy")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return privacy if isinstance(privacy, dict) else None
 
 
 def read_rows(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -165,9 +215,18 @@ def _series(rows: Sequence[dict[str, Any]], key: str, log: bool) -> tuple[list[i
 
 
 def plot_runs(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str | os.PathLike[str],
-              title: str | None = None) -> Path:
+              title: str | None = None, *,
+              privacy: Sequence[Mapping[str, Any] | None] | None = None) -> Path:
     """Draw ``(label, rows)`` runs into one figure (one panel per quantity that any run has) at
-    ``out``."""
+    ``out``.
+
+    Args:
+        runs: (legend label, per-round rows) of each run.
+        out: the PNG's path.
+        title: the figure's title.
+        privacy: each run's summary ``privacy`` block (or None): its ε series are named by the
+            accountants that computed them (:func:`epsilon_series`).
+    """
     # matplotlib's object API, not pyplot: no global figure state (a ServerApp draws in a thread of
     # Flower's simulation process) and no GUI backend to import (~0.5 s less in every ServerApp);
     # imported here, when a figure is drawn: `diff2 --help` imports this module (via outputs.py)
@@ -182,10 +241,15 @@ def plot_runs(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str | o
     fig = Figure(figsize=(5.2 * cols, 3.6 * nrows))
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, cols, squeeze=False)
+    blocks = list(privacy) if privacy is not None else [None] * len(runs)
+    if len(blocks) != len(runs):
+        raise ValueError(f"`privacy` must have one block (or None) per run: {len(runs)} runs. "
+                         f"Found {len(blocks)}.")
     for ax, (name, keys, log) in zip(axes.flat, chosen):
-        for index, (label, rows) in enumerate(runs):
+        for index, ((label, rows), block) in enumerate(zip(runs, blocks)):
             color = f"C{index % 10}"
-            for style, (key, suffix) in zip(("-", "--", ":"), keys):
+            shown = epsilon_series(block) if name == "ε spent" else keys
+            for style, (key, suffix) in zip(("-", "--", ":"), shown):
                 xs, ys = _series(rows, key, log)
                 if xs:
                     parts = [p for p in ((label if len(runs) > 1 else ""), suffix) if p]

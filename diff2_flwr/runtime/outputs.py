@@ -9,7 +9,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from .curves import CURVES_FILE, plot_runs
 
@@ -79,9 +79,12 @@ class RunRecorder:
         np.save(tmp, np.asarray(x, dtype=np.float64))
         os.replace(tmp, self.directory / self.PARAMETERS)
 
-    def curves(self, rows: list[dict[str, Any]], title: str) -> Path:
-        """``curves.png``: the run's per-round metrics against the round (see :mod:`.curves`)."""
-        return plot_runs([(title, rows)], self.directory / CURVES_FILE, title=title)
+    def curves(self, rows: list[dict[str, Any]], title: str,
+               privacy: Mapping[str, Any] | None = None) -> Path:
+        """``curves.png``: the run's per-round metrics against the round (see :mod:`.curves`), its
+        ε named by the accountants of ``privacy`` (the summary's block)."""
+        return plot_runs([(title, rows)], self.directory / CURVES_FILE, title=title,
+                         privacy=[privacy])
 
     def close(self) -> None:
         """Close ``metrics.jsonl`` (every row was flushed as it was written)."""

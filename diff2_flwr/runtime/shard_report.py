@@ -9,9 +9,13 @@ n_min >= 1 (σ grows to match); what is refused is a partition useless at the co
 
 - a shard with fewer than ``dataset.partitioner.min_samples`` samples (default 1: an empty shard,
   for which no finite σ exists);
-- a calibration with σ1 or σ2 above ``dataset.partitioner.max_sigma`` (default 1): the per-
+- a calibration with σ1 or σ2 above ``privacy.max_sigma`` (default 1): the per-
   coordinate noise std σC would exceed the clipping radius C, the bound on the norm of the whole
   averaged signal, so every coordinate of every release is dominated by noise. ``null`` lifts it.
+
+Each refusal says what would help for this partition: under IID, n_min·P is about the number of
+train records whatever P, so fewer clients never lower σ (a larger ε, fewer rounds or more records
+do); a skewed partition can also be made milder, in its own keys.
 """
 
 from __future__ import annotations
@@ -104,13 +108,11 @@ def check_shards(cfg: ExperimentConfig, sizes: Sequence[int],
             f"dataset.partitioner.min_samples = "
             f"{part.min_samples} samples: client {q} holds {n_min}, so n_min = {n_min} and "
             f"{sigma}. Shard sizes: "
-            f"{list(sizes)}. Use a milder skew (a larger alpha, dirichlet min_partition_size), "
-            f"fewer clients or "
-            "more data.")
-    if calibration is None or part.max_sigma is None:
+            f"{list(sizes)}. {_fewer_samples_remedy(cfg, sizes)}")
+    if calibration is None or cfg.privacy.max_sigma is None:
         return
     worst = max(calibration.sigma1, calibration.sigma2 or 0.0)
-    if worst > part.max_sigma:
+    if worst > cfg.privacy.max_sigma:
         q = _smallest(sizes)
         declared = f" (privacy.n_min = {calibration.n_min})" if cfg.privacy.n_min else ""
         raise PartitionRefused(
@@ -120,9 +122,61 @@ def check_shards(cfg: ExperimentConfig, sizes: Sequence[int],
             f"{calibration.delta:g}, "
             f"R = {calibration.rounds}, T = {calibration.restart_every}, P = "
             f"{calibration.clients}. σ = {worst:.4g} is "
-            f"above dataset.partitioner.max_sigma = {part.max_sigma:g}: each coordinate's noise "
+            f"above privacy.max_sigma = {cfg.privacy.max_sigma:g}: each coordinate's noise "
             f"would exceed the "
             "clipping radius, the bound on the whole averaged signal. Shard sizes: "
-            f"{list(sizes)}. Use a milder skew or fewer clients, a larger ε or fewer rounds, or "
-            f"set "
-            "dataset.partitioner.max_sigma (null: no limit) to run anyway.")
+            f"{list(sizes)}. {_sigma_remedy(cfg, sizes, calibration)}")
+
+
+#: What lowers σ whatever the partition, and what the threshold is (said in every σ refusal).
+_ALWAYS = ("a larger privacy.epsilon or fewer training.rounds lower z, hence σ. Or raise "
+           "privacy.max_sigma (null: no limit), the threshold of this check: the "
+           "(ε, δ) guarantee stays the same, but the noise then swamps each coordinate and the "
+           "model may learn nothing.")
+
+
+def _milder_skew(cfg: ExperimentConfig) -> str:
+    """How a non-IID partitioner of ``cfg`` is made milder, in its own keys."""
+    name = cfg.dataset.partitioner.name
+    shapes = ["iid", "linear", "square", "exponential"]
+    milder = " or ".join(reversed(shapes[:shapes.index(name)])) if name in shapes else ""
+    knob = {"dirichlet": "a larger dataset.partitioner.alpha or min_partition_size",
+            "pathological": "more dataset.partitioner.classes_per_client",
+            "size": "more even dataset.partitioner.sizes"}.get(
+                name, f"dataset.partitioner.name: {milder}")
+    return f"a milder skew ({knob})"
+
+
+def _more_records(cfg: ExperimentConfig) -> str:
+    sub = cfg.dataset.train_samples
+    return (f"more records (dataset.train_samples = {sub}: a larger subsample)" if sub is not None
+            else "more records")
+
+
+def _fewer_samples_remedy(cfg: ExperimentConfig, sizes: Sequence[int]) -> str:
+    """What gives the smallest shard ``min_samples``: under IID, fewer clients or more records."""
+    total, least = sum(sizes), cfg.dataset.partitioner.min_samples
+    if cfg.dataset.partitioner.name == "iid":
+        return (f"The partition is IID (shards of about {total} / P records): fewer clients (P <= "
+                f"{max(total // least, 1)}) or {_more_records(cfg)}.")
+    return f"Use {_milder_skew(cfg)}, fewer clients or {_more_records(cfg)}."
+
+
+def _sigma_remedy(cfg: ExperimentConfig, sizes: Sequence[int], cal: Calibration) -> str:
+    """What lowers σ = 2z/(n_min·P) for this partition, then the threshold: under IID n_min·P is
+    about the number of records whatever P, so fewer clients do not help."""
+    total, spread = sum(sizes), cal.n_min * cal.clients
+    declared = cfg.privacy.n_min
+    if declared is not None and declared < min(sizes):
+        head = (f"privacy.n_min = {declared} is below the smallest shard's {min(sizes)} records: "
+                f"the federation's agreed n_min sets σ, and a larger one (at most "
+                f"{min(sizes)}) lowers it; else ")
+    elif cfg.dataset.partitioner.name == "iid":
+        head = (f"The partition is IID: n_min·P = {spread} is about the {total} train records "
+                f"whatever P, so fewer clients do not lower σ; {_more_records(cfg)} do, and ")
+    else:
+        head = (f"This partition gives n_min·P = {spread}; an IID split of the same {total} "
+                f"records gives about {total}, so {_milder_skew(cfg)} lowers σ up to "
+                f"{total / spread:.3g}×, and fewer clients help only where they raise n_min·P; "
+                f"{_more_records(cfg)} help too, and ")
+    return head + _ALWAYS
