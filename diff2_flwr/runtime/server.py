@@ -24,6 +24,7 @@ from . import server_core
 from .checkpoint import Checkpoint
 from .journal import Journal
 from .server_core import OutOfTurn, PendingLocal, Released, ServerSpec, ServerState
+from .step_report import WATCH_ROWS, feedback_warning, names_of, radius_feedback, step_gain
 
 __all__ = ["Diff2Server"]
 
@@ -218,9 +219,31 @@ class Diff2Server:
         """Round r released: the journal records it; a diverged iterate stops the run, round R
         completes it."""
         self.journal.released(self.core, out)
+        self._watch_radius()
         if out.diverged is not None:
             self.fail(out.diverged)
             raise out.diverged
         if self.core.status == "completed":
             self.journal.completed(self.core)
         return out.release
+
+    def _watch_radius(self) -> None:
+        """Radius feedback (:func:`~diff2_flwr.runtime.step_report.radius_feedback` on the latest
+        rows): said once, the round it is found, with the settings named as the caller gave them,
+        and kept in the summary (``radius_feedback``, ``warnings``). It only watches released radii:
+        the run goes on, as it would have."""
+        found = self.run_info.get("radius_feedback", {})
+        if "detected_at" in found:
+            return
+        feedback = radius_feedback(self.history[-WATCH_ROWS:])
+        if feedback is None:
+            return
+        spec = self.spec
+        gain = step_gain(spec.calibration, spec.routine, spec.mechanism.clip_diff, spec.layout.dim,
+                         local=spec.local is not None)
+        warning = feedback_warning(feedback, eta=spec.routine.learning_rate,
+                                   clip_diff=spec.mechanism.clip_diff, gain=gain,
+                                   names=names_of(spec.settings))
+        self.run_info["radius_feedback"] = {**found, **feedback.as_dict()}
+        self.run_info["warnings"] = [*self.run_info.get("warnings", ()), warning]
+        self.journal.say(f"[diff2] WARNING: {warning}")

@@ -19,8 +19,10 @@ from .checkpoint import Checkpoint, config_fingerprint, legacy_config_fingerprin
 from .config import ConfigError, ExperimentConfig, argument_error
 from .outputs import RunRecorder, new_run_dir
 from .journal import Journal
+from .noise_report import noise_summary
 from .server import Diff2Server
 from .server_core import ServerSpec, check_planned_budget
+from .step_report import gain_warning, names_of, step_gain
 
 __all__ = ["CLIP_STATS_WARNING", "SEED_WARNING", "initial_point", "make_server"]
 
@@ -136,6 +138,7 @@ def make_server(  # noqa: PLR0913 -- the Python API's options, keyword-only, doc
                                  routine=server_spec.routine, x0=x0)
     recorder = _recorder(output_dir, spec.name, resume, info, progress)
     warnings = _announce(spec, server_spec.calibration, progress)
+    warnings += _predict_feedback(server_spec, info, progress)
     if warnings:
         info["warnings"] = [*info.get("warnings", ()), *warnings]
     journal = Journal.of(server_spec, evaluator=evaluator, recorder=recorder, run_info=info,
@@ -173,6 +176,28 @@ def _recorder(output_dir: str | Path | None, name: str, resume: Checkpoint | Non
     if progress:
         progress(f"[diff2] writing per-round metrics and summary to {run_dir}")
     return recorder
+
+
+def _predict_feedback(spec: ServerSpec, info: dict[str, Any],
+                      progress: Callable[[str], None] | None) -> list[str]:
+    """Before the run, from the spec alone: the noise estimate for the summary
+    (``noise_to_radius``, when the YAML path's pre-flight did not give it) and the step's gain g
+    against its own noise (``radius_feedback``; :mod:`~diff2_flwr.runtime.step_report`), said when
+    it exceeds the limit, with the settings named as the caller gave them. Returns the warning."""
+    if spec.calibration is None:
+        return []
+    info.setdefault("noise_to_radius", noise_summary(spec.calibration, spec.layout.dim))
+    gain = step_gain(spec.calibration, spec.routine, spec.mechanism.clip_diff, spec.layout.dim,
+                     local=spec.local is not None)
+    if gain is None:
+        return []
+    info["radius_feedback"] = gain.as_dict()
+    warning = gain_warning(gain, names_of(spec.settings))
+    if warning is None:
+        return []
+    if progress:
+        progress(f"[diff2] WARNING: {warning}")
+    return [warning]
 
 
 def _announce(spec: ExperimentConfig, calibration: Calibration | None,

@@ -21,7 +21,7 @@ __all__ = ["ConfigError", "Kwargs", "Invalid", "require", "setting", "help_of", 
            "nest_arguments", "parse_section", "from_arguments", "argument_error", "describe_type",
            "type_ok",
            "setting_names", "add_setting_flags", "key_error", "content_free", "is_int",
-           "run_identity"]
+           "run_identity", "ArgumentSource", "key_namer"]
 
 
 class ConfigError(ValueError):
@@ -310,6 +310,12 @@ def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in _fields(cls)]
     unknown = sorted(set(map(str, data)) - set(names))
+    moved = [k for k in unknown if k in getattr(cls, "MOVED", {})]
+    if moved:  # a key that lives elsewhere now: say where (MOVED: old name -> its dotted key)
+        raise ConfigError(
+            f"{source}: key `{prefix}{moved[0]}` has moved to `{cls.MOVED[moved[0]]}` (the same "
+            "setting): write it there.", key=prefix + moved[0],
+            expected=f"{cls.MOVED[moved[0]]} instead", found=data[moved[0]])
     if unknown:
         raise ConfigError(
             f"{source}: unknown key{'s' if len(unknown) > 1 else ''} "
@@ -361,13 +367,43 @@ def from_arguments(function: str, data: Mapping[str, Any], cls: type,
     "diff2_flwr.make_strategy: argument `rounds`: expected an integer >= 1. Found 0."
     """
     try:
-        return _build(cls, data, "", function)
+        return _build(cls, data, "", ArgumentSource(function))
     except ConfigError as err:
         if err.key is None:
             raise
         names = {**argument_names(cls), **(renamed or {})}
         raise argument_error(function, names.get(err.key, err.key.rpartition(".")[2]), err.expected,
                              err.found) from None
+
+
+class ArgumentSource(str):
+    """The ``source`` of settings given as a Python API call's keyword arguments: the function's
+    name (``"diff2_flwr.make_strategy"``), which it prints as. A section validated by
+    :func:`from_arguments` remembers it, so that a message about a setting, long after the call,
+    names it as that caller wrote it (:func:`key_namer`): ``learning_rate=``, not the experiment
+    file's ``training.learning_rate``."""
+
+    __slots__ = ()
+
+
+def key_namer(cls: type, source: str | None) -> Callable[[str], str]:
+    """How the user who gave the settings of ``cls`` from ``source`` names a dotted key: its Python
+    API argument with ``=`` (``learning_rate=``, as :func:`argument_names` declares it) when
+    ``source`` is an :class:`ArgumentSource`, else the key itself (``training.learning_rate``: the
+    experiment file, ``--set``, the run config, or no source known).
+
+    Args:
+        cls: the settings' section (the experiment).
+        source: where the settings came from (the section's ``source``), or None.
+
+    Returns:
+        ``name(key) -> str`` for the dotted keys of ``cls`` (a key :func:`argument_names` does not
+        list stays dotted). Name with it only settings the function takes as arguments.
+    """
+    if not isinstance(source, ArgumentSource):
+        return str
+    arguments = argument_names(cls)
+    return lambda key: f"{arguments[key]}=" if key in arguments else key
 
 
 def setting_names(cls: type) -> list[str]:
