@@ -37,6 +37,7 @@ from .fl.client import Diff2Client
 from .fl.secagg import run_secure, secure_sum_mod
 from .fl.strategy import Diff2Strategy
 from .runtime.config import experiment_from_arguments
+from .runtime.preflight_checks import preflight_strategy
 from .runtime.session import make_server, make_worker
 from .runtime.spec import argument_error
 
@@ -85,6 +86,7 @@ def make_strategy(  # noqa: PLR0913 -- public API: keyword arguments mirror the 
     model: torch.nn.Module | None = None,
     initial_parameters: Sequence[np.ndarray] | Parameters | None = None,
     u: float = 1.25,
+    max_sigma: float | None = 1.0,
     mode: str = "exact",
     seed: int | None = None,
     evaluate_fn: Callable[[list[np.ndarray]], Mapping[str, float]] | None = None,
@@ -125,6 +127,9 @@ def make_strategy(  # noqa: PLR0913 -- public API: keyword arguments mirror the 
         model, initial_parameters: x₀, exactly one of them: a ``torch.nn.Module`` (its trainable
             parameters) or one array per tensor (a list, or Flower ``Parameters``).
         u: the paper's u > 1 (noise split between restart and difference rounds; 1.25 in the paper).
+        max_sigma: refuse a budget whose noise std per coordinate, σ₁ or σ₂ in clipping radii,
+            exceeds this (the noise would drown any signal; the (ε, δ) guarantee holds either
+            way); None: no limit. As the experiment file's ``privacy.max_sigma``.
         mode: "exact" (GDP composition, the paper's Theorem) or "rdp".
         seed: an integer makes the noise reproducible (research only); None draws it from the OS.
         evaluate_fn: ``evaluate_fn(arrays) -> {metric: value}`` on each released iterate (every
@@ -168,6 +173,8 @@ def make_strategy(  # noqa: PLR0913 -- public API: keyword arguments mirror the 
                                      method="diff2")
     if isinstance(initial_parameters, Parameters):
         initial_parameters = parameters_to_ndarrays(initial_parameters)
+    # the YAML path's pre-flight, as far as the arguments allow: before any Flower round
+    preflight_strategy(spec, model, initial_parameters, function, progress)
     # round_retries is the Strategy's: left out of the server's spec (and so of a checkpoint's
     # fingerprint), so that a resumed run may retry more or less than the run it resumes.
     server_spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training,
@@ -190,6 +197,7 @@ def make_client(  # noqa: PLR0913 -- public API: keyword-only, one argument per 
     gradients: str = "auto",
     distributed: Mapping[str, Any] | None = None,
     seed: int | None = None,
+    n_min: int | None = None,
 ) -> Diff2Client:
     """A Flower ``NumPyClient`` for one data owner: ClippedMean of its per-sample gradients
     (differences).
@@ -214,6 +222,9 @@ def make_client(  # noqa: PLR0913 -- public API: keyword-only, one argument per 
             clipped mean).
         seed: with ``distributed``, reproducible noise shares from (seed, partition, round)
             (tests only; None: OS entropy).
+        n_min: the strategy's ``n_min`` (its noise is calibrated for clients holding at least
+            that many records): given, a client holding fewer is refused here, at once, instead of
+            by the server at round 1. None: the server's check only.
 
     Returns:
         A :class:`~diff2_flwr.fl.client.Diff2Client`; a ClientApp's ``client_fn`` returns
@@ -224,10 +235,18 @@ def make_client(  # noqa: PLR0913 -- public API: keyword-only, one argument per 
     """
     function = "diff2_flwr.make_client"
     noise = None if distributed is None else _distributed_settings(function, distributed)
-    return Diff2Client(make_worker(model=model, loss=loss, data=data, partition_id=partition_id,
-                                   dtype=dtype, chunk_size=chunk_size, gradients=gradients,
-                                   _function=function),
-                       noise=noise, seed=seed)
+    if n_min is not None and (not isinstance(n_min, int) or isinstance(n_min, bool) or n_min < 1):
+        raise argument_error(function, "n_min", "None or an integer >= 1 (the strategy's n_min)",
+                             n_min)
+    worker = make_worker(model=model, loss=loss, data=data, partition_id=partition_id, dtype=dtype,
+                         chunk_size=chunk_size, gradients=gradients, _function=function)
+    if n_min is not None and worker.num_samples < n_min:
+        raise argument_error(
+            function, "data", f"at least n_min = {n_min} records (partition {partition_id}): the "
+            "noise is calibrated for clients holding n_min or more, and the server refuses a reply "
+            "from fewer; lower the strategy's n_min to the smallest client's count",
+            f"{worker.num_samples} records")
+    return Diff2Client(worker, noise=noise, seed=seed)
 
 
 _DISTRIBUTED_REQUIRED = ("epsilon", "delta", "rounds", "restart_every", "clients")

@@ -265,8 +265,10 @@ def test_a_run_that_fails_says_so_in_its_summary(tmp_path, capsys):
     # gradients that overflow at a finite iterate: divergence, not a privacy rejection (nothing
     # released)
     assert report["status"] == "diverged" and "check 'gradients' failed" in report["error"]
-    failed = "[diff2] FAILED: Diverged: Round 2 released nothing: check 'gradients' failed"
-    assert failed in captured.err
+    # said once (issue 40): in the summary block, from summary.json, not again in a FAILED line
+    failed = "Diverged: Round 2 released nothing: check 'gradients' failed"
+    assert captured.err.count(failed) == 1 and "[diff2] FAILED" not in captured.err
+    assert f"  error        {failed}" in captured.err
     assert "[diff2] run diverged: tiny (diff2, P = 3, 1/6 rounds)" in captured.err
 
 
@@ -307,3 +309,48 @@ def test_diff2_run_console_through_flower_is_short_and_ends_with_the_summary(tmp
                                                         f"Flower run {report['run_id']}")
     assert lines[-1].startswith(f"  files        {report['output_dir']}: ")
     assert len(lines) <= 20, lines
+
+
+#: Each regime's settings, and the accountants its summaries must name: (ε spent, cross-check).
+REGIMES = {
+    "central exact": ({}, ("exact μ-GDP", "PLD"), ""),
+    "central rdp": ({"privacy.mode": "rdp"}, ("exact μ-GDP", "PLD"),
+                    " (σ calibrated by zCDP: privacy.mode rdp)"),
+    "local routine": ({"local.steps": 2, "local.batch_size": 16}, ("PLD", None), ""),
+    "distributed": ({"privacy.noise": "distributed"}, ("Skellam RDP", None), ""),
+}
+
+
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_every_summary_names_the_accountant_its_run_used(tmp_path, capsys, regime):
+    """summary.json, the end-of-run block (diff2 run's and the ServerApp's) and curves.png's legend
+    name the accountant that computed ε, with no unexplained figure (issue 40: a distributed run was
+    "ε spent 3 exact μ-GDP, - PLD")."""
+    from diff2_flwr.runtime.curves import epsilon_series
+
+    overrides, (spent, cross), note = REGIMES[regime]
+    sets = [f"{key}={value}" for key, value in overrides.items()]
+    code = cli.main(["run", str(_tiny(tmp_path)), "--engine", "inprocess",
+                     *(["--set", *sets] if sets else [])])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    run_dir = Path(json.loads(captured.out)["output_dir"])
+    privacy = json.loads((run_dir / "summary.json").read_text())["privacy"]
+    assert privacy["accountant"] == spent
+    eps = _fmt_g(privacy["epsilon_spent"])
+    line = f"ε spent      {eps} {spent}" + (
+        f", {_fmt_g(privacy['epsilon_pld'])} {cross}" if cross else "") + note + "   (target ε = 3"
+    for block in (captured.err, server_summary_block(run_report(run_dir))):
+        (shown,) = [text for text in block.splitlines() if "ε spent" in text]
+        assert shown.strip().startswith(line), shown
+        assert " - " not in shown and ("μ-GDP" in shown) == (spent == "exact μ-GDP"), shown
+    legends = [legend for _, legend in epsilon_series(privacy)]
+    assert legends == [spent] + ([cross] if cross else [])
+    # curves.png drawn with them (a drawing failure would only warn)
+    assert (run_dir / "curves.png").is_file() and "curves.png not drawn" not in captured.err
+    if cross is None:  # the summary says why there is no separate PLD figure
+        assert privacy.get("epsilon_pld_accountant")
+
+
+def _fmt_g(value: float) -> str:
+    return f"{value:.4g}"

@@ -441,12 +441,46 @@ def test_flwr_run_with_a_policy_on_every_simulated_node_completes_and_above_it_f
         assert result["rounds"]["tasks_seen"] == 3 and result["records"] == 240 and result[
             "canaries"] == 4
         assert result["noise_scale"]["estimate"] > 0 and not result["violation"]
+    # issue 40: the launcher holds the policy, so the run is refused before anything starts, in
+    # the nodes' words
     strict = policy_file(tmp_path, max_epsilon=1.0)
     code, report, stderr = _diff2_run(tmp_path, config, strict)
-    assert code == 1 and report["status"] == "failed"
-    assert ("refused: rule `max_epsilon`: the run asks ε = 3 (privacy.epsilon); this node allows "
-            "at most ε = 1") in \
-        report["error"], report["error"]
+    assert code == 2 and report["status"] == "failed" and report["run_id"] is None
+    assert report["error"].startswith(
+        "every simulated node refused: rule `max_epsilon`: the run asks ε = 3 (privacy.epsilon); "
+        "this node allows at most ε = 1"), report["error"]
+    assert stderr.splitlines() == [f"diff2 run: error: {report['error']}"]
+    assert report["wall_time_s"] < 5.0
+
+
+@pytest.mark.flower
+def test_a_node_refusal_at_round_one_is_the_runs_one_error_line(tmp_path):
+    """Issue 40, item 2: where the launcher does not hold the policy (here the simulated nodes read
+    it from $DIFF2_NODE_POLICY, as under `flwr run .`), every node refuses round 1. The run's error
+    is then the first node's own message, whole and first, in the JSON and summary.json, said once
+    on stderr with no traceback; every failure in full goes to the log file it names."""
+    import json
+
+    config = write(tmp_path / "sim.yaml", {**BASE, "training": {**BASE["training"], "rounds": 3},
+                                           "output": {"dir": str(tmp_path / "out")}})
+    strict = policy_file(tmp_path, max_epsilon=1.0)
+    env = {**os.environ, "DIFF2_NODE_POLICY": str(strict)}
+    out = subprocess.run([sys.executable, "-m", "diff2_flwr.cli", "run", str(config)],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    report = json.loads(out.stdout)
+    error = report["error"]
+    assert out.returncode == 1 and report["status"] == "failed"
+    assert error.startswith("node ") and (
+        "(hospital-a) refused: rule `max_epsilon`: the run asks ε = 3 (privacy.epsilon); this node "
+        "allows at most ε = 1") in error, error
+    assert len(error) < 500
+    log = Path(report["output_dir"]) / "round-1-failures.log"
+    assert error.endswith(f"All 2 failure(s) of round 1: {log}") and log.is_file()
+    assert log.read_text().count("refused: rule `max_epsilon`") >= 2  # both nodes, in full
+    summary = json.loads((Path(report["output_dir"]) / "summary.json").read_text())
+    assert summary["error"] == error
+    assert out.stderr.count("refused: rule") == 1 and "Traceback" not in out.stderr
+    assert "Exit Code: 700" not in out.stderr
     rows = [line for line in (Path(report["output_dir"]) / "metrics.jsonl").read_text().splitlines()
             if line]
     assert len(rows) == 1  # round 0 only: the first round released nothing

@@ -287,7 +287,7 @@ def test_without_train_metrics_the_test_loss_is_compared():
 
 #: ε = 0.2 with a large step: the noise (6.8 radii per difference round) drives the loss from 0.17
 #: to ~1e7.
-DIVERGING = {"privacy": {"epsilon": 0.2}, "dataset": {"partitioner": {"max_sigma": None}},
+DIVERGING = {"privacy": {"epsilon": 0.2, "max_sigma": None},
              "training": {"rounds": 30, "learning_rate": 0.5, "clip_diff": 3.0}}
 
 

@@ -567,5 +567,5 @@ def test_every_cell_of_the_family_passes_the_noise_refusal_rule_and_the_dropped_
         if s.dataset.get("train_samples") == 1000:
             cfg = s.experiment(s.methods[1], s.methods[1].points()[0], 0.5, 100)
             with pytest.raises(PartitionRefused,
-                               match=r"σ2 = 1\.37.*above dataset.partitioner.max_sigma = 1"):
+                               match=r"σ2 = 1\.37.*above privacy.max_sigma = 1"):
                 check_shards(cfg, sizes, cfg.calibration(min(sizes)))

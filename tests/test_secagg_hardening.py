@@ -86,7 +86,7 @@ class _Server:
         self.results, self.failures = results, failures
         return None, {}
 
-    def secure_round_ended(self, round_):
+    def secure_round_ended(self, round_, refusals=()):
         self.ended.append(round_)
 
 

@@ -13,6 +13,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any, Mapping
 
 from ..runtime.outputs import to_json
 from ..runtime.spec import setting_names
@@ -50,6 +51,15 @@ def _node_policy_env(args: argparse.Namespace) -> dict[str, str]:
     path = Path(args.node_policy).expanduser().resolve()
     load_policy(path)  # a bad policy fails here, in one line, before Flower starts
     return {ENV_VAR: str(path)}
+
+
+def _check_node_policy(env: Mapping[str, str], cfg: Any) -> None:
+    """The run against the node policy this launcher hands every simulated node: what each would
+    refuse at round 1 (its rule, in its words), refused now, before Flower starts."""
+    from ..runtime.policy import ENV_VAR, check_run, load_policy
+
+    if ENV_VAR in env:
+        check_run(load_policy(env[ENV_VAR]), cfg, "every simulated node")
 
 
 def _one_line(err: BaseException) -> str:
@@ -100,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
                 f"[diff2] training.clients: auto -> P = {AUTO_CLIENTS_DEFAULT} (the SuperNodes "
                 f"diff2 run "
                          "simulates; --set training.clients=N for another number)")
+        _check_node_policy(env, cfg)
         checked = preflight(cfg)
     except (ValueError, FileNotFoundError) as err:
         return _refused(args, err, time.perf_counter() - started)
@@ -142,10 +153,12 @@ def run(args: argparse.Namespace) -> int:
                 run_id, console.output_dir = result.run_id, result.output_dir or console.output_dir
     finally:
         console.close()
-    if failure:
-        print(f"[diff2] FAILED: {failure}", file=sys.stderr)
     report = run_report(console.output_dir, run_id=run_id, engine=args.engine,
                         wall_time_s=time.perf_counter() - started)
+    # said once: by the run's summary when it has the error, else here
+    summary_says = report.get("status") != "unknown" and report.get("error")
+    if (failure or console.server_error) and not summary_says:
+        print(f"[diff2] FAILED: {console.server_error or failure}", file=sys.stderr)
     if console.output_dir is not None:
         print(summary_block(report), file=sys.stderr)
     if failure:
@@ -293,11 +306,11 @@ def _live_audit(args: argparse.Namespace) -> int:
 def plot(args: argparse.Namespace) -> int:
     """``diff2 plot``: draw the per-round curves of one or several run folders side by side and
     print the PNG's path."""
-    from ..runtime.curves import CURVES_FILE, plot_runs, read_rows, run_labels
+    from ..runtime.curves import CURVES_FILE, plot_runs, read_privacy, read_rows, run_labels
 
     dirs = [Path(d).expanduser() for d in args.run_dirs]
     runs = [(label, read_rows(d)) for label, d in zip(run_labels(dirs), dirs)]
     out = Path(args.out).expanduser() if args.out else (dirs[0] / CURVES_FILE if len(dirs) == 1 else
                                                            Path("curves-comparison.png"))
-    print(plot_runs(runs, out, title=args.title))
+    print(plot_runs(runs, out, title=args.title, privacy=[read_privacy(d) for d in dirs]))
     return 0

@@ -27,7 +27,8 @@ from .estimator import Diverged, RoundPlan
 from .layout import ParameterLayout
 from .local import LocalTask
 
-__all__ = ["NORM_RTOL", "Diverged", "RoundRejected", "Reply", "Aggregate", "average_contributions",
+__all__ = ["NORM_RTOL", "Diverged", "NodeRefused", "RoundRejected", "Reply", "Aggregate",
+           "average_contributions",
            "check_local_reply",
            "robust_norm"]
 
@@ -39,6 +40,16 @@ class RoundRejected(RuntimeError):
         self.round, self.check, self.client = round, check, client
         who = f" from {client}" if client else ""
         super().__init__(f"Round {round} released nothing: check '{check}' failed{who}: {detail}")
+
+
+class NodeRefused(RoundRejected):
+    """A round that released nothing because a node refused its task: the message is the node's
+    own (first and whole), then where the round's other failures are written, if anywhere."""
+
+    def __init__(self, round: int, refusal: str, more: str = "") -> None:
+        RuntimeError.__init__(self, f"{refusal}{more}")
+        self.round, self.check, self.client = round, "node-refused", None
+        self.refusal = refusal
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from ..runtime.config import (AUTO_CLIENTS_DEFAULT, ExperimentConfig, load_confi
                               read_yaml)
 from ..runtime.node_guard import check_deployment_run
 from ..runtime.paths import resolve_config_path
-from ..runtime.policy import PolicyError, load_policy
+from ..runtime.policy import PolicyError, check_run, load_policy
 from ..runtime.secret_files import private_folder, write_private
 from ..runtime.shard_files import SERVER_FILE, read_server_data
 from .compose import CONTAINER_OUTPUTS
@@ -165,9 +165,13 @@ def prepare_run_folder(config: str | os.PathLike[str], work: Path, rounds: int |
 
 def check_data_owners_rules(cfg: ExperimentConfig,
                             node_policy: str | os.PathLike[str] | None) -> None:
-    """What every data owner's node would refuse at round 1 whatever the run's ε (a seed the policy
-    does not allow, node-side noise without a policy's answer log, an undeclared or unpinned n_min),
-    said before anything starts: the nodes' own rule
+    """What every data owner's node would refuse at round 1: what its policy does not allow (ε, δ,
+    rounds, methods, models, noise, ...) and, whatever the run's ε, a seed the policy does not
+    allow, node-side noise without a policy's answer log, an undeclared or unpinned n_min; said
+    before anything starts: the nodes' own rule
     (:func:`~diff2_flwr.runtime.node_guard.check_deployment_run`), the nodes' own words."""
     policy = load_policy(node_policy) if node_policy is not None else None
-    check_deployment_run(cfg, "every data owner's node", policy, keeps_record=policy is not None)
+    node = "every data owner's node"
+    if policy is not None:  # the policy's own rules (methods, ε, δ, rounds, models, noise, ...)
+        check_run(policy, cfg, node)
+    check_deployment_run(cfg, node, policy, keeps_record=policy is not None)

@@ -43,7 +43,7 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from ..core.skellam import centre
-from ..runtime.policy import answer_log_of
+from ..runtime.policy import answer_log_of, refusal_in
 from .secagg_checks import (MASKING_MODULES, SIGNATURES, SIGNED_KEYS, SecAggRefused,
                             check_flower_masking, check_unmask, node_keys, sign_public_keys,
                             verify_public_keys)
@@ -341,18 +341,27 @@ def _secagg_workflow() -> type:
         def __call__(self, grid: Any, context: Any) -> None:
             # node id -> [signer, signature], this round's
             self._signed: dict[int, list[bytes]] = {}
+            self._refusals: list[str] = []  # the nodes' refusals in this round's replies
             super().__call__(grid, context)
             round_ = int(context.state.config_records[MAIN_CONFIGS_RECORD][
                 WorkflowKey.CURRENT_ROUND])
-            context.strategy.secure_round_ended(round_)
+            context.strategy.secure_round_ended(round_, tuple(self._refusals))
+
+        def _relay(self, collect: bool | None) -> Any:
+            return lambda grid: _SignatureRelay(grid, self._signed, collect=collect,
+                                                refusals=self._refusals)
 
         def setup_stage(self, grid: Any, context: Any, state: Any) -> bool:
-            return super().setup_stage(_SignatureRelay(grid, self._signed, collect=True), context,
-                                       state)
+            return super().setup_stage(self._relay(True)(grid), context, state)
 
         def share_keys_stage(self, grid: Any, context: Any, state: Any) -> bool:
-            return super().share_keys_stage(_SignatureRelay(grid, self._signed, collect=False),
-                                            context, state)
+            return super().share_keys_stage(self._relay(False)(grid), context, state)
+
+        def collect_masked_vectors_stage(self, grid: Any, context: Any, state: Any) -> bool:
+            return super().collect_masked_vectors_stage(self._relay(None)(grid), context, state)
+
+        def unmask_stage(self, grid: Any, context: Any, state: Any) -> bool:
+            return super().unmask_stage(self._relay(None)(grid), context, state)
 
     return Diff2SecAggPlus
 
@@ -360,10 +369,13 @@ def _secagg_workflow() -> type:
 class _SignatureRelay:
     """The grid as Flower's stages see it: set-up replies' signatures collected, share-keys requests
     given the signatures of the nodes they list (in a record of their own: Flower checks only its
-    SecAgg+ record)."""
+    SecAgg+ record), and every stage's error replies read for a node's refusal (``refusals``).
+    ``collect`` None: a stage that carries no signatures."""
 
-    def __init__(self, grid: Any, signed: dict[int, list[bytes]], *, collect: bool) -> None:
+    def __init__(self, grid: Any, signed: dict[int, list[bytes]], *, collect: bool | None,
+                 refusals: list[str]) -> None:
         self._grid, self._signed, self._collect = grid, signed, collect
+        self._refusals = refusals
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._grid, name)
@@ -373,14 +385,18 @@ class _SignatureRelay:
         from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key  # noqa: PLC0415 -- Flower internals, only under SecAgg+
 
         messages = list(messages)
-        if not self._collect:
+        if self._collect is False:
             for msg in messages:
                 listed = [k for k in msg.content.config_records[RECORD_KEY_CONFIGS]
                           if k != Key.STAGE]
                 relayed = {k: self._signed[int(k)] for k in listed if int(k) in self._signed}
                 if relayed:
                     msg.content.config_records[SIGNATURES] = ConfigRecord(relayed)
-        replies = self._grid.send_and_receive(messages, timeout=timeout)
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        for reply in replies:
+            refusal = refusal_in(reply.error.reason) if reply.has_error() else None
+            if refusal is not None and refusal not in self._refusals:
+                self._refusals.append(refusal)
         if self._collect:
             for reply in replies:
                 record = None if reply.has_error() else reply.content.config_records.get(

@@ -19,6 +19,7 @@ spend) them again. ``round_retries`` covers gradient phases only.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 from flwr.common import EvaluateIns, EvaluateRes, FitIns, FitRes, Parameters, Scalar
@@ -27,9 +28,10 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
-from ..core.aggregation import RoundRejected
+from ..core.aggregation import NodeRefused, RoundRejected
 from ..core.estimator import Release
 from ..core.local import LocalTask
+from ..runtime.policy import refusal_in
 from ..runtime.server import Diff2Server
 from . import protocol
 from .federation import SIMULATION_SETTLE_S, is_simulation
@@ -141,6 +143,9 @@ class Diff2Strategy(Strategy):
         if self.server.distributed is not None:
             return self._aggregate_secure(r, results, failures)
         if failures:
+            refused = self._refused(r, results, failures)
+            if refused is not None:  # a node's rule: asking again gets the same answer
+                self._stop(refused)
             error = RoundRejected(r, "client-failure", self._describe_failures(results, failures))
             if self.retries_left > 0:
                 self.retries_left -= 1
@@ -189,7 +194,7 @@ class Diff2Strategy(Strategy):
         self._secure_released = True
         return self._released(self.server.release_sum(total, survivors)), {}
 
-    def secure_round_ended(self, server_round: int) -> None:
+    def secure_round_ended(self, server_round: int, refusals: tuple[str, ...] = ()) -> None:
         """Called by the SecAgg+ workflow after each Flower round: a round whose secure aggregation
         halted (too few clients to reconstruct the sum, or a client's error) never reached
         :meth:`aggregate_fit` and released nothing; it is retried while ``round_retries`` allow,
@@ -200,6 +205,10 @@ class Diff2Strategy(Strategy):
         r, _ = self._position(server_round)
         noise = self.server.distributed
         assert noise is not None
+        if refusals:  # a node's rule: the run's one error line, and no retry
+            more = f" ({len(refusals) - 1} other node(s) refused too.)" if len(refusals) > 1 else ""
+            self._asked = set()
+            self._stop(NodeRefused(r, refusals[0], more))
         error = RoundRejected(r, "secure-aggregation",
                               f"Flower's SecAgg+ halted before the sum was unmasked (fewer "
                               f"than P - t = {noise.threshold} clients took part to the end, or a "
@@ -224,6 +233,9 @@ class Diff2Strategy(Strategy):
         task, proxy = self._local
         who = f"node {proxy.cid}"
         if failures:
+            refused = self._refused(r, results, failures)
+            if refused is not None:
+                self._stop(refused)
             self._stop(RoundRejected(r, "client-failure",
                                      f"the local phase on partition {task.partition_id} ({who}) "
                                      f"failed: {self._describe_failures(results, failures)}. The "
@@ -260,6 +272,28 @@ class Diff2Strategy(Strategy):
         except Exception as err:  # corrupt bytes: nothing usable, nothing released
             self._stop(RoundRejected(r, "protocol", f"cannot decode the reply's arrays: {err}.",
                                      f"node {proxy.cid}"))
+
+    def _refused(self, r: int, results: list[tuple[ClientProxy, FitRes]],
+                 failures: list[tuple[ClientProxy, FitRes] | BaseException]) -> NodeRefused | None:
+        """The round's first node refusal as the run's one error line (None: no node refused);
+        every failure of the round in full goes to ``round-<r>-failures.log`` in the run folder,
+        named in that line."""
+        texts = [str(f) if isinstance(f, BaseException) else
+                 f"node {f[0].cid}: status {f[1].status.code.name} {f[1].status.message}"
+                 for f in failures]
+        refusals = list(dict.fromkeys(m for m in map(refusal_in, texts) if m is not None))
+        if not refusals:
+            return None
+        detail = self._describe_failures(results, failures)
+        more = f" ({len(refusals) - 1} other node(s) refused too.)" if len(refusals) > 1 else ""
+        folder = self.server.run_info.get("output_dir")
+        if folder:
+            log = Path(folder) / f"round-{r}-failures.log"
+            log.write_text(detail + "\n\n" + "\n\n".join(texts) + "\n", encoding="utf-8")
+            more += f" All {len(failures)} failure(s) of round {r}: {log}"
+        else:
+            more += f" All {len(failures)} failure(s) of round {r} are in the ServerApp's log."
+        return NodeRefused(r, refusals[0], more)
 
     def _describe_failures(self, results: list[tuple[ClientProxy, FitRes]],
                            failures: list[tuple[ClientProxy, FitRes] | BaseException]) -> str:

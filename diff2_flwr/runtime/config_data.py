@@ -43,9 +43,9 @@ class PartitionerConfig:
                                "the target (null: one per client, at least 2)")
     sizes: tuple[int, ...] = setting((), "size only: the P shard sizes, summing to the train split")
     min_samples: int = setting(1, "refuse a partition with a shard below this many samples")
-    max_sigma: float | None = setting(1.0,
-                                      "refuse a run whose σ1 or σ2 (noise std per unit clipping "
-                                      "radius) exceeds this (null: no limit)")
+
+    #: Keys that live elsewhere now (the old name is refused with the new one).
+    MOVED = {"max_sigma": "privacy.max_sigma"}
 
     def __post_init__(self) -> None:
         name = self.name
@@ -75,9 +75,6 @@ class PartitionerConfig:
         require(self.min_partition_size >= 0, "min_partition_size", "an integer >= 0",
                  self.min_partition_size)
         require(self.min_samples >= 1, "min_samples", "an integer >= 1", self.min_samples)
-        m = self.max_sigma
-        require(m is None or (math.isfinite(m) and m > 0), "max_sigma",
-                "null or a finite number > 0", m)
 
     def num_bins(self, clients: int) -> int:
         """Quantile bins of a regression target: ``bins``, or one per client (at least 2), so that

@@ -32,6 +32,10 @@ class PrivacyConfig:
     n_min: int | None = setting(None, "samples of the smallest shard (null: computed from the "
                                       "dataset); clients holding fewer make the server refuse the "
                                       "round")
+    max_sigma: float | None = setting(1.0, "refuse a run whose σ1 or σ2 (noise std per coordinate, "
+                                           "in clipping radii) exceeds this: the noise would drown "
+                                           "any signal (the (ε, δ) guarantee holds either way); "
+                                           "null: no limit")
     noise: Literal["central", "distributed"] = setting(
         "central", "who adds the noise: central (the server, trusted with each client's clipped "
                    "mean) or distributed (each client adds a share of Skellam noise, the server "
@@ -49,6 +53,8 @@ class PrivacyConfig:
         require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
         require(self.n_min is None or self.n_min >= 1, "n_min", "null or an integer >= 1",
                 self.n_min)
+        require(self.max_sigma is None or (math.isfinite(self.max_sigma) and self.max_sigma > 0),
+                "max_sigma", "null or a finite number > 0", self.max_sigma)
         require(self.noise in ("central", "distributed"), "noise", "central or distributed",
                 self.noise)
         require(2 <= self.bits <= 31, "bits", "an integer in [2, 31] (Flower's SecAgg+ quantiser "

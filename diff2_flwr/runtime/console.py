@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Mapping, TextIO
 
+from .policy import refusal_in
+from .curves import EXACT_GDP, epsilon_accountants
 from .progress import ProgressReporter
 
 __all__ = ["VERBOSE_ENV", "KNOWN_NOISE", "RunConsole", "verbose_from_env", "parse_round_line",
@@ -40,6 +42,10 @@ _PAIR = re.compile(r"(\w+)=(\S+)")
 _RUN_DIR = re.compile(r"^\[diff2\] writing per-round metrics and summary to (\S+)")
 # the head of the summary block the ServerApp prints at its end
 _SERVER_SUMMARY = "[diff2] summary: "
+# the ServerApp's line when its run stops with an error (runtime/journal.py)
+_SERVER_FAILED = "[diff2] run failed: "
+# Flower's notice that the simulation ended with an exception (the ServerApp's own error)
+_EXIT_CODE = re.compile(r"^ERROR\s*:\s*Exit Code: 700\b")
 
 #: Messages we cannot fix and that say nothing about this run (matched after colours are stripped).
 KNOWN_NOISE: tuple[re.Pattern[str], ...] = (
@@ -104,6 +110,11 @@ class RunConsole:
         self._progress: ProgressReporter | None = None
         self._rounds_seen = 0
         self._said: set[str] = set()
+        # Flower's lines held until their block ends (the next record or line of ours): a block
+        # that quotes a node's refusal is dropped (the run's error line says it once)
+        self._block: list[str] = []
+        self._refused = False  # a node refused: the run's error line says why
+        self.server_error: str | None = None  # the ServerApp's error, as it said it
 
     # ---------------------------------------------------------------- input
     def feed(self, line: str) -> None:
@@ -115,6 +126,15 @@ class RunConsole:
             self.output_dir = Path(found.group(1))
         if self.verbose:
             self._write(text)
+            return
+        record = _RECORD.match(_RAY_ACTOR.sub("", plain))
+        # a block: Flower's WARNING and ERROR records in a row, with their tracebacks
+        if plain.startswith("[diff2] ") or (record and record.group(1) in ("DEBUG", "INFO")):
+            self._flush_block()
+        # the ServerApp's error: `diff2 run`'s summary says it (once), from summary.json
+        if plain.startswith(_SERVER_FAILED):
+            self.server_error = plain[len(_SERVER_FAILED):]
+            self.dropped += 1
             return
         # the ServerApp's block: dropped with its lines, `diff2 run` prints its own
         if plain.startswith(_SERVER_SUMMARY):
@@ -136,11 +156,27 @@ class RunConsole:
                 self._round(*parsed)
             return
         if self.keep(plain):
-            self._write(text)
+            self._block.append(text)
         else:
             self.dropped += 1
 
     message = feed  # the progress callback of an in-process run
+
+    def _flush_block(self) -> None:
+        """Show the held lines of Flower's last block, unless they quote a node's refusal: the
+        node's message is then the run's one error line (the server's ``run failed`` line and the
+        summary), and the tracebacks around it go to the run folder's failure log."""
+        block, self._block = self._block, []
+        plain = [_ANSI.sub("", line) for line in block]
+        if any(refusal_in(line) for line in plain):
+            self._refused = True
+        # after a refusal, Flower's exit-code notice says nothing more than the refusal
+        if any(refusal_in(line) for line in plain) or (
+                self._refused and any(_EXIT_CODE.search(line) for line in plain)):
+            self.dropped += len(block)
+            return
+        for line in block:
+            self._write(line)
 
     def keep(self, plain: str) -> bool:
         """Whether a line that is not ours is shown (colours stripped). Updates the continuation
@@ -187,7 +223,9 @@ class RunConsole:
             self._progress = None
 
     def close(self) -> None:
-        """Stop the live bar (it stays on screen); later lines print below it."""
+        """Show what is held, stop the live bar (it stays on screen); later lines print below
+        it."""
+        self._flush_block()
         self._finish_progress()
 
 
@@ -236,6 +274,10 @@ def run_report(output_dir: str | os.PathLike[str] | None, *, run_id: int | None 
         final_round=(summary.get("final") or {}).get("round"), final=final,
         best=summary.get("best") or {}, private=privacy.get("private"),
         epsilon_spent=privacy.get("epsilon_spent"), epsilon_pld=privacy.get("epsilon_pld"),
+        # who computed each ε figure (none without noise)
+        **dict(zip(("accountant", "epsilon_pld_accountant"),
+                   epsilon_accountants(privacy) if privacy.get("private") else (None, None))),
+        calibration_mode=(privacy.get("calibration") or {}).get("mode"),
         epsilon_target=privacy.get("epsilon_target"), delta=privacy.get("delta"),
         training_time_s=summary.get("wall_time_s"), summary_file=str(path),
         files=sorted(p.name for p in Path(output_dir).iterdir() if p.is_file()
@@ -255,6 +297,19 @@ def server_summary_block(report: dict) -> str:
     completed: ...``): a head that :class:`RunConsole` knows, so that `diff2 run` drops this copy
     and prints its own."""
     return summary_block(report, head=_SERVER_SUMMARY + "run")
+
+
+def _epsilon_text(report: dict) -> str:
+    """ε spent named by its accountant (``2.99 exact μ-GDP, 3.01 PLD``, ``2.98 Skellam RDP``); the
+    PLD cross-check only where it is one, the zCDP calibration of ``privacy.mode: rdp`` said."""
+    name = report.get("accountant") or EXACT_GDP  # an old report: central, exact
+    text = f"{_fmt(report.get('epsilon_spent'))} {name}"
+    cross = report.get("epsilon_pld_accountant", "PLD" if name == EXACT_GDP else None)
+    if cross and report.get("epsilon_pld") is not None:
+        text += f", {_fmt(report['epsilon_pld'])} {cross}"
+    if report.get("calibration_mode") == "rdp":
+        text += " (σ calibrated by zCDP: privacy.mode rdp)"
+    return text
 
 
 def summary_block(report: dict, *, head: str = "[diff2] run") -> str:
@@ -295,8 +350,7 @@ def summary_block(report: dict, *, head: str = "[diff2] run") -> str:
         if report.get("epsilon_target") is not None:
             target = (f"   (target ε = {_fmt(report['epsilon_target'])}, δ = "
                       f"{_fmt(report.get('delta'))})")
-        lines.append(f"  ε spent      {_fmt(report.get('epsilon_spent'))} exact μ-GDP, "
-                     f"{_fmt(report.get('epsilon_pld'))} PLD{target}")
+        lines.append(f"  ε spent      {_epsilon_text(report)}{target}")
     if report.get("wall_time_s") is not None:
         training = f" (training {_seconds(report.get('training_time_s'))})" if report.get(
             "training_time_s") else ""

@@ -23,11 +23,13 @@ import numpy as np
 from ..core.privacy import PLD_DISCRETIZATION
 from ..core.routines import describe_routine
 from .checkpoint import Checkpoint, save_checkpoint
+from .curves import EXACT_GDP, PLD, SKELLAM_RDP
 from .noise_report import loss_rise, loss_rise_warning
 from .outputs import RunRecorder, to_json
+from .step_report import names_of
 from .server_core import Released, ServerSpec, ServerState, is_done
 
-__all__ = ["CLIP_STATS", "Journal", "summarize"]
+__all__ = ["CLIP_STATS", "Journal", "accountant", "summarize"]
 
 #: Row keys computed from the private records without noise, released only with
 #: ``evaluation.clip_stats`` (the server itself uses the workers' clip counts only to check each
@@ -190,7 +192,9 @@ class Journal:
             return
         warning = loss_rise_warning(rise,
                                     private=self.spec.calibration is not None
-                                    or self.spec.distributed is not None)
+                                    or self.spec.distributed is not None,
+                                    names=names_of(self.spec.settings),
+                                    noise=self.run_info.get("noise_to_radius"))
         self.run_info["loss_rise"] = rise.as_dict()
         self.run_info["warnings"] = [*self.run_info.get("warnings", ()), warning]
         self.say(f"[diff2] WARNING: {warning}")
@@ -208,7 +212,8 @@ class Journal:
         title = (f"{name}: {self.run_info.get('method', '')}, {state.status}, "
                  f"round {state.estimator.round}/{self.spec.rounds}")
         try:
-            self.recorder.curves(self.history, title)
+            self.recorder.curves(self.history, title,
+                                 {"accountant": accountant(self.spec, state)})
         except Exception as err:  # noqa: BLE001 (a picture must not fail a private run)
             self.say(f"[diff2] WARNING: curves.png not drawn ({type(err).__name__}: {err})")
 
@@ -252,23 +257,40 @@ def summarize(spec: ServerSpec, state: ServerState, history: list[dict[str, Any]
     }
 
 
+def accountant(spec: ServerSpec, state: ServerState) -> str | None:
+    """The accountant behind the run's ``epsilon_spent`` now (the summary's
+    ``privacy.accountant``): Skellam RDP under distributed noise; PLD once the ledger holds a local
+    phase (subsampled steps: no closed form); else the exact μ-GDP closed form (also under
+    ``privacy.mode: rdp``, which only calibrates the noise by zCDP); None without noise."""
+    if spec.distributed is not None:
+        return SKELLAM_RDP
+    if spec.calibration is None:
+        return None
+    return EXACT_GDP if state.ledger is None or state.ledger.exact else PLD
+
+
 def _privacy(spec: ServerSpec, state: ServerState) -> dict[str, Any]:
     """The summary's ``privacy`` block: the guarantee, ε by each accountant, the calibration, the
     noise key's kind."""
     cal, ledger, local = spec.calibration, state.ledger, spec.local
     if spec.distributed is not None:
         return _distributed_privacy(spec, state)
+    name = accountant(spec, state)
     return {
         "private": cal is not None,
         "guarantee": "record-level (ε, δ)-DP, replace-one adjacency, central DP (trusted server "
                      "adds the noise)"
         if cal else "none (method gd: no clipping, no noise)",
         "epsilon_spent": state.epsilon_spent,
-        "epsilon_accountant": "exact μ-GDP composition (Dong, Roth & Su 2019)" if local is None else
+        "accountant": name,
+        "epsilon_accountant": ("exact μ-GDP composition (Dong, Roth & Su 2019)" + (
+            "; the noise calibrated by zCDP (privacy.mode rdp)"
+            if cal is not None and cal.mode == "rdp" else "")) if name != PLD else
         "dp-accounting PLD (local steps: Poisson-subsampled Gaussian, replace-one)",
         "epsilon_pld": state.epsilon_pld if ledger else None,
         "epsilon_pld_accountant": f"dp-accounting PLD, pessimistic, discretisation "
-                                  f"{PLD_DISCRETIZATION:g}",
+                                  f"{PLD_DISCRETIZATION:g}" + (
+                                      ": the accountant of epsilon_spent" if name == PLD else ""),
         "epsilon_rdp": state.epsilon_rdp if ledger else None,
         **({"epsilon_rdp_note": "dp-accounting's RDP accountant has no replace-one Poisson "
                                 "subsampling: local steps enter it unamplified (a valid, looser "
@@ -296,9 +318,12 @@ def _distributed_privacy(spec: ServerSpec, state: ServerState) -> dict[str, Any]
                      f"{noise.clients} clients drop out or collude with the server",
         "noise": "distributed",
         "epsilon_spent": state.epsilon_spent,
+        "accountant": SKELLAM_RDP,
         "epsilon_accountant": "Skellam Rényi DP (Agarwal, Kairouz & Liu 2021, Cor. 3.6) at Δ₂ = "
                               "2ρ, rounding included; dp-accounting's RDP-to-(ε, δ) conversion",
         "epsilon_pld": None,
+        "epsilon_pld_accountant": "none: the Skellam RDP ledger is this mechanism's only "
+                                  "accountant (the rows' epsilon_pld and epsilon_rdp repeat it)",
         "epsilon_rdp": state.epsilon_spent,
         "delta": cal.delta,
         "epsilon_target": cal.epsilon,

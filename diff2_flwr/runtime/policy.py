@@ -69,7 +69,8 @@ from .answer_log import AnswerLog
 from .node_mode import simulated_node
 from .config import ConfigError, ExperimentConfig, PAPER_MLP, parse_section, read_yaml, require
 
-__all__ = ["BUILTIN_MODELS", "ENV_VAR", "NODE_CONFIG_KEY", "CanaryPolicy", "LifetimeBudget",
+__all__ = ["BUILTIN_MODELS", "ENV_VAR", "NODE_CONFIG_KEY", "REFUSAL_END", "CanaryPolicy",
+           "LifetimeBudget", "refusal_in",
            "NodePolicy",
            "PolicyError", "Refused", "answer_log_of", "check_run", "load_policy", "policy_path"]
 
@@ -101,6 +102,31 @@ class Refused(ValueError):
             or f"{node} refused: rule `{rule}`: {detail} Nothing was computed on this node's "
                          "records; the round releases nothing.")
         self.node, self.rule, self.detail = node, rule, detail
+
+
+#: How every refusal's message ends (:class:`Refused`, the answer log's replay refusal).
+REFUSAL_END = "releases nothing."
+def refusal_in(text: str) -> str | None:
+    """The first node refusal (``<node> refused: rule `<rule>`: ... releases nothing.``) quoted in
+    ``text`` — a failure as Flower reports it (its reason, a traceback) — or None. The server puts
+    it first and alone, so that a refusal is one line wherever the run's error is shown."""
+    for line in text.splitlines():
+        at = line.find(" refused: rule `")
+        if at < 0:
+            continue
+        # the node's name: from the leftmost "node " or "every " that reaches `at` without a ": "
+        # (the exception's name or Flower's words before it end with one)
+        start = at
+        for word in ("node ", "every "):
+            found = line.rfind(word, 0, at)
+            while found >= 0 and ": " not in line[found:at]:
+                start = min(start, found)
+                found = line.rfind(word, 0, found)
+        end = line.find(REFUSAL_END, at)
+        message = (line[start:end + len(REFUSAL_END)] if end >= 0 else
+                   line[start:].rstrip("'>). "))
+        return message.strip()
+    return None
 
 
 @dataclass(frozen=True)

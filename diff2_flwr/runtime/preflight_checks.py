@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -16,16 +17,18 @@ from ..core.gradients import PerSampleGradients, check_per_sample_safe
 from ..core.privacy import Calibration
 from ..task.data import PreparedData
 from ..task.losses import get_loss
-from .config import ConfigError, ExperimentConfig
+from .config import ConfigError, ExperimentConfig, argument_error
 from .loading import load_data, model_of
 from .noise_report import noise_summary, noise_warning
 from .server_core import check_planned_budget
 from .server_setup import initial_point
 from .shard_files import SERVER_FILE, read_server_data
 from .shard_report import check_shards, shard_lines
+from .step_report import names_of
 from .workers import DTYPES, make_worker
 
-__all__ = ["PROBE_RECORDS", "Preflight", "PreflightError", "preflight", "privacy_warnings"]
+__all__ = ["PROBE_RECORDS", "Preflight", "PreflightError", "preflight", "preflight_strategy",
+           "privacy_warnings"]
 
 
 def privacy_warnings(cfg: ExperimentConfig, n_train: int) -> list[str]:
@@ -100,18 +103,21 @@ def _probe(cfg: ExperimentConfig, data: PreparedData, model: torch.nn.Module) ->
     k = min(PROBE_RECORDS, int(features.shape[0]))
     if k == 0:
         return
-    worker = make_worker(model=model, loss=get_loss(cfg.loss), data=(features[:k], targets[:k]),
-                         partition_id=0, dtype=cfg.training.dtype,
-                         chunk_size=cfg.training.chunk_size, gradients=cfg.training.gradients,
-                         _function=cfg.source)
     x0 = initial_point(cfg.source, model, None)[1]
     try:
+        worker = make_worker(model=model, loss=get_loss(cfg.loss),
+                             data=(features[:k], targets[:k]), partition_id=0,
+                             dtype=cfg.training.dtype, chunk_size=cfg.training.chunk_size,
+                             gradients=cfg.training.gradients, _function=cfg.source)
         records = worker.records  # in memory: a (features, targets) pair
         contribution = worker.gradients.clipped_mean(x0, records.features, records.targets, 1.0)
     except Exception as err:  # noqa: BLE001 (the user's forward or loss: any error is the user's to fix)
+        # the worker's own refusal of the forward carries the error it caught
+        cause = (str(err.found) if isinstance(err, ConfigError) and err.key == "model" else
+                 f"{type(err).__name__}: {' '.join(str(err).split())}")
         raise PreflightError(
             f"{cfg.source}: the model (model.name {cfg.model.name}) and loss {cfg.loss} fail on "
-            f"the first {k} {where} at x_0: {type(err).__name__}: {' '.join(str(err).split())}. "
+            f"the first {k} {where} at x_0: {cause}. "
             f"The model is called on features of shape [n, {data.num_features}] and must return "
             f"[n, {data.num_outputs}] outputs; "
             + ("cross_entropy takes integer class indices as targets."
@@ -148,7 +154,7 @@ def preflight(cfg: ExperimentConfig) -> Preflight:
 
     In order: the data (files, columns, values, target), the partition (shard sizes, n_min,
     ``privacy.n_min``), the local routine's limits (``local.batch_size`` <= n_min), the calibration
-    (σ above ``dataset.partitioner.max_sigma``, the planned ε), the model (factory imported and
+    (σ above ``privacy.max_sigma``, the planned ε), the model (factory imported and
     called, a ``torch.nn.Module`` without batch-norm, finite x_0) and one clipped per-sample
     gradient at x_0 on a few records. Each problem is a ``ValueError`` (``DataError``,
     ``ConfigError``, :class:`PreflightError`, ...) whose message names the file or key, what was
@@ -199,3 +205,61 @@ def preflight(cfg: ExperimentConfig) -> Preflight:
             warnings.append(drowned)
     lines = shard_lines(cfg, data.shard_sizes, n_min, calibration, available=data.train_available)
     return Preflight(data, n_min, calibration, gradients, tuple(lines), tuple(warnings), noise)
+
+
+# ------------------------------------------------------------------ the Python API's pre-flight
+
+def preflight_strategy(spec: ExperimentConfig, model: torch.nn.Module | None,
+                       initial_parameters: Any, source: str,
+                       progress: Callable[[str], None] | None) -> tuple[str, ...]:
+    """The checks of :func:`preflight` that a strategy's arguments allow, for the Python API
+    (``source``: the function called): x_0's model without batch-norm, σ at most ``max_sigma``, the
+    planned ε, and the noise estimate said through ``progress``. Raises a ``ConfigError`` whose one
+    line names the API's arguments; returns the warnings (the noise drowning the signal)."""
+    if model is not None:
+        try:
+            check_per_sample_safe(model)
+        except ValueError as err:
+            raise argument_error(source, "model",
+                                 "a model whose samples do not mix within a batch (no batch-norm)",
+                                 " ".join(str(err).split())) from None
+    layout = initial_point(source, model, initial_parameters)[0]
+    if spec.privacy.n_min is None:  # make_server says what n_min must be
+        return ()
+    calibration = spec.calibration(spec.privacy.n_min)
+    if calibration is None:
+        return ()
+    check_planned_budget(calibration, source, "")
+    _check_sigma(calibration, spec.privacy.max_sigma, source)
+    ratios = noise_summary(calibration, layout.dim)
+    if progress:
+        progress(f"[diff2] pre-flight: expected noise norm per release / clipping radius: "
+                 f"{ratios['restart']:.3g} in restart rounds"
+                 + (f", {ratios['difference']:.3g} in difference rounds"
+                    if "difference" in ratios else "")
+                 + f" (d = {layout.dim} parameters; above {ratios['limit']:g} the noise drowns "
+                   "the signal)")
+    drowned = noise_warning(calibration, layout.dim, names_of(spec))
+    if drowned and progress:
+        progress(f"[diff2] WARNING: {drowned}")
+    return (drowned,) if drowned else ()
+
+
+def _check_sigma(calibration: Calibration, max_sigma: float | None, source: str) -> None:
+    """Refuse a calibration whose per-coordinate σ exceeds ``max_sigma``, naming the API's
+    arguments (the YAML path's check is :func:`~.shard_report.check_shards`)."""
+    worst = max(calibration.sigma1, calibration.sigma2 or 0.0)
+    if max_sigma is None or worst <= max_sigma:
+        return
+    sigmas = f"σ1 = {calibration.sigma1:.4g}" + (
+        f", σ2 = {calibration.sigma2:.4g}" if calibration.sigma2 is not None else "")
+    raise ConfigError(
+        f"{source}: epsilon = {calibration.epsilon:g} (delta = {calibration.delta:g}, rounds = "
+        f"{calibration.rounds}, restart_every = {calibration.restart_every}, clients = "
+        f"{calibration.clients}, n_min = {calibration.n_min}) gives {sigmas} per coordinate "
+        f"(σ = 2z/(n_min·clients)): above {max_sigma:g}, each coordinate's noise would exceed the "
+        "clipping radius, the bound on the whole averaged signal, and training would not learn. "
+        "Raise epsilon or n_min (more records per client), or lower rounds; or pass max_sigma=None "
+        "(no limit: the (ε, δ) guarantee is the same) to run anyway.",
+        key="epsilon", expected=f"a budget that gives σ <= {max_sigma:g}",
+        found=calibration.epsilon)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from ..core.aggregation import (
-    Aggregate, Reply, RoundRejected, average_contributions, check_local_reply,
+    Aggregate, NodeRefused, Reply, RoundRejected, average_contributions, check_local_reply,
 )
 from ..core.distributed import DistributedNoise, SkellamLedger
 from ..core.estimator import (DIVERGENCE_ADVICE, Diff2State, Diverged, Mechanism, Release,
@@ -45,6 +45,7 @@ from ..core.privacy import Calibration, PrivacyLedger
 from ..core.routines import Routine
 from .checkpoint import Checkpoint, CheckpointError
 from .config_experiment import ExperimentConfig
+from .step_report import names_of
 
 __all__ = ["BUDGET_RTOL", "PLD_RTOL", "OutOfTurn", "PendingLocal", "Released", "ServerSpec",
            "ServerState", "charge",
@@ -465,16 +466,27 @@ def _released(spec: ServerSpec, state: ServerState, plan: RoundPlan, aggregate: 
     diverged = None
     if not np.all(np.isfinite(out.x)):
         diverged = Diverged(plan.round, "iterate",
-                            "the iterate is no longer finite. " + DIVERGENCE_ADVICE)
+                            "the iterate is no longer finite. " + _divergence_advice(spec))
     elif is_done(spec, state):
         state = dataclasses.replace(state, status="completed")
     return state, Released(out, types.MappingProxyType(row), diverged)
 
 
+def _divergence_advice(spec: ServerSpec) -> str:
+    """:data:`~diff2_flwr.core.estimator.DIVERGENCE_ADVICE` in the names of the path the run came
+    from (``learning_rate=`` on the Python API's, ``training.learning_rate`` on the YAML path)."""
+    if spec.settings is None:
+        return DIVERGENCE_ADVICE
+    names = names_of(spec.settings)
+    return (f"Lower {names('training.learning_rate')} (or {names('training.restart_every')}: noise "
+            "enlarges ||x_r - x_(r-1)|| and so the next noise).")
+
+
 def fail(state: ServerState, error: BaseException) -> ServerState:
     """The state of a run stopped by ``error``: ``diverged`` (at its round) for :class:`Diverged`,
     else ``failed``."""
-    text = f"{type(error).__name__}: {error}"
+    # a node's refusal is said in the node's own words, first (no exception name before it)
+    text = str(error) if isinstance(error, NodeRefused) else f"{type(error).__name__}: {error}"
     if isinstance(error, Diverged):
         return dataclasses.replace(state, status="diverged", error=text, diverged_at=error.round)
     return dataclasses.replace(state, status="failed", error=text)

@@ -7,8 +7,9 @@ as well.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from ..core.closed_form import PaperMLPGradients
 from ..core.estimator import Diverged, RoundPlan
 from ..core.gradients import Contribution, LossFn, PerSampleGradients
 from ..core.local import LocalTask, run_local_phase
-from ..task.losses import LOSSES, get_loss, half_squared_error
+from ..task.losses import LOSSES, class_label_problem, cross_entropy, get_loss, half_squared_error
 from ..task.models import PaperMLP
 from ..task.records import DatasetRecords, TensorRecords, as_records
 from .config import TrainingConfig, argument_error, from_arguments
@@ -179,8 +180,13 @@ def make_worker(
                              "a callable loss(output, target) -> per-sample losses",
                               type(loss).__name__)
     torch_dtype = DTYPES[options.dtype]
-    generic = PerSampleGradients(copy.deepcopy(model), loss, dtype=torch_dtype,
-                                 chunk_size=options.chunk_size)
+    try:
+        generic = PerSampleGradients(copy.deepcopy(model), loss, dtype=torch_dtype,
+                                     chunk_size=options.chunk_size)
+    except ValueError as err:  # a module that mixes the samples of a batch
+        raise argument_error(_function, "model",
+                             "a model whose samples do not mix within a batch (no batch-norm)",
+                             " ".join(str(err).split())) from None
     closed_form = _closed_form_applies(model, loss)
     if options.gradients == "closed_form" and not closed_form:
         raise argument_error(_function, "gradients",
@@ -196,22 +202,62 @@ def make_worker(
         raise ValueError(
             f"Partition {partition_id} holds no samples: an empty shard cannot contribute a "
             f"ClippedMean.")
-    _check_first_records(_function, model, loss, records, torch_dtype)
+    output = _check_first_records(_function, partition_id, model, loss, records, torch_dtype)
+    if loss is cross_entropy and output.ndim >= 2:
+        records = _class_labels_checked(records, _label_check(_function, partition_id, output))
     return Worker(partition_id, grads, records)
 
 
-def _check_first_records(function: str, model: torch.nn.Module, loss: LossFn,
-                         records: TensorRecords | DatasetRecords, dtype: torch.dtype) -> None:
+def _label_check(function: str, partition_id: int,
+                 output: torch.Tensor) -> Callable[[torch.Tensor, int], None]:
+    """The check that targets are class indices below the model's outputs (cross-entropy's classes
+    are dimension 1 of its output: [n, C] or [n, C, d1, ...]); it raises in one line, so that no
+    target is ever truncated to another class by the loss."""
+    classes = int(output.shape[1])
+
+    def check(targets: torch.Tensor, first: int) -> None:
+        problem = class_label_problem(targets, classes, first)
+        if problem is not None:
+            raise argument_error(
+                function, "data", f"class labels for loss 'cross_entropy' (partition "
+                f"{partition_id}): whole numbers in 0..{classes - 1}, best as integers (e.g. "
+                "y.astype(int)); or a loss of your own for real-valued targets", problem)
+
+    return check
+
+
+def _class_labels_checked(records: TensorRecords | DatasetRecords,
+                          check: Callable[[torch.Tensor, int], None]
+                          ) -> TensorRecords | DatasetRecords:
+    """``records`` whose targets pass ``check``: in memory all at once, here; a Dataset's first
+    chunk here and every chunk as each round reads it."""
+    if isinstance(records, TensorRecords):
+        check(records.targets, 0)
+        return records
+    checked = dataclasses.replace(records, check_targets=check)
+    next(checked.chunks())
+    return checked
+
+
+def _check_first_records(function: str, partition_id: int, model: torch.nn.Module, loss: LossFn,
+                         records: TensorRecords | DatasetRecords,
+                         dtype: torch.dtype) -> torch.Tensor:
     """The loss on the first two records, so that a target the loss cannot take fails here, in one
-    line."""
+    line; the model's output on them (a model that fails on them is refused here too)."""
     x, y = (records.features[:2],
             records.targets[:2]) if isinstance(records, TensorRecords) else next(records.chunks())
     # no draw from torch's global generator leaks out
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         try:
             output = copy.deepcopy(model).to(dtype)(x[:2])
-        except Exception:  # noqa: BLE001 - the model's own failure is reported where the gradients run it
-            return
+        except Exception as exc:  # noqa: BLE001 - the user's forward: any failure is theirs to fix
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise argument_error(function, "model",
+                                 "a model that takes this client's features (its first records "
+                                 f"have shape {list(x[:2].shape)}, dtype {x.dtype})",
+                                 f"{type(exc).__name__}: {first}") from None
+        if loss is cross_entropy and output.ndim >= 2:  # the labels first: the loss would index
+            _label_check(function, partition_id, output)(y[:2], 0)
         try:
             loss(output, y[:2])
         except Exception as exc:  # noqa: BLE001 - any failure of the loss is reported, in one line
@@ -223,3 +269,4 @@ def _check_first_records(function: str, model: torch.nn.Module, loss: LossFn,
                                   "integers, e.g. y.astype(int), or convert in the loss with "
                                   "target.long())",
                                   f"{type(exc).__name__}: {first}") from None
+    return output

@@ -13,7 +13,7 @@ References:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -66,6 +66,9 @@ class DatasetRecords:
     dataset: Dataset
     dtype: torch.dtype
     chunk_size: int
+    #: called on each chunk's targets with the index of its first record (raises to refuse them):
+    #: the worker's check that its loss can take them (class labels for cross-entropy)
+    check_targets: Callable[[torch.Tensor, int], None] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dataset, IterableDataset) or not hasattr(self.dataset, "__len__"):
@@ -106,6 +109,8 @@ class DatasetRecords:
                 raise ValueError(f"A chunk of the Dataset has {features.shape[0]} feature rows "
                                  f"but {targets.shape[0]} targets: each item must be one "
                                  f"(features, target) pair.")
+            if self.check_targets is not None:
+                self.check_targets(targets, read)
             read += int(features.shape[0])
             yield features, targets
         if read != self.num_samples:

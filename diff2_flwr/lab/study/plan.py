@@ -186,12 +186,14 @@ def unit_cost(unit: Unit) -> float:
 #: each run's server spec (mechanism, routine), seeds, model and data from them. Any other declared
 #: setting that a run sets away from its default sends the run to the per-run path, which honours
 #: every setting (:func:`batch_ignores`): a setting added later is never silently ignored by the
-#: batch. (``privacy.n_min`` is not among them: the batch calibrates for its data's smallest shard.
+#: batch. (``privacy.n_min`` is not among them: the batch calibrates for its data's smallest shard;
+#: ``privacy.max_sigma`` is, as the study checks every grid point against it before any run.
 #: Distributed noise and the local routine are sent to the per-run path by name in
 #: :func:`plan_units`.)
 BATCH_HONOURS = ("name", "method", "dataset.", "model.", "output.", "privacy.epsilon",
                  "privacy.delta", "privacy.mode", "privacy.u", "privacy.noise", "privacy.bits",
-                 "privacy.tolerated", "privacy.wrap", "training.rounds", "training.restart_every",
+                 "privacy.tolerated", "privacy.wrap", "privacy.max_sigma", "training.rounds",
+                 "training.restart_every",
                  "training.clip_restart", "training.clip_diff", "training.learning_rate",
                  "training.clients", "training.seed", "training.routine", "training.routine.",
                  "training.dtype", "training.chunk_size", "training.gradients", "training.threads",
