@@ -176,18 +176,32 @@ def test_free_ports_are_distinct_even_when_the_kernel_reuses_a_released_port(mon
     assert len(set(ports)) == n and not _ReusingSocket.held  # distinct, and every probe released
 
 
-def test_a_deployment_node_refuses_a_run_above_its_policy_and_nothing_is_released(tmp_path):
+def test_a_deployment_node_refuses_a_run_above_its_policy_and_nothing_is_released(tmp_path,
+                                                                                  monkeypatch):
+    from diff2_flwr.deploy import native
     from diff2_flwr.runtime.launch import SimulationFailed
+    from diff2_flwr.runtime.policy import Refused
 
+    strict = policy(tmp_path, max_epsilon=1.0)
+    # The launcher holds the owners' policy: it refuses in their words before anything starts
+    # (issue 40).
+    with pytest.raises(Refused, match=r"every data owner's node refused: rule `max_epsilon`"):
+        run_local_deployment(config(tmp_path), workdir=tmp_path / "work", echo=False,
+                             node_policy=strict)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    # A launcher that does not check (an operator's own): every node refuses on its own side, at
+    # round 1, and nothing is released.
+    monkeypatch.setattr(native, "check_data_owners_rules", lambda cfg, node_policy: None)
     with pytest.raises(SimulationFailed) as info:
         run_local_deployment(config(tmp_path), workdir=tmp_path / "work", echo=False,
-                             node_policy=policy(tmp_path, max_epsilon=1.0))
+                             node_policy=strict)
     (run_dir,) = (tmp_path / "out").iterdir()
     assert [json.loads(line)["round"]
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed"
-    assert "(owner) refused: rule `max_epsilon`: the run asks ε = 3 (privacy.epsilon)" in summary[
+    assert summary["error"].startswith("node ") and (
+        "(owner) refused: rule `max_epsilon`: the run asks ε = 3 (privacy.epsilon)") in summary[
         "error"], summary
     print(f"refusal in a deployment: {info.value}")
 

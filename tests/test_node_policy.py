@@ -444,13 +444,16 @@ def test_flwr_run_with_a_policy_on_every_simulated_node_completes_and_above_it_f
     # issue 40: the launcher holds the policy, so the run is refused before anything starts, in
     # the nodes' words
     strict = policy_file(tmp_path, max_epsilon=1.0)
+    folders = sorted((tmp_path / "out").iterdir())  # the completed run's
     code, report, stderr = _diff2_run(tmp_path, config, strict)
     assert code == 2 and report["status"] == "failed" and report["run_id"] is None
     assert report["error"].startswith(
         "every simulated node refused: rule `max_epsilon`: the run asks ε = 3 (privacy.epsilon); "
         "this node allows at most ε = 1"), report["error"]
     assert stderr.splitlines() == [f"diff2 run: error: {report['error']}"]
-    assert report["wall_time_s"] < 5.0
+    # before anything started: no Flower run, no run folder (3.6 s unloaded: the speed is a
+    # benchmark's to state, not this test's)
+    assert report["output_dir"] is None and sorted((tmp_path / "out").iterdir()) == folders
 
 
 @pytest.mark.flower
@@ -475,7 +478,8 @@ def test_a_node_refusal_at_round_one_is_the_runs_one_error_line(tmp_path):
         "allows at most ε = 1") in error, error
     assert len(error) < 500
     log = Path(report["output_dir"]) / "round-1-failures.log"
-    assert error.endswith(f"All 2 failure(s) of round 1: {log}") and log.is_file()
+    assert error.endswith("All 2 failure(s) of round 1: round-1-failures.log in the run folder.")
+    assert log.is_file() and f"{log.name}" in out.stderr  # the summary's list of the run's files
     assert log.read_text().count("refused: rule `max_epsilon`") >= 2  # both nodes, in full
     summary = json.loads((Path(report["output_dir"]) / "summary.json").read_text())
     assert summary["error"] == error

@@ -321,3 +321,11 @@ def test_wine_from_an_experiment_file_is_told_in_its_keys(tmp_path):
         assert "learning_rate=" not in line
     assert server.summary()["noise_to_radius"] == noise_summary(server.calibration,
                                                                  server.layout.dim)
+
+
+def test_an_absurd_step_predicts_an_infinite_growth_instead_of_failing():
+    from diff2_flwr.runtime.step_report import StepGain
+
+    gain = StepGain(gain=1e200, learning_rate=1e200, clip_diff=1.0, sigma2=1.0, dim=10,
+                    restart_every=6)
+    assert gain.per_round == pytest.approx(1e200) and gain.per_period == float("inf")

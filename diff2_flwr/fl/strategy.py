@@ -290,7 +290,8 @@ class Diff2Strategy(Strategy):
         if folder:
             log = Path(folder) / f"round-{r}-failures.log"
             log.write_text(detail + "\n\n" + "\n\n".join(texts) + "\n", encoding="utf-8")
-            more += f" All {len(failures)} failure(s) of round {r}: {log}"
+            more += (f" All {len(failures)} failure(s) of round {r}: {log.name} in the run "
+                     "folder.")
         else:
             more += f" All {len(failures)} failure(s) of round {r} are in the ServerApp's log."
         return NodeRefused(r, refusals[0], more)

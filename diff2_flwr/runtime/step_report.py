@@ -168,7 +168,10 @@ class StepGain:
     @property
     def per_period(self) -> float:
         """... over a restart period (T - 2 steps between its T - 1 difference rounds)."""
-        return self.per_round ** max(self.restart_every - 2, 0)
+        try:
+            return self.per_round ** max(self.restart_every - 2, 0)
+        except OverflowError:  # an absurd step (η = 1e308): the growth is beyond any float
+            return math.inf
 
     @property
     def target(self) -> float:
