@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create ./.venv and install diff2-flwr (with the test, partitions, examples and docs extras) when missing or when pyproject.toml changed.
+# Create ./.venv and install diff2-flwr (with the test, partitions, examples, docs and bench extras) when missing or when pyproject.toml changed.
 # Usage: scripts/setup.sh            (idempotent; prints nothing when already set up)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -45,7 +45,7 @@ echo "[setup] creating $venv and installing diff2-flwr (first time: a few minute
 "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
 # Pin torch first: 2.13.0 is the CPU build on these machines; an unpinned torch pulls a multi-GB CUDA build.
 "$venv/bin/python" -m pip install --quiet "torch==2.13.0" >&2
-"$venv/bin/python" -m pip install --quiet -e "$root[test,partitions,examples,docs]" >&2
+"$venv/bin/python" -m pip install --quiet -e "$root[test,partitions,examples,docs,bench]" >&2
 offline_activation
 echo "$want" > "$stamp"
 echo "[setup] done. For Flower's own commands (flwr run ., flwr ls, ...): source .venv/bin/activate" >&2

@@ -288,6 +288,12 @@ def _add_lab_commands(sub: Any) -> None:
                        help="do not run the two Flower simulations")
     bench.add_argument("--skip-jax", action="store_true",
                        help="do not time the engine against hand-written JAX")
+    bench.add_argument("--skip-models", action="store_true",
+                       help="do not time DIFF2 against Opacus on the CNN and the transformer")
+    bench.add_argument("--models-records", type=int, default=512, metavar="N",
+                       help="records each side of the models section clips (default %(default)s)")
+    bench.add_argument("--models-batch", type=int, default=256, metavar="B",
+                       help="records per batch (chunk) of every side (default %(default)s)")
     bench.add_argument("--jax-python", default=None, metavar="PATH",
                        help="a Python with jax for the JAX side (default: $DIFF2_JAX_PYTHON, else "
                             "this one if it has jax; none: the section is skipped)")

@@ -242,9 +242,15 @@ def bench(args: argparse.Namespace) -> int:
     jax_peer = None if args.skip_jax else plan_jax_peer(  # checked before anything is measured
         jax_python=args.jax_python, reps=args.jax_reps, cells=args.jax_cells,
         rounds=args.jax_rounds, eager=args.jax_eager)
+    for flag in ("models_records", "models_batch"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"`--{flag.replace('_', '-')}`: expected an integer >= 1. Found "
+                             f"{getattr(args, flag)}.")
+    models = None if args.skip_models else {"n": args.models_records, "batch": args.models_batch}
     result = run_bench(data_dir=args.data_dir, protocol=not args.skip_protocol,
                        flower=not args.skip_flower, rounds=args.rounds,
-                       flower_rounds=args.flower_rounds, jax_peer=jax_peer, progress=_bench_line)
+                       flower_rounds=args.flower_rounds, jax_peer=jax_peer, models=models,
+                       progress=_bench_line)
     print(json.dumps(to_json(result), indent=2))
     return 0
 

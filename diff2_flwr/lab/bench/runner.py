@@ -19,7 +19,10 @@
 - ``jax_peer``: the batched engine (``compile=True``) against hand-written JAX on the same work, per
   cell (DP-GD / DIFF2 × K = 1 / 18 × float32 / float64): rounds/s of each side and the ratios,
   against the target of 1.5 (:mod:`.jax_cells`); ``{"skipped": ...}`` when no interpreter with jax
-  is found.
+  is found;
+- ``models`` (issue 41): DIFF2's per-sample clipping on a CIFAR-sized CNN and a small transformer
+  against Opacus 1.6 (per-sample hooks and ghost clipping) in the same run, samples/s of restart
+  and difference rounds and peak memory per side, with the ratios (:mod:`.models`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from ...task.data import DataError
 from ..study.runner import load_study, run_study
 from ..sweep import RunSpec, batch_model, run_batch
 from .jax_cells import JaxPeerPlan, jax_peer_section
+from .models import models_section
 
 __all__ = ["run_bench"]
 
@@ -214,8 +218,9 @@ def _flower(data_dir: str | None, rounds: int) -> dict[str, float]:
             "flower_rounds": rounds}
 
 
-def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: bool = True,
+def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: bool = True,  # noqa: PLR0913 -- keyword-only, one per section of the bench
               rounds: int = 300, flower_rounds: int = 30, jax_peer: JaxPeerPlan | None = None,
+              models: dict[str, Any] | None = None,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure and return the figures (see the module docstring).
 
@@ -227,7 +232,10 @@ def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: boo
         flower_rounds: rounds of each Flower simulation.
         jax_peer: the ``jax_peer`` section's plan
             (:func:`~diff2_flwr.lab.bench.jax_cells.plan_jax_peer`); None: no section.
-        progress: called with one line per step of the ``jax_peer`` section, and with its skip line.
+        models: the ``models`` section's options (:func:`~.models.models_section`: records,
+            batch, reps); None: no section.
+        progress: called with one line per step of the ``jax_peer`` and ``models`` sections, and
+            with the skip line.
     """
     out: dict[str, Any] = {"machine": _machine(), "load_average_before": os.getloadavg()[0]}
     out["matmul_gflops"] = {f"{name}_{label}": _matmul_gflops(dtype, threads)
@@ -259,6 +267,8 @@ def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: boo
         out["flower_target_ratio"] = 1.5
     if jax_peer is not None:
         out["jax_peer"] = jax_peer_section(jax_peer, data_dir=data_dir, progress=progress)
+    if models is not None:
+        out["models"] = models_section(**models, progress=progress)
     out["load_average_after"] = os.getloadavg()[0]
     rounded = lambda v: float(np.round(v, 4)) if isinstance(v, float) else v  # noqa: E731
     return {k: ({a: rounded(b) for a,
