@@ -214,7 +214,8 @@ def make_client(  # noqa: PLR0913 -- public API: keyword-only, one argument per 
         dtype: "float64" (default) or "float32", the compute dtype of the per-sample gradients.
         chunk_size: records per ``torch.func`` batch (bounds memory).
         gradients: "auto" (closed form for the paper MLP with ½-squared error, ``torch.func``
-            otherwise), "torch_func", or "closed_form".
+            otherwise), "torch_func", "closed_form", or "ghost" (norms and clipped sums per layer
+            without per-sample gradients; ``torch.func`` for parameters no rule covers).
         distributed: for a strategy with ``noise="distributed"``: the same run settings as its
             :func:`make_strategy` call, from which this client computes its own noise share:
             ``epsilon``, ``delta``, ``rounds``, ``restart_every``, ``clients`` and optionally ``u``,

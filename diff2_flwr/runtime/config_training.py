@@ -113,10 +113,12 @@ class TrainingConfig:
                                                    "clip factors and sums are float64 on every "
                                                    "path)")
     chunk_size: int = setting(1024, "samples per vmap chunk (bounds memory)")
-    gradients: Literal["auto", "torch_func", "closed_form"] = setting(
+    gradients: Literal["auto", "torch_func", "closed_form", "ghost"] = setting(
         "auto",
-        "per-sample gradient path: torch_func, closed_form (the paper MLP), auto (closed form "
-        "when it applies)")
+        "per-sample gradient path: torch_func, closed_form (the paper MLP), ghost (norms and "
+        "clipped sums per layer without per-sample gradients: Linear, Conv1d/2d, Embedding, "
+        "LayerNorm, GroupNorm; torch_func for other parameters), auto (closed form when it "
+        "applies)")
     round_timeout_s: float | None = setting(None,
                                             "Flower: a client silent this long fails the round",
                                             identifies=False)

@@ -19,6 +19,7 @@ from ..core.clipping import project_onto_ball, robust_norm
 from ..core.distributed import DistributedNoise, client_rng
 from ..core.closed_form import PaperMLPGradients
 from ..core.estimator import Diverged, RoundPlan
+from ..core.ghost_layers import GhostGradients
 from ..core.gradients import Contribution, LossFn, PerSampleGradients
 from ..core.local import LocalTask, run_local_phase
 from ..task.losses import LOSSES, class_label_problem, cross_entropy, get_loss, half_squared_error
@@ -158,7 +159,9 @@ def make_worker(
     ``Dataset`` of ``(features, target)`` pairs, read ``chunk_size`` records at a time. ``model`` is
     copied (its parameters come from the server each round; the caller's module is left as it is).
     ``gradients``: "auto" takes the closed form for the paper MLP with ½-squared error,
-    ``torch.func`` otherwise. Models that mix the samples of a batch (batch-norm) are refused.
+    ``torch.func`` otherwise; "ghost" per-layer ghost norms and clipped sums
+    (:mod:`~diff2_flwr.core.ghost_layers`). Models that mix the samples of a batch (batch-norm)
+    are refused.
 
     References:
         Murata & Suzuki (2023), Algorithm 1 (worker lines), Algorithm 2 (ClippedMean).
@@ -195,7 +198,10 @@ def make_worker(
                              "that model)",
                               options.gradients)
     grads: PerSampleGradients | PaperMLPGradients = generic
-    if closed_form and options.gradients != "torch_func":
+    if options.gradients == "ghost":
+        grads = GhostGradients(copy.deepcopy(model), loss, dtype=torch_dtype,
+                               chunk_size=options.chunk_size)
+    elif closed_form and options.gradients != "torch_func":
         grads = PaperMLPGradients(generic.layout, dtype=torch_dtype)
     records = as_records(data, dtype=torch_dtype, chunk_size=options.chunk_size)
     if records.num_samples == 0:

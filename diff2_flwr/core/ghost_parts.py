@@ -1,0 +1,304 @@
+"""The per-layer rules of ghost clipping (:mod:`.ghost_layers`): each supported layer's per-sample
+norms [n] in float64 and its clipped sums given clip factors, from the inputs and output gradients
+the hooks recorded at one or two iterates; the Gram form's error bound and its safeguard (see
+:mod:`.ghost_layers`'s docstring for the rules and the bound)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .clipping import row_norms
+
+__all__ = ["GRAM_COST", "KEEP_MARGIN", "Part", "embedding_part", "gram_error_bound",
+           "matrix_part", "no_sums", "norm_part", "rows_part"]
+
+#: Unit roundoff of float64.
+_U = 2.0**-53
+#: A Gram-form squared norm is kept where it is at least this many times its error bound.
+KEEP_MARGIN = 2.0**33
+#: The Gram form is taken where GRAM_COST · P (in + out) < in·out (P positions per sample).
+GRAM_COST = 4
+_SAFE_SQ = (2.0**-600, 2.0**600)
+_SAFE_ROW_SQ = (2.0**-900, 2.0**900)
+
+def gram_error_bound(s: torch.Tensor, inner: int, rows: int) -> torch.Tensor:
+    """The bound E on |fl(⟨ÃÃᵀ, BBᵀ⟩) - ⟨ÃÃᵀ, BBᵀ⟩| in float64 for S = Σ_s ‖Ã_s‖‖B_s‖ (``s``),
+    ``inner`` = in + out columns and ``rows`` = P positions (see the module's docstring)."""
+    return 1.01 * _U * (inner + rows * rows + 1) * s * s
+
+
+@dataclass(frozen=True)
+class Part:
+    """One layer's per-sample norms [n] (float64) and its clipped sums given clip factors."""
+
+    norms: torch.Tensor
+    sums: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+
+
+def no_sums(c: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The sums of a covered module that took no part in the forward pass: nothing to add."""
+    return {}
+
+
+def rows_part(pieces: list[tuple[torch.Tensor, list[tuple[str, int]]]]) -> Part:
+    """Materialised rows, given as pieces ([n, Σ sizes] in any float dtype, with the layout names
+    of their columns): their joint norms and Σ c_i row_i per name, both in float64."""
+    def sums(c: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for rows, split in pieces:
+            if rows.dtype == torch.float64:
+                out.update(_split(rows.T @ c, split))
+                continue
+            total = torch.zeros(rows.shape[1], dtype=torch.float64)
+            for start, block in _blocks64(rows):
+                total.addmv_(block.T, c[start:start + len(block)])
+            out.update(_split(total, split))
+        return out
+
+    norms = [_norms64(rows) for rows, _ in pieces]
+    return Part(norms[0] if len(norms) == 1 else row_norms(torch.stack(norms, dim=1)), sums)
+
+
+def _norms64(rows: torch.Tensor) -> torch.Tensor:
+    """:func:`~diff2_flwr.core.clipping.row_norms` in float64 of rows in any float dtype."""
+    if rows.dtype == torch.float64:
+        return row_norms(rows)
+    norms = torch.empty(rows.shape[0], dtype=torch.float64)
+    for start, block in _blocks64(rows):
+        norms[start:start + len(block)] = row_norms(block)
+    return norms
+
+
+def _blocks64(rows: torch.Tensor):
+    """(first row, float64 copy of a block of rows) over ``rows``, through one small buffer: a
+    float64 copy of the whole would cost a fresh allocation's page faults (~10x the conversion)
+    and twice the memory."""
+    size = max(1, min(rows.shape[0], 2**18 // max(rows.shape[1], 1)))
+    buffer = torch.empty(size, rows.shape[1], dtype=torch.float64)
+    for start in range(0, rows.shape[0], size):
+        block = buffer[:min(size, rows.shape[0] - start)]
+        block.copy_(rows[start:start + size])
+        yield start, block
+
+
+def _conv_rows(module: nn.Module, a: torch.Tensor, b: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A convolution as a linear layer over patches: (patches [n, L, C·k], b [n, L, out])."""
+    n = a.shape[0]
+    if isinstance(module, nn.Conv1d):
+        padding = 0 if module.padding == "valid" else module.padding[0]
+        cols = F.unfold(a.unsqueeze(2), (1, module.kernel_size[0]),
+                        dilation=(1, module.dilation[0]), padding=(0, padding),
+                        stride=(1, module.stride[0]))
+    else:
+        padding = 0 if module.padding == "valid" else module.padding
+        cols = F.unfold(a, module.kernel_size, dilation=module.dilation, padding=padding,
+                        stride=module.stride)
+    return cols.transpose(1, 2), b.reshape(n, b.shape[1], -1).transpose(1, 2)
+
+
+def _matrix_rows(module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [n, T, in] and B [n, T, out] over all calls (positions of every call one after
+    another)."""
+    a_rows, b_rows = [], []
+    for a, b in calls:
+        n = a.shape[0]
+        if isinstance(module, nn.Linear):
+            a_t, b_t = a.reshape(n, -1, a.shape[-1]), b.reshape(n, -1, b.shape[-1])
+        else:
+            a_t, b_t = _conv_rows(module, a, b)
+        a_rows.append(a_t)
+        b_rows.append(b_t)
+    if len(calls) == 1:
+        return a_rows[0], b_rows[0]
+    return torch.cat(a_rows, dim=1), torch.cat(b_rows, dim=1)
+
+
+#: One term ±B_kᵀ A_k of a layer's per-sample gradient (difference), whether its positions also
+#: carry the bias (Σ_t B_k,t), and its sign: (B_k, A_k, carries, sign).
+_Term = tuple[torch.Tensor, torch.Tensor, bool, float]
+
+
+def _terms(module: nn.Module, cur: list, prev: list | None) -> list[_Term]:
+    """The gradient (restart) or the difference B₁ᵀÃ₁ - B₂ᵀÃ₂ (one term (B₁ - B₂)ᵀÃ₁ when Ã₁ =
+    Ã₂, as for a first layer)."""
+    if not cur:  # called at the previous iterate only (control flow that depends on x)
+        a2, b2 = _matrix_rows(module, prev or [])
+        return [(b2, a2, True, -1.0)]
+    a1, b1 = _matrix_rows(module, cur)
+    if not prev:
+        return [(b1, a1, True, 1.0)]
+    a2, b2 = _matrix_rows(module, prev)
+    if a1.shape == a2.shape and torch.equal(a1, a2):
+        return [(b1 - b2, a1, True, 1.0)]
+    return [(b1, a1, True, 1.0), (b2, a2, True, -1.0)]
+
+
+def _small_differences(terms: list[_Term]) -> list[_Term]:
+    """B₁ᵀÃ₁ - B₂ᵀÃ₂ as (B₁ - B₂)ᵀÃ₁ + B₂ᵀ(Ã₁ - Ã₂): terms of the size of the difference, not of
+    the gradients (the Gram form's error is relative to them); other term lists as they are."""
+    if len(terms) != 2 or terms[0][1].shape != terms[1][1].shape:
+        return terms
+    (b1, a1, _, _), (b2, a2, _, _) = terms
+    return [(b1 - b2, a1, True, 1.0), (b2, a1 - a2, False, 1.0)]
+
+
+def _materialised(terms: list[_Term], bias: bool, idx: torch.Tensor | None = None
+                  ) -> list[torch.Tensor]:
+    """Per-sample rows, weight [n, out·in] and bias [n, out] (of the samples ``idx`` only when
+    given), formed and kept in the compute dtype as ``torch.func`` forms them (norms and sums read
+    them in float64)."""
+    weight = bias_sum = None
+    for b, a, carries, sign in terms:
+        if idx is not None:
+            b, a = b[idx], a[idx]
+        if weight is None:
+            weight = torch.bmm(b.transpose(1, 2), a)
+            if sign < 0:
+                weight.neg_()
+        else:
+            weight.baddbmm_(b.transpose(1, 2), a, alpha=sign)
+        if bias and carries:
+            part = b.sum(1)
+            bias_sum = part * sign if bias_sum is None else bias_sum.add_(part, alpha=sign)
+    rows = [weight.reshape(weight.shape[0], weight.shape[1] * weight.shape[2])]
+    return rows + [bias_sum] if bias else rows
+
+
+def matrix_part(module: nn.Module, names: dict[str, str], cur: list, prev: list | None,
+                 n: int) -> Part:
+    """Linear / convolution: Gram form with the cancellation safeguard, or materialised rows."""
+    terms = _terms(module, cur, prev)
+    bias = module.bias is not None
+    out, inner = terms[0][0].shape[2], terms[0][1].shape[2]
+    rows = sum(t[0].shape[1] for t in terms)
+    split = [(names["weight"], out * inner)] + ([(names["bias"], out)] if bias else [])
+    # Gram form: P²(in + out) float64 work and an [n·P] x [n·P] float64 product for the sums,
+    # against P·in·out in the compute dtype and n·in·out numbers to hold
+    if GRAM_COST * rows * (inner + bias + out) >= (inner + bias) * out:
+        return rows_part([(r, [entry]) for r, entry in zip(_materialised(terms, bias), split)])
+    terms = _small_differences(terms)
+    a = torch.cat([t[1] for t in terms], dim=1).to(torch.float64)
+    b = torch.cat([t[0] * t[3] for t in terms], dim=1).to(torch.float64)
+    ind = torch.cat([torch.full((t[0].shape[1],), float(bias and t[2]), dtype=torch.float64)
+                     for t in terms])
+    ra, rb = (a * a).sum(2) + ind, (b * b).sum(2)
+    s = (ra.sqrt() * rb.sqrt()).sum(1)
+    if rows == 1:
+        sq = ra[:, 0] * rb[:, 0]
+    else:
+        gram_a = torch.bmm(a, a.transpose(1, 2)) + ind[:, None] * ind[None, :]
+        sq = (gram_a * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
+    bounded = ((sq >= KEEP_MARGIN * gram_error_bound(s, inner + bias + out, rows))
+               & (s * s >= _SAFE_SQ[0]) & (s * s <= _SAFE_SQ[1]))
+    # S = 0 with every row exactly 0 or safely scaled: each term has a zero factor, D = 0
+    keep = _rows_safe(a, ra) & _rows_safe(b, rb) & (bounded | (s == 0))
+    norms = torch.where(keep, sq.clamp(min=0).sqrt(), 0.0)
+    idx = torch.nonzero(~keep).flatten()
+    exact = torch.cat(_materialised(terms, bias, idx), dim=1).to(torch.float64)
+    norms = norms.index_put((idx,), row_norms(exact))
+
+    def sums(c: torch.Tensor) -> dict[str, torch.Tensor]:
+        cb = b * torch.where(keep, c, 0.0)[:, None, None]
+        total = (cb.reshape(-1, out).T @ a.reshape(-1, inner)).reshape(-1)
+        if bias:
+            total = torch.cat([total, (cb * ind[None, :, None]).sum((0, 1))])
+        return _split(total + exact.T @ c[idx], split)
+
+    return Part(norms, sums)
+
+
+def _rows_safe(m: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
+    """Per sample: every row of ``m`` [n, P, w] is exactly 0 or has a squared norm ``sq`` [n, P]
+    in [2⁻⁹⁰⁰, 2⁹⁰⁰] (a row of tiny entries whose squares underflowed to 0 is not safe)."""
+    ok = (sq >= _SAFE_ROW_SQ[0]) & (sq <= _SAFE_ROW_SQ[1])
+    zero = sq == 0
+    if bool(zero.any()):
+        where = torch.nonzero(zero, as_tuple=True)
+        ok = ok.index_put(where, m[where].abs().amax(1) == 0 if m.shape[2] else
+                          torch.ones_like(where[0], dtype=torch.bool))
+    return ok.all(1)
+
+
+def _split(flat: torch.Tensor, split: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
+    """A flat float64 sum -> {layout name: its part}, in the order of ``split``."""
+    out, start = {}, 0
+    for name, size in split:
+        out[name] = flat[start:start + size]
+        start += size
+    return out
+
+
+def embedding_part(module: nn.Embedding, names: dict[str, str], cur: list, prev: list | None,
+                    n: int) -> Part:
+    """Embedding: the non-zero rows of each sample's gradient, formed exactly by ``index_add``."""
+    if not cur:  # called at the previous iterate only: its rows, negated
+        cur, prev = [(a, -g) for a, g in prev or []], None
+    ids1 = torch.cat([a.reshape(n, -1) for a, _ in cur], dim=1)
+    b1 = torch.cat([b.reshape(n, -1, module.embedding_dim) for _, b in cur], dim=1)
+    ids, b = ids1, b1.to(torch.float64)
+    if prev:
+        ids2 = torch.cat([a.reshape(n, -1) for a, _ in prev], dim=1)
+        b2 = torch.cat([g.reshape(n, -1, module.embedding_dim) for _, g in prev], dim=1)
+        if ids1.shape == ids2.shape and torch.equal(ids1, ids2):
+            b = (b1 - b2).to(torch.float64)
+        else:
+            ids, b = torch.cat([ids1, ids2], 1), torch.cat([b1, -b2], 1).to(torch.float64)
+    if module.padding_idx is not None:
+        b = b * (ids != module.padding_idx).unsqueeze(2)
+    vocab = module.num_embeddings
+    keys = torch.arange(n).unsqueeze(1) * vocab + ids.long()
+    uniq, inverse = torch.unique(keys.reshape(-1), return_inverse=True)
+    rows = torch.zeros(len(uniq), module.embedding_dim, dtype=torch.float64)
+    rows.index_add_(0, inverse, b.reshape(-1, module.embedding_dim))
+    sample = torch.div(uniq, vocab, rounding_mode="floor")
+    counts = torch.bincount(sample, minlength=n)
+    position = torch.arange(len(uniq)) - (torch.cumsum(counts, 0) - counts)[sample]
+    per_sample = torch.zeros(n, int(counts.max()) if len(uniq) else 0, dtype=torch.float64)
+    per_sample[sample, position] = row_norms(rows)
+    weight = names["weight"]
+
+    def sums(c: torch.Tensor) -> dict[str, torch.Tensor]:
+        total = torch.zeros(vocab, module.embedding_dim, dtype=torch.float64)
+        total.index_add_(0, uniq - sample * vocab, rows * c[sample].unsqueeze(1))
+        return {weight: total.reshape(-1)}
+
+    return Part(row_norms(per_sample), sums)
+
+
+def _norm_rows(module: nn.Module, calls: list, n: int) -> torch.Tensor:
+    """LayerNorm / GroupNorm: per-sample (Σ b ⊙ x̂, Σ b) [n, 2·width], float64 (each call's
+    entries formed in the compute dtype, as ``torch.func`` forms them; a missing weight or bias
+    leaves its half out)."""
+    weight, bias = module.weight is not None, module.bias is not None
+    width = (module.weight if weight else module.bias).numel()
+    total = torch.zeros(n, width * (int(weight) + int(bias)), dtype=torch.float64)
+    for a, b in calls:
+        if isinstance(module, nn.LayerNorm):
+            xhat = F.layer_norm(a, module.normalized_shape, None, None, module.eps)
+            prod, b_t = (b * xhat).reshape(n, -1, width), b.reshape(n, -1, width)
+            gw, gb = prod.sum(1), b_t.sum(1)
+        else:
+            xhat = F.group_norm(a, module.num_groups, None, None, module.eps)
+            prod, b_t = (b * xhat).reshape(n, width, -1), b.reshape(n, width, -1)
+            gw, gb = prod.sum(2), b_t.sum(2)
+        total += torch.cat(([gw] if weight else []) + ([gb] if bias else []), dim=1).to(
+            torch.float64)
+    return total
+
+
+def norm_part(module: nn.Module, names: dict[str, str], cur: list, prev: list | None,
+               n: int) -> Part:
+    """LayerNorm / GroupNorm: materialised per-sample rows (2·width numbers each)."""
+    rows = _norm_rows(module, cur, n)
+    if prev is not None:
+        rows = rows - _norm_rows(module, prev, n)
+    split = [(names[k], getattr(module, k).numel()) for k in ("weight", "bias")
+             if getattr(module, k) is not None]
+    return rows_part([(rows, split)])
