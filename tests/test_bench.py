@@ -28,10 +28,13 @@ def no_jax(monkeypatch):
 
 @pytest.fixture
 def light_bench(monkeypatch):
-    """run_bench without its own measurements (the matmul floor and the engine's rounds/s)."""
+    """run_bench without its own measurements (the matmul floor, the engine's rounds/s and the
+    models section, whose own tests are tests/test_bench_models.py)."""
     monkeypatch.setattr(bench, "_matmul_gflops", lambda dtype, threads: 1.0)
     monkeypatch.setattr(bench, "_rounds_per_s", lambda data_dir,
                         rounds: {"diff2_rounds_per_s": 1.0})
+    monkeypatch.setattr(bench, "models_section", lambda *, n, batch, progress: {
+        "options": {"n": n, "batch": batch}})
 
 
 def test_without_jax_the_section_is_skipped_with_one_stderr_line(no_jax, light_bench, capsys):
@@ -48,6 +51,16 @@ def test_skip_jax_leaves_the_section_out(no_jax, light_bench, capsys):
     assert main(["bench", "--skip-protocol", "--skip-flower", "--skip-jax"]) == 0
     out, err = capsys.readouterr()
     assert "jax_peer" not in json.loads(out) and err == ""
+
+
+def test_the_models_section_takes_its_flags_and_skip_models_leaves_it_out(no_jax, light_bench,
+                                                                          capsys):
+    assert main(["bench", "--skip-protocol", "--skip-flower", "--skip-jax",
+                 "--models-records", "64", "--models-batch", "16"]) == 0
+    options = json.loads(capsys.readouterr().out)["models"]["options"]
+    assert options["n"] == 64 and options["batch"] == 16 and callable(bench.models_section)
+    assert main(["bench", "--skip-protocol", "--skip-flower", "--skip-jax", "--skip-models"]) == 0
+    assert "models" not in json.loads(capsys.readouterr().out)
 
 
 def test_the_flags_reach_the_plan(monkeypatch):
