@@ -7,7 +7,7 @@ classes) and a small transformer encoder (token and position embeddings, 2 pre-n
 attention and MLP built from ``nn.Linear`` and ``nn.LayerNorm``, sequence 64, mean-pooled, 2
 classes). Every side runs in a fresh process of its own, on one core with one torch thread
 (:mod:`.pinning`), float32, and reports samples per second over the same records and the peak
-resident memory of its process (``ru_maxrss``) with the part its setup already held:
+resident memory of its process (``VmHWM``) with the part its setup already held:
 
 - ``diff2/<path>``: the path :func:`~diff2_flwr.runtime.workers.make_worker` builds for
   ``training.gradients: <path>`` (``torch_func``; ``ghost`` where the engine has it), its restart
@@ -31,6 +31,8 @@ import multiprocessing
 import resource
 import time
 import typing
+import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -135,6 +137,14 @@ def _model(name: str) -> nn.Module:
 
 
 def _peak_mb() -> float:
+    """This process's peak resident memory: its memory map's high-water mark (``VmHWM``: its own
+    since ``exec``; ``ru_maxrss`` would keep the parent's at the fork), else ``ru_maxrss``."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
@@ -170,6 +180,9 @@ def _opacus_side(name: str, mode: str, n: int, batch: int, reps: int) -> dict:
         from opacus import PrivacyEngine  # noqa: PLC0415 -- the bench's optional peer
     except ImportError:
         return {"skipped": "opacus is not installed (pip install -e .[bench])"}
+    # Opacus' own notices (its secure RNG off: this side adds no noise; hooks on outputs)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"opacus(\.|$)")
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
     model = _model(name)
     features, targets = MODELS[name][1](n)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(features, targets),
@@ -231,7 +244,7 @@ def models_section(*, n: int = 512, batch: int = 256, reps: int = 2,
         results: dict[str, Any] = {}
         for side in sides:
             if progress:
-                progress(f"[bench] models: {name} {side}")
+                progress(f"models: {name} {side}")
             queue = context.Queue()
             process = context.Process(target=_side, args=(queue, side, name, n, batch, reps))
             process.start()
