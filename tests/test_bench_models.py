@@ -38,6 +38,8 @@ def test_the_ratios_set_each_diff2_path_against_opacus_ghost_clipping():
 @pytest.mark.skipif(importlib.util.find_spec("opacus") is None,
                     reason="opacus (the bench extra) is not installed: pip install -e .[bench]")
 def test_every_side_runs_on_both_models_in_its_own_process():
+    """Slow (~30-100 s): eight fresh processes, each importing torch (and Opacus) and tracing its
+    model, which no stub can stand in for: the section's point is that each side runs apart."""
     section = models.models_section(n=8, batch=4, reps=1)
     for name in ("cnn", "transformer"):
         sides = section[name]["sides"]

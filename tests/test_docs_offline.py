@@ -85,6 +85,9 @@ def test_a_taken_port_asked_for_is_one_line_before_the_build(tmp_path, capsys):
     assert not (tmp_path / "site").exists()  # it failed before building
 
 
+# Slow: the tests below build the whole site (mkdocs, ~10 s) and start a real server or headless
+# Chromium (a few seconds per page), which is what they check; the fast tier keeps the port logic.
+
 @pytest.mark.slow
 def test_serve_with_the_default_port_taken_serves_on_the_port_it_prints(tmp_path):
     """`diff2 docs --serve` as a user runs it, with 8765 taken: the JSON's URL serves the site."""

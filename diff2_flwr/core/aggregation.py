@@ -43,13 +43,16 @@ class RoundRejected(RuntimeError):
 
 
 class NodeRefused(RoundRejected):
-    """A round that released nothing because a node refused its task: the message is the node's
-    own (first and whole), then where the round's other failures are written, if anywhere."""
+    """A round that released nothing because nodes refused its task: the message is the first
+    node's own (first and whole), how many others refused, then ``more`` (where the round's
+    failures are written, if anywhere)."""
 
-    def __init__(self, round: int, refusal: str, more: str = "") -> None:
-        RuntimeError.__init__(self, f"{refusal}{more}")
+    def __init__(self, round: int, refusals: Sequence[str], more: str = "") -> None:
+        others = len(refusals) - 1
+        also = f" ({others} other node(s) refused too.)" if others else ""
+        RuntimeError.__init__(self, f"{refusals[0]}{also}{more}")
         self.round, self.check, self.client = round, "node-refused", None
-        self.refusal = refusal
+        self.refusal = refusals[0]
 
 
 @dataclass(frozen=True)

@@ -73,17 +73,16 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Iterable
 
 import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from .clipping import clip_factors, row_norms
+from .clipping import ClippedSum, clip_factors, row_norms
 from .ghost_parts import (KEEP_MARGIN, Part, embedding_part, gram_error_bound,
                           matrix_part, no_sums, norm_part, rows_part)
-from .gradients import Contribution, LossFn, PerSampleGradients, finish_contribution
+from .gradients import LossFn, PerSampleGradients
 
 __all__ = ["GhostGradients", "KEEP_MARGIN", "gram_error_bound", "supported_modules"]
 
@@ -143,6 +142,8 @@ class GhostGradients(PerSampleGradients):
         self._recording = False
         self._calls: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._verified = False
+        self._offsets = dict(zip(self.layout.names,
+                                 (int(o) for o in np.cumsum((0,) + self.layout.sizes[:-1]))))
         for name, (module, _, _) in self.rules.items():
             module.register_forward_hook(self._hook(name))
         self._fallback = self._fallback_grad() if self.fallback_names else None
@@ -266,39 +267,23 @@ class GhostGradients(PerSampleGradients):
         return torch.cat([(torch.zeros_like(t) if g is None else g).reshape(-1).to(torch.float64)
                           for g, t in zip(grads, tensors)])
 
-    def clipped_mean_of(
-        self,
-        x_current: np.ndarray,
-        chunks: Iterable[tuple[torch.Tensor, torch.Tensor]],
-        radius: float,
-        x_previous: np.ndarray | None = None,
-    ) -> Contribution:
-        """:meth:`PerSampleGradients.clipped_mean_of` by ghost norms and book-keeping sums: the
-        same result up to float64 rounding, the same counts of clipped and non-finite samples."""
+    def _chunk_sum(self, x_current: np.ndarray, current: dict[str, torch.Tensor],
+                   previous: dict[str, torch.Tensor] | None, xc: torch.Tensor, yc: torch.Tensor,
+                   radius: float) -> ClippedSum:
+        """One chunk of :meth:`PerSampleGradients.clipped_mean_of` by ghost norms and book-keeping
+        sums: the same result up to float64 rounding, the same counts of clipped and non-finite
+        samples."""
         if math.isnan(radius) or radius < 0:
             raise ValueError(f"`radius` must be >= 0 (or inf for no clipping). Found {radius}.")
-        current = self.layout.to_torch(x_current, self.dtype)
-        previous = None if x_previous is None else self.layout.to_torch(x_previous, self.dtype)
-        offsets = dict(zip(self.layout.names, np.cumsum((0,) + self.layout.sizes[:-1])))
-        sizes = dict(zip(self.layout.names, self.layout.sizes))
+        if not self._verified:
+            self._verify(x_current, xc, yc)
+        parts = self._parts(current, previous, xc, yc)
+        norms = row_norms(torch.stack([p.norms for p in parts], dim=1))
+        c = clip_factors(norms, radius)
         total = torch.zeros(self.layout.dim, dtype=torch.float64)
-        n = clipped = nonfinite = 0
-        for xc, yc in chunks:
-            if xc.shape[0] == 0:
-                continue
-            if not self._verified:
-                self._verify(x_current, xc, yc)
-            parts = self._parts(current, previous, xc, yc)
-            norms = row_norms(torch.stack([p.norms for p in parts], dim=1))
-            c = clip_factors(norms, radius)
-            for part in parts:
-                for name, value in part.sums(c).items():
-                    start = int(offsets[name])
-                    total[start:start + sizes[name]] += value.reshape(-1)
-            clipped += int((norms > radius).sum())
-            nonfinite += int((~torch.isfinite(norms)).sum())
-            n += int(xc.shape[0])
-        if n == 0:
-            raise ValueError(
-                "The shard is empty: a worker with no samples cannot compute a ClippedMean.")
-        return finish_contribution((total / n).numpy(), n, clipped, nonfinite, radius)
+        for part in parts:  # each parameter belongs to one part: its slice is set once
+            for name, value in part.sums(c).items():
+                start = self._offsets[name]
+                total[start:start + value.numel()] += value.reshape(-1)
+        return ClippedSum(total, int(xc.shape[0]), int((norms > radius).sum()),
+                          int((~torch.isfinite(norms)).sum()))

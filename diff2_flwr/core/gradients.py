@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
-from .clipping import clipped_sum, onto_ball
+from .clipping import ClippedSum, clipped_sum, onto_ball
 from .layout import ParameterLayout
 
 __all__ = ["LossFn", "Contribution", "PerSampleGradients", "check_per_sample_safe",
@@ -137,12 +137,7 @@ class PerSampleGradients:
         for xc, yc in chunks:
             if xc.shape[0] == 0:
                 continue
-            rows = self._flat(self._per_sample(current, xc, yc), xc.shape[0])
-            if previous is not None:
-                rows = rows - self._flat(self._per_sample(previous, xc, yc), xc.shape[0])
-            # Clip and sum in float64 whatever the compute dtype: the result's norm then exceeds
-            # the radius by float64 rounding at most, which `finish_contribution` projects away.
-            part = clipped_sum(rows.to(torch.float64), radius)
+            part = self._chunk_sum(x_current, current, previous, xc, yc, radius)
             total += part.total
             clipped += part.clipped
             nonfinite += part.nonfinite
@@ -151,6 +146,18 @@ class PerSampleGradients:
             raise ValueError(
                 "The shard is empty: a worker with no samples cannot compute a ClippedMean.")
         return finish_contribution((total / n).numpy(), n, clipped, nonfinite, radius)
+
+    def _chunk_sum(self, x_current: np.ndarray, current: dict[str, torch.Tensor],
+                   previous: dict[str, torch.Tensor] | None, xc: torch.Tensor, yc: torch.Tensor,
+                   radius: float) -> ClippedSum:
+        """One chunk's clipped sum (float64 [d]) and its counts, at ``current`` (the parameters of
+        ``x_current``) or of the differences with ``previous``."""
+        rows = self._flat(self._per_sample(current, xc, yc), xc.shape[0])
+        if previous is not None:
+            rows = rows - self._flat(self._per_sample(previous, xc, yc), xc.shape[0])
+        # Clip and sum in float64 whatever the compute dtype: the result's norm then exceeds
+        # the radius by float64 rounding at most, which `finish_contribution` projects away.
+        return clipped_sum(rows.to(torch.float64), radius)
 
     def loss_and_gradient(self, x_vec: np.ndarray, features: torch.Tensor,
                           targets: torch.Tensor) -> tuple[float, np.ndarray]:

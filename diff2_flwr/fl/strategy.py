@@ -206,9 +206,8 @@ class Diff2Strategy(Strategy):
         noise = self.server.distributed
         assert noise is not None
         if refusals:  # a node's rule: the run's one error line, and no retry
-            more = f" ({len(refusals) - 1} other node(s) refused too.)" if len(refusals) > 1 else ""
             self._asked = set()
-            self._stop(NodeRefused(r, refusals[0], more))
+            self._stop(NodeRefused(r, refusals))
         error = RoundRejected(r, "secure-aggregation",
                               f"Flower's SecAgg+ halted before the sum was unmasked (fewer "
                               f"than P - t = {noise.threshold} clients took part to the end, or a "
@@ -284,17 +283,15 @@ class Diff2Strategy(Strategy):
         refusals = list(dict.fromkeys(m for m in map(refusal_in, texts) if m is not None))
         if not refusals:
             return None
-        detail = self._describe_failures(results, failures)
-        more = f" ({len(refusals) - 1} other node(s) refused too.)" if len(refusals) > 1 else ""
         folder = self.server.run_info.get("output_dir")
         if folder:
             log = Path(folder) / f"round-{r}-failures.log"
+            detail = self._describe_failures(results, failures)
             log.write_text(detail + "\n\n" + "\n\n".join(texts) + "\n", encoding="utf-8")
-            more += (f" All {len(failures)} failure(s) of round {r}: {log.name} in the run "
-                     "folder.")
+            more = f" All {len(failures)} failure(s) of round {r}: {log.name} in the run folder."
         else:
-            more += f" All {len(failures)} failure(s) of round {r} are in the ServerApp's log."
-        return NodeRefused(r, refusals[0], more)
+            more = f" All {len(failures)} failure(s) of round {r} are in the ServerApp's log."
+        return NodeRefused(r, refusals, more)
 
     def _describe_failures(self, results: list[tuple[ClientProxy, FitRes]],
                            failures: list[tuple[ClientProxy, FitRes] | BaseException]) -> str:

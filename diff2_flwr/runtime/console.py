@@ -168,11 +168,10 @@ class RunConsole:
         summary), and the tracebacks around it go to the run folder's failure log."""
         block, self._block = self._block, []
         plain = [_ANSI.sub("", line) for line in block]
-        if any(refusal_in(line) for line in plain):
-            self._refused = True
+        refused = any(refusal_in(line) for line in plain)
+        self._refused = self._refused or refused
         # after a refusal, Flower's exit-code notice says nothing more than the refusal
-        if any(refusal_in(line) for line in plain) or (
-                self._refused and any(_EXIT_CODE.search(line) for line in plain)):
+        if refused or (self._refused and any(_EXIT_CODE.search(line) for line in plain)):
             self.dropped += len(block)
             return
         for line in block:

@@ -14,7 +14,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -154,14 +154,21 @@ def audited_server(spec: AuditSpec, calibration: Calibration, layout: ParameterL
         sigma_restart=calibration.sigma1 * spec.noise_scale,
         sigma_diff=(calibration.sigma2 or 0.0) * spec.noise_scale,
     )
-    server = ServerSpec(mechanism=mechanism,
-                        routine=make_routine("gd", learning_rate=spec.learning_rate),
-                        layout=layout, rounds=spec.rounds, clients=spec.clients, n_min=spec.samples,
-                        # A mechanism broken on purpose (noise_scale != 1) is not the calibrated
-                        # one: the server refuses to account it as such, so it runs unaccounted (the
-                        # audit's bound uses `claimed`).
-                        calibration=calibration if spec.noise_scale == 1.0 else None)
+    # A mechanism broken on purpose (noise_scale != 1) is not the calibrated one: the server
+    # refuses to account it as such, so it runs unaccounted (the audit's bound uses `claimed`).
+    server = _server_spec(spec, mechanism, layout,
+                          calibration=calibration if spec.noise_scale == 1.0 else None)
     return Diff2Server(server, x0=np.zeros(layout.dim), seed=seed)
+
+
+def _server_spec(spec: AuditSpec, mechanism: Mechanism, layout: ParameterLayout,
+                 **regime: Any) -> ServerSpec:
+    """The audited server's spec: ``mechanism`` with GD at the audit's step, over its rounds,
+    clients and records; ``regime``: its calibration, and its local routine or distributed noise."""
+    return ServerSpec(mechanism=mechanism,
+                      routine=make_routine("gd", learning_rate=spec.learning_rate),
+                      layout=layout, rounds=spec.rounds, clients=spec.clients,
+                      n_min=spec.samples, **regime)
 
 
 class Scorer:
@@ -264,10 +271,7 @@ def _trial_local(spec: AuditSpec, claimed: Calibration, run: Calibration, worker
                            learning_rate=spec.learning_rate, clip=spec.local_clip,
                            sigma=run.local.sigma3)
     server = _CanaryWorkerServer(
-        ServerSpec(mechanism=mechanism,
-                   routine=make_routine("gd", learning_rate=spec.learning_rate),
-                   layout=workers[0].gradients.layout, rounds=spec.rounds, clients=spec.clients,
-                   n_min=spec.samples, calibration=run, local=local),
+        _server_spec(spec, mechanism, workers[0].gradients.layout, calibration=run, local=local),
         x0=np.zeros(spec.dim), seed=seed)
     claimed_sigma = {True: claimed.sigma1, False: claimed.sigma2}
     sensitivity_per_radius = 2.0 / (spec.samples * spec.clients)
@@ -380,10 +384,8 @@ def _trial_distributed(spec: AuditSpec, noise: DistributedNoise, shares: Distrib
     mechanism = Mechanism(restart_every=spec.period, clip_restart=spec.clip_restart,
                           clip_diff=spec.clip_diff, sigma_restart=0.0, sigma_diff=0.0)
     server = Diff2Server(
-        ServerSpec(mechanism=mechanism,
-                   routine=make_routine("gd", learning_rate=spec.learning_rate),
-                   layout=workers[0].gradients.layout, rounds=spec.rounds, clients=spec.clients,
-                   n_min=spec.samples, calibration=None, distributed=noise),
+        _server_spec(spec, mechanism, workers[0].gradients.layout, calibration=None,
+                     distributed=noise),
         x0=np.zeros(spec.dim), seed=seed)
     strategy = Diff2Strategy(server=server)
     proxies = {f"node-{1000 + p}": _Proxy(f"node-{1000 + p}") for p in range(spec.clients)}
