@@ -66,6 +66,8 @@ NOT_ARGUMENTS: dict[str, str] = {
     "training.dtype": "the clients' compute (make_client's `dtype`)",
     "training.chunk_size": "the clients' compute (make_client's `chunk_size`)",
     "training.gradients": "the clients' compute (make_client's `gradients`)",
+    "training.memory_budget_mb": "the clients' compute (make_client's `memory_budget_mb`)",
+    "training.device": "the clients' compute (make_client's `device`)",
     "training.threads": "the caller's process (pin it before starting Flower)",
     "training.round_timeout_s": "Flower's ServerConfig(round_timeout=...)",
 }
@@ -192,9 +194,11 @@ def make_client(  # noqa: PLR0913 -- public API: keyword-only, one argument per 
     loss: LossFn | str,
     data: Any,
     partition_id: int,
-    dtype: str = "float64",
-    chunk_size: int = 1024,
+    dtype: str = "auto",
+    chunk_size: int | str = "auto",
     gradients: str = "auto",
+    memory_budget_mb: float | str = "auto",
+    device: str = "cpu",
     distributed: Mapping[str, Any] | None = None,
     seed: int | None = None,
     n_min: int | None = None,
@@ -211,11 +215,23 @@ def make_client(  # noqa: PLR0913 -- public API: keyword-only, one argument per 
             ``Dataset`` of ``(features, target)`` pairs (read ``chunk_size`` records at a time,
             every record once per round; pass ``loader.dataset``, not a DataLoader).
         partition_id: this client's number (in replies and error messages).
-        dtype: "float64" (default) or "float32", the compute dtype of the per-sample gradients.
-        chunk_size: records per ``torch.func`` batch (bounds memory).
-        gradients: "auto" (closed form for the paper MLP with ½-squared error, ``torch.func``
-            otherwise), "torch_func", "closed_form", or "ghost" (norms and clipped sums per layer
-            without per-sample gradients; ``torch.func`` for parameters no rule covers).
+        dtype: the compute dtype of the per-sample gradients: "auto" (float64 for the paper MLP,
+            float32 for any other model), "float64" or "float32" (norms, clip factors and sums are
+            float64 whatever it is).
+        chunk_size: samples per pass of per-sample work: "auto" (the most, up to 1024, whose
+            measured memory fits ``memory_budget_mb``, per round kind) or a number (checked
+            against the budget).
+        memory_budget_mb: MiB this client's per-sample work may take on top of its model and
+            records: "auto" (half of the machine's memory over the workers computing on it at once,
+            at most 80% of what is available) or a number. A model of which one sample does not
+            fit is refused on the first records, before any round.
+        device: where the per-sample work runs: "cpu", "cuda", "cuda:N" or "auto" (the first
+            GPU torch sees, else the CPU). The model moves there; the records stay in host memory
+            and each pass's samples are copied over.
+        gradients: "auto" (the paper MLP: closed form with ½-squared error, else ``torch.func``;
+            any other model: "ghost", or ``torch.func`` where ghost's first-call check refuses
+            it), "torch_func", "closed_form", or "ghost" (norms and clipped sums per layer without
+            per-sample gradients; ``torch.func`` for parameters no rule covers).
         distributed: for a strategy with ``noise="distributed"``: the same run settings as its
             :func:`make_strategy` call, from which this client computes its own noise share:
             ``epsilon``, ``delta``, ``rounds``, ``restart_every``, ``clients`` and optionally ``u``,
@@ -240,7 +256,8 @@ def make_client(  # noqa: PLR0913 -- public API: keyword-only, one argument per 
         raise argument_error(function, "n_min", "None or an integer >= 1 (the strategy's n_min)",
                              n_min)
     worker = make_worker(model=model, loss=loss, data=data, partition_id=partition_id, dtype=dtype,
-                         chunk_size=chunk_size, gradients=gradients, _function=function)
+                         chunk_size=chunk_size, gradients=gradients,
+                         memory_budget_mb=memory_budget_mb, device=device, _function=function)
     if n_min is not None and worker.num_samples < n_min:
         raise argument_error(
             function, "data", f"at least n_min = {n_min} records (partition {partition_id}): the "

@@ -13,7 +13,7 @@ from torch import nn
 
 from diff2_flwr.core import ghost_parts
 from diff2_flwr.core.clipping import clip_factors, row_norms
-from diff2_flwr.core.ghost_layers import GhostGradients, supported_modules
+from diff2_flwr.core.ghost_layers import GhostGradients, GhostUnsupported, supported_modules
 from diff2_flwr.core.gradients import PerSampleGradients
 from diff2_flwr.runtime.config import TrainingConfig
 from diff2_flwr.runtime.workers import make_worker
@@ -62,7 +62,7 @@ class Block(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """[n, T] ids -> [n, 3]."""
         n, t = ids.shape
-        x = self.embed(ids) + self.pos(torch.arange(t).expand(n, -1))
+        x = self.embed(ids) + self.pos(torch.arange(t, device=ids.device).expand(n, -1))
         h = self.norm1(x)
         q, k, v = (f(h).reshape(n, t, self.heads, -1).transpose(1, 2)
                    for f in (self.q, self.k, self.v))
@@ -365,6 +365,17 @@ def test_a_parameter_used_outside_its_module_is_refused():
         ghost.clipped_mean(x1, x, y, 1.0)
 
 
+def test_auto_takes_torch_func_for_a_model_ghost_refuses_and_ghost_refuses_it():
+    torch.manual_seed(0)
+    model = Reused()
+    data = (torch.randn(N, 5), torch.randint(0, CLASSES, (N,)))
+    auto = make_worker(model=model, loss="cross_entropy", data=data, partition_id=0)
+    assert type(auto.gradients) is PerSampleGradients
+    with pytest.raises(GhostUnsupported, match="is used outside that module's own call"):
+        make_worker(model=model, loss="cross_entropy", data=data, partition_id=0,
+                    gradients="ghost")
+
+
 def test_supported_modules_leave_out_subclasses_and_shared_weights():
     model = Attention()
     assert "att.out_proj" not in supported_modules(model)  # NonDynamicallyQuantizableLinear
@@ -381,10 +392,13 @@ def test_training_gradients_ghost_builds_the_ghost_engine():
                          gradients="ghost")
     assert isinstance(worker.gradients, GhostGradients)
     auto = make_worker(model=model, loss="cross_entropy", data=data, partition_id=0)
-    assert type(auto.gradients) is PerSampleGradients
+    assert type(auto.gradients) is GhostGradients  # auto: a model other than the paper MLP
+    ref = make_worker(model=model, loss="cross_entropy", data=data, partition_id=0,
+                      gradients="torch_func")
+    assert type(ref.gradients) is PerSampleGradients
     x1 = flat(model.double(), worker.gradients)
     got = worker.contribute(0.1, x1, None)
-    want = auto.contribute(0.1, x1, None)
+    want = ref.contribute(0.1, x1, None)
     assert got.num_clipped == want.num_clipped
     np.testing.assert_allclose(got.mean, want.mean, rtol=0, atol=1e-12)
 

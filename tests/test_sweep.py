@@ -138,8 +138,9 @@ def _classification_case(dataset: dict, model: dict, clients: int):
                             "training": {"clients": clients, "rounds": CLS_ROUNDS,
                                          "restart_every": T,
                                          "learning_rate": lr, "clip_restart": c1, "clip_diff": c2,
-                                         "seed": seed}})
-        # the reference's workers take the generic torch.func path
+                                         "seed": seed, "dtype": "float64"}})
+        # the reference's workers take the generic torch.func path, in the batched engine's float64
+        # (auto would compute a factory model in float32)
         assert not cfg.closed_form_gradients
         server = run_inprocess(cfg, record=False, progress=None)
         m = cfg.mechanism(server.calibration)

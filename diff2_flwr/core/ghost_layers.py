@@ -83,8 +83,10 @@ from .clipping import ClippedSum, clip_factors, row_norms
 from .ghost_parts import (KEEP_MARGIN, Part, embedding_part, gram_error_bound,
                           matrix_part, no_sums, norm_part, rows_part)
 from .gradients import LossFn, PerSampleGradients
+from .memory import Budget
 
-__all__ = ["GhostGradients", "KEEP_MARGIN", "gram_error_bound", "supported_modules"]
+__all__ = ["GhostGradients", "GhostUnsupported", "KEEP_MARGIN", "gram_error_bound",
+           "supported_modules"]
 
 #: Relative difference of the first call's ghost and ``torch.func`` norms that refuses a model.
 _VERIFY_RTOL = {torch.float64: 1e-8, torch.float32: 1e-3}
@@ -128,14 +130,23 @@ def supported_modules(model: nn.Module) -> dict[str, tuple[nn.Module, str, dict[
     return out
 
 
+class GhostUnsupported(ValueError):
+    """A model whose covered parameters are used outside their modules' calls (found by the first
+    call's check): its ghost norms would be wrong; ``torch.func`` computes it."""
+
+
 class GhostGradients(PerSampleGradients):
     """:class:`~diff2_flwr.core.gradients.PerSampleGradients` whose clipped means come from
     per-layer ghost norms and book-keeping sums (see the module's docstring); ``per_sample``,
     ``loss_and_gradient`` and the evaluation methods are inherited unchanged."""
 
+    engine = "ghost"
+
     def __init__(self, model: nn.Module, loss: LossFn, *, dtype: torch.dtype = torch.float64,
-                 chunk_size: int = 1024) -> None:
-        super().__init__(model, loss, dtype=dtype, chunk_size=chunk_size)
+                 chunk_size: int = 1024, budget: Budget | None = None,
+                 fit_chunk: bool = False, device: torch.device | str = "cpu") -> None:
+        super().__init__(model, loss, dtype=dtype, chunk_size=chunk_size, budget=budget,
+                         fit_chunk=fit_chunk, device=device)
         self.rules = supported_modules(self.model)
         covered = {n for _, _, names in self.rules.values() for n in names.values()}
         self.fallback_names = tuple(n for n in self.layout.names if n not in covered)
@@ -154,7 +165,7 @@ class GhostGradients(PerSampleGradients):
                 return None
             # a zero broadcast to the output's shape (no memory): the gradient that reaches it is
             # the output's; added in place where the output is a tensor of its own
-            zero = torch.zeros((), dtype=output.dtype, requires_grad=True)
+            zero = torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True)
             tap = zero.expand(output.shape)
             self._calls.setdefault(name, []).append((inputs[0].detach(), tap))
             return output + tap if output._base is not None else output.add_(tap)
@@ -210,7 +221,8 @@ class GhostGradients(PerSampleGradients):
             c1 = cur.pop(name, [])
             c2 = None if prev is None else prev.pop(name, [])
             if not c1 and not c2:
-                parts.append(Part(torch.zeros(n, dtype=torch.float64), no_sums))
+                parts.append(Part(torch.zeros(n, dtype=torch.float64, device=x.device),
+                                  no_sums))
             elif kind in (_LINEAR, _CONV):
                 parts.append(matrix_part(module, names, c1, c2, n))
             elif kind == _EMBEDDING:
@@ -232,10 +244,10 @@ class GhostGradients(PerSampleGradients):
               x_previous: np.ndarray | None = None) -> torch.Tensor:
         """Per-sample norms ‖∇ℓ(x_current, z)‖ (or of the differences with ``x_previous``) [n],
         float64 (for tests and diagnostics)."""
-        current = self.layout.to_torch(x_current, self.dtype)
-        previous = None if x_previous is None else self.layout.to_torch(x_previous, self.dtype)
-        parts = self._parts(current, previous, features, targets)
-        return row_norms(torch.stack([p.norms for p in parts], dim=1))
+        current = self._params(x_current)
+        previous = None if x_previous is None else self._params(x_previous)
+        parts = self._parts(current, previous, *self._on_device(features, targets))
+        return row_norms(torch.stack([p.norms for p in parts], dim=1)).cpu()
 
     def _verify(self, x_current: np.ndarray, x: torch.Tensor, y: torch.Tensor) -> None:
         """Refuse a model whose covered parameters are also used outside their modules' calls:
@@ -247,7 +259,7 @@ class GhostGradients(PerSampleGradients):
         tol = _VERIFY_RTOL.get(self.dtype, 1e-3)
         finite = torch.isfinite(ghost) & torch.isfinite(ref)
         if bool((finite & ((ghost - ref).abs() > tol * ref)).any()):
-            raise ValueError(
+            raise GhostUnsupported(
                 f"training.gradients 'ghost': the per-sample gradient norms of the first samples "
                 f"differ from a plain backward's ({ghost.tolist()} vs {ref.tolist()}), so a "
                 f"parameter of a covered module ({', '.join(self.rules) or 'none'}) is used "
@@ -259,8 +271,7 @@ class GhostGradients(PerSampleGradients):
                         y: torch.Tensor) -> torch.Tensor:
         """∇ of the summed loss of ``x`` by one plain backward, flat float64 (unused parameters:
         0)."""
-        params = {k: v.requires_grad_(True) for k, v in self.layout.to_torch(x_vec,
-                                                                             self.dtype).items()}
+        params = {k: v.requires_grad_(True) for k, v in self._params(x_vec).items()}
         out = functional_call(self.model, (params, self._buffers), (x,))
         tensors = [params[k] for k in self.layout.names]
         grads = torch.autograd.grad(self.loss(out, y).sum(), tensors, allow_unused=True)
@@ -280,7 +291,7 @@ class GhostGradients(PerSampleGradients):
         parts = self._parts(current, previous, xc, yc)
         norms = row_norms(torch.stack([p.norms for p in parts], dim=1))
         c = clip_factors(norms, radius)
-        total = torch.zeros(self.layout.dim, dtype=torch.float64)
+        total = torch.zeros(self.layout.dim, dtype=torch.float64, device=xc.device)
         for part in parts:  # each parameter belongs to one part: its slice is set once
             for name, value in part.sums(c).items():
                 start = self._offsets[name]

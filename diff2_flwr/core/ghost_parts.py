@@ -14,8 +14,8 @@ from torch import nn
 
 from .clipping import row_norms
 
-__all__ = ["GRAM_COST", "KEEP_MARGIN", "Part", "embedding_part", "gram_error_bound",
-           "matrix_part", "no_sums", "norm_part", "rows_part"]
+__all__ = ["GRAM_COST", "KEEP_MARGIN", "Part", "REFORM_BLOCK", "embedding_part",
+           "gram_error_bound", "matrix_part", "no_sums", "norm_part", "reformed_part", "rows_part"]
 
 #: Unit roundoff of float64.
 _U = 2.0**-53
@@ -54,7 +54,7 @@ def rows_part(pieces: list[tuple[torch.Tensor, list[tuple[str, int]]]]) -> Part:
             if rows.dtype == torch.float64:
                 out.update(_split(rows.T @ c, split))
                 continue
-            total = torch.zeros(rows.shape[1], dtype=torch.float64)
+            total = torch.zeros(rows.shape[1], dtype=torch.float64, device=rows.device)
             for start, block in _blocks64(rows):
                 total.addmv_(block.T, c[start:start + len(block)])
             out.update(_split(total, split))
@@ -64,11 +64,63 @@ def rows_part(pieces: list[tuple[torch.Tensor, list[tuple[str, int]]]]) -> Part:
     return Part(norms[0] if len(norms) == 1 else row_norms(torch.stack(norms, dim=1)), sums)
 
 
+#: Numbers per block of re-formed rows (a block's rows in the compute dtype and in float64).
+REFORM_BLOCK = 2**21
+
+
+def reformed_part(form: Callable[[slice], list[torch.Tensor]], n: int,
+                  split: list[tuple[str, int]]) -> Part:
+    """Rows that are formed twice instead of held: ``form(samples)`` -> the rows of those samples,
+    one tensor per entry of ``split`` ([m, size], any float dtype), formed by the same operations
+    on the same shapes each time. Pass 1 forms them block by block for their norms (float64); the
+    sums form each block again and add Σ c_i row_i in float64. A layer's rows then never occupy
+    more than one block, whatever the chunk (the memory the clip factors would otherwise make
+    every layer hold at once, issue 41, item 2).
+
+    The norm a factor was made from is that of the very row summed: each re-formed block's norms
+    are read again, and a row whose norm came out different (a kernel that is not deterministic)
+    has its factor scaled down to keep c_i·‖row_i‖ at most what pass 1 allowed."""
+    width = sum(size for _, size in split)
+    size = max(1, min(n, REFORM_BLOCK // max(width, 1)))
+    blocks = [slice(start, min(n, start + size)) for start in range(0, n, size)]
+    columns, at = [], 0
+    for _, piece in split:
+        columns.append(slice(at, at + piece))
+        at += piece
+
+    def block64(rows: list[torch.Tensor], buffer: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's rows in float64 (one buffer, no fresh allocation) and their norms."""
+        m = rows[0].shape[0]
+        block = buffer[:m]
+        norms = [row_norms(block[:, cols].copy_(piece)) for cols, piece in zip(columns, rows)]
+        return block, norms[0] if len(norms) == 1 else row_norms(torch.stack(norms, dim=1))
+
+    first = form(blocks[0])
+    buffer = torch.empty(size, width, dtype=torch.float64, device=first[0].device)
+    norms = torch.cat([block64(first if i == 0 else form(b), buffer)[1]
+                       for i, b in enumerate(blocks)])
+    del first
+
+    def sums(c: torch.Tensor) -> dict[str, torch.Tensor]:
+        total = torch.zeros(width, dtype=torch.float64, device=buffer.device)
+        for b in blocks:
+            block, again = block64(form(b), buffer)
+            first, factor = norms[b], c[b]
+            if not torch.equal(again, first):
+                ratio = torch.where(again > first, first / again, 1.0)
+                factor = factor * torch.nan_to_num(ratio, nan=1.0)
+            total.addmv_(block.T, factor)
+        return _split(total, split)
+
+    return Part(norms, sums)
+
+
 def _norms64(rows: torch.Tensor) -> torch.Tensor:
     """:func:`~diff2_flwr.core.clipping.row_norms` in float64 of rows in any float dtype."""
     if rows.dtype == torch.float64:
         return row_norms(rows)
-    norms = torch.empty(rows.shape[0], dtype=torch.float64)
+    norms = torch.empty(rows.shape[0], dtype=torch.float64, device=rows.device)
     for start, block in _blocks64(rows):
         norms[start:start + len(block)] = row_norms(block)
     return norms
@@ -79,7 +131,7 @@ def _blocks64(rows: torch.Tensor):
     float64 copy of the whole would cost a fresh allocation's page faults (~10x the conversion)
     and twice the memory."""
     size = max(1, min(rows.shape[0], 2**18 // max(rows.shape[1], 1)))
-    buffer = torch.empty(size, rows.shape[1], dtype=torch.float64)
+    buffer = torch.empty(size, rows.shape[1], dtype=torch.float64, device=rows.device)
     for start in range(0, rows.shape[0], size):
         block = buffer[:min(size, rows.shape[0] - start)]
         block.copy_(rows[start:start + size])
@@ -182,11 +234,12 @@ def matrix_part(module: nn.Module, names: dict[str, str], cur: list, prev: list 
     # Gram form: P²(in + out) float64 work and an [n·P] x [n·P] float64 product for the sums,
     # against P·in·out in the compute dtype and n·in·out numbers to hold
     if GRAM_COST * rows * (inner + bias + out) >= (inner + bias) * out:
-        return rows_part([(r, [entry]) for r, entry in zip(_materialised(terms, bias), split)])
+        return reformed_part(lambda idx: _materialised(terms, bias, idx), n, split)
     terms = _small_differences(terms)
     a = torch.cat([t[1] for t in terms], dim=1).to(torch.float64)
     b = torch.cat([t[0] * t[3] for t in terms], dim=1).to(torch.float64)
-    ind = torch.cat([torch.full((t[0].shape[1],), float(bias and t[2]), dtype=torch.float64)
+    ind = torch.cat([torch.full((t[0].shape[1],), float(bias and t[2]), dtype=torch.float64,
+                                device=a.device)
                      for t in terms])
     ra, rb = (a * a).sum(2) + ind, (b * b).sum(2)
     s = (ra.sqrt() * rb.sqrt()).sum(1)
@@ -253,32 +306,35 @@ def embedding_part(module: nn.Embedding, names: dict[str, str], cur: list, prev:
     if module.padding_idx is not None:
         b = b * (ids != module.padding_idx).unsqueeze(2)
     vocab = module.num_embeddings
-    keys = torch.arange(n).unsqueeze(1) * vocab + ids.long()
+    device = ids.device
+    keys = torch.arange(n, device=device).unsqueeze(1) * vocab + ids.long()
     uniq, inverse = torch.unique(keys.reshape(-1), return_inverse=True)
-    rows = torch.zeros(len(uniq), module.embedding_dim, dtype=torch.float64)
+    rows = torch.zeros(len(uniq), module.embedding_dim, dtype=torch.float64, device=device)
     rows.index_add_(0, inverse, b.reshape(-1, module.embedding_dim))
     sample = torch.div(uniq, vocab, rounding_mode="floor")
     counts = torch.bincount(sample, minlength=n)
-    position = torch.arange(len(uniq)) - (torch.cumsum(counts, 0) - counts)[sample]
-    per_sample = torch.zeros(n, int(counts.max()) if len(uniq) else 0, dtype=torch.float64)
+    position = torch.arange(len(uniq), device=device) - (torch.cumsum(counts, 0) - counts)[sample]
+    per_sample = torch.zeros(n, int(counts.max()) if len(uniq) else 0, dtype=torch.float64,
+                             device=device)
     per_sample[sample, position] = row_norms(rows)
     weight = names["weight"]
 
     def sums(c: torch.Tensor) -> dict[str, torch.Tensor]:
-        total = torch.zeros(vocab, module.embedding_dim, dtype=torch.float64)
+        total = torch.zeros(vocab, module.embedding_dim, dtype=torch.float64, device=device)
         total.index_add_(0, uniq - sample * vocab, rows * c[sample].unsqueeze(1))
         return {weight: total.reshape(-1)}
 
     return Part(row_norms(per_sample), sums)
 
 
-def _norm_rows(module: nn.Module, calls: list, n: int) -> torch.Tensor:
+def _norm_rows(module: nn.Module, calls: list, n: int, device: torch.device) -> torch.Tensor:
     """LayerNorm / GroupNorm: per-sample (Σ b ⊙ x̂, Σ b) [n, 2·width], float64 (each call's
     entries formed in the compute dtype, as ``torch.func`` forms them; a missing weight or bias
     leaves its half out)."""
     weight, bias = module.weight is not None, module.bias is not None
     width = (module.weight if weight else module.bias).numel()
-    total = torch.zeros(n, width * (int(weight) + int(bias)), dtype=torch.float64)
+    total = torch.zeros(n, width * (int(weight) + int(bias)), dtype=torch.float64,
+                        device=device)
     for a, b in calls:
         if isinstance(module, nn.LayerNorm):
             xhat = F.layer_norm(a, module.normalized_shape, None, None, module.eps)
@@ -296,9 +352,10 @@ def _norm_rows(module: nn.Module, calls: list, n: int) -> torch.Tensor:
 def norm_part(module: nn.Module, names: dict[str, str], cur: list, prev: list | None,
                n: int) -> Part:
     """LayerNorm / GroupNorm: materialised per-sample rows (2·width numbers each)."""
-    rows = _norm_rows(module, cur, n)
+    device = (cur or prev)[0][0].device
+    rows = _norm_rows(module, cur, n, device)
     if prev is not None:
-        rows = rows - _norm_rows(module, prev, n)
+        rows = rows - _norm_rows(module, prev, n, device)
     split = [(names[k], getattr(module, k).numel()) for k in ("weight", "bias")
              if getattr(module, k) is not None]
     return rows_part([(rows, split)])

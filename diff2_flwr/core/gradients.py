@@ -2,8 +2,10 @@
 
 Per-sample gradients come from ``torch.func``: ``vmap(grad(loss of one sample))`` over a
 chunk of samples, with the parameters passed through ``functional_call``. Chunks bound the
-memory to ``chunk_size × d`` numbers. A worker's contribution is ClippedMean of the
-per-sample gradients (restart rounds) or of per-sample gradient differences
+memory to ``chunk_size × d`` numbers; with a memory budget (:mod:`.memory`) each round kind's
+pass size is the most samples whose measured pass fits it (or a fixed chunk is checked against
+it), planned on the first records before any round is computed. A worker's contribution is
+ClippedMean of the per-sample gradients (restart rounds) or of per-sample gradient differences
 ∇ℓ(x_{r-1}, z) - ∇ℓ(x_{r-2}, z) (difference rounds).
 
 References:
@@ -21,6 +23,7 @@ from torch.func import functional_call, grad, vmap
 
 from .clipping import ClippedSum, clipped_sum, onto_ball
 from .layout import ParameterLayout
+from .memory import Budget, Footprint, MemoryRefusal, measure_footprint, size_text
 
 __all__ = ["LossFn", "Contribution", "PerSampleGradients", "check_per_sample_safe",
            "finish_contribution"]
@@ -70,19 +73,33 @@ class Contribution:
 class PerSampleGradients:
     """Per-sample gradients of ``loss(model(x), y)`` at given flat parameter vectors."""
 
+    #: ``training.gradients``' name of this engine (messages).
+    engine = "torch_func"
+
     def __init__(
         self, model: torch.nn.Module, loss: LossFn, *, dtype: torch.dtype = torch.float64,
-        chunk_size: int = 1024
+        chunk_size: int = 1024, budget: Budget | None = None, fit_chunk: bool = False,
+        device: torch.device | str = "cpu"
     ) -> None:
         check_per_sample_safe(model)
         if chunk_size < 1:
             raise ValueError(f"`chunk_size` must be >= 1. Found {chunk_size}.")
-        self.model = model.to(dtype)
+        #: where the model, each pass's samples and the float64 sums live (records stay in host
+        #: memory; each pass's samples are copied over)
+        self.device = torch.device(device)
+        self.model = model.to(device=self.device, dtype=dtype)
         self.loss = loss
         self.dtype = dtype
         self.chunk_size = chunk_size
+        #: with ``fit_chunk`` the pass sizes are the most samples (up to ``chunk_size``) whose pass
+        #: fits ``budget``; otherwise ``chunk_size`` is checked against it
+        self.budget, self.fit_chunk = budget, fit_chunk
+        #: samples per pass of a restart (False) and a difference round (True)
+        self.passes = {False: chunk_size, True: chunk_size}
+        #: the measured footprints (by round kind) once planned
+        self.footprints: dict[bool, Footprint] = {}
         self.layout = ParameterLayout.of(model)
-        self._buffers = {n: b for n, b in model.named_buffers()}
+        self._buffers = {n: b for n, b in self.model.named_buffers()}
 
         def one_sample_loss(params: dict[str, torch.Tensor], x: torch.Tensor,
                             y: torch.Tensor) -> torch.Tensor:
@@ -98,11 +115,20 @@ class PerSampleGradients:
                    targets: torch.Tensor) -> torch.Tensor:
         """All per-sample gradients at ``x_vec`` as one [n, d] tensor (for tests and small
         shards)."""
-        params = self.layout.to_torch(x_vec, self.dtype)
+        params = self._params(x_vec)
         return torch.cat(
-            [self._flat(self._per_sample(params, xc, yc), xc.shape[0])
+            [self._flat(self._per_sample(params, *self._on_device(xc, yc)), xc.shape[0])
              for xc, yc in _chunks(features, targets, self.chunk_size)]
-        )
+        ).cpu()
+
+    def _params(self, x_vec: np.ndarray) -> dict[str, torch.Tensor]:
+        """The flat vector as the model's tensors, in the compute dtype, on the device."""
+        return self.layout.to_torch(x_vec, self.dtype, self.device)
+
+    def _on_device(self, features: torch.Tensor,
+                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Records on the engine's device (a no-op on the CPU)."""
+        return features.to(self.device), targets.to(self.device)
 
     def clipped_mean(
         self,
@@ -130,22 +156,94 @@ class PerSampleGradients:
         n is the number of samples read. Chunks of ``chunk_size`` give the same floating-point sums,
         and so the same result bit for bit, as :meth:`clipped_mean` on the concatenated tensors.
         """
-        current = self.layout.to_torch(x_current, self.dtype)
-        previous = None if x_previous is None else self.layout.to_torch(x_previous, self.dtype)
-        total = torch.zeros(self.layout.dim, dtype=torch.float64)
+        return self._clipped_mean(x_current, chunks, radius, x_previous, plan=True)
+
+    def _clipped_mean(self, x_current: np.ndarray,
+                      chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], radius: float,
+                      x_previous: np.ndarray | None, *, plan: bool) -> Contribution:
+        """:meth:`clipped_mean_of`, planning the passes on the first chunk (``plan``) or not (the
+        probes of :meth:`measure_footprints`, which measure this whole path)."""
+        current = self._params(x_current)
+        previous = None if x_previous is None else self._params(x_previous)
+        total = torch.zeros(self.layout.dim, dtype=torch.float64, device=self.device)
         n = clipped = nonfinite = 0
         for xc, yc in chunks:
             if xc.shape[0] == 0:
                 continue
-            part = self._chunk_sum(x_current, current, previous, xc, yc, radius)
-            total += part.total
-            clipped += part.clipped
-            nonfinite += part.nonfinite
+            xc, yc = self._on_device(xc, yc)
+            if plan and self.budget is not None and not self.footprints:
+                self.plan_memory(x_current, xc, yc)
+            size = self.passes[previous is not None] if plan else int(xc.shape[0])
+            for start in range(0, int(xc.shape[0]), size):
+                part = self._chunk_sum(x_current, current, previous, xc[start:start + size],
+                                       yc[start:start + size], radius)
+                total += part.total
+                clipped += part.clipped
+                nonfinite += part.nonfinite
             n += int(xc.shape[0])
         if n == 0:
             raise ValueError(
                 "The shard is empty: a worker with no samples cannot compute a ClippedMean.")
-        return finish_contribution((total / n).numpy(), n, clipped, nonfinite, radius)
+        return finish_contribution((total / n).cpu().numpy(), n, clipped, nonfinite, radius)
+
+    def plan_memory(self, x_vec: np.ndarray, features: torch.Tensor,
+                    targets: torch.Tensor) -> None:
+        """Measure a pass of each round kind on (up to 4 of) these records at ``x_vec`` and set the
+        pass sizes the budget allows (:meth:`use_footprints`). A no-op without a budget or once
+        planned."""
+        if self.budget is None or self.footprints:
+            return
+        self.use_footprints(self.measure_footprints(x_vec, features, targets))
+
+    def measure_footprints(self, x_vec: np.ndarray, features: torch.Tensor,
+                           targets: torch.Tensor) -> dict[bool, Footprint]:
+        """The memory of a pass of a restart (False) and a difference round (True, against a nearby
+        iterate) on (up to 4 of) these records at ``x_vec``, measured (:mod:`.memory`)."""
+        nearby = x_vec * (1 + 2.0**-10) + 2.0**-20
+        n = int(features.shape[0])
+        footprints = {}
+        for difference in (False, True):
+            previous = nearby if difference else None
+
+            def run(m: int, previous=previous) -> Contribution:
+                return self._clipped_mean(x_vec, [(features[:m], targets[:m])], 1.0, previous,
+                                          plan=False)
+
+            footprints[difference] = measure_footprint(run, n, self.device)
+        return footprints
+
+    def use_footprints(self, footprints: dict[bool, Footprint]) -> None:
+        """Set each round kind's pass size from its footprint and the budget, or raise
+        :class:`~.memory.MemoryRefusal` in one line: one sample does not fit, or the fixed
+        ``chunk_size`` does not."""
+        passes = {kind: self._pass_size(fp, kind) for kind, fp in footprints.items()}
+        self.footprints, self.passes = dict(footprints), passes
+
+    def _pass_size(self, fp: Footprint, difference: bool) -> int:
+        """The samples per pass the budget allows for one round kind (see :meth:`plan_memory`)."""
+        budget = self.budget
+        kind = "a difference round (two iterates)" if difference else "a restart round"
+        setup = (f"training.gradients {self.engine}, {str(self.dtype).removeprefix('torch.')}, "
+                 f"{self.layout.dim:,} parameters")
+        if self.fit_chunk:
+            size = fp.chunk_for(budget.bytes, self.chunk_size)
+            if size == 0:
+                raise MemoryRefusal(
+                    f"training.memory_budget_mb: one sample of {kind} needs "
+                    f"{size_text(fp.bytes_for(1))} ({setup}), more than the budget of "
+                    f"{size_text(budget.bytes)} ({budget.source}); raise "
+                    "training.memory_budget_mb, or take gradients: ghost, dtype: float32 or a "
+                    "smaller model.")
+            return size
+        if fp.bytes_for(self.chunk_size) > budget.bytes:
+            fits = fp.chunk_for(budget.bytes, self.chunk_size)
+            raise MemoryRefusal(
+                f"training.chunk_size {self.chunk_size}: a pass of {kind} needs "
+                f"{size_text(fp.bytes_for(self.chunk_size))} ({setup}), more than the budget of "
+                f"{size_text(budget.bytes)} ({budget.source}); set training.chunk_size: auto "
+                + (f"(the most that fits: {fits})" if fits else "(not even one sample fits)")
+                + " or raise training.memory_budget_mb.")
+        return self.chunk_size
 
     def _chunk_sum(self, x_current: np.ndarray, current: dict[str, torch.Tensor],
                    previous: dict[str, torch.Tensor] | None, xc: torch.Tensor, yc: torch.Tensor,
@@ -162,25 +260,25 @@ class PerSampleGradients:
     def loss_and_gradient(self, x_vec: np.ndarray, features: torch.Tensor,
                           targets: torch.Tensor) -> tuple[float, np.ndarray]:
         """Mean loss and its (unclipped) gradient over all samples: evaluation only."""
-        params = {k: v.requires_grad_(True) for k, v in self.layout.to_torch(x_vec,
-                                                                             self.dtype).items()}
+        params = {k: v.requires_grad_(True) for k, v in self._params(x_vec).items()}
+        features, targets = self._on_device(features, targets)
         out = functional_call(self.model, (params, self._buffers), (features,))
         loss = self.loss(out, targets).mean()
         grads = torch.autograd.grad(loss, [params[n] for n in self.layout.names])
-        flat = torch.cat([g.reshape(-1) for g in grads]).detach().to(torch.float64).numpy()
+        flat = torch.cat([g.reshape(-1) for g in grads]).detach().to(torch.float64).cpu().numpy()
         return float(loss.detach()), flat
 
     def outputs(self, x_vec: np.ndarray, features: torch.Tensor) -> torch.Tensor:
         """The model's outputs at ``x_vec`` for all samples (no gradient): evaluation only."""
         with torch.no_grad():
-            return functional_call(self.model, (self.layout.to_torch(x_vec, self.dtype),
-                                                self._buffers), (features,))
+            return functional_call(self.model, (self._params(x_vec), self._buffers),
+                                   (features.to(self.device),)).cpu()
 
     def mean_loss(self, x_vec: np.ndarray, features: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss over all samples (no gradient): evaluation only."""
         with torch.no_grad():
-            out = functional_call(self.model, (self.layout.to_torch(x_vec, self.dtype),
-                                               self._buffers), (features,))
+            features, targets = self._on_device(features, targets)
+            out = functional_call(self.model, (self._params(x_vec), self._buffers), (features,))
             return float(self.loss(out, targets).mean())
 
 

@@ -59,9 +59,12 @@ class ParameterLayout:
             start += size
         return out
 
-    def to_torch(self, vector: np.ndarray, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """A name -> tensor dict for ``torch.func.functional_call``."""
-        return {n: torch.as_tensor(a, dtype=dtype) for n, a in zip(self.names, self.split(vector))}
+    def to_torch(self, vector: np.ndarray, dtype: torch.dtype,
+                 device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """A name -> tensor dict for ``torch.func.functional_call`` (on ``device``: the CPU by
+        default)."""
+        return {n: torch.as_tensor(a, dtype=dtype, device=device)
+                for n, a in zip(self.names, self.split(vector))}
 
     def check(self, arrays: Sequence[np.ndarray]) -> None:
         """Raise ValueError unless ``arrays`` has exactly the layout's number of arrays and

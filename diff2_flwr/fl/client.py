@@ -15,7 +15,9 @@ from flwr.client import NumPyClient
 from ..core.aggregation import Reply
 from ..core.distributed import DistributedNoise
 from ..core.estimator import Diverged
+from ..core.memory import MemoryRefusal
 from ..runtime.node_guard import NodeGuard
+from ..runtime.policy import Refused
 from ..runtime.session import Worker
 from . import protocol
 
@@ -45,7 +47,11 @@ class Diff2Client(NumPyClient):
     def worker(self) -> Worker:
         """This node's worker (its shard and model), built on first use when given as a callable."""
         if not isinstance(self._worker, Worker):
-            self._worker = self._worker()
+            try:
+                self._worker = self._worker()
+            except MemoryRefusal as err:  # the data owner's machine: before any record is used
+                node = self.guard.node if self.guard is not None else "this node"
+                raise Refused(node, "training.memory_budget_mb", str(err)) from None
         return self._worker
 
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:

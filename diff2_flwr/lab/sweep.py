@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..core.clipping import onto_ball, robust_norm, row_norms_np
+from ..core.device import resolve_device
 from ..core.estimator import Diverged, round_noise, round_scale
 from ..core.ghost import MLP, forward
 from ..core.routines import Routine, make_routine
@@ -108,32 +109,6 @@ def batch_model(data: PreparedData, *, model: str = "paper_mlp", hidden: int = 1
             f"{model!r} with loss {loss!r} is not one. Use engine: inprocess (any model) for it.")
     x0 = np.concatenate([p.detach().double().reshape(-1).numpy() for p in net.parameters()])
     return shape, x0
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """The torch device of ``device``: ``"cpu"``, ``"cuda"`` / ``"cuda:N"`` (an error saying so
-    where torch sees no such GPU), or ``"auto"`` (the first GPU if torch sees one, else the CPU)."""
-    if isinstance(device, torch.device):
-        dev = device
-    elif device == "auto":
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        try:
-            dev = torch.device(device)
-        except RuntimeError as err:
-            raise ValueError(
-                f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto'. Found {device!r}.") from err
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"The batched engine runs on 'cpu' or 'cuda' devices. Found {str(dev)!r}.")
-    if dev.type == "cuda" and (not torch.cuda.is_available()
-                               or (dev.index or 0) >= torch.cuda.device_count()):
-        raise ValueError(
-            f"device {str(dev)!r} was asked for, but torch sees {torch.cuda.device_count()} CUDA "
-                         f"device(s) (torch {torch.__version__}, CUDA build: "
-                         f"{torch.version.cuda or 'no'}). Use "
-                         "device 'cpu' or 'auto', or install a CUDA build of torch on a machine "
-                         "with a GPU.")
-    return dev
 
 
 def _plan_radii(r: int, specs: Sequence[RunSpec], restart: torch.Tensor, x: torch.Tensor,

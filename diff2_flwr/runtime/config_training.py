@@ -108,17 +108,32 @@ class TrainingConfig:
                                              "P, the number of clients; auto: the SuperNodes of "
                                              "the federation that runs it (see CLIENTS_AUTO)")
     seed: int | None = setting(None, "noise seed; null draws the noise key from OS entropy")
-    dtype: Literal["float64", "float32"] = setting("float64",
-                                                   "compute dtype of per-sample gradients (norms, "
-                                                   "clip factors and sums are float64 on every "
-                                                   "path)")
-    chunk_size: int = setting(1024, "samples per vmap chunk (bounds memory)")
+    dtype: Literal["auto", "float64", "float32"] = setting(
+        "auto",
+        "compute dtype of per-sample gradients (norms, clip factors and sums are float64 on every "
+        "path); auto: float64 for the paper MLP, float32 for any other model")
+    chunk_size: int | Literal["auto"] = setting(
+        "auto",
+        "samples per pass of per-sample work; auto: the most (up to 1024, a power of two) whose "
+        "measured pass fits memory_budget_mb, per round kind; a number is checked against it")
+    device: str = setting(
+        "cpu",
+        "where a client computes its per-sample work: cpu, cuda, cuda:N, or auto (the first GPU "
+        "torch sees on the client's machine, else the CPU); records stay in host memory, each "
+        "pass's samples are copied over; norms, clip factors and sums stay float64 there")
+    memory_budget_mb: float | Literal["auto"] = setting(
+        "auto",
+        "MiB a client's per-sample work may take on top of its model and records; auto: half of "
+        "the machine's memory (its cgroup limit in a container) over the workers computing on it "
+        "at once, at most 80% of what is available; a model whose one sample does not fit is "
+        "refused before round 1")
     gradients: Literal["auto", "torch_func", "closed_form", "ghost"] = setting(
         "auto",
         "per-sample gradient path: torch_func, closed_form (the paper MLP), ghost (norms and "
         "clipped sums per layer without per-sample gradients: Linear, Conv1d/2d, Embedding, "
-        "LayerNorm, GroupNorm; torch_func for other parameters), auto (closed form when it "
-        "applies)")
+        "LayerNorm, GroupNorm; torch_func for other parameters), auto (the paper MLP: closed "
+        "form when it applies, else torch_func; any other model: ghost, or torch_func where "
+        "ghost's first-call check refuses it)")
     round_timeout_s: float | None = setting(None,
                                             "Flower: a client silent this long fails the round",
                                             identifies=False)
@@ -142,7 +157,14 @@ class TrainingConfig:
                 "an integer >= 1, or auto (P = the SuperNodes of the federation that runs it)",
                 self.clients)
         require(self.seed is None or self.seed >= 0, "seed", "null or an integer >= 0", self.seed)
-        require(self.chunk_size >= 1, "chunk_size", "an integer >= 1", self.chunk_size)
+        require(self.chunk_size == "auto" or self.chunk_size >= 1, "chunk_size",
+                "an integer >= 1, or auto", self.chunk_size)
+        require(self.device in ("cpu", "cuda", "auto") or (self.device.startswith("cuda:")
+                                                         and self.device[5:].isdigit()),
+                "device", "cpu, cuda, cuda:N or auto", self.device)
+        require(self.memory_budget_mb == "auto" or (math.isfinite(self.memory_budget_mb)
+                                                    and self.memory_budget_mb > 0),
+                "memory_budget_mb", "a number of MiB > 0, or auto", self.memory_budget_mb)
         require(self.round_timeout_s is None or self.round_timeout_s > 0, "round_timeout_s",
                 "null or a number > 0", self.round_timeout_s)
         require(self.round_retries >= 0, "round_retries", "an integer >= 0", self.round_retries)

@@ -96,4 +96,6 @@ def build_worker(cfg: ExperimentConfig, partition_id: int, data_path: str | None
     return make_worker(model=model_of(cfg, features.shape[1], num_outputs), loss=get_loss(cfg.loss),
                        data=(features, targets), partition_id=partition_id,
                        dtype=cfg.training.dtype, chunk_size=cfg.training.chunk_size,
+                       memory_budget_mb=cfg.training.memory_budget_mb,
+                       device=cfg.training.device,
                        gradients=cfg.training.gradients, _function=cfg.source)

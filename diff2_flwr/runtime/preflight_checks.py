@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..core.gradients import PerSampleGradients, check_per_sample_safe
+from ..core.memory import MemoryRefusal
 from ..core.privacy import Calibration
 from ..task.data import PreparedData
 from ..task.losses import get_loss
@@ -25,7 +26,7 @@ from .server_setup import initial_point
 from .shard_files import SERVER_FILE, read_server_data
 from .shard_report import check_shards, shard_lines
 from .step_report import names_of
-from .workers import DTYPES, make_worker
+from .workers import compute_dtype, make_worker
 
 __all__ = ["PROBE_RECORDS", "Preflight", "PreflightError", "preflight", "preflight_strategy",
            "privacy_warnings"]
@@ -94,7 +95,9 @@ def _probe(cfg: ExperimentConfig, data: PreparedData, model: torch.nn.Module) ->
     """One clipped per-sample gradient at x_0 on the first records the server holds, through a
     worker built as the workers build theirs: a forward that does not fit the data, or targets the
     loss cannot take, fail here."""
-    if data.x_train.shape[0]:
+    # a simulation's clients compute on this machine: its device and memory are theirs
+    here = bool(data.x_train.shape[0])
+    if here:
         features, targets = data.shard(0)
         where = "training records of partition 0"
     else:  # a deployment's server holds the test split only
@@ -108,9 +111,14 @@ def _probe(cfg: ExperimentConfig, data: PreparedData, model: torch.nn.Module) ->
         worker = make_worker(model=model, loss=get_loss(cfg.loss),
                              data=(features[:k], targets[:k]), partition_id=0,
                              dtype=cfg.training.dtype, chunk_size=cfg.training.chunk_size,
-                             gradients=cfg.training.gradients, _function=cfg.source)
+                             memory_budget_mb=cfg.training.memory_budget_mb,
+                             device=cfg.training.device if here else "cpu",
+                             gradients=cfg.training.gradients, _plan_memory=here,
+                             _function=cfg.source)
         records = worker.records  # in memory: a (features, targets) pair
         contribution = worker.gradients.clipped_mean(x0, records.features, records.targets, 1.0)
+    except MemoryRefusal as err:  # the model does not fit this machine's budget
+        raise PreflightError(f"{cfg.source}: {err}") from None
     except Exception as err:  # noqa: BLE001 (the user's forward or loss: any error is the user's to fix)
         # the worker's own refusal of the forward carries the error it caught
         cause = (str(err.found) if isinstance(err, ConfigError) and err.key == "model" else
@@ -144,8 +152,8 @@ def _checked_gradients(cfg: ExperimentConfig, data: PreparedData) -> PerSampleGr
         raise PreflightError(
             f"{cfg.source}: key `model.name`: the model {cfg.model.name!r} cannot be trained "
                              f"privately: {err}") from None
-    return PerSampleGradients(model, get_loss(cfg.loss), dtype=DTYPES[cfg.training.dtype],
-                              chunk_size=cfg.training.chunk_size)
+    return PerSampleGradients(model, get_loss(cfg.loss),
+                              dtype=compute_dtype(cfg.training.dtype, model))
 
 
 def preflight(cfg: ExperimentConfig) -> Preflight:

@@ -30,7 +30,7 @@ from .preflight_checks import Preflight, PreflightError, preflight
 from .server import Diff2Server
 from .server_core import check_mechanism
 from .server_setup import make_server
-from .workers import DTYPES, Worker, make_worker
+from .workers import Worker, compute_dtype, make_worker
 
 __all__ = ["Diff2Server", "Worker", "Diverged", "Preflight", "PreflightError", "check_mechanism",
            "load_data",
@@ -40,8 +40,9 @@ __all__ = ["Diff2Server", "Worker", "Diverged", "Preflight", "PreflightError", "
 
 
 def _gradients(cfg: ExperimentConfig, num_features: int, num_outputs: int) -> PerSampleGradients:
-    return PerSampleGradients(model_of(cfg, num_features, num_outputs), get_loss(cfg.loss),
-                              dtype=DTYPES[cfg.training.dtype], chunk_size=cfg.training.chunk_size)
+    model = model_of(cfg, num_features, num_outputs)
+    return PerSampleGradients(model, get_loss(cfg.loss),
+                              dtype=compute_dtype(cfg.training.dtype, model))
 
 
 def build_server(

@@ -18,19 +18,33 @@ from ..core.aggregation import Reply
 from ..core.clipping import project_onto_ball, robust_norm
 from ..core.distributed import DistributedNoise, client_rng
 from ..core.closed_form import PaperMLPGradients
+from ..core.device import resolve_device
 from ..core.estimator import Diverged, RoundPlan
-from ..core.ghost_layers import GhostGradients
+from ..core.ghost_layers import GhostGradients, GhostUnsupported
 from ..core.gradients import Contribution, LossFn, PerSampleGradients
+from ..core.memory import Footprint
 from ..core.local import LocalTask, run_local_phase
 from ..task.losses import LOSSES, class_label_problem, cross_entropy, get_loss, half_squared_error
 from ..task.models import PaperMLP
 from ..task.records import DatasetRecords, TensorRecords, as_records
 from .config import TrainingConfig, argument_error, from_arguments
+from .memory_budget import resolve_budget
 
-__all__ = ["DTYPES", "Worker", "make_worker"]
+__all__ = ["AUTO_CHUNK", "DTYPES", "Worker", "compute_dtype", "make_worker"]
 
 #: ``training.dtype`` -> the torch dtype the per-sample gradients are computed in.
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+#: ``training.chunk_size: auto``: records read at a time, and the most samples of a pass.
+AUTO_CHUNK = 1024
+
+
+def compute_dtype(setting: str, model: torch.nn.Module) -> torch.dtype:
+    """``training.dtype`` for ``model``: as given, or ``auto``: float64 for the paper MLP (its
+    closed form and the paper's protocol), float32 for any other model (what a practitioner's
+    model is trained in; norms, clip factors and sums stay float64)."""
+    if setting == "auto":
+        return torch.float64 if type(model) is PaperMLP else torch.float32
+    return DTYPES[setting]
 
 
 @dataclass(frozen=True)
@@ -141,33 +155,50 @@ def _closed_form_applies(model: torch.nn.Module, loss: LossFn) -> bool:
     return type(model) is PaperMLP and loss is half_squared_error and model.out.out_features == 1
 
 
-def make_worker(
+def make_worker(  # noqa: PLR0913 -- keyword-only: one argument per client setting
     *,
     model: torch.nn.Module,
     loss: LossFn | str,
     data: Any,
     partition_id: int,
-    dtype: str = "float64",
-    chunk_size: int = 1024,
+    dtype: str = "auto",
+    chunk_size: int | str = "auto",
     gradients: str = "auto",
+    memory_budget_mb: float | str = "auto",
+    device: str = "cpu",
+    _plan_memory: bool = True,
     _function: str = "diff2_flwr.make_worker",
 ) -> Worker:
     """One worker from a model, a per-sample loss and its records; the YAML path calls it too.
 
     ``loss(output[n, ...], target[n]) -> losses[n]`` (one loss per record, no reduction), or the
     name of one of ours. ``data``: ``(features, targets)`` tensors or arrays, or a map-style
-    ``Dataset`` of ``(features, target)`` pairs, read ``chunk_size`` records at a time. ``model`` is
-    copied (its parameters come from the server each round; the caller's module is left as it is).
+    ``Dataset`` of ``(features, target)`` pairs, read ``chunk_size`` records at a time (1024 with
+    ``auto``). ``model`` is copied (its parameters come from the server each round; the caller's
+    module is left as it is). ``dtype`` "auto": float64 for the paper MLP, float32 otherwise.
+    ``device``: where the per-sample work runs ("cpu", "cuda", "cuda:N", "auto": a GPU if torch
+    sees one); the records stay in host memory and each pass's samples are copied over (the
+    paper MLP's closed form computes on the CPU).
+    ``chunk_size`` "auto": each round kind's pass is the most samples (up to 1024) whose measured
+    memory fits ``memory_budget_mb`` (:mod:`~diff2_flwr.runtime.memory_budget`), planned on the
+    first records before the first round is computed; a model of which one sample does not fit, or
+    a fixed ``chunk_size`` that does not, is refused then in one line
+    (:class:`~diff2_flwr.core.memory.MemoryRefusal`).
     ``gradients``: "auto" takes the closed form for the paper MLP with ½-squared error,
-    ``torch.func`` otherwise; "ghost" per-layer ghost norms and clipped sums
-    (:mod:`~diff2_flwr.core.ghost_layers`). Models that mix the samples of a batch (batch-norm)
+    ``torch.func`` for the paper MLP otherwise, and ghost clipping for any other model (per-layer
+    ghost norms and clipped sums, :mod:`~diff2_flwr.core.ghost_layers`; ``torch.func`` where its
+    first call's check finds a parameter used outside its module); "ghost" and "torch_func" as
+    named. Models that mix the samples of a batch (batch-norm)
     are refused.
 
     References:
         Murata & Suzuki (2023), Algorithm 1 (worker lines), Algorithm 2 (ClippedMean).
     """
     options: TrainingConfig = from_arguments(_function, {"dtype": dtype, "chunk_size": chunk_size,
-                                                         "gradients": gradients}, TrainingConfig)
+                                                         "gradients": gradients,
+                                                         "memory_budget_mb": memory_budget_mb,
+                                                         "device": device},
+                                             TrainingConfig)
     if not isinstance(partition_id, int) or isinstance(partition_id, bool) or partition_id < 0:
         raise argument_error(_function, "partition_id", "an integer >= 0", partition_id)
     if not isinstance(model, torch.nn.Module):
@@ -182,10 +213,18 @@ def make_worker(
         raise argument_error(_function, "loss",
                              "a callable loss(output, target) -> per-sample losses",
                               type(loss).__name__)
-    torch_dtype = DTYPES[options.dtype]
+    torch_dtype = compute_dtype(options.dtype, model)
+    fit_chunk = options.chunk_size == "auto"
+    chunk = AUTO_CHUNK if fit_chunk else options.chunk_size
     try:
-        generic = PerSampleGradients(copy.deepcopy(model), loss, dtype=torch_dtype,
-                                     chunk_size=options.chunk_size)
+        where = resolve_device(options.device)
+    except ValueError as err:  # no such GPU on this machine
+        raise argument_error(_function, "device", "a device torch sees on this machine",
+                             " ".join(str(err).split())) from None
+    budget = resolve_budget(options.memory_budget_mb, where) if _plan_memory else None
+    memory = {"chunk_size": chunk, "budget": budget, "fit_chunk": fit_chunk, "device": where}
+    try:
+        generic = PerSampleGradients(copy.deepcopy(model), loss, dtype=torch_dtype, **memory)
     except ValueError as err:  # a module that mixes the samples of a batch
         raise argument_error(_function, "model",
                              "a model whose samples do not mix within a batch (no batch-norm)",
@@ -198,20 +237,53 @@ def make_worker(
                              "that model)",
                               options.gradients)
     grads: PerSampleGradients | PaperMLPGradients = generic
-    if options.gradients == "ghost":
-        grads = GhostGradients(copy.deepcopy(model), loss, dtype=torch_dtype,
-                               chunk_size=options.chunk_size)
+    # auto: a practitioner's own model (not the paper's MLP) takes ghost clipping
+    ghost = options.gradients == "ghost" or (options.gradients == "auto"
+                                              and type(model) is not PaperMLP)
+    if ghost:
+        grads = GhostGradients(copy.deepcopy(model), loss, dtype=torch_dtype, **memory)
     elif closed_form and options.gradients != "torch_func":
         grads = PaperMLPGradients(generic.layout, dtype=torch_dtype)
-    records = as_records(data, dtype=torch_dtype, chunk_size=options.chunk_size)
+    records = as_records(data, dtype=torch_dtype, chunk_size=chunk)
     if records.num_samples == 0:
         raise ValueError(
             f"Partition {partition_id} holds no samples: an empty shard cannot contribute a "
             f"ClippedMean.")
-    output = _check_first_records(_function, partition_id, model, loss, records, torch_dtype)
+    output, x, y = _check_first_records(_function, partition_id, model, loss, records, torch_dtype)
     if loss is cross_entropy and output.ndim >= 2:
         records = _class_labels_checked(records, _label_check(_function, partition_id, output))
+    # before any round: a model that cannot fit (a deployment's server, whose machine is not the
+    # clients', leaves it to them: _plan_memory False)
+    if _plan_memory and isinstance(grads, PerSampleGradients):
+        try:
+            footprints = _footprints(grads, model, loss, x[:4], y[:4])
+        except GhostUnsupported:  # its first call's check: a parameter used outside its module
+            if options.gradients == "ghost":
+                raise
+            grads = generic  # auto: torch.func computes any model
+            footprints = _footprints(grads, model, loss, x[:4], y[:4])
+        grads.use_footprints(footprints)
     return Worker(partition_id, grads, records)
+
+
+#: Measured footprints by what decides them (:func:`_footprints`): a client rebuilt every round
+#: (a ClientApp's worker) measures once per process.
+_FOOTPRINTS: dict[tuple, dict[bool, Footprint]] = {}
+
+
+def _footprints(grads: PerSampleGradients, model: torch.nn.Module, loss: LossFn,
+                x: torch.Tensor, y: torch.Tensor) -> dict[bool, Footprint]:
+    """The engine's footprints (:meth:`~diff2_flwr.core.gradients.PerSampleGradients.
+    measure_footprints`) at the model's own parameters on the first records, measured once per
+    model class and shapes, engine, dtype, loss and record shape in this process."""
+    key = (type(model), tuple(zip(grads.layout.names, grads.layout.shapes)), grads.engine,
+           grads.dtype, loss, tuple(x.shape[1:]), x.dtype, tuple(y.shape[1:]), y.dtype,
+           min(4, int(x.shape[0])))
+    if key not in _FOOTPRINTS:
+        x_vec = grads.layout.flatten([p.detach().double().numpy()
+                                      for p in model.parameters() if p.requires_grad])
+        _FOOTPRINTS[key] = grads.measure_footprints(x_vec, x, y)
+    return _FOOTPRINTS[key]
 
 
 def _label_check(function: str, partition_id: int,
@@ -247,11 +319,12 @@ def _class_labels_checked(records: TensorRecords | DatasetRecords,
 
 def _check_first_records(function: str, partition_id: int, model: torch.nn.Module, loss: LossFn,
                          records: TensorRecords | DatasetRecords,
-                         dtype: torch.dtype) -> torch.Tensor:
+                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss on the first two records, so that a target the loss cannot take fails here, in one
-    line; the model's output on them (a model that fails on them is refused here too)."""
-    x, y = (records.features[:2],
-            records.targets[:2]) if isinstance(records, TensorRecords) else next(records.chunks())
+    line; the model's output on them (a model that fails on them is refused here too), and the
+    first (up to 4) records."""
+    x, y = (records.features[:4],
+            records.targets[:4]) if isinstance(records, TensorRecords) else next(records.chunks())
     # no draw from torch's global generator leaks out
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         try:
@@ -275,4 +348,4 @@ def _check_first_records(function: str, partition_id: int, model: torch.nn.Modul
                                   "integers, e.g. y.astype(int), or convert in the loss with "
                                   "target.long())",
                                   f"{type(exc).__name__}: {first}") from None
-    return output
+    return output, x[:4], y[:4]
