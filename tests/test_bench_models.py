@@ -25,12 +25,13 @@ def test_the_cnn_is_the_issues_and_the_transformer_takes_sequences_of_64():
 
 def test_the_ratios_set_each_diff2_path_against_opacus_ghost_clipping():
     results = {"diff2/torch_func": {"restart_samples_per_s": 50.0,
-                                    "difference_samples_per_s": 20.0, "peak_mb": 600.0},
+                                    "difference_samples_per_s": 20.0, "peak_mb": 600.0,
+                                    "restart_peak_mb": 300.0},
                "opacus/hooks": {"restart_samples_per_s": 70.0, "peak_mb": 480.0},
                "opacus/ghost": {"restart_samples_per_s": 100.0, "peak_mb": 400.0}}
     assert models._ratios(results) == {"diff2/torch_func": {
         "restart_vs_opacus_ghost": 0.5, "difference_vs_opacus_ghost": 0.2,
-        "peak_mb_vs_opacus_ghost": 1.5}}
+        "peak_mb_vs_opacus_ghost": 1.5, "restart_peak_mb_vs_opacus_ghost": 0.75}}
     assert models._ratios({"opacus/ghost": {"error": "x"}}) == {}
 
 
@@ -44,8 +45,14 @@ def test_every_side_runs_on_both_models_in_its_own_process():
     for name in ("cnn", "transformer"):
         sides = section[name]["sides"]
         assert set(sides) == {*(f"diff2/{p}" for p in models._diff2_paths()), "opacus/hooks",
-                              "opacus/ghost"}
+                              "opacus/ghost", models.EQUAL_MEMORY}
         for side, result in sides.items():
             assert "error" not in result, (name, side, result)
             assert result["restart_samples_per_s"] > 0 and result["peak_mb"] >= result["setup_mb"]
         assert set(section[name]["ratios"]) == {s for s in sides if s.startswith("diff2/")}
+        for side in models._diff2_paths():  # passes of Opacus' batch
+            assert sides[f"diff2/{side}"]["restart_pass"] == 4
+        # the equal-memory side was given what Opacus' ghost clipping took beyond its setup
+        peer = sides["opacus/ghost"]
+        assert sides[models.EQUAL_MEMORY]["budget_mb"] == pytest.approx(
+            max(1.0, peer["peak_mb"] - peer["setup_mb"]))

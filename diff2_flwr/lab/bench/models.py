@@ -16,7 +16,14 @@ resident memory of its process (``VmHWM``) with the part its setup already held:
 - ``opacus/hooks``: Opacus' ``GradSampleModule`` (per-sample gradients by hooks), then each
   sample's gradient clipped and summed (a clipped gradient: a restart round's work);
 - ``opacus/ghost``: Opacus' ghost clipping (``grad_sample_mode="ghost"``: norms without per-sample
-  gradients, a second backward for the clipped sum).
+  gradients, a second backward for the clipped sum);
+- ``diff2/ghost@opacus-memory``: DIFF2's ghost clipping given, as its memory budget
+  (``training.memory_budget_mb``), what ``opacus/ghost`` took beyond its setup: its passes are
+  what that budget allows (``chunk_size: auto``), and its peak shows that the budget held.
+
+The ``diff2/<path>`` sides run passes of Opacus' batch; a difference round's pass holds two
+iterates' records. Each DIFF2 side reports its pass sizes, the memory its plan expected a pass to
+take, and the high-water mark after the restart round alone (``restart_peak_mb``) and after both.
 
 Opacus has no difference round (DIFF2's is two iterates); its figure is the restart round's. Opacus
 is a benchmark-only extra (``pip install -e .[bench]``), never a runtime dependency; without it its
@@ -43,7 +50,7 @@ from ...runtime.config_training import TrainingConfig
 from ...runtime.workers import make_worker
 from .pinning import one_core, one_torch_thread
 
-__all__ = ["MODELS", "models_section", "make_cnn", "make_transformer"]
+__all__ = ["MODELS", "models_section", "make_cnn", "make_resnet18", "make_transformer"]
 
 #: The sequence length, vocabulary, width and heads of the transformer.
 SEQ, VOCAB, WIDTH, HEADS = 64, 1000, 128, 4
@@ -115,6 +122,38 @@ def make_transformer() -> nn.Module:
     return _Encoder()
 
 
+class _Basic(nn.Module):
+    """ResNet's basic block with GroupNorm (32 groups; per-sample, unlike batch-norm)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.norm1 = nn.GroupNorm(32, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.norm2 = nn.GroupNorm(32, cout)
+        self.skip = (nn.Sequential() if stride == 1 and cin == cout else
+                     nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                   nn.GroupNorm(32, cout)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """relu(norm(conv(relu(norm(conv(x))))) + skip(x))."""
+        out = torch.relu(self.norm1(self.conv1(x)))
+        return torch.relu(self.norm2(self.conv2(out)) + self.skip(x))
+
+
+def make_resnet18(classes: int = 10) -> nn.Module:
+    """ResNet-18 for 32×32×3 inputs (a 3×3 stem, no max-pooling: the CIFAR variant) with
+    GroupNorm in place of batch-norm: d = 11,173,962 (issue 41's model at real size)."""
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.GroupNorm(32, 64),
+                               nn.ReLU()]
+    width = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [_Basic(width, cout, stride), _Basic(cout, cout, 1)]
+        width = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes)]
+    return nn.Sequential(*layers)
+
+
 def _cnn_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
@@ -152,16 +191,24 @@ def _flat(model: nn.Module) -> np.ndarray:
     return np.concatenate([p.detach().double().numpy().ravel() for p in model.parameters()])
 
 
-def _diff2_side(name: str, path: str, n: int, batch: int, reps: int) -> dict:
-    """The client's restart and difference rounds on the path ``path``."""
+def _diff2_side(name: str, path: str, n: int, batch: int, reps: int,
+                budget_mb: float | None = None) -> dict:
+    """The client's restart and difference rounds on the path ``path``: passes of ``batch``
+    samples (Opacus' batch), or with ``budget_mb`` the passes its memory budget allows
+    (``chunk_size: auto``)."""
     model = _model(name)
     features, targets = MODELS[name][1](n)
+    memory: dict[str, Any] = ({"chunk_size": batch} if budget_mb is None else
+                              {"chunk_size": "auto", "memory_budget_mb": budget_mb})
     worker = make_worker(model=model, loss="cross_entropy", data=(features, targets),
-                         partition_id=0, dtype="float32", chunk_size=batch, gradients=path)
+                         partition_id=0, dtype="float32", gradients=path, **memory)
     x1 = _flat(model)
     x2 = x1 + 1e-3 * np.random.default_rng(0).standard_normal(x1.size)
     setup = _peak_mb()
+    grads = worker.gradients
     out: dict[str, Any] = {"parameters": int(x1.size), "setup_mb": setup}
+    if budget_mb is not None:
+        out["budget_mb"] = budget_mb
     for kind, previous in (("restart", None), ("difference", x2)):
         worker.contribute(CLIP, x1, previous)  # warm-up: torch.func's first call traces
         best = math.inf
@@ -170,7 +217,13 @@ def _diff2_side(name: str, path: str, n: int, batch: int, reps: int) -> dict:
             worker.contribute(CLIP, x1, previous)
             best = min(best, time.perf_counter() - started)
         out[f"{kind}_samples_per_s"] = n / best
-    out["peak_mb"] = _peak_mb()
+        difference = previous is not None
+        out[f"{kind}_pass"] = grads.passes[difference]
+        if grads.footprints:  # what the plan expected a pass to take
+            planned = grads.footprints[difference].bytes_for(grads.passes[difference])
+            out[f"{kind}_planned_mb"] = planned / 2**20
+        # the high-water mark so far: the restart round's alone, then both rounds'
+        out[f"{kind}_peak_mb" if kind == "restart" else "peak_mb"] = _peak_mb()
     return out
 
 
@@ -211,17 +264,23 @@ def _opacus_side(name: str, mode: str, n: int, batch: int, reps: int) -> dict:
             "restart_samples_per_s": n / best, "peak_mb": _peak_mb()}
 
 
-def _side(queue: Any, side: str, name: str, n: int, batch: int, reps: int) -> None:
+def _side(queue: Any, side: str, name: str, n: int, batch: int, reps: int,
+          budget_mb: float | None) -> None:
     """One side in this (fresh) process, on one core with one torch thread; its result on
     ``queue``."""
     try:
         with one_core(), one_torch_thread():
             kind, path = side.split("/")
-            result = (_diff2_side(name, path, n, batch, reps) if kind == "diff2" else
+            path = path.split("@")[0]
+            result = (_diff2_side(name, path, n, batch, reps, budget_mb) if kind == "diff2" else
                       _opacus_side(name, path, n, batch, reps))
     except Exception as err:  # noqa: BLE001 -- one side's failure is reported, the others run
         result = {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"}
     queue.put(json.dumps(result))
+
+
+#: The side that runs DIFF2's ghost clipping within the memory Opacus' ghost clipping used.
+EQUAL_MEMORY = "diff2/ghost@opacus-memory"
 
 
 def _diff2_paths() -> list[str]:
@@ -235,18 +294,28 @@ def models_section(*, n: int = 512, batch: int = 256, reps: int = 2,
                    progress: Callable[[str], None] | None = None) -> dict:
     """Samples/s and peak memory of every side on every model, with the ratios the issue sets
     (restart: DIFF2 / Opacus ghost >= 1; difference: DIFF2 / Opacus ghost >= 0.5; memory: DIFF2 /
-    Opacus ghost <= 1), each side in a fresh process."""
+    Opacus ghost <= 1), each side in a fresh process: Opacus first, then each DIFF2 path in
+    passes of Opacus' batch, then :data:`EQUAL_MEMORY`: DIFF2's ghost clipping with a memory
+    budget of what Opacus' ghost clipping took beyond its setup (``chunk_size: auto``)."""
     context = multiprocessing.get_context("spawn")
-    sides = [f"diff2/{p}" for p in _diff2_paths()] + ["opacus/hooks", "opacus/ghost"]
+    sides = ["opacus/hooks", "opacus/ghost"] + [f"diff2/{p}" for p in _diff2_paths()]
     out: dict[str, Any] = {"records": n, "batch": batch, "dtype": "float32", "clip": CLIP,
                            "reps": reps}
     for name in models:
         results: dict[str, Any] = {}
-        for side in sides:
+        peer = {}
+        for side in sides + [EQUAL_MEMORY]:
+            budget = None
+            if side == EQUAL_MEMORY:
+                peer = results.get("opacus/ghost", {})
+                if "peak_mb" not in peer:
+                    continue
+                budget = max(1.0, peer["peak_mb"] - peer["setup_mb"])
             if progress:
                 progress(f"models: {name} {side}")
             queue = context.Queue()
-            process = context.Process(target=_side, args=(queue, side, name, n, batch, reps))
+            process = context.Process(target=_side,
+                                      args=(queue, side, name, n, batch, reps, budget))
             process.start()
             results[side] = json.loads(queue.get())
             process.join()
@@ -268,4 +337,7 @@ def _ratios(results: dict[str, Any]) -> dict[str, Any]:
                 "difference_vs_opacus_ghost": r["difference_samples_per_s"]
                 / peer["restart_samples_per_s"],
                 "peak_mb_vs_opacus_ghost": r["peak_mb"] / peer["peak_mb"]}
+            if "restart_peak_mb" in r:  # the restart round alone: Opacus' work
+                out[side]["restart_peak_mb_vs_opacus_ghost"] = (r["restart_peak_mb"]
+                                                                / peer["peak_mb"])
     return out
