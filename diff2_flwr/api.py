@@ -33,10 +33,12 @@ import torch
 from flwr.common import Parameters, parameters_to_ndarrays
 
 from .core.gradients import LossFn
+from .core.memory import MemoryRefusal
 from .fl.client import Diff2Client
 from .fl.secagg import run_secure, secure_sum_mod
 from .fl.strategy import Diff2Strategy
 from .runtime.config import experiment_from_arguments
+from .runtime.policy import Refused
 from .runtime.preflight_checks import preflight_strategy
 from .runtime.session import make_server, make_worker
 from .runtime.spec import argument_error
@@ -255,9 +257,14 @@ def make_client(  # noqa: PLR0913 -- public API: keyword-only, one argument per 
     if n_min is not None and (not isinstance(n_min, int) or isinstance(n_min, bool) or n_min < 1):
         raise argument_error(function, "n_min", "None or an integer >= 1 (the strategy's n_min)",
                              n_min)
-    worker = make_worker(model=model, loss=loss, data=data, partition_id=partition_id, dtype=dtype,
-                         chunk_size=chunk_size, gradients=gradients,
-                         memory_budget_mb=memory_budget_mb, device=device, _function=function)
+    try:
+        worker = make_worker(model=model, loss=loss, data=data, partition_id=partition_id,
+                             dtype=dtype, chunk_size=chunk_size, gradients=gradients,
+                             memory_budget_mb=memory_budget_mb, device=device,
+                             _function=function)
+    except MemoryRefusal as err:  # in a ClientApp: the server shows it as one line
+        raise Refused(f"node of partition {partition_id}", "training.memory_budget_mb",
+                      str(err)) from None
     if n_min is not None and worker.num_samples < n_min:
         raise argument_error(
             function, "data", f"at least n_min = {n_min} records (partition {partition_id}): the "

@@ -97,6 +97,18 @@ def test_a_run_that_cannot_start_is_reported_as_failed(tmp_path):
         run_simulation(str(config), echo=False)
 
 
+def test_a_model_that_cannot_fit_the_memory_budget_is_refused_before_round_1(tmp_path):
+    config = write_config(tmp_path, "too-big",
+                          model={"name": "diff2_flwr.task.models:TanhMLP",
+                                 "kwargs": {"hidden": 64}},
+                          training={"memory_budget_mb": 0.0001})
+    with pytest.raises(SimulationFailed) as caught:
+        run_simulation(str(config), echo=False)
+    assert ("training.memory_budget_mb: one sample of a restart round needs "
+            in str(caught.value))
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").rglob("metrics.jsonl"))
+
+
 def test_a_study_through_the_flower_engine_equals_the_batch_engine(tmp_path):
     from diff2_flwr.lab.study.runner import parse_study, run_study
 

@@ -18,7 +18,7 @@ from diff2_flwr.core.memory import Budget, Footprint, MemoryRefusal, measure_foo
 from diff2_flwr.fl.client import Diff2Client
 from diff2_flwr.runtime import memory_budget
 from diff2_flwr.runtime.config import parse_config
-from diff2_flwr.runtime.policy import REFUSAL_END, Refused
+from diff2_flwr.runtime.policy import REFUSAL_END, Refused, refusal_in
 from diff2_flwr.runtime.session import PreflightError, preflight
 from diff2_flwr.runtime.workers import make_worker
 from diff2_flwr.task.losses import cross_entropy
@@ -141,14 +141,19 @@ def test_a_small_model_takes_the_old_chunk_and_the_same_bits():
 @pytest.mark.parametrize("gradients", ["torch_func", "ghost"])
 def test_a_model_whose_one_sample_does_not_fit_is_refused_in_one_line(gradients):
     x, y = _records(16)
-    with pytest.raises(MemoryRefusal) as caught:
+    with pytest.raises(Refused) as caught:  # make_client: a node's refusal (one line in Flower)
         diff2_flwr.make_client(model=_cnn(), loss="cross_entropy", data=(x, y), partition_id=0,
                                gradients=gradients, memory_budget_mb=0.01)
     message = str(caught.value)
-    assert "\n" not in message
-    assert message.startswith("training.memory_budget_mb: one sample of a restart round needs ")
+    assert "\n" not in message and message.endswith(REFUSAL_END)
+    assert refusal_in(f"ClientApp raised: {message}") == message
+    assert message.startswith("node of partition 0 refused: rule `training.memory_budget_mb`: "
+                              "training.memory_budget_mb: one sample of a restart round needs ")
+    lighter = ("a smaller model" if gradients == "ghost" else
+               "training.gradients: ghost or a smaller model")
     assert (f"(training.gradients {gradients}, float32, 16,788 parameters), more than the budget "
-            "of 0 MiB (training.memory_budget_mb = 0.01); raise training.memory_budget_mb") in message
+            "of 10.2 KiB (training.memory_budget_mb = 0.01); raise training.memory_budget_mb, "
+            f"or take {lighter}. Nothing was computed") in message
 
 
 def test_a_fixed_chunk_that_does_not_fit_is_refused_naming_the_chunk_that_would():
@@ -177,7 +182,8 @@ def test_the_yaml_preflight_refuses_a_model_that_cannot_fit_before_flower_starts
     with pytest.raises(PreflightError) as caught:
         preflight(cfg)
     message = str(caught.value)
-    assert "\n" not in message and ": training.memory_budget_mb: one sample of a restart " in message
+    assert "\n" not in message
+    assert ": training.memory_budget_mb: one sample of a restart " in message
 
 
 def test_a_client_app_worker_that_cannot_fit_is_a_node_refusal():

@@ -232,8 +232,7 @@ class PerSampleGradients:
                     f"training.memory_budget_mb: one sample of {kind} needs "
                     f"{size_text(fp.bytes_for(1))} ({setup}), more than the budget of "
                     f"{size_text(budget.bytes)} ({budget.source}); raise "
-                    "training.memory_budget_mb, or take gradients: ghost, dtype: float32 or a "
-                    "smaller model.")
+                    f"training.memory_budget_mb, or take {self._lighter()}.")
             return size
         if fp.bytes_for(self.chunk_size) > budget.bytes:
             fits = fp.chunk_for(budget.bytes, self.chunk_size)
@@ -244,6 +243,12 @@ class PerSampleGradients:
                 + (f"(the most that fits: {fits})" if fits else "(not even one sample fits)")
                 + " or raise training.memory_budget_mb.")
         return self.chunk_size
+
+    def _lighter(self) -> str:
+        """The lighter settings a refusal may suggest: those not already taken."""
+        options = ([] if self.engine == "ghost" else ["training.gradients: ghost"]) + (
+            [] if self.dtype == torch.float32 else ["training.dtype: float32"])
+        return " or ".join(options + ["a smaller model"])
 
     def _chunk_sum(self, x_current: np.ndarray, current: dict[str, torch.Tensor],
                    previous: dict[str, torch.Tensor] | None, xc: torch.Tensor, yc: torch.Tensor,

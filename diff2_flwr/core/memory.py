@@ -109,8 +109,12 @@ class MemoryRefusal(ValueError):
 
 
 def size_text(size: float) -> str:
-    """Bytes as a short human figure (MiB below a GiB)."""
-    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
+    """Bytes as a short human figure: GiB, MiB or KiB, three significant digits or more."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if size >= scale:
+            value = size / scale
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    return f"{size / 1024:.3g} KiB"
 
 
 @dataclass(frozen=True)
