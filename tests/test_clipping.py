@@ -169,3 +169,31 @@ def test_the_numpy_row_norms_agree_with_the_torch_ones_at_every_magnitude():
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-14, atol=0)
     assert (got[:40] > 0).all() and got[-6] > 1e-170 and got[-5] == 1e200 and got[-3] == 0 and got[
         -2] == np.inf
+
+
+def test_a_radius_below_the_floor_is_refused_everywhere_it_enters():
+    """``diff2 audit --engines`` found that with C/n subnormal a record's clipped contribution
+    rounded to 5x C: the engines, the server's round plan and the configuration refuse such
+    radii."""
+    from diff2_flwr.core.clipping import RADIUS_FLOOR, check_radius
+    from diff2_flwr.core.estimator import Diverged, round_scale
+    from diff2_flwr.core.gradients import PerSampleGradients
+    from diff2_flwr.runtime.config import TrainingConfig
+    from diff2_flwr.runtime.spec import Invalid
+
+    for ok in (0.0, RADIUS_FLOOR, 1.0, math.inf):
+        check_radius(ok)
+    for bad in (RADIUS_FLOOR / 2, 1e-322, 5e-324):
+        with pytest.raises(ValueError, match=r"is below 1.18e-271: .* releases nothing\.$"):
+            check_radius(bad)
+    grads = PerSampleGradients(torch.nn.Linear(3, 1).double(), lambda o, t: (o[:, 0] - t) ** 2)
+    x = np.zeros(4)
+    with pytest.raises(ValueError, match="is below"):
+        grads.clipped_mean(x, torch.ones(5, 3, dtype=torch.float64),
+                           torch.ones(5, dtype=torch.float64), 1e-300)
+    with pytest.raises(Diverged, match=r"restart round's clipping radius 1e-300 is below"):
+        round_scale(1, True, 1e-300, 1.0, x, None)
+    assert round_scale(2, False, 3.0, 1.0, x, x) == (0.0, 0.0)  # equal iterates: radius 0 is exact
+    with pytest.raises(Invalid, match=r"key `clip_restart`: expected a number >= 1.2e-271"):
+        TrainingConfig(clip_restart=1e-300)
+    assert TrainingConfig(clip_restart=1e-270).clip_restart == 1e-270

@@ -20,7 +20,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from ..lab.audit.spec import AuditSpec
+from ..lab.audit.spec import ENGINE_SEED, ENGINES, AuditSpec
 from ..lab.study.claims import STALE_AFTER_S  # standard library only
 from ..runtime.spec import add_setting_flags
 from . import deployment, docs, experiments
@@ -272,6 +272,13 @@ def _add_lab_commands(sub: Any) -> None:
                      help="instead: score a data owner's canaries in a live run, from the run "
                           "folder its policy's `canaries.state` holds (<state>/run-<run id>); any "
                           "time while the run trains")
+    aud.add_argument("--engines", nargs="*", default=None, choices=ENGINES, metavar="ENGINE",
+                     help=f"instead: attack the per-sample gradient engines ({', '.join(ENGINES)}"
+                          "; all when none is named) with small real models and adversarial "
+                          "records through the client's own path, restart and difference rounds, "
+                          "float64 and float32, and check each worker's ClippedMean against its "
+                          "replace-one sensitivity 2C/n; --samples, --clip-restart, --clip-diff "
+                          f"and --seed apply (without --seed: seed {ENGINE_SEED}, reproducible)")
     aud.set_defaults(func=experiments.audit)
 
     bench = sub.add_parser("bench",

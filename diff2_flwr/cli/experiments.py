@@ -262,13 +262,11 @@ def audit(args: argparse.Namespace) -> int:
 
     if args.live is not None:
         return _live_audit(args)
+    if args.engines is not None:
+        return _engines_audit(args)
     spec = AuditSpec(**{name: getattr(args, name) for name in setting_names(AuditSpec)})
     result = run_audit(spec, progress=None if args.quiet else stderr_progress)
-    text = json.dumps(to_json(result), indent=2)
-    if args.out:
-        Path(args.out).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).expanduser().write_text(text + "\n")
-    print(text)
+    _print_result(args, result)
     print(summary_line(result), file=sys.stderr)
     if result["violation"]:
         found = " and ".join({
@@ -292,11 +290,7 @@ def _live_audit(args: argparse.Namespace) -> int:
     except LiveAuditError as err:
         print(f"diff2 audit --live: {err}", file=sys.stderr)
         return 2
-    text = json.dumps(to_json(result), indent=2)
-    if args.out:
-        Path(args.out).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).expanduser().write_text(text + "\n")
-    print(text)
+    _print_result(args, result)
     k = result["noise_scale"]
     print(
         f"diff2 audit --live: {result['rounds']['scored']} rounds x {result['canaries']} "
@@ -307,6 +301,32 @@ def _live_audit(args: argparse.Namespace) -> int:
              else ": no violation"),
           file=sys.stderr)
     return 3 if result["violation"] else 0
+
+
+def _engines_audit(args: argparse.Namespace) -> int:
+    """``diff2 audit --engines [ENGINE ...]``: the per-sample gradient engines attacked with real
+    models and adversarial records (JSON; exit 3 on a finding)."""
+    from ..lab.audit.engines import engine_audit, engine_summary_line
+    from ..lab.audit.runner import stderr_progress
+    from ..lab.audit.spec import ENGINE_SEED, ENGINES, EngineAuditSpec
+
+    spec = EngineAuditSpec(engines=tuple(dict.fromkeys(args.engines)) or ENGINES,
+                           samples=args.samples, clip_restart=args.clip_restart,
+                           clip_diff=args.clip_diff,
+                           seed=ENGINE_SEED if args.seed is None else args.seed)
+    result = engine_audit(spec, progress=None if args.quiet else stderr_progress)
+    _print_result(args, result)
+    print(engine_summary_line(result), file=sys.stderr)
+    return 3 if result["violation"] else 0
+
+
+def _print_result(args: argparse.Namespace, result: dict) -> None:
+    """An audit's result as one JSON object on stdout, and in ``--out`` when given."""
+    text = json.dumps(to_json(result), indent=2)
+    if args.out:
+        Path(args.out).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).expanduser().write_text(text + "\n")
+    print(text)
 
 
 def plot(args: argparse.Namespace) -> int:

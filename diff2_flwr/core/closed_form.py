@@ -32,7 +32,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from .clipping import SAFE_NORM_RANGE, clip_factors, scaled_row_norms
+from .clipping import SAFE_NORM_RANGE, check_radius, clip_factors, scaled_row_norms
 from .gradients import Contribution, finish_contribution
 from .layout import ParameterLayout
 
@@ -159,8 +159,7 @@ class PaperMLPGradients:
         if n == 0:
             raise ValueError(
                 "The shard is empty: a worker with no samples cannot compute a ClippedMean.")
-        if math.isnan(radius) or radius < 0:
-            raise ValueError(f"`radius` must be >= 0 (or inf for no clipping). Found {radius}.")
+        check_radius(radius)
         total, clipped, nonfinite = self._clipped_sum(x_current, features, targets, radius,
                                                       x_previous)
         return finish_contribution((total / n).numpy(), n, clipped, nonfinite, radius)
@@ -172,8 +171,7 @@ class PaperMLPGradients:
         """:meth:`clipped_mean` over a shard given as chunks of (features, targets), read once, in
         order (equal to it up to the order of the sums' rounding); n is the number of samples
         read."""
-        if math.isnan(radius) or radius < 0:
-            raise ValueError(f"`radius` must be >= 0 (or inf for no clipping). Found {radius}.")
+        check_radius(radius)
         total = torch.zeros(self.layout.dim, dtype=torch.float64)
         n = clipped = nonfinite = 0
         for xc, yc in chunks:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .clipping import radius_norm
+from .clipping import RADIUS_FLOOR, radius_norm
 from .routines import Routine
 
 __all__ = [
@@ -200,6 +200,13 @@ def round_scale(
                        f"not finite{step}; a private round needs both finite, so the iterates "
                        f"have run away. "
                        + DIVERGENCE_ADVICE)
+    if 0 < radius < RADIUS_FLOOR:
+        what = "restart round's" if restart else "difference round's"
+        raise Diverged(r, "radius",
+                       f"the {what} clipping radius {radius:.3g} is below {RADIUS_FLOOR:.3g}: "
+                       "clipped values that small round by more than their size (subnormal "
+                       "floats), so no sensitivity bound holds; the round releases nothing. "
+                       "Raise clip_restart / clip_diff.")
     return radius, noise_std
 
 

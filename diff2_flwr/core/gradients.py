@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
-from .clipping import ClippedSum, clipped_sum, onto_ball
+from .clipping import ClippedSum, check_radius, clipped_sum, onto_ball
 from .layout import ParameterLayout
 from .memory import Budget, Footprint, MemoryRefusal, measure_footprint, size_text
 
@@ -163,6 +163,7 @@ class PerSampleGradients:
                       x_previous: np.ndarray | None, *, plan: bool) -> Contribution:
         """:meth:`clipped_mean_of`, planning the passes on the first chunk (``plan``) or not (the
         probes of :meth:`measure_footprints`, which measure this whole path)."""
+        check_radius(radius)
         current = self._params(x_current)
         previous = None if x_previous is None else self._params(x_previous)
         total = torch.zeros(self.layout.dim, dtype=torch.float64, device=self.device)

@@ -150,7 +150,9 @@ class TrainingConfig:
                 "an integer >= 1", self.restart_every)
         for key in ("clip_restart", "clip_diff"):
             v = getattr(self, key)
-            require(v > 0, key, "a number > 0 (.inf only for method gd)", v)
+            # core.clipping.RADIUS_FLOOR (this module imports no torch): smaller radii round by
+            # more than their size
+            require(v >= 2.0**-900, key, "a number >= 1.2e-271 (.inf only for method gd)", v)
         lr = self.learning_rate
         require(math.isfinite(lr) and lr > 0, "learning_rate", "a finite number > 0", lr)
         require(self.clients == CLIENTS_AUTO or self.clients >= 1, "clients",

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from ...core.distributed import DistributedNoise
     from ...core.privacy import Calibration
 
-__all__ = ["LOCAL_STEPS", "WRAP", "AuditSpec", "default_workers", "run_setting"]
+__all__ = ["ENGINES", "ENGINE_DTYPES", "ENGINE_SEED", "LOCAL_STEPS", "WRAP", "AuditSpec",
+           "EngineAuditSpec", "default_workers", "run_setting"]
 
 # AuditSpec.method's and .path's Literals, checked also when built in Python
 _METHODS = ("dpgd", "diff2", "diff2-bvr")
@@ -259,6 +260,55 @@ class AuditSpec:
         return calibrate(epsilon=self.epsilon, delta=self.delta, rounds=self.rounds,
                          restart_every=self.period, u=self.u, n_min=self.samples,
                          clients=self.clients, **local)
+
+
+#: The per-sample gradient engines ``diff2 audit --engines`` attacks (``training.gradients``: the
+#: two that take any model; ``closed_form`` is the paper MLP's alone).
+ENGINES = ("torch_func", "ghost")
+#: The compute dtypes each engine is attacked in (``training.dtype``).
+ENGINE_DTYPES = ("float64", "float32")
+#: ``--engines``' seed when ``--seed`` is not given: the engine audit is reproducible by default.
+ENGINE_SEED = 0
+
+
+@dataclass(frozen=True)
+class EngineAuditSpec:
+    """One engine audit (``diff2 audit --engines``, :mod:`.engines`): the engines and compute dtypes
+    attacked, the models (``None``: all of :data:`~.engine_models.MODELS`) and the attacked records
+    (``None``: :data:`~.engines.DEFAULT_ATTACKS`; any of :data:`~.engines.ATTACKS`), n records per
+    shard, the radii C1 and C2 of the rounds, and the seed of the models and their benign records.
+    """
+
+    engines: tuple[str, ...] = ENGINES
+    dtypes: tuple[str, ...] = ENGINE_DTYPES
+    models: tuple[str, ...] | None = None
+    attacks: tuple[str, ...] | None = None
+    samples: int = 16
+    clip_restart: float = 1.0
+    clip_diff: float = 1.0
+    seed: int = ENGINE_SEED
+
+    def __post_init__(self) -> None:
+        _as_flag(self._check)
+
+    def _check(self) -> None:
+        for key, allowed in (("engines", ENGINES), ("dtypes", ENGINE_DTYPES)):
+            value = getattr(self, key)
+            require(isinstance(value, tuple) and bool(value) and set(value) <= set(allowed), key,
+                    f"a non-empty tuple of {allowed}", value)
+        for key in ("models", "attacks"):
+            value = getattr(self, key)
+            require(value is None or (isinstance(value, tuple) and bool(value)), key,
+                    "None (the default set) or a non-empty tuple of names", value)
+        require(isinstance(self.samples, int) and not isinstance(self.samples, bool)
+                and self.samples >= 3, "samples",
+                "an integer >= 3 (the attacked record and at least two benign ones)", self.samples)
+        for key in ("clip_restart", "clip_diff"):
+            value = getattr(self, key)
+            require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, key,
+                    "a finite number > 0", value)
+        require(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
+                "seed", "an integer >= 0", self.seed)
 
 
 def _as_flag(check: Callable[[], object]) -> None:
