@@ -71,7 +71,12 @@ def check_radius(radius: float) -> None:
             "releases nothing.")
 
 
-_check_radius = check_radius
+
+def _check_radius(radius: float) -> None:
+    """The row primitives' check (NaN or negative); the radius floor is the entry points'
+    (:func:`check_radius`: the engines, the server's round plan)."""
+    if math.isnan(radius) or radius < 0:
+        raise ValueError(f"`radius` must be >= 0 (or inf for no clipping). Found {radius}.")
 
 
 def clip_rows(rows: torch.Tensor, radius: float) -> tuple[torch.Tensor, torch.Tensor]:
