@@ -56,3 +56,4 @@ def test_every_side_runs_on_both_models_in_its_own_process():
         peer = sides["opacus/ghost"]
         assert sides[models.EQUAL_MEMORY]["budget_mb"] == pytest.approx(
             max(1.0, peer["peak_mb"] - peer["setup_mb"]))
+        assert isinstance(sides[models.EQUAL_MEMORY]["within_budget"], bool)

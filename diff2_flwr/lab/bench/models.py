@@ -187,6 +187,17 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _rss_mb() -> float:
+    """This process's resident memory now (``VmRSS``), 0 where /proc has none."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
 def _flat(model: nn.Module) -> np.ndarray:
     return np.concatenate([p.detach().double().numpy().ravel() for p in model.parameters()])
 
@@ -204,11 +215,9 @@ def _diff2_side(name: str, path: str, n: int, batch: int, reps: int,
                          partition_id=0, dtype="float32", gradients=path, **memory)
     x1 = _flat(model)
     x2 = x1 + 1e-3 * np.random.default_rng(0).standard_normal(x1.size)
-    setup = _peak_mb()
+    setup, resident = _peak_mb(), _rss_mb()
     grads = worker.gradients
     out: dict[str, Any] = {"parameters": int(x1.size), "setup_mb": setup}
-    if budget_mb is not None:
-        out["budget_mb"] = budget_mb
     for kind, previous in (("restart", None), ("difference", x2)):
         worker.contribute(CLIP, x1, previous)  # warm-up: torch.func's first call traces
         best = math.inf
@@ -224,6 +233,9 @@ def _diff2_side(name: str, path: str, n: int, batch: int, reps: int,
             out[f"{kind}_planned_mb"] = planned / 2**20
         # the high-water mark so far: the restart round's alone, then both rounds'
         out[f"{kind}_peak_mb" if kind == "restart" else "peak_mb"] = _peak_mb()
+    if budget_mb is not None:  # the rounds' growth over the resident set they started from
+        out.update(budget_mb=budget_mb, grew_mb=out["peak_mb"] - resident,
+                   within_budget=out["peak_mb"] - resident <= budget_mb)
     return out
 
 
