@@ -268,3 +268,14 @@ def test_a_row_re_formed_larger_than_its_norm_is_scaled_to_keep_its_bound():
     total = part.sums(c)["w"]
     # each re-formed row is scaled back to the norm its factor was made from
     assert torch.allclose(total, 0.2 * rows[0] + rows[1])
+
+
+def test_a_half_imported_ray_counts_as_no_ray(monkeypatch):
+    """Flower's simulation has Ray in sys.modules while it is still being imported (no
+    is_initialized yet): the budget must not fail the run's pre-flight on it."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))
+    assert memory_budget.co_located_workers() == 1
+    assert memory_budget.resolve_budget("auto").bytes > 0

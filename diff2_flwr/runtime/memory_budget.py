@@ -77,12 +77,23 @@ def machine_memory() -> tuple[int, int]:
     return total, min(total, info.get("MemAvailable", total))
 
 
+def _ray():
+    """Ray's module when this process has it imported and initialised, else None (a module still
+    being imported has no ``is_initialized`` yet: Flower's simulation imports Ray lazily)."""
+    ray = sys.modules.get("ray")
+    is_initialized = getattr(ray, "is_initialized", None)
+    try:
+        return ray if callable(is_initialized) and is_initialized() else None
+    except Exception:  # noqa: BLE001 -- a half-imported or shut-down Ray: no actor to ask
+        return None
+
+
 def co_located_workers() -> int:
     """The workers computing on this machine at once, as far as this process can tell: in a Ray
     actor (Flower's simulation engine, a study's cluster), this node's CPUs over the actor's;
     otherwise 1."""
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
+    ray = _ray()
+    if ray is None:
         return 1
     try:
         context = ray.get_runtime_context()
@@ -98,8 +109,8 @@ def co_located_workers() -> int:
 def _gpu_share(device: torch.device) -> int:
     """The workers sharing this GPU, as far as this process can tell: in a Ray actor given a
     fraction of a GPU, one over it; otherwise 1."""
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
+    ray = _ray()
+    if ray is None:
         return 1
     try:
         mine = float(ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0))
