@@ -46,14 +46,20 @@ def test_every_side_runs_on_both_models_in_its_own_process():
         sides = section[name]["sides"]
         assert set(sides) == {*(f"diff2/{p}" for p in models._diff2_paths()), "opacus/hooks",
                               "opacus/ghost", models.EQUAL_MEMORY}
+        # at these tiny batches Opacus' working memory may be below one DIFF2 pass: then the
+        # equal-memory side is refused in one line (a result), never an error
+        equal = sides[models.EQUAL_MEMORY]
+        ran = {s: r for s, r in sides.items() if s != models.EQUAL_MEMORY or "refused" not in r}
+        assert "refused" not in equal or "training.memory_budget_mb: one sample" in equal["refused"]
         for side, result in sides.items():
             assert "error" not in result, (name, side, result)
+        for side, result in ran.items():
             assert result["restart_samples_per_s"] > 0 and result["peak_mb"] >= result["setup_mb"]
-        assert set(section[name]["ratios"]) == {s for s in sides if s.startswith("diff2/")}
+        assert set(section[name]["ratios"]) == {s for s in ran if s.startswith("diff2/")}
         for side in models._diff2_paths():  # passes of Opacus' batch
             assert sides[f"diff2/{side}"]["restart_pass"] == 4
         # the equal-memory side was given what Opacus' ghost clipping took beyond its setup
         peer = sides["opacus/ghost"]
         assert sides[models.EQUAL_MEMORY]["budget_mb"] == pytest.approx(
             max(1.0, peer["peak_mb"] - peer["setup_mb"]))
-        assert isinstance(sides[models.EQUAL_MEMORY]["within_budget"], bool)
+        assert "refused" in equal or isinstance(equal["within_budget"], bool)

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ...core.memory import MemoryRefusal
 from ...runtime.config_training import TrainingConfig
 from ...runtime.workers import make_worker
 from .pinning import one_core, one_torch_thread
@@ -175,27 +176,27 @@ def _model(name: str) -> nn.Module:
         return MODELS[name][0]().float()
 
 
-def _peak_mb() -> float:
-    """This process's peak resident memory: its memory map's high-water mark (``VmHWM``: its own
-    since ``exec``; ``ru_maxrss`` would keep the parent's at the fork), else ``ru_maxrss``."""
+def _status_mb(key: str) -> float | None:
+    """The MiB of ``key`` (``VmHWM``, ``VmRSS``) in this process's /proc/self/status, or None."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) / 1024.0
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return None
+
+
+def _peak_mb() -> float:
+    """This process's peak resident memory: its memory map's high-water mark (``VmHWM``: its own
+    since ``exec``; ``ru_maxrss`` would keep the parent's at the fork), else ``ru_maxrss``."""
+    peak = _status_mb("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0 if peak is None else peak
 
 
 def _rss_mb() -> float:
     """This process's resident memory now (``VmRSS``), 0 where /proc has none."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return 0.0
+    return _status_mb("VmRSS") or 0.0
 
 
 def _flat(model: nn.Module) -> np.ndarray:
@@ -286,6 +287,8 @@ def _side(queue: Any, side: str, name: str, n: int, batch: int, reps: int,
             path = path.split("@")[0]
             result = (_diff2_side(name, path, n, batch, reps, budget_mb) if kind == "diff2" else
                       _opacus_side(name, path, n, batch, reps))
+    except MemoryRefusal as err:  # DIFF2 cannot run within that budget: a result, not a failure
+        result = {"refused": " ".join(str(err).split())[:300], "budget_mb": budget_mb}
     except Exception as err:  # noqa: BLE001 -- one side's failure is reported, the others run
         result = {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"}
     queue.put(json.dumps(result))
