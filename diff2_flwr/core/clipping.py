@@ -62,8 +62,7 @@ RADIUS_FLOOR = 2.0**-900
 def check_radius(radius: float) -> None:
     """Refuse a radius that is NaN, negative, or positive below :data:`RADIUS_FLOOR` (0 and inf are
     taken: a zero contribution, no clipping)."""
-    if math.isnan(radius) or radius < 0:
-        raise ValueError(f"`radius` must be >= 0 (or inf for no clipping). Found {radius}.")
+    _check_radius(radius)
     if 0 < radius < RADIUS_FLOOR:
         raise ValueError(
             f"`radius` {radius:.3g} is below {RADIUS_FLOOR:.3g}: clipped values that small round "

@@ -82,7 +82,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from .clipping import ClippedSum, check_radius, clip_factors, row_norms
+from .clipping import ClippedSum, clip_factors, row_norms
 from .ghost_parts import (KEEP_MARGIN, Part, embedding_part, gram_error_bound,
                           matrix_part, no_sums, norm_part, rows_part)
 from .gradients import LossFn, PerSampleGradients
@@ -286,8 +286,7 @@ class GhostGradients(PerSampleGradients):
                    radius: float) -> ClippedSum:
         """One chunk of :meth:`PerSampleGradients.clipped_mean_of` by ghost norms and book-keeping
         sums: the same result up to float64 rounding, the same counts of clipped and non-finite
-        samples."""
-        check_radius(radius)
+        samples (the radius checked by the caller, :meth:`PerSampleGradients._clipped_mean`)."""
         if not self._verified:
             self._verify(x_current, xc, yc)
         parts = self._parts(current, previous, xc, yc)
