@@ -371,6 +371,10 @@ def test_auto_takes_torch_func_for_a_model_ghost_refuses_and_ghost_refuses_it():
     data = (torch.randn(N, 5), torch.randint(0, CLASSES, (N,)))
     auto = make_worker(model=model, loss="cross_entropy", data=data, partition_id=0)
     assert type(auto.gradients) is PerSampleGradients
+    # also where no memory is planned (a deployment's server pre-flight): the check is its own
+    unplanned = make_worker(model=model, loss="cross_entropy", data=data, partition_id=0,
+                            _plan_memory=False)
+    assert type(unplanned.gradients) is PerSampleGradients
     with pytest.raises(GhostUnsupported, match="is used outside that module's own call"):
         make_worker(model=model, loss="cross_entropy", data=data, partition_id=0,
                     gradients="ghost")

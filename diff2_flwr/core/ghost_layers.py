@@ -252,7 +252,7 @@ class GhostGradients(PerSampleGradients):
         parts = self._parts(current, previous, *self._on_device(features, targets))
         return row_norms(torch.stack([p.norms for p in parts], dim=1)).cpu()
 
-    def _verify(self, x_current: np.ndarray, x: torch.Tensor, y: torch.Tensor) -> None:
+    def verify(self, x_current: np.ndarray, x: torch.Tensor, y: torch.Tensor) -> None:
         """Refuse a model whose covered parameters are also used outside their modules' calls:
         the ghost norms of the first samples against one plain backward per sample."""
         x, y = x[:2], y[:2]
@@ -288,7 +288,7 @@ class GhostGradients(PerSampleGradients):
         sums: the same result up to float64 rounding, the same counts of clipped and non-finite
         samples (the radius checked by the caller, :meth:`PerSampleGradients._clipped_mean`)."""
         if not self._verified:
-            self._verify(x_current, xc, yc)
+            self.verify(x_current, xc, yc)
         parts = self._parts(current, previous, xc, yc)
         norms = row_norms(torch.stack([p.norms for p in parts], dim=1))
         c = clip_factors(norms, radius)

@@ -254,15 +254,13 @@ def make_worker(  # noqa: PLR0913 -- keyword-only: one argument per client setti
         records = _class_labels_checked(records, _label_check(_function, partition_id, output))
     # before any round: a model that cannot fit (a deployment's server, whose machine is not the
     # clients', leaves it to them: _plan_memory False)
-    if _plan_memory and isinstance(grads, PerSampleGradients):
-        try:
-            footprints = _footprints(grads, model, loss, x[:4], y[:4])
-        except GhostUnsupported:  # its first call's check: a parameter used outside its module
-            if options.gradients == "ghost":
-                raise
+    if ghost and options.gradients == "auto":
+        try:  # its first call's check, planned or not: a parameter used outside its module
+            grads.verify(_flat_parameters(grads, model), x[:2], y[:2])
+        except GhostUnsupported:
             grads = generic  # auto: torch.func computes any model
-            footprints = _footprints(grads, model, loss, x[:4], y[:4])
-        grads.use_footprints(footprints)
+    if _plan_memory and isinstance(grads, PerSampleGradients):
+        grads.use_footprints(_footprints(grads, model, loss, x[:4], y[:4]))
     return Worker(partition_id, grads, records)
 
 
@@ -280,10 +278,14 @@ def _footprints(grads: PerSampleGradients, model: torch.nn.Module, loss: LossFn,
            grads.dtype, loss, tuple(x.shape[1:]), x.dtype, tuple(y.shape[1:]), y.dtype,
            min(4, int(x.shape[0])))
     if key not in _FOOTPRINTS:
-        x_vec = grads.layout.flatten([p.detach().double().numpy()
-                                      for p in model.parameters() if p.requires_grad])
-        _FOOTPRINTS[key] = grads.measure_footprints(x_vec, x, y)
+        _FOOTPRINTS[key] = grads.measure_footprints(_flat_parameters(grads, model), x, y)
     return _FOOTPRINTS[key]
+
+
+def _flat_parameters(grads: PerSampleGradients, model: torch.nn.Module) -> np.ndarray:
+    """``model``'s own trainable parameters as the engine's flat float64 vector."""
+    return grads.layout.flatten([p.detach().double().numpy()
+                                 for p in model.parameters() if p.requires_grad])
 
 
 def _label_check(function: str, partition_id: int,
