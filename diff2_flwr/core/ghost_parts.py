@@ -38,6 +38,9 @@ class Part:
 
     norms: torch.Tensor
     sums: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+    #: numbers per sample of one block of re-formed rows (rows and what forming them takes), 0
+    #: for a part that holds its rows (:func:`reformed_part`)
+    block_numbers: int = 0
 
 
 def no_sums(c: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -69,19 +72,23 @@ REFORM_BLOCK = 2**21
 
 
 def reformed_part(form: Callable[[slice], list[torch.Tensor]], n: int,
-                  split: list[tuple[str, int]]) -> Part:
+                  split: list[tuple[str, int]], block_rows: int | None = None,
+                  forming: int = 0) -> Part:
     """Rows that are formed twice instead of held: ``form(samples)`` -> the rows of those samples,
     one tensor per entry of ``split`` ([m, size], any float dtype), formed by the same operations
     on the same shapes each time. Pass 1 forms them block by block for their norms (float64); the
     sums form each block again and add Σ c_i row_i in float64. A layer's rows then never occupy
-    more than one block, whatever the chunk (the memory the clip factors would otherwise make
-    every layer hold at once, issue 41, item 2).
+    more than one block, whatever the chunk, and only while that layer is computed: the block's
+    buffer is taken for each pass and given back after it, so the layers waiting for their clip
+    factors hold their records only (issue 41, item 2). A block holds ``block_rows`` rows (default:
+    as many as fit in :data:`REFORM_BLOCK` numbers, counting the ``forming`` numbers per sample
+    that forming a row takes on the way, e.g. a convolution's unfolded patches).
 
     The norm a factor was made from is that of the very row summed: each re-formed block's norms
     are read again, and a row whose norm came out different (a kernel that is not deterministic)
     has its factor scaled down to keep c_i·‖row_i‖ at most what pass 1 allowed."""
     width = sum(size for _, size in split)
-    size = max(1, min(n, REFORM_BLOCK // max(width, 1)))
+    size = max(1, min(n, block_rows or REFORM_BLOCK // max(width + forming, 1)))
     blocks = [slice(start, min(n, start + size)) for start in range(0, n, size)]
     columns, at = [], 0
     for _, piece in split:
@@ -90,22 +97,31 @@ def reformed_part(form: Callable[[slice], list[torch.Tensor]], n: int,
 
     def block64(rows: list[torch.Tensor], buffer: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's rows in float64 (one buffer, no fresh allocation) and their norms."""
+        """The block's rows in float64 (in the pass's buffer) and their norms."""
         m = rows[0].shape[0]
         block = buffer[:m]
         norms = [row_norms(block[:, cols].copy_(piece)) for cols, piece in zip(columns, rows)]
         return block, norms[0] if len(norms) == 1 else row_norms(torch.stack(norms, dim=1))
 
+    def buffer_like(rows: list[torch.Tensor]) -> torch.Tensor:
+        """One float64 buffer for a pass's blocks (one allocation per pass, not per block)."""
+        return torch.empty(min(size, n), width, dtype=torch.float64, device=rows[0].device)
+
     first = form(blocks[0])
-    buffer = torch.empty(size, width, dtype=torch.float64, device=first[0].device)
+    buffer = buffer_like(first)
     norms = torch.cat([block64(first if i == 0 else form(b), buffer)[1]
                        for i, b in enumerate(blocks)])
-    del first
+    del first, buffer
 
     def sums(c: torch.Tensor) -> dict[str, torch.Tensor]:
-        total = torch.zeros(width, dtype=torch.float64, device=buffer.device)
+        total = buffer = None
         for b in blocks:
-            block, again = block64(form(b), buffer)
+            rows = form(b)
+            if buffer is None:
+                buffer = buffer_like(rows)
+                total = torch.zeros(width, dtype=torch.float64, device=buffer.device)
+            block, again = block64(rows, buffer)
+            del rows
             first, factor = norms[b], c[b]
             if not torch.equal(again, first):
                 ratio = torch.where(again > first, first / again, 1.0)
@@ -113,7 +129,7 @@ def reformed_part(form: Callable[[slice], list[torch.Tensor]], n: int,
             total.addmv_(block.T, factor)
         return _split(total, split)
 
-    return Part(norms, sums)
+    return Part(norms, sums, width + forming)
 
 
 def _norms64(rows: torch.Tensor) -> torch.Tensor:
@@ -154,15 +170,17 @@ def _conv_rows(module: nn.Module, a: torch.Tensor, b: torch.Tensor
     return cols.transpose(1, 2), b.reshape(n, b.shape[1], -1).transpose(1, 2)
 
 
-def _matrix_rows(module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [n, T, in] and B [n, T, out] over all calls (positions of every call one after
-    another)."""
+def _matrix_rows(module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]],
+                 idx: slice | torch.Tensor = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [m, T, in] and B [m, T, out] of the samples ``idx`` over all calls (positions of every
+    call one after another): a convolution's patches are unfolded for those samples only, so that
+    a materialised layer never holds the unfolded patches of a whole pass (issue 41, item 2)."""
     a_rows, b_rows = [], []
     for a, b in calls:
-        n = a.shape[0]
+        a, b = a[idx], b[idx]
+        m = a.shape[0]
         if isinstance(module, nn.Linear):
-            a_t, b_t = a.reshape(n, -1, a.shape[-1]), b.reshape(n, -1, b.shape[-1])
+            a_t, b_t = a.reshape(m, -1, a.shape[-1]), b.reshape(m, -1, b.shape[-1])
         else:
             a_t, b_t = _conv_rows(module, a, b)
         a_rows.append(a_t)
@@ -172,24 +190,46 @@ def _matrix_rows(module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor
     return torch.cat(a_rows, dim=1), torch.cat(b_rows, dim=1)
 
 
+def _positions(module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """T, the positions per sample over all calls, from the shapes alone (nothing unfolded)."""
+    if isinstance(module, nn.Linear):
+        return sum(b[0].numel() // b.shape[-1] for _, b in calls)
+    return sum(b[0, 0].numel() for _, b in calls)
+
+
 #: One term ±B_kᵀ A_k of a layer's per-sample gradient (difference), whether its positions also
 #: carry the bias (Σ_t B_k,t), and its sign: (B_k, A_k, carries, sign).
 _Term = tuple[torch.Tensor, torch.Tensor, bool, float]
+#: A term whose rows are formed on demand: (samples -> (B_k, A_k) of those samples, positions T_k,
+#: carries, sign).
+_LazyTerm = tuple[Callable[[slice | torch.Tensor], tuple[torch.Tensor, torch.Tensor]], int, bool,
+                  float]
 
 
-def _terms(module: nn.Module, cur: list, prev: list | None) -> list[_Term]:
+def _terms(module: nn.Module, cur: list, prev: list | None) -> list[_LazyTerm]:
     """The gradient (restart) or the difference B₁ᵀÃ₁ - B₂ᵀÃ₂ (one term (B₁ - B₂)ᵀÃ₁ when Ã₁ =
-    Ã₂, as for a first layer)."""
+    Ã₂, as for a first layer), each term's rows formed for the samples asked."""
+    def rows(calls: list) -> Callable[[slice | torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        def form(idx: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            a, b = _matrix_rows(module, calls, idx)
+            return b, a
+        return form
+
     if not cur:  # called at the previous iterate only (control flow that depends on x)
-        a2, b2 = _matrix_rows(module, prev or [])
-        return [(b2, a2, True, -1.0)]
-    a1, b1 = _matrix_rows(module, cur)
+        return [(rows(prev or []), _positions(module, prev or []), True, -1.0)]
+    t1 = _positions(module, cur)
     if not prev:
-        return [(b1, a1, True, 1.0)]
-    a2, b2 = _matrix_rows(module, prev)
-    if a1.shape == a2.shape and torch.equal(a1, a2):
-        return [(b1 - b2, a1, True, 1.0)]
-    return [(b1, a1, True, 1.0), (b2, a2, True, -1.0)]
+        return [(rows(cur), t1, True, 1.0)]
+    same = len(cur) == len(prev) and all(
+        a1.shape == a2.shape and torch.equal(a1, a2) for (a1, _), (a2, _) in zip(cur, prev))
+    if same:
+        first, second = rows(cur), rows(prev)
+
+        def difference(idx: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            b1, a1 = first(idx)
+            return b1 - second(idx)[0], a1
+        return [(difference, t1, True, 1.0)]
+    return [(rows(cur), t1, True, 1.0), (rows(prev), _positions(module, prev), True, -1.0)]
 
 
 def _small_differences(terms: list[_Term]) -> list[_Term]:
@@ -201,15 +241,14 @@ def _small_differences(terms: list[_Term]) -> list[_Term]:
     return [(b1 - b2, a1, True, 1.0), (b2, a1 - a2, False, 1.0)]
 
 
-def _materialised(terms: list[_Term], bias: bool, idx: torch.Tensor | None = None
+def _materialised(terms: list[_LazyTerm], bias: bool, idx: slice | torch.Tensor = slice(None)
                   ) -> list[torch.Tensor]:
-    """Per-sample rows, weight [n, out·in] and bias [n, out] (of the samples ``idx`` only when
-    given), formed and kept in the compute dtype as ``torch.func`` forms them (norms and sums read
-    them in float64)."""
+    """Per-sample rows of the samples ``idx``, weight [m, out·in] and bias [m, out], formed and
+    kept in the compute dtype as ``torch.func`` forms them (norms and sums read them in
+    float64)."""
     weight = bias_sum = None
-    for b, a, carries, sign in terms:
-        if idx is not None:
-            b, a = b[idx], a[idx]
+    for form, _, carries, sign in terms:
+        b, a = form(idx)
         if weight is None:
             weight = torch.bmm(b.transpose(1, 2), a)
             if sign < 0:
@@ -223,19 +262,31 @@ def _materialised(terms: list[_Term], bias: bool, idx: torch.Tensor | None = Non
     return rows + [bias_sum] if bias else rows
 
 
+def _held(terms: list[_Term]) -> list[_LazyTerm]:
+    """Terms already formed, as lazy terms (their samples taken by indexing)."""
+    return [(lambda idx, b=b, a=a: (b[idx], a[idx]), b.shape[1], carries, sign)
+            for b, a, carries, sign in terms]
+
+
 def matrix_part(module: nn.Module, names: dict[str, str], cur: list, prev: list | None,
-                 n: int) -> Part:
-    """Linear / convolution: Gram form with the cancellation safeguard, or materialised rows."""
-    terms = _terms(module, cur, prev)
+                 n: int, block_rows: int | None = None) -> Part:
+    """Linear / convolution: Gram form with the cancellation safeguard, or materialised rows
+    (re-formed in blocks of ``block_rows`` samples, :func:`reformed_part`)."""
+    lazy = _terms(module, cur, prev)
     bias = module.bias is not None
-    out, inner = terms[0][0].shape[2], terms[0][1].shape[2]
-    rows = sum(t[0].shape[1] for t in terms)
+    out = module.weight.shape[0]
+    inner = module.weight[0].numel()
+    rows = sum(t[1] for t in lazy)
     split = [(names["weight"], out * inner)] + ([(names["bias"], out)] if bias else [])
     # Gram form: P²(in + out) float64 work and an [n·P] x [n·P] float64 product for the sums,
     # against P·in·out in the compute dtype and n·in·out numbers to hold
     if GRAM_COST * rows * (inner + bias + out) >= (inner + bias) * out:
-        return reformed_part(lambda idx: _materialised(terms, bias, idx), n, split)
-    terms = _small_differences(terms)
+        # forming a row takes each term's A (a convolution's patches: unfolded per block) and B
+        forming = sum(t[1] for t in lazy) * (inner + out)
+        return reformed_part(lambda idx: _materialised(lazy, bias, idx), n, split, block_rows,
+                             forming)
+    terms = _small_differences([(*form(slice(None)), carries, sign)
+                                for form, _, carries, sign in lazy])
     a = torch.cat([t[1] for t in terms], dim=1).to(torch.float64)
     b = torch.cat([t[0] * t[3] for t in terms], dim=1).to(torch.float64)
     ind = torch.cat([torch.full((t[0].shape[1],), float(bias and t[2]), dtype=torch.float64,
@@ -254,7 +305,7 @@ def matrix_part(module: nn.Module, names: dict[str, str], cur: list, prev: list 
     keep = _rows_safe(a, ra) & _rows_safe(b, rb) & (bounded | (s == 0))
     norms = torch.where(keep, sq.clamp(min=0).sqrt(), 0.0)
     idx = torch.nonzero(~keep).flatten()
-    exact = torch.cat(_materialised(terms, bias, idx), dim=1).to(torch.float64)
+    exact = torch.cat(_materialised(_held(terms), bias, idx), dim=1).to(torch.float64)
     norms = norms.index_put((idx,), row_norms(exact))
 
     def sums(c: torch.Tensor) -> dict[str, torch.Tensor]:
