@@ -69,6 +69,46 @@ def test_a_footprint_is_a_line_fitted_at_two_probes_with_the_margin():
     assert one.fixed == 0 and one.per_sample == pytest.approx(memory.MARGIN * 3.5 * MB, rel=1e-6)
 
 
+def _two_phases(m: int):
+    """A pass whose peak small probes mis-read: a fixed buffer that grows a little per sample,
+    freed, then much per sample (peak max(8 + m/10, m/2) MiB: the first phase's up to m = 20)."""
+    buffer = torch.empty(8 * MB + m * MB // 10, dtype=torch.uint8)
+    del buffer
+    return torch.empty(m * MB // 2, dtype=torch.uint8)
+
+
+def _two_phases_peak(m: int) -> int:
+    return max(8 * MB + m * MB // 10, m * MB // 2)
+
+
+def test_passes_are_probed_doubling_so_a_peak_small_probes_miss_keeps_the_budget():
+    budget = 100 * MB
+    # the line of the small probes alone sees the first phase and would take passes of 256 or
+    # more, which need 128 MiB or more before the margin
+    small = measure_footprint(_two_phases, available=4096)
+    assert small.chunk_for(budget, 1024) >= 256
+    assert memory.MARGIN * _two_phases_peak(small.chunk_for(budget, 1024)) > budget
+    probed = []
+
+    def run(m: int):
+        probed.append(m)
+        return _two_phases(m)
+
+    fp = measure_footprint(run, available=4096, budget=budget, at_most=1024)
+    chunk = fp.chunk_for(budget, 1024)
+    assert probed == [2, 2, 4, 16, 32, 64]  # warm-up, probes; 128 was predicted over the budget
+    assert fp.limit == 64 and chunk == 64
+    assert memory.MARGIN * _two_phases_peak(chunk) <= budget
+    assert max(_two_phases_peak(m) for m in probed) <= budget  # no probe went over it here
+    assert fp.chunk_for(10 * budget, 1024) == 64  # beyond the last probe the line is not trusted
+
+
+def test_a_probe_that_holds_every_record_bounds_no_pass():
+    fp = measure_footprint(_two_phases, available=40, budget=10**4 * MB, at_most=1024)
+    assert fp.limit is None  # no pass on these 40 records is larger than the probe of all 40
+    assert fp.chunk_for(10**4 * MB, 1024) == 1024
+
+
 def test_the_chunk_is_the_largest_power_of_two_that_fits_or_zero():
     fp = Footprint(fixed=10, per_sample=3)
     assert fp.chunk_for(10 + 3 * 1024, 1024) == 1024  # everything fits: the most
@@ -252,6 +292,47 @@ def test_re_formed_rows_in_many_blocks_equal_torch_func(monkeypatch):
         got = ghost.clipped_mean(x1, x, y, 0.3, previous)
         assert got.num_clipped == want.num_clipped > 0
         assert np.abs(got.mean - want.mean).max() <= 1e-10 * np.abs(want.mean).max()
+
+
+def test_a_re_formed_part_holds_its_norms_only_until_its_sums():
+    rows = torch.randn(64, 1000, dtype=torch.float64)
+    with memory._Allocations() as allocations:
+        part = ghost_parts.reformed_part(lambda samples: [rows[samples] * 1.0], 64, [("w", 1000)])
+        held = allocations.live
+    assert held == 64 * 8  # the norms: the float64 block buffer went with the pass
+    want = (rows * 0.5).sum(0)
+    assert torch.allclose(part.sums(torch.full((64,), 0.5, dtype=torch.float64))["w"], want)
+
+
+def test_a_convolutions_patches_are_unfolded_block_by_block(monkeypatch):
+    """A materialised convolution unfolds the patches of one block at a time: forming its part and
+    its sums never holds the patches of the whole pass (one iterate's: 64 samples x 256 positions
+    x 27 numbers, 1.7 MiB in float32)."""
+    monkeypatch.setattr(ghost_parts, "REFORM_BLOCK", 2**16)  # a few samples per block
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, 3, padding=1)
+    n = 64
+    calls = []
+    for _ in range(2):  # two iterates' inputs and output gradients, as the hooks record them
+        calls.append([(torch.randn(n, 3, 16, 16), torch.randn(n, 8, 16, 16))])
+    names = {"weight": "w", "bias": "b"}
+    patches = n * 256 * 27 * 4
+
+    def form_and_sum():
+        part = ghost_parts.matrix_part(conv, names, calls[0], calls[1], n)
+        part.sums(torch.ones(n, dtype=torch.float64))
+        return part
+
+    part, peak = peak_bytes(form_and_sum)
+    assert peak < patches / 2
+    # the norms are those of the per-sample differences, formed directly
+    per_sample = [torch.func.vmap(lambda a, b: torch.func.grad(
+        lambda w: (nn.functional.conv2d(a[None], w, padding=1) * b[None]).sum())(conv.weight))(
+        a, b) for a, b in (calls[0][0], calls[1][0])]
+    weight = (per_sample[0] - per_sample[1]).reshape(n, -1).double()
+    bias = (calls[0][0][1].sum((2, 3)) - calls[1][0][1].sum((2, 3))).double()
+    want = torch.cat([weight, bias], dim=1).norm(dim=1)
+    assert torch.allclose(part.norms, want, rtol=1e-5)
 
 
 def test_a_row_re_formed_larger_than_its_norm_is_scaled_to_keep_its_bound():

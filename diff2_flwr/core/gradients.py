@@ -189,7 +189,7 @@ class PerSampleGradients:
 
     def plan_memory(self, x_vec: np.ndarray, features: torch.Tensor,
                     targets: torch.Tensor) -> None:
-        """Measure a pass of each round kind on (up to 4 of) these records at ``x_vec`` and set the
+        """Measure a pass of each round kind on these records at ``x_vec`` and set the
         pass sizes the budget allows (:meth:`use_footprints`). A no-op without a budget or once
         planned."""
         if self.budget is None or self.footprints:
@@ -199,7 +199,8 @@ class PerSampleGradients:
     def measure_footprints(self, x_vec: np.ndarray, features: torch.Tensor,
                            targets: torch.Tensor) -> dict[bool, Footprint]:
         """The memory of a pass of a restart (False) and a difference round (True, against a nearby
-        iterate) on (up to 4 of) these records at ``x_vec``, measured (:mod:`.memory`)."""
+        iterate) on these records at ``x_vec`` (the first chunk: up to 16 for the small probes, then
+        the pass the budget allows), measured (:func:`~.memory.measure_footprint`)."""
         nearby = x_vec * (1 + 2.0**-10) + 2.0**-20
         n = int(features.shape[0])
         footprints = {}
@@ -210,8 +211,14 @@ class PerSampleGradients:
                 return self._clipped_mean(x_vec, [(features[:m], targets[:m])], 1.0, previous,
                                           plan=False)
 
-            footprints[difference] = measure_footprint(run, n, self.device)
+            footprints[difference] = measure_footprint(
+                run, n, self.device, None if self.budget is None else self.budget.bytes,
+                self.chunk_size, self._bounded_bytes)
         return footprints
+
+    def _bounded_bytes(self) -> int:
+        """Memory a pass holds whatever its size that the small probes leave out (none here)."""
+        return 0
 
     def use_footprints(self, footprints: dict[bool, Footprint]) -> None:
         """Set each round kind's pass size from its footprint and the budget, or raise

@@ -249,7 +249,8 @@ def make_worker(  # noqa: PLR0913 -- keyword-only: one argument per client setti
         raise ValueError(
             f"Partition {partition_id} holds no samples: an empty shard cannot contribute a "
             f"ClippedMean.")
-    output, x, y = _check_first_records(_function, partition_id, model, loss, records, torch_dtype)
+    output, x, y = _check_first_records(_function, partition_id, model, loss, records, torch_dtype,
+                                        chunk)
     if loss is cross_entropy and output.ndim >= 2:
         records = _class_labels_checked(records, _label_check(_function, partition_id, output))
     # before any round: a model that cannot fit (a deployment's server, whose machine is not the
@@ -260,7 +261,7 @@ def make_worker(  # noqa: PLR0913 -- keyword-only: one argument per client setti
         except GhostUnsupported:
             grads = generic  # auto: torch.func computes any model
     if _plan_memory and isinstance(grads, PerSampleGradients):
-        grads.use_footprints(_footprints(grads, model, loss, x[:4], y[:4]))
+        grads.use_footprints(_footprints(grads, model, loss, x, y))
     return Worker(partition_id, grads, records)
 
 
@@ -273,10 +274,12 @@ def _footprints(grads: PerSampleGradients, model: torch.nn.Module, loss: LossFn,
                 x: torch.Tensor, y: torch.Tensor) -> dict[bool, Footprint]:
     """The engine's footprints (:meth:`~diff2_flwr.core.gradients.PerSampleGradients.
     measure_footprints`) at the model's own parameters on the first records, measured once per
-    model class and shapes, engine, dtype, loss and record shape in this process."""
+    model class and shapes, engine, dtype, loss, record shape and largest pass in this process.
+    A later worker with another budget reuses them: below the pass that was measured their line
+    lies above the peak, and no pass above it is taken (``Footprint.limit``)."""
     key = (type(model), tuple(zip(grads.layout.names, grads.layout.shapes)), grads.engine,
            grads.dtype, loss, tuple(x.shape[1:]), x.dtype, tuple(y.shape[1:]), y.dtype,
-           min(4, int(x.shape[0])))
+           int(x.shape[0]), grads.chunk_size)
     if key not in _FOOTPRINTS:
         _FOOTPRINTS[key] = grads.measure_footprints(_flat_parameters(grads, model), x, y)
     return _FOOTPRINTS[key]
@@ -320,13 +323,13 @@ def _class_labels_checked(records: TensorRecords | DatasetRecords,
 
 
 def _check_first_records(function: str, partition_id: int, model: torch.nn.Module, loss: LossFn,
-                         records: TensorRecords | DatasetRecords,
-                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         records: TensorRecords | DatasetRecords, dtype: torch.dtype,
+                         chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss on the first two records, so that a target the loss cannot take fails here, in one
     line; the model's output on them (a model that fails on them is refused here too), and the
-    first (up to 4) records."""
-    x, y = (records.features[:4],
-            records.targets[:4]) if isinstance(records, TensorRecords) else next(records.chunks())
+    first chunk of records (what a memory plan measures)."""
+    x, y = (records.features[:chunk], records.targets[:chunk]) if isinstance(
+        records, TensorRecords) else next(records.chunks())
     # no draw from torch's global generator leaks out
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         try:
@@ -350,4 +353,4 @@ def _check_first_records(function: str, partition_id: int, model: torch.nn.Modul
                                   "integers, e.g. y.astype(int), or convert in the loss with "
                                   "target.long())",
                                   f"{type(exc).__name__}: {first}") from None
-    return output, x[:4], y[:4]
+    return output, x, y
