@@ -21,6 +21,7 @@ from diff2_flwr.runtime.answer_log import AnswerLog
 from diff2_flwr.runtime.config import load_config
 from diff2_flwr.runtime.loading import build_worker
 from diff2_flwr.runtime.node_mode import simulated_node
+from diff2_flwr.runtime.workers import Worker
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_node_policy import BASE, P, POLICY, call_app, deployment_node, task_of_round, write  # noqa: E402
@@ -329,6 +330,42 @@ def test_stripping_the_shares_with_the_seed_recovers_the_clipped_means_only_wher
     # two independent shares' difference: std √2 × the share's (plus rounding); over d coordinates
     # the sample std is within ±25 % of it (its standard error is about 1/√(2d) = 7 % here)
     assert code.dim >= 100 and np.std(error) == pytest.approx(np.sqrt(2) * declared, rel=0.25)
+
+
+def test_iterates_a_hair_apart_that_make_the_radius_subnormal_are_refused_before_any_clipping(
+        tmp_path, monkeypatch):
+    """The server sends a difference round whose x_(r-1) and x_(r-2) differ by 1e-300 in one
+    coordinate (0 in one, 1e-300 in the other): the radius rule C2 ||x_(r-1) - x_(r-2)|| then gives
+    2e-300, which the node's guard recomputes and accepts, and under which clipped values and noise
+    scaled to the radius would be subnormal (no sensitivity bound holds). The node computes
+    nothing, central or distributed."""
+    config = _distributed(tmp_path, None)
+    _, (arrays, conf) = task_of_round(config, 2)
+    assert conf[protocol.KIND] == "difference"
+    k = len(arrays) // 2
+    current = [a.copy() for a in arrays[:k]]
+    current[0].flat[0] = 0.0
+    previous = [a.copy() for a in current]
+    previous[0].flat[0] = 1e-300
+    crafted = current + previous
+    radius = 2.0 * 1e-300  # C2 = 2 (BASE) times the one coordinate that differs
+    assert 0 < radius < 2.0**-900
+    sneaky = {**conf, protocol.RADIUS: radius}
+    for name in ("contribute", "message"):
+        monkeypatch.setattr(Worker, name, lambda *a, **k: pytest.fail("the node clipped records"))
+    policy = _policy(tmp_path, noise=["distributed"], min_honest=2)
+    nodes, _ = deployment_node(config, {"partition-id": 0, "num-partitions": P,
+                                        "policy": str(policy)}, 0)
+    with pytest.raises(ValueError, match=r"'diff2\.radius' is 2e-300, below 1\.18e-271 "
+                                         r"\(2\^-900\).*this node computes nothing"):
+        _share(config, nodes, crafted, sneaky)
+    central = write(tmp_path / "central.yaml", {**BASE, "training": {**BASE["training"],
+                                                                     "seed": None},
+                                                "output": {"dir": str(tmp_path / "out")}})
+    nodes, _ = deployment_node(central, {"partition-id": 0, "num-partitions": P,
+                                         "policy": str(_policy(tmp_path))}, 0)
+    with pytest.raises(Exception, match=r"below 1\.18e-271"):
+        _app(crafted, sneaky, nodes, {"config": central.name})
 
 
 def test_a_seed_sent_by_the_server_for_the_local_steps_of_an_unseeded_run_is_refused(tmp_path,

@@ -35,6 +35,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..core.aggregation import Reply, RoundRejected
+from ..core.clipping import RADIUS_FLOOR
 from ..core.estimator import RoundPlan
 from ..core.gradients import Contribution
 from ..core.layout import ParameterLayout
@@ -124,6 +125,12 @@ def decode_task(arrays: Sequence[np.ndarray], config: Mapping,
         raise ValueError(f"Config key {KIND!r} must be one of {_KINDS}. Found {kind!r}.")
     if math.isnan(radius) or radius < 0:
         raise ValueError(f"Config key {RADIUS!r} must be >= 0. Found {radius}.")
+    if 0 < radius < RADIUS_FLOOR:  # e.g. iterates sent a hair apart: C2 ||x_(r-1) - x_(r-2)||
+        raise ValueError(
+            f"Config key {RADIUS!r} is {radius:.3g}, below {RADIUS_FLOOR:.3g} (2^-900): clipped "
+            "values that small round by more than their size (subnormal floats), so neither the "
+            "clipping bound nor noise scaled to the radius holds; this node computes nothing for "
+            "the round.")
     r = _integer(config, ROUND, 1, "round")
     n_min = _integer(config, N_MIN, 1, "n_min, the smallest shard")
     k = len(layout.shapes)
