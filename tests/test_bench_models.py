@@ -26,12 +26,17 @@ def test_the_cnn_is_the_issues_and_the_transformer_takes_sequences_of_64():
 def test_the_ratios_set_each_diff2_path_against_opacus_ghost_clipping():
     results = {"diff2/torch_func": {"restart_samples_per_s": 50.0,
                                     "difference_samples_per_s": 20.0, "peak_mb": 600.0,
-                                    "restart_peak_mb": 300.0},
+                                    "restart_peak_mb": 300.0, "rounds_peak_mb": 500.0},
+               "diff2/ghost": {"restart_samples_per_s": 50.0, "difference_samples_per_s": 20.0,
+                               "peak_mb": 600.0, "restart_peak_mb": None},
                "opacus/hooks": {"restart_samples_per_s": 70.0, "peak_mb": 480.0},
                "opacus/ghost": {"restart_samples_per_s": 100.0, "peak_mb": 400.0}}
-    assert models._ratios(results) == {"diff2/torch_func": {
-        "restart_vs_opacus_ghost": 0.5, "difference_vs_opacus_ghost": 0.2,
-        "peak_mb_vs_opacus_ghost": 1.5, "restart_peak_mb_vs_opacus_ghost": 0.75}}
+    plain = {"restart_vs_opacus_ghost": 0.5, "difference_vs_opacus_ghost": 0.2,
+             "peak_mb_vs_opacus_ghost": 1.5}
+    assert models._ratios(results) == {
+        "diff2/torch_func": {**plain, "restart_peak_mb_vs_opacus_ghost": 0.75,
+                             "rounds_peak_mb_vs_opacus_ghost": 1.25},
+        "diff2/ghost": plain}  # no peak of the rounds alone (the mark could not be restarted)
     assert models._ratios({"opacus/ghost": {"error": "x"}}) == {}
 
 

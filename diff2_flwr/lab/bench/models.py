@@ -23,7 +23,9 @@ resident memory of its process (``VmHWM``) with the part its setup already held:
 
 The ``diff2/<path>`` sides run passes of Opacus' batch; a difference round's pass holds two
 iterates' records. Each DIFF2 side reports its pass sizes, the memory its plan expected a pass to
-take, and the high-water mark after the restart round alone (``restart_peak_mb``) and after both.
+take, the high-water mark of its memory plan's measuring (``planning_peak_mb``), of the restart
+rounds alone (``restart_peak_mb``) and of both kinds (``rounds_peak_mb``), and the process's
+highest (``peak_mb``, planning included), which its ratio to Opacus' peak uses.
 
 Opacus has no difference round (DIFF2's is two iterates); its figure is the restart round's. Opacus
 is a benchmark-only extra (``pip install -e .[bench]``), never a runtime dependency; without it its
@@ -199,6 +201,17 @@ def _rss_mb() -> float:
     return _status_mb("VmRSS") or 0.0
 
 
+def _reset_peak() -> bool:
+    """Restart the high-water mark at the resident memory now (Linux: ``5`` to
+    ``/proc/self/clear_refs``); False where that is not possible (the peaks then include what came
+    before)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 def _flat(model: nn.Module) -> np.ndarray:
     return np.concatenate([p.detach().double().numpy().ravel() for p in model.parameters()])
 
@@ -207,18 +220,27 @@ def _diff2_side(name: str, path: str, n: int, batch: int, reps: int,
                 budget_mb: float | None = None) -> dict:
     """The client's restart and difference rounds on the path ``path``: passes of ``batch``
     samples (Opacus' batch), or with ``budget_mb`` the passes its memory budget allows
-    (``chunk_size: auto``)."""
+    (``chunk_size: auto``).
+
+    Peaks: ``setup_mb`` with the model and records built; ``planning_peak_mb`` once the worker is
+    built (its memory plan measures passes, :func:`~diff2_flwr.core.memory.measure_footprint`);
+    ``restart_peak_mb`` during the restart rounds alone and ``rounds_peak_mb`` during both kinds
+    (the high-water mark restarted after planning, where Linux allows it); ``peak_mb`` the process's
+    highest, planning included: the figure set against Opacus' peak."""
     model = _model(name)
     features, targets = MODELS[name][1](n)
     memory: dict[str, Any] = ({"chunk_size": batch} if budget_mb is None else
                               {"chunk_size": "auto", "memory_budget_mb": budget_mb})
+    setup, resident = _peak_mb(), _rss_mb()
     worker = make_worker(model=model, loss="cross_entropy", data=(features, targets),
                          partition_id=0, dtype="float32", gradients=path, **memory)
+    planning = _peak_mb()
+    separate = _reset_peak()
     x1 = _flat(model)
     x2 = x1 + 1e-3 * np.random.default_rng(0).standard_normal(x1.size)
-    setup, resident = _peak_mb(), _rss_mb()
     grads = worker.gradients
-    out: dict[str, Any] = {"parameters": int(x1.size), "setup_mb": setup}
+    out: dict[str, Any] = {"parameters": int(x1.size), "setup_mb": setup,
+                           "planning_peak_mb": planning}
     for kind, previous in (("restart", None), ("difference", x2)):
         worker.contribute(CLIP, x1, previous)  # warm-up: torch.func's first call traces
         best = math.inf
@@ -232,9 +254,11 @@ def _diff2_side(name: str, path: str, n: int, batch: int, reps: int,
         if grads.footprints:  # what the plan expected a pass to take
             planned = grads.footprints[difference].bytes_for(grads.passes[difference])
             out[f"{kind}_planned_mb"] = planned / 2**20
-        # the high-water mark so far: the restart round's alone, then both rounds'
-        out[f"{kind}_peak_mb" if kind == "restart" else "peak_mb"] = _peak_mb()
-    if budget_mb is not None:  # the rounds' growth over the resident set they started from
+        # the high-water mark of the rounds so far: the restart round's alone, then both kinds'
+        out[f"{kind}_peak_mb" if kind == "restart" else "rounds_peak_mb"] = (
+            _peak_mb() if separate else None)
+    out["peak_mb"] = max(planning, _peak_mb())
+    if budget_mb is not None:  # planning and rounds: growth over the resident set before them
         out.update(budget_mb=budget_mb, grew_mb=out["peak_mb"] - resident,
                    within_budget=out["peak_mb"] - resident <= budget_mb)
     return out
@@ -352,7 +376,7 @@ def _ratios(results: dict[str, Any]) -> dict[str, Any]:
                 "difference_vs_opacus_ghost": r["difference_samples_per_s"]
                 / peer["restart_samples_per_s"],
                 "peak_mb_vs_opacus_ghost": r["peak_mb"] / peer["peak_mb"]}
-            if "restart_peak_mb" in r:  # the restart round alone: Opacus' work
-                out[side]["restart_peak_mb_vs_opacus_ghost"] = (r["restart_peak_mb"]
-                                                                / peer["peak_mb"])
+            for key in ("restart_peak_mb", "rounds_peak_mb"):  # the rounds without planning
+                if r.get(key) is not None:
+                    out[side][f"{key}_vs_opacus_ghost"] = r[key] / peer["peak_mb"]
     return out
