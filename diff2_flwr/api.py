@@ -65,6 +65,7 @@ NOT_ARGUMENTS: dict[str, str] = {
     "evaluation.train_metrics": "the server evaluates with `evaluate_fn`, on data it may see",
     "evaluation.test_metrics": "the server evaluates with `evaluate_fn`, on data it may see",
     "training.routine.": "the `routine` argument takes the whole section",
+    "training.schedule.": "the `schedule` argument takes the whole section",
     "training.dtype": "the clients' compute (make_client's `dtype`)",
     "training.chunk_size": "the clients' compute (make_client's `chunk_size`)",
     "training.gradients": "the clients' compute (make_client's `gradients`)",
@@ -87,6 +88,7 @@ def make_strategy(  # noqa: PLR0913 -- public API: keyword arguments mirror the 
     clip_diff: float,
     learning_rate: float,
     routine: str | Mapping[str, Any] = "gd",
+    schedule: str | Mapping[str, Any] = "constant",
     model: torch.nn.Module | None = None,
     initial_parameters: Sequence[np.ndarray] | Parameters | None = None,
     u: float = 1.25,
@@ -128,6 +130,10 @@ def make_strategy(  # noqa: PLR0913 -- public API: keyword arguments mirror the 
             name or mapping as the experiment file's ``training.routine`` ("momentum", "nesterov",
             "adam", "adamw", e.g. ``{"name": "adam", "beta1": 0.9}``). Post-processing: no privacy
             cost.
+        schedule: the step-size schedule s(r), round r stepping with η·s(r): "constant" (s = 1),
+            or a name or mapping as the experiment file's ``training.schedule`` ("step", "cosine",
+            "inverse_sqrt", e.g. ``{"name": "step", "decay": 0.5, "every": 500}``).
+            Post-processing: no privacy cost.
         model, initial_parameters: x₀, exactly one of them: a ``torch.nn.Module`` (its trainable
             parameters) or one array per tensor (a list, or Flower ``Parameters``).
         u: the paper's u > 1 (noise split between restart and difference rounds; 1.25 in the paper).

@@ -46,19 +46,27 @@ def strip(history):
 
 ROUTINES = {"gd": "gd", "momentum": {"name": "momentum", "momentum": 0.8}, "nesterov": "nesterov",
             "adam": {"name": "adam", "beta1": 0.8}, "adamw": {"name": "adamw", "weight_decay": 0.1}}
-CASES = [(3, name) for name in ROUTINES] + [(None, "gd"), (None, "adam")]
+#: Step-size schedules: the round index of the checkpoint sets round r's step η·s(r) on resume.
+SCHEDULES = {"constant": "constant", "step": {"name": "step", "decay": 0.5, "every": 2},
+             "cosine": {"name": "cosine", "floor": 0.1}, "inverse_sqrt": "inverse_sqrt"}
+CASES = [(3, name, "constant") for name in ROUTINES] + [(None, "gd", "constant"),
+                                                        (None, "adam", "constant")]
+CASES += [(3, "gd", "step"), (3, "adam", "cosine"), (3, "momentum", "inverse_sqrt"),
+          (None, "nesterov", "step")]
 
 
-@pytest.mark.parametrize("seed,routine", CASES, ids=[f"{r}-seed{s}" for s, r in CASES])
-def test_resumed_run_equals_an_uninterrupted_one(tmp_path, seed, routine):
+@pytest.mark.parametrize("seed,routine,schedule", CASES,
+                         ids=[f"{r}-{sc}-seed{s}" for s, r, sc in CASES])
+def test_resumed_run_equals_an_uninterrupted_one(tmp_path, seed, routine, schedule):
     """For every routine: its state (momentum buffer, Adam's moments and count) is in the
-    checkpoint."""
+    checkpoint; for every schedule: the resumed rounds step with their own η·s(r)."""
     lr = {"adam": 0.02, "adamw": 0.02}.get(routine, 0.2)
+    steps = {"routine": ROUTINES[routine], "learning_rate": lr, "schedule": SCHEDULES[schedule]}
     # the uninterrupted reference (its own checkpoint file)
-    ref_cfg = config(tmp_path / "ref", seed=seed, routine=ROUTINES[routine], learning_rate=lr)
+    ref_cfg = config(tmp_path / "ref", seed=seed, **steps)
     reference = drive(ref_cfg, build_server(ref_cfg, progress=None), ROUNDS)
     # the interrupted run: 3 rounds, "crash", restart the server from the checkpoint
-    cfg = config(tmp_path / "run", seed=seed, routine=ROUTINES[routine], learning_rate=lr)
+    cfg = config(tmp_path / "run", seed=seed, **steps)
     first = drive(cfg, build_server(cfg, progress=None), 3)
     if seed is None:  # OS-entropy noise: the resumed part must reuse the checkpointed key
         saved = tmp_path / "copy.npz"
@@ -131,6 +139,15 @@ def test_a_checkpoint_of_another_routine_is_refused_naming_both(tmp_path):
                            match=r"another configuration .*Its routine is \{'name': 'adam', "
                                                   r"'learning_rate': 0.2, 'beta1': 0.8, "):
             build_server(config(tmp_path, routine=other), progress=None)
+
+
+def test_a_checkpoint_of_another_schedule_is_refused(tmp_path):
+    cfg = config(tmp_path, schedule={"name": "step", "decay": 0.5, "every": 2})
+    drive(cfg, build_server(cfg, progress=None), 2)
+    for other in ("constant", "cosine", {"name": "step", "decay": 0.5, "every": 3}):
+        with pytest.raises(CheckpointError, match=r"written for another configuration"):
+            build_server(config(tmp_path, schedule=other), progress=None)
+    assert build_server(cfg, progress=None).state.round == 2
 
 
 def test_a_format_2_checkpoint_is_still_read(tmp_path):

@@ -165,18 +165,19 @@ def test_server_crash_and_restart_resumes_the_same_trajectory(tmp_path):
 ADAM_KEYS = {"training.clients": 2, "training.rounds": 4, "training.seed": 5,
              "training.routine.name": "adam",
              "training.routine.beta1": 0.8, "training.learning_rate": 0.02,
-             "evaluation.clip_stats": True}
+             "training.schedule.name": "step", "training.schedule.every": 2,
+             "training.schedule.decay": 0.5, "evaluation.clip_stats": True}
 LOCAL_KEYS = {"training.clients": 2, "training.rounds": 4, "training.seed": 5, "local.steps": 3,
               "local.batch_size": 64}
 
 
 @pytest.mark.parametrize("keys", [ADAM_KEYS, LOCAL_KEYS], ids=["adam", "local-routine"])
 def test_overridden_keys_reach_the_server_app_and_every_client_app(tmp_path, keys):
-    """`--set` keys travel as Flower run-config keys: P, R, the seed and the routine change on both
-    sides alike, and `flwr run` equals the in-process driver bit for bit: rows, final parameters and
-    ε. With Adam the summary names the routine; with ``local.steps`` a DIFF2 round is two Flower
-    rounds (all P, then the chosen worker alone) and every row says which worker ran the local
-    phase."""
+    """`--set` keys travel as Flower run-config keys: P, R, the seed, the routine and the step-size
+    schedule change on both sides alike, and `flwr run` equals the in-process driver bit for bit:
+    rows, final parameters and ε. With Adam the summary names the routine and the schedule; with
+    ``local.steps`` a DIFF2 round is two Flower rounds (all P, then the chosen worker alone) and
+    every row says which worker ran the local phase."""
     config = write_config(tmp_path, "over")
     result = run_simulation(str(config), echo=False, set_keys=keys)
     rows, summary = read_run(result)
@@ -193,6 +194,7 @@ def test_overridden_keys_reach_the_server_app_and_every_client_app(tmp_path, key
         assert summary["routine"] == {"name": "adam", "learning_rate": 0.02, "beta1": 0.8,
                                       "beta2": 0.999,
                                       "eps": 1e-8, "weight_decay": 0.0}
+        assert summary["schedule"] == {"name": "step", "every": 2, "decay": 0.5}
         # clip statistics opted in through the run config: released, and warned about on the console
         # and in the summary
         assert all(0 <= r["clip_fraction"] <= 1 for r in rows[1:])

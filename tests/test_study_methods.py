@@ -141,6 +141,20 @@ BAD = [  # (method, the error it makes)
      r"key `methods\[0\]\.privacy\.u`: expected privacy\.u once"),
     ({**DIFF2, "grid": {**DIFF2["grid"], "local.clip": [True]}},
      r"key `methods\[0\]\.grid\.local\.clip`: expected a list of values of local\.clip, each a"),
+    ({**DIFF2, "grid": {**DIFF2["grid"], "schedule": ["cosine", "linear"]}},
+     r"key `methods\[0\]\.grid\.schedule`: expected a non-empty list of distinct schedule names "
+     r"among 'constant', 'step', 'cosine', 'inverse_sqrt'\. Found \['cosine', 'linear'\]\.$"),
+    ({**DIFF2, "grid": {**DIFF2["grid"], "floor": [0.1]}},
+     r"key `methods\[0\]\.grid\.floor`: expected a parameter of its schedule constant \(none: "
+     r"s\(r\) = 1\); floor needs a schedule that has it: set schedule\. Found \[0\.1\]\.$"),
+    ({**DIFF2, "decay": 0.5, "grid": {**DIFF2["grid"], "schedule": ["cosine", "inverse_sqrt"]}},
+     r"key `methods\[0\]\.decay`: expected a parameter of one of its schedules cosine, "
+     r"inverse_sqrt \(every, floor\); decay needs a schedule"),
+    ({**DIFF2, "schedule": "cosine", "grid": {**DIFF2["grid"], "schedule": ["step"]}},
+     r"key `methods\[0\]\.grid`: expected no key that methods\[0\] already fixes \(schedule\)"),
+    ({**DIFF2, "grid": {**DIFF2["grid"], "schedule": ["step"]}},
+     r"point \{.*'schedule': 'step'\}\): key `training\.schedule\.every`: expected a value for "
+     r"schedule 'step' \(it has no default\)"),
 ]
 
 
@@ -191,3 +205,83 @@ def test_a_run_that_sets_n_min_is_sent_to_the_per_run_path(monkeypatch):
     units = plan.plan_units(SimpleNamespace(engine="batch", batch_size=8, workers=1), jobs)
     engine = {j.run_id: u.engine for u in units for j in u.jobs}
     assert engine == {"run-0": "batch", "run-1": "inprocess"}
+
+
+# ------------------------------------------------------------------------ step-size schedules
+
+SCHEDULED = {"name": "DP-GD", "method": "dpgd", "every": 4,
+             "grid": {"learning_rate": [0.2, 0.4], "schedule": ["constant", "cosine", "step"],
+                      "floor": [0.0, 0.1], "decay": [0.25, 0.5]}}
+
+
+def test_a_grid_over_schedules_plans_one_run_per_schedule_and_its_own_parameters():
+    study = parse_study(_smoke(SCHEDULED), "s.yaml")
+    m = study.methods[0]
+    points = m.points()
+    # per learning rate: constant, cosine at two floors, step at two decays (every: 4 fixed)
+    assert [p for p in points if p["learning_rate"] == 0.2] == [
+        {"learning_rate": 0.2, "schedule": "constant"},
+        {"learning_rate": 0.2, "schedule": "cosine", "floor": 0.0},
+        {"learning_rate": 0.2, "schedule": "cosine", "floor": 0.1},
+        {"learning_rate": 0.2, "schedule": "step", "decay": 0.25},
+        {"learning_rate": 0.2, "schedule": "step", "decay": 0.5}]
+    assert len(points) == 10 and plan.planned_runs(study)[0] == 10 * 3
+    ids = {plan.run_id("tune", m, p, 3.0, 100, study) for p in points}
+    assert len(ids) == len(points)  # distinct runs, distinct ids
+    schedules = [study.experiment(m, p, 3.0, 100).training.schedule for p in points[:5]]
+    assert [s.to_yaml() for s in schedules] == [
+        "constant", {"name": "cosine", "floor": 0.0}, {"name": "cosine", "floor": 0.1},
+        {"name": "step", "every": 4, "decay": 0.25}, {"name": "step", "every": 4, "decay": 0.5}]
+    assert m.schedule_of(points[3]) == {"name": "step", "every": 4, "decay": 0.25}
+    # dotted keys make the same runs and ids
+    dotted_entry = {"name": "DP-GD", "method": "dpgd", "training.schedule.every": 4,
+                    "grid": {"training.learning_rate": [0.2, 0.4],
+                             "training.schedule": ["constant", "cosine", "step"],
+                             "training.schedule.floor": [0.0, 0.1],
+                             "training.schedule.decay": [0.25, 0.5]}}
+    again = parse_study(_smoke(dotted_entry), "s.yaml")
+    assert again.methods == study.methods
+
+
+def test_a_constant_schedule_leaves_run_ids_as_before_schedules():
+    smoke = load_study(SMOKE)
+    diff2 = smoke.methods[2]
+    pinned = "tune-diff2-gd--t-4-4666ced630cb"  # tests/test_study.py, from before routines
+    assert plan.run_id("tune", diff2, diff2.points()[0], 3.0, 100, smoke) == pinned
+    entry = yaml.safe_load(SMOKE.read_text())["methods"][2]
+    for constant in ("constant", {"name": "constant"}):
+        same = parse_study(_smoke(*yaml.safe_load(SMOKE.read_text())["methods"][:2],
+                                  {**entry, "schedule": constant}), "s.yaml")
+        m = same.methods[2]
+        assert plan.method_key(m) == plan.method_key(diff2)
+        assert plan.run_id("tune", m, m.points()[0], 3.0, 100, same) == pinned
+    cosine = parse_study(_smoke(*yaml.safe_load(SMOKE.read_text())["methods"][:2],
+                                {**entry, "schedule": "cosine"}), "s.yaml")
+    m = cosine.methods[2]
+    assert plan.method_key(m)["schedule"] == "cosine"
+    assert plan.run_id("tune", m, m.points()[0], 3.0, 100, cosine) != pinned
+
+
+def test_the_line_search_moves_along_the_picks_own_schedule():
+    extend = {"learning_rate": [0.1, 2.0], "decay": [0.1, 1.0], "floor": [0.01, 0.5]}
+    study = parse_study(_smoke(SCHEDULED, analysis={"protocol": "paper", "extend": extend}),
+                        "s.yaml")
+    m = study.methods[0]
+    search = plan.GridSearch.start(study)
+    step = {"learning_rate": 0.4, "schedule": "step", "decay": 0.5}
+    cosine = {"learning_rate": 0.2, "schedule": "cosine", "floor": 0.1}
+    chosen = {m.name: {"train_loss": step, "grad_norm_sq": cosine, "test_loss": step}}
+    made = search.extend(study, chosen, lambda method, point: study.experiment(method, point, 3.0,
+                                                                               100))
+    new = sorted((x["key"], round(x["value"], 12), x["because"]) for x in made)
+    # step: η 0.4 is its line's high edge (0.8), γ 0.5 too (1.0); cosine: η 0.2 the low edge (0.1),
+    # its floor 0.1 the high edge of [0, 0.1], which no ratio steps from; no step along `schedule`
+    assert new == [("decay", 1.0, "train_loss"), ("learning_rate", 0.1, "grad_norm_sq"),
+                   ("learning_rate", 0.8, "train_loss")]
+    grown = [p for p in search.tuned[m.name] if p["learning_rate"] == pytest.approx(0.8)]
+    assert grown == [{"learning_rate": grown[0]["learning_rate"], "schedule": "step", "decay": 0.5}]
+    assert search.refused[m.name, "floor", "high"].startswith("no geometric step from 0")
+    searched = search.searched(study, chosen)[m.name]
+    assert searched["grid"]["schedule"] == ["constant", "cosine", "step"]
+    assert searched["grid"]["decay"] == [0.25, 0.5, 1.0]
+    assert searched["grid"]["learning_rate"] == pytest.approx([0.1, 0.2, 0.4, 0.8], rel=1e-12)

@@ -24,23 +24,33 @@ VARIANTS += [("diff2", 3, 0.1, 1.0, 3.0, 10, {"name": "momentum", "momentum": 0.
                                                              {"name": "adam", "beta1": 0.8}),
              ("gd", None, 0.02, 1.0, 1.0, 13, "adamw"), ("diff2", 2, 0.03, 0.3, 0.5, 14,
                                                          {"name": "adam", "weight_decay": 0.01})]
+# ... and every step-size schedule (an 8th element), the first two with the same routine and
+# learning rate as the second run above: runs that differ by their schedule alone must not share a
+# step
+VARIANTS += [("dpgd", None, 0.3, 0.5, 1.0, 6, "gd", {"name": "step", "decay": 0.5, "every": 3}),
+             ("dpgd", None, 0.3, 0.5, 1.0, 6, "gd", {"name": "cosine", "floor": 0.1}),
+             ("diff2", 3, 0.1, 1.0, 3.0, 15, {"name": "momentum", "momentum": 0.8}, "inverse_sqrt"),
+             ("diff2", 4, 0.02, 1.0, 3.0, 16, "adamw", "cosine"),
+             ("gd", None, 0.2, 1.0, 1.0, 17, "gd", {"name": "step", "every": 5})]
 
 
 @pytest.fixture(scope="module")
 def reference():
     servers, specs = [], []
-    for method, T, lr, c1, c2, seed, *routine in VARIANTS:
+    for method, T, lr, c1, c2, seed, *steps in VARIANTS:
+        routine, schedule = (*steps, "gd", "constant")[0], (*steps[1:], "constant")[0]
         cfg = parse_config({**BASE, "method": method, "model": {"init_seed": seed},
                             "training": {**BASE["training"], "restart_every": T,
                                          "learning_rate": lr,
                                          "clip_restart": c1, "clip_diff": c2, "seed": seed,
-                                         "routine": routine[0] if routine else "gd"}})
+                                         "routine": routine, "schedule": schedule}})
         server = run_inprocess(cfg, record=False, progress=None)
-        m, r = cfg.mechanism(server.calibration), cfg.training.routine
+        m, r, s = cfg.mechanism(server.calibration), cfg.training.routine, cfg.training.schedule
         servers.append(server)
         specs.append(RunSpec(m.restart_every, lr, m.clip_restart, m.clip_diff, m.sigma_restart,
                              m.sigma_diff, seed, seed, routine=r.name,
-                             routine_params=tuple(sorted(r.params().items()))))
+                             routine_params=tuple(sorted(r.params().items())), schedule=s.name,
+                             schedule_params=tuple(sorted(s.params().items()))))
     return load_data(cfg), servers, specs
 
 
@@ -68,8 +78,9 @@ def test_every_routine_runs_alone_as_in_a_mixed_batch(reference):
     data, _, specs = reference
     together = run_batch(data, specs, rounds=ROUNDS, eval_every=ROUNDS)
     assert {s.routine for s in specs} == {"gd", "momentum", "nesterov", "adam", "adamw"}
+    assert {s.schedule for s in specs} == {"constant", "step", "cosine", "inverse_sqrt"}
     for k, spec in enumerate(specs):
-        if spec.routine != "gd":
+        if spec.routine != "gd" or spec.schedule != "constant":
             alone = run_batch(data, [spec], rounds=ROUNDS, eval_every=ROUNDS)[0]
             np.testing.assert_allclose(alone.final_x, together[k].final_x, rtol=0, atol=1e-13)
 

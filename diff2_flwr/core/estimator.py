@@ -292,6 +292,9 @@ def server_step(
     """Release round r from the workers' averaged clipped means ``mean``: ṽ_r, then x_r =
     Routine(x_{r-1}, ṽ_r).
 
+    ``routine`` is round r's: with a step-size schedule, the run's routine with learning rate
+    η·s(r) (:func:`~diff2_flwr.core.schedules.routine_at`), its state carried over as is.
+
     References:
         Murata & Suzuki (2023), Algorithm 1, server lines.
     """

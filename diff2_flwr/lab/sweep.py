@@ -19,8 +19,10 @@ sums are float64. A run whose radius, gradients or iterate stop being finite is 
 at that round (as the reference driver's ``Diverged``) and parked. Tests check it against the
 reference driver (closed-form workers for the paper MLP with ½-squared error, ``torch.func`` workers
 otherwise). The routine (GD, momentum, Adam, ...) is the core's own ``update``, applied to the
-stacked iterates of all runs that share a routine and its parameters: every routine is elementwise,
-so each row steps exactly as the reference's one run does. Evaluation metrics at x_{r-1} are
+stacked iterates of all runs that share a routine, its parameters and a step-size schedule (round r
+steps with the core's :func:`~diff2_flwr.core.schedules.routine_at`, learning rate η·s(r), as the
+server does): every routine is elementwise, so each row steps exactly as the reference's one run
+does. Evaluation metrics at x_{r-1} are
 by-products of round r's pass (train loss and ‖∇f‖²); test loss and, for classification, test
 accuracy take one forward pass over the test split.
 
@@ -48,6 +50,7 @@ from ..core.device import resolve_device
 from ..core.estimator import Diverged, round_noise, round_scale
 from ..core.ghost import MLP, forward
 from ..core.routines import Routine, make_routine
+from ..core.schedules import Schedule, make_schedule, routine_at
 from ..task.data import PreparedData
 from ..task.models import build_model, mlp_shape
 from .backend import Batch, choose_backend, retain_freed_memory
@@ -69,10 +72,16 @@ class RunSpec:
     init_seed: int
     routine: str = "gd"  # x_r = Routine(x_{r-1}, ṽ_r): a name of core.routines.ROUTINES
     routine_params: tuple[tuple[str, float], ...] = ()  # its parameters beyond the learning rate
+    schedule: str = "constant"  # round r steps with η·s(r): a name of core.schedules.SCHEDULES
+    schedule_params: tuple[tuple[str, float], ...] = ()  # its parameters
 
     def make_routine(self) -> Routine:
         """The run's routine (x_r = Routine(x_{r-1}, ṽ_r)) with its learning rate and parameters."""
         return make_routine(self.routine, self.learning_rate, **dict(self.routine_params))
+
+    def make_schedule(self) -> Schedule:
+        """The run's step-size schedule s(r)."""
+        return make_schedule(self.schedule, **dict(self.schedule_params))
 
 
 @dataclass(frozen=True)
@@ -171,12 +180,14 @@ def _workers_finish(client_means: torch.Tensor, overflow: torch.Tensor, radius: 
 
 
 class _Routines:
-    """The routine step of every run: runs with equal routines (same kind and parameters) step
-    together, through the core routine's own ``update`` on their stacked rows (routines are
-    elementwise, so each row is what the reference computes for that run alone)."""
+    """The routine step of every run: runs with equal routines (same kind and parameters) and equal
+    schedules step together, through the core routine's own ``update`` on their stacked rows, with
+    round r's learning rate η·s(r) (routines are elementwise, so each row is what the reference
+    computes for that run alone)."""
 
-    def __init__(self, specs: Sequence[RunSpec], x: np.ndarray) -> None:
-        groups: dict[Routine, list[int]] = {}
+    def __init__(self, specs: Sequence[RunSpec], x: np.ndarray, rounds: int) -> None:
+        self.rounds = rounds
+        groups: dict[tuple[Routine, Schedule], list[int]] = {}
         for k, spec in enumerate(specs):
             routine = spec.make_routine()
             if not routine.post_processing:
@@ -185,18 +196,20 @@ class _Routines:
                     f"private "
                                  "data); the batched engine runs post-processing routines only. "
                                  "Use the inprocess engine.")
-            groups.setdefault(routine, []).append(k)
-        self.groups = [(routine, np.array(idx)) for routine, idx in groups.items()]
-        self.states = [routine.init(x[idx]) for routine, idx in self.groups]
+            groups.setdefault((routine, spec.make_schedule()), []).append(k)
+        self.groups = [(routine, schedule, np.array(idx))
+                       for (routine, schedule), idx in groups.items()]
+        self.states = [routine.init(x[idx]) for routine, _, idx in self.groups]
 
-    def step(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """x_r = Routine(x_{r-1}, ṽ_r) for every run [K, d]."""
+    def step(self, r: int, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """x_r = Routine_{η s(r)}(x_{r-1}, ṽ_r) for every run [K, d]."""
         x_np, v_np = x.numpy(), v.numpy()
         out = np.empty_like(x_np)
         # parked (diverged) runs may hold inf; their rows are discarded
         with np.errstate(all="ignore"):
-            for i, (routine, idx) in enumerate(self.groups):
-                out[idx], self.states[i] = routine.update(x_np[idx], v_np[idx], self.states[i])
+            for i, (routine, schedule, idx) in enumerate(self.groups):
+                step = routine_at(routine, schedule, r, self.rounds)
+                out[idx], self.states[i] = step.update(x_np[idx], v_np[idx], self.states[i])
         return torch.from_numpy(out)
 
 
@@ -237,8 +250,9 @@ def _server_step(  # noqa: PLR0913 -- round r's server state, alive and diverged
         diverged: list[int | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The server's release and step of round r for every run: ṽ_r = (1/P) Σ_p ClippedMean_p (+
     ṽ_{r-1} in a difference round) + N(0, std²) from (noise seed, r), then x_r = Routine(x_{r-1},
-    ṽ_r). A run whose iterate is not finite diverges at r, in place, and is parked (x kept, ṽ
-    zeroed). Returns (x_{r-1}, x_r, ṽ_r) [K, d]. In numpy on views of the (small, CPU) tensors."""
+    ṽ_r) with round r's learning rate η·s(r). A run whose iterate is not finite diverges at r, in
+    place, and is parked (x kept, ṽ zeroed). Returns (x_{r-1}, x_r, ṽ_r) [K, d]. In numpy on views
+    of the (small, CPU) tensors."""
     P, K, d = client_means.shape
     live = alive.numpy()  # a view: written in place
     # (1/P) Σ_p ClippedMean_p (torch's sum: the engine's bits unchanged)
@@ -248,7 +262,7 @@ def _server_step(  # noqa: PLR0913 -- round r's server state, alive and diverged
         if std[k] and live[k]:
             v_np[k] += round_noise(specs[k].noise_seed, r, d, std[k])
     v = torch.from_numpy(v_np)
-    x_prev, x = x, routines.step(x, v)
+    x_prev, x = x, routines.step(r, x, v)
     bad = ~np.isfinite(x.numpy()).all(1)
     if bad.any():
         for k in np.flatnonzero(live & bad).tolist():
@@ -297,7 +311,7 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
              for s in specs]
     mlp, b = inits[0][0], Batch(data, dtype, resolve_device(device))
     x = torch.as_tensor(np.stack([x0 for _, x0 in inits]))  # [K, d] float64
-    routines = _Routines(specs, x.numpy())
+    routines = _Routines(specs, x.numpy(), rounds)
     backend = choose_backend(mlp, b, len(specs), compile=compile)
     T = np.array([s.restart_every for s in specs])
     x_prev, v = x.clone(), torch.zeros_like(x)

@@ -19,7 +19,10 @@ fraction unless the resumed run sets ``evaluation.clip_stats``.)
 The routine's state (momentum buffer, Adam's moments and step count) is part of the server's
 state and is saved with it (format ``diff2-checkpoint/3``: the routine's name and parameters in
 the metadata, its arrays beside x_r); a checkpoint is resumed only by the same routine with the
-same parameters. Format 2 (no routine state: GD only) is still read.
+same parameters. Format 2 (no routine state: GD only) is still read. A step-size schedule keeps no
+state: round r's factor s(r) is a function of r (the checkpoint's round) and R, so a resumed run
+steps as the uninterrupted one; the schedule is part of the config's fingerprint (the constant
+one, at its declared ``before`` value, is not: checkpoints written before schedules still resume).
 
 The file holds the secret noise key (or, in a seeded run, the seed it is derived from): anyone
 with it and the released iterates subtracts the noise. It is therefore written owner-only whatever

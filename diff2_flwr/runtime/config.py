@@ -28,7 +28,8 @@ import yaml
 from .config_data import PAPER_MLP, DatasetConfig, ModelConfig, PartitionerConfig
 from .config_experiment import ExperimentConfig, Method
 from .config_training import (AUTO_CLIENTS_DEFAULT, CLIENTS_AUTO, EvaluationConfig, LocalConfig,
-                              OutputConfig, PrivacyConfig, RoutineConfig, TrainingConfig)
+                              OutputConfig, PrivacyConfig, RoutineConfig, ScheduleConfig,
+                              TrainingConfig)
 from .paths import resolve_config_path, resolve_node_experiment
 from .spec import (ConfigError, Kwargs, argument_error, argument_names, content_free, help_of,
                    nest_arguments, parse_section, require, setting, settable_keys)
@@ -44,6 +45,7 @@ __all__ = [
     "ModelConfig",
     "PrivacyConfig",
     "RoutineConfig",
+    "ScheduleConfig",
     "TrainingConfig",
     "EvaluationConfig",
     "LocalConfig",
@@ -267,7 +269,8 @@ def apply_overrides(data: Any, overrides: Mapping[str, Any], source: str = "<ove
 
 
 #: Sections that a plain string may stand for, and the key the string sets (``routine: adam``).
-_SHORTHAND_SECTIONS = {"training.routine": RoutineConfig.SHORTHAND}
+_SHORTHAND_SECTIONS = {"training.routine": RoutineConfig.SHORTHAND,
+                       "training.schedule": ScheduleConfig.SHORTHAND}
 
 #: A run-config value that leaves the file's value alone (Flower needs every key declared with a
 #: default).

@@ -102,12 +102,22 @@ class ExperimentConfig:
             require(t.routine.name == "gd", "training.routine",
                      "gd with local.steps > 0 (the local routine computes x_r itself: its y_1 = "
                      "x_(r-1) - η ṽ_r is the GD step)", t.routine.name)
+            require(t.schedule.constant, "training.schedule",
+                    "constant with local.steps > 0 (the chosen worker takes x_r's local steps with "
+                    "η = training.learning_rate, which its node checks against the run config: "
+                    "no schedule reaches them)", t.schedule.to_yaml())
             require(self.output.checkpoint is None, "output.checkpoint",
                      "null with local.steps > 0 (checkpoints of the local routine are not "
                      "supported yet)",
                      self.output.checkpoint)
         if self.privacy.distributed:
             self._check_distributed()
+        if not t.schedule.constant:
+            last = t.learning_rate * t.schedule.build().factor(t.rounds, t.rounds)
+            require(last > 0, "training.schedule",
+                    f"a schedule whose step η·s(r) stays > 0 over the R = {t.rounds} rounds (its "
+                    f"last, η·s(R), underflows to {last!r}: decay less, or less often)",
+                    t.schedule.to_yaml())
         if self.private:
             for key in ("clip_restart", "clip_diff"):
                 v = getattr(t, key)
@@ -275,4 +285,5 @@ class ExperimentConfig:
         out = plain(dataclasses.asdict(self))
         out.pop("source")
         out["training"]["routine"] = self.training.routine.to_yaml()
+        out["training"]["schedule"] = self.training.schedule.to_yaml()
         return out

@@ -1,5 +1,5 @@
-"""The run sections of an experiment file: ``privacy``, ``training`` (with ``training.routine``),
-``local``, ``evaluation`` and ``output``.
+"""The run sections of an experiment file: ``privacy``, ``training`` (with ``training.routine`` and
+``training.schedule``), ``local``, ``evaluation`` and ``output``.
 
 Each field is declared once (:func:`~diff2_flwr.runtime.spec.setting`: default, help and, where the
 Python API names it otherwise, its argument; the type by its annotation; the checks in
@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..core.routines import ROUTINES, Routine, RoutineError, make_routine, routine_parameters
+from ..core.schedules import (SCHEDULES, Schedule, ScheduleError, make_schedule,
+                              schedule_parameters)
 from .config_privacy import LocalConfig, PrivacyConfig
 from .spec import Invalid, require, setting
 
-__all__ = ["PrivacyConfig", "RoutineConfig", "TrainingConfig", "LocalConfig", "EvaluationConfig",
-           "OutputConfig",
+__all__ = ["PrivacyConfig", "RoutineConfig", "ScheduleConfig", "TrainingConfig", "LocalConfig",
+           "EvaluationConfig", "OutputConfig",
            "CLIENTS_AUTO", "AUTO_CLIENTS_DEFAULT"]
 
 
@@ -75,6 +77,65 @@ class RoutineConfig:
         return {"name": self.name, **params} if params else self.name
 
 
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The step-size schedule s(r) of the step η·s(r) of round r (``training.schedule``); see
+    core/schedules.py.
+
+    YAML: a name (``schedule: cosine``) or a mapping (``schedule: {name: step, decay: 0.5, every:
+    500}``). A key left out (null) takes the schedule's default; a key the named schedule does not
+    have is refused, and so is a required one left out (step's ``every``). To add a schedule: a
+    class in :data:`~diff2_flwr.core.schedules.SCHEDULES`, and a field here for each parameter it
+    adds.
+    """
+
+    name: str = setting("constant",
+                        "s(r) in the step η·s(r) of round r: constant (s = 1), step (γ^⌊(r-1)/k⌋), "
+                        "cosine (f + (1-f)·½(1 + cos(π(r-1)/R))), inverse_sqrt (1/√(1 + (r-1)/k))")
+    decay: float | None = setting(None, "step: γ in (0, 1], the factor every k rounds (default "
+                                        "0.1)")
+    every: int | None = setting(None, "step: k, rounds between decays (required); inverse_sqrt: "
+                                      "k in 1/√(1 + (r-1)/k) (default 1: 1/√r)")
+    floor: float | None = setting(None, "cosine: f in [0, 1), the factor the step anneals "
+                                        "towards (default 0)")
+
+    #: ``schedule: cosine`` stands for ``schedule: {name: cosine}``.
+    SHORTHAND = "name"
+
+    def __post_init__(self) -> None:
+        require(self.name in SCHEDULES, "name", f"one of {', '.join(repr(n) for n in SCHEDULES)}",
+                self.name)
+        allowed = schedule_parameters(self.name)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "name" and value is not None and f.name not in allowed:
+                has = ", ".join(allowed) or "none (s(r) = 1)"
+                raise Invalid(f.name, f"nothing for schedule {self.name} (its keys: {has})", value)
+        try:
+            self.build()
+        except ScheduleError as err:
+            raise Invalid(err.key, err.expected, err.found) from None
+
+    @property
+    def constant(self) -> bool:
+        """Whether every round steps with η (s(r) = 1)."""
+        return self.name == "constant"
+
+    def params(self) -> dict[str, float]:
+        """The parameters set in the file (the schedule's defaults fill the rest)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "name" and getattr(self, f.name) is not None}
+
+    def build(self) -> Schedule:
+        """The schedule s(r)."""
+        return make_schedule(self.name, **self.params())
+
+    def to_yaml(self) -> str | dict[str, Any]:
+        """``"constant"`` for a name alone, else a mapping of the keys set."""
+        params = self.params()
+        return {"name": self.name, **params} if params else self.name
+
+
 #: ``training.clients: auto``: P is the number of SuperNodes of the federation that runs the config.
 #: A Flower simulation resolves it (``flwr run .`` simulates 2 SuperNodes unless
 #: ``--federation-config "num-supernodes=N"``), and so do the launchers that start the SuperNodes
@@ -104,6 +165,12 @@ class TrainingConfig:
                                      help="x_r from ṽ_r: a name (gd, momentum, nesterov, adam, "
                                           "adamw) or a mapping {name: adam, beta1: 0.9, ...}; "
                                           "costs no privacy")
+    schedule: ScheduleConfig = setting(factory=ScheduleConfig,
+                                       help="round r steps with η·s(r): a name (constant, step, "
+                                            "cosine, inverse_sqrt) or a mapping {name: step, "
+                                            "decay: 0.5, every: 500}; costs no privacy "
+                                            "(post-processing of ṽ_r)",
+                                       before="constant")
     clients: int | Literal["auto"] = setting(10,
                                              "P, the number of clients; auto: the SuperNodes of "
                                              "the federation that runs it (see CLIENTS_AUTO)")

@@ -285,6 +285,7 @@ def run_report(output_dir: str | os.PathLike[str] | None, *, run_id: int | None 
     clients = ((summary.get("config") or {}).get("training") or {}).get("clients")
     report["clients"] = clients
     report["routine"] = summary.get("routine")
+    report["schedule"] = summary.get("schedule")
     report["warnings"] = list(summary.get("warnings") or ())
     if summary.get("loss_rise"):
         report["loss_rise"] = summary["loss_rise"]
@@ -318,8 +319,10 @@ def summary_block(report: dict, *, head: str = "[diff2] run") -> str:
     head = f"{head} {status}"
     if report.get("name"):
         routine = (report.get("routine") or {}).get("name")
+        schedule = (report.get("schedule") or {}).get("name")
         head += f": {report['name']} ({report.get('method')}" + (f" + {routine}" if routine not in (
-            None, "gd") else "")
+            None, "gd") else "") + (f", {schedule} step" if schedule not in (None, "constant")
+                                    else "")
         if report.get("clients"):
             head += f", P = {report['clients']}"
         head += f", {report.get('rounds_released')}/{report.get('rounds_planned')} rounds)"

@@ -112,6 +112,7 @@ _SHORT = {
     "method": "", "privacy.epsilon": "ε", "privacy.delta": "δ", "training.restart_every": "T",
     "training.learning_rate": "η", "training.clip_restart": "C₁", "training.clip_diff": "C₂",
     "training.rounds": "R", "training.clients": "P", "training.routine.name": "routine",
+    "training.schedule.name": "schedule",
     "local.steps": "K",
     "training.seed": "seed", "dataset.name": "data",
 }
@@ -153,10 +154,13 @@ def run_settings(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
                     "training.clients": calibration.get("clients"),
                     "training.learning_rate": routine.get("learning_rate")}
         settings |= {f"training.routine.{k}": v for k, v in routine.items() if k != "learning_rate"}
-    if not isinstance(settings.get("training.routine.name"),
-                      str) and isinstance(settings.get("training.routine"), str):
-        # `routine: adam` is `routine.name: adam`
-        settings["training.routine.name"] = settings.pop("training.routine")
+        schedule = summary.get("schedule") or {}
+        settings |= {f"training.schedule.{k}": v for k, v in schedule.items()}
+    for section in ("training.routine", "training.schedule"):
+        # `routine: adam` is `routine.name: adam`, `schedule: cosine` is `schedule.name: cosine`
+        if not isinstance(settings.get(f"{section}.name"),
+                          str) and isinstance(settings.get(section), str):
+            settings[f"{section}.name"] = settings.pop(section)
     # The name and the output keys say where a run was written, not what it ran.
     return {k: v for k, v in settings.items() if k != "name" and not k.startswith("output.")}
 

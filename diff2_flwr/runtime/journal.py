@@ -22,6 +22,7 @@ import numpy as np
 
 from ..core.privacy import PLD_DISCRETIZATION
 from ..core.routines import describe_routine
+from ..core.schedules import describe_schedule
 from .checkpoint import Checkpoint, save_checkpoint
 from .curves import EXACT_GDP, PLD, SKELLAM_RDP
 from .noise_report import loss_rise, loss_rise_warning
@@ -250,6 +251,7 @@ def summarize(spec: ServerSpec, state: ServerState, history: list[dict[str, Any]
         "rounds_released": state.estimator.round,
         "diverged_at": state.diverged_at,
         "routine": describe_routine(spec.routine),
+        "schedule": describe_schedule(spec.schedule),
         "privacy": _privacy(spec, state),
         "final": {k: final.get(k) for k in metric_keys} | {"round": final.get("round")},
         "best": best,

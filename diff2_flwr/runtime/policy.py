@@ -51,9 +51,9 @@ tasks disagree with the mechanism the run config declares (radius, round kind, n
 (the ClientApp that enforces it comes from the bundle: pin bundles with Flower's trusted entities),
 nor, under central noise, against a server that sees the clipped means and leaks them. Whether the
 server adds less noise than declared the node can check, live, with ``canaries``
-(:mod:`~diff2_flwr.runtime.canary_monitor`; the run must then use central noise, routine gd and no
-local steps). ``noise: [distributed]`` refuses central runs: the node's message then leaves only
-inside SecAgg+, with its own noise share (:mod:`diff2_flwr.fl.secagg`).
+(:mod:`~diff2_flwr.runtime.canary_monitor`; the run must then use central noise, routine gd, the
+constant schedule and no local steps). ``noise: [distributed]`` refuses central runs: the node's
+message then leaves only inside SecAgg+, with its own noise share (:mod:`diff2_flwr.fl.secagg`).
 """
 
 from __future__ import annotations
@@ -356,6 +356,10 @@ def _check_auditable(cfg: ExperimentConfig, node: str, where: str) -> None:
             f"training.routine {cfg.training.routine.name!r} (the audit reads ṽ_r from x_(r-1) - "
             f"x_r, "
                         "which only gd makes η ṽ_r)")
+    if not cfg.training.schedule.constant:
+        problems.append(
+            f"training.schedule {cfg.training.schedule.name!r} (the audit reads ṽ_r from x_(r-1) - "
+            "x_r = η ṽ_r, which a schedule makes η·s(r) ṽ_r)")
     if cfg.local.enabled:
         problems.append(
             f"the local routine (local.steps = {cfg.local.steps}: x_r is not x_(r-1) - η ṽ_r)")
@@ -363,9 +367,9 @@ def _check_auditable(cfg: ExperimentConfig, node: str, where: str) -> None:
         raise Refused(node, "canaries",
                       f"this node audits every run with canary records {where}, and the run asks "
                       + "; ".join(
-                          problems) + ". Ask for privacy.noise: central, routine gd and no local "
-                                      "steps, or the node's operator removes `canaries` from its "
-                                      "policy.")
+                          problems) + ". Ask for privacy.noise: central, routine gd, schedule "
+                                      "constant and no local steps, or the node's operator "
+                                      "removes `canaries` from its policy.")
 
 
 def check_model(cfg: ExperimentConfig, allowed: tuple[str, ...], node: str, where: str) -> None:

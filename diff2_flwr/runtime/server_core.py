@@ -43,6 +43,7 @@ from ..core.layout import ParameterLayout
 from ..core.local import LocalMechanism, LocalTask, choose_worker, local_seed
 from ..core.privacy import Calibration, PrivacyLedger
 from ..core.routines import Routine
+from ..core.schedules import CONSTANT, Schedule, routine_at
 from .checkpoint import Checkpoint, CheckpointError
 from .config_experiment import ExperimentConfig
 from .step_report import names_of
@@ -140,6 +141,8 @@ class ServerSpec:
         distributed: ``privacy.noise: distributed``: the clients add Skellam noise shares, the
             server receives their modular sum (:func:`release_sum`) and adds none; its ledger is a
             :class:`SkellamLedger`.
+        schedule: s(r): round r steps with the routine's learning rate η·s(r)
+            (:meth:`routine_at`); constant by default. Post-processing: the ledger is the same.
         settings: the validated experiment the spec was built from (:meth:`of`): every declared
             setting, as the YAML file, ``--set``, the run config or the Python API gave it; None for
             a spec assembled by hand (the audit's). A new server setting is read from here where it
@@ -158,6 +161,7 @@ class ServerSpec:
     calibration: Calibration | None
     local: LocalMechanism | None = None
     distributed: DistributedNoise | None = None
+    schedule: Schedule = CONSTANT
     settings: ExperimentConfig | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
@@ -173,7 +177,13 @@ class ServerSpec:
             layout=layout, rounds=settings.training.rounds, clients=settings.clients, n_min=n_min,
             calibration=calibration, local=settings.local_mechanism(calibration),
             distributed=settings.distributed_noise(n_min, layout.dim) if distributed else None,
-            settings=settings))
+            schedule=settings.training.schedule.build(), settings=settings))
+
+    def routine_at(self, r: int) -> Routine:
+        """Round r's routine: :attr:`routine` with learning rate η·s(r) of :attr:`schedule` over
+        :attr:`rounds`; its state carries over unchanged
+        (:func:`~diff2_flwr.core.schedules.routine_at`)."""
+        return routine_at(self.routine, self.schedule, r, self.rounds)
 
 
 def check_spec(spec: ServerSpec) -> ServerSpec:
@@ -191,6 +201,10 @@ def check_spec(spec: ServerSpec) -> ServerSpec:
                 f"The distributed noise is for P = {spec.distributed.clients}, n_min = "
                 f"{spec.distributed.n_min}; the server has P = {spec.clients}, n_min = "
                 f"{spec.n_min}.")
+    if spec.local is not None and spec.schedule.name != "constant":
+        raise ValueError(
+            f"The local routine takes its steps with η as its task says (the node checks it "
+            f"against the run config); a schedule ({spec.schedule.name}) cannot reach them.")
     if spec.calibration is not None:
         check_mechanism(spec.mechanism, spec.calibration, rounds=spec.rounds, clients=spec.clients,
                         n_min=spec.n_min, local=spec.local)
@@ -370,7 +384,8 @@ def release(spec: ServerSpec, state: ServerState, replies: Sequence[Reply],
     aggregate = average_contributions(plan, spec.layout, replies, clients=spec.clients,
                                       n_min=spec.n_min)
     if spec.local is None:
-        estimator, out = server_step(state.estimator, spec.mechanism, spec.routine, aggregate.mean)
+        estimator, out = server_step(state.estimator, spec.mechanism, spec.routine_at(plan.round),
+                                     aggregate.mean)
         return _released(spec, dataclasses.replace(state, estimator=estimator, ledger=ledger), plan,
                          aggregate, out, {})
     # check_spec checked it
@@ -426,7 +441,7 @@ def release_sum(spec: ServerSpec, state: ServerState, total: np.ndarray,
                             f"integers. Found shape {total.shape}, dtype {total.dtype}.")
     ledger = charge(spec, state, plan)
     mean = noise.decode(total, plan.round, plan.restart, plan.radius, survivors)
-    estimator, out = server_step(state.estimator, spec.mechanism, spec.routine, mean)
+    estimator, out = server_step(state.estimator, spec.mechanism, spec.routine_at(plan.round), mean)
     after = dataclasses.replace(state, estimator=estimator, ledger=ledger)
     plan = dataclasses.replace(plan, noise_std=noise.noise_std(plan.round, plan.restart,
                                                                plan.radius, survivors))

@@ -128,6 +128,7 @@ def _method_entry(study: Study, m: MethodSpec, epsilon: float, chosen: Mapping[s
     """One method's entry: what it is, what was searched, and per criterion its pick's evaluation
     (the runs it read are added to ``runs_of`` for the tests)."""
     entry: dict[str, Any] = {"base_method": m.method, "u": m.u, "routine": m.routine_of({}),
+                             "schedule": m.schedules_fixed(),
                              "rounds": study.rounds_of(m), "seed_offset": m.seed_offset,
                              "grid": {k: list(v) for k, v in m.grid},
                              "grid_searched": searched["grid"],

@@ -9,15 +9,22 @@ every run), either fixed or as a grid of values the study tunes::
        grid: {restart_every: [10, 20], training.learning_rate: [0.01, 0.03]}}
 
 A key is written dotted (``training.learning_rate``), nested (``privacy: {noise: distributed}``), or
-by the short name study files have always used: a key of ``training`` or a routine parameter by its
-own name (``learning_rate``, ``restart_every``, ``rounds``, ``beta1``; ``routine`` for the routine's
-name) and ``u`` for ``privacy.u``. Both spellings make the same runs, with the same run ids: a grid
-point names a key by its short name where it has one. Which keys exist, their types and their casts
-come from the experiment's declarations (:mod:`diff2_flwr.runtime.config_training`): a value is
-checked against its field's type with the experiment file's checks and message ("file: key `x`:
-expected …. Found ….") and cast to it (a whole number to an ``int`` field, a number to a ``float``
-one); :func:`~.spec.parse_study` then validates every grid point's run config whole with
+by the short name study files have always used: a key of ``training``, a routine parameter or a
+schedule parameter by its own name (``learning_rate``, ``restart_every``, ``rounds``, ``beta1``,
+``decay``; ``routine`` and ``schedule`` for their names) and ``u`` for ``privacy.u``. Both
+spellings make the same runs, with the same run ids: a grid point names a key by its short name
+where it has one. Which keys exist, their types and their casts come from the experiment's
+declarations (:mod:`diff2_flwr.runtime.config_training`): a value is checked against its field's
+type with the experiment file's checks and message ("file: key `x`: expected …. Found ….") and cast
+to it (a whole number to an ``int`` field, a number to a ``float`` one); :func:`~.spec.parse_study`
+then validates every grid point's run config whole with
 :func:`~diff2_flwr.runtime.config.parse_config`.
+
+A grid ranges over numbers, and over step-size schedules by name (``schedule: [constant, cosine]``).
+A schedule parameter, fixed or on the grid, applies to the points whose schedule has it: with
+``grid: {schedule: [constant, cosine], floor: [0.0, 0.1]}`` the points are ``{schedule: constant}``,
+``{schedule: cosine, floor: 0.0}`` and ``{schedule: cosine, floor: 0.1}`` (a parameter that none of
+the method's schedules has is refused).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ...core.routines import ROUTINES, routine_parameters
+from ...core.schedules import SCHEDULES, schedule_parameters
 from ...runtime.config import ExperimentConfig, Method, config_keys, require
 from ...runtime.spec import describe_type, is_int, type_ok
 
@@ -48,6 +56,10 @@ STUDY_SETS = {"name": "name", "dataset.": "dataset", "model.": "model (and hidde
 OWN_KEYS = ("name", "method", "grid", "seed_offset")
 #: Where a routine's parameters live; ``routine`` names the routine (its section's shorthand).
 _ROUTINE = "training.routine."
+#: Where a schedule's parameters live; ``schedule`` names the schedule (its section's shorthand).
+_SCHEDULE = "training.schedule."
+#: The grid key of the schedule's name (its values are names, not numbers).
+SCHEDULE_AXIS = "schedule"
 
 
 @functools.cache
@@ -57,10 +69,11 @@ def _keys() -> tuple[str, ...]:
 
 @functools.cache
 def _short_names() -> dict[str, str]:
-    """Short name -> dotted key: a key of ``training`` or of its routine by its own name, ``u``."""
+    """Short name -> dotted key: a key of ``training``, of its routine or of its schedule by its
+    own name, ``u``."""
     out = {"u": "privacy.u"}
     for key in _keys():
-        for section in ("training.", _ROUTINE):
+        for section in ("training.", _ROUTINE, _SCHEDULE):
             rest = key.removeprefix(section)
             if key.startswith(section) and "." not in rest and rest != "name":
                 out.setdefault(rest, key)
@@ -70,6 +83,11 @@ def _short_names() -> dict[str, str]:
 def dotted(key: str) -> str:
     """The experiment key a method's key stands for (``learning_rate``: training.learning_rate)."""
     return _short_names().get(key, key)
+
+
+def _named(full: str) -> str:
+    """The key a section that a name stands for sets (``training.schedule``: its ``.name``)."""
+    return full + ".name" if full + "." in (_ROUTINE, _SCHEDULE) else full
 
 
 @functools.cache
@@ -154,6 +172,21 @@ class MethodSpec:
         return tuple((k, v) for k, v in self._under(_ROUTINE) if k != "name")
 
     @property
+    def schedule(self) -> str:
+        """The name of the schedule it fixes (``training.schedule.name``; constant by default)."""
+        return str(dict(self.settings).get(_SCHEDULE + "name", declared(_SCHEDULE + "name")[1]))
+
+    @property
+    def schedule_params(self) -> tuple[tuple[str, Any], ...]:
+        """The schedule parameters it fixes (each applies to the points whose schedule has it)."""
+        return tuple((k, v) for k, v in self._under(_SCHEDULE) if k != "name")
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedules of its runs: those its grid ranges over, else the one it fixes."""
+        return tuple(dict(self.grid).get(SCHEDULE_AXIS, (self.schedule,)))
+
+    @property
     def local(self) -> tuple[tuple[str, Any], ...]:
         """The keys of the local routine it fixes (``local.*``; empty: off unless gridded)."""
         return self._under("local.")
@@ -175,9 +208,12 @@ class MethodSpec:
         return dict(self.privacy).get("noise") == "distributed"
 
     def overrides(self, point: Mapping[str, Any]) -> dict[str, Any]:
-        """The experiment keys its run at ``point`` sets, dotted, cast to their declared types."""
-        given = dict(self.settings) | {dotted(k): v for k, v in point.items()}
-        return {k: cast(k, v) for k, v in given.items()}
+        """The experiment keys its run at ``point`` sets, dotted, cast to their declared types (the
+        schedule parameters only where the point's schedule has them)."""
+        given = dict(self.settings) | {_named(dotted(k)): v for k, v in point.items()}
+        own = schedule_parameters(given.get(_SCHEDULE + "name", self.schedule))
+        return {k: cast(k, v) for k, v in given.items()
+                if not k.startswith(_SCHEDULE) or k.removeprefix(_SCHEDULE) in ("name", *own)}
 
     def routine_of(self, point: Mapping[str, Any]) -> dict[str, Any]:
         """The routine of one grid point as ``training.routine``: the fixed parameters, then the
@@ -186,6 +222,19 @@ class MethodSpec:
                     if k.startswith(_ROUTINE) and point_key(k) in point}
         return {"name": self.routine, **dict(self.routine_params),
                 **{k.removeprefix(_ROUTINE): v for k, v in searched.items()}}
+
+    def schedule_of(self, point: Mapping[str, Any]) -> dict[str, Any]:
+        """The schedule of one grid point as ``training.schedule``: its name, then its parameters
+        (fixed and the point's)."""
+        given = {k.removeprefix(_SCHEDULE): v for k, v in self.overrides(point).items()
+                 if k.startswith(_SCHEDULE)}
+        return {"name": self.schedule, **given}
+
+    def schedules_fixed(self) -> dict[str, Any]:
+        """Its schedule as the method declares it: the name (or the names its grid ranges over)
+        and the parameters it fixes."""
+        names = dict(self.grid).get(SCHEDULE_AXIS)
+        return {"name": list(names) if names else self.schedule, **dict(self.schedule_params)}
 
     def describe_routine(self) -> str:
         """``adam(beta1=0.9)``, or ``gd``."""
@@ -197,7 +246,18 @@ class MethodSpec:
         declared one)."""
         items = list(grid.items()) if grid is not None else list(self.grid)
         keys = [k for k, _ in items]
-        return [dict(zip(keys, values)) for values in itertools.product(*(v for _, v in items))]
+        points: dict[str, dict[str, Any]] = {}
+        for values in itertools.product(*(v for _, v in items)):
+            point = self._applies(dict(zip(keys, values)))
+            points.setdefault(repr(sorted(point.items())), point)
+        return list(points.values())
+
+    def _applies(self, point: dict[str, Any]) -> dict[str, Any]:
+        """``point`` without the schedule parameters its schedule does not have (points that differ
+        only in those are one run)."""
+        own = schedule_parameters(point.get(SCHEDULE_AXIS, self.schedule))
+        return {k: v for k, v in point.items()
+                if not dotted(k).startswith(_SCHEDULE) or dotted(k).removeprefix(_SCHEDULE) in own}
 
 
 # ------------------------------------------------------------------------------- parsing
@@ -233,6 +293,7 @@ def _method(where: str, m: Any, rounds: int) -> MethodSpec:
             "an integer >= 1 (this method's R; the same ε is spent over it)", own_rounds)
     routine = _routine(where, fixed, written)
     grid = _grid(where, m.get("grid") or {}, routine, fixed, written)
+    _schedules(where, grid, fixed, written)
     _restarts(where, method, grid, fixed, written, own_rounds or rounds)
     return MethodSpec(name=str(m["name"]), method=method, grid=tuple(grid.items()),
                       settings=tuple(sorted(fixed.items())), seed_offset=offset)
@@ -253,8 +314,7 @@ def _setting(where: str, name: str, value: Any, written: dict[str, str], fixed: 
         for key, item in value.items():
             _setting(where, str(key), item, written, fixed, full)
         return
-    if full + "." == _ROUTINE:  # ``routine: adam`` names the routine
-        full = _ROUTINE + "name"
+    full = _named(full)  # ``routine: adam`` names the routine, ``schedule: cosine`` the schedule
     _check_key(f"{where}.{shown}", full, value)
     hint = declared(full)[0]
     require(type_ok(cast(full, value), hint)[0], f"{where}.{shown}", describe_type(hint), value)
@@ -303,19 +363,28 @@ def _grid(where: str, grid: Any, routine: str, fixed: Mapping[str, Any],
     require(not ranged, f"{where}.grid", "experiment keys and the parameters of its routine "
             f"{routine}: {', '.join(own) or 'none'}; {', '.join(ranged)} belong to another "
             "routine: set routine", ranged)
-    twice = sorted(k for k, f in fulls.items() if f in fixed)
+    twice = sorted(k for k, f in fulls.items() if _named(f) in fixed)
     by_routine = all(fulls[k].startswith(_ROUTINE) for k in twice)
     fixer, fixed_as = ((f"{where}.routine", "") if by_routine else
-                       (where, f" ({', '.join(written[fulls[k]] for k in twice)})"))
+                       (where, f" ({', '.join(written[_named(fulls[k])] for k in twice)})"))
     require(not twice, f"{where}.grid", f"no key that {fixer} already fixes{fixed_as}", twice)
     out: dict[str, tuple[Any, ...]] = {}
     for key, values in grid.items():
         full, shown = fulls[str(key)], f"{where}.grid.{key}"
         _check_key(shown, full, values)
+        named = _named(full) == _SCHEDULE + "name"
+        require((SCHEDULE_AXIS if named else point_key(full)) not in out, shown,
+                f"{_named(full)} once in the grid", values)
+        if named:
+            require(isinstance(values, list) and bool(values) and all(
+                isinstance(v, str) and v in SCHEDULES for v in values) and len(set(values)) == len(
+                values), shown, "a non-empty list of distinct schedule names among "
+                + ", ".join(repr(n) for n in SCHEDULES), values)
+            out[SCHEDULE_AXIS] = tuple(values)
+            continue
         require(_number(full) is not None and full != "training.rounds", shown,
-                "a key whose values are numbers (a grid ranges over numbers; set the others, and a "
-                "method's rounds, beside the grid)", values)
-        require(point_key(full) not in out, shown, f"{full} once in the grid", values)
+                "a key whose values are numbers, or schedule names for `schedule` (a grid ranges "
+                "over numbers; set the others, and a method's rounds, beside the grid)", values)
         require(isinstance(values, list) and bool(values), shown,
                 "a non-empty list (an empty grid runs nothing)", values)
         hint = declared(full)[0]
@@ -323,6 +392,29 @@ def _grid(where: str, grid: Any, routine: str, fixed: Mapping[str, Any],
                 f"a list of values of {full}, each {describe_type(_number(full))}", values)
         out[point_key(full)] = tuple(values)
     return out
+
+
+def _schedules(where: str, grid: Mapping[str, Sequence[Any]], fixed: Mapping[str, Any],
+               written: Mapping[str, str]) -> None:
+    """A method's schedules (``schedule``: fixed, or a grid axis of names) and their parameters,
+    fixed or on the grid: each parameter must belong to one of them at least."""
+    name = fixed.get(_SCHEDULE + "name", declared(_SCHEDULE + "name")[1])
+    shown = written.get(_SCHEDULE + "name", "schedule").removesuffix(".name")
+    require(name in SCHEDULES, f"{where}.{shown}",
+            "a schedule name or a mapping with name and its parameters, name one of "
+            + ", ".join(repr(n) for n in SCHEDULES), name)
+    names = grid.get(SCHEDULE_AXIS, (name,))
+    own = {k for n in names for k in schedule_parameters(n)}
+    given = {k.removeprefix(_SCHEDULE): (f"{where}.{written[k]}", v) for k, v in fixed.items()
+             if k.startswith(_SCHEDULE) and k != _SCHEDULE + "name"}
+    given |= {point_key(dotted(k)): (f"{where}.grid.{k}", list(v)) for k, v in grid.items()
+              if dotted(k).startswith(_SCHEDULE)}
+    which = (f"its schedule {names[0]}" if len(names) == 1 else
+             f"one of its schedules {', '.join(names)}")
+    has = ", ".join(sorted(own)) or "none: s(r) = 1"
+    for key, (at, value) in sorted(given.items()):
+        require(key in own, at, f"a parameter of {which} ({has}); {key} needs a schedule that has "
+                "it: set schedule", value)
 
 
 def _restarts(where: str, method: str, grid: Mapping[str, Sequence[Any]], fixed: Mapping[str, Any],

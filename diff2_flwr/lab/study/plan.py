@@ -40,14 +40,17 @@ _PAPER_WIDTH = ModelConfig().hidden_units
 
 def method_key(method: MethodSpec) -> dict:
     """What identifies a method's runs: its name, base method, grid, and the settings it fixes,
-    grouped as the method entries first named them (``u``, ``routine``, ``local``, ``rounds``,
-    ``privacy``; the others, under ``settings``). A group at its default is left out, so the ids of
-    methods that do not set it are as before it existed (a plain-GD method's as before routines) and
-    their run files are reused."""
+    grouped as the method entries first named them (``u``, ``routine``, ``schedule``, ``local``,
+    ``rounds``, ``privacy``; the others, under ``settings``). A group at its default is left out, so
+    the ids of methods that do not set it are as before it existed (a plain-GD method's as before
+    routines, a constant-schedule method's as before schedules) and their run files are reused."""
     key: dict[str, Any] = {"name": method.name, "method": method.method,
                            "grid": [[k, list(v)] for k, v in method.grid], "u": method.u}
     if method.routine != "gd" or method.routine_params:
         key.update(routine=method.routine, routine_params=[list(p) for p in method.routine_params])
+    if method.schedule != "constant" or method.schedule_params:  # nor are constant-schedule ones
+        key.update(schedule=method.schedule,
+                   schedule_params=[list(p) for p in method.schedule_params])
     if method.local:  # run ids of methods without a local routine are as before it existed
         key["local"] = [list(p) for p in method.local]
     if method.rounds is not None:  # nor are those of methods that run the study's R
@@ -56,7 +59,7 @@ def method_key(method: MethodSpec) -> dict:
         key["seed_offset"] = method.seed_offset
     if method.privacy:  # nor are those of methods with central noise
         key["privacy"] = [list(p) for p in method.privacy]
-    grouped = ("privacy.", "training.routine.", "local.", "training.rounds")
+    grouped = ("privacy.", "training.routine.", "training.schedule.", "local.", "training.rounds")
     others = [[k, v] for k, v in method.settings if not k.startswith(grouped)]
     if others:  # nor are those of methods that fix no other setting
         key["settings"] = others
@@ -196,6 +199,7 @@ BATCH_HONOURS = ("name", "method", "dataset.", "model.", "output.", "privacy.eps
                  "training.restart_every",
                  "training.clip_restart", "training.clip_diff", "training.learning_rate",
                  "training.clients", "training.seed", "training.routine", "training.routine.",
+                 "training.schedule", "training.schedule.",
                  "training.dtype", "training.chunk_size", "training.gradients", "training.threads",
                  "training.round_retries", "training.round_timeout_s", "evaluation.every",
                  "evaluation.train_metrics", "evaluation.test_metrics", "local.")
@@ -249,9 +253,22 @@ def batchable(study: Study, cfg: ExperimentConfig) -> bool:
 # ---------------------------------------------------------------------- the grid's extension
 
 def line(points: Sequence[Mapping[str, float]], pick: Mapping[str, float], key: str) -> list[float]:
-    """The sorted values of ``key`` among the points that agree with ``pick`` on every other key."""
+    """The sorted values of ``key`` among the points that agree with ``pick`` on every other key
+    (and have ``key``: a schedule parameter is only in the points whose schedule has it)."""
     return sorted({float(p[key]) for p in points
-                   if all(p[k] == v for k, v in pick.items() if k != key)})
+                   if key in p and len(p) == len(pick)
+                   and all(p.get(k, _ABSENT) == v for k, v in pick.items() if k != key)})
+
+
+#: A key a point does not have (never equal to a value).
+_ABSENT = object()
+#: Grid keys whose values are integers: a step past an edge is rounded (T, and a schedule's k).
+_INTEGER_KEYS = ("restart_every", "every")
+
+
+def _numeric(value: Any) -> bool:
+    """Whether a point's value lies on a line (a number; a schedule's name does not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def step_out(axis: Sequence[float], side: str, key: str) -> float:
@@ -261,7 +278,7 @@ def step_out(axis: Sequence[float], side: str, key: str) -> float:
         new = axis[-1] * axis[-1] / axis[-2]
     else:
         new = axis[0] * axis[0] / axis[1]
-    if key == "restart_every":
+    if key in _INTEGER_KEYS:
         new = float(round(new))
         if new in axis:
             new = axis[-1] + 1 if side == "high" else axis[0] - 1
@@ -272,6 +289,8 @@ def _edge(points: Sequence[Mapping[str, float]], pick: Mapping[str, float],
           key: str) -> tuple[list[float], str | None]:
     """The pick's line along ``key`` and the edge it lies on (``high``, ``low``, or None: interior
     or a single value)."""
+    if not _numeric(pick[key]):
+        return [], None
     axis = line(points, pick, key)
     if len(axis) < 2 or pick[key] not in (axis[0], axis[-1]):
         return axis, None
@@ -320,6 +339,9 @@ class GridSearch:
             return None
         if self.count[m.name, key, side] >= MAX_EXTENSIONS or (m.name, key, side) in self.refused:
             return None
+        if side == "high" and axis[-2] == 0:  # e.g. a cosine floor of [0, 0.1]: no ratio to step by
+            self.refused[m.name, key, side] = "no geometric step from 0 (the line's other value)"
+            return None
         new = step_out(axis, side, key)
         if not bounds[0] <= new <= bounds[1]:
             bound = bounds[0 if side == "low" else 1]
@@ -349,7 +371,7 @@ class GridSearch:
                 hits = [self._why(study, m, chosen[m.name][c], key) for key in chosen[m.name][c]]
                 if any(hits):
                     edges[c] = [h for h in hits if h]
-            values = {k: sorted({float(p[k]) for p in self.tuned[m.name]}) for k, _ in m.grid}
+            values = {k: _searched(self.tuned[m.name], k) for k, _ in m.grid}
             out[m.name] = {"grid": values, "points": len(self.tuned[m.name]),
                            "extensions": self.made[m.name], "edges": edges}
         return out
@@ -366,3 +388,11 @@ class GridSearch:
                    if self.count[m.name, key, side] >= MAX_EXTENSIONS else
                    "not extended: no bound in analysis.extend" + paper))
         return {"key": key, "value": pick[key], "side": side, "why": why}
+
+
+def _searched(points: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
+    """The values of ``key`` among ``points`` that have it: numbers sorted, names in order."""
+    values = [p[key] for p in points if key in p]
+    if all(_numeric(v) for v in values):
+        return sorted({float(v) for v in values})
+    return list(dict.fromkeys(values))

@@ -29,10 +29,17 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 def _routine(entry: dict) -> str:
     """``adam(beta1=0.9)`` for a method's routine (its fixed parameters; grid ones are in the
-    point), or ``gd``."""
+    point), or ``gd``; then its step-size schedule unless constant (``gd, cosine(floor=0.1)``)."""
     routine = dict(entry.get("routine") or {"name": "gd"})
     name = routine.pop("name")
-    return f"{name}({', '.join(f'{k}={_fmt(v)}' for k, v in routine.items())})" if routine else name
+    text = f"{name}({', '.join(f'{k}={_fmt(v)}' for k, v in routine.items())})" if routine else name
+    schedule = dict(entry.get("schedule") or {"name": "constant"})
+    names = schedule.pop("name")
+    if names == "constant":
+        return text
+    names = "/".join(names) if isinstance(names, list) else names
+    params = ", ".join(f"{k}={_fmt(v)}" for k, v in schedule.items())
+    return f"{text}, {names}({params})" if params else f"{text}, {names}"
 
 
 _AT = {"best": "best over rounds", "final": "final", "train_best": "at the train-loss-best round"}

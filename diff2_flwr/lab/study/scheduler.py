@@ -133,11 +133,14 @@ def _run_batch(study: Study, unit: Unit, progress: Callable[[int, int], None] | 
         for j in batch:
             server = ServerSpec.of(j.cfg, layout=layout, n_min=j.cfg.privacy.n_min or data.n_min)
             mech, routine = server.mechanism, j.cfg.training.routine
+            schedule = j.cfg.training.schedule
             specs.append(RunSpec(mech.restart_every, j.cfg.training.learning_rate,
                                  mech.clip_restart, mech.clip_diff, mech.sigma_restart,
                                  mech.sigma_diff, j.cfg.training.seed, j.cfg.model.init_seed,
                                  routine=routine.name,
-                                 routine_params=tuple(sorted(routine.params().items()))))
+                                 routine_params=tuple(sorted(routine.params().items())),
+                                 schedule=schedule.name,
+                                 schedule_params=tuple(sorted(schedule.params().items()))))
         model = cfg.model  # the study's, in every run config
         results = run_batch(data, specs, rounds=cfg.training.rounds, hidden=model.hidden_units,
                             model=model.name, model_kwargs=model.kwargs.as_dict(), loss=cfg.loss,
@@ -197,7 +200,8 @@ def write_run(runs_dir: Path, job: Job, metrics: dict, diverged: int | None, eng
     """Write one run's record, whole (atomically): what it is, its per-round metrics, and who
     computed it."""
     record = {"run_id": job.run_id, "method": job.method.name, "base_method": job.method.method,
-              "routine": job.method.routine_of(job.point), "point": job.point,
+              "routine": job.method.routine_of(job.point),
+              "schedule": job.method.schedule_of(job.point), "point": job.point,
               "epsilon": job.epsilon, "seed": job.seed, "engine": engine, "diverged_at": diverged,
               **metrics, "computed_by": dict(computed_by or {})}
     atomic_write_text(runs_dir / f"{job.run_id}.json", json.dumps(to_json(record)))

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 from ...core.routines import routine_parameters
+from ...core.schedules import schedule_parameters
 from ...runtime.config import (PAPER_MLP, ConfigError, ExperimentConfig, ModelConfig, parse_config,
                                parse_section, read_yaml, require)
-from .methods import MethodSpec, declared, dotted, parse_methods, point_key
+from .methods import SCHEDULE_AXIS, MethodSpec, declared, dotted, parse_methods, point_key
 from .stats import Analysis, parse_analysis
 
 __all__ = ["ACCURACY", "CRITERIA", "MethodSpec", "Seeds", "Study", "StudyError", "StudyFile",
@@ -287,7 +288,8 @@ _SHARED_KEYS = ("learning_rate", "clip_restart", "local.steps", "local.clip", "l
 def _check_symmetric(methods: Sequence[MethodSpec], pairs: Sequence[tuple[str, str]]) -> None:
     """The corrected protocol's symmetric grids: the two methods of a tested pair tune every
     hyper-parameter both have (learning rate; C₁ unless one of them has no clipping, i.e. GD; a
-    shared routine's parameters) with grids of the same size. A hyper-parameter one method tunes and
+    shared routine's parameters; the schedule, and the parameters of schedules both run) with grids
+    of the same size. A hyper-parameter one method tunes and
     the other holds fixed gives the first more chances."""
     by_name = {m.name: m for m in methods}
     for treat, control in pairs:
@@ -295,6 +297,7 @@ def _check_symmetric(methods: Sequence[MethodSpec], pairs: Sequence[tuple[str, s
         clipped = "gd" not in (a.method, b.method)
         keys = [k for k in _SHARED_KEYS if clipped or k != "clip_restart"]
         keys += [k for k in routine_parameters(a.routine) if k in routine_parameters(b.routine)]
+        keys += [SCHEDULE_AXIS, *sorted(_schedule_keys(a) & _schedule_keys(b))]
         ga, gb = dict(a.grid), dict(b.grid)
         for k in keys:
             require(len(ga.get(k, (None,))) == len(gb.get(k, (None,))), "methods",
@@ -302,6 +305,11 @@ def _check_symmetric(methods: Sequence[MethodSpec], pairs: Sequence[tuple[str, s
                     f"compared, so both tune `{k}` with grids of the same size (or set "
                     "`analysis: {protocol: paper}`)",
                     {treat: list(ga.get(k, ["fixed"])), control: list(gb.get(k, ["fixed"]))})
+
+
+def _schedule_keys(method: MethodSpec) -> set[str]:
+    """The parameters of the schedules a method runs."""
+    return {k for name in method.schedules for k in schedule_parameters(name)}
 
 
 def parse_study(data: Any, source: str = "<memory>") -> Study:
