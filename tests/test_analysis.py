@@ -286,8 +286,14 @@ def test_a_family_holm_corrects_the_primary_tests_of_several_studies(tmp_path, c
     # a larger family
     assert all(r["p_adjusted"] >= r["p_study_adjusted"] - 1e-15 for r in result["results"])
     assert (tmp_path / "out" / "fam" / "family.json").is_file()
-    assert "Holm over the 6 primary tests of 2 studies" in (
-        tmp_path / "out" / "fam" / "family.md").read_text()
+    md = (tmp_path / "out" / "fam" / "family.md").read_text()
+    assert "Holm over the 6 primary tests of 2 studies" in md
+    # each ratio with its 95 % interval, and each study's tuning budgets per ε
+    on_disk = json.loads((tmp_path / "out" / "fam" / "family.json").read_text())
+    assert all({"ci95_difference", "ratio", "ci95_ratio"} <= set(r) for r in on_disk["results"])
+    assert "| ratio [95 % CI] | p | Holm p (study) | Holm p (family) |" in md
+    assert sorted(on_disk["studies"][1]["budgets"]) == ["3.0", "8.0"]
+    assert "**two, ε = 8.** Tuning budgets" in md
 
 
 def test_a_family_names_the_study_that_has_not_run(tmp_path):

@@ -94,6 +94,10 @@ def _add_run_commands(sub: Any) -> None:
                      help="take over a run another driver claimed once its heartbeat has been "
                           "silent this long (default %(default)s; a driver on this machine that "
                           "died is noticed at once)")
+    exp.add_argument("--from-table", metavar="TABLE", default=None,
+                     help="replay the study from its run table (runs.csv, e.g. a committed "
+                          "results/*.csv): every figure recomputed from the table alone, nothing "
+                          "computed; written to <output>/<name>-from-table")
     exp.set_defaults(func=experiments.experiment)
 
 

@@ -183,17 +183,19 @@ def experiment(args: argparse.Namespace) -> int:
             f"`--stale-after`: expected a number of seconds > 0. Found {args.stale_after}.")
     try:
         summary = run_study(study, output_root=args.output, fresh=args.fresh, ray_address=args.ray,
-                            stale_after_s=args.stale_after)
+                            stale_after_s=args.stale_after, table=args.from_table)
     except ClusterError as err:
         print(f"diff2 experiment: error: {err}", file=sys.stderr)
         return 2
     root = Path(args.output or study.output_dir).expanduser().resolve() / study.name
+    if args.from_table:
+        root = root.with_name(f"{study.name}-from-table")
     print(
         f"[diff2] study {study.name} done in {summary['wall_time_s']:.0f} s: {root / 'report.md'}",
         file=sys.stderr)
     inference = summary.get("inference", {})
     print(json.dumps(to_json({"study": study.name, "summary": str(root / "summary.json"),
-                              "report": str(root / "report.md"),
+                              "report": str(root / "report.md"), "runs": str(root / "runs.csv"),
                               "wall_time_s": summary["wall_time_s"],
                               "protocol": inference.get("protocol"),
                               "primary_results": inference.get("primary_results", [])})))

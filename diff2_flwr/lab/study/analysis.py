@@ -3,9 +3,10 @@ study's spec.
 
 Selection (:func:`select`, :func:`select_method`: the grid point with the best mean over the tuning
 seeds), one ε's summary (:func:`summarise`: per method and criterion the chosen point and the
-endpoint values over the evaluation seeds, per tested pair the paired t-tests), the study's
-inference (:func:`inference`: Holm over the primary family, BH over the exploratory one) and the
-cost of each method (:func:`cost_summary`). Nothing here reads or writes a file: the scheduler
+endpoint values over the evaluation seeds, per tested pair the paired t-tests with their 95 %
+intervals (:mod:`.intervals`), per method its tuning budget), the study's inference
+(:func:`inference`: Holm over the primary family, BH over the exploratory one) and the cost of
+each method (:func:`cost_summary`). Nothing here reads or writes a file: the scheduler
 loads the runs (:func:`~.scheduler.load_runs`).
 
 References:
@@ -25,11 +26,12 @@ from ...core.cost import gradient_evaluations
 from .report import aligned_metric
 from .stats import correct_families, endpoint_value
 from .inference import paired_ttest
+from .intervals import paired_intervals
 from .plan import SELECTING, run_id
 from .spec import ACCURACY, CRITERIA, MethodSpec, Study, test_pairs
 
-__all__ = ["TARGET_SLACK", "cost_summary", "inference", "mean", "paired_one_sided_ttest", "select",
-           "select_method", "std", "summarise"]
+__all__ = ["TARGET_SLACK", "budget_summary", "cost_summary", "inference", "mean",
+           "paired_one_sided_ttest", "select", "select_method", "std", "summarise"]
 
 #: How close to the reference's mean minimum a method's curve must come to count as reaching its
 #: utility.
@@ -119,7 +121,19 @@ def summarise(study: Study, epsilon: float, chosen: Mapping[str, Mapping[str, di
             if (treat, c) in runs_of and (control, c) in runs_of:
                 out["tests"][pair][c] = _pair_test(study, epsilon, treat, control, c, runs_of, rows)
     out["cost"] = cost_summary(study, epsilon, out["methods"], runs, n_train)
+    out["budgets"] = budget_summary(study, searched)
     return out, rows
+
+
+def budget_summary(study: Study, searched: Mapping[str, dict]) -> dict[str, Any]:
+    """What each method spent on tuning at one ε: its grid configurations as declared and as tuned
+    (with the extensions), and its tuning runs (every tuned configuration on every tuning seed);
+    ``rule`` is the study's ``analysis.budgets``."""
+    seeds = len(study.tune_seeds)
+    return {"rule": study.analysis.budgets, "tune_seeds": seeds, "methods": {
+        m.name: {"configurations_declared": len(m.points()),
+                 "configurations_tuned": searched[m.name]["points"],
+                 "tuning_runs": searched[m.name]["points"] * seeds} for m in study.methods}}
 
 
 def _method_entry(study: Study, m: MethodSpec, epsilon: float, chosen: Mapping[str, dict],
@@ -202,7 +216,8 @@ def _pair_test(study: Study, epsilon: float, treat: str, control: str, c: str,
                "family": "primary" if declared else "exploratory",
                "p_value": paired_ttest(a, b, alternative), "df": len(a) - 1,
                "treatment_mean": mean(a), "control_mean": mean(b),
-               "mean_difference": mean(np.subtract(a, b)) if len(a) == len(b) else math.nan}
+               "mean_difference": mean(np.subtract(a, b)) if len(a) == len(b) else math.nan,
+               **paired_intervals(a, b, scale)}
         per["rows"][at] = row
         rows.append(row)
     per["p_value"] = per["rows"][ats[0]]["p_value"]

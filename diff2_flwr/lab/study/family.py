@@ -14,6 +14,10 @@ block), adjusts their p-values with Holm over the whole family, and writes ``fam
 ``family.md`` to ``<output>/<name>/``; it prints the same JSON object on stdout. A primary result
 is significant when its family-adjusted p is below α; each study's own report adjusts within
 that study only, which is weaker than the family's correction when the family spans studies.
+
+Each result keeps its study's interval fields (:mod:`.intervals`: ``ci95_difference``, ``ratio``,
+``ci95_ratio``, two-sided 95 % whatever α), and each study its tuning budgets per ε and method
+(``budgets``: configurations and tuning runs); ``family.md`` shows both.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from typing import Any, Mapping
 from ...runtime.config import ConfigError, read_yaml
 from .claims import atomic_write_text
 from .inference import holm
-from .report import _endpoint
+from .intervals import LEVEL
+from .report import RATIO_LEGEND, _endpoint, format_budgets, with_interval
 from .runner import load_study
 
 __all__ = ["FamilyError", "run_family"]
@@ -80,13 +85,17 @@ def run_family(path: str | Path, *, output_root: str | Path | None = None) -> di
         studies.append({"study": study.name, "source": str(study_path),
                         "summary": str(summary_file),
                         "wall_time_s": summary.get("wall_time_s"),
-                        "dataset": summary.get("dataset", {}).get("name")})
+                        "dataset": summary.get("dataset", {}).get("name"),
+                        "budgets": {eps: e["budgets"]
+                                    for eps, e in summary.get("epsilons", {}).items()
+                                    if "budgets" in e}})
         rows += [dict(r, study=study.name, p_study_adjusted=r["p_adjusted"]) for r in primary]
     for r, p in zip(rows, holm([r["p_value"] for r in rows])):
         r["p_adjusted"] = p
         r["significant"] = bool(math.isfinite(p) and p < spec["alpha"])
     out = {"family": spec["name"], "source": str(path), "alpha": spec["alpha"],
-           "adjustment": "holm", "size": len(rows), "studies": studies, "results": rows,
+           "adjustment": "holm", "ci_level": LEVEL, "size": len(rows), "studies": studies,
+           "results": rows,
            "significant": [f"{r['study']} ε={r['epsilon']:g} {r['pair']} {r['criterion']}@{r['at']}"
                            for r in rows if r["significant"]]}
     root = Path(output_root
@@ -104,18 +113,25 @@ def _fmt(v: Any, digits: int = 3) -> str:
 
 
 def markdown(result: Mapping[str, Any]) -> str:
-    """The family's table: every primary test with its raw, within-study and family (Holm) adjusted
-    p."""
+    """The family's table: every primary test with its mean difference and ratio (each with its 95 %
+    interval), its raw, within-study and family (Holm) adjusted p; then each study's tuning
+    budgets."""
     lines = [f"# Family `{result['family']}`", "",
              f"Holm over the {result['size']} primary tests of {len(result['studies'])} studies, α "
-             f"= {result['alpha']}.",
+             f"= {result['alpha']}. {RATIO_LEGEND}",
              "", "| study | ε | comparison | endpoint | alternative | mean difference (treatment − "
-             "control) | p | Holm p (study) | Holm p (family) | result |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "control) [95 % CI] | ratio [95 % CI] | p | Holm p (study) | Holm p (family) | "
+             "result |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["results"]:
         lower = r["treatment"] if r["lower"] == "treatment" else r["control"]
         verdict = f"significant: {lower} lower" if r["significant"] else "not significant"
         lines.append(f"| {r['study']} | {r['epsilon']:g} | {r['pair']} | {_endpoint(r)} | "
-                     f"{r['alternative']} | {_fmt(r['mean_difference'])} | {_fmt(r['p_value'])} | "
-                     f"{_fmt(r['p_study_adjusted'])} | {_fmt(r['p_adjusted'])} | {verdict} |")
+                     f"{r['alternative']} | "
+                     f"{with_interval(r['mean_difference'], r.get('ci95_difference'))} | "
+                     f"{with_interval(r.get('ratio'), r.get('ci95_ratio'))} | "
+                     f"{_fmt(r['p_value'])} | {_fmt(r['p_study_adjusted'])} | "
+                     f"{_fmt(r['p_adjusted'])} | {verdict} |")
+    for s in result["studies"]:
+        for eps, budgets in (s.get("budgets") or {}).items():
+            lines += ["", f"**{s['study']}, ε = {float(eps):g}.** {format_budgets(budgets)}"]
     return "\n".join(lines) + "\n"

@@ -13,7 +13,8 @@ import numpy as np
 
 from .claims import atomic_write_bytes, atomic_write_text
 
-__all__ = ["aligned_metric", "write_report", "format_table", "format_cost", "format_inference"]
+__all__ = ["RATIO_LEGEND", "aligned_metric", "format_budgets", "format_cost", "format_inference",
+           "format_table", "with_interval", "write_report"]
 
 _LABELS = {"train_loss": "train loss", "grad_norm_sq": "‖∇f‖²", "test_loss": "test loss",
            "test_accuracy": "test accuracy"}
@@ -40,6 +41,32 @@ def _routine(entry: dict) -> str:
     names = "/".join(names) if isinstance(names, list) else names
     params = ", ".join(f"{k}={_fmt(v)}" for k, v in schedule.items())
     return f"{text}, {names}({params})" if params else f"{text}, {names}"
+
+
+#: How to read the ratio columns (the interval fields of a test row: :mod:`.intervals`).
+RATIO_LEGEND = ("Intervals are two-sided 95 % (whatever α; t with n − 1 df). Ratio = treatment / "
+                "control: on a log scale the ratio of geometric means, exp of the mean difference, "
+                "with exp of its interval; on a linear scale the ratio of means with Fieller's "
+                "interval for paired data. Either ratio interval excludes 1 exactly when the raw "
+                "two-sided paired t-test has p < 0.05 (raw, not adjusted); – : no interval (a run "
+                "diverged, or Fieller's set is unbounded: `ci95_note` in the JSON).")
+
+
+def with_interval(value: Any, interval: Any, digits: int = 3) -> str:
+    """``0.82 [0.71, 0.95]``: a value and its 95 % interval; the value alone where there is no
+    interval (``diverged`` for inf, – where there is no value)."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return _fmt(value)
+    if not interval:
+        return f"{value:.{digits}g}"
+    lo, hi = ("–" if v is None else f"{v:.{digits}g}" for v in interval)
+    return f"{value:.{digits}g} [{lo}, {hi}]"
+
+
+def _intervals(row: dict) -> str:
+    """The mean difference and the ratio of a test row, each with its interval, as two cells."""
+    return (f"{with_interval(row['mean_difference'], row.get('ci95_difference'))} | "
+            f"{with_interval(row.get('ratio'), row.get('ci95_ratio'))}")
 
 
 _AT = {"best": "best over rounds", "final": "final", "train_best": "at the train-loss-best round"}
@@ -95,13 +122,16 @@ def format_table(eps_summary: dict) -> str:
                   + "; ".join(f"{name}, {_LABELS[c]}: {h['key']} = {_fmt(h['value'])} "
                               f"({h['side']}; {h['why']})"
                               for name, c, h in edges) + "."]
+    if eps_summary.get("budgets"):
+        lines += ["", format_budgets(eps_summary["budgets"])]
     if eps_summary["tests"]:
         lines += ["", "Paired t-tests by evaluation seed (alternative said of treatment − "
                   "control). **Primary** tests: Holm-adjusted p over the study's primary family; "
                   "exploratory tests: Benjamini–Hochberg q over its exploratory family (never a "
                   "confirmed result).", "",
-                  "| comparison | endpoint | family | alternative | mean difference | p | adjusted "
-                  "| df |", "|---|---|---|---|---|---|---|---|"]
+                  RATIO_LEGEND, "",
+                  "| comparison | endpoint | family | alternative | mean difference [95 % CI] | "
+                  "ratio [95 % CI] | p | adjusted | df |", "|---|---|---|---|---|---|---|---|---|"]
         for pair, tests in eps_summary["tests"].items():
             for c, t in tests.items():
                 for row in t["rows"].values():
@@ -109,8 +139,22 @@ def format_table(eps_summary: dict) -> str:
                     family = "**primary**" if row["family"] == "primary" else "exploratory"
                     how = "Holm" if row.get("adjustment") == "holm" else "BH q"
                     lines.append(f"| {pair} | {_endpoint(row)} | {family} | {row['alternative']} | "
-                                 f"{_fmt(row['mean_difference'], 3)} | {_fmt(row['p_value'], 3)} | "
+                                 f"{_intervals(row)} | {_fmt(row['p_value'], 3)} | "
                                  f"{_fmt(adj, 3)} ({how}) | {row['df']} |")
+    return "\n".join(lines)
+
+
+def format_budgets(budgets: dict) -> str:
+    """The tuning budgets of one ε: per method its grid configurations (declared, tuned) and tuning
+    runs."""
+    rule = ("equal: both methods of a tested pair tune as many configurations, none extended"
+            if budgets["rule"] == "equal" else "unconstrained")
+    lines = [f"Tuning budgets (`analysis.budgets`: {rule}; {budgets['tune_seeds']} tuning seeds):",
+             "", "| method | configurations declared | configurations tuned | tuning runs |",
+             "|---|---|---|---|"]
+    for name, b in budgets["methods"].items():
+        lines.append(f"| {name} | {b['configurations_declared']} | {b['configurations_tuned']} | "
+                     f"{b['tuning_runs']} |")
     return "\n".join(lines)
 
 
@@ -123,14 +167,16 @@ def format_inference(summary: dict) -> str:
     if inf["primary"]:
         lines += ["", "**Primary endpoints** (declared in the study file; Holm over "
                   f"{inf['families']['primary']['size']} tests, α = {inf['alpha']}):", "",
-                  "| ε | comparison | endpoint | alternative | mean difference | p | Holm p | "
-                  "result |", "|---|---|---|---|---|---|---|---|"]
+                  RATIO_LEGEND, "",
+                  "| ε | comparison | endpoint | alternative | mean difference [95 % CI] | "
+                  "ratio [95 % CI] | p | Holm p | result |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in inf["primary_results"]:
             lower = r["treatment"] if r["lower"] == "treatment" else r["control"]
             verdict = (f"significant: {lower} lower" if r["significant"] else
                        "not significant (no claim either way)")
             lines.append(f"| {r['epsilon']:g} | {r['pair']} | {_endpoint(r)} | {r['alternative']} "
-                         f"| {_fmt(r['mean_difference'], 3)} | {_fmt(r['p_value'], 3)} | "
+                         f"| {_intervals(r)} | {_fmt(r['p_value'], 3)} | "
                          f"{_fmt(r['p_adjusted'], 3)} | {verdict} |")
     else:
         lines += ["", "No primary endpoint is declared: every test below is **exploratory**."]

@@ -52,8 +52,10 @@ from .cluster import unit_data
 from .scheduler import Progress, Tally, execute, load_runs, make_executor
 from .analysis import inference, select_method, summarise
 from .plan import GridSearch, Job, check_point, eval_jobs, planned_runs, tune_jobs
+from .registration import check_runs
 from .report import write_report
 from .spec import MethodSpec, Study, StudyError, load_study, parse_study
+from .tables import TableExecutor, read_table, table_rows, unpack, write_table
 
 # Names that code and tests import from here, each defined in its part (``X as X``: re-exported).
 from .scheduler import compute_unit as compute_unit
@@ -80,9 +82,15 @@ def run_study(
     study: Study, *, output_root: str | Path | None = None, fresh: bool = False,
     show_progress: bool = True,
     make_plots: bool = True, ray_address: str | None = None, stale_after_s: float = STALE_AFTER_S,
+    table: str | Path | None = None,
 ) -> dict:
-    """Run the whole study (resumable) and write summary.json, report.md and plots; return the
-    summary.
+    """Run the whole study (resumable) and write summary.json, runs.csv (its run table,
+    :mod:`.tables`), report.md and plots; return the summary.
+
+    With ``table`` the study is replayed from that run table alone: its runs are written back into
+    ``<output root>/<name>-from-table/runs`` (emptied first), and the study runs as it did with an
+    executor that computes nothing (:class:`~.tables.TableExecutor`), so that its summary holds
+    every figure recomputed from the table.
 
     With ``ray_address`` the units run as tasks of that Ray cluster
     (:class:`~.cluster.RayExecutor`), else in this process. Any number of drivers (processes,
@@ -96,6 +104,16 @@ def run_study(
                          "cluster (each `flower` run is a Flower simulation that starts its own "
                          "Ray). Found 'flower'.")
     root = Path(output_root or study.output_dir).expanduser().resolve() / study.name
+    if table is not None:
+        if ray_address is not None or fresh:
+            raise StudyError(f"{study.source}: a replay from a run table computes nothing: "
+                             "--ray and --fresh do not apply to it.")
+        root = root.with_name(f"{study.name}-from-table")
+        records = read_table(table)
+        check_runs(study.registration, records, f"{study.source} (run table {table})")
+        for f in (root / "runs").glob("*.json"):
+            f.unlink()
+        unpack(records, root / "runs", str(table))
     runs_dir = root / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     # On the way out (done, error, Ctrl-C): the executor stops first, then every claim still held is
@@ -104,7 +122,13 @@ def run_study(
                    stale_after_s=stale_after_s) as book, contextlib.ExitStack() as cleanup:
         if fresh:
             _start_afresh(study, runs_dir, book)
-        return _run_study(study, root, runs_dir, book, cleanup, ray_address=ray_address,
+        def executor_for(probe: ExperimentConfig) -> Any:
+            if table is None:
+                return make_executor(study, ray_address, probe)
+            return TableExecutor(str(table), lambda j: f"{j.method.name}, ε = {j.epsilon:g}, "
+                                                       f"seed {j.seed}, {dict(j.point)}")
+
+        return _run_study(study, root, runs_dir, book, cleanup, executor_for=executor_for,
                           show_progress=show_progress, make_plots=make_plots)
 
 
@@ -125,8 +149,8 @@ def _start_afresh(study: Study, runs_dir: Path, book: ClaimBook) -> None:
 
 
 def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook,
-               cleanup: contextlib.ExitStack, *, ray_address: str | None, show_progress: bool,
-               make_plots: bool) -> dict:
+               cleanup: contextlib.ExitStack, *, executor_for: Callable[[ExperimentConfig], Any],
+               show_progress: bool, make_plots: bool) -> dict:
     """Spec → plan → scheduler → analysis, per ε: tune (and extend), select, evaluate, summarise;
     then the study's inference, its summary.json and its report."""
     started = time.perf_counter()
@@ -142,12 +166,15 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook,
                 check_point(study, m, p, epsilon, data)
     summary = _header(study, probe, data)
     progress, tally = Progress(sum(planned_runs(study)), show_progress), Tally()
-    executor = make_executor(study, ray_address, probe)
+    executor = executor_for(probe)
     cleanup.callback(executor.close)
+    every: dict[str, dict] = {}  # every run the study read, across ε: its run table
 
     def run(jobs: list[Job], table: dict[str, dict]) -> None:
         execute(study, jobs, runs_dir, progress, executor, book, tally)
         load_runs(runs_dir, (j.run_id for j in jobs), table)
+        check_runs(study.registration, (table[j.run_id] for j in jobs), study.source)
+        every.update((j.run_id, table[j.run_id]) for j in jobs)
 
     # every test of the study, across ε: the families are corrected over all of them
     rows: list[dict] = []
@@ -170,6 +197,9 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook,
     summary["inference"] = inference(study, rows)
     progress.finish()
     summary["wall_time_s"] = time.perf_counter() - started
+    write_table(root / "runs.csv", table_rows(study.name, summary["dataset"]["name"],
+                                              summary.get("registration", {}).get("sha256"),
+                                              every.values()))
     return _finish(study, summary, root, runs_dir, executor, book, tally, make_plots)
 
 
@@ -209,7 +239,9 @@ def _header(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, Any]:
             "n_min": data.n_min, "dataset": _data_info(study, probe, data),
             "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds),
             "engine": study.engine, "dtype": study.dtype, "threads": study.threads,
-            "workers": study.workers, "epsilons": {}}
+            "workers": study.workers, "epsilons": {},
+            **({} if study.registration is None else
+               {"registration": study.registration.summary()})}
 
 
 def _data_info(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, Any]:

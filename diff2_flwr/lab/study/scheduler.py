@@ -105,13 +105,16 @@ def compute_unit(study: Study, unit: Unit, progress: Callable[[int, int], None]
     gives the same bits wherever it runs, in the driver, in a worker process or in a task on a
     cluster node.
     """
+    started = time.perf_counter()
     if unit.engine != "batch":
         out = []
         for j in unit.jobs:
             metrics, diverged = _run_single(j.cfg, unit.engine)
             out.append({"metrics": metrics, "diverged_at": diverged, "engine": unit.engine})
-        return out
-    return _run_batch(study, unit, progress)
+    else:
+        out = _run_batch(study, unit, progress)
+    share = (time.perf_counter() - started) / max(1, len(out))  # a run's share of its unit's time
+    return [{**o, "wall_s": share} for o in out]
 
 
 def _run_batch(study: Study, unit: Unit, progress: Callable[[int, int], None] | None) -> list[dict]:
@@ -196,10 +199,12 @@ def _run_flower(cfg: ExperimentConfig) -> tuple[list[dict], int | None]:
 # ------------------------------------------------------------------------------- run files
 
 def write_run(runs_dir: Path, job: Job, metrics: dict, diverged: int | None, engine: str,
-              computed_by: Mapping[str, str] | None = None) -> None:
-    """Write one run's record, whole (atomically): what it is, its per-round metrics, and who
-    computed it."""
+              computed_by: Mapping[str, str] | None = None, *, registration: str | None = None,
+              wall_s: float | None = None) -> None:
+    """Write one run's record, whole (atomically): what it is, the registration it was computed
+    under, its per-round metrics, its share of its unit's wall time, and who computed it."""
     record = {"run_id": job.run_id, "method": job.method.name, "base_method": job.method.method,
+              "registration": registration, "wall_s": wall_s,
               "routine": job.method.routine_of(job.point),
               "schedule": job.method.schedule_of(job.point), "point": job.point,
               "epsilon": job.epsilon, "seed": job.seed, "engine": engine, "diverged_at": diverged,
@@ -278,9 +283,12 @@ class _Phase:
         """Write the results of the units that completed (waiting up to ``POLL_S`` for one)."""
         for unit, outcomes in self.executor.completed(timeout=POLL_S):
             for j, outcome in zip(unit.jobs, outcomes):
+                registration = self.study.registration
                 write_run(self.runs_dir, j, outcome["metrics"], outcome["diverged_at"],
                           outcome["engine"], {"driver": self.book.owner.driver,
-                                              "host": outcome.get("host", self.book.owner.host)})
+                                              "host": outcome.get("host", self.book.owner.host)},
+                          registration=None if registration is None else registration.digest,
+                          wall_s=outcome.get("wall_s"))
                 self.book.finish(j.run_id)
             self._count("computed", len(unit.jobs))
             self.progress.show()

@@ -23,6 +23,7 @@ from ...core.schedules import schedule_parameters
 from ...runtime.config import (PAPER_MLP, ConfigError, ExperimentConfig, ModelConfig, parse_config,
                                parse_section, read_yaml, require)
 from .methods import SCHEDULE_AXIS, MethodSpec, declared, dotted, parse_methods, point_key
+from .registration import Registration, RegistrationError, registration_of
 from .stats import Analysis, parse_analysis
 
 __all__ = ["ACCURACY", "CRITERIA", "MethodSpec", "Seeds", "Study", "StudyError", "StudyFile",
@@ -105,6 +106,10 @@ class Study:
     #: the analysis plan (protocol, primary endpoints, grid extension), declared before the study
     #: runs
     analysis: object = None
+    #: the registration file that fixes this study before it runs (a file beside it, see
+    #: :mod:`.registration`); after ``__post_init__`` a :class:`~.registration.Registration` or
+    #: None
+    registration: object = None
     source: str = field(default="<memory>", compare=False)
 
     def __post_init__(self) -> None:
@@ -123,8 +128,12 @@ class Study:
         self._check_model_and_output()
         self._check_execution()
         self._set(analysis=self._analysis())
-        if self.analysis.corrected:
-            _check_symmetric(methods, _pairs(self.tests, methods))
+        if not isinstance(self.registration, Registration):
+            try:
+                self._set(registration=registration_of(self.registration, self.source))
+            except RegistrationError as err:
+                raise StudyError(str(err)) from None
+        _check_symmetric(methods, _pairs(self.tests, methods), self.analysis)
 
     def _set(self, **values: Any) -> None:
         for key, value in values.items():
@@ -285,26 +294,53 @@ def _tests(tests: Any, names: Sequence[str]) -> tuple[tuple[str, str], ...]:
 _SHARED_KEYS = ("learning_rate", "clip_restart", "local.steps", "local.clip", "local.share")
 
 
-def _check_symmetric(methods: Sequence[MethodSpec], pairs: Sequence[tuple[str, str]]) -> None:
-    """The corrected protocol's symmetric grids: the two methods of a tested pair tune every
+def _check_symmetric(methods: Sequence[MethodSpec], pairs: Sequence[tuple[str, str]],
+                     analysis: Analysis) -> None:
+    """The fairness rules of the tested pairs' grids.
+
+    Under the corrected protocol, symmetric grids: the two methods of a tested pair tune every
     hyper-parameter both have (learning rate; C₁ unless one of them has no clipping, i.e. GD; a
     shared routine's parameters; the schedule, and the parameters of schedules both run) with grids
-    of the same size. A hyper-parameter one method tunes and
-    the other holds fixed gives the first more chances."""
+    of the same size. A hyper-parameter one method tunes and the other holds fixed gives the first
+    more chances. Under ``budgets: equal`` (any protocol) the two tune the same number of grid
+    points instead, and the schedule is then one method's own axis, like DIFF2's T and C₂: the
+    shared hyper-parameters still have grids of the same size.
+    """
     by_name = {m.name: m for m in methods}
+    equal = analysis.budgets == "equal"
     for treat, control in pairs:
         a, b = by_name[treat], by_name[control]
-        clipped = "gd" not in (a.method, b.method)
-        keys = [k for k in _SHARED_KEYS if clipped or k != "clip_restart"]
-        keys += [k for k in routine_parameters(a.routine) if k in routine_parameters(b.routine)]
-        keys += [SCHEDULE_AXIS, *sorted(_schedule_keys(a) & _schedule_keys(b))]
         ga, gb = dict(a.grid), dict(b.grid)
-        for k in keys:
+        for k in _shared_keys(a, b, schedule=not equal) if analysis.corrected else ():
             require(len(ga.get(k, (None,))) == len(gb.get(k, (None,))), "methods",
                     f"symmetric grids under the corrected protocol: {treat!r} and {control!r} are "
                     f"compared, so both tune `{k}` with grids of the same size (or set "
                     "`analysis: {protocol: paper}`)",
                     {treat: list(ga.get(k, ["fixed"])), control: list(gb.get(k, ["fixed"]))})
+        if equal:
+            _check_budget(a, b)
+
+
+def _shared_keys(a: MethodSpec, b: MethodSpec, *, schedule: bool) -> list[str]:
+    """The grid keys two compared methods both have: learning rate, C₁ (unless one is GD), the local
+    routine's, a shared routine's parameters, and (``schedule``) the schedule and the parameters of
+    schedules both run."""
+    clipped = "gd" not in (a.method, b.method)
+    keys = [k for k in _SHARED_KEYS if clipped or k != "clip_restart"]
+    keys += [k for k in routine_parameters(a.routine) if k in routine_parameters(b.routine)]
+    if schedule:
+        keys += [SCHEDULE_AXIS, *sorted(_schedule_keys(a) & _schedule_keys(b))]
+    return keys
+
+
+def _check_budget(a: MethodSpec, b: MethodSpec) -> None:
+    """``budgets: equal``: ``a`` and ``b`` tune the same number of grid points, counted as the
+    planner builds them (schedule parameters merge where a point's schedule lacks them)."""
+    counts = {a.name: len(a.points()), b.name: len(b.points())}
+    require(counts[a.name] == counts[b.name], "methods",
+            f"equal tuning budgets (`analysis.budgets: equal`): {a.name!r} and {b.name!r} are "
+            "compared, so both tune the same number of grid configurations (counted after "
+            "schedule parameters merge); change a grid, or drop `budgets: equal`", counts)
 
 
 def _schedule_keys(method: MethodSpec) -> set[str]:

@@ -12,6 +12,7 @@ A study file's ``analysis:`` block fixes how the runs become claims, before any 
       alternative: two-sided # of the exploratory tests (every other reported comparison): BH q
       # bounds of the grid extension:
       extend: {learning_rate: [0.0078125, 8.0], clip_restart: [0.125, 8.0]}
+      budgets: unconstrained # the default; `equal`: a tested pair's methods tune as many points
 
 **Endpoints.** An endpoint is a criterion (``train_loss``, ``grad_norm_sq``, ``test_loss``,
 ``test_accuracy``) read at a round: ``best`` (the run's own best over rounds: the minimum, the
@@ -39,6 +40,18 @@ treatment − control (``less``: the treatment's value is lower).
 is allowed, the grids are the file's, and the test loss and accuracy are each run's best over
 rounds of the test metric itself; reports label it *the paper's protocol, optimistic*.
 
+**Budgets.** ``budgets: equal`` (the default is ``unconstrained``) makes the number of tuned grid
+configurations the fairness rule: the two methods of every tested pair tune the same number of
+points (:meth:`~.methods.MethodSpec.points`, after schedule parameters merge), and nothing is
+extended (``extend`` absent or ``false``; the corrected protocol's default bounds do not apply),
+so the counts stay equal. The schedule (its name and parameters) is then one method's own axis,
+like DIFF2's T and C₂: the symmetric-grid rule no longer asks both to tune it alike, but still asks
+it of the shared hyper-parameters (:func:`~.spec._check_symmetric`). Every summary records each
+method's tuned configurations and tuning runs per ε, whatever the rule.
+
+**Intervals.** Every test carries the two-sided 95 % interval of its mean difference and a ratio
+treatment/control with its interval (:mod:`.intervals`), at 95 % whatever ``alpha``.
+
 **Families.** The tests of the declared ``primary`` endpoints (over every ε and every tested pair)
 form the primary family, corrected by Holm: a primary result is a claim when its Holm-adjusted p
 is below ``alpha``. Every other reported comparison is exploratory (two-sided unless declared),
@@ -59,8 +72,9 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import numpy as np
 
 from .inference import ALTERNATIVES, benjamini_hochberg, holm
+from .intervals import LEVEL
 
-__all__ = ["AT", "Analysis", "Endpoint", "METRICS", "TEST_METRICS", "TRAIN_METRICS",
+__all__ = ["AT", "Analysis", "BUDGETS", "Endpoint", "METRICS", "TEST_METRICS", "TRAIN_METRICS",
            "correct_families", "endpoint_value", "parse_analysis", "train_best_round"]
 
 TRAIN_METRICS = ("train_loss", "grad_norm_sq")
@@ -68,6 +82,9 @@ TEST_METRICS = ("test_loss", "test_accuracy")
 METRICS = TRAIN_METRICS + TEST_METRICS
 AT = ("best", "final", "train_best")
 Protocol = Literal["corrected", "paper"]
+Budgets = Literal["unconstrained", "equal"]
+#: ``analysis.budgets``: ``equal`` asks both methods of a tested pair to tune as many points.
+BUDGETS: tuple[str, ...] = ("unconstrained", "equal")
 
 #: Default bounds of the grid extension (corrected protocol), per key: learning rate and clipping
 #: radii within 2^±10 / 2^±6 of 1; T from 2 up to R (clipped to the method's R).
@@ -114,6 +131,8 @@ class Analysis:
     alternative: str = "two-sided"  # of the exploratory tests
     extend: tuple[tuple[str, float, float], ...] = ()  # (key, low, high): the extension's bounds
     declared: bool = False  # the file has an analysis block
+    #: ``equal``: both methods of a tested pair tune the same number of grid points, none extended
+    budgets: Budgets = "unconstrained"
 
     @property
     def corrected(self) -> bool:
@@ -152,6 +171,7 @@ class Analysis:
                 "primary": [e.as_dict() for e in self.primary],
                 "exploratory_alternative": self.alternative,
                 "extend": {k: [lo, hi] for k, lo, hi in self.extend},
+                "budgets": self.budgets, "ci_level": LEVEL,
                 "label": ("corrected: test metrics at the train-loss-best round, selection on the "
                           "tuning seeds' mean, Holm over the primary family, BH q over the "
                           "exploratory one") if self.corrected else
@@ -166,10 +186,10 @@ def parse_analysis(data: Any, fail: Callable[[str, str, Any], Exception], *, tun
     endpoint)."""
     declared = data is not None
     data = {} if data is None else data
-    keys = {"protocol", "alpha", "primary", "alternative", "extend"}
+    keys = {"protocol", "alpha", "primary", "alternative", "extend", "budgets"}
     if not isinstance(data, Mapping) or set(data) - keys:
         raise fail("analysis", "a mapping with keys among protocol, alpha, primary, alternative, "
-                   "extend", data)
+                   "extend, budgets", data)
     protocol = data.get("protocol", "corrected")
     if protocol not in ("corrected", "paper"):
         raise fail("analysis.protocol", "'corrected' (the default) or 'paper' (the paper's Section "
@@ -185,10 +205,27 @@ def parse_analysis(data: Any, fail: Callable[[str, str, Any], Exception], *, tun
         raise fail("seeds.tune", "at least 3 tuning seeds under the corrected protocol (selection "
                    "on one seed picks that seed's noise); add seeds, or set `analysis: {protocol: "
                    "paper}` for the paper's one-seed rule", f"{tune_seeds} seed(s)")
-    extend = _parse_extend(data.get("extend"), protocol, fail, rounds)
+    budgets = _parse_budgets(data, fail)
+    extend = ({} if budgets == "equal" else
+              _parse_extend(data.get("extend"), protocol, fail, rounds))
     return Analysis(protocol=protocol, alpha=float(alpha), primary=tuple(primary),
-                    alternative=str(alternative), declared=declared,
+                    alternative=str(alternative), declared=declared, budgets=budgets,
                     extend=tuple((k, lo, hi) for k, (lo, hi) in sorted(extend.items())))
+
+
+def _parse_budgets(data: Mapping[str, Any], fail: Callable[[str, str, Any], Exception]) -> Budgets:
+    """``analysis.budgets``: ``unconstrained`` (the default) or ``equal``, which extends nothing
+    (an extension tunes more points for the method whose pick lies on an edge)."""
+    budgets = data.get("budgets", "unconstrained")
+    if budgets not in BUDGETS:
+        raise fail("analysis.budgets", "'unconstrained' (the default) or 'equal' (both methods of "
+                   "a tested pair tune the same number of grid points)", budgets)
+    extend = data.get("extend")
+    if budgets == "equal" and extend is not None and extend is not False:
+        raise fail("analysis.extend", "no grid extension under `budgets: equal` (an extension "
+                   "tunes more points for the method whose pick lies on an edge, so the budgets "
+                   "would differ): remove `extend`, or drop `budgets: equal`", extend)
+    return budgets
 
 
 def _parse_primary(raw: Any, protocol: str,
