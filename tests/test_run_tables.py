@@ -191,3 +191,36 @@ def test_an_incomplete_or_foreign_registration_is_refused_in_one_line(tmp_path):
                                               "reason": "cost"}])
     with pytest.raises(StudyError, match=r"amendments\[0\].*results_read"):
         load_study(path)
+
+
+def test_the_second_confirmation_is_registered_as_the_issue_asks():
+    """Issue 42, item 3: both methods tune the same number of configurations, DP-GD with decaying
+    steps, the paper's budgets and ε 8, fresh evaluation seeds 21-40, Holm over the family, and
+    one registration covering every file of it."""
+    from diff2_flwr.lab.study.registration import load_registration
+
+    configs = SMOKE.parent
+    registration = load_registration(configs / "confirm2" / "registration.yaml")
+    assert registration.amendments == () and registration.registered == "2026-12-04"
+    studies = [load_study(f) for f in registration.files[1:]]
+    assert {s.dataset["name"] for s in studies} == {"california_housing", "gas_turbine"}
+    others = [load_study(p) for p in sorted(configs.rglob("*.yaml"))
+              if "confirm2" not in p.parts and "seeds" in yaml.safe_load(p.read_text())
+              and "methods" in yaml.safe_load(p.read_text())]
+    used = {seed for s in others for seed in (*s.tune_seeds, *s.eval_seeds)}
+    for s in studies:
+        assert s.registration.digest == registration.digest
+        assert s.epsilons == (3.0, 5.0, 8.0) and s.rounds == 2000 and s.clients == 10
+        assert s.eval_seeds == tuple(range(21, 41)) and len(s.tune_seeds) == 3
+        assert not (set(s.eval_seeds) | set(s.tune_seeds)) & used  # fresh: no earlier run reused
+        assert s.analysis.corrected and s.analysis.budgets == "equal" and not s.analysis.extend
+        assert [(e.criterion, e.at, e.scale, e.alternative) for e in s.analysis.primary] == [
+            ("grad_norm_sq", "final", "log", "two-sided"),
+            ("train_loss", "best", "log", "two-sided")]
+        dpgd, diff2 = s.methods
+        assert (dpgd.method, diff2.method) == ("dpgd", "diff2")
+        assert len(dpgd.points()) == len(diff2.points()) == 24
+        assert {p["schedule"] for p in dpgd.points()} == {"constant", "cosine", "step",
+                                                          "inverse_sqrt"}
+        for key in ("learning_rate", "clip_restart"):  # the shared axes alike
+            assert dict(dpgd.grid)[key] == dict(diff2.grid)[key]
