@@ -112,7 +112,22 @@ def _add_study_commands(sub: Any) -> None:
     fam.add_argument("--output", default=None,
                      help="output root the studies ran with (default: each study's "
                                                      "output.dir)")
+    fam.add_argument("--from-tables", metavar="DIR", default=None,
+                     help="replay every study from its run table DIR/<study name>.csv (e.g. "
+                          "results/) first: the family from the committed tables alone")
     fam.set_defaults(func=experiments.family)
+
+    fig = sub.add_parser("figures",
+                         help="recompute the generated blocks of Markdown files (<!-- figures: "
+                              "family FILE --> ... <!-- /figures -->) from the committed run "
+                              "tables: rewrite them, or --check that they agree")
+    fig.add_argument("files", nargs="+", metavar="FILE", help="Markdown files, e.g. README.md "
+                                                             "docs/results.md")
+    fig.add_argument("--tables", default="results",
+                     help="folder of the run tables (default: %(default)s)")
+    fig.add_argument("--check", action="store_true",
+                     help="write nothing; exit 1 if a block differs from its recomputation")
+    fig.set_defaults(func=experiments.figures)
 
     reg = sub.add_parser("regime",
                          help="the regime map of a study family: DIFF2-GD / DP-GD ratios over n x "

@@ -18,8 +18,8 @@ from typing import Any, Mapping
 from ..runtime.outputs import to_json
 from ..runtime.spec import setting_names
 
-__all__ = ["DEFAULT_CONFIG", "audit", "bench", "experiment", "family", "noise", "plot", "regime",
-           "run"]
+__all__ = ["DEFAULT_CONFIG", "audit", "bench", "experiment", "family", "figures", "noise", "plot",
+           "regime", "run"]
 
 
 def noise(args: argparse.Namespace) -> int:
@@ -207,7 +207,25 @@ def family(args: argparse.Namespace) -> int:
     JSON (family.json and family.md written)."""
     from ..lab.study.family import run_family
 
-    print(json.dumps(to_json(run_family(args.family, output_root=args.output))))
+    print(json.dumps(to_json(run_family(args.family, output_root=args.output,
+                                        tables=args.from_tables))))
+    return 0
+
+
+def figures(args: argparse.Namespace) -> int:
+    """``diff2 figures``: the generated blocks of the given Markdown files recomputed from the run
+    tables (written, or with ``--check`` compared); JSON on stdout; 1 if a checked block differs."""
+    from ..lab.study.figures import refresh
+
+    result = refresh([Path(f) for f in args.files], Path(args.tables), check=args.check)
+    print(json.dumps(to_json(result)))
+    if args.check and result["differ"]:
+        for d in result["differ"]:
+            print(f"diff2 figures: {d['file']}: the block of {d['block']} differs from its "
+                  f"recomputation from {args.tables}/ (first difference: line {d['line']}); run "
+                  f"diff2 figures {' '.join(args.files)} to rewrite it, and read the new numbers "
+                  "before committing them", file=sys.stderr)
+        return 1
     return 0
 
 

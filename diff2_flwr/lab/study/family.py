@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -32,7 +33,7 @@ from .claims import atomic_write_text
 from .inference import holm
 from .intervals import LEVEL
 from .report import RATIO_LEGEND, _endpoint, format_budgets, with_interval
-from .runner import load_study
+from .runner import load_study, run_study
 
 __all__ = ["FamilyError", "run_family"]
 
@@ -59,10 +60,18 @@ def _load(path: Path) -> dict[str, Any]:
             "alpha": float(alpha)}
 
 
-def run_family(path: str | Path, *, output_root: str | Path | None = None) -> dict[str, Any]:
-    """Holm across the primary tests of the family's studies; writes family.json and family.md."""
+def run_family(path: str | Path, *, output_root: str | Path | None = None,
+               tables: str | Path | None = None) -> dict[str, Any]:
+    """Holm across the primary tests of the family's studies; writes family.json and family.md.
+
+    With ``tables`` (a folder of run tables, e.g. the repository's ``results/``) every study is
+    first replayed from ``<tables>/<study name>.csv`` alone (:func:`~.runner.run_study` with
+    ``table``) into ``output_root`` (a fresh temporary folder by default), and the family is
+    computed from those replays: every figure from the committed tables, nothing computed."""
     path = Path(path)
     spec = _load(path)
+    if tables is not None and output_root is None:
+        output_root = tempfile.mkdtemp(prefix="diff2-family-")
     rows, studies = [], []
     for study_path in spec["studies"]:
         study = load_study(study_path)
@@ -71,6 +80,14 @@ def run_family(path: str | Path, *, output_root: str | Path | None = None) -> di
                               "(`analysis.primary`), so it has nothing to contribute to a "
                               "confirmation family. Declare them before it runs.")
         root = Path(output_root or study.output_dir).expanduser().resolve() / study.name
+        if tables is not None:
+            table = Path(tables) / f"{study.name}.csv"
+            if not table.is_file():
+                raise FamilyError(f"{study_path}: no run table {table}: a study's table is its "
+                                  f"runs.csv, committed as {Path(tables) / study.name}.csv.")
+            run_study(study, output_root=output_root, show_progress=False, make_plots=False,
+                      table=table)
+            root = root.with_name(f"{study.name}-from-table")
         summary_file = root / "summary.json"
         if not summary_file.is_file():
             raise FamilyError(f"{study_path}: no results at {summary_file}. Run it first: "

@@ -1,0 +1,83 @@
+"""Published figures that recompute themselves (issue 42, item 1): a generated block of a Markdown
+file is recomputed from the committed run tables alone, and a number that drifts from them fails
+the check."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from diff2_flwr.cli import main
+from diff2_flwr.lab.study.figures import refresh
+from diff2_flwr.lab.study.runner import load_study, run_study
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.yaml"
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A one-study family on synthetic data with a primary endpoint, run once; its run table
+    committed under tables/ and its results folder deleted (only the table remains)."""
+    root = tmp_path_factory.mktemp("repo")
+    study = yaml.safe_load(SMOKE.read_text())
+    study.update(name="figs", output={"dir": str(root / "outputs")},
+                 methods=study["methods"][1:],
+                 analysis={"primary": [{"criterion": "grad_norm_sq", "at": "final",
+                                        "scale": "log"}]})
+    (root / "figs.yaml").write_text(yaml.safe_dump(study))
+    (root / "family.yaml").write_text(yaml.safe_dump({"name": "figs", "studies": ["figs.yaml"]}))
+    run_study(load_study(root / "figs.yaml"), show_progress=False, make_plots=False)
+    (root / "tables").mkdir()
+    shutil.copy(root / "outputs" / "figs" / "runs.csv", root / "tables" / "figs.csv")
+    shutil.rmtree(root / "outputs")
+    return root
+
+
+def test_a_block_is_written_from_the_tables_and_a_drifted_number_fails_the_check(published):
+    root = published
+    page = root / "page.md"
+    page.write_text("# Results\n\n<!-- figures: family family.yaml -->\n<!-- /figures -->\n"
+                    "\nEnd.\n")
+    written = refresh([page], root / "tables", check=False, root=root)
+    assert written["differ"] and written["written"]
+    text = page.read_text()
+    assert "| figs | 3 | DIFF2-GD (T=4) vs DP-GD |" in text and text.endswith("\nEnd.\n")
+    assert "ratio [95 % CI]" in text  # the family table, with its intervals
+    assert refresh([page], root / "tables", check=True, root=root)["differ"] == []
+    # a number edited by hand (the family Holm p of the one test) no longer matches
+    row = next(line for line in text.splitlines() if line.startswith("| figs | 3 |"))
+    cells = row.split(" | ")
+    cells[-2] = "0.0001"
+    page.write_text(text.replace(row, " | ".join(cells)))
+    checked = refresh([page], root / "tables", check=True, root=root)
+    assert checked["differ"] == [{"file": str(page), "block": "family family.yaml",
+                                  "line": text.splitlines().index(row) + 1}]
+    assert " | ".join(cells) in page.read_text()  # --check writes nothing
+
+
+def test_the_command_checks_in_one_line_and_exits_1(published, monkeypatch, capsys):
+    root = published
+    page = root / "drift.md"
+    page.write_text("<!-- figures: family family.yaml -->\n| stale |\n<!-- /figures -->\n")
+    monkeypatch.chdir(root)
+    assert main(["figures", "--check", "--tables", "tables", "drift.md"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["differ"][0]["line"] == 2
+    last = err.splitlines()[-1]  # above it, the replays' own progress lines
+    assert last.startswith("diff2 figures: drift.md: the block of family family.yaml differs")
+    assert "differs from its recomputation from tables/ (first difference: line 2)" in last
+    assert main(["figures", "--tables", "tables", "drift.md"]) == 0
+    assert main(["figures", "--check", "--tables", "tables", "drift.md"]) == 0
+
+
+@pytest.mark.realdata
+def test_the_readme_and_the_results_page_agree_with_the_committed_tables():
+    """Every generated block of the README and the results page, recomputed from results/."""
+    result = refresh([ROOT / "README.md", ROOT / "docs" / "results.md"], ROOT / "results",
+                     check=True, root=ROOT)
+    assert result["differ"] == []
