@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal, Mapping
 
 from ..core.routines import ROUTINES, Routine, RoutineError, make_routine, routine_parameters
 from ..core.schedules import (SCHEDULES, Schedule, ScheduleError, make_schedule,
@@ -48,14 +48,8 @@ class RoutineConfig:
     SHORTHAND = "name"
 
     def __post_init__(self) -> None:
-        require(self.name in ROUTINES, "name", f"one of {', '.join(repr(n) for n in ROUTINES)}",
-                self.name)
-        allowed = routine_parameters(self.name)
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name != "name" and value is not None and f.name not in allowed:
-                has = ", ".join(allowed) or "none (its step is training.learning_rate)"
-                raise Invalid(f.name, f"nothing for routine {self.name} (its keys: {has})", value)
+        _check_named(self, "routine", ROUTINES, routine_parameters,
+                     "none (its step is training.learning_rate)")
         try:
             self.build(1.0)
         except RoutineError as err:
@@ -63,8 +57,7 @@ class RoutineConfig:
 
     def params(self) -> dict[str, float]:
         """The parameters set in the file (the routine's defaults fill the rest)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "name" and getattr(self, f.name) is not None}
+        return _params_set(self)
 
     def build(self, learning_rate: float) -> Routine:
         """The routine, with ``learning_rate`` (``training.learning_rate``)."""
@@ -73,8 +66,7 @@ class RoutineConfig:
     def to_yaml(self) -> str | dict[str, Any]:
         """``"gd"`` for a name alone (as files have always said it), else a mapping of the keys
         set."""
-        params = self.params()
-        return {"name": self.name, **params} if params else self.name
+        return _named_yaml(self)
 
 
 @dataclass(frozen=True)
@@ -103,14 +95,7 @@ class ScheduleConfig:
     SHORTHAND = "name"
 
     def __post_init__(self) -> None:
-        require(self.name in SCHEDULES, "name", f"one of {', '.join(repr(n) for n in SCHEDULES)}",
-                self.name)
-        allowed = schedule_parameters(self.name)
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name != "name" and value is not None and f.name not in allowed:
-                has = ", ".join(allowed) or "none (s(r) = 1)"
-                raise Invalid(f.name, f"nothing for schedule {self.name} (its keys: {has})", value)
+        _check_named(self, "schedule", SCHEDULES, schedule_parameters, "none (s(r) = 1)")
         try:
             self.build()
         except ScheduleError as err:
@@ -123,8 +108,7 @@ class ScheduleConfig:
 
     def params(self) -> dict[str, float]:
         """The parameters set in the file (the schedule's defaults fill the rest)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "name" and getattr(self, f.name) is not None}
+        return _params_set(self)
 
     def build(self) -> Schedule:
         """The schedule s(r)."""
@@ -132,8 +116,32 @@ class ScheduleConfig:
 
     def to_yaml(self) -> str | dict[str, Any]:
         """``"constant"`` for a name alone, else a mapping of the keys set."""
-        params = self.params()
-        return {"name": self.name, **params} if params else self.name
+        return _named_yaml(self)
+
+
+def _check_named(section: Any, what: str, registry: Mapping[str, Any],
+                 parameters: Callable[[str], Mapping[str, Any]], none: str) -> None:
+    """A section that names an entry of ``registry`` (``training.routine``, ``training.schedule``):
+    the name is one of it, and no key is set that the named entry does not have."""
+    require(section.name in registry, "name", f"one of {', '.join(repr(n) for n in registry)}",
+            section.name)
+    allowed = parameters(section.name)
+    for key, value in _params_set(section).items():
+        if key not in allowed:
+            has = ", ".join(allowed) or none
+            raise Invalid(key, f"nothing for {what} {section.name} (its keys: {has})", value)
+
+
+def _params_set(section: Any) -> dict[str, Any]:
+    """A named section's keys set in the file, its name aside."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+            if f.name != "name" and getattr(section, f.name) is not None}
+
+
+def _named_yaml(section: Any) -> str | dict[str, Any]:
+    """A named section as YAML: its name alone when no key is set, else a mapping."""
+    params = _params_set(section)
+    return {"name": section.name, **params} if params else section.name
 
 
 #: ``training.clients: auto``: P is the number of SuperNodes of the federation that runs the config.
