@@ -19,6 +19,7 @@ summary it writes then holds every figure the study published, recomputed from t
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from pathlib import Path
@@ -77,16 +78,11 @@ def table_rows(study_name: str, dataset: str, registration: str | None,
 
 def write_table(path: Path, rows: list[dict[str, str]]) -> Path:
     """Write the rows as CSV (whole, atomically)."""
-    lines: list[str] = []
-
-    class _Lines:
-        def write(self, text: str) -> None:
-            lines.append(text)
-
-    writer = csv.DictWriter(_Lines(), fieldnames=COLUMNS, lineterminator="\n")
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    atomic_write_text(path, "".join(lines))
+    atomic_write_text(path, text.getvalue())
     return path
 
 
