@@ -33,7 +33,7 @@ def published(tmp_path_factory):
     (root / "family.yaml").write_text(yaml.safe_dump({"name": "figs", "studies": ["figs.yaml"]}))
     run_study(load_study(root / "figs.yaml"), show_progress=False, make_plots=False)
     (root / "tables").mkdir()
-    shutil.copy(root / "outputs" / "figs" / "runs.csv", root / "tables" / "figs.csv")
+    shutil.copy(root / "outputs" / "figs" / "runs.csv.gz", root / "tables" / "figs.csv.gz")
     shutil.rmtree(root / "outputs")
     return root
 

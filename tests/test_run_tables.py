@@ -3,6 +3,7 @@ analysis read, and a replay computes nothing."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from pathlib import Path
@@ -46,6 +47,24 @@ def test_a_table_reads_back_the_very_numbers_including_a_diverged_run(tmp_path):
     diverged = back["eval-dp-gd-bbbbbbbbbbbb"]
     assert diverged["train_loss"][-1] == math.inf and math.isnan(diverged["test_accuracy"][-1])
     assert "test_accuracy" not in back["tune-dp-gd-aaaaaaaaaaaa"]
+
+
+def test_a_gzipped_table_reads_as_its_csv_and_its_bytes_depend_only_on_its_rows(tmp_path):
+    rows = tables.table_rows("s", "d", "ab12", [_record("tune-dp-gd-aaaaaaaaaaaa"),
+                                                _record("eval-dp-gd-bbbbbbbbbbbb", seed=22)])
+    plain = tables.write_table(tmp_path / "t.csv", rows)
+    packed = tables.write_table(tmp_path / "t.csv.gz", rows)
+    assert gzip.decompress(packed.read_bytes()) == plain.read_bytes()
+    assert tables.read_table(packed) == tables.read_table(plain)
+    again = tables.write_table(tmp_path / "u.csv.gz", rows)  # no time stamp in the gzip header
+    assert again.read_bytes() == packed.read_bytes()
+    assert tables.table_path(tmp_path, "t") == packed  # the packed one first
+    packed.unlink()
+    assert tables.table_path(tmp_path, "t") == plain
+    truncated = tmp_path / "cut.csv.gz"
+    truncated.write_bytes(again.read_bytes()[:40])
+    with pytest.raises(StudyError, match=r"cut.csv.gz: not a readable run table"):
+        tables.read_table(truncated)
 
 
 def test_unpacked_run_files_load_as_the_scheduler_wrote_them(tmp_path):
@@ -113,7 +132,7 @@ def smoke(tmp_path_factory):
 def test_a_study_writes_its_run_table_and_a_replay_from_it_recomputes_every_figure(smoke,
                                                                                    monkeypatch):
     study, summary, out = smoke
-    table = out / study.name / "runs.csv"
+    table = out / study.name / "runs.csv.gz"
     records = tables.read_table(table)
     assert len(records) == len(list((out / study.name / "runs").glob("*.json")))
     assert {r["role"] for r in tables.table_rows("s", "d", None, records)} == {"tune", "evaluate"}
@@ -124,12 +143,13 @@ def test_a_study_writes_its_run_table_and_a_replay_from_it_recomputes_every_figu
     again = run_study(study, output_root=out, show_progress=False, table=table)
     assert _figures(again) == _figures(summary)
     assert again["execution"]["executor"] == "table"
-    assert (out / f"{study.name}-from-table" / "runs.csv").read_bytes() == table.read_bytes()
+    assert (out / f"{study.name}-from-table" / "runs.csv.gz").read_bytes() == table.read_bytes()
 
 
 def test_a_table_that_lacks_a_planned_run_stops_the_replay_in_one_line(smoke, tmp_path):
     study, _, out = smoke
-    lines = (out / study.name / "runs.csv").read_text().splitlines(keepends=True)
+    lines = gzip.decompress((out / study.name / "runs.csv.gz").read_bytes()).decode().splitlines(
+        keepends=True)
     dropped = next(line for line in lines if ",evaluate,eval-dp-gd-" in line)
     short = tmp_path / "short.csv"
     short.write_text("".join(line for line in lines if line is not dropped))
@@ -168,7 +188,7 @@ def test_a_registered_study_ties_every_run_and_its_table_to_the_registration(tmp
     root = tmp_path / "out" / "registered"
     assert all(json.loads(f.read_text())["registration"] == digest
                for f in (root / "runs").glob("*.json"))
-    assert {r["registration"] for r in tables.read_table(root / "runs.csv")} == {digest}
+    assert {r["registration"] for r in tables.read_table(root / "runs.csv.gz")} == {digest}
     # an amendment (any change to a registered file) changes the digest, and the runs computed
     # under the old one are refused
     family = tmp_path / "family.yaml"

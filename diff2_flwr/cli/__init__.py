@@ -95,9 +95,10 @@ def _add_run_commands(sub: Any) -> None:
                           "silent this long (default %(default)s; a driver on this machine that "
                           "died is noticed at once)")
     exp.add_argument("--from-table", metavar="TABLE", default=None,
-                     help="replay the study from its run table (runs.csv, e.g. a committed "
-                          "results/*.csv): every figure recomputed from the table alone, nothing "
-                          "computed; written to <output>/<name>-from-table")
+                     help="replay the study from its run table (runs.csv.gz, e.g. a committed "
+                          "results/*.csv.gz; a plain .csv also reads): every figure recomputed "
+                          "from the table alone, nothing computed; written to "
+                          "<output>/<name>-from-table")
     exp.set_defaults(func=experiments.experiment)
 
 
@@ -113,7 +114,7 @@ def _add_study_commands(sub: Any) -> None:
                      help="output root the studies ran with (default: each study's "
                                                      "output.dir)")
     fam.add_argument("--from-tables", metavar="DIR", default=None,
-                     help="replay every study from its run table DIR/<study name>.csv (e.g. "
+                     help="replay every study from its run table DIR/<study name>.csv.gz (e.g. "
                           "results/) first: the family from the committed tables alone")
     fam.set_defaults(func=experiments.family)
 

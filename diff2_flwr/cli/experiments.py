@@ -174,6 +174,7 @@ def experiment(args: argparse.Namespace) -> int:
     are, with its primary results, as JSON; 2 if its Ray cluster fails."""
     from ..lab.study.cluster import ClusterError
     from ..lab.study.runner import load_study, run_study
+    from ..lab.study.tables import TABLE_FILE
 
     study = load_study(args.study)
     if args.engine:
@@ -195,7 +196,7 @@ def experiment(args: argparse.Namespace) -> int:
         file=sys.stderr)
     inference = summary.get("inference", {})
     print(json.dumps(to_json({"study": study.name, "summary": str(root / "summary.json"),
-                              "report": str(root / "report.md"), "runs": str(root / "runs.csv"),
+                              "report": str(root / "report.md"), "runs": str(root / TABLE_FILE),
                               "wall_time_s": summary["wall_time_s"],
                               "protocol": inference.get("protocol"),
                               "primary_results": inference.get("primary_results", [])})))

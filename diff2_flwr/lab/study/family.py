@@ -34,6 +34,7 @@ from .inference import holm
 from .intervals import LEVEL
 from .report import RATIO_LEGEND, _endpoint, format_budgets, with_interval
 from .runner import load_study, run_study
+from .tables import TABLE_FILE, table_path
 
 __all__ = ["FamilyError", "run_family"]
 
@@ -65,7 +66,7 @@ def run_family(path: str | Path, *, output_root: str | Path | None = None,
     """Holm across the primary tests of the family's studies; writes family.json and family.md.
 
     With ``tables`` (a folder of run tables, e.g. the repository's ``results/``) every study is
-    first replayed from ``<tables>/<study name>.csv`` alone (:func:`~.runner.run_study` with
+    first replayed from ``<tables>/<study name>.csv.gz`` alone (:func:`~.runner.run_study` with
     ``table``) into ``output_root`` (a fresh temporary folder by default), and the family is
     computed from those replays: every figure from the committed tables, nothing computed."""
     path = Path(path)
@@ -81,10 +82,10 @@ def run_family(path: str | Path, *, output_root: str | Path | None = None,
                               "confirmation family. Declare them before it runs.")
         root = Path(output_root or study.output_dir).expanduser().resolve() / study.name
         if tables is not None:
-            table = Path(tables) / f"{study.name}.csv"
+            table = table_path(tables, study.name)
             if not table.is_file():
-                raise FamilyError(f"{study_path}: no run table {table}: a study's table is its "
-                                  f"runs.csv, committed as {Path(tables) / study.name}.csv.")
+                raise FamilyError(f"{study_path}: no run table {table}: a study's table is the "
+                                  f"{TABLE_FILE} beside its summary, committed as {table}.")
             run_study(study, output_root=output_root, show_progress=False, make_plots=False,
                       table=table)
             root = root.with_name(f"{study.name}-from-table")

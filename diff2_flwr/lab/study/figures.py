@@ -12,7 +12,7 @@ A generated block is written between two comments::
 (:func:`~.family.markdown`: every primary test with its ratio and 95 % interval, raw p, the
 within-study and the family's Holm p, then each study's tuning budgets), recomputed by replaying
 each study of the family from its run
-table ``results/<study name>.csv`` (:func:`~.family.run_family` with ``tables``). ``diff2 figures
+table ``results/<study name>.csv.gz`` (:func:`~.family.run_family` with ``tables``). ``diff2 figures
 FILES`` rewrites the blocks; ``diff2 figures --check FILES`` writes nothing and fails when one
 differs, which a test runs on the README and the results page: a number in a block cannot drift
 from its tables.

@@ -55,7 +55,7 @@ from .plan import GridSearch, Job, check_point, eval_jobs, planned_runs, tune_jo
 from .registration import check_runs
 from .report import write_report
 from .spec import MethodSpec, Study, StudyError, load_study, parse_study
-from .tables import TableExecutor, read_table, table_rows, unpack, write_table
+from .tables import TABLE_FILE, TableExecutor, read_table, table_rows, unpack, write_table
 
 # Names that code and tests import from here, each defined in its part (``X as X``: re-exported).
 from .scheduler import compute_unit as compute_unit
@@ -84,7 +84,7 @@ def run_study(
     make_plots: bool = True, ray_address: str | None = None, stale_after_s: float = STALE_AFTER_S,
     table: str | Path | None = None,
 ) -> dict:
-    """Run the whole study (resumable) and write summary.json, runs.csv (its run table,
+    """Run the whole study (resumable) and write summary.json, runs.csv.gz (its run table,
     :mod:`.tables`), report.md and plots; return the summary.
 
     With ``table`` the study is replayed from that run table alone: its runs are written back into
@@ -197,7 +197,7 @@ def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook,
     summary["inference"] = inference(study, rows)
     progress.finish()
     summary["wall_time_s"] = time.perf_counter() - started
-    write_table(root / "runs.csv", table_rows(study.name, summary["dataset"]["name"],
+    write_table(root / TABLE_FILE, table_rows(study.name, summary["dataset"]["name"],
                                               summary.get("registration", {}).get("sha256"),
                                               every.values()))
     return _finish(study, summary, root, runs_dir, executor, book, tally, make_plots)

@@ -1,7 +1,8 @@
 """A study's run table: every run of a study in one compact CSV file, the published form of its
 results (issue 42, item 1).
 
-A study writes ``runs.csv`` beside its ``summary.json``: one row per run with what it is (study,
+A study writes ``runs.csv.gz`` beside its ``summary.json`` (gzip, with no time stamp in its header,
+so the same runs give the same bytes): one row per run with what it is (study,
 registration hash, dataset, ε, method, base method, routine, grid point, seed, role tune/evaluate,
 run id, engine), its endpoints at every evaluated round (train loss, ‖∇f‖², test loss, and test
 accuracy for a classification dataset; a run that diverged has no value from its divergence on)
@@ -19,6 +20,7 @@ summary it writes then holds every figure the study published, recomputed from t
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
 import math
@@ -26,11 +28,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from ...runtime.outputs import to_json
-from .claims import atomic_write_text
+from .claims import atomic_write_bytes, atomic_write_text
 from .spec import ACCURACY, CRITERIA, StudyError
 
-__all__ = ["COLUMNS", "TableExecutor", "read_table", "role_of", "table_rows", "unpack",
-           "write_table"]
+__all__ = ["COLUMNS", "TABLE_FILE", "TABLE_SUFFIX", "TableExecutor", "read_table", "role_of",
+           "table_path", "table_rows", "unpack", "write_table"]
 
 #: The columns of a run table, in order.
 COLUMNS = ("study", "registration", "dataset", "epsilon", "method", "base_method", "routine",
@@ -76,28 +78,56 @@ def table_rows(study_name: str, dataset: str, registration: str | None,
     return rows
 
 
+#: The file name of a study's run table beside its summary, and the suffix of a published one.
+TABLE_FILE = "runs.csv.gz"
+TABLE_SUFFIX = ".csv.gz"
+
+
+def _gzipped(path: Path) -> bool:
+    return path.name.endswith(".gz")
+
+
 def write_table(path: Path, rows: list[dict[str, str]]) -> Path:
-    """Write the rows as CSV (whole, atomically)."""
+    """Write the rows as CSV (whole, atomically); gzip-compressed when the name ends in ``.gz``,
+    with a zero time stamp so that equal rows give equal bytes."""
     text = io.StringIO()
     writer = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    atomic_write_text(path, text.getvalue())
+    if not _gzipped(path):
+        atomic_write_text(path, text.getvalue())
+        return path
+    atomic_write_bytes(path, gzip.compress(text.getvalue().encode("utf-8"), compresslevel=9,
+                                           mtime=0))
     return path
+
+
+def table_path(folder: str | Path, name: str) -> Path:
+    """A published table of study ``name`` in ``folder``: ``name.csv.gz``, or ``name.csv`` if only
+    that exists."""
+    folder = Path(folder)
+    plain = folder / f"{name}.csv"
+    packed = folder / f"{name}{TABLE_SUFFIX}"
+    return plain if plain.is_file() and not packed.is_file() else packed
 
 
 def read_table(path: str | Path) -> list[dict[str, Any]]:
     """The run records of a table, as the run files hold them (JSON's nulls in the criteria read as
     inf, in the accuracy as NaN, as :func:`~.scheduler.load_run` reads them)."""
     path = Path(path)
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise StudyError(f"{path}: a run table has the columns {', '.join(COLUMNS)}; this "
-                             f"file lacks {', '.join(missing)}. Was it written by diff2 "
-                             "experiment?")
-        return [_record(path, i + 2, row) for i, row in enumerate(reader)]
+    try:
+        raw = path.read_bytes()
+        text = gzip.decompress(raw) if _gzipped(path) else raw
+        reader = csv.DictReader(io.StringIO(text.decode("utf-8"), newline=""))
+    except (OSError, EOFError, UnicodeDecodeError) as err:
+        raise StudyError(f"{path}: not a readable run table ({err}); expected the CSV (or "
+                         "gzip-compressed CSV, .csv.gz) that diff2 experiment writes.") from None
+    missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise StudyError(f"{path}: a run table has the columns {', '.join(COLUMNS)}; this "
+                         f"file lacks {', '.join(missing)}. Was it written by diff2 "
+                         "experiment?")
+    return [_record(path, i + 2, row) for i, row in enumerate(reader)]
 
 
 def _record(path: Path, line: int, row: Mapping[str, str]) -> dict[str, Any]:
