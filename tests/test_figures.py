@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from diff2_flwr.cli import main
-from diff2_flwr.lab.study.figures import refresh
+from diff2_flwr.lab.regime.published import render_regime
+from diff2_flwr.lab.study.figures import RENDERERS, refresh
 from diff2_flwr.lab.study.runner import load_study, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,5 +80,5 @@ def test_the_command_checks_in_one_line_and_exits_1(published, monkeypatch, caps
 def test_the_readme_and_the_results_page_agree_with_the_committed_tables():
     """Every generated block of the README and the results page, recomputed from results/."""
     result = refresh([ROOT / "README.md", ROOT / "docs" / "results.md"], ROOT / "results",
-                     check=True, root=ROOT)
+                     check=True, root=ROOT, renderers={**RENDERERS, "regime": render_regime})
     assert result["differ"] == []

@@ -120,7 +120,8 @@ def _add_study_commands(sub: Any) -> None:
 
     fig = sub.add_parser("figures",
                          help="recompute the generated blocks of Markdown files (<!-- figures: "
-                              "family FILE --> ... <!-- /figures -->) from the committed run "
+                              "family FILE --> or <!-- figures: regime FOLDER --> ... <!-- "
+                              "/figures -->) from the committed run "
                               "tables: rewrite them, or --check that they agree")
     fig.add_argument("files", nargs="+", metavar="FILE", help="Markdown files, e.g. README.md "
                                                              "docs/results.md")
@@ -137,7 +138,11 @@ def _add_study_commands(sub: Any) -> None:
                               "the theory's −1/3")
     reg.add_argument("study_dirs", nargs="+", metavar="STUDY_DIR",
                      help="finished studies: folders holding summary.json (or summary.json files, "
-                          "or a folder whose sub-folders hold them, e.g. outputs/regime)")
+                          "or a folder whose sub-folders hold them, e.g. outputs/regime); with "
+                          "--from-tables, the study files (or their folder, e.g. configs/regime)")
+    reg.add_argument("--from-tables", metavar="DIR", default=None,
+                     help="replay every study from its run table DIR/<study name>.csv.gz (e.g. "
+                          "results/) first: the map from the committed tables alone")
     reg.add_argument("--out", default="outputs/regime_map",
                      help="folder for heatmap_<dataset>.png, scatter.png, regime.md, regime.json "
                           "(default %(default)s)")

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -216,9 +217,11 @@ def family(args: argparse.Namespace) -> int:
 def figures(args: argparse.Namespace) -> int:
     """``diff2 figures``: the generated blocks of the given Markdown files recomputed from the run
     tables (written, or with ``--check`` compared); JSON on stdout; 1 if a checked block differs."""
-    from ..lab.study.figures import refresh
+    from ..lab.regime.published import render_regime
+    from ..lab.study.figures import RENDERERS, refresh
 
-    result = refresh([Path(f) for f in args.files], Path(args.tables), check=args.check)
+    result = refresh([Path(f) for f in args.files], Path(args.tables), check=args.check,
+                     renderers={**RENDERERS, "regime": render_regime})
     print(json.dumps(to_json(result)))
     if args.check and result["differ"]:
         for d in result["differ"]:
@@ -241,11 +244,16 @@ def regime(args: argparse.Namespace) -> int:
     if replicates < 1:
         raise ValueError(
             f"`--replicates`: expected a number of bootstrap replicates >= 1. Found {replicates}.")
-    cells = read_cells(args.study_dirs, diff2=args.diff2, control=args.control)
-    result = write_regime(cells, args.out, alpha=args.alpha, plots=not args.no_plots,
-                          replicates=replicates,
-                          seed=BOOTSTRAP_SEED if args.bootstrap_seed is None
-                          else args.bootstrap_seed)
+    with tempfile.TemporaryDirectory(prefix="diff2-regime-") as work:
+        sources = args.study_dirs
+        if args.from_tables:
+            from ..lab.regime.read import replay_tables
+            sources = replay_tables(args.study_dirs, args.from_tables, work)
+        cells = read_cells(sources, diff2=args.diff2, control=args.control)
+        result = write_regime(cells, args.out, alpha=args.alpha, plots=not args.no_plots,
+                              replicates=replicates,
+                              seed=BOOTSTRAP_SEED if args.bootstrap_seed is None
+                              else args.bootstrap_seed)
     print(json.dumps(to_json(result)))
     return 0
 

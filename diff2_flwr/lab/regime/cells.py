@@ -17,6 +17,7 @@ import numpy as np
 
 from ..study.stats import endpoint_value
 from ..study.inference import benjamini_hochberg, holm, paired_ttest
+from ..study.intervals import difference_interval
 
 __all__ = ["ALPHA", "ENDPOINTS", "LEGEND", "MARK_BETTER", "MARK_WORSE", "PRIMARY", "STALL_PROGRESS",
            "STALL_RULE",
@@ -126,18 +127,30 @@ class Cell:
         return float(v.mean()) if np.all(np.isfinite(v)) else math.inf
 
     def ratio(self, endpoint: str) -> float:
-        """DIFF2-GD's seed mean / DP-GD's (inf or 0 when one of them diverged on a seed, NaN when
-        both did)."""
+        """DIFF2-GD over DP-GD: for a log endpoint (‖∇f‖²) the geometric mean of the per-seed
+        ratios, 10^(mean log10 difference), the quantity its t-test tests, which one seed cannot
+        dominate; for a loss the ratio of the seed means. inf or 0 when one of them diverged on a
+        seed, NaN when both did."""
         a, b = self.mean(endpoint, self.diff2), self.mean(endpoint, self.control)
         if not (math.isfinite(a) and math.isfinite(b)):
             return math.nan if not math.isfinite(a) and not math.isfinite(b) else (
-                math.inf if not math.isfinite(a)
-                                                                                   else 0.0)
+                math.inf if not math.isfinite(a) else 0.0)
+        if ENDPOINTS[endpoint].log:
+            diff = self.mean_difference(endpoint)
+            return 10 ** diff if math.isfinite(diff) else math.nan
         return a / b if b > 0 else math.nan
 
+    def ratio_interval(self, endpoint: str) -> tuple[float, float] | None:
+        """The 95 % interval of :meth:`ratio` for a log endpoint (10^ of the paired t-interval of
+        the mean log10 difference); None for a loss, or when a value is not finite."""
+        if not ENDPOINTS[endpoint].log:
+            return None
+        found = difference_interval(*self.tested(endpoint))
+        return None if found is None else (10 ** found[0], 10 ** found[1])
+
     def fit_ready(self, endpoint: str = PRIMARY) -> bool:
-        """Every per-seed value of both methods finite and positive (a ratio of seed means under any
-        resample)."""
+        """Every per-seed value of both methods finite and positive (a finite log ratio on every
+        seed, so under any resample)."""
         v = np.asarray([self.diff2_values[endpoint], self.control_values[endpoint]], dtype=float)
         return bool(np.all(np.isfinite(v)) and np.all(v > 0))
 

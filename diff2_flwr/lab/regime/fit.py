@@ -1,5 +1,5 @@
-"""The regime map's fit: log10(ratio) = a_dataset + b·log10(nε/√d) with a cluster bootstrap over
-seeds.
+"""The regime map's fit: mean log10 ratio = a_dataset + b·log10(nε/√d) with a cluster bootstrap
+over seeds (a cell's response: the mean over seeds of the paired log10 difference).
 
 :func:`fit_regime` fits one set of cells (:class:`Fit`); :func:`regime_fits` the map's pooled,
 per-dataset and sensitivity fits. Why a cluster bootstrap, and what its interval does not cover:
@@ -29,8 +29,8 @@ BOOTSTRAP_SEED = 20
 
 @dataclass(frozen=True)
 class Fit:
-    """log10(ratio) = a_dataset + b·log10(nε/√d) over k cells, with a cluster-bootstrap interval for
-    b."""
+    """mean log10 ratio = a_dataset + b·log10(nε/√d) over k cells, with a cluster-bootstrap interval
+    for b."""
 
     cells: tuple[str, ...]  # the cells' labels
     slope: float
@@ -137,11 +137,14 @@ def fit_regime(cells: Sequence[Cell], *, endpoint: str = PRIMARY,
     design = np.column_stack([(group[:, None] == np.arange(len(datasets))).astype(float), lx])
     treat = np.array([cell.diff2_values[endpoint] for cell in usable], dtype=float)  # k x S
     ctrl = np.array([cell.control_values[endpoint] for cell in usable], dtype=float)
-    ly = np.log10(treat.mean(axis=1) / ctrl.mean(axis=1))
+    # per seed, the paired log10 difference; a cell's response is their mean (the log of the
+    # geometric mean of the per-seed ratios), which no single seed dominates
+    diffs = np.log10(treat) - np.log10(ctrl)  # k x S
+    ly = diffs.mean(axis=1)
     coef = np.linalg.lstsq(design, ly, rcond=None)[0]
     # one draw of seed indices per replicate, the same for every cell: the seeds are the clusters
     idx = np.random.default_rng(seed).integers(0, treat.shape[1], size=(replicates, treat.shape[1]))
-    ly_b = np.log10(treat[:, idx].mean(axis=2) / ctrl[:, idx].mean(axis=2))  # k x B
+    ly_b = diffs[:, idx].mean(axis=2)  # k x B
     slopes = np.linalg.lstsq(design, ly_b, rcond=None)[0][-1]
     low, high = np.percentile(slopes, [2.5, 97.5])
     dof = len(usable) - design.shape[1]
@@ -166,7 +169,8 @@ def regime_fits(cells: Sequence[Cell], replicates: int, seed: int) -> dict[str, 
     excluded = [{"dataset": cell.dataset, "n": cell.n, "epsilon": cell.epsilon,
                  "stalled_runs": list(cell.stalled)}
                 for cell in cells if cell.stalled]
-    return {"endpoint": PRIMARY, "model": "log10(ratio) = a_dataset + b * log10(n*eps/sqrt(d))",
+    return {"endpoint": PRIMARY,
+            "model": "mean_seeds(log10 DIFF2 - log10 DP-GD) = a_dataset + b * log10(n*eps/sqrt(d))",
             "not_fitted": [cell.label for cell in cells if not cell.fit_ready(PRIMARY)],
             "pooled": fit(cells),
             "per_dataset": {ds: fit([c for c in cells if c.dataset == ds])

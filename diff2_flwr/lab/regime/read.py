@@ -13,9 +13,12 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from ..study.runner import load_study, run_study
+from ..study.tables import TABLE_FILE, table_path
 from .cells import ENDPOINTS, Cell, RegimeError, stall_reason
 
-__all__ = ["RUN_KEYS", "cells_from_summary", "read_cells", "read_run", "summary_paths"]
+__all__ = ["RUN_KEYS", "cells_from_summary", "read_cells", "read_run", "replay_tables",
+           "study_files", "summary_paths"]
 
 RUN_KEYS = ("rounds", "train_loss", "grad_norm_sq", "test_loss")
 
@@ -161,3 +164,38 @@ def read_cells(paths: Iterable[str | Path], *, diff2: str | None = None,
     if not cells:
         raise RegimeError("No cells: the summaries hold no ε.")
     return [cells[k] for k in sorted(cells)]
+
+
+def study_files(paths: Iterable[str | Path]) -> list[Path]:
+    """The study files named: a YAML file itself, or a folder's ``*.yaml`` (e.g.
+    ``configs/regime``)."""
+    out: list[Path] = []
+    for given in paths:
+        path = Path(given).expanduser()
+        if path.is_file():
+            out.append(path)
+        elif path.is_dir() and sorted(path.glob("*.yaml")):
+            out += sorted(path.glob("*.yaml"))
+        else:
+            raise RegimeError(f"{path}: not a study file nor a folder of them (*.yaml). With "
+                              "--from-tables, pass the family's study files, e.g. configs/regime.")
+    return out
+
+
+def replay_tables(paths: Iterable[str | Path], tables: str | Path,
+                  output_root: str | Path) -> list[Path]:
+    """Replay every study named (:func:`study_files`) from its run table ``<tables>/<study
+    name>.csv.gz`` into ``output_root``; return their ``summary.json`` files. Nothing is
+    computed: every number of the map then comes from the committed tables."""
+    out = []
+    for path in study_files(paths):
+        study = load_study(path)
+        table = table_path(tables, study.name)
+        if not table.is_file():
+            raise RegimeError(f"{path}: no run table {table}: a study's table is the "
+                              f"{TABLE_FILE} beside its summary, committed as {table}.")
+        run_study(study, output_root=output_root, show_progress=False, make_plots=False,
+                  table=table)
+        out.append(Path(output_root).expanduser().resolve() / f"{study.name}-from-table"
+                   / "summary.json")
+    return out

@@ -44,20 +44,25 @@ def _primary_table(cells: Sequence[Cell], rows: Sequence[Mapping[str, Any]],
                    alpha: float) -> list[str]:
     """The title, the legend and the table of the primary endpoint (Holm over the cells)."""
     lines = ["# Regime map: DIFF2-GD / DP-GD", "",
-             "Ratio = DIFF2-GD's mean over seeds / DP-GD's; < 1: DIFF2-GD lower. p = two-sided "
-             "paired t-test by seed "
+             "Ratio: DIFF2-GD / DP-GD, < 1: DIFF2-GD lower; for ‖∇f‖² the geometric mean over "
+             "seeds of the per-seed ratios with its 95 % t-interval, for the losses the ratio of "
+             "the seed means. p = two-sided paired t-test by seed "
              f"(on log10 values for ‖∇f‖²). {LEGEND} (α = {alpha:g}). n = training records (sum "
              f"of the shard sizes), "
              "d = parameters, x = nε/√d.", "",
              f"## Primary: {ENDPOINTS[PRIMARY].label} (runs of the ‖∇f‖²-best point; Holm over "
              f"{len(cells)} cells)", "",
-             "| dataset | n | ε | d | nε/√d | ratio | p | p (Holm) | mark | stalled runs |",
+             "| dataset | n | ε | d | nε/√d | ratio [95 % CI] | p | p (Holm) | mark | "
+             "stalled runs |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         e = row["endpoints"][PRIMARY]
+        ci = e.get("ratio_ci95")
+        interval = f" [{_fmt(ci[0])}, {_fmt(ci[1])}]" if ci else ""
         lines.append(
             f"| {row['dataset']} | {row['n']} | {row['epsilon']:g} | {row['d']} | {row['x']:.4g} "
-            f"| {_fmt(e['ratio'])} | {_fmt(e['p_value'], 2)} | {_fmt(e['p_adjusted'], 2)} | "
+            f"| {_fmt(e['ratio'])}{interval} | {_fmt(e['p_value'], 2)} | "
+            f"{_fmt(e['p_adjusted'], 2)} | "
             f"{e['mark']} | {len(row['stalled_runs']) or ''} |")
     return lines
 

@@ -19,9 +19,12 @@ grids, the methods' ``base_method`` and the dataset's n and d (``dataset.train``
   (same runs; never the smallest test loss, which would pick the round by the test set;
   exploratory).
 
-Per cell and endpoint: ratio = mean over seeds of DIFF2-GD's value / mean over seeds of DP-GD's (<
-1: DIFF2-GD lower), and the two-sided paired t-test by seed (:func:`.inference.paired_ttest`; on log
-values for ‖∇f‖², which spans decades). Adjusted across the cells: **Holm** over the primary
+Per cell and endpoint: the ratio DIFF2-GD / DP-GD (< 1: DIFF2-GD lower) and the two-sided paired
+t-test by seed (:func:`.inference.paired_ttest`; on log values for ‖∇f‖², which spans decades). For
+‖∇f‖² the ratio is the geometric mean of the per-seed ratios, 10^(mean over seeds of the paired
+log10 difference), with its 95 % t-interval: the quantity the test tests, which one stalled seed
+cannot dominate (a ratio of arithmetic seed means can, and did: issue 42); for the losses it is the
+ratio of the seed means. Adjusted across the cells: **Holm** over the primary
 endpoint's family (every cell), **Benjamini–Hochberg** q over one family holding every exploratory
 endpoint of every cell. A test whose p is NaN (a diverged run) still counts in its family. A cell is
 marked ``*`` (DIFF2-GD lower) or ``†`` (DP-GD lower) when its *adjusted* p < α, the direction the
@@ -31,17 +34,18 @@ descriptive and exploratory: the theory predicts nothing about them, and no slop
 
 **The fit** (Murata & Suzuki 2023): DP-GD reaches ‖∇f‖² ≲ √d/(nε) and DIFF2-GD d^{2/3}/(nε)^{4/3},
 so the ratio of the *bounds* is (nε/√d)^{-1/3}. Over the cells whose per-seed final ‖∇f‖² are all
-finite and positive, least squares fits
+finite and positive (every cell of a map without a diverged run: no cell is left out for what its
+values are), least squares fits
 
-    log10(ratio) = a_dataset + b · log10(nε/√d)
+    mean over seeds of (log10 DIFF2-GD − log10 DP-GD) = a_dataset + b · log10(nε/√d)
 
 (one intercept per dataset — the bounds' constants differ by dataset — and one common slope b; n the
 training records, i.e. the sum of the shard sizes; d the model's parameters). Its 95 % interval and
 the p-value of H0: b = −1/3 come from a **cluster bootstrap over evaluation seeds**: the cells share
 their seeds and what a seed fixes (the starting point among others), so their errors are not
 independent and an OLS interval over the cells would be too narrow; a replicate draws seed indices
-with replacement once and uses the same indices in every cell, recomputes each cell's ratio of seed
-means and refits; B replicates (:data:`BOOTSTRAP_REPLICATES`) from
+with replacement once and uses the same indices in every cell, recomputes each cell's mean log
+difference over the drawn seeds and refits; B replicates (:data:`BOOTSTRAP_REPLICATES`) from
 ``numpy.random.default_rng(seed)`` with a fixed default seed (:data:`BOOTSTRAP_SEED`); percentile
 interval; p = 2·min(share ≤ −1/3, share ≥ −1/3), at least 1/(B+1). When the studies of a map
 evaluated different seed lists (of one length), the bootstrap resamples seed *positions* (the index
@@ -120,7 +124,10 @@ def regime_map(cells: Sequence[Cell], *, alpha: float = ALPHA,
     for cell, test in zip(cells, tests):
         per = {}
         for e, spec in ENDPOINTS.items():
-            per[e] = {"ratio": cell.ratio(e), "diff2_mean": cell.mean(e, cell.diff2),
+            per[e] = {"ratio": cell.ratio(e), "ratio_ci95": cell.ratio_interval(e),
+                      "ratio_kind": "geometric mean of per-seed ratios" if spec.log
+                      else "ratio of seed means",
+                      "diff2_mean": cell.mean(e, cell.diff2),
                       "control_mean": cell.mean(e, cell.control),
                       "diff2_per_seed": list(cell.diff2_values[e]),
                       "control_per_seed": list(cell.control_values[e]), **test[e],

@@ -8,14 +8,16 @@ A generated block is written between two comments::
     | study | ε | ... |
     <!-- /figures -->
 
-``family FILE`` (the path from the repository's root) is the family's table
+Kinds: ``family FILE`` (the path from the repository's root) is the family's table
 (:func:`~.family.markdown`: every primary test with its ratio and 95 % interval, raw p, the
 within-study and the family's Holm p, then each study's tuning budgets), recomputed by replaying
-each study of the family from its run
-table ``results/<study name>.csv.gz`` (:func:`~.family.run_family` with ``tables``). ``diff2 figures
-FILES`` rewrites the blocks; ``diff2 figures --check FILES`` writes nothing and fails when one
-differs, which a test runs on the README and the results page: a number in a block cannot drift
-from its tables.
+each study of the family from its run table ``results/<study name>.csv.gz``
+(:func:`~.family.run_family` with ``tables``). Another room adds its own kind by passing its
+renderer to :func:`refresh` (the regime map's ``regime FOLDER``:
+:func:`diff2_flwr.lab.regime.published.render_regime`; study/ imports no room above it).
+``diff2 figures FILES`` rewrites the blocks; ``diff2 figures --check FILES`` writes nothing and
+fails when one differs, which a test runs on the README and the results page: a number in a block
+cannot drift from its tables.
 """
 
 from __future__ import annotations
@@ -23,41 +25,50 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from .family import markdown, run_family
 
-__all__ = ["BLOCK", "refresh", "render"]
+__all__ = ["BLOCK", "RENDERERS", "Renderer", "refresh", "render_family"]
 
 #: A generated block: its opening comment (kind and argument), its body, its closing comment.
 BLOCK = re.compile(r"(?P<open><!-- figures: (?P<kind>[a-z]+) (?P<arg>\S+) -->\n)(?P<body>.*?)"
                    r"(?P<close><!-- /figures -->)", re.S)
-_KINDS = ("family",)
+#: A renderer: (argument, tables folder, repository root, scratch folder) -> the block's body.
+Renderer = Callable[[str, Path, Path, Path], str]
 
 
-def render(kind: str, arg: str, tables: Path, root: Path, work: Path) -> str:
-    """The body of a block of ``kind`` for ``arg`` (a path from ``root``), from the run tables in
-    ``tables``."""
-    if kind not in _KINDS:
-        raise ValueError(f"a figures block of kind {kind!r}: expected one of {', '.join(_KINDS)}")
+def render_family(arg: str, tables: Path, root: Path, work: Path) -> str:
+    """The body of a ``family`` block: the family table of ``arg`` (a family file, a path from
+    ``root``) from the run tables in ``tables``."""
     result = run_family(root / arg, output_root=work, tables=tables)
     table = markdown(result).split("\n")
     first = next(i for i, line in enumerate(table) if line.startswith("|"))
     return "\n".join(table[first:]).rstrip("\n") + "\n"
 
 
-def refresh(files: list[Path], tables: Path, *, check: bool, root: Path | None = None
-            ) -> dict[str, Any]:
-    """Recompute every block of ``files``: rewrite them, or with ``check`` only compare. Returns
-    the blocks seen and those that differ (file, block, first differing line)."""
+#: The kinds this room renders.
+RENDERERS: dict[str, Renderer] = {"family": render_family}
+
+
+def refresh(files: list[Path], tables: Path, *, check: bool, root: Path | None = None,
+            renderers: Mapping[str, Renderer] | None = None) -> dict[str, Any]:
+    """Recompute every block of ``files`` with ``renderers`` (default :data:`RENDERERS`): rewrite
+    them, or with ``check`` only compare. Returns the blocks seen and those that differ (file,
+    block, first differing line). A block of a kind no renderer knows stops it in one line."""
     root = root or Path.cwd()
+    renderers = RENDERERS if renderers is None else renderers
     seen, differ = [], []
     with tempfile.TemporaryDirectory(prefix="diff2-figures-") as work:
         for path in files:
             text = path.read_text(encoding="utf-8")
             out, at, changed = [], 0, False
             for m in BLOCK.finditer(text):
-                body = render(m["kind"], m["arg"], tables, root, Path(work))
+                if m["kind"] not in renderers:
+                    raise ValueError(
+                        f"{path}: a figures block of kind {m['kind']!r}; expected one of "
+                        f"{', '.join(sorted(renderers))}")
+                body = renderers[m["kind"]](m["arg"], tables, root, Path(work))
                 block = f"{m['kind']} {m['arg']}"
                 seen.append({"file": str(path), "block": block})
                 if body != m["body"]:
