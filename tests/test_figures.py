@@ -15,6 +15,7 @@ from diff2_flwr.cli import main
 from diff2_flwr.lab.regime.published import render_regime
 from diff2_flwr.lab.study.figures import RENDERERS, refresh
 from diff2_flwr.lab.study.runner import load_study, run_study
+from diff2_flwr.lab.study.spec import StudyError
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"
@@ -59,6 +60,26 @@ def test_a_block_is_written_from_the_tables_and_a_drifted_number_fails_the_check
     assert checked["differ"] == [{"file": str(page), "block": "family family.yaml",
                                   "line": text.splitlines().index(row) + 1}]
     assert " | ".join(cells) in page.read_text()  # --check writes nothing
+
+
+def test_a_study_block_holds_the_studys_tables_recomputed_from_its_table(published):
+    root = published
+    page = root / "study.md"
+    page.write_text("<!-- figures: study figs.yaml -->\n<!-- /figures -->\n")
+    refresh([page], root / "tables", check=False, root=root)
+    text = page.read_text()
+    assert "**Primary endpoints**" in text and "##### ε = 3.0" in text
+    assert "| DIFF2-GD (T=4) vs DP-GD | log ‖∇f‖², final | **primary** |" in text
+    assert "Wall time" not in text  # nothing a replay does not recompute
+    assert refresh([page], root / "tables", check=True, root=root)["differ"] == []
+    row = next(line for line in text.splitlines() if "| **primary** |" in line)
+    page.write_text(text.replace(row, row.replace("| 19 |", "| 18 |").replace(" | 2 |", " | 1 |")))
+    assert refresh([page], root / "tables", check=True, root=root)["differ"]
+    page.write_text("<!-- figures: study missing.yaml -->\n<!-- /figures -->\n")
+    (root / "missing.yaml").write_text((root / "figs.yaml").read_text().replace("name: figs",
+                                                                                "name: gone"))
+    with pytest.raises(StudyError, match=r"missing.yaml: no run table .*gone.csv.gz"):
+        refresh([page], root / "tables", check=True, root=root)
 
 
 def test_the_command_checks_in_one_line_and_exits_1(published, monkeypatch, capsys):

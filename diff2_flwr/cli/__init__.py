@@ -120,7 +120,7 @@ def _add_study_commands(sub: Any) -> None:
 
     fig = sub.add_parser("figures",
                          help="recompute the generated blocks of Markdown files (<!-- figures: "
-                              "family FILE --> or <!-- figures: regime FOLDER --> ... <!-- "
+                              "family FILE -->, study FILE or regime FOLDER ... <!-- "
                               "/figures -->) from the committed run "
                               "tables: rewrite them, or --check that they agree")
     fig.add_argument("files", nargs="+", metavar="FILE", help="Markdown files, e.g. README.md "

@@ -12,7 +12,9 @@ Kinds: ``family FILE`` (the path from the repository's root) is the family's tab
 (:func:`~.family.markdown`: every primary test with its ratio and 95 % interval, raw p, the
 within-study and the family's Holm p, then each study's tuning budgets), recomputed by replaying
 each study of the family from its run table ``results/<study name>.csv.gz``
-(:func:`~.family.run_family` with ``tables``). Another room adds its own kind by passing its
+(:func:`~.family.run_family` with ``tables``); ``study FILE`` is one study's tables
+(:func:`render_study`: its primary results, then per ε its chosen points, budgets and tests), from
+its replay. Another room adds its own kind by passing its
 renderer to :func:`refresh` (the regime map's ``regime FOLDER``:
 :func:`diff2_flwr.lab.regime.published.render_regime`; study/ imports no room above it).
 ``diff2 figures FILES`` rewrites the blocks; ``diff2 figures --check FILES`` writes nothing and
@@ -28,8 +30,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .family import markdown, run_family
+from .report import format_inference, format_table
+from .runner import load_study, run_study
+from .spec import StudyError
+from .tables import TABLE_FILE, table_path
 
-__all__ = ["BLOCK", "RENDERERS", "Renderer", "refresh", "render_family"]
+__all__ = ["BLOCK", "RENDERERS", "Renderer", "refresh", "render_family", "render_study"]
 
 #: A generated block: its opening comment (kind and argument), its body, its closing comment.
 BLOCK = re.compile(r"(?P<open><!-- figures: (?P<kind>[a-z]+) (?P<arg>\S+) -->\n)(?P<body>.*?)"
@@ -47,8 +53,26 @@ def render_family(arg: str, tables: Path, root: Path, work: Path) -> str:
     return "\n".join(table[first:]).rstrip("\n") + "\n"
 
 
+def render_study(arg: str, tables: Path, root: Path, work: Path) -> str:
+    """The body of a ``study`` block: the report's tables of the study file ``arg`` (a path from
+    ``root``), replayed from its run table in ``tables``: its protocol and primary results, then
+    per ε the chosen points with their means, the picks on a grid edge, the tuning budgets and
+    every test with its interval (no wall time, no plots: nothing a replay does not recompute)."""
+    study = load_study(root / arg)
+    table = table_path(tables, study.name)
+    if not table.is_file():
+        raise StudyError(f"{arg}: no run table {table}: a study's table is the {TABLE_FILE} "
+                         f"beside its summary, committed as {table}.")
+    summary = run_study(study, output_root=work, show_progress=False, make_plots=False,
+                        table=table)
+    parts = [format_inference(summary), ""]
+    for eps, eps_summary in summary["epsilons"].items():
+        parts += [f"##### ε = {eps}", "", format_table(eps_summary), ""]
+    return "\n".join(parts).rstrip("\n") + "\n"
+
+
 #: The kinds this room renders.
-RENDERERS: dict[str, Renderer] = {"family": render_family}
+RENDERERS: dict[str, Renderer] = {"family": render_family, "study": render_study}
 
 
 def refresh(files: list[Path], tables: Path, *, check: bool, root: Path | None = None,
