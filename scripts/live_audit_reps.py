@@ -1,4 +1,4 @@
-"""Repetitions of the live canary audit (docs/results.md, "A live run, audited by a data owner"):
+"""Repetitions of the live canary audit (docs/checks.md, "A live run, audited by a data owner"):
 one JSON line per run.
 
     .venv/bin/python scripts/live_audit_reps.py [CONFIG] --canaries 64 --scales 1,0.7,0.5 --seeds
