@@ -13,6 +13,7 @@ import yaml
 
 from diff2_flwr.cli import main
 from diff2_flwr.lab.regime.published import render_regime
+from diff2_flwr.lab.study.family import run_family
 from diff2_flwr.lab.study.figures import RENDERERS, refresh
 from diff2_flwr.lab.study.runner import load_study, run_study
 from diff2_flwr.lab.study.spec import StudyError
@@ -80,6 +81,23 @@ def test_a_study_block_holds_the_studys_tables_recomputed_from_its_table(publish
                                                                                 "name: gone"))
     with pytest.raises(StudyError, match=r"missing.yaml: no run table .*gone.csv.gz"):
         refresh([page], root / "tables", check=True, root=root)
+
+
+def test_a_verdict_block_states_the_familys_verdict_from_the_tables(published):
+    root = published
+    page = root / "verdict.md"
+    page.write_text("<!-- figures: verdict family.yaml -->\n<!-- /figures -->\n")
+    refresh([page], root / "tables", check=False, root=root)
+    text = page.read_text()
+    family = run_family(root / "family.yaml", output_root=root / "fam", tables=root / "tables")
+    (row,) = family["results"]
+    lower = row["treatment"] if row["lower"] == "treatment" else row["control"]
+    key = f"{lower} lower" if row["significant"] else "no claim either way (not significant)"
+    assert text.startswith("<!-- figures: verdict family.yaml -->\nHolm over the family's 1 "
+                           "primary tests (α = 0.05; DIFF2-GD (T=4) vs DP-GD;")
+    assert f"{key}: 1." in text and f"- **{key}**: synthetic ε = 3, log ‖∇f‖², final: " in text
+    assert f"{row['ratio']:.3g} [{row['ci95_ratio'][0]:.3g}, {row['ci95_ratio'][1]:.3g}]" in text
+    assert refresh([page], root / "tables", check=True, root=root)["differ"] == []
 
 
 def test_the_command_checks_in_one_line_and_exits_1(published, monkeypatch, capsys):

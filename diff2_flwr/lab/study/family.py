@@ -36,7 +36,7 @@ from .report import RATIO_LEGEND, _endpoint, format_budgets, with_interval
 from .runner import load_study, run_study
 from .tables import TABLE_FILE, table_path
 
-__all__ = ["FamilyError", "run_family"]
+__all__ = ["FamilyError", "run_family", "verdict_markdown"]
 
 
 class FamilyError(ConfigError):
@@ -152,4 +152,27 @@ def markdown(result: Mapping[str, Any]) -> str:
     for s in result["studies"]:
         for eps, budgets in (s.get("budgets") or {}).items():
             lines += ["", f"**{s['study']}, ε = {float(eps):g}.** {format_budgets(budgets)}"]
+    return "\n".join(lines) + "\n"
+
+
+def verdict_markdown(result: Mapping[str, Any]) -> str:
+    """The family's verdict in a few lines: how many of its tests are significant which way under
+    Holm, then every test under its verdict with its ratio, 95 % interval and family Holm p (the
+    sentences of a result, generated so that they cannot drift from the tables)."""
+    datasets = {s["study"]: s.get("dataset") or s["study"] for s in result["studies"]}
+    groups: dict[str, list[str]] = {}
+    for r in result["results"]:
+        lower = r["treatment"] if r["lower"] == "treatment" else r["control"]
+        key = f"{lower} lower" if r["significant"] else "no claim either way (not significant)"
+        groups.setdefault(key, []).append(
+            f"{datasets[r['study']]} ε = {r['epsilon']:g}, {_endpoint(r)}: "
+            f"{with_interval(r.get('ratio'), r.get('ci95_ratio'))}, Holm p = "
+            f"{_fmt(r['p_adjusted'], 2)}")
+    pairs = sorted({r["pair"] for r in result["results"]})
+    counts = "; ".join(f"{key}: {len(items)}" for key, items in sorted(groups.items()))
+    lines = [f"Holm over the family's {result['size']} primary tests (α = {result['alpha']:g}; "
+             f"{', '.join(pairs)}; ratio = treatment / control with its 95 % interval): "
+             f"{counts}.", ""]
+    for key, items in sorted(groups.items()):
+        lines += [f"- **{key}**: " + "; ".join(items) + "."]
     return "\n".join(lines) + "\n"

@@ -14,7 +14,8 @@ within-study and the family's Holm p, then each study's tuning budgets), recompu
 each study of the family from its run table ``results/<study name>.csv.gz``
 (:func:`~.family.run_family` with ``tables``); ``study FILE`` is one study's tables
 (:func:`render_study`: its primary results, then per ε its chosen points, budgets and tests), from
-its replay. Another room adds its own kind by passing its
+its replay; ``verdict FILE`` is the family's verdict in words (:func:`render_verdict`). Another
+room adds its own kind by passing its
 renderer to :func:`refresh` (the regime map's ``regime FOLDER``:
 :func:`diff2_flwr.lab.regime.published.render_regime`; study/ imports no room above it).
 ``diff2 figures FILES`` rewrites the blocks; ``diff2 figures --check FILES`` writes nothing and
@@ -29,13 +30,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .family import markdown, run_family
+from .family import markdown, run_family, verdict_markdown
 from .report import format_inference, format_table
 from .runner import load_study, run_study
 from .spec import StudyError
 from .tables import TABLE_FILE, table_path
 
-__all__ = ["BLOCK", "RENDERERS", "Renderer", "refresh", "render_family", "render_study"]
+__all__ = ["BLOCK", "RENDERERS", "Renderer", "refresh", "render_family", "render_study",
+           "render_verdict"]
 
 #: A generated block: its opening comment (kind and argument), its body, its closing comment.
 BLOCK = re.compile(r"(?P<open><!-- figures: (?P<kind>[a-z]+) (?P<arg>\S+) -->\n)(?P<body>.*?)"
@@ -51,6 +53,12 @@ def render_family(arg: str, tables: Path, root: Path, work: Path) -> str:
     table = markdown(result).split("\n")
     first = next(i for i, line in enumerate(table) if line.startswith("|"))
     return "\n".join(table[first:]).rstrip("\n") + "\n"
+
+
+def render_verdict(arg: str, tables: Path, root: Path, work: Path) -> str:
+    """The body of a ``verdict`` block: the family ``arg``'s verdict in words
+    (:func:`~.family.verdict_markdown`), from the run tables in ``tables``."""
+    return verdict_markdown(run_family(root / arg, output_root=work, tables=tables))
 
 
 def render_study(arg: str, tables: Path, root: Path, work: Path) -> str:
@@ -72,7 +80,8 @@ def render_study(arg: str, tables: Path, root: Path, work: Path) -> str:
 
 
 #: The kinds this room renders.
-RENDERERS: dict[str, Renderer] = {"family": render_family, "study": render_study}
+RENDERERS: dict[str, Renderer] = {"family": render_family, "study": render_study,
+                                  "verdict": render_verdict}
 
 
 def refresh(files: list[Path], tables: Path, *, check: bool, root: Path | None = None,
