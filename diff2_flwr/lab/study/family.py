@@ -124,6 +124,10 @@ def run_family(path: str | Path, *, output_root: str | Path | None = None,
     return out
 
 
+#: Significant digits of a ratio and its interval: a ratio near 1 needs four (1.004 is not 1).
+RATIO_DIGITS = 4
+
+
 def _fmt(v: Any, digits: int = 3) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "–"
@@ -146,7 +150,7 @@ def markdown(result: Mapping[str, Any]) -> str:
         lines.append(f"| {r['study']} | {r['epsilon']:g} | {r['pair']} | {_endpoint(r)} | "
                      f"{r['alternative']} | "
                      f"{with_interval(r['mean_difference'], r.get('ci95_difference'))} | "
-                     f"{with_interval(r.get('ratio'), r.get('ci95_ratio'))} | "
+                     f"{with_interval(r.get('ratio'), r.get('ci95_ratio'), RATIO_DIGITS)} | "
                      f"{_fmt(r['p_value'])} | {_fmt(r['p_study_adjusted'])} | "
                      f"{_fmt(r['p_adjusted'])} | {verdict} |")
     for s in result["studies"]:
@@ -165,8 +169,8 @@ def verdict_markdown(result: Mapping[str, Any]) -> str:
         lower = r["treatment"] if r["lower"] == "treatment" else r["control"]
         key = f"{lower} lower" if r["significant"] else "no claim either way (not significant)"
         groups.setdefault(key, []).append(
-            f"{datasets[r['study']]} ε = {r['epsilon']:g}, {_endpoint(r)}: "
-            f"{with_interval(r.get('ratio'), r.get('ci95_ratio'))}, Holm p = "
+            f"{datasets[r['study']]}, ε = {r['epsilon']:g}, {_endpoint(r)}: ratio "
+            f"{with_interval(r.get('ratio'), r.get('ci95_ratio'), RATIO_DIGITS)}, Holm p = "
             f"{_fmt(r['p_adjusted'], 2)}")
     pairs = sorted({r["pair"] for r in result["results"]})
     counts = "; ".join(f"{key}: {len(items)}" for key, items in sorted(groups.items()))
@@ -174,5 +178,6 @@ def verdict_markdown(result: Mapping[str, Any]) -> str:
              f"{', '.join(pairs)}; ratio = treatment / control with its 95 % interval): "
              f"{counts}.", ""]
     for key, items in sorted(groups.items()):
-        lines += [f"- **{key}**: " + "; ".join(items) + "."]
+        lines += [f"- **{key}** ({len(items)} of {result['size']}):",
+                  *(f"  - {item}" for item in items)]
     return "\n".join(lines) + "\n"
