@@ -124,3 +124,21 @@ def test_the_readme_and_the_results_page_agree_with_the_committed_tables(data_di
     result = refresh([ROOT / "README.md", ROOT / "docs" / "results.md"], ROOT / "results",
                      check=True, root=ROOT, renderers={**RENDERERS, "regime": render_regime})
     assert result["differ"] == []
+
+
+def test_every_committed_table_is_listed_with_its_run_count_and_study_file():
+    """results/README.md lists every table of results/ with its study file and its number of runs,
+    and lists no table that is not there."""
+    import re
+
+    from diff2_flwr.lab.study.tables import read_table
+
+    listed = {m["table"]: (m["study"], int(m["runs"])) for m in re.finditer(
+        r"^\| `(?P<table>[^`]+\.csv\.gz)` \| `(?P<study>[^`]+)` \| (?P<runs>\d+) \|",
+        (ROOT / "results" / "README.md").read_text(encoding="utf-8"), re.M)}
+    present = {p.name for p in (ROOT / "results").glob("*.csv.gz")}
+    assert set(listed) == present
+    for name, (study_file, runs) in listed.items():
+        records = read_table(ROOT / "results" / name)
+        assert len(records) == runs, name
+        assert load_study(ROOT / study_file).name == name.removesuffix(".csv.gz")
