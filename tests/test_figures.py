@@ -92,7 +92,8 @@ def test_a_verdict_block_states_the_familys_verdict_from_the_tables(published):
     family = run_family(root / "family.yaml", output_root=root / "fam", tables=root / "tables")
     (row,) = family["results"]
     lower = row["treatment"] if row["lower"] == "treatment" else row["control"]
-    key = f"{lower} lower" if row["significant"] else "no claim either way (not significant)"
+    key = f"{lower} lower (Holm p < 0.05)" if row["significant"] else \
+        "no claim either way (Holm p ≥ 0.05)"
     assert text.startswith("<!-- figures: verdict family.yaml -->\nHolm over the family's 1 "
                            "primary tests (α = 0.05; DIFF2-GD (T=4) vs DP-GD;")
     assert f"{key}: 1." in text and f"- **{key}** (1 of 1):\n  - synthetic, ε = 3, log ‖∇f‖², " \

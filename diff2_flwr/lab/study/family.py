@@ -167,7 +167,9 @@ def verdict_markdown(result: Mapping[str, Any]) -> str:
     groups: dict[str, list[str]] = {}
     for r in result["results"]:
         lower = r["treatment"] if r["lower"] == "treatment" else r["control"]
-        key = f"{lower} lower" if r["significant"] else "no claim either way (not significant)"
+        a = f"{result['alpha']:g}"
+        key = (f"{lower} lower (Holm p < {a})" if r["significant"]
+               else f"no claim either way (Holm p ≥ {a})")
         groups.setdefault(key, []).append(
             f"{datasets[r['study']]}, ε = {r['epsilon']:g}, {_endpoint(r)}: ratio "
             f"{with_interval(r.get('ratio'), r.get('ci95_ratio'), RATIO_DIGITS)}, Holm p = "
