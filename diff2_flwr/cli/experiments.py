@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -170,6 +172,22 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failure else 0
 
 
+def _stop_on_sigterm() -> Any:
+    """SIGTERM stops a study as Ctrl-C does: the handler raises SystemExit, so the study's clean-up
+    runs (its pool's worker processes are terminated, its claims released) instead of the process
+    vanishing and leaving its workers computing. Returns the previous handler (None off the main
+    thread, where no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum: int, frame: Any) -> None:
+        print("diff2 experiment: stopped by SIGTERM; the runs finished so far are kept and a rerun "
+              "resumes", file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
 def experiment(args: argparse.Namespace) -> int:
     """``diff2 experiment``: run (or resume) a study file and print where its summary and report
     are, with its primary results, as JSON; 2 if its Ray cluster fails."""
@@ -183,12 +201,16 @@ def experiment(args: argparse.Namespace) -> int:
     if not args.stale_after > 0:
         raise ValueError(
             f"`--stale-after`: expected a number of seconds > 0. Found {args.stale_after}.")
+    previous = _stop_on_sigterm()
     try:
         summary = run_study(study, output_root=args.output, fresh=args.fresh, ray_address=args.ray,
                             stale_after_s=args.stale_after, table=args.from_table)
     except ClusterError as err:
         print(f"diff2 experiment: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     root = Path(args.output or study.output_dir).expanduser().resolve() / study.name
     if args.from_table:
         root = root.with_name(f"{study.name}-from-table")
