@@ -383,11 +383,24 @@ def test_unreadable_or_malformed_study_file(tmp_path):
 
 def test_paper_studies_are_valid_and_large_enough():
     for path in sorted((SMOKE.parent / "paper").glob("*.yaml")):
+        if path.name.endswith("_rdp.yaml"):
+            continue  # the rdp variant: below
         study = load_study(path)
         assert sum(len(m.points()) for m in study.methods) >= 50
         assert study.rounds == 2000 and len(study.eval_seeds) == 5 and len(study.methods) == 6
         assert [m.grid[0][1] for m in study.methods if m.method == "diff2"] == [(6,), (20,), (60,),
                                                                                 (200,)]
+
+
+def test_the_rdp_variant_is_the_paper_study_with_rdp_calibration_and_fewer_methods():
+    paper = load_study(SMOKE.parent / "paper" / "california_eps3.yaml")
+    rdp = load_study(SMOKE.parent / "paper" / "california_eps3_rdp.yaml")
+    assert (rdp.mode, paper.mode) == ("rdp", "exact")
+    kept = {m.name: m for m in paper.methods}
+    assert [m.name for m in rdp.methods] == ["DP-GD", "DIFF2-GD (T=6)", "DIFF2-GD (T=20)"]
+    assert all(m == kept[m.name] for m in rdp.methods)
+    for key in ("rounds", "clients", "delta", "epsilons", "tune_seeds", "eval_seeds", "dataset"):
+        assert getattr(rdp, key) == getattr(paper, key), key
 
 
 # ---------------------------------------------------------------- per-method R, chosen t-tests, the

@@ -126,8 +126,9 @@ def test_the_family_table_shows_each_ratio_and_its_interval_beside_the_three_ps(
     assert ("| mean difference (treatment − control) [95 % CI] | ratio [95 % CI] | p | Holm p "
             "(study) | Holm p (family) | result |") in text
     d, r = row["ci95_difference"], row["ci95_ratio"]
-    assert (f"| {row['mean_difference']:.3g} [{d[0]:.3g}, {d[1]:.3g}] | {row['ratio']:.3g} "
-            f"[{r[0]:.3g}, {r[1]:.3g}] | 0.001 | 0.002 | 0.008 | significant: DIFF2-GD lower |"
+    # the ratio with four significant digits (1.004 is not 1), the difference with three
+    assert (f"| {row['mean_difference']:.3g} [{d[0]:.3g}, {d[1]:.3g}] | {row['ratio']:.4g} "
+            f"[{r[0]:.4g}, {r[1]:.4g}] | 0.001 | 0.002 | 0.008 | significant: DIFF2-GD lower |"
             ) in text
     assert f"| {row['mean_difference']:.3g} | – | 0.001 |" in text  # no interval recorded: –
     assert "**s, ε = 3.** Tuning budgets (`analysis.budgets`: equal" in text
