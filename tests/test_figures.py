@@ -63,12 +63,17 @@ def test_a_block_is_written_from_the_tables_and_a_drifted_number_fails_the_check
     assert " | ".join(cells) in page.read_text()  # --check writes nothing
 
 
+def _written(root: Path, name: str, block: str) -> tuple[Path, str]:
+    """A page holding one empty block, written from the tables: the page and its text."""
+    page = root / name
+    page.write_text(f"<!-- figures: {block} -->\n<!-- /figures -->\n")
+    refresh([page], root / "tables", check=False, root=root)
+    return page, page.read_text()
+
+
 def test_a_study_block_holds_the_studys_tables_recomputed_from_its_table(published):
     root = published
-    page = root / "study.md"
-    page.write_text("<!-- figures: study figs.yaml -->\n<!-- /figures -->\n")
-    refresh([page], root / "tables", check=False, root=root)
-    text = page.read_text()
+    page, text = _written(root, "study.md", "study figs.yaml")
     assert "**Primary endpoints**" in text and "##### ε = 3.0" in text
     assert "| DIFF2-GD (T=4) vs DP-GD | log ‖∇f‖², final | **primary** |" in text
     assert "Wall time" not in text  # nothing a replay does not recompute
@@ -85,10 +90,7 @@ def test_a_study_block_holds_the_studys_tables_recomputed_from_its_table(publish
 
 def test_a_verdict_block_states_the_familys_verdict_from_the_tables(published):
     root = published
-    page = root / "verdict.md"
-    page.write_text("<!-- figures: verdict family.yaml -->\n<!-- /figures -->\n")
-    refresh([page], root / "tables", check=False, root=root)
-    text = page.read_text()
+    page, text = _written(root, "verdict.md", "verdict family.yaml")
     family = run_family(root / "family.yaml", output_root=root / "fam", tables=root / "tables")
     (row,) = family["results"]
     lower = row["treatment"] if row["lower"] == "treatment" else row["control"]

@@ -13,8 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ..study.runner import load_study, run_study
-from ..study.tables import TABLE_FILE, table_path
+from ..study.runner import load_study, replay_study
 from .cells import ENDPOINTS, Cell, RegimeError, stall_reason
 
 __all__ = ["RUN_KEYS", "cells_from_summary", "read_cells", "read_run", "replay_tables",
@@ -189,13 +188,5 @@ def replay_tables(paths: Iterable[str | Path], tables: str | Path,
     computed: every number of the map then comes from the committed tables."""
     out = []
     for path in study_files(paths):
-        study = load_study(path)
-        table = table_path(tables, study.name)
-        if not table.is_file():
-            raise RegimeError(f"{path}: no run table {table}: a study's table is the "
-                              f"{TABLE_FILE} beside its summary, committed as {table}.")
-        run_study(study, output_root=output_root, show_progress=False, make_plots=False,
-                  table=table)
-        out.append(Path(output_root).expanduser().resolve() / f"{study.name}-from-table"
-                   / "summary.json")
+        out.append(replay_study(load_study(path), tables, output_root)[1] / "summary.json")
     return out

@@ -33,8 +33,7 @@ from .claims import atomic_write_text
 from .inference import holm
 from .intervals import LEVEL
 from .report import RATIO_LEGEND, _endpoint, format_budgets, with_interval
-from .runner import load_study, run_study
-from .tables import TABLE_FILE, table_path
+from .runner import load_study, replay_study
 
 __all__ = ["FamilyError", "run_family", "verdict_markdown"]
 
@@ -82,13 +81,7 @@ def run_family(path: str | Path, *, output_root: str | Path | None = None,
                               "confirmation family. Declare them before it runs.")
         root = Path(output_root or study.output_dir).expanduser().resolve() / study.name
         if tables is not None:
-            table = table_path(tables, study.name)
-            if not table.is_file():
-                raise FamilyError(f"{study_path}: no run table {table}: a study's table is the "
-                                  f"{TABLE_FILE} beside its summary, committed as {table}.")
-            run_study(study, output_root=output_root, show_progress=False, make_plots=False,
-                      table=table)
-            root = root.with_name(f"{study.name}-from-table")
+            root = replay_study(study, tables, output_root)[1]
         summary_file = root / "summary.json"
         if not summary_file.is_file():
             raise FamilyError(f"{study_path}: no results at {summary_file}. Run it first: "

@@ -32,9 +32,7 @@ from typing import Any, Callable, Mapping
 
 from .family import markdown, run_family, verdict_markdown
 from .report import format_inference, format_table
-from .runner import load_study, run_study
-from .spec import StudyError
-from .tables import TABLE_FILE, table_path
+from .runner import load_study, replay_study
 
 __all__ = ["BLOCK", "RENDERERS", "Renderer", "refresh", "render_family", "render_study",
            "render_verdict"]
@@ -66,13 +64,7 @@ def render_study(arg: str, tables: Path, root: Path, work: Path) -> str:
     ``root``), replayed from its run table in ``tables``: its protocol and primary results, then
     per ε the chosen points with their means, the picks on a grid edge, the tuning budgets and
     every test with its interval (no wall time, no plots: nothing a replay does not recompute)."""
-    study = load_study(root / arg)
-    table = table_path(tables, study.name)
-    if not table.is_file():
-        raise StudyError(f"{arg}: no run table {table}: a study's table is the {TABLE_FILE} "
-                         f"beside its summary, committed as {table}.")
-    summary = run_study(study, output_root=work, show_progress=False, make_plots=False,
-                        table=table)
+    summary, _ = replay_study(load_study(root / arg), tables, work)
     parts = [format_inference(summary), ""]
     for eps, eps_summary in summary["epsilons"].items():
         parts += [f"##### ε = {eps}", "", format_table(eps_summary), ""]

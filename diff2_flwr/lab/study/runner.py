@@ -55,7 +55,8 @@ from .plan import GridSearch, Job, check_point, eval_jobs, planned_runs, tune_jo
 from .registration import check_runs
 from .report import write_report
 from .spec import MethodSpec, Study, StudyError, load_study, parse_study
-from .tables import TABLE_FILE, TableExecutor, read_table, table_rows, unpack, write_table
+from .tables import (TABLE_FILE, TableExecutor, read_table, table_path, table_rows, unpack,
+                     write_table)
 
 # Names that code and tests import from here, each defined in its part (``X as X``: re-exported).
 from .scheduler import compute_unit as compute_unit
@@ -72,6 +73,7 @@ __all__ = [
     "StudyError",
     "load_study",
     "parse_study",
+    "replay_study",
     "run_study",
     "select",
     "paired_one_sided_ttest",
@@ -146,6 +148,20 @@ def _start_afresh(study: Study, runs_dir: Path, book: ClaimBook) -> None:
     for f in runs_dir.glob("*.json"):
         f.unlink()
     book.clear()
+
+
+def replay_study(study: Study, tables: str | Path,
+                 output_root: str | Path) -> tuple[dict, Path]:
+    """Replay ``study`` from its committed run table ``<tables>/<name>.csv.gz`` (or ``.csv``) into
+    ``output_root``, computing nothing: its summary and the folder holding it
+    (``<output_root>/<name>-from-table``). A missing table is a :class:`StudyError` naming it."""
+    table = table_path(tables, study.name)
+    if not table.is_file():
+        raise StudyError(f"{study.source}: no run table {table}: a study's table is the "
+                         f"{TABLE_FILE} beside its summary, committed as {table}.")
+    summary = run_study(study, output_root=output_root, show_progress=False, make_plots=False,
+                        table=table)
+    return summary, Path(output_root).expanduser().resolve() / f"{study.name}-from-table"
 
 
 def _run_study(study: Study, root: Path, runs_dir: Path, book: ClaimBook,
