@@ -223,6 +223,11 @@ def test_a_real_run_against_jax(data_dir):
     assert row["warm"]["jax_ghost_compile_s"] > 0 and row["warm"]["project_first_call_s"] > 0
     assert row["diverged"] == {}  # 4 rounds from the project's x_0: no side loses a run
     assert any("repetition 1 done" in line for line in lines)
+    # the same adversarial rows through both sides' clipping: none of the project's is outside
+    assert set(result["clipping"]) == {"dpgd:f32", "dpgd:f64", "diff2:f32", "diff2:f64"}
+    for check in result["clipping"].values():
+        assert check["project"]["outside"] == 0 and check["project"]["checked"] > 600
+        assert check["peer"]["checked"] == check["project"]["checked"]
     if affinity is not None:
         assert os.sched_getaffinity(0) == affinity  # unpinned again
 

@@ -7,17 +7,19 @@ cannot be built."""
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 
 from diff2_flwr.core import fused, ghost
-from diff2_flwr.core.clipping import scaled_row_norms
+from diff2_flwr.core.clipping import clip_factors, scaled_row_norms
 from diff2_flwr.core.ghost import MLP
 from diff2_flwr.lab.sweep import RunSpec, run_batch
 from diff2_flwr.runtime.config import parse_config
 from diff2_flwr.runtime.session import load_data
+from exact_norms import rank_two_sq_norm
 from test_ghost import BIG, big_activation_case
 
 # P clients of N = 4 blocks of 16 and a tail of 11, the last 6 of each padding
@@ -70,10 +72,8 @@ def _torch_path(mlp, x, x_prev, feats, y, x64, sq, mask, radius, restart, differ
         prev = ghost.forward(mlp, x_prev, feats, y).to64()
         if restart is not None:
             prev = prev.restarting(cur, restart)
-    norms = torch.sqrt(ghost.sq_norms(cur, sq, prev))
-    rad = radius.unsqueeze(-1)
-    over = norms > rad
-    c = torch.where(over, rad / torch.where(over, norms, 1.0), 1.0) * mask
+    norms, upper = ghost.norm_bounds(mlp, cur, x64.T, sq, prev)
+    c = clip_factors(upper, radius.unsqueeze(-1)) * mask
     sums = ghost.clipped_sums(cur, x64.T.reshape(P, N, F).contiguous(), c, prev)  # [P, K, d]
     return sums, ((~torch.isfinite(norms)) & (mask > 0)).reshape(K, P, N).any(-1).T, norms
 
@@ -581,8 +581,10 @@ def test_clipped_difference_rows_never_exceed_the_radius_with_activations_1e4(en
                                                                               classes, kind):
     """Hidden activations ~1e4 and close iterates (test_ghost's table, one hidden layer): without
     clipping each row is torch.func's difference row; clipped at half the smallest norm, each row's
-    norm is the radius to 1e-9 relative (the engine's norm equals torch.func's to 1e-9) and never
-    above it beyond float64 rounding: 1e-11, as in test_ghost (a written-out row's entries round to
+    norm is the radius to 1e-8 relative (the engine's norm equals torch.func's to 1e-9; the clip
+    factor is C over an upper bound of the true norm, above it by up to κ (√A + 4√B) in the QR form,
+    ~3e-9 of the norm at this conditioning: ghost.norm_bounds) and never above it beyond float64
+    rounding: 1e-11, as in test_ghost (a written-out row's entries round to
     ε of its two terms, ~ε√((A + B)/‖·‖²) ≈ 3e-12 of its norm at this conditioning; measured
     8.5e-13; the workers' projection takes it off before release). The expanded A + B + X alone left
     rows 5e-7 above the radius on the cancelling cases."""
@@ -594,7 +596,7 @@ def test_clipped_difference_rows_never_exceed_the_radius_with_activations_1e4(en
     got = scaled_row_norms(_one_sample_clients(engine, request, mlp, x, xp, feats, y, radius))
     assert float(got.max()) <= radius * (
         1 + 1e-11), f"max clipped norm / C = {float(got.max()) / radius!r}"
-    torch.testing.assert_close(got, torch.full_like(got, radius), rtol=1e-9, atol=0)
+    torch.testing.assert_close(got, torch.full_like(got, radius), rtol=1e-8, atol=0)
 
 
 @pytest.mark.parametrize("engine", ["fused", "torch"])
@@ -616,14 +618,14 @@ def test_rows_of_extreme_norms_are_clipped_not_lost_to_underflow_or_overflow(eng
             out, over = fused.clipped_sums(request.getfixturevalue("kernel"),
                                            up(_parts(mlp, x, feats, y)), x64, sq, mask, radii,
                                            up(_parts(mlp, x_prev, feats, y)), clients=M)
-        else:  # what sweep._round_core does: ghost.norms, then ghost.clipped_sums
+        else:  # what backend._round_core does: ghost.norm_bounds, then ghost.clipped_sums
             up = lambda p: ghost.Pass(p.inputs, tuple(g * s for g in p.grads), p.loss,
                                       p.outputs)  # noqa: E731
             cur, prev = up(ghost.forward(mlp, x, feats,
                                          y).to64()), up(ghost.forward(mlp, x_prev, feats, y).to64())
-            norms = ghost.norms(cur, x64.T, sq, prev)
+            norms, upper = ghost.norm_bounds(mlp, cur, x64.T, sq, prev)
             over = ~torch.isfinite(norms)
-            c = torch.where(norms > rad, rad / torch.where(norms > rad, norms, 1.0), 1.0)
+            c = clip_factors(upper, rad)
             out = ghost.clipped_sums(cur, x64.T.reshape(M, 1, F).contiguous(), c, prev)
         assert not over.any()
         return out
@@ -634,6 +636,131 @@ def test_rows_of_extreme_norms_are_clipped_not_lost_to_underflow_or_overflow(eng
     clipped = scaled_row_norms(sums(radius, scale).reshape(M * K, -1))
     assert float(clipped.max()) <= radius * (1 + 1e-12)
     torch.testing.assert_close(clipped, torch.full_like(clipped, radius), rtol=1e-12, atol=0)
+
+
+# ---------------------------------------------------------------- clip factors from a sound bound:
+# no clipped row ever exceeds its radius, checked exactly
+
+#: The adversarial samples of _adversarial_parts (one client of 70: four blocks and a tail of 6).
+ADVERSARIAL = {"cancelling": range(0, 32), "plain": range(32, 48), "underflow": range(48, 56),
+               "overflow": range(56, 64), "huge": range(64, 70)}
+
+
+def _floor_sqrt(q: Fraction) -> float:
+    """The largest float r with r² <= q (q > 0, any magnitude)."""
+    k = (q.numerator.bit_length() - q.denominator.bit_length()) // 2
+    r = math.ldexp(math.sqrt(float(q / Fraction(2) ** (2 * k))), k)
+    while Fraction(r) ** 2 > q:
+        r = math.nextafter(r, 0.0)
+    while Fraction(math.nextafter(r, math.inf)) ** 2 <= q:
+        r = math.nextafter(r, math.inf)
+    return r
+
+
+def _adversarial_parts():
+    """Float64 parts at x and x' of one MLP 3 -> 8 -> 2 (one client of 70 samples, the same in every
+    run) built against a clip bound, and the exact squared norm of each sample's difference row
+    [70] (Fractions, from the float64 dg_1, x̃, dg_L, ã, g_L', da the kernel forms): rank-two terms
+    that nearly cancel (dg_L = -μ g_L' + e, da = μ a + w, small e, w: A + B up to ~3e8 times the
+    bracket) with activations ~1e4 ("cancelling"); well-conditioned rows ("plain"); cancelling rows
+    whose gradients are scaled by 2^-560 (squares underflow) and 2^600 (they overflow); cancelling
+    rows with activations ~1e125 (multipliers above 2^400: taken by scaling, the rank-two matrix
+    written out, its own cancellation, A + B up to ~1e11 times the bracket, within κ_s·width)."""
+    rng = np.random.default_rng(7)
+    Fd, Hd, Od, n = 3, 8, 2, 70
+    x = rng.standard_normal((Fd, n))
+    a = rng.uniform(1e4, 2e4, (Hd, n))
+    plain, huge = ADVERSARIAL["plain"], ADVERSARIAL["huge"]
+    a[:, plain] = rng.uniform(-2.0, 2.0, (Hd, len(plain)))
+    a[:, huge] = rng.uniform(1e125, 2e125, (Hd, len(huge)))
+    gp = rng.standard_normal((Od, n))
+    mu = 10.0 ** rng.uniform(-6, -2, n)
+    da = mu * a + 10.0 ** rng.uniform(-9, -3, n) * rng.standard_normal((Hd, n))
+    dg = -mu * gp + 10.0 ** rng.uniform(-9, -3, n) * rng.standard_normal((Od, n))
+    da[:, plain] = 0.3 * rng.standard_normal((Hd, len(plain)))
+    dg[:, plain] = rng.standard_normal((Od, len(plain)))
+    g, ap = gp + dg, a - da
+    for name, power in (("underflow", -560), ("overflow", 600)):
+        cols = ADVERSARIAL[name]
+        g[:, cols], gp[:, cols] = g[:, cols] * 2.0 ** power, gp[:, cols] * 2.0 ** power
+    dphi = rng.uniform(0.5, 1.0, (Hd, n))
+    w2 = rng.standard_normal((Od, Hd))
+
+    def hidden(gl):  # the kernel's backward to the hidden layer: Σ_o in order, then ⊙ φ'
+        return (w2[0][:, None] * gl[0] + w2[1][:, None] * gl[1]) * dphi
+
+    dg1, dgl, dav = hidden(g) - hidden(gp), g - gp, a - ap  # as the kernel forms them (float64)
+    exact = [rank_two_sq_norm(dg1[:, m], np.append(x[:, m], 1.0))
+             + rank_two_sq_norm(dgl[:, m], np.append(a[:, m], 1.0), gp[:, m],
+                                np.append(dav[:, m], 0.0)) for m in range(n)]
+    return (x, a, ap, g, gp, dphi, w2, hidden), exact
+
+
+def _adversarial_factors(kernel, arrays, radius: torch.Tensor) -> torch.Tensor:
+    """The kernel's clip factors [K, 70] of the difference rows of _adversarial_parts' arrays."""
+    x, a, ap, g, gp, dphi, w2, _ = arrays
+    K = len(radius)
+
+    def runs(v):
+        return torch.from_numpy(np.ascontiguousarray(v)).expand(K, *v.shape).contiguous()
+
+    cur = fused.Parts(runs(a), runs(dphi), runs(g), runs(w2))
+    prev = fused.Parts(runs(ap), runs(dphi), runs(gp), runs(w2))
+    x64 = torch.from_numpy(x).contiguous()
+    c, over = fused.clip_factors(kernel, cur, x64, (x64 * x64).sum(0), torch.ones(x.shape[1],
+                                 dtype=torch.float64), radius, prev)
+    assert not over.any()
+    return c
+
+
+def test_no_clipped_row_exceeds_its_radius_even_adversarially_checked_exactly(kernel, monkeypatch):
+    """The kernel's clip factors c = C / U (rounded down) from an upper bound U of each true norm
+    (ghost.norm_bounds: κ (A + B + |X|) on the bracket, κ (√A + 4√B) on its QR form, κ_s · width on
+    a lane taken by scaling): on rows built to break it (_adversarial_parts: cancelling rank-two
+    terms at activations 1e4 and 1e125, squares that underflow or overflow, and radii just below a
+    row's true norm) every clipped row's TRUE norm — exact, in Fractions — is within its radius:
+    c² ‖row‖² <= C², no tolerance. The bound costs little: clipped rows keep their length to 1e-6
+    (measured 5e-9 at worst, on the 1e125 rows), and the factors are the torch path's (norm_bounds,
+    clip_factors) to 1e-14 (measured 2 ulp). With the bound's κ set to 0 (the computed norm,
+    rounded up by a few ulps only) rows of every cancelling group exceed their radius (50 of 630,
+    by up to 7e-13; the former factor C / N̂: 110, the plain rows too): the test has teeth."""
+    arrays, exact = _adversarial_parts()
+    groups = {name: [exact[m] for m in cols] for name, cols in ADVERSARIAL.items()}
+    # runs 0-3: half the smallest norm of a group (all its rows clipped); 4-8: just below the true
+    # norm of one row of each group (its computed norm may read at or below the radius)
+    radius = torch.tensor([0.5 * _floor_sqrt(min(groups[name])) for name in
+                           ("cancelling", "underflow", "overflow", "huge")]
+                          + [_floor_sqrt(exact[m]) for m in (3, 40, 50, 60, 66)],
+                          dtype=torch.float64)
+
+    def excess(c: torch.Tensor) -> list[tuple[int, int]]:  # (run, sample) of rows above the radius
+        return [(k, m) for k in range(len(radius)) for m in range(len(exact))
+                if Fraction(float(c[k, m])) ** 2 * exact[m] > Fraction(float(radius[k])) ** 2]
+
+    c = _adversarial_factors(kernel, arrays, radius)
+    assert excess(c) == []
+    for k, name in enumerate(("cancelling", "underflow", "overflow", "huge")):
+        for m in ADVERSARIAL[name]:
+            assert 1 - 1e-6 < float(c[k, m]) * math.sqrt(
+                float(exact[m] / Fraction(float(radius[k])) ** 2)) <= 1.0, (name, m)
+    assert bool((c[4:, [3, 40, 50, 60, 66]].diagonal() < 1).all())
+    # the torch path's factors for the same rows
+    x, a, ap, g, gp, dphi, w2, hidden = arrays
+    K = len(radius)
+
+    def ghost_pass(act, gl):
+        t = lambda v: torch.from_numpy(np.ascontiguousarray(v)).expand(K, *v.shape)  # noqa: E731
+        return ghost.Pass((t(act),), (t(hidden(gl)), t(gl)), torch.zeros(K, x.shape[1]), t(gl))
+
+    x64 = torch.from_numpy(x)
+    _, upper = ghost.norm_bounds(MLP((3, 8, 2), ("softplus",), "cross_entropy"),
+                                 ghost_pass(a, g), x64.T, (x64 * x64).sum(0), ghost_pass(ap, gp))
+    torch.testing.assert_close(c, clip_factors(upper, radius.unsqueeze(-1)), rtol=1e-14, atol=0)
+    # teeth: without the bound's κ the computed norms' rounding shows through
+    monkeypatch.setattr(fused, "norm_errors", lambda F, H, O: (0.0, 0.0))
+    over = excess(_adversarial_factors(kernel, arrays, radius))
+    hit = {name for name, cols in ADVERSARIAL.items() for _, m in over if m in cols}
+    assert {"cancelling", "underflow", "overflow", "huge"} <= hit, over
 
 
 def test_the_blocked_layout_puts_each_blocks_rows_together_and_back():

@@ -19,6 +19,7 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 
+from exact_norms import inside as exactly_inside
 from diff2_flwr.core.aggregation import NORM_RTOL, Reply, RoundRejected, average_contributions
 from diff2_flwr.core.estimator import RoundPlan
 from diff2_flwr.core.layout import ParameterLayout
@@ -446,10 +447,11 @@ def test_norm_rounding_excess_is_accepted_and_projected():
     reply = Reply("partition 0", 0, layout.split(v), num_samples=10, num_clipped=10)
     agg = average_contributions(plan, layout, [reply], clients=1, n_min=10)  # accepted: no raise
     norm = float(np.linalg.norm(agg.mean))
-    # projected back: the 1e-12 excess is gone (up to a few float64 ulps) and the direction is kept
-    assert norm < radius * (1 + 1e-14)
-    assert norm == pytest.approx(radius, rel=1e-14)
-    np.testing.assert_allclose(agg.mean, v * (radius / np.linalg.norm(v)), rtol=1e-14, atol=0)
+    # projected back: the 1e-12 excess is gone — its exact norm is within the radius, below it by
+    # the norms' rounding-error bound at most (2γ_105 ≈ 2.3e-14) — and the direction is kept
+    assert exactly_inside(agg.mean, radius)
+    assert norm == pytest.approx(radius, rel=1e-13)
+    np.testing.assert_allclose(agg.mean, v * (radius / np.linalg.norm(v)), rtol=1e-13, atol=0)
     assert agg.clip_fraction == 1.0
 
     # and with P = 3 honest peers the mean's norm stays within the bound of the sum of radii / P
@@ -475,6 +477,7 @@ def test_projected_contribution_norm_is_at_most_the_radius_exactly():
         reply = Reply("partition 0", 0, layout.split(v), num_samples=5, num_clipped=5)
         agg = average_contributions(plan, layout, [reply], clients=1, n_min=5)
         worst = max(worst, float(np.linalg.norm(agg.mean)) / radius - 1)
+        assert exactly_inside(agg.mean, radius)  # the exact norm, not a computed one
     assert worst <= 0.0, (f"a projected contribution's norm exceeds its radius by a relative "
                           f"{worst:.3g}")
 

@@ -22,6 +22,7 @@ import torch
 
 __all__ = [
     "NORM_RTOL", "ClippedSum", "clip_factors", "clip_rows", "row_norms", "row_norms_np",
+    "gamma", "row_norm_error", "unit_roundoff", "upper_norms",
     "scaled_row_norms",
     "RADIUS_FLOOR", "SAFE_NORM_RANGE", "check_radius", "clipped_sum", "clipped_mean",
     "robust_norm", "radius_norm",
@@ -59,6 +60,39 @@ class ClippedSum(NamedTuple):
 RADIUS_FLOOR = 2.0**-900
 
 
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u of a float dtype: the largest relative error of one rounding to nearest (2^-53 for
+    float64, 2^-24 for float32)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(k: int, u: float = 2.0**-53) -> float:
+    """γ_k(u) = k·u / (1 - k·u) (Higham, *Accuracy and Stability of Numerical Algorithms*, §3.1),
+    rounded up: a sum of k products (or of k + 1 terms) in any order has absolute error at most
+    γ_k · Σ|terms|, and a product of k factors (1 + δ_i), |δ_i| ≤ u, lies within 1 ± γ_k. Refuses
+    k·u ≥ 1/2, where no such bound is useful."""
+    if k < 0 or k * u >= 0.5:
+        raise ValueError(f"γ_k needs 0 <= k·u < 1/2. Found k = {k}, u = {u:.3g}.")
+    return math.nextafter(k * u / (1 - k * u), math.inf) if k else 0.0
+
+
+def upper_norms(norms: torch.Tensor, rel: float | torch.Tensor,
+                extra: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """``norms`` · (1 + ``rel``) + ``extra``, each operation rounded upward (to nearest, then one
+    step up): an upper bound of a true norm that lies within a relative ``rel`` and an absolute
+    ``extra`` of the computed ``norms``. Branch-free; float64.
+
+    What underflowed inside a norm is relative too on every path: norms whose squares could lose
+    anything that matters are taken again by scaling (:data:`SAFE_NORM_RANGE`), and what the safe
+    range lets underflow is below 2^-400 of the result, far inside any ``rel`` a path passes."""
+    up = torch.tensor(math.inf, dtype=norms.dtype, device=norms.device)
+    one = torch.nextafter(1 + torch.as_tensor(rel, dtype=norms.dtype, device=norms.device), up)
+    hi = norms * one
+    if not (isinstance(extra, float) and extra == 0.0):
+        hi = torch.nextafter(hi, up) + extra
+    return torch.where(hi > 0, torch.nextafter(hi, up), hi)  # 0 · (1 + rel) is exactly 0
+
+
 def check_radius(radius: float) -> None:
     """Refuse a radius that is NaN, negative, or positive below :data:`RADIUS_FLOOR` (0 and inf are
     taken: a zero contribution, no clipping)."""
@@ -94,29 +128,39 @@ def _clip_rows(rows: torch.Tensor, radius: float) -> tuple[torch.Tensor, torch.T
     if rows.ndim != 2:
         raise ValueError(f"`rows` must have shape [n, d]. Found shape {tuple(rows.shape)}.")
     norms = row_norms(rows)
-    over = norms > radius
-    if math.isinf(radius) or not bool(over.any()):
-        return rows, over, norms
-    # Only rows with norm > radius >= 0 are divided, so no division by zero can be selected.
-    safe = torch.where(over, norms, 1.0)
-    factor = torch.where(over, radius / safe, 1.0)
-    clipped = rows * factor.unsqueeze(1)
-    tiny = over & (factor < torch.finfo(factor.dtype).tiny)
-    # C/‖a‖ subnormal: its few bits would overshoot C; onto the unit sphere first, then C
+    upper = upper_norms(norms.to(torch.float64), row_norm_error(rows.shape[1], rows.dtype))
+    if math.isinf(radius) or not bool((upper > radius).any()):
+        return rows, norms > radius, norms
+    over = norms > radius  # what is counted as clipped: the computed norm's view
+    factor = clip_factors(upper, radius)  # float64, <= C / upper
+    low = factor.to(rows.dtype)  # rounded down into the rows' dtype: never above C / upper
+    low = torch.where(low.to(torch.float64) > factor, torch.nextafter(low, torch.zeros_like(low)),
+                      low)
+    clipped = rows * low.unsqueeze(1)
+    tiny = (upper > radius) & (factor < torch.finfo(rows.dtype).tiny) & (radius > 0)
+    # C/N subnormal in the rows' dtype (few bits): the row divided by N first, then times C
     if bool(tiny.any()):
+        safe = torch.where(tiny, upper, 1.0).to(rows.dtype)
         clipped = torch.where(tiny.unsqueeze(1), rows / safe.unsqueeze(1) * radius, clipped)
     return clipped, over, norms
 
 
-def clip_factors(norms: torch.Tensor, radius: float | torch.Tensor) -> torch.Tensor:
-    """min(1, C/‖a‖) per norm, never above C/‖a‖: a factor below the smallest normal float (‖a‖ >
-    2^1022 C) is subnormal, and rounded to nearest it could exceed C/‖a‖ (a clipped row above C); it
-    is taken one step toward 0. Branch-free (it runs inside compiled rounds too); a normal factor is
-    exactly ``C / ‖a‖``."""
-    over = norms > radius
-    c = torch.where(over, radius / torch.where(over, norms, 1.0), 1.0)
-    tiny = (c > 0) & (c < torch.finfo(c.dtype).tiny)
-    return torch.where(tiny, torch.nextafter(c, torch.zeros_like(c)), c)
+def row_norm_error(width: int, dtype: torch.dtype) -> float:
+    """The relative error bound of :func:`row_norms` of rows of ``width`` entries in ``dtype``, with
+    the rounding of the clipped row (the row times its factor) on top: a sum of ``width`` squares
+    (γ_width), its square root, the scaling by max|row| and back, the product by the factor. The
+    true norm of a clipped row c·a is then at most c · N̂ · (1 + this)."""
+    return gamma(width + 6, unit_roundoff(dtype))
+
+
+def clip_factors(upper: torch.Tensor, radius: float | torch.Tensor) -> torch.Tensor:
+    """min(1, C/N) per upper bound N of a row's true norm (:func:`upper_norms`), never above C/N:
+    1 where N <= C, else C/N rounded to nearest and then one step toward 0 (the float just below a
+    rounded-up quotient is below the exact one, subnormal factors included). A row with true norm
+    ‖a‖ <= N then has ‖c·a‖ <= C exactly. Branch-free (it runs inside compiled rounds too)."""
+    over = upper > radius
+    c = torch.where(over, radius / torch.where(over, upper, 1.0), 1.0)
+    return torch.where(over, torch.nextafter(c, torch.zeros_like(c)), c)
 
 
 def row_norms(rows: torch.Tensor) -> torch.Tensor:
@@ -209,12 +253,14 @@ def radius_norm(flat: np.ndarray) -> float:
 
 
 def project_onto_ball(flat: np.ndarray, radius: float, norm: float) -> np.ndarray:
-    """Scale ``flat`` (of norm ``norm`` > ``radius``) onto the ball of ``radius`` so that its
-    float64 norm is <= radius exactly, by either way of computing it."""
-    factor = radius / norm
+    """Scale ``flat`` (of norm ``norm`` > ``radius``) onto the ball of ``radius`` so that its exact
+    norm is <= radius: both ways of computing its float64 norm, raised by their rounding-error bound
+    (γ_(d+4), :func:`gamma`), are <= radius — so each computed norm is too, and so is the true one
+    (a computed norm alone can be an ulp below it)."""
+    rel = gamma(flat.size + 4)
+    factor = radius / (norm * (1 + 2 * rel))
     projected = flat * factor
-    # rounding can leave it 1 ulp outside (by either way of computing the norm)
-    while max(robust_norm(projected), float(np.linalg.norm(projected))) > radius:
+    while max(robust_norm(projected), float(np.linalg.norm(projected))) * (1 + 2 * rel) > radius:
         factor = np.nextafter(factor, 0.0)
         projected = flat * factor
     return projected

@@ -32,11 +32,13 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from .clipping import SAFE_NORM_RANGE, check_radius, clip_factors, scaled_row_norms
+from .clipping import (
+    SAFE_NORM_RANGE, check_radius, clip_factors, gamma, scaled_row_norms, upper_norms,
+)
 from .gradients import Contribution, finish_contribution
 from .layout import ParameterLayout
 
-__all__ = ["MLPParts", "PaperMLPGradients", "softplus_with_derivative"]
+__all__ = ["MLPParts", "PaperMLPGradients", "norm_error", "softplus_with_derivative"]
 
 _SOFTPLUS_THRESHOLD = 20.0  # as torch.nn.functional.softplus: linear above it
 
@@ -74,6 +76,15 @@ def _norms(features: torch.Tensor, sq_norm_a: torch.Tensor, ge: torch.Tensor, gs
     outer = scaled_row_norms(torch.cat([ge[idx].unsqueeze(1), gs[idx]], dim=1))
     safe = torch.hypot(outer, scaled_row_norms(gd[idx]) * scaled_row_norms(a1))
     return norms.index_put((idx,), safe)
+
+
+def norm_error(hidden: int, features: int) -> float:
+    """Relative error bound of :func:`_norms` in float64 for a hidden width and an input width, with
+    the rounding of c·∂b1 in the sums on top: every term is a non-negative sum (γ_hidden, and
+    γ_(features+1) for 1 + ‖a‖²), a product, three additions and a square root — or, where scaled,
+    two scaled row norms, a product and ``hypot``. The true norm of the row the sums add is at most
+    N̂ (1 + this)."""
+    return gamma(hidden + features + 10)
 
 
 class PaperMLPGradients:
@@ -116,9 +127,8 @@ class PaperMLPGradients:
         """Clipped sum of the per-sample gradients given by (∂b2, ∂w2, ∂b1) = (ge, gs, gd), ∂W1 = gd
         aᵀ, how many were clipped, and how many had a non-finite norm.
 
-        All of it in float64 (inputs are float64): norms, clip factors and sums keep float64
-        rounding whatever the compute dtype, so a clipped mean exceeds the radius by float64
-        rounding at most (float32 sums and factors exceeded it by ~1e-6).
+        All of it in float64 (inputs are float64). The factor of a row is C over an upper bound of
+        its true norm (:func:`norm_error`), rounded down: no clipped row exceeds the radius.
         """
         norms = _norms(features, sq_norm_a, ge, gs, gd)
         nonfinite = int((~torch.isfinite(norms)).sum())
@@ -127,7 +137,8 @@ class PaperMLPGradients:
             clipped = 0
         else:
             over = norms > radius
-            c = clip_factors(norms, radius)
+            c = clip_factors(upper_norms(norms, norm_error(gs.shape[1], features.shape[1])),
+                             radius)
             clipped = int(over.sum())
         cd = gd * c.unsqueeze(1)
         total = torch.cat([(cd.T @ features).reshape(-1), cd.sum(0), (gs * c.unsqueeze(1)).sum(0),

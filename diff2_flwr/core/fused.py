@@ -11,11 +11,13 @@ c_n ∇ℓ (or of the differences) [P, K, d] in float64 and whether a real sampl
 
     g_1 = (W_2ᵀ g_L) ⊙ φ'(h)                 in the compute dtype, as
     :func:`~diff2_flwr.core.ghost.forward`, ‖·‖² = ‖dg_1‖²(1 + ‖x‖²) + ‖dg_L‖²(1 + ‖a‖²) +
-    ‖g_L'‖²‖da‖² + 2(dg_L·g_L')(a·da)    in float64, c = rad/‖·‖ if ‖·‖ > rad else 1, times the mask
-    (0 for padding),
+    ‖g_L'‖²‖da‖² + 2(dg_L·g_L')(a·da)    in float64, an upper bound U of the true norm, c = rad/U
+    (rounded down) if U > rad else 1, times the mask (0 for padding),
 
-the formulas of :func:`~diff2_flwr.core.ghost.norms` (difference form; a plain row is g' = 0, a' =
-a, as :meth:`~diff2_flwr.core.ghost.Pass.restarting`), with its safeguards: where the last three
+the formulas of :func:`~diff2_flwr.core.ghost.norm_bounds` (difference form; a plain row is g' = 0,
+a' = a, as :meth:`~diff2_flwr.core.ghost.Pass.restarting`; its κ from :func:`norm_errors`, the clip
+factor :func:`~diff2_flwr.core.clipping.clip_factors`'s: a clipped row's true norm never exceeds
+rad; the overflow flag is on the computed norm), with its safeguards: where the last three
 terms cancel (A + B > 16 (A + B + X)) the output layer's term is taken from its QR form instead, and
 a sample whose squares may have underflowed or overflowed has its norm taken again with every factor
 scaled by a power of two — both only for the blocks and samples that need it (elsewhere they cost a
@@ -57,13 +59,16 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from .ghost import MLP, norm_error, scaled_norm_error
+
 __all__ = ["Parts", "FusedKernel", "ACTIVATION_CODES", "LOSS_CODES", "build", "load", "unload",
-           "clipped_sums",
+           "clipped_sums", "clip_factors", "norm_errors",
            "forward_sums", "activation", "to_blocked", "from_blocked"]
 
 #: The activations and losses whose forward pass the kernel computes itself (its ``Activation`` and
@@ -109,14 +114,16 @@ class FusedKernel:
         for dtype, name in ((torch.float32, "diff2_fused_f32"), (torch.float64, "diff2_fused_f64")):
             fn = getattr(self._lib, name)
             fn.restype = None
-            fn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 16 + [ctypes.c_int64]
+            fn.argtypes = ([ctypes.c_int64] * 6 + [ctypes.c_void_p] * 16 + [ctypes.c_int64]
+                           + [ctypes.c_double] * 2 + [ctypes.c_void_p])
             self._entry[dtype] = fn
         self._forward, self._activation = {}, {}
         for dtype, suffix in ((torch.float32, "f32"), (torch.float64, "f64")):
             fn = getattr(self._lib, f"diff2_forward_{suffix}")
             fn.restype = None
             fn.argtypes = ([ctypes.c_int64] * 6 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
-                           + [ctypes.c_void_p] * 19 + [ctypes.c_int64])
+                           + [ctypes.c_void_p] * 19 + [ctypes.c_int64] + [ctypes.c_double] * 2
+                           + [ctypes.c_void_p])
             self._forward[dtype] = fn
             fn = getattr(self._lib, f"diff2_activation_{suffix}")
             fn.restype = None
@@ -211,6 +218,15 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+@lru_cache(maxsize=None)
+def norm_errors(F: int, H: int, O: int) -> tuple[float, float]:
+    """(κ, κ_s) of an MLP F -> H -> O: :func:`~diff2_flwr.core.ghost.norm_error` and
+    :func:`~diff2_flwr.core.ghost.scaled_norm_error`, which depend on the widths only — the kernel's
+    upper bounds of the true norms are :func:`~diff2_flwr.core.ghost.norm_bounds`' with these."""
+    mlp = MLP((F, H, O), ("identity",), "half_squared_error" if O == 1 else "cross_entropy")
+    return norm_error(mlp), scaled_norm_error(mlp)
+
+
 def clipped_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as the C++ entry)
         kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor,
         radius: torch.Tensor, prev: Parts | None = None, restart: torch.Tensor | None = None, *,
@@ -229,6 +245,12 @@ def clipped_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as t
     ``prev`` and ``x`` are in the blocked layout (:func:`to_blocked`; ``x_rows``, ``sq_x``, ``mask``
     and ``radius`` as always).
     """
+    return _call(kernel, cur, _dims(kernel, cur, "fused.clipped_sums"), x, sq_x, mask, radius,
+                 prev, restart, clients, x_rows, None, "fused.clipped_sums")
+
+
+def _dims(kernel: FusedKernel, cur: Parts, who: str) -> tuple[torch.dtype, int, int, int, int]:
+    """(compute dtype, K, H, O, M) of a pass read by the kernel, its tensors checked."""
     dtype = cur.a.dtype
     K, H, M = cur.a.shape
     O = cur.grad_out.shape[1]
@@ -236,15 +258,27 @@ def clipped_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as t
                            ("grad_out", cur.grad_out, (K, O, M)), ("w_out", cur.w_out, (K, O, H))):
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(
-                f"fused.clipped_sums: {name} must be a contiguous {dtype} tensor of shape "
+                f"{who}: {name} must be a contiguous {dtype} tensor of shape "
                 f"{shape}. Found {t.dtype} "
                 f"{tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}.")
     if dtype not in kernel._entry:
-        raise ValueError(
-            f"fused.clipped_sums: compute dtype must be float32 or float64. Found {dtype}.")
-    return _call(kernel, cur, (dtype, K, H, O, M), x, sq_x, mask, radius, prev, restart, clients,
-                 x_rows, None,
-                 "fused.clipped_sums")
+        raise ValueError(f"{who}: compute dtype must be float32 or float64. Found {dtype}.")
+    return dtype, K, H, O, M
+
+
+def clip_factors(  # noqa: PLR0913 -- clipped_sums' arguments
+        kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor,
+        radius: torch.Tensor, prev: Parts | None = None, restart: torch.Tensor | None = None, *,
+        clients: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clip factors c [K, M] (float64, times the mask; samples in their natural order whatever
+    ``cur.blocked``) that :func:`clipped_sums` takes with these arguments, and its overflow flags
+    [P, K]: its kernel call, which also writes them out (for inspection and tests; the sums are
+    discarded)."""
+    dims = _dims(kernel, cur, "fused.clip_factors")
+    factors = torch.empty(dims[1], dims[4], dtype=torch.float64)
+    _, overflow = _call(kernel, cur, dims, x, sq_x, mask, radius, prev, restart, clients, None,
+                        None, "fused.clip_factors", factors)
+    return factors, overflow
 
 
 def _call(  # noqa: PLR0913 -- clipped_sums' and forward_sums' arguments, passed to the kernel
@@ -252,12 +286,13 @@ def _call(  # noqa: PLR0913 -- clipped_sums' and forward_sums' arguments, passed
         x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor, radius: torch.Tensor,
         prev: Parts | None, restart: torch.Tensor | None, clients: int,
         x_rows: torch.Tensor | None, forward: tuple | None,
-        who: str) -> tuple[torch.Tensor, torch.Tensor]:
+        who: str, factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel call of :func:`clipped_sums` (``forward`` None: ``cur`` is read) or
     :func:`forward_sums` (``forward`` = (params, activation code, loss code, x_t, y, losses):
     ``cur`` and the losses are written; ``cur``'s a, dphi and grad_out None: the pass is not kept);
     ``dims`` = (compute dtype, K, H, O, M); ``cur``'s and the forward's arguments checked by the
-    caller (``who``, named in the errors), the others here."""
+    caller (``who``, named in the errors), the others here. ``factors`` [K, M] float64: the clip
+    factors are written there too."""
     dtype, K, H, O, M = dims
     F = x.shape[0]
     N = _client_size(M, clients, who)
@@ -295,7 +330,7 @@ def _call(  # noqa: PLR0913 -- clipped_sums' and forward_sums' arguments, passed
     p = prev if prev is not None else Parts(None, None, None, None)  # type: ignore[arg-type]
     tail = (_ptr(cur.w_out), _ptr(p.a), _ptr(p.dphi), _ptr(p.grad_out), _ptr(p.w_out),
             _ptr(restart_u8), _ptr(x), _ptr(sq_x), _ptr(mask), _ptr(radius), _ptr(sums),
-            _ptr(overflow), _ptr(cd1), int(cur.blocked))
+            _ptr(overflow), _ptr(cd1), int(cur.blocked), *norm_errors(F, H, O), _ptr(factors))
     if forward is None:
         kernel._entry[dtype](clients, K, H, O, F, N, _ptr(cur.a), _ptr(cur.dphi),
                              _ptr(cur.grad_out), *tail)

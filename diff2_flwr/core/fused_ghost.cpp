@@ -4,8 +4,9 @@
 // forward pass (hidden activations a, φ'(h), output gradient g_L, output weights W_2) at x and, for a
 // difference, at x', it takes in one pass over blocks of BLOCK samples: the backward to the hidden layer
 // (in the compute dtype, as the torch path), the float64 per-sample squared norm (the formulas of
-// core/ghost.py::norms: cancellation-, underflow- and overflow-safe), the clip factor, the overflow flag and the float64 clipped sums — without any
-// [K, width, N] float64 intermediate.
+// core/ghost.py::norms: cancellation-, underflow- and overflow-safe) and a rigorous upper bound of the true norm
+// (ghost.py::norm_bounds, its κ passed in), the clip factor from that bound (clipping.py::clip_factors), the overflow
+// flag and the float64 clipped sums — without any [K, width, N] float64 intermediate.
 //
 // Built with -O3 -ffp-contract=off and without -ffast-math: every operation below is one IEEE operation in
 // the order written, and the vectorised loops run over independent samples (lanes), so the bits do not
@@ -47,6 +48,37 @@ inline int risky(double sq, double sqx, double sa, double sgp, double sda, doubl
   return (mask > 0.0) & ((!(sq >= SAFE_LO)) | (!(sq <= SAFE_HI)) | big);
 }
 
+// One step up (nextafter(x, +inf)) of x >= 0 or NaN (+inf and NaN stay), and one step toward 0 of x >= 0 or NaN (0
+// stays): bit operations, so that the loops over a block's lanes vectorise (std::nextafter is a libm call).
+inline double step_up(double x) {
+  uint64_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u = x == 0.0 ? uint64_t(1) : u + 1;  // ±0 -> the smallest subnormal
+  double y;
+  std::memcpy(&y, &u, sizeof y);
+  return x < std::numeric_limits<double>::infinity() ? y : x;
+}
+inline double step_down(double x) {
+  uint64_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u = u - 1;
+  double y;
+  std::memcpy(&y, &u, sizeof y);
+  return x > 0.0 ? y : x;
+}
+
+// clipping.py::upper_norms: r (1 + rel) + extra, each operation rounded upward (to nearest, then one step up; 0 stays
+// 0). ``one`` = step_up(1 + rel); ``with_extra`` as torch's when ``extra`` is a tensor (a step up before the sum even
+// where extra is 0).
+inline double upper_norm(double r, double one) {
+  const double h = r * one;
+  return h > 0.0 ? step_up(h) : h;
+}
+inline double upper_norm(double r, double one, double extra) {
+  const double h = step_up(r * one) + extra;
+  return h > 0.0 ? step_up(h) : h;
+}
+
 // ‖v‖ of n entries scaled by the largest magnitude m (m·‖v/m‖: no square under- or overflows that matters);
 // NaN if an entry is.
 inline double vnorm(const double* v, int64_t n) {
@@ -78,10 +110,18 @@ inline int expo(const std::vector<double>& v) {
   return e;
 }
 
+// ‖v · 2^-e‖ (v scaled exactly by a power of two first: no square under- or overflows that matters).
+inline double scaled_vnorm(const std::vector<double>& v, int e) {
+  std::vector<double> w(v.size());
+  for (size_t i = 0; i < v.size(); ++i) w[i] = std::ldexp(v[i], -e);
+  return vnorm(w.data(), static_cast<int64_t>(w.size()));
+}
+
 // ‖dg a1ᵀ + gp da1ᵀ‖, each factor scaled by a power of two, the larger term's scale taken out, the matrix
-// written out and its norm scaled: exact to rounding over the whole float64 range (ghost.py's _layer_norm).
+// written out and its norm scaled: exact to rounding over the whole float64 range (ghost.py's _layer_norm); and in
+// ``width`` ‖dg‖ ‖a1‖ + ‖gp‖ ‖da1‖, the scale of its rounding error (ghost.py's norm_bounds).
 inline double rank_two_norm(const std::vector<double>& dg, const std::vector<double>& a1,
-                            const std::vector<double>& gp, const std::vector<double>& da1) {
+                            const std::vector<double>& gp, const std::vector<double>& da1, double& width) {
   const int e_dg = expo(dg), e_a = expo(a1), e_gp = expo(gp), e_da = expo(da1);
   const int top = std::max(e_dg + e_a, e_gp + e_da);
   const double f1 = std::ldexp(1.0, e_dg + e_a - top), f2 = std::ldexp(1.0, e_gp + e_da - top);
@@ -91,6 +131,8 @@ inline double rank_two_norm(const std::vector<double>& dg, const std::vector<dou
     for (size_t h = 0; h < a1.size(); ++h)
       mat[o * a1.size() + h] = u * std::ldexp(a1[h], -e_a) + v * std::ldexp(da1[h], -e_da);
   }
+  width = std::ldexp(scaled_vnorm(dg, e_dg) * scaled_vnorm(a1, e_a), e_dg + e_a) +
+          std::ldexp(scaled_vnorm(gp, e_gp) * scaled_vnorm(da1, e_da), e_gp + e_da);
   return std::ldexp(vnorm(mat.data(), static_cast<int64_t>(mat.size())), top);
 }
 
@@ -335,6 +377,9 @@ struct Kernel {
   double *dg1, *av, *dav, *dgl, *gpl;  // [H, BLOCK], [H, BLOCK], [H, BLOCK], [O, BLOCK], [O, BLOCK]
   double* cd1 = nullptr;  // if set: c dg_1 of the block goes here (rows cd1s apart) instead of into W_1
   int64_t cd1s = 0;
+  // κ of ghost.py's norm_bounds (norm_error, scaled_norm_error: passed in by fused.py) and step_up(1 + κ) of each
+  double kappa = 0.0, kappa_s = 0.0, one = 1.0, one_s = 1.0;
+  double* factors = nullptr;  // if set: the block's clip factors c go here (BLOCK lanes; for inspection)
 
   // The backward to the hidden layer of one sample row, in T as torch's (Σ_o W_2[o, h] g_L[o]) · φ'(h).
   static inline void hidden_grad(const T* w2, const T* gl, const T* dphi, int64_t O, int64_t H, int64_t h,
@@ -351,9 +396,10 @@ struct Kernel {
   // (Not inlined, as scaled_norm: the hot loop of block() stays as lean as without them, measured 20 % faster.)
   // The bracket ‖dg_L ãᵀ + g_L' (da, 0)ᵀ‖² from the QR factorisation of [ã, (da, 0)] (ghost.py's docstring):
   // ‖s² dg_L + p g_L'‖² / s² + (‖da - μ a‖² + μ²) ‖g_L'‖², s² = 1 + ‖a‖², p = a·da, μ = p / s², into t1 where
-  // A + B (``ab``) > 16 t1. Reads the block's dg_L, g_L', a, da.
-  __attribute__((noinline)) void qr_terms(const double* sa, const double* sada, const double* sgp, const double* ab,
-                                          double* t1) const {
+  // A + B (``ab``) > 16 t1, and its bound (√qr (1 + κ) + κ (√A + 4 √B))² into hi (ghost.py's norm_bounds). Reads the
+  // block's dg_L, g_L', a, da.
+  __attribute__((noinline)) void qr_terms(const double* sa, const double* sada, const double* sgp, const double* sdgl,
+                                          const double* sda, const double* ab, double* t1, double* hi) const {
     double s2[BLOCK], mu[BLOCK], se[BLOCK], sw[BLOCK];
     for (int64_t j = 0; j < BLOCK; ++j) { s2[j] = 1.0 + sa[j]; mu[j] = sada[j] / s2[j]; se[j] = 0.0; sw[j] = 0.0; }
     for (int64_t o = 0; o < O; ++o) {
@@ -374,13 +420,18 @@ struct Kernel {
     }
     for (int64_t j = 0; j < BLOCK; ++j) {
       const double qr = se[j] / s2[j] + (sw[j] + mu[j] * mu[j]) * sgp[j];
-      t1[j] = ab[j] > CANCELLATION * t1[j] ? qr : t1[j];
+      const double root = std::sqrt(qr) * (1.0 + kappa) +
+                          kappa * (std::sqrt(sdgl[j] * (1.0 + sa[j])) + 4.0 * std::sqrt(sgp[j] * sda[j]));
+      const bool cancel = ab[j] > CANCELLATION * t1[j];
+      hi[j] = cancel ? root * root : hi[j];
+      t1[j] = cancel ? qr : t1[j];
     }
   }
 
   // The lane's norm with every factor scaled by a power of two and the rank-two matrix written out (slow, for
-  // the rare lanes that need it): ghost.py's _scaled_norms.
-  __attribute__((noinline)) double scaled_norm(const Block<T>& in, int64_t j, bool diff) const {
+  // the rare lanes that need it): ghost.py's _scaled_norms; and in ``width`` the scale of its rounding error (the
+  // output layer's, rank two; 0 for a plain row, whose layers are rank one).
+  __attribute__((noinline)) double scaled_norm(const Block<T>& in, int64_t j, bool diff, double& width) const {
     std::vector<double> x1(F + 1, 1.0), g1(H), a1(H + 1, 1.0), gl(O), gp(O), da1(H + 1, 0.0);
     for (int64_t f = 0; f < F; ++f) x1[f] = in.x[f * in.sx + j];
     for (int64_t h = 0; h < H; ++h) {
@@ -390,8 +441,9 @@ struct Kernel {
     }
     for (int64_t o = 0; o < O; ++o) { gl[o] = dgl[o * BLOCK + j]; gp[o] = diff ? gpl[o * BLOCK + j] : 0.0; }
     const double first = vnorm(g1.data(), H) * vnorm(x1.data(), F + 1);
+    width = 0.0;
     const double last =
-        diff ? rank_two_norm(gl, a1, gp, da1) : vnorm(gl.data(), O) * vnorm(a1.data(), H + 1);
+        diff ? rank_two_norm(gl, a1, gp, da1, width) : vnorm(gl.data(), O) * vnorm(a1.data(), H + 1);
     return std::hypot(first, last);
   }
 
@@ -465,37 +517,53 @@ struct Kernel {
     // ‖∇ℓ(x) - ∇ℓ(x')‖² = ‖dg_1‖²(1 + ‖x‖²) + [‖dg_L‖²(1 + ‖a‖²) + ‖g_L'‖²‖da‖² + 2(dg_L·g_L')(a·da)]
     // (A + B + X); where A + B > 16 (A + B + X) the bracket is taken again from the QR form (qr_terms), and a
     // lane whose squares may have underflowed or overflowed by scaling (scaled_norm): ghost.py's docstring.
-    // c = rad / norm if norm > rad else 1, times the mask (0 for padding). Branch-free loops: they vectorise;
-    // the rare lanes that need more are done over again, each lane's result its own (bits independent of the
-    // other lanes of its block).
-    double t1[BLOCK], ab[BLOCK], sq[BLOCK], norm[BLOCK];
+    // Beside each norm N̂, an upper bound U of the true norm (ghost.py's norm_bounds, same formulas and κ): per layer
+    // its term, A + B + X + κ (A + B + |X|) for the bracket, (√qr (1 + κ) + κ (√A + 4 √B))² where it is taken from the
+    // QR form; U = √Σ (1 + κ) rounded up; a lane taken again by scaling: N̂ (1 + κ_s) + κ_s (‖dg_L‖‖ã‖ + ‖g_L'‖‖da‖).
+    // c = rad / U rounded and one step toward 0 if U > rad, else 1 (clipping.py's clip_factors: a clipped row's true
+    // norm never exceeds rad), times the mask (0 for padding). Branch-free loops: they vectorise; the rare lanes that
+    // need more are done over again, each lane's result its own (bits independent of the other lanes of its block).
+    const double kap = kappa, one1 = one;  // locals: no aliasing question for the vectoriser
+    double t1[BLOCK], ab[BLOCK], sq[BLOCK], norm[BLOCK], hi[BLOCK], up[BLOCK];
     for (int64_t j = 0; j < BLOCK; ++j) t1[j] = sdgl[j] * (1.0 + sa[j]);
     if (diff) {
       int cancel = 0;
       for (int64_t j = 0; j < BLOCK; ++j) {
         ab[j] = t1[j] + sgp[j] * sda[j];
-        t1[j] = ab[j] + (2.0 * sdgp[j]) * sada[j];
+        const double x = (2.0 * sdgp[j]) * sada[j];
+        t1[j] = ab[j] + x;
+        hi[j] = t1[j] + kap * (ab[j] + std::fabs(x));
         cancel |= ab[j] > CANCELLATION * t1[j] ? 1 : 0;
       }
-      if (cancel) qr_terms(sa, sada, sgp, ab, t1);
+      if (cancel) qr_terms(sa, sada, sgp, sdgl, sda, ab, t1, hi);
+    } else {
+      for (int64_t j = 0; j < BLOCK; ++j) hi[j] = t1[j];  // rank one: relative, in the last (1 + κ)
     }
-    for (int64_t j = 0; j < BLOCK; ++j) sq[j] = sdg1[j] * (1.0 + in.sqa[j]) + t1[j];
-    for (int64_t j = 0; j < BLOCK; ++j) norm[j] = std::sqrt(sq[j]);
+    for (int64_t j = 0; j < BLOCK; ++j) {
+      const double first = sdg1[j] * (1.0 + in.sqa[j]);
+      sq[j] = first + t1[j];
+      hi[j] = first + hi[j];
+    }
+    for (int64_t j = 0; j < BLOCK; ++j) {
+      norm[j] = std::sqrt(sq[j]);
+      up[j] = upper_norm(std::sqrt(hi[j]), one1);
+    }
     int unsafe = 0;
     for (int64_t j = 0; j < BLOCK; ++j)
       unsafe |= risky(sq[j], in.sqa[j], sa[j], diff ? sgp[j] : 0.0, diff ? sda[j] : 0.0, in.mask[j]);
     if (unsafe)
       for (int64_t j = 0; j < BLOCK; ++j)
-        if (risky(sq[j], in.sqa[j], sa[j], diff ? sgp[j] : 0.0, diff ? sda[j] : 0.0, in.mask[j]))
-          norm[j] = scaled_norm(in, j, diff);
-    for (int64_t j = 0; j < BLOCK; ++j) c[j] = (norm[j] > rad ? rad / norm[j] : 1.0) * in.mask[j];
-    // A factor below DBL_MIN (norm > 2^1022 rad) is subnormal: rounded to nearest it may exceed rad / norm by up to
-    // half an ulp of few bits, so the clipped row could exceed rad. Such lanes take the factor one step toward 0.
-    int tiny = 0;
-    for (int64_t j = 0; j < BLOCK; ++j) tiny |= c[j] < DBL_MIN ? 1 : 0;
-    if (tiny)
-      for (int64_t j = 0; j < BLOCK; ++j)
-        if (c[j] > 0.0 && c[j] < DBL_MIN) c[j] = std::nextafter(c[j], 0.0);
+        if (risky(sq[j], in.sqa[j], sa[j], diff ? sgp[j] : 0.0, diff ? sda[j] : 0.0, in.mask[j])) {
+          double width;
+          norm[j] = scaled_norm(in, j, diff, width);
+          up[j] = upper_norm(norm[j], one_s, kappa_s * width);
+        }
+    for (int64_t j = 0; j < BLOCK; ++j) {
+      const double clipped = step_down(rad / up[j]);  // in every lane; kept only where up > rad >= 0
+      c[j] = (up[j] > rad ? clipped : 1.0) * in.mask[j];
+    }
+    if (factors != nullptr)
+      for (int64_t j = 0; j < BLOCK; ++j) factors[j] = c[j];
     int bad = 0;  // a real sample whose norm is not finite (|norm| <= max is false for inf and NaN)
     for (int64_t j = 0; j < BLOCK; ++j) bad |= (!(std::fabs(norm[j]) <= DBL_MAX) && in.mask[j] > 0.0) ? 1 : 0;
     // clipped sums, per lane: W_2 += c dg_L aᵀ (+ c g_L' daᵀ), b_2 += c dg_L, W_1 += c dg_1 xᵀ, b_1 += c dg_1
@@ -559,7 +627,8 @@ template <typename T>
 void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* a, const T* dphi,
            const T* gl, const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p,
            const uint8_t* restart, const double* x, const double* sqa, const double* mask, const double* radius,
-           double* sums, uint8_t* overflow, double* cd1, bool blocked, const Forward<T>& fw = Forward<T>{}) {
+           double* sums, uint8_t* overflow, double* cd1, bool blocked, double kappa, double kappa_s,
+           double* factors, const Forward<T>& fw = Forward<T>{}) {
   const int64_t d = H * F + H + O * H + O, M = P * N;
   // Row r of the ``width`` samples from column m of an array of R rows (per run) whose rows are M apart (sample
   // rows), or in the blocked layout (``blocked``): each chunk of a client's samples — its blocks, then its tail —
@@ -575,7 +644,7 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
   const bool keep = !forward || a != nullptr;
   std::vector<T> ka(keep ? 0 : H * BLOCK), kd(keep ? 0 : H * BLOCK), kg(keep ? 0 : O * BLOCK);
   std::vector<T> zw(O * BLOCK), txt(F * BLOCK, T(0)), ty(BLOCK, T(0)), tls(BLOCK, T(0));
-  std::vector<double> tcd1(H * BLOCK);
+  std::vector<double> tcd1(H * BLOCK), tfac(BLOCK);
   std::vector<double> acc(d * BLOCK), work((3 * H + 2 * O) * BLOCK);
   const int64_t full = N - N % BLOCK, tail = N - full;
   // the last, partial block of a client: copies padded with zeros (mask 0: clip factor 0, never an overflow)
@@ -598,6 +667,11 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
                     work.data() + H * BLOCK, work.data() + 2 * H * BLOCK, work.data() + 3 * H * BLOCK,
                     work.data() + 3 * H * BLOCK + O * BLOCK};
       std::memset(acc.data(), 0, sizeof(double) * acc.size());
+      ker.kappa = kappa;
+      ker.kappa_s = kappa_s;
+      ker.one = step_up(1.0 + kappa);
+      ker.one_s = step_up(1.0 + kappa_s);
+      double* fk = factors == nullptr ? nullptr : factors + k * M + start;  // [K, M]
       // run k's arrays (H · M or O · M elements each, in either layout)
       const T* ak = keep ? a + k * H * M : nullptr;
       const T* dk = keep ? dphi + k * H * M : nullptr;
@@ -617,6 +691,7 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
         Block<T> in{ab, db, gb, diff ? row(apk, H, m, 0, BLOCK) : nullptr, diff ? row(dpk, H, m, 0, BLOCK) : nullptr,
                     diff ? row(gpk, O, m, 0, BLOCK) : nullptr, row(x, F, m, 0, BLOCK), sqa + m, mask + m, s, rs};
         ker.cd1 = cdk == nullptr ? nullptr : cdk + n;
+        ker.factors = fk == nullptr ? nullptr : fk + n;
         if (forward)
           forward_block(fw.par + k * d, H, O, F, fw.act, fw.loss, row(fw.xt, F, m, 0, BLOCK), rs, fw.y + m,
                         const_cast<T*>(ab), const_cast<T*>(db), const_cast<T*>(gb), fw.ls + k * M + start + n, s,
@@ -666,7 +741,10 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
                     diff ? tglp.data() : nullptr, tx.data(), tsqa.data(), tmask.data(), BLOCK, BLOCK};
         ker.cd1 = cdk == nullptr ? nullptr : tcd1.data();
         ker.cd1s = BLOCK;
+        ker.factors = fk == nullptr ? nullptr : tfac.data();
         bad |= ker.block(in);
+        if (fk != nullptr)
+          for (int64_t j = 0; j < tail; ++j) fk[full + j] = tfac[j];
         if (cdk != nullptr)
           for (int64_t h = 0; h < H; ++h)
             for (int64_t j = 0; j < tail; ++j) cdk[h * M + full + j] = tcd1[h * BLOCK + j];
@@ -694,9 +772,9 @@ int64_t diff2_fused_block() { return BLOCK; }
             const T* gl,                                                                                          \
             const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p, const uint8_t* restart,         \
             const double* x, const double* sqa, const double* mask, const double* radius, double* sums,           \
-            uint8_t* overflow, double* cd1, int64_t blocked) {                                                    \
+            uint8_t* overflow, double* cd1, int64_t blocked, double kappa, double kappa_s, double* factors) {     \
     fused<T>(P, K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums, overflow, \
-             cd1, blocked != 0);                                                                                  \
+             cd1, blocked != 0, kappa, kappa_s, factors);                                                         \
   }
 
 DIFF2_FUSED_ENTRY(diff2_fused_f32, float)
@@ -709,10 +787,10 @@ DIFF2_FUSED_ENTRY(diff2_fused_f64, double)
             int64_t loss, const T* xt, const T* y, T* a, T* dphi, T* gl, T* ls, const T* w2, const T* ap,         \
             const T* dphip, const T* glp, const T* w2p, const uint8_t* restart, const double* x,                 \
             const double* sqa, const double* mask, const double* radius, double* sums, uint8_t* overflow,         \
-            double* cd1, int64_t blocked) {                                                                       \
+            double* cd1, int64_t blocked, double kappa, double kappa_s, double* factors) {                        \
     const Forward<T> fw{par, static_cast<int>(act), static_cast<int>(loss), xt, y, ls};                        \
     fused<T>(P, K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums,      \
-             overflow, cd1, blocked != 0, fw);                                                                   \
+             overflow, cd1, blocked != 0, kappa, kappa_s, factors, fw);                                          \
   }
 
 DIFF2_FORWARD_ENTRY(diff2_forward_f32, float)

@@ -64,11 +64,11 @@ from typing import Callable
 
 import torch
 
-from .clipping import scaled_row_norms
+from .clipping import gamma, scaled_row_norms, upper_norms
 from .closed_form import softplus_with_derivative
 
 __all__ = ["ACTIVATIONS", "LOSSES", "MLP", "Pass", "activate", "clipped_sums", "forward",
-           "forward_head", "norms",
+           "forward_head", "norm_bounds", "norm_error", "norms", "scaled_norm_error",
            "prepare_for_compile", "sq_norms"]
 
 LOSSES = ("half_squared_error", "cross_entropy")
@@ -295,13 +295,31 @@ CANCELLATION = 16.0
 SAFE_SQ, SAFE_MULTIPLIER = (2.0**-600, 2.0**600), 2.0**400
 
 
-def _difference_term(dg: torch.Tensor, gp: torch.Tensor, a: torch.Tensor,
-                     da: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """‖dg ãᵀ + g' (da, 0)ᵀ‖² per run and sample (cancellation-safe, see the module's docstring) and
-    the largest of its multipliers 1 + ‖a‖², ‖g'‖², ‖da‖²."""
+def norm_error(mlp: MLP) -> float:
+    """κ of an MLP's ghost norms in float64 (see :func:`norm_bounds`): γ_(4W + 64) with W the sum of
+    its widths, which bounds every sum a norm takes (no sum is longer than a width plus a few terms)
+    and the products and square roots around them, with room to spare."""
+    return gamma(4 * sum(mlp.sizes) + 64)
+
+
+def scaled_norm_error(mlp: MLP) -> float:
+    """κ of the norms taken again by scaling (:func:`_scaled_norms`): those write the rank-two
+    matrices out, so their sums are as long as a layer's entries."""
+    return gamma(sum((i + 1) * o for i, o in zip(mlp.sizes, mlp.sizes[1:])) + 64)
+
+
+def _difference_term(dg: torch.Tensor, gp: torch.Tensor, a: torch.Tensor, da: torch.Tensor,
+                     kappa: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """‖dg ãᵀ + g' (da, 0)ᵀ‖² per run and sample (cancellation-safe, see the module's docstring), an
+    upper bound of its true value (:func:`norm_bounds`), and the largest of its multipliers 1 +
+    ‖a‖², ‖g'‖², ‖da‖²."""
     sa, sgp, sda, p = 1 + _dot(a, a), _dot(gp, gp), _dot(da, da), _dot(a, da)
-    ab = _dot(dg, dg) * sa + sgp * sda
-    term = ab + 2 * _dot(dg, gp) * p
+    sq_a = _dot(dg, dg) * sa
+    ab = sq_a + sgp * sda
+    x = 2 * _dot(dg, gp) * p
+    term = ab + x
+    # A + B + X: its error is at most γ·(A + B + |X|), whatever cancels
+    hi = term + kappa * (ab + x.abs())
     cancel = ab > CANCELLATION * term
     # compiled: no data-dependent branch (graph break)
     if torch.compiler.is_compiling() or bool(cancel.any()):
@@ -309,24 +327,32 @@ def _difference_term(dg: torch.Tensor, gp: torch.Tensor, a: torch.Tensor,
         e = sa.unsqueeze(1) * dg + p.unsqueeze(1) * gp
         w = da - mu * a
         qr = _dot(e, e) / sa + (_dot(w, w) + mu[:, 0] * mu[:, 0]) * sgp
+        # the QR form: its norm within κ·(√A + 4√B) of the true one (:func:`norm_bounds`)
+        root = torch.sqrt(qr) * (1 + kappa) + kappa * (torch.sqrt(sq_a) + 4 * torch.sqrt(
+            sgp * sda))
         term = torch.where(cancel, qr, term)
-    return term, torch.maximum(sa, torch.maximum(sgp, sda))
+        hi = torch.where(cancel, root * root, hi)
+    return term, hi, torch.maximum(sa, torch.maximum(sgp, sda))
 
 
-def _sq_norms(cur: Pass, sq_input: torch.Tensor, prev: Pass | None) -> tuple[torch.Tensor,
-                                                                             torch.Tensor]:
-    """:func:`sq_norms` and the largest multiplier per run and sample."""
+def _sq_norms(cur: Pass, sq_input: torch.Tensor, prev: Pass | None,
+              kappa: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sq_norms`, an upper bound of each true value but for a relative κ
+    (:func:`norm_bounds`) and the largest multiplier per run and sample."""
     dg = cur.grads[0] if prev is None else cur.grads[0] - prev.grads[0]
     total, big = _dot(dg, dg) * (1 + sq_input), 1 + sq_input
+    hi = total
     for l in range(1, len(cur.grads)):
         g, a = cur.grads[l], cur.inputs[l - 1]
         if prev is None:
             sa = 1 + _dot(a, a)
             term = _dot(g, g) * sa
+            bound = term
         else:
-            term, sa = _difference_term(g - prev.grads[l], prev.grads[l], a, a - prev.inputs[l - 1])
-        total, big = total + term, torch.maximum(big, sa)
-    return total, big
+            term, bound, sa = _difference_term(g - prev.grads[l], prev.grads[l], a,
+                                               a - prev.inputs[l - 1], kappa)
+        total, hi, big = total + term, hi + bound, torch.maximum(big, sa)
+    return total, hi, big
 
 
 def sq_norms(cur: Pass, sq_input: torch.Tensor, prev: Pass | None = None) -> torch.Tensor:
@@ -341,8 +367,50 @@ def norms(cur: Pass, inputs: torch.Tensor, sq_input: torch.Tensor,
     """‖∇ℓ(x, z)‖ (or of the difference with ``prev``) per run and sample [K, M], float64, exact to
     rounding whatever its magnitude (see the module's docstring). ``inputs`` [M, F] float64: the
     shared input, read for the samples that need scaling; ``sq_input`` [M] its ‖·‖²."""
-    sq, big = _sq_norms(cur, sq_input, prev)
+    sq, _, big = _sq_norms(cur, sq_input, prev)
     return _rescale_unsafe(torch.sqrt(sq), sq, big, cur, inputs, prev)
+
+
+def norm_bounds(mlp: MLP, cur: Pass, inputs: torch.Tensor, sq_input: torch.Tensor,
+                prev: Pass | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`norms` and an upper bound of every true norm [K, M], for the clip factors
+    (:func:`~diff2_flwr.core.clipping.clip_factors`): a clipped row never exceeds its radius.
+
+    The true norm is that of the rows :func:`clipped_sums` adds: per layer g ãᵀ (a plain round) or
+    dg ãᵀ + g' (da, 0)ᵀ, from the float64 g, a, dg = g - g', da = a - a' as computed. With κ =
+    :func:`norm_error` (Higham's γ, rounded generously):
+
+    - a rank-one layer's ‖g‖²(1 + ‖a‖²) is a product of non-negative sums: within a relative κ;
+    - A + B + X is within κ (A + B + |X|) of its true value: relative to the terms, not to the
+      result (|X| <= A + B by Cauchy–Schwarz, so this is tight where nothing cancels);
+    - the QR form's norm is within κ (√A + 4√B) of the true one: ‖M q1‖ = ‖s² dg + p g'‖ / s with
+      s² and p to γ relative, which moves it by γ (√A + 2√B); and ‖M (I - q1 q1ᵀ)‖ = ‖g'‖ min_μ
+      ‖(da, 0) - μ ã‖ <= ‖g'‖ ‖(da - μ̂ a, -μ̂)‖ for the computed μ̂ (whatever its error), whose
+      forming adds γ·2√B;
+    - a norm taken again by scaling writes each rank-two matrix out: its entries within γ_3 of
+      |dg| |ã|ᵀ + |g'| |(da, 0)|ᵀ, so within κ_s (√A + √B) per layer (κ_s:
+      :func:`scaled_norm_error`).
+
+    Squared per-layer bounds add; the square root takes a last relative κ, rounded upward
+    (:func:`~diff2_flwr.core.clipping.upper_norms`).
+    """
+    kappa = norm_error(mlp)
+    sq, hi, big = _sq_norms(cur, sq_input, prev, kappa)
+    out = _rescale_unsafe(torch.sqrt(sq), sq, big, cur, inputs, prev)
+    upper = upper_norms(torch.sqrt(hi), kappa)
+    return out, _rescale_upper(upper, sq, big, cur, inputs, prev, scaled_norm_error(mlp))
+
+
+def _rescale_upper(upper: torch.Tensor, sq: torch.Tensor, big: torch.Tensor, cur: Pass,
+                   inputs: torch.Tensor, prev: Pass | None, kappa: float) -> torch.Tensor:
+    """``upper`` with the bounds of the samples taken again by scaling from their scaled norms (as
+    :func:`_rescale_unsafe`, eager in a compiled round)."""
+    unsafe = ~((sq >= SAFE_SQ[0]) & (sq <= SAFE_SQ[1])) | (big > SAFE_MULTIPLIER)
+    if not bool(unsafe.any()):
+        return upper
+    k, m = torch.nonzero(unsafe, as_tuple=True)
+    norm, width = _scaled_norms(cur, inputs, prev, k, m, with_width=True)
+    return upper.index_put((k, m), upper_norms(norm, kappa, kappa * width))
 
 
 def _rescale_unsafe(out: torch.Tensor, sq: torch.Tensor, big: torch.Tensor, cur: Pass,
@@ -363,9 +431,11 @@ def prepare_for_compile() -> None:
     ``torch.compiler.disable`` imports ``torch._dynamo`` (~1.7 s), which every process that only
     trains eagerly (``diff2 run``'s pre-flight, the ServerApp, each ClientApp) would pay for
     nothing. Idempotent; eager results are the same either way."""
-    global _rescale_unsafe
+    global _rescale_unsafe, _rescale_upper
     if not hasattr(_rescale_unsafe, "_torchdynamo_disable"):
         _rescale_unsafe = torch.compiler.disable(_rescale_unsafe)
+    if not hasattr(_rescale_upper, "_torchdynamo_disable"):
+        _rescale_upper = torch.compiler.disable(_rescale_upper)
 
 
 def _ldexp(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -393,13 +463,15 @@ def _scaled(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _layer_norm(dg: torch.Tensor, a1: torch.Tensor, gp: torch.Tensor | None,
-                da1: torch.Tensor | None) -> torch.Tensor:
+                da1: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """‖dg a1ᵀ + gp da1ᵀ‖ per row [n] (gp None: rank one), every factor scaled by a power of two and
-    the matrix written out: exact to rounding from 2^-1074 to the largest float."""
+    the matrix written out: exact to rounding from 2^-1074 to the largest float; and ‖dg‖ ‖a1‖ +
+    ‖gp‖ ‖da1‖, the scale of its rounding error (0 for rank one, whose error is relative)."""
     dgs, e_dg = _scaled(dg)
     a1s, e_a = _scaled(a1)
     if gp is None or da1 is None:
-        return _ldexp(scaled_row_norms(dgs) * scaled_row_norms(a1s), e_dg + e_a)
+        return _ldexp(scaled_row_norms(dgs) * scaled_row_norms(a1s), e_dg + e_a), torch.zeros_like(
+            dg[:, 0])
     gps, e_gp = _scaled(gp)
     das, e_da = _scaled(da1)
     e1, e2 = e_dg + e_a, e_gp + e_da
@@ -409,13 +481,15 @@ def _layer_norm(dg: torch.Tensor, a1: torch.Tensor, gp: torch.Tensor | None,
     mat = (f1[:, None, None] * dgs[:, :, None]) * a1s[:, None,
                                                       :] + (f2[:, None, None] * gps[
                                                           :, :, None]) * das[:, None, :]
-    return _ldexp(scaled_row_norms(mat.reshape(len(dg), -1)), top)
+    width = _ldexp(scaled_row_norms(dgs) * scaled_row_norms(a1s), e1) + _ldexp(
+        scaled_row_norms(gps) * scaled_row_norms(das), e2)
+    return _ldexp(scaled_row_norms(mat.reshape(len(dg), -1)), top), width
 
 
 def _scaled_norms(cur: Pass, inputs: torch.Tensor, prev: Pass | None, k: torch.Tensor,
-                  m: torch.Tensor) -> torch.Tensor:
+                  m: torch.Tensor, with_width: bool = False):
     """The norms of the samples (k, m) [n] by :func:`_layer_norm` per layer, joined by scaled row
-    norms."""
+    norms (and, ``with_width``, the sum of the layers' error scales)."""
     def one(t: torch.Tensor) -> torch.Tensor:  # [K, w, M] -> [n, w]
         return t[k, :, m]
 
@@ -423,16 +497,21 @@ def _scaled_norms(cur: Pass, inputs: torch.Tensor, prev: Pass | None, k: torch.T
         return torch.cat([a, a.new_full((len(a), 1), bias)], dim=1)
 
     x1 = tilde(inputs[m], 1.0)
-    layers = []
+    layers, widths = [], []
     for l, g in enumerate(cur.grads):
         dg = one(g) if prev is None else one(g) - one(prev.grads[l])
         a1 = x1 if l == 0 else tilde(one(cur.inputs[l - 1]), 1.0)
         if prev is None or l == 0:
-            layers.append(_layer_norm(dg, a1, None, None))
+            norm, width = _layer_norm(dg, a1, None, None)
         else:
             da1 = tilde(one(cur.inputs[l - 1]) - one(prev.inputs[l - 1]), 0.0)
-            layers.append(_layer_norm(dg, a1, one(prev.grads[l]), da1))
-    return scaled_row_norms(torch.stack(layers, dim=1))
+            norm, width = _layer_norm(dg, a1, one(prev.grads[l]), da1)
+        layers.append(norm)
+        widths.append(width)
+    out = scaled_row_norms(torch.stack(layers, dim=1))
+    if with_width:
+        return out, torch.stack(widths, dim=1).sum(1)
+    return out
 
 
 def _per_client(c_g: torch.Tensor, a: torch.Tensor, P: int, c_g2: torch.Tensor | None = None,

@@ -31,7 +31,11 @@ The backward asks for those gradients only, so no parameter gradient is formed. 
   **Cancellation safeguard** (Gram form only). With S = Σ_s ‖Ã_s‖ ‖B_s‖, the computed ⟨ÃÃᵀ,
   BBᵀ⟩ is within E = 1.01·u·(in + out + P² + 1)·S² of the exact one (u = 2⁻⁵³; Higham,
   Accuracy and Stability of Numerical Algorithms, §3.1: each Gram entry within γ_in ‖Ã_s‖‖Ã_t‖,
-  the P² products summed within γ_{P²} Σ|·| ≤ γ_{P²} S²). A sample's Gram value is kept only
+  the P² products summed within γ_{P²} Σ|·| ≤ γ_{P²} S²; together γ_(in + out + P²) S². E is
+  formed from the computed S, a non-negative sum within γ_(in + out + P + 4) of the true one: the
+  1.01 covers that and γ's 1/(1 - k·u) where (in + out + P² + 1)·u <= 2⁻¹⁰, beyond which a layer
+  is materialised, :func:`~.ghost_parts.gram_bounded`. In the safe ranges below nothing
+  overflows, and what underflows is under 2⁻¹²⁰ of E). A sample's Gram value is kept only
   where it is ≥ 2³³·E (relative error ≤ 2⁻³³ ≈ 1.2e-10 on the squared norm, half that on the
   norm), S² lies in [2⁻⁶⁰⁰, 2⁶⁰⁰] and every non-zero row of Ã and B has a squared norm in [2⁻⁹⁰⁰,
   2⁹⁰⁰] (nothing that matters under- or overflows). Every other sample of that layer is
@@ -57,10 +61,25 @@ The backward asks for those gradients only, so no parameter gradient is formed. 
   with a frozen weight): those parameters only get ``torch.func`` per-sample gradients
   (``vmap(grad)`` with respect to that subset), and their squared norms join the others.
 
+**Bounds** (issue: no clipped contribution ever exceeds its radius). Each part also bounds the
+true norm of the row its sums add (:class:`~.ghost_parts.Part`: ``norms·(1 + rel) + extra``, with
+the sums' rounding of c·row on top):
+
+- rows held (materialised, re-formed, norm layers, the ``torch.func`` fallback, a Gram-form sample
+  not kept): their norms are :func:`~diff2_flwr.core.clipping.row_norms` in float64 of the rows as
+  held (a float32 row converts exactly), so within :func:`~diff2_flwr.core.clipping.row_norm_error`
+  of the width (pieces joined: :func:`~.ghost_parts.rows_error`);
+- the embedding: its rows' norms joined by a second ``row_norms``: γ_(dim + K + 12), K the most
+  distinct ids of a sample;
+- a kept Gram value sq: ‖D‖ <= √(sq + E) <= fl(√sq)·(1 + fl(E/sq) + γ₃), and the product c·B that
+  the sums round moves the row by u·c·S at most: + 2u·s.
+
 Per sample, the layers' norms are joined by :func:`~diff2_flwr.core.clipping.row_norms` (scaled
-where squares would under- or overflow); clip factors are
-:func:`~diff2_flwr.core.clipping.clip_factors`; counts of clipped and non-finite samples and the
-float64 sums follow :func:`~diff2_flwr.core.clipping.clipped_sum` and the worker's
+where squares would under- or overflow), and so are their bounds, with a last relative γ_(L + 6)
+(L parts) rounded upward; the clip factor is C over that bound, rounded down
+(:func:`~diff2_flwr.core.clipping.clip_factors`): ‖c_i·row_i‖ <= C exactly. Counts of clipped
+samples (computed norm > C) and of non-finite ones and the float64 sums follow
+:func:`~diff2_flwr.core.clipping.clipped_sum` and the worker's
 :func:`~diff2_flwr.core.gradients.finish_contribution`. A module's parameter used outside its own
 call (``F.linear(x, self.fc.weight)``) would escape the hooks: the first call compares two
 samples' norms with a plain backward's and refuses the model if they differ. A module called
@@ -83,7 +102,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from .clipping import ClippedSum, clip_factors, row_norms
+from .clipping import ClippedSum, clip_factors, row_norm_error, row_norms, upper_norms
 from .ghost_parts import (KEEP_MARGIN, REFORM_BLOCK, Part, embedding_part, gram_error_bound,
                           matrix_part, no_sums, norm_part, rows_part)
 from .gradients import LossFn, PerSampleGradients
@@ -230,7 +249,7 @@ class GhostGradients(PerSampleGradients):
             c2 = None if prev is None else prev.pop(name, [])
             if not c1 and not c2:
                 parts.append(Part(torch.zeros(n, dtype=torch.float64, device=x.device),
-                                  no_sums))
+                                  no_sums, 0.0))
             elif kind in (_LINEAR, _CONV):
                 # the small probes of a memory plan: blocks of one sample (measure_footprints)
                 small = self._probing and n <= max(PROBES)
@@ -320,8 +339,8 @@ class GhostGradients(PerSampleGradients):
         if not self._verified:
             self.verify(x_current, xc, yc)
         parts = self._parts(current, previous, xc, yc)
-        norms = row_norms(torch.stack([p.norms for p in parts], dim=1))
-        c = clip_factors(norms, radius)
+        norms, upper = _joined(parts)
+        c = clip_factors(upper, radius)  # <= C / upper: no clipped row exceeds C
         total = torch.zeros(self.layout.dim, dtype=torch.float64, device=xc.device)
         for part in parts:  # each parameter belongs to one part: its slice is set once
             for name, value in part.sums(c).items():
@@ -329,3 +348,13 @@ class GhostGradients(PerSampleGradients):
                 total[start:start + value.numel()] += value.reshape(-1)
         return ClippedSum(total, int(xc.shape[0]), int((norms > radius).sum()),
                           int((~torch.isfinite(norms)).sum()))
+
+
+def _joined(parts: list[Part]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample [n]: the parts' norms joined (the computed norm), and an upper bound of the true
+    norm of the row the sums add: each part's bound (:class:`~.ghost_parts.Part`), joined by
+    :func:`~diff2_flwr.core.clipping.row_norms` (its rounding, and once more the product by the
+    factor, within γ_(L + 6) of the true join of the bounds), rounded upward."""
+    norms = row_norms(torch.stack([p.norms for p in parts], dim=1))
+    bounds = torch.stack([upper_norms(p.norms, p.rel, p.extra) for p in parts], dim=1)
+    return norms, upper_norms(row_norms(bounds), row_norm_error(len(parts), torch.float64))

@@ -1,7 +1,8 @@
 """The per-layer rules of ghost clipping (:mod:`.ghost_layers`): each supported layer's per-sample
-norms [n] in float64 and its clipped sums given clip factors, from the inputs and output gradients
-the hooks recorded at one or two iterates; the Gram form's error bound and its safeguard (see
-:mod:`.ghost_layers`'s docstring for the rules and the bound)."""
+norms [n] in float64, an upper bound of each sample's true norm, and its clipped sums given clip
+factors, from the inputs and output gradients the hooks recorded at one or two iterates; the Gram
+form's error bound and its safeguard (see :mod:`.ghost_layers`'s docstring for the rules and the
+bounds)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .clipping import row_norms
+from .clipping import gamma, row_norm_error, row_norms
 
 __all__ = ["GRAM_COST", "KEEP_MARGIN", "Part", "REFORM_BLOCK", "embedding_part",
-           "gram_error_bound", "matrix_part", "no_sums", "norm_part", "reformed_part", "rows_part"]
+           "gram_bounded", "gram_error_bound", "matrix_part", "no_sums", "norm_part",
+           "reformed_part", "rows_error", "rows_part"]
 
 #: Unit roundoff of float64.
 _U = 2.0**-53
@@ -27,17 +29,52 @@ _SAFE_SQ = (2.0**-600, 2.0**600)
 _SAFE_ROW_SQ = (2.0**-900, 2.0**900)
 
 def gram_error_bound(s: torch.Tensor, inner: int, rows: int) -> torch.Tensor:
-    """The bound E on |fl(⟨ÃÃᵀ, BBᵀ⟩) - ⟨ÃÃᵀ, BBᵀ⟩| in float64 for S = Σ_s ‖Ã_s‖‖B_s‖ (``s``),
-    ``inner`` = in + out columns and ``rows`` = P positions (see the module's docstring)."""
+    """The bound E on |fl(⟨ÃÃᵀ, BBᵀ⟩) - ⟨ÃÃᵀ, BBᵀ⟩| in float64 for S = Σ_s ‖Ã_s‖‖B_s‖ (``s``,
+    as computed), ``inner`` = in + out columns and ``rows`` = P positions (see the module's
+    docstring), where :func:`gram_bounded` holds."""
     return 1.01 * _U * (inner + rows * rows + 1) * s * s
+
+
+#: (inner + P² + 1)·u at most this: γ_(inner + P²) <= 1.001·u·(inner + P²), and the computed S
+#: (non-negative sums of at most inner + P + 3 terms) within 0.1 % of the true one, so that the
+#: 1.01 of :func:`gram_error_bound` covers both with room.
+_GRAM_BOUNDED = 2.0**-10
+
+
+def gram_bounded(inner: int, rows: int) -> bool:
+    """Whether :func:`gram_error_bound` is a bound for ``inner`` columns and ``rows`` positions
+    (P up to ~2^21: any Gram form a memory plan admits); a layer beyond is materialised."""
+    return (inner + rows * rows + 1) * _U <= _GRAM_BOUNDED
+
+
+def rows_error(widths: list[int]) -> float:
+    """The relative error bound of a norm taken by :func:`~.clipping.row_norms` per piece of
+    ``widths`` entries (float64) and, for several pieces, joined by ``row_norms`` of the pieces'
+    norms, with the product by the factor on top (:func:`~.clipping.row_norm_error`): (1 + γ_(w+6))
+    (1 + γ_(K+6)) <= 1 + γ_(w+K+12) (Higham, Lemma 3.3)."""
+    if len(widths) == 1:
+        return row_norm_error(widths[0], torch.float64)
+    return row_norm_error(max(widths) + len(widths) + 6, torch.float64)
 
 
 @dataclass(frozen=True)
 class Part:
-    """One layer's per-sample norms [n] (float64) and its clipped sums given clip factors."""
+    """One layer's per-sample norms [n] (float64), the bound of their error, and its clipped sums
+    given clip factors.
+
+    The bound: the true norm of each sample's contribution to :attr:`sums`, the row it adds (as
+    held: the compute dtype's rows, or the exact Bᵀ Ã of the Gram form) with its products by the
+    factor rounded as the sums round them, over the factor, is at most ``norms · (1 + rel) +
+    extra`` (each operation rounded upward: :func:`~.clipping.upper_norms`). Kept relative to
+    :attr:`norms` (not an upper bound of its own), so that a part whose norms are replaced (the
+    engine audit's broken engines) clips by the replaced norms."""
 
     norms: torch.Tensor
     sums: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+    #: relative part of the bound: a float, or [n] float64
+    rel: float | torch.Tensor
+    #: absolute part of the bound: a float, or [n] float64
+    extra: float | torch.Tensor = 0.0
     #: numbers per sample of one block of re-formed rows (rows and what forming them takes), 0
     #: for a part that holds its rows (:func:`reformed_part`)
     block_numbers: int = 0
@@ -64,7 +101,10 @@ def rows_part(pieces: list[tuple[torch.Tensor, list[tuple[str, int]]]]) -> Part:
         return out
 
     norms = [_norms64(rows) for rows, _ in pieces]
-    return Part(norms[0] if len(norms) == 1 else row_norms(torch.stack(norms, dim=1)), sums)
+    # the rows' norms are taken in float64 of the rows as held (a float32 row converts exactly),
+    # and the sums add those rows times c in float64
+    rel = rows_error([rows.shape[1] for rows, _ in pieces])
+    return Part(norms[0] if len(norms) == 1 else row_norms(torch.stack(norms, dim=1)), sums, rel)
 
 
 #: Numbers per block of re-formed rows (a block's rows in the compute dtype and in float64).
@@ -85,8 +125,10 @@ def reformed_part(form: Callable[[slice], list[torch.Tensor]], n: int,
     that forming a row takes on the way, e.g. a convolution's unfolded patches).
 
     The norm a factor was made from is that of the very row summed: each re-formed block's norms
-    are read again, and a row whose norm came out different (a kernel that is not deterministic)
-    has its factor scaled down to keep c_i·‖row_i‖ at most what pass 1 allowed."""
+    are read again, and a row whose norm came out larger (a kernel that is not deterministic) has
+    its factor scaled by the ratio of the two norms, rounded toward 0 (and the product too), to
+    keep c_i·‖row_i‖ within the bound pass 1 allowed (the same relative bound holds for both
+    passes' norms: the same operations on rows of the same widths)."""
     width = sum(size for _, size in split)
     size = max(1, min(n, block_rows or REFORM_BLOCK // max(width + forming, 1)))
     blocks = [slice(start, min(n, start + size)) for start in range(0, n, size)]
@@ -124,12 +166,14 @@ def reformed_part(form: Callable[[slice], list[torch.Tensor]], n: int,
             del rows
             first, factor = norms[b], c[b]
             if not torch.equal(again, first):
-                ratio = torch.where(again > first, first / again, 1.0)
-                factor = factor * torch.nan_to_num(ratio, nan=1.0)
+                larger, zero = again > first, torch.zeros_like(factor)
+                ratio = torch.nextafter(first / torch.where(larger, again, 1.0), zero)
+                factor = torch.where(larger, torch.nextafter(factor * ratio, zero), factor)
             total.addmv_(block.T, factor)
         return _split(total, split)
 
-    return Part(norms, sums, width + forming)
+    return Part(norms, sums, rows_error([size for _, size in split]),
+                block_numbers=width + forming)
 
 
 def _norms64(rows: torch.Tensor) -> torch.Tensor:
@@ -280,7 +324,8 @@ def matrix_part(module: nn.Module, names: dict[str, str], cur: list, prev: list 
     split = [(names["weight"], out * inner)] + ([(names["bias"], out)] if bias else [])
     # Gram form: P²(in + out) float64 work and an [n·P] x [n·P] float64 product for the sums,
     # against P·in·out in the compute dtype and n·in·out numbers to hold
-    if GRAM_COST * rows * (inner + bias + out) >= (inner + bias) * out:
+    if (GRAM_COST * rows * (inner + bias + out) >= (inner + bias) * out
+            or not gram_bounded(inner + bias + out, rows)):
         # forming a row takes each term's A (a convolution's patches: unfolded per block) and B
         forming = sum(t[1] for t in lazy) * (inner + out)
         return reformed_part(lambda idx: _materialised(lazy, bias, idx), n, split, block_rows,
@@ -299,14 +344,17 @@ def matrix_part(module: nn.Module, names: dict[str, str], cur: list, prev: list 
     else:
         gram_a = torch.bmm(a, a.transpose(1, 2)) + ind[:, None] * ind[None, :]
         sq = (gram_a * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
-    bounded = ((sq >= KEEP_MARGIN * gram_error_bound(s, inner + bias + out, rows))
-               & (s * s >= _SAFE_SQ[0]) & (s * s <= _SAFE_SQ[1]))
+    error = gram_error_bound(s, inner + bias + out, rows)
+    bounded = ((sq >= KEEP_MARGIN * error) & (s * s >= _SAFE_SQ[0]) & (s * s <= _SAFE_SQ[1]))
     # S = 0 with every row exactly 0 or safely scaled: each term has a zero factor, D = 0
     keep = _rows_safe(a, ra) & _rows_safe(b, rb) & (bounded | (s == 0))
     norms = torch.where(keep, sq.clamp(min=0).sqrt(), 0.0)
     idx = torch.nonzero(~keep).flatten()
     exact = torch.cat(_materialised(_held(terms), bias, idx), dim=1).to(torch.float64)
     norms = norms.index_put((idx,), row_norms(exact))
+    rel_gram, extra_gram = _gram_bound(sq, error, s)
+    rel = torch.where(keep, rel_gram, rows_error([exact.shape[1]]))
+    extra = torch.where(keep, extra_gram, 0.0)
 
     def sums(c: torch.Tensor) -> dict[str, torch.Tensor]:
         cb = b * torch.where(keep, c, 0.0)[:, None, None]
@@ -315,7 +363,24 @@ def matrix_part(module: nn.Module, names: dict[str, str], cur: list, prev: list 
             total = torch.cat([total, (cb * ind[None, :, None]).sum((0, 1))])
         return _split(total + exact.T @ c[idx], split)
 
-    return Part(norms, sums)
+    return Part(norms, sums, rel, extra)
+
+
+def _gram_bound(sq: torch.Tensor, error: torch.Tensor, s: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rel, extra) [n] of a Gram-form norm √sq (:class:`Part`) from its error bound E
+    (``error``) and the computed S (``s``).
+
+    The true ‖D‖² is at most sq + E, and √(sq + E) <= √sq (1 + E / (2 sq)); √sq <= fl(√sq) /
+    (1 - u). fl(E / sq) + γ_3 covers both (it is at least E/sq (1 - 2u) + 3u(1 - u): twice the
+    first term, and the second's (1 + E / (2 sq)) u / (1 - u) beside it). Where sq <= 0 (S = 0,
+    or a test's KEEP_MARGIN of 0) ‖D‖ <= √E. The sums round c·B once per entry: the row they add
+    is within u·c·S of c D, and 2u·s >= u·S (s is within 0.1 % of S, :func:`gram_bounded`)."""
+    positive = sq > 0
+    rel = torch.where(positive, error / torch.where(positive, sq, 1.0), 0.0) + gamma(3)
+    # 2^-52 · s is exact (s is 0 or at least 2^-300 where it is kept)
+    extra = 2 * _U * s + torch.where(positive, 0.0, error.sqrt() * (1 + gamma(2)))
+    return rel, extra
 
 
 def _rows_safe(m: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
@@ -368,6 +433,9 @@ def embedding_part(module: nn.Embedding, names: dict[str, str], cur: list, prev:
     per_sample = torch.zeros(n, int(counts.max()) if len(uniq) else 0, dtype=torch.float64,
                              device=device)
     per_sample[sample, position] = row_norms(rows)
+    # the rows' norms (width dim), joined per sample by a second row_norms over K of them:
+    # (1 + γ_(dim+6)) (1 + γ_(K+6)) <= 1 + γ_(dim+K+12)
+    rel = row_norm_error(module.embedding_dim + per_sample.shape[1] + 6, torch.float64)
     weight = names["weight"]
 
     def sums(c: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -375,7 +443,7 @@ def embedding_part(module: nn.Embedding, names: dict[str, str], cur: list, prev:
         total.index_add_(0, uniq - sample * vocab, rows * c[sample].unsqueeze(1))
         return {weight: total.reshape(-1)}
 
-    return Part(row_norms(per_sample), sums)
+    return Part(row_norms(per_sample), sums, rel)
 
 
 def _norm_rows(module: nn.Module, calls: list, n: int, device: torch.device) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 from ..core import fused
 from ..core.clipping import clip_factors
 from ..core.ghost import (
-    MLP, Pass, clipped_sums, forward, forward_head, norms as ghost_norms, prepare_for_compile,
+    MLP, Pass, clipped_sums, forward, forward_head, norm_bounds, prepare_for_compile,
 )
 from ..task.data import PreparedData
 
@@ -179,9 +179,9 @@ def _round_core(  # noqa: PLR0913 -- compiled on flat tensors: a client's data a
         prev = Pass(prev_inputs, prev_grads, cur.loss, cur.outputs).to64()
         if some_restart:
             prev = prev.restarting(cur, restart)
-    norms = ghost_norms(cur, a64.reshape(-1, a64.shape[-1]), sq_a, prev)
+    norms, upper = norm_bounds(mlp, cur, a64.reshape(-1, a64.shape[-1]), sq_a, prev)
     rad = radius.unsqueeze(-1)
-    c = clip_factors(norms, rad) * mask
+    c = clip_factors(upper, rad) * mask
     P, N = a64.shape[0], a64.shape[1]
     overflow = ((~torch.isfinite(norms)) & (mask > 0)).reshape(-1, P, N).any(-1).T
     return clipped_sums(cur, a64, c, prev), overflow, pass_.inputs, pass_.grads, pass_.loss

@@ -31,6 +31,7 @@ call found diverged (or left non-finite).
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import pickle
 import statistics
@@ -38,18 +39,22 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
+from ...core.closed_form import PaperMLPGradients
+from ...core.layout import ParameterLayout
 from ...runtime.config import parse_config
 from ...runtime.session import load_data
 from ..sweep import RunSpec, batch_model, run_batch
 from .pinning import one_core, one_torch_thread
 
-__all__ = ["CELLS", "SKIPPED", "TARGET", "Cell", "JaxPeerPlan", "find_jax_python",
+__all__ = ["CELLS", "SKIPPED", "TARGET", "Cell", "JaxPeerPlan", "adversarial_rows",
+           "clipping_check", "find_jax_python",
            "jax_peer_section", "measure", "parse_cells", "parse_rounds", "plan_jax_peer",
            "run_jax_peer", "schedule", "summarise"]
 
@@ -405,7 +410,8 @@ def run_jax_peer(plan: JaxPeerPlan, *, data_dir: str | None = None,
     for name, row in table.items():
         row.update(warm=warm[name], agreement=run["agreement"][name],
                    diverged=run["diverged"][name])
-    return {"cells": table, "reps": plan.reps, "rounds": {f"K{k}": v for k, v in rounds.items()},
+    return {"cells": table, "clipping": run["clipping"], "reps": plan.reps,
+            "rounds": {f"K{k}": v for k, v in rounds.items()},
             "core": run["core"],
             "jax": run["setup"]["jax"], "jax_python": python,
             "xla_flags": run["setup"]["xla_flags"],
@@ -427,6 +433,11 @@ def _pinned_run(plan: JaxPeerPlan, project: _Project, warm: dict[str, dict[str, 
             say(f"jax_peer: jax {setup['jax']} in {plan.python}, core {core}")
             _build_jax(plan.cells, project, peer, rounds, warm, say)
             agreement = {c.name: _agreement(c, project, peer, rounds[c.K]) for c in plan.cells}
+            clipping = clipping_check(peer)
+            say("jax_peer: clipping on adversarial rows: " + ", ".join(
+                f"{k} peer {v['peer']['outside']}/{v['peer']['checked']} outside (max excess "
+                f"{v['peer']['max_excess']:.2g}), project {v['project']['outside']}"
+                for k, v in clipping.items()))
 
             diverged: dict[str, dict[str, list[int]]] = {c.name: {} for c in plan.cells}
 
@@ -448,7 +459,74 @@ def _pinned_run(plan: JaxPeerPlan, project: _Project, warm: dict[str, dict[str, 
         finally:
             peer.close()
     return {"core": core, "setup": setup, "agreement": agreement, "times": times,
-            "diverged": diverged}
+            "diverged": diverged, "clipping": clipping}
+
+
+def adversarial_rows(features: int = 8, hidden: int = 10, rows: int = 240,
+                     seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows for the clipping check: features of magnitude 1e-3 to 1e4 (a quarter at 1e4), targets
+    up to 1e3, an iterate x of the paper MLP and a previous one 1e-4 away (differences that nearly
+    cancel): (A [M, F], Y [M], x [d], xp [d])."""
+    rng = np.random.default_rng(seed)
+    scale = 10.0 ** rng.choice([-3.0, 0.0, 2.0, 4.0], size=rows)
+    A = rng.standard_normal((rows, features)) * scale[:, None]
+    Y = rng.standard_normal(rows) * 10.0 ** rng.choice([0.0, 3.0], size=rows)
+    d = hidden * features + 2 * hidden + 1
+    x = 0.3 * rng.standard_normal(d)
+    return A, Y, x, x + 1e-4 * rng.standard_normal(d)
+
+
+def _exact_sq(a: np.ndarray, dd: np.ndarray, u: np.ndarray, de: float) -> Fraction:
+    """‖(dd ⊗ a, dd, u, de)‖² exactly (Fractions of the floats)."""
+    def sq(v: Any) -> Fraction:
+        return sum((Fraction(float(t)) ** 2 for t in np.ravel(v)), Fraction(0))
+    return sq(dd) * (sq(a) + 1) + sq(u) + Fraction(float(de)) ** 2
+
+
+def clipping_check(peer: Any, *, hidden: int = 10, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Under-clipping of the peer and of the project on the same adversarial rows
+    (:func:`adversarial_rows`), per round kind and dtype: each row is clipped at three radii — the
+    peer's own computed norm of it (where rounding decides), its exact norm rounded to the dtype,
+    and half that — and the exact norm (Fractions) of every clipped row is compared with its
+    radius. ``outside`` counts rows above it, ``max_excess`` is the largest ‖c·g‖ / C - 1 (0 when
+    none is outside). The project's side is the paper MLP's closed form
+    (:class:`~diff2_flwr.core.closed_form.PaperMLPGradients`, one row at a time); the fused kernel
+    and the ghost engine are attacked alike in the tests."""
+    A, Y, x, xp = adversarial_rows(hidden=hidden, seed=seed)
+    M, F = A.shape
+    layout = ParameterLayout(("w1", "b1", "w2", "b2"), ((hidden, F), (hidden,), (1, hidden), (1,)))
+    out: dict[str, dict[str, Any]] = {}
+    for kind, prev in (("dpgd", None), ("diff2", xp)):
+        for dtype, tdt, ndt in (("f32", torch.float32, np.float32), ("f64", torch.float64,
+                                                                     np.float64)):
+            first = peer.ask("clipping", x, prev, A, Y, np.full((1, M), np.inf), dtype)
+            exact = [_exact_sq(first["a"][i], first["dd"][:, i], first["u"][:, i],
+                               first["de"][i]) for i in range(M)]
+            own = first["norm"].astype(ndt).astype(np.float64)
+            true = np.array([math.sqrt(float(e)) for e in exact]).astype(ndt).astype(np.float64)
+            radii = np.stack([own, true, (true * 0.5).astype(ndt).astype(np.float64)])
+            got = peer.ask("clipping", x, prev, A, Y, radii, dtype)
+            grads = PaperMLPGradients(layout, dtype=tdt)
+            feats, targets = torch.as_tensor(A, dtype=tdt), torch.as_tensor(Y, dtype=tdt)
+            peer_excess, ours_out, peer_out, checked = 0.0, 0, 0, 0
+            for v in range(len(radii)):
+                for i in range(M):
+                    r = float(radii[v, i])
+                    if not (r > 0 and math.isfinite(r)):
+                        continue
+                    checked += 1
+                    r2 = Fraction(r) ** 2
+                    clipped = Fraction(float(got["c"][v, i])) ** 2 * exact[i]
+                    if clipped > r2:
+                        peer_out += 1
+                        peer_excess = max(peer_excess, math.sqrt(float(clipped / r2)) - 1)
+                    total = grads._clipped_sum(x, feats[i:i + 1], targets[i:i + 1], r,
+                                               prev)[0].numpy()
+                    ours_out += _exact_sq(np.zeros(0), np.zeros(0), total, 0.0) > r2
+            out[f"{kind}:{dtype}"] = {
+                "peer": {"checked": checked, "outside": peer_out, "max_excess": peer_excess},
+                "project": {"checked": checked, "outside": int(ours_out)}}
+    return out
 
 
 def jax_peer_section(plan: JaxPeerPlan, *, data_dir: str | None = None,

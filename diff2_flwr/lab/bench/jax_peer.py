@@ -25,7 +25,9 @@ Protocol (one pickled tuple per request, one pickled reply each):
 ``("build", name, kind, variant, dtype, specs, x0)`` -> compile seconds (AOT, excluded from timing);
 ``("run", name, rounds, zero_noise)`` -> seconds of the timed loop and the final iterates [K, d];
 ``("clipped_fraction", name)`` -> the share of real samples the clip binds on in the checked round
-(run 0); ``("quit",)``.
+(run 0); ``("clipping", x, xp, A_rows, Y_rows, radii, dtype)`` -> the peer's clip factors of those
+rows at those radii and the rows' factors (for the under-clipping check of
+:func:`diff2_flwr.lab.bench.jax_cells.clipping_check`); ``("quit",)``.
 
 References:
     Murata & Suzuki (2023), DIFF2 (Algorithms 1-2) and DP-GD; Goodfellow (2015) and Li et al. (2022)
@@ -185,9 +187,30 @@ def build_maths(jax: Any, jnp: Any, A: np.ndarray, Y: np.ndarray, mask: np.ndarr
             sq = diff_sq(x, parts(xp, Dd), Dd)[0]
         return float(((jnp.sqrt(sq) > radius) * Dd["mask"]).sum() / Dd["mask"].sum())
 
+    def clipping_of(x, xp, A_rows, Y_rows, radii, dtype):
+        """The peer's clipping of the rows (features ``A_rows`` [M, F], targets ``Y_rows`` [M]) at
+        x (xp None: plain gradients) or of the differences between x and xp, in ``dtype``, at each
+        radius vector of ``radii`` [V, M]: its clip factors [V, M] and the row's factors, all as
+        float64 numbers (exact copies of the dtype's): the row is (dd ⊗ a, dd, u, de)."""
+        dt = {"f32": jnp.float32, "f64": jnp.float64}[dtype]
+        Dd = {"AT": jnp.asarray(A_rows.T.copy(), dt), "Y": jnp.asarray(Y_rows, dt),
+              "sqA1": jnp.asarray((A_rows ** 2).sum(1) + 1.0, dt)}
+        xj = jnp.asarray(x, dt)
+        if xp is None:
+            sq, (s, e, delta) = ghost_sq(xj, Dd)
+            dd, u, de = delta, s * e, e
+        else:
+            sq, (dd, u, de), _ = diff_sq(xj, parts(jnp.asarray(xp, dt), Dd), Dd)
+        ones = jnp.ones(A_rows.shape[0], dt)
+        c = [np.asarray(clip_factors(sq, jnp.asarray(r, dt), ones), np.float64) for r in radii]
+        a = np.asarray(jnp.asarray(A_rows, dt), np.float64)
+        return {"c": np.stack(c), "dd": np.asarray(dd, np.float64), "u": np.asarray(u, np.float64),
+                "de": np.asarray(de, np.float64), "a": a,
+                "norm": np.asarray(jnp.sqrt(sq), np.float64)}
+
     return {"data": data, "dpgd_round": dpgd_round, "restart_round": restart_round,
             "diff_round": diff_round,
-            "clipped_fraction": clipped_fraction, "D": D}
+            "clipped_fraction": clipped_fraction, "clipping_of": clipping_of, "D": D}
 
 
 class JaxCell:
@@ -322,9 +345,13 @@ def serve(stdin: Any, stdout: Any) -> None:
         elif op == "clipped_fraction":
             cell, specs = cells[req[1]]
             reply = {"fraction": cell.clipped_fraction(specs)}
+        elif op == "clipping":
+            _, x, xp, A_rows, Y_rows, radii, dtype = req
+            reply = maths["clipping_of"](x, xp, A_rows, Y_rows, radii, dtype)
         else:
             raise ValueError(
-                f"Unknown request {op!r}; expected setup, build, run, clipped_fraction or quit.")
+                f"Unknown request {op!r}; expected setup, build, run, clipped_fraction, clipping "
+                f"or quit.")
         pickle.dump(reply, stdout)
         stdout.flush()
 
