@@ -44,6 +44,72 @@ capability and a hash of its source, flags and compiler; a build takes ≈ 5 s, 
 C++ compiler :func:`load` returns None after one warning on stderr, and the batched engine keeps the
 torch path (same maths, slower).
 
+Float32 accumulation (``accumulate="float32"``: opt-in, float32 compute dtype only). The float64
+sums above cost a float32 round much of its time (KDD Cup 99's first-layer product: about a third).
+In this mode the norms and clip factors are taken as above, in float64, and the sums go through
+float32 (measured against float64 mode, one thread, interleaved on a loaded machine: the kernel's
+and W_1's product's time 0.41x on KDD Cup 99's shapes — 118 features, K = 8, 10 clients of 39,522
+samples — 0.54x in difference rounds, a round with torch's compiled forward 0.66x and 0.70x;
+California Housing's kernel-forward rounds, K = 1 or 18, 0.91x and 0.90-0.96x):
+
+- each lane's terms (W_1, b_1, W_2, b_2) go into float32 partials for a window of :data:`FLUSH`
+  blocks of a client at fixed positions (blocks w·FLUSH .. (w + 1)·FLUSH - 1, the client's last,
+  partial block in the last window): a lane's partial holds at most m = FLUSH samples, and each
+  window's partials are then added into the float64 lane sums. The terms: c S dg_1, c S dg_L, c S
+  g_L' formed in float64 and rounded to float32 once (S a power of two per run, S·C' in [2^62,
+  2^63): exact, nothing overflows, and what underflows in float32 is 2^-150 absolute, below 2^-212
+  of S·C'), times x (rounded to float32) or a (the float32 input) in float32; the output layer's
+  difference terms c S (dg_L a + g_L' da) formed in float64 (the two products may cancel: float32
+  would lose the difference) and rounded once. A lane whose x is beyond float32's range takes
+  W_1's terms in float64, straight into its float64 lane sums;
+- with ``x_rows`` (many features; :func:`product_rows`: the float32 inputs, zero-padded), W_1's
+  sums are block products instead: per product block of :data:`PRODUCT_BLOCK` consecutive samples
+  of a client (fixed; the last padded with zeros) and per run, the kernel's own float32 product
+  c S dg_1 [H, b] @ x [b, F] (each entry added in sample order from 0, no FMA: the same bits on any
+  instruction set and whatever the other runs — a BLAS product's bits may depend on its shape,
+  i.e. on the batch's runs), the block results added into float64 in block order. It replaces the
+  float64 mode's matrix product of c·dg_1 [K, H, M] with the inputs.
+
+Sensitivity (replace-one; the accountant's 2C per client sum). Let e_n be record n's exact row
+(from the float64 dg, a, x the kernel forms, as in float64 mode), t̃_n its row with the output
+layer's difference terms as formed in float64 and everything else exact, and t_n its row as the
+sums take it (after the float32 steps), all times c S.
+
+(i) ‖t̃_n‖ ≤ S·C'. The forming error of the difference terms is at most γ_3(u64)·c·w, w = ‖dg_L‖
+‖ã‖ + ‖g_L'‖ ‖da‖ (relative to the terms, not to the row). This mode passes κ + δ, δ = γ_32(u64)
+(:data:`FORMING_ERROR`), for κ and κ_s (:func:`norm_errors`), which raises every bound U of
+:func:`~diff2_flwr.core.ghost.norm_bounds` by at least that: a QR-form lane's root by δ(√A + 4√B) ≥
+γ_3·w; a scaled lane's by δ·width; an expanded lane's squared bracket by δ(A + B + |X|), at least
+2·γ_3·w·b + (γ_3·w)² for its bound b ≥ ‖e_2‖ since there A + B ≤ 16·bracket and |X| ≤ A + B (so
+b² ≤ 2.01 (A + B), w ≤ √(2 (A + B))); plain rows form their terms to a relative γ_2, inside the
+last factor 1 + κ + δ. So c (‖e_n‖ + γ_3 w) ≤ c U ≤ C'.
+(ii) ‖t_n‖ ≤ (1 + γ_6(u32)) ‖t̃_n‖: per entry, two roundings of a factor (float64, then float32),
+one of x, the float32 product, and underflow's 2^-150 absolute (at most 2^-212 of S·C') — within
+a relative γ_6 (a far lane's W_1 terms, in float64: γ_2(u64)).
+(iii) A lane's window partial, or a product block's entry, is a float32 sum of at most m terms:
+within γ_m(u32) Σ|terms| (the block product rounds each term's product: counted in γ_m), so within
+m γ_m(u32) max‖t‖ in norm.
+(iv) Every float64 sum downstream (per lane over its windows and far lanes' terms, over the 16
+lanes; over a client's product blocks) has at most L = 2⌈N/16⌉ + 16 additions of values
+whose norms add to at most N max‖t‖ (1 + m γ_m): within γ_L(u64) of that.
+
+Replacing record i changes its own row and the one partial (one lane's window, or one product
+block) that holds it. Every other partial is the same bits: same records at the same fixed
+positions, each lane's treatment its own sample's, the kernel deterministic (its block products
+too). So the released sum moves by at most
+
+    ‖t_i - t_i'‖ + 2 m γ_m max‖t‖ + 2 N γ_L max‖t‖ (1 + m γ_m) ≤ 2 C' (1 + ρ),
+    1 + ρ = (1 + γ_6(u32)) (1 + m γ_m(u32)) (1 + N γ_L(u64))
+
+(after the exact division by S), and the kernel clips at C' = C / (1 + ρ) rounded down
+(:func:`accumulation_error`, :func:`float32_radii`): the sensitivity is at most 2C. With FLUSH =
+PRODUCT_BLOCK = 64 (m = 64): ρ = 2.4450e-4 for N = 1,652 and 2.4452e-4 for N = 39,522 (m γ_64(2^-24)
+= 2.4414e-4; γ_6(2^-24) = 3.6e-7; N γ_L(u64) = 2e-8); a clipped row is 2.4e-4 shorter than in
+float64 mode. It needs C ≥ 2^-900 (:data:`~diff2_flwr.core.clipping.RADIUS_FLOOR`; 0 and inf are
+taken: inf, no clipping, sums in float32 windows at S = 1 and bounds nothing). Float64 mode is
+unchanged: its own float64 rounding (~N γ_L(u64) of the sum's scale, and γ_3(u64) w per difference
+row) is not shrunk for.
+
 References:
     Murata & Suzuki (2023), Algorithm 1 (worker lines), Algorithm 2 (ClippedMean);
     Li et al. (2022), "Large language models can be strong differentially private learners" (ghost
@@ -54,22 +120,38 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from fractions import Fraction
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from .clipping import RADIUS_FLOOR, gamma
 from .ghost import MLP, norm_error, scaled_norm_error
 
-__all__ = ["Parts", "FusedKernel", "ACTIVATION_CODES", "LOSS_CODES", "build", "load", "unload",
-           "clipped_sums", "clip_factors", "norm_errors",
+__all__ = ["Parts", "FusedKernel", "ACTIVATION_CODES", "LOSS_CODES", "ACCUMULATE", "FLUSH",
+           "PRODUCT_BLOCK", "build", "load", "unload", "clipped_sums", "clip_factors",
+           "norm_errors", "accumulation_error", "float32_radii", "product_rows",
            "forward_sums", "activation", "to_blocked", "from_blocked"]
+
+#: The accumulation modes of :func:`clipped_sums` and :func:`forward_sums` (the module's docstring).
+ACCUMULATE = ("float64", "float32")
+#: Float32 accumulation: blocks of a client per window of the float32 lane partials (each lane's
+#: partial holds at most FLUSH samples), and samples per float32 product block of W_1's sums.
+FLUSH = 64
+PRODUCT_BLOCK = 64
+#: Float32 accumulation: added to κ and κ_s, it covers the float64 forming of the output layer's
+#: difference terms (the module's docstring, (i)).
+FORMING_ERROR = gamma(32)
+#: Float32 accumulation: roundings of one term in float32 units, with room for underflow (ibid.).
+TERM_ROUNDINGS = 6
 
 #: The activations and losses whose forward pass the kernel computes itself (its ``Activation`` and
 #: ``Loss`` codes): every one :mod:`diff2_flwr.core.ghost` knows.
@@ -115,7 +197,8 @@ class FusedKernel:
             fn = getattr(self._lib, name)
             fn.restype = None
             fn.argtypes = ([ctypes.c_int64] * 6 + [ctypes.c_void_p] * 16 + [ctypes.c_int64]
-                           + [ctypes.c_double] * 2 + [ctypes.c_void_p])
+                           + [ctypes.c_double] * 2 + [ctypes.c_void_p] * 2
+                           + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64])
             self._entry[dtype] = fn
         self._forward, self._activation = {}, {}
         for dtype, suffix in ((torch.float32, "f32"), (torch.float64, "f64")):
@@ -123,7 +206,8 @@ class FusedKernel:
             fn.restype = None
             fn.argtypes = ([ctypes.c_int64] * 6 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
                            + [ctypes.c_void_p] * 19 + [ctypes.c_int64] + [ctypes.c_double] * 2
-                           + [ctypes.c_void_p])
+                           + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+                           + [ctypes.c_void_p, ctypes.c_int64])
             self._forward[dtype] = fn
             fn = getattr(self._lib, f"diff2_activation_{suffix}")
             fn.restype = None
@@ -227,10 +311,46 @@ def norm_errors(F: int, H: int, O: int) -> tuple[float, float]:
     return norm_error(mlp), scaled_norm_error(mlp)
 
 
+@lru_cache(maxsize=None)
+def accumulation_error(N: int) -> float:
+    """ρ of float32 accumulation for clients of N samples (rounded up): a client sum's sensitivity
+    is at most 2 C' (1 + ρ) at clipping radius C' (the module's docstring), 1 + ρ = (1 +
+    γ_6(u32)) (1 + m γ_m(u32)) (1 + N γ_L(u64)), m = max(FLUSH, PRODUCT_BLOCK), L = 2⌈N/16⌉ +
+    16."""
+    u32 = 2.0**-24
+    m = max(FLUSH, PRODUCT_BLOCK)
+    L = 2 * -(-N // 16) + 16
+    one = ((1 + Fraction(gamma(TERM_ROUNDINGS, u32))) * (1 + m * Fraction(gamma(m, u32)))
+           * (1 + N * Fraction(gamma(L))))
+    return math.nextafter(float(one - 1), math.inf)
+
+
+def float32_radii(radius: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 accumulation's clipping radii C' = C / (1 + ρ) rounded down (0 and inf stay) and its
+    scales S per run (powers of two, S·C' in [2^62, 2^63); 1 for 0 and inf), both [K] float64, for
+    radii C [K] and clients of N samples; a ValueError for a radius in (0, RADIUS_FLOOR)."""
+    # 1 + ρ rounded up; C / (1 + ρ) to nearest, then one step down: at most the exact quotient
+    one = math.nextafter(1 + accumulation_error(N), math.inf)
+    radii, scales = [], []
+    for c in radius.tolist():
+        if c == 0 or c == math.inf:
+            radii.append(c)
+            scales.append(1.0)
+            continue
+        if not RADIUS_FLOOR <= c < math.inf:
+            raise ValueError(f"fused: float32 accumulation takes radii 0, inf or in [2^-900, inf). "
+                             f"Found {c!r}.")
+        r = math.nextafter(c / one, 0.0)
+        radii.append(r)
+        scales.append(math.ldexp(1.0, 63 - math.frexp(r)[1]))
+    return (torch.tensor(radii, dtype=torch.float64), torch.tensor(scales, dtype=torch.float64))
+
+
 def clipped_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as the C++ entry)
         kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor,
         radius: torch.Tensor, prev: Parts | None = None, restart: torch.Tensor | None = None, *,
-        clients: int = 1, x_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        clients: int = 1, x_rows: torch.Tensor | None = None,
+        accumulate: str = "float64") -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped sums per client and run [P, K, d] (float64, the flat (W_1, b_1, W_2, b_2) order) and
     whether a real sample's norm was not finite [P, K] (bool), for the ``clients`` (P) clients whose
     samples lie side by side: client p's are the samples p·N .. (p + 1)·N - 1 of the M = P·N.
@@ -244,9 +364,15 @@ def clipped_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as t
     than the kernel's per-lane sums when the inputs have many features. ``cur.blocked``: ``cur``,
     ``prev`` and ``x`` are in the blocked layout (:func:`to_blocked`; ``x_rows``, ``sq_x``, ``mask``
     and ``radius`` as always).
+
+    ``accumulate="float32"`` (float32 compute dtype only): the sums through float32 windows and
+    product blocks, clipped at :func:`float32_radii`'s C' < C so that each client sum's sensitivity
+    stays at most 2C (the module's docstring); ``x_rows`` then float32 (the inputs as the forward
+    pass reads them). The overflow flags are the same; the sums differ from float64 mode's by about
+    ρ of their scale at most.
     """
     return _call(kernel, cur, _dims(kernel, cur, "fused.clipped_sums"), x, sq_x, mask, radius,
-                 prev, restart, clients, x_rows, None, "fused.clipped_sums")
+                 prev, restart, clients, x_rows, None, "fused.clipped_sums", accumulate=accumulate)
 
 
 def _dims(kernel: FusedKernel, cur: Parts, who: str) -> tuple[torch.dtype, int, int, int, int]:
@@ -269,7 +395,7 @@ def _dims(kernel: FusedKernel, cur: Parts, who: str) -> tuple[torch.dtype, int, 
 def clip_factors(  # noqa: PLR0913 -- clipped_sums' arguments
         kernel: FusedKernel, cur: Parts, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor,
         radius: torch.Tensor, prev: Parts | None = None, restart: torch.Tensor | None = None, *,
-        clients: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        clients: int = 1, accumulate: str = "float64") -> tuple[torch.Tensor, torch.Tensor]:
     """The clip factors c [K, M] (float64, times the mask; samples in their natural order whatever
     ``cur.blocked``) that :func:`clipped_sums` takes with these arguments, and its overflow flags
     [P, K]: its kernel call, which also writes them out (for inspection and tests; the sums are
@@ -277,7 +403,7 @@ def clip_factors(  # noqa: PLR0913 -- clipped_sums' arguments
     dims = _dims(kernel, cur, "fused.clip_factors")
     factors = torch.empty(dims[1], dims[4], dtype=torch.float64)
     _, overflow = _call(kernel, cur, dims, x, sq_x, mask, radius, prev, restart, clients, None,
-                        None, "fused.clip_factors", factors)
+                        None, "fused.clip_factors", factors, accumulate=accumulate)
     return factors, overflow
 
 
@@ -286,7 +412,8 @@ def _call(  # noqa: PLR0913 -- clipped_sums' and forward_sums' arguments, passed
         x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor, radius: torch.Tensor,
         prev: Parts | None, restart: torch.Tensor | None, clients: int,
         x_rows: torch.Tensor | None, forward: tuple | None,
-        who: str, factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        who: str, factors: torch.Tensor | None = None, *,
+        accumulate: str = "float64") -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel call of :func:`clipped_sums` (``forward`` None: ``cur`` is read) or
     :func:`forward_sums` (``forward`` = (params, activation code, loss code, x_t, y, losses):
     ``cur`` and the losses are written; ``cur``'s a, dphi and grad_out None: the pass is not kept);
@@ -313,12 +440,25 @@ def _call(  # noqa: PLR0913 -- clipped_sums' and forward_sums' arguments, passed
         if t.dtype != torch.float64 or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"{who}: {name} must be a contiguous float64 tensor of shape {shape}. "
                              f"Found {t.dtype} {tuple(t.shape)}.")
-    if x_rows is not None and (x_rows.dtype != torch.float64 or tuple(x_rows.shape) != (clients, N,
-                                                                                        F)
-                               or not x_rows.is_contiguous()):
+    if accumulate not in ACCUMULATE:
+        raise ValueError(f"{who}: accumulate must be one of {ACCUMULATE}. Found {accumulate!r}.")
+    f32 = accumulate == "float32"
+    if f32 and dtype != torch.float32:
+        raise ValueError(f"{who}: accumulate='float32' is for the float32 compute dtype. Found "
+                         f"{dtype}.")
+    if not f32 and x_rows is not None and (
+            x_rows.dtype != torch.float64 or tuple(x_rows.shape) != (clients, N, F)
+            or not x_rows.is_contiguous()):
         raise ValueError(
             f"{who}: x_rows must be a contiguous float64 tensor of shape {(clients, N, F)}. "
                          f"Found {x_rows.dtype} {tuple(x_rows.shape)}.")
+    shape = (clients, -(-N // PRODUCT_BLOCK) * PRODUCT_BLOCK, -(-F // 16) * 16)
+    if f32 and x_rows is not None and (x_rows.dtype != torch.float32
+                                       or tuple(x_rows.shape) != shape
+                                       or not x_rows.is_contiguous()):
+        raise ValueError(
+            f"{who}: with accumulate='float32', x_rows must be a contiguous float32 tensor of "
+            f"shape {shape} (fused.product_rows). Found {x_rows.dtype} {tuple(x_rows.shape)}.")
     if restart is not None and (restart.dtype not in (torch.bool,
                                                       torch.uint8) or tuple(restart.shape) != (K,)):
         raise ValueError(f"{who}: restart must be a bool or uint8 tensor of shape ({K},). Found "
@@ -326,11 +466,20 @@ def _call(  # noqa: PLR0913 -- clipped_sums' and forward_sums' arguments, passed
     restart_u8 = None if restart is None or prev is None else restart.to(torch.uint8).contiguous()
     sums = torch.empty(clients, K, H * F + H + O * H + O, dtype=torch.float64)
     overflow = torch.empty(clients, K, dtype=torch.bool)  # written as bytes 0 / 1
-    cd1 = None if x_rows is None else torch.empty(K, H, M, dtype=torch.float64)
+    kappa, kappa_s = norm_errors(F, H, O)
+    scale, rows32, cd1 = None, None, None
+    if f32:  # clipped at C' < C, κ widened by the forming error: the module's docstring
+        radius, scale = float32_radii(radius, N)
+        kappa, kappa_s = kappa + FORMING_ERROR, kappa_s + FORMING_ERROR
+        rows32 = x_rows  # W_1's sums by the kernel's float32 block products
+    elif x_rows is not None:
+        cd1 = torch.empty(K, H, M, dtype=torch.float64)
     p = prev if prev is not None else Parts(None, None, None, None)  # type: ignore[arg-type]
     tail = (_ptr(cur.w_out), _ptr(p.a), _ptr(p.dphi), _ptr(p.grad_out), _ptr(p.w_out),
             _ptr(restart_u8), _ptr(x), _ptr(sq_x), _ptr(mask), _ptr(radius), _ptr(sums),
-            _ptr(overflow), _ptr(cd1), int(cur.blocked), *norm_errors(F, H, O), _ptr(factors))
+            _ptr(overflow), _ptr(cd1), int(cur.blocked), kappa, kappa_s, _ptr(factors),
+            _ptr(scale), FLUSH, PRODUCT_BLOCK, _ptr(rows32),
+            0 if rows32 is None else rows32.shape[2])
     if forward is None:
         kernel._entry[dtype](clients, K, H, O, F, N, _ptr(cur.a), _ptr(cur.dphi),
                              _ptr(cur.grad_out), *tail)
@@ -344,12 +493,26 @@ def _call(  # noqa: PLR0913 -- clipped_sums' and forward_sums' arguments, passed
     return sums, overflow
 
 
+def product_rows(x_rows: torch.Tensor) -> torch.Tensor:
+    """The inputs [P, N, F] as float32 accumulation's ``x_rows``: float32 (rounded; exact for a
+    float32 batch) [P, ⌈N / b⌉·b, ⌈F / 16⌉·16] (b = :data:`PRODUCT_BLOCK`), zero-padded: whole
+    product blocks per client, whole vectors per row."""
+    P, N, F = x_rows.shape
+    out = torch.zeros(P, -(-N // PRODUCT_BLOCK) * PRODUCT_BLOCK, -(-F // 16) * 16,
+                      dtype=torch.float32)
+    out[:, :N, :F] = x_rows
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError("fused.product_rows: inputs beyond float32's range (or not finite): "
+                         "float32 accumulation's products would be too.")
+    return out
+
+
 def forward_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as the C++ entry)
         kernel: FusedKernel, params: torch.Tensor, x_t: torch.Tensor, y: torch.Tensor,
         activation: str, loss: str, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor,
         radius: torch.Tensor, prev: Parts | None = None, restart: torch.Tensor | None = None, *,
         hidden: int, outputs: int, clients: int = 1, x_rows: torch.Tensor | None = None,
-        keep: bool = True, blocked: bool = False
+        keep: bool = True, blocked: bool = False, accumulate: str = "float64"
 ) -> tuple[torch.Tensor, torch.Tensor, Parts | None, torch.Tensor]:
     """:func:`clipped_sums` with the forward pass in the kernel too: for the K runs' parameters
     ``params`` [K, d] (the compute dtype, the flat (W_1, b_1, W_2, b_2) order) and the inputs
@@ -365,7 +528,7 @@ def forward_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as t
     pass, so its parts are not written out — each block's stay in scratch rows in the caches — and
     None is returned for them; the sums, flags and losses are the same bits. ``blocked``: ``x_t``
     and ``x`` are given, and the parts returned (and ``prev``) are, in the blocked layout
-    (:func:`to_blocked`): the same bits, faster."""
+    (:func:`to_blocked`): the same bits, faster. ``accumulate``: as :func:`clipped_sums`'."""
     dtype = params.dtype
     if dtype not in kernel._forward or params.dim() != 2:
         raise ValueError(
@@ -401,7 +564,7 @@ def forward_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as t
     sums, overflow = _call(kernel, cur, (dtype, K, H, O, M), x, sq_x, mask, radius, prev, restart,
                            clients, x_rows, (params, ACTIVATION_CODES[activation], LOSS_CODES[loss],
                                              x_t, y, losses),
-                           "fused.forward_sums")
+                           "fused.forward_sums", accumulate=accumulate)
     return sums, overflow, cur if keep else None, losses
 
 

@@ -12,7 +12,10 @@
 // the order written, and the vectorised loops run over independent samples (lanes), so the bits do not
 // depend on the vector width the compiler picks (SSE2, AVX2 or AVX-512) nor on FMA being available. Sums
 // over samples are taken per lane over the blocks, then over the lanes in order: deterministic, and a run's
-// (or a client's) bits do not depend on the other runs (clients) of the call.
+// (or a client's) bits do not depend on the other runs (clients) of the call. For T = float, opt-in (``scale`` set:
+// fused.py's accumulate="float32"), the sums go through float32 lane partials of fixed windows of blocks, and W_1's
+// (with ``xrows``) through float32 products of fixed blocks of samples, each added into float64 (fused.py's
+// docstring: the proof that a client sum's sensitivity stays 2C at the radius it passes).
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -40,6 +43,8 @@ constexpr double CANCELLATION = 16.0;
 // A squared norm in [2^-600, 2^600] whose multipliers (1 + ‖x‖², 1 + ‖a‖², ‖g_L'‖², ‖da‖²) are at most 2^400 lost
 // nothing to underflow or overflow (ghost.py's SAFE_SQ, SAFE_MULTIPLIER); another real lane is scaled.
 constexpr double SAFE_LO = 0x1p-600, SAFE_HI = 0x1p600, SAFE_MULTIPLIER = 0x1p400;
+// Float32 windows: a lane whose input x exceeds float32's range (or is NaN) takes W_1's terms in float64 instead.
+constexpr double X_F32_MAX = static_cast<double>(FLT_MAX);
 
 // Bitwise, not short-circuit, so that the loop over a block's lanes vectorises.
 inline int risky(double sq, double sqx, double sa, double sgp, double sda, double mask) {
@@ -368,6 +373,55 @@ void forward_block(const T* par, int64_t H, int64_t O, int64_t F, int act, int l
   for (int64_t j = 0; j < BLOCK; ++j) ls[j] = -zy[j];
 }
 
+// ------------------------------------------------------------------- float32 block products (W_1, many features)
+// prod [H, fpad] = cd [H, b] @ x [b, fpad] in float32, each entry Σ_j cd[h, j] x[j, f] added in the order j = 0 .. b - 1
+// from 0 (one IEEE product and one sum per term: no FMA, -ffp-contract=off), whatever the tiling: the same bits on
+// any instruction set, and a run's rows do not depend on the other runs. Tiles of 2 rows × 64 columns (8 vectors of
+// 16 floats, in registers), then 16-column and single-row remainders; fpad a multiple of 16.
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+
+// (The loops over r and c are unrolled by the pragmas, whatever max-completely-peel-times says: the accumulators stay
+// in registers.)
+template <int R, int C>
+inline void product_tile(const float* cd, const float* x, int64_t b, int64_t fpad, float* out) {
+  v16f acc[R][C];
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = v16f{};
+  for (int64_t j = 0; j < b; ++j) {
+    const float* xj = x + j * fpad;
+    v16f xv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) xv[c] = *reinterpret_cast<const v16u*>(xj + 16 * c);
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      const float w = cd[r * b + j];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = acc[r][c] + w * xv[c];
+    }
+  }
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) *reinterpret_cast<v16u*>(out + r * fpad + 16 * c) = acc[r][c];
+}
+
+inline void block_product(const float* cd, const float* x, int64_t H, int64_t b, int64_t fpad, float* out) {
+  int64_t h = 0;
+  for (; h + 2 <= H; h += 2) {
+    int64_t f = 0;
+    for (; f + 64 <= fpad; f += 64) product_tile<2, 4>(cd + h * b, x + f, b, fpad, out + h * fpad + f);
+    for (; f < fpad; f += 16) product_tile<2, 1>(cd + h * b, x + f, b, fpad, out + h * fpad + f);
+  }
+  for (; h < H; ++h) {
+    int64_t f = 0;
+    for (; f + 64 <= fpad; f += 64) product_tile<1, 4>(cd + h * b, x + f, b, fpad, out + h * fpad + f);
+    for (; f < fpad; f += 16) product_tile<1, 1>(cd + h * b, x + f, b, fpad, out + h * fpad + f);
+  }
+}
+
 template <typename T>
 struct Kernel {
   int64_t H, O, F;
@@ -380,6 +434,15 @@ struct Kernel {
   // κ of ghost.py's norm_bounds (norm_error, scaled_norm_error: passed in by fused.py) and step_up(1 + κ) of each
   double kappa = 0.0, kappa_s = 0.0, one = 1.0, one_s = 1.0;
   double* factors = nullptr;  // if set: the block's clip factors c go here (BLOCK lanes; for inspection)
+  // Float32 windows (fused.py's accumulate="float32"; T = float only): the clipped terms, times the run's power of
+  // two ``scale`` (S·C' in [2^62, 2^63): nothing that matters underflows in float32, nothing overflows), go into the
+  // float32 lane partials ``accf`` [d, BLOCK] of the current window, which fused() adds into ``acc`` (divided by S,
+  // exactly) every ``flush`` blocks; with ``cd1f`` set, c·S·dg_1 goes there as float32 (rows cd1s apart) instead of
+  // into W_1. ``xb`` [F, BLOCK]: the block's inputs as float32 (scratch).
+  float* accf = nullptr;
+  double scale = 1.0;
+  float* cd1f = nullptr;
+  float* xb = nullptr;
 
   // The backward to the hidden layer of one sample row, in T as torch's (Σ_o W_2[o, h] g_L[o]) · φ'(h).
   static inline void hidden_grad(const T* w2, const T* gl, const T* dphi, int64_t O, int64_t H, int64_t h,
@@ -445,6 +508,97 @@ struct Kernel {
     const double last =
         diff ? rank_two_norm(gl, a1, gp, da1, width) : vnorm(gl.data(), O) * vnorm(a1.data(), H + 1);
     return std::hypot(first, last);
+  }
+
+  // The float32 window sums of a block (fused.py's docstring, "Float32 accumulation"): c·S (exact: S a power of two)
+  // times dg_1, dg_L, g_L' in float64, each rounded to float32 once; W_1's terms fl32(c S dg_1) · fl32(x) in float32;
+  // W_2's plain terms fl32(c S dg_L) · a in float32 (a is the float32 input), its difference terms formed in float64
+  // (c S dg_L a + c S g_L' da: the two may cancel, float32 would lose the result) and rounded once; each added to its
+  // lane's float32 partial. A lane whose input x (given in float64) is beyond float32's range (or NaN) takes W_1's
+  // terms in float64 instead, straight into its float64 lane sums: a lane's treatment depends on its own sample only.
+  __attribute__((noinline)) void sums_f32(const Block<T>& in, const double* c) {
+    if constexpr (std::is_same_v<T, float>) {
+      const bool diff = in.ap != nullptr;
+      int any_far = 0;
+      int far[BLOCK];
+      if (cd1f == nullptr) {
+        for (int64_t j = 0; j < BLOCK; ++j) far[j] = 0;
+        for (int64_t f = 0; f < F; ++f) {
+          const double* xf = in.x + f * in.sx;
+          float* xo = xb + f * BLOCK;
+          for (int64_t j = 0; j < BLOCK; ++j) {
+            far[j] |= !(std::fabs(xf[j]) <= X_F32_MAX) ? 1 : 0;
+            xo[j] = static_cast<float>(xf[j]);
+          }
+        }
+        for (int64_t j = 0; j < BLOCK; ++j) any_far |= far[j];
+        if (any_far)  // those lanes' float32 W_1 terms: 0 (their terms are added in float64 below)
+          for (int64_t f = 0; f < F; ++f)
+            for (int64_t j = 0; j < BLOCK; ++j) xb[f * BLOCK + j] = far[j] ? 0.0f : xb[f * BLOCK + j];
+      }
+      float* fw1 = accf;
+      float* fb1 = fw1 + H * F * BLOCK;
+      float* fw2 = fb1 + H * BLOCK;
+      float* fb2 = fw2 + O * H * BLOCK;
+      const double sc = scale;
+      double cs[BLOCK], cd[BLOCK], cg[BLOCK];
+      float cf[BLOCK];
+      for (int64_t j = 0; j < BLOCK; ++j) cs[j] = c[j] * sc;
+      for (int64_t o = 0; o < O; ++o) {
+        const double* dv = dgl + o * BLOCK;
+        const double* pv = gpl + o * BLOCK;
+        float* b2 = fb2 + o * BLOCK;
+        for (int64_t j = 0; j < BLOCK; ++j) {
+          cd[j] = dv[j] * cs[j];
+          cf[j] = static_cast<float>(cd[j]);
+          b2[j] = b2[j] + cf[j];
+        }
+        if (diff) {
+          for (int64_t j = 0; j < BLOCK; ++j) cg[j] = pv[j] * cs[j];
+          for (int64_t h = 0; h < H; ++h) {
+            float* w = fw2 + (o * H + h) * BLOCK;
+            const double* ah = av + h * BLOCK;
+            const double* dah = dav + h * BLOCK;
+            for (int64_t j = 0; j < BLOCK; ++j) w[j] = w[j] + static_cast<float>(cd[j] * ah[j] + cg[j] * dah[j]);
+          }
+        } else {
+          for (int64_t h = 0; h < H; ++h) {
+            float* w = fw2 + (o * H + h) * BLOCK;
+            const float* ar = in.a + h * in.s;
+            for (int64_t j = 0; j < BLOCK; ++j) w[j] = w[j] + cf[j] * ar[j];
+          }
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const double* dg = dg1 + h * BLOCK;
+        float* b1 = fb1 + h * BLOCK;
+        for (int64_t j = 0; j < BLOCK; ++j) {
+          cf[j] = static_cast<float>(dg[j] * cs[j]);
+          b1[j] = b1[j] + cf[j];
+        }
+        if (cd1f != nullptr) {  // W_1's sums are the block products' (many features)
+          float* out = cd1f + h * cd1s;
+          for (int64_t j = 0; j < BLOCK; ++j) out[j] = cf[j];
+          continue;
+        }
+        for (int64_t f = 0; f < F; ++f) {
+          float* w = fw1 + (h * F + f) * BLOCK;
+          const float* xf = xb + f * BLOCK;
+          for (int64_t j = 0; j < BLOCK; ++j) w[j] = w[j] + cf[j] * xf[j];
+        }
+      }
+      if (any_far)  // as the float64 mode, for those lanes (their float32 W_1 terms were c S dg_1 · 0)
+        for (int64_t j = 0; j < BLOCK; ++j) {
+          if (!far[j]) continue;
+          for (int64_t h = 0; h < H; ++h) {
+            const double cdj = dg1[h * BLOCK + j] * c[j];
+            for (int64_t f = 0; f < F; ++f) {
+              double& w = acc[(h * F + f) * BLOCK + j];
+              w = w + cdj * in.x[f * in.sx + j];
+            }
+          }
+        }
+    }
   }
 
   // Returns whether a real sample's norm is not finite.
@@ -566,6 +720,10 @@ struct Kernel {
       for (int64_t j = 0; j < BLOCK; ++j) factors[j] = c[j];
     int bad = 0;  // a real sample whose norm is not finite (|norm| <= max is false for inf and NaN)
     for (int64_t j = 0; j < BLOCK; ++j) bad |= (!(std::fabs(norm[j]) <= DBL_MAX) && in.mask[j] > 0.0) ? 1 : 0;
+    if (accf != nullptr) {
+      sums_f32(in, c);
+      return bad != 0;
+    }
     // clipped sums, per lane: W_2 += c dg_L aᵀ (+ c g_L' daᵀ), b_2 += c dg_L, W_1 += c dg_1 xᵀ, b_1 += c dg_1
     double* aw1 = acc;
     double* ab1 = aw1 + H * F * BLOCK;
@@ -612,6 +770,22 @@ struct Kernel {
   }
 };
 
+// n elements from a 64-byte boundary: a row of BLOCK lanes (64 or 128 bytes) never straddles cache lines (a
+// std::vector's 16-byte alignment made a process's float32 sums ~25 % slower or not, by where its buffers fell).
+template <typename V>
+struct Aligned {
+  std::vector<V> buf;
+  V* ptr;
+  size_t n;
+  explicit Aligned(size_t count) : buf(count + 64 / sizeof(V), V(0)), n(count) {
+    const auto at = reinterpret_cast<uintptr_t>(buf.data());
+    ptr = reinterpret_cast<V*>((at + 63) & ~uintptr_t(63));
+  }
+  V* data() { return ptr; }
+  size_t size() const { return n; }
+  V& operator[](size_t i) { return ptr[i]; }
+};
+
 // The forward pass, when ``par`` is set: per run its parameters [K, d] in T, the activation and loss codes, the
 // inputs xt [F, M] and targets y [M] in T; it writes a, φ', g_L (the arrays a, dphi, gl) and ℓ [K, M] block by
 // block, each block just before its backward pass reads it from the caches.
@@ -627,9 +801,26 @@ template <typename T>
 void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* a, const T* dphi,
            const T* gl, const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p,
            const uint8_t* restart, const double* x, const double* sqa, const double* mask, const double* radius,
-           double* sums, uint8_t* overflow, double* cd1, bool blocked, double kappa, double kappa_s,
-           double* factors, const Forward<T>& fw = Forward<T>{}) {
+           double* sums, uint8_t* overflow, void* cd1v, bool blocked, double kappa, double kappa_s,
+           double* factors, const double* scale, int64_t flush, int64_t pblock, const float* xrows, int64_t fpad,
+           const Forward<T>& fw = Forward<T>{}) {
   const int64_t d = H * F + H + O * H + O, M = P * N;
+  // Float32 windows (``scale`` set, T = float: fused.py's accumulate="float32"): run k's terms times scale[k] (a power
+  // of two) in float32 lane partials, added into the float64 ones every ``flush`` blocks of a client (windows at fixed
+  // block positions: blocks w·flush .. (w + 1)·flush - 1, the tail block in the last). With ``xrows`` (float32 inputs
+  // [P, ⌈N / pblock⌉·pblock, fpad], rows of samples, zero-padded; pblock a multiple of BLOCK): W_1's sums are block
+  // products instead — a client's c S dg_1 go as float32 into ``cdbuf`` [⌈N / pblock⌉, K, H, pblock] (the lanes past
+  // N stay 0), and after its runs, per product block of pblock consecutive samples and per run, the float32 product
+  // (block_product) is added into the run's float64 W_1 sums ``wacc`` (divided by S: exact). Float64 mode: cd1 (if
+  // set) is float64 [K, H, M] like a, for the caller's product.
+  const bool f32 = std::is_same_v<T, float> && scale != nullptr;
+  double* cd1 = f32 ? nullptr : static_cast<double*>(cd1v);
+  const bool products = f32 && xrows != nullptr;
+  const int64_t nprod = products ? (N + pblock - 1) / pblock : 0;
+  Aligned<float> cdbuf(nprod * K * H * pblock), prod(products ? H * fpad : 0);
+  std::vector<double> wacc(products ? K * H * F : 0);
+  float* cd1f = products ? cdbuf.data() : nullptr;
+  Aligned<float> accf(f32 ? d * BLOCK : 0), xb(f32 ? F * BLOCK : 0), tcd1f(f32 ? H * BLOCK : 0);
   // Row r of the ``width`` samples from column m of an array of R rows (per run) whose rows are M apart (sample
   // rows), or in the blocked layout (``blocked``): each chunk of a client's samples — its blocks, then its tail —
   // holds its R rows one after another (r · width + j), chunks in the order of their samples; the same R · M
@@ -645,7 +836,7 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
   std::vector<T> ka(keep ? 0 : H * BLOCK), kd(keep ? 0 : H * BLOCK), kg(keep ? 0 : O * BLOCK);
   std::vector<T> zw(O * BLOCK), txt(F * BLOCK, T(0)), ty(BLOCK, T(0)), tls(BLOCK, T(0));
   std::vector<double> tcd1(H * BLOCK), tfac(BLOCK);
-  std::vector<double> acc(d * BLOCK), work((3 * H + 2 * O) * BLOCK);
+  Aligned<double> acc(d * BLOCK), work((3 * H + 2 * O) * BLOCK);
   const int64_t full = N - N % BLOCK, tail = N - full;
   // the last, partial block of a client: copies padded with zeros (mask 0: clip factor 0, never an overflow)
   std::vector<T> ta(H * BLOCK, T(0)), tdphi(H * BLOCK, T(0)), tgl(O * BLOCK, T(0)), tap(H * BLOCK, T(0)),
@@ -667,6 +858,32 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
                     work.data() + H * BLOCK, work.data() + 2 * H * BLOCK, work.data() + 3 * H * BLOCK,
                     work.data() + 3 * H * BLOCK + O * BLOCK};
       std::memset(acc.data(), 0, sizeof(double) * acc.size());
+      if (f32) {
+        std::memset(accf.data(), 0, sizeof(float) * accf.size());
+        ker.accf = accf.data();
+        ker.xb = xb.data();
+        ker.scale = scale[k];
+      }
+      // float32 windows: the window's partials into the float64 lane sums (divided by S: exact), W_1's only if the
+      // kernel takes them
+      const int64_t lo = cd1f != nullptr ? H * F * BLOCK : 0;
+      int64_t window = 0;
+      const auto next_block = [&](bool last) {
+        if (!f32 || (++window < flush && !last)) return;
+        const double inv = 1.0 / scale[k];
+        double* a64 = acc.data();
+        float* a32 = accf.data();
+        for (int64_t i = lo; i < d * BLOCK; ++i) {
+          a64[i] = a64[i] + static_cast<double>(a32[i]) * inv;
+          a32[i] = 0.0f;
+        }
+        window = 0;
+      };
+      // run k's float32 c S dg_1 for the block of samples n .. n + BLOCK - 1 of client p, and its rows' stride
+      const auto cd1_at = [&](int64_t n, int64_t& stride) -> float* {
+        stride = pblock;
+        return cd1f + ((n / pblock) * K + k) * H * pblock + n % pblock;
+      };
       ker.kappa = kappa;
       ker.kappa_s = kappa_s;
       ker.one = step_up(1.0 + kappa);
@@ -691,12 +908,14 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
         Block<T> in{ab, db, gb, diff ? row(apk, H, m, 0, BLOCK) : nullptr, diff ? row(dpk, H, m, 0, BLOCK) : nullptr,
                     diff ? row(gpk, O, m, 0, BLOCK) : nullptr, row(x, F, m, 0, BLOCK), sqa + m, mask + m, s, rs};
         ker.cd1 = cdk == nullptr ? nullptr : cdk + n;
+        if (cd1f != nullptr) ker.cd1f = cd1_at(n, ker.cd1s);
         ker.factors = fk == nullptr ? nullptr : fk + n;
         if (forward)
           forward_block(fw.par + k * d, H, O, F, fw.act, fw.loss, row(fw.xt, F, m, 0, BLOCK), rs, fw.y + m,
                         const_cast<T*>(ab), const_cast<T*>(db), const_cast<T*>(gb), fw.ls + k * M + start + n, s,
                         zw.data());
         bad |= ker.block(in);
+        next_block(n + BLOCK == full && tail == 0);
       }
       if (tail) {
         if (forward) {  // into the padded copies, then out; padding lanes back to 0 (no inf · 0 in a sum)
@@ -741,13 +960,21 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
                     diff ? tglp.data() : nullptr, tx.data(), tsqa.data(), tmask.data(), BLOCK, BLOCK};
         ker.cd1 = cdk == nullptr ? nullptr : tcd1.data();
         ker.cd1s = BLOCK;
+        if (cd1f != nullptr) ker.cd1f = tcd1f.data();
         ker.factors = fk == nullptr ? nullptr : tfac.data();
         bad |= ker.block(in);
+        next_block(true);
         if (fk != nullptr)
           for (int64_t j = 0; j < tail; ++j) fk[full + j] = tfac[j];
         if (cdk != nullptr)
           for (int64_t h = 0; h < H; ++h)
             for (int64_t j = 0; j < tail; ++j) cdk[h * M + full + j] = tcd1[h * BLOCK + j];
+        if (cd1f != nullptr) {
+          int64_t st;
+          float* out = cd1_at(full, st);
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t j = 0; j < tail; ++j) out[h * st + j] = tcd1f[h * BLOCK + j];
+        }
       }
       double* out = sums + (p * K + k) * d;
       for (int64_t i = 0; i < d; ++i) {
@@ -757,6 +984,21 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
         out[i] = total;
       }
       overflow[p * K + k] = bad ? 1 : 0;
+    }
+    if (products) {  // W_1's sums of client p: per product block, each run's float32 product, into float64
+      std::fill(wacc.begin(), wacc.end(), 0.0);
+      for (int64_t blk = 0; blk < nprod; ++blk) {
+        const float* xblk = xrows + (p * nprod + blk) * pblock * fpad;
+        for (int64_t k = 0; k < K; ++k) {
+          block_product(cdbuf.data() + (blk * K + k) * H * pblock, xblk, H, pblock, fpad, prod.data());
+          const double inv = 1.0 / scale[k];
+          double* w = wacc.data() + k * H * F;
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t f = 0; f < F; ++f) w[h * F + f] = w[h * F + f] + static_cast<double>(prod[h * fpad + f]) * inv;
+        }
+      }
+      for (int64_t k = 0; k < K; ++k)
+        std::memcpy(sums + (p * K + k) * d, wacc.data() + k * H * F, sizeof(double) * H * F);
     }
   }
 }
@@ -772,9 +1014,10 @@ int64_t diff2_fused_block() { return BLOCK; }
             const T* gl,                                                                                          \
             const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p, const uint8_t* restart,         \
             const double* x, const double* sqa, const double* mask, const double* radius, double* sums,           \
-            uint8_t* overflow, double* cd1, int64_t blocked, double kappa, double kappa_s, double* factors) {     \
+            uint8_t* overflow, void* cd1, int64_t blocked, double kappa, double kappa_s, double* factors,         \
+            const double* scale, int64_t flush, int64_t pblock, const float* xrows, int64_t fpad) {              \
     fused<T>(P, K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums, overflow, \
-             cd1, blocked != 0, kappa, kappa_s, factors);                                                         \
+             cd1, blocked != 0, kappa, kappa_s, factors, scale, flush, pblock, xrows, fpad);                     \
   }
 
 DIFF2_FUSED_ENTRY(diff2_fused_f32, float)
@@ -787,10 +1030,11 @@ DIFF2_FUSED_ENTRY(diff2_fused_f64, double)
             int64_t loss, const T* xt, const T* y, T* a, T* dphi, T* gl, T* ls, const T* w2, const T* ap,         \
             const T* dphip, const T* glp, const T* w2p, const uint8_t* restart, const double* x,                 \
             const double* sqa, const double* mask, const double* radius, double* sums, uint8_t* overflow,         \
-            double* cd1, int64_t blocked, double kappa, double kappa_s, double* factors) {                        \
+            void* cd1, int64_t blocked, double kappa, double kappa_s, double* factors, const double* scale,        \
+            int64_t flush, int64_t pblock, const float* xrows, int64_t fpad) {                                   \
     const Forward<T> fw{par, static_cast<int>(act), static_cast<int>(loss), xt, y, ls};                        \
     fused<T>(P, K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums,      \
-             overflow, cd1, blocked != 0, kappa, kappa_s, factors, fw);                                          \
+             overflow, cd1, blocked != 0, kappa, kappa_s, factors, scale, flush, pblock, xrows, fpad, fw);       \
   }
 
 DIFF2_FORWARD_ENTRY(diff2_forward_f32, float)

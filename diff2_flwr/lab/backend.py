@@ -187,44 +187,53 @@ def _round_core(  # noqa: PLR0913 -- compiled on flat tensors: a client's data a
     return clipped_sums(cur, a64, c, prev), overflow, pass_.inputs, pass_.grads, pass_.loss
 
 
-def _fused_round(kernel: fused.FusedKernel, head: Callable, group: ClientGroup, x: torch.Tensor,
-                 w_out: torch.Tensor, prev: fused.Parts | None, restart: torch.Tensor | None,
-                 radius: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, fused.Parts,
-                                                torch.Tensor]:
+def _fused_round(  # noqa: PLR0913 -- a round's inputs, and the accumulation's
+        kernel: fused.FusedKernel, head: Callable, group: ClientGroup, x: torch.Tensor,
+        w_out: torch.Tensor, prev: fused.Parts | None, restart: torch.Tensor | None,
+        radius: torch.Tensor, accumulate: str = "float64", rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, fused.Parts, torch.Tensor]:
     """What :func:`_round_core` gives, for a group of clients and an MLP with one hidden layer: the
     forward pass of their samples in torch (``head``: :func:`~diff2_flwr.core.ghost.forward_head`,
     compiled or not: one call), the rest in the fused kernel — clipped sums [clients, K, d]
     (float64), overflow [clients, K], and this round's parts and losses [K, M] (compute dtype),
     which the next round reuses as its previous iterate's. ``w_out``: the output layer's weights [K,
-    O, H] in the compute dtype; ``prev`` None: every run restarts."""
+    O, H] in the compute dtype; ``prev`` None: every run restarts. ``accumulate``, ``rows``: the
+    kernel's accumulation and, for float32, its ``x_rows``
+    (:func:`~diff2_flwr.core.fused.product_rows` of the group's)."""
     a, dphi, g, loss = head(x, group.a_t, group.y)
     cur = fused.Parts(a.contiguous(), dphi.contiguous(), g.contiguous(), w_out)
     sums, overflow = fused.clipped_sums(kernel, cur, group.x64_t, group.sq_a, group.mask, radius,
-                                        prev, restart, clients=group.clients, x_rows=group.x_rows)
+                                        prev, restart, clients=group.clients,
+                                        x_rows=group.x_rows if rows is None else rows,
+                                        accumulate=accumulate)
     return sums, overflow, cur, loss
 
 
 def _fused_rounds(  # noqa: PLR0913 -- stateless: the backend's parts and a round's inputs
         kernel: fused.FusedKernel, head: Callable | None, mlp: MLP, groups: Sequence[ClientGroup],
         x: torch.Tensor, prev: Sequence[fused.Parts] | None, restart: torch.Tensor | None,
-        radius: torch.Tensor, keep: bool = True,
+        radius: torch.Tensor, keep: bool = True, accumulate: str = "float64",
+        rows: Sequence[torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[fused.Parts | None], torch.Tensor]:
     """:func:`_fused_round` for every group: sums [P, K, d], overflow [P, K], the parts per group,
     losses [K, M]. ``head`` None: the forward pass too is the kernel's
     (:func:`~diff2_flwr.core.fused.forward_sums`), which with ``keep`` False (the caller's promise:
-    ``prev`` None, not evaluated) does not keep its parts (None per group)."""
+    ``prev`` None, not evaluated) does not keep its parts (None per group). ``accumulate``, ``rows``
+    (per group): the kernel's accumulation and its float32 ``x_rows``."""
+    rows = rows or [None] * len(groups)
     if head is None:
         params = x.to(groups[0].a_t.dtype).contiguous()
         outs = [fused.forward_sums(kernel, params, group.a_t, group.y, mlp.activations[0], mlp.loss,
                                    group.x64_t, group.sq_a, group.mask, radius,
                                    None if prev is None else prev[i], restart, hidden=mlp.sizes[1],
-                                   outputs=mlp.sizes[2], clients=group.clients, x_rows=group.x_rows,
-                                   keep=keep, blocked=group.blocked)
+                                   outputs=mlp.sizes[2], clients=group.clients,
+                                   x_rows=group.x_rows if rows[i] is None else rows[i],
+                                   keep=keep, blocked=group.blocked, accumulate=accumulate)
                 for i, group in enumerate(groups)]
     else:
         w_out = mlp.layers(x.to(groups[0].a_t.dtype))[1][0].contiguous()
         outs = [_fused_round(kernel, head, group, x, w_out, None if prev is None else prev[i],
-                             restart, radius)
+                             restart, radius, accumulate, rows[i])
                 for i, group in enumerate(groups)]
     if len(outs) == 1:
         return outs[0][0], outs[0][1], [outs[0][2]], outs[0][3]
@@ -331,11 +340,16 @@ class FusedBackend:
     (``forward="torch"``). By default the kernel's up to :data:`KERNEL_W1_FEATURES` input features,
     torch's above: the kernel computes W_1 x in lane loops, and with many features a matrix product
     wins (measured on KDD Cup 99's 118, K = 8, float32, compiled, one thread: 147 ms CPU per
-    configuration-round with the kernel's forward against 62 ms with torch's)."""
+    configuration-round with the kernel's forward against 62 ms with torch's).
+
+    ``accumulate="float32"`` (a float32 batch only; default "float64"): the rounds' clipped sums
+    through the kernel's float32 accumulation (:mod:`diff2_flwr.core.fused`: clipped at a radius
+    shorter by ρ ≈ 2.4e-4, so that each client sum's sensitivity stays 2C); the evaluation's
+    unclipped sums stay float64."""
 
     def __init__(self, kernel: fused.FusedKernel, mlp: MLP, batch: Batch, runs: int, *,
                  compile: bool = False, compiled: CompiledFunctions = COMPILED,
-                 forward: str | None = None) -> None:
+                 forward: str | None = None, accumulate: str = "float64") -> None:
         if batch.device.type != "cpu":
             raise ValueError(
                 f"FusedBackend runs on the CPU; this batch is on {batch.device}. Use TorchBackend "
@@ -357,6 +371,13 @@ class FusedBackend:
         # the kernel's forward: inputs and parts in its blocked layout (same bits, fewer streams)
         if self.head is None:
             self.groups = [group.to_blocked(kernel.block) for group in self.groups]
+        if accumulate not in fused.ACCUMULATE or (accumulate == "float32"
+                                                  and batch.dtype != torch.float32):
+            raise ValueError(f"FusedBackend: accumulate must be 'float64', or 'float32' for a "
+                             f"float32 batch. Found {accumulate!r} for {batch.dtype}.")
+        self.accumulate = accumulate
+        self._rows = [None if accumulate == "float64" or group.x_rows is None else
+                      fused.product_rows(group.x_rows) for group in self.groups]
         self._no_clip = torch.full((runs,), math.inf, dtype=torch.float64)
         self._prev: list[fused.Parts] | None = None  # per group: the parts at x
 
@@ -374,7 +395,7 @@ class FusedBackend:
         keep = keep or train or prev is not None
         sums, overflow, self._prev, loss = _fused_rounds(self.kernel, self.head, self.mlp,
                                                          self.groups, x, prev, restart, radius,
-                                                         keep)
+                                                         keep, self.accumulate, self._rows)
         return RoundOut(sums, overflow, self._unclipped(self._prev, loss) if train else None)
 
     def train(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,7 +414,8 @@ class FusedBackend:
 
 
 def choose_backend(mlp: MLP, batch: Batch, runs: int, *, compile: bool = False,
-                   compiled: CompiledFunctions = COMPILED) -> RoundBackend:
+                   compiled: CompiledFunctions = COMPILED,
+                   accumulate: str = "float64") -> RoundBackend:
     """The backend for ``runs`` runs of ``mlp`` on ``batch``, chosen once: the fused kernel for an
     MLP with one hidden layer where it loads (:func:`diff2_flwr.core.fused.load`: built once per
     machine, loaded once per process), the torch path otherwise.
@@ -404,11 +426,14 @@ def choose_backend(mlp: MLP, batch: Batch, runs: int, *, compile: bool = False,
         runs: the number of runs K.
         compile: whether the torch parts are ``torch.compile``'d.
         compiled: where compiled functions are kept (the process-wide :data:`COMPILED` by default).
+        accumulate: the fused backend's accumulation (:class:`FusedBackend`); the torch backend
+            always accumulates in float64.
     """
     kernel = fused.load() if len(mlp.sizes) == 3 and batch.device.type == "cpu" else None
     if kernel is None:  # deeper MLPs, no C++ compiler, or a batch on a GPU (the kernel is CPU code)
         return TorchBackend(mlp, batch, runs, compile=compile, compiled=compiled)
-    return FusedBackend(kernel, mlp, batch, runs, compile=compile, compiled=compiled)
+    return FusedBackend(kernel, mlp, batch, runs, compile=compile, compiled=compiled,
+                        accumulate=accumulate)
 
 
 def retain_freed_memory() -> None:

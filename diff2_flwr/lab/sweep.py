@@ -290,6 +290,7 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
     compile: bool = False,
     progress: Callable[[int, int], None] | None = None,
     device: str | torch.device = "cpu",
+    accumulate: str = "float64",
 ) -> list[RunResult]:
     """Run every spec for ``rounds`` rounds on ``data``; return their evaluated metrics.
 
@@ -298,7 +299,10 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
     where the rounds' forward and backward passes, norms and clipped sums run
     (:func:`resolve_device`: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``); on a GPU the torch
     backend runs there and the server's step (radii, noise from the run's generator, routines) stays
-    on the CPU in float64, as everywhere.
+    on the CPU in float64, as everywhere. ``accumulate``: ``"float32"`` (float32 ``dtype``, fused
+    backend) takes the clipped sums through the kernel's float32 accumulation
+    (:class:`~diff2_flwr.lab.backend.FusedBackend`: sensitivity still 2C, radii shorter by ρ ≈
+    2.4e-4); ``"float64"`` (the default) as before.
 
     References:
         Murata & Suzuki (2023), Algorithms 1-3, as in :mod:`diff2_flwr.core.estimator`.
@@ -312,7 +316,7 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
     mlp, b = inits[0][0], Batch(data, dtype, resolve_device(device))
     x = torch.as_tensor(np.stack([x0 for _, x0 in inits]))  # [K, d] float64
     routines = _Routines(specs, x.numpy(), rounds)
-    backend = choose_backend(mlp, b, len(specs), compile=compile)
+    backend = choose_backend(mlp, b, len(specs), compile=compile, accumulate=accumulate)
     T = np.array([s.restart_every for s in specs])
     x_prev, v = x.clone(), torch.zeros_like(x)
     alive = torch.ones(len(specs), dtype=torch.bool)
