@@ -165,6 +165,21 @@ def test_a_bad_key_or_value_is_refused_in_one_line(method, match):
     assert "\n" not in str(err.value)
 
 
+def test_float32_accumulation_is_a_float32_batch_studys_only():
+    """``accumulate: float32`` is the fused kernel's: refused in one line with float64 or another
+    engine, taken with a float32 batch study."""
+    for extra, found in (({"dtype": "float64"}, "'float32'"),
+                         ({"dtype": "float32", "engine": "inprocess"}, "'float32'")):
+        with pytest.raises(StudyError, match=r"key `accumulate`: expected 'float64' unless dtype "
+                                             r"is 'float32' and engine is 'batch'") as err:
+            parse_study(_smoke(DIFF2, accumulate="float32", **extra), "s.yaml")
+        assert "\n" not in str(err.value) and found in str(err.value)
+    with pytest.raises(StudyError, match=r"key `accumulate`: expected one of"):
+        parse_study(_smoke(DIFF2, accumulate="float16", dtype="float32"), "s.yaml")
+    study = parse_study(_smoke(DIFF2, accumulate="float32", dtype="float32"), "s.yaml")
+    assert study.accumulate == "float32"
+
+
 def test_every_key_is_either_a_methods_or_the_studys():
     for key in config_keys():
         if key != dotted(key) or point_key(key) != key:

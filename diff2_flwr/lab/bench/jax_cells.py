@@ -8,7 +8,8 @@ seeds. A cell is (round kind, K, dtype): DP-GD or DIFF2 (one restart round, then
 K = 1 or 18 configurations (η ∈ {0.125, 0.25, 0.5} × C ∈ {0.5, 1, 2} × init seed ∈ {0, 1}), float32
 or float64; σ from the project's own calibration for the rounds run.
 
-Sides: ``project`` = ``run_batch(..., compile=True)`` (as ``configs/paper/`` runs),
+Sides: ``project`` = ``run_batch(..., compile=True)`` (as ``configs/paper/`` runs; float32 cells
+with ``accumulate="float32"``, the fused kernel's sound float32 sums: :data:`ACCUMULATE`),
 ``project_eager`` = the same with ``compile=False`` (``--jax-eager``), and the JAX variants of
 :mod:`diff2_flwr.lab.bench.jax_peer` (``jax_vmap``, ``jax_ghost``, ``jax_ghost_map`` at K = 18). The
 JAX side is a subprocess of an interpreter that has jax (this one, or ``--jax-python`` /
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 
 from ...core.closed_form import PaperMLPGradients
+from ...core.fused import accumulation_error
 from ...core.layout import ParameterLayout
 from ...runtime.config import parse_config
 from ...runtime.session import load_data
@@ -67,6 +69,9 @@ LRS, CLIPS, INITS = (0.125, 0.25, 0.5), (0.5, 1.0, 2.0), (0, 1)
 #: Largest relative difference of one checked update (project vs JAX) called agreement: float32 sums
 #: of 16,512 samples in another order differ by ~√M·ε ≈ 1e-5; float64's by ~1e-14.
 AGREEMENT_TOLERANCE = {"f32": 1e-4, "f64": 1e-10}
+#: The project's accumulation per cell dtype: its fastest sound one (float32 cells: the fused
+#: kernel's float32 sums, clipped at C / (1 + ρ), :mod:`diff2_flwr.core.fused`).
+ACCUMULATE = {"f32": "float32", "f64": "float64"}
 PEER = Path(__file__).with_name("jax_peer.py")
 # seconds of R rounds; of a 1-round call right after (project sides)
 Timing = tuple[float, float | None]
@@ -286,7 +291,7 @@ class _Project:
         dtype = {"f32": torch.float32, "f64": torch.float64}[cell.dtype]
         t = time.perf_counter()
         res = run_batch(self.data, [RunSpec(*s) for s in specs], rounds=rounds, eval_every=rounds,
-                        dtype=dtype, compile=compile)
+                        dtype=dtype, compile=compile, accumulate=ACCUMULATE[cell.dtype])
         seconds = time.perf_counter() - t
         return seconds, np.stack([r.final_x for r in res]), [k for k, r in enumerate(res)
                                                              if r.diverged_at is not None]
@@ -313,6 +318,9 @@ def _agreement(cell: Cell, project: _Project, peer: _Peer, rounds: int) -> dict[
     out["clipped_fraction_run0"] = peer.ask("clipped_fraction",
                                             f"jax_ghost@{cell.name}")["fraction"]
     out["tolerance"] = AGREEMENT_TOLERANCE[cell.dtype]
+    if ACCUMULATE[cell.dtype] == "float32":  # clipped at C / (1 + ρ): where the clip binds, ρ more
+        out["tolerance"] += 2 * accumulation_error(max(project.data.shard_sizes))
+    out["project_accumulate"] = ACCUMULATE[cell.dtype]
     out["agrees"] = all(out[f"{v}_max_rel_diff"] <= out["tolerance"] for v in variants)
     return out
 

@@ -254,7 +254,8 @@ def _header(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, Any]:
             "delta": study.delta, "mode": study.mode, "clients": study.clients,
             "n_min": data.n_min, "dataset": _data_info(study, probe, data),
             "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds),
-            "engine": study.engine, "dtype": study.dtype, "threads": study.threads,
+            "engine": study.engine, "dtype": study.dtype, "accumulate": study.accumulate,
+            "threads": study.threads,
             "workers": study.workers, "epsilons": {},
             **({} if study.registration is None else
                {"registration": study.registration.summary()})}

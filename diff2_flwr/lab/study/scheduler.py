@@ -149,7 +149,8 @@ def _run_batch(study: Study, unit: Unit, progress: Callable[[int, int], None] | 
                             model=model.name, model_kwargs=model.kwargs.as_dict(), loss=cfg.loss,
                             eval_every=cfg.evaluation.every,
                             dtype=torch.float32 if study.dtype == "float32" else torch.float64,
-                            compile=study.compile, progress=progress, device=study.device)
+                            compile=study.compile, progress=progress, device=study.device,
+                            accumulate=study.accumulate)
     out = []
     for res in results:
         metrics = {"rounds": res.rounds.tolist(), "train_loss": res.train_loss.tolist(),

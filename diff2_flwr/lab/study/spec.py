@@ -87,6 +87,10 @@ class Study:
     model_kwargs: object = field(default=None, metadata={"derived": True})
     engine: Engine = "batch"
     dtype: Literal["float64", "float32"] = "float64"
+    #: the fused kernel's clipped sums: "float64", or "float32" (dtype float32, engine batch:
+    #: float32 windows summed in float64, clipped at a radius shorter by ρ ≈ 2.4e-4 so that the
+    #: sensitivity stays 2C; :mod:`diff2_flwr.core.fused`)
+    accumulate: Literal["float64", "float32"] = "float64"
     compile: bool = False
     #: where the batched engine's rounds run: "cpu", "cuda", "cuda:N" or "auto" (a GPU if torch
     #: sees one)
@@ -188,6 +192,12 @@ class Study:
                 "use engine 'inprocess', which equals it bit for bit, to run several at once)",
                 self.workers)
         require(self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
+        require(self.accumulate in ("float64", "float32"), "accumulate", "'float64' or 'float32'",
+                self.accumulate)
+        require(self.accumulate == "float64" or (self.dtype == "float32"
+                                                 and self.engine == "batch"), "accumulate",
+                "'float64' unless dtype is 'float32' and engine is 'batch' (float32 sums are the "
+                "fused kernel's)", self.accumulate)
         require(self.device == "cpu" or self.engine == "batch", "device",
                 "'cpu' unless engine is 'batch' (only the batched engine runs on a GPU)",
                 self.device)
