@@ -272,3 +272,213 @@ def test_the_engine_runs_on_a_gpu_and_agrees_with_the_cpu(reference):
         np.testing.assert_allclose(b.final_x, a.final_x, rtol=0, atol=1e-9)
         for key in ("train_loss", "grad_norm_sq", "test_loss"):
             np.testing.assert_allclose(getattr(b, key), getattr(a, key), rtol=1e-8, atol=1e-15)
+
+
+# ----------------------------------------------------------------------- the round loop, bit for
+# bit: run_batch's bookkeeping (planned radii, workers' projection, noise drawn ahead, routines on
+# stacked rows, parking) against the plainest loop over the same backend, one run at a time
+
+
+@np.errstate(all="ignore")  # runs that diverge overflow
+def _loop_one_run_at_a_time(data, specs, *, rounds, eval_every, dtype=torch.float64,
+                            accumulate="float64"):
+    """run_batch's results by the reference's steps, per run and round and without shortcuts: the
+    server's round_scale and round_noise, the worker's onto_ball on every client mean, the run's own
+    routine at round r on its own vector; only the backend's pass, torch's sum over the clients and
+    the metrics are the engine's (they are not what this checks)."""
+    from diff2_flwr.core.clipping import onto_ball
+    from diff2_flwr.core.estimator import Diverged, round_noise, round_scale
+    from diff2_flwr.core.schedules import routine_at
+    from diff2_flwr.lab.backend import Batch, choose_backend
+    from diff2_flwr.lab.sweep import _metrics, _results, batch_model
+
+    K = len(specs)
+    inits = [batch_model(data, init_seed=s.init_seed) for s in specs]
+    mlp, b = inits[0][0], Batch(data, dtype, "cpu")
+    backend = choose_backend(mlp, b, K, accumulate=accumulate)
+    x = [x0.copy() for _, x0 in inits]
+    x_prev, v = [xk.copy() for xk in x], [np.zeros_like(xk) for xk in x]
+    routines = [(s.make_routine(), s.make_schedule()) for s in specs]
+    states = [rt.init(xk) for (rt, _), xk in zip(routines, x)]
+    alive, diverged, evals = [True] * K, [None] * K, []
+
+    def park(k, r):
+        diverged[k], alive[k] = r, False
+        x[k] = np.nan_to_num(x[k], nan=0.0)
+        x_prev[k], v[k] = x[k].copy(), np.zeros_like(x[k])
+
+    for r in range(1, rounds + 1):
+        restart = [(r - 1) % s.restart_every == 0 for s in specs]
+        live = list(alive)
+        radius, std, dead_now = np.zeros(K), np.zeros(K), set()
+        for k, s in enumerate(specs):
+            if alive[k]:
+                try:
+                    radius[k], std[k] = round_scale(
+                        r, restart[k], s.clip_restart if restart[k] else s.clip_diff,
+                        s.sigma_restart if restart[k] else s.sigma_diff, x[k],
+                        None if restart[k] else x_prev[k])
+                except Diverged:
+                    dead_now.add(k)
+        evaluated = (r - 1) % eval_every == 0 or r == 1
+        keep = not all(r % s.restart_every == 0 for s in specs)
+        xs = torch.as_tensor(np.stack(x))
+        out = backend.round(xs, torch.tensor(restart), torch.as_tensor(radius), train=evaluated,
+                            keep=keep)
+        if evaluated:
+            evals.append(_metrics(r - 1, mlp, b, xs, torch.tensor(live), out.train))
+        means = (out.sums / b.n.reshape(-1, 1, 1)).numpy()  # [P, K, d]
+        for k in range(K):
+            if not alive[k] or k in dead_now:
+                continue
+            if bool(out.overflow[:, k].any()) or not np.isfinite(means[:, k]).all():
+                dead_now.add(k)
+                continue
+            for p in range(b.P):
+                means[p, k] = onto_ball(means[p, k], float(radius[k]))
+        mean = (torch.from_numpy(means).sum(0) / b.P).numpy()  # the engine's averaging
+        for k, s in enumerate(specs):
+            if not alive[k]:
+                continue
+            if k in dead_now:
+                park(k, r)
+                continue
+            v[k] = mean[k].copy() if restart[k] else v[k] + mean[k]
+            if std[k]:
+                v[k] = v[k] + round_noise(s.noise_seed, r, len(v[k]), std[k])
+            routine, schedule = routines[k]
+            step = routine_at(routine, schedule, r, rounds)
+            new, states[k] = step.update(x[k], v[k], states[k])
+            if np.isfinite(new).all():
+                x_prev[k], x[k] = x[k], new
+            else:
+                park(k, r)
+    xs = torch.as_tensor(np.stack(x))
+    evals.append(_metrics(rounds, mlp, b, xs, torch.tensor(alive), backend.train(xs)))
+    return _results(specs, evals, xs.numpy(), diverged,
+                    classification=mlp.loss == "cross_entropy")
+
+
+def _assert_bit_identical(results, expected):
+    for k, (got, want) in enumerate(zip(results, expected)):
+        assert got.diverged_at == want.diverged_at, k
+        for key in ("rounds", "train_loss", "grad_norm_sq", "test_loss", "final_x"):
+            a, b = getattr(got, key), getattr(want, key)
+            assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes()), (k, key)
+
+
+def _identical_rows(P=3, n=200, F=8):
+    """Every sample the same: so is every per-sample gradient, each clipped client mean lies on its
+    radius up to rounding, and the workers' scalar check runs."""
+    from diff2_flwr.task.data import PreparedData
+
+    row = np.random.default_rng(7).normal(size=F)
+    return PreparedData(name="identical", x_train=np.tile(row, (P * n, 1)),
+                        y_train=np.full(P * n, 0.3), x_test=np.tile(row, (3, 1)),
+                        y_test=np.full(3, 0.3),
+                        shard_bounds=tuple((p * n, (p + 1) * n) for p in range(P)),
+                        target_scale=1.0, task="regression", classes=())
+
+
+@pytest.mark.parametrize("case", ["mixed-f64", "mixed-f32-accumulate", "diverging",
+                                  "projected", "torch-backend"])
+def test_run_batch_is_bit_identical_to_the_loop_one_run_at_a_time(reference, case, monkeypatch):
+    """The batched round loop's shortcuts (restart radii taken once, difference radii without
+    round_scale's layers, normals drawn ahead in blocks — here of 3 rounds, so blocks turn over —
+    the workers' scalar check skipped far from the radius, routines on stacked rows, parking)
+    change no bit of any result: mixed routines and schedules, float32 accumulation, runs that
+    diverge each way (iterate, radius, gradients), means projected onto the ball, the torch
+    backend."""
+    from diff2_flwr.lab import sweep
+
+    monkeypatch.setattr(sweep._Noise, "ROUNDS", 3)
+    data, _, specs = reference
+    kw = {"rounds": ROUNDS, "eval_every": 5}
+    if case == "mixed-f32-accumulate":
+        kw.update(dtype=torch.float32, accumulate="float32")
+        specs = specs[:6]
+    elif case == "diverging":
+        specs = [specs[0],
+                 RunSpec(1, 1e305, 1e6, 1e6, 1.0, 0.0, 1, 1),  # x_1 overflows (iterate)
+                 RunSpec(2, 1e150, 1.0, 1e300, 0.5, 1e10, 2, 2),  # round 2's radius is inf
+                 RunSpec(1, 1e150, 1e6, 1e6, 0.0, 0.0, 3, 3),  # round 2's gradients overflow
+                 specs[5]]
+        kw["eval_every"] = 1
+    elif case == "projected":
+        data = _identical_rows()
+        specs = [RunSpec(3, 0.01, 1e-3, 1e-2, 0.0, 0.0, 1, 1),
+                 RunSpec(1, 0.01, 1e-4, 1e-4, 0.5, 0.0, 2, 2),
+                 RunSpec(2, 0.01, 3e-3, 0.1, 0.5, 0.5, 3, 3)]
+        projected = []
+        real = sweep.onto_ball
+        monkeypatch.setattr(sweep, "onto_ball", lambda m, c: projected.append(1) or real(m, c))
+    elif case == "torch-backend":
+        from diff2_flwr.core import fused
+
+        monkeypatch.setattr(fused, "load", lambda *a, **k: None)
+        specs = specs[:8]
+    results = run_batch(data, specs, **kw)
+    _assert_bit_identical(results, _loop_one_run_at_a_time(data, specs, **kw))
+    if case == "diverging":
+        assert [r.diverged_at for r in results] == [None, 1, 2, 2, None]
+    if case == "projected":
+        assert projected  # the scalar path ran
+
+
+def test_the_planner_is_round_scale_bit_for_bit_at_its_edges():
+    """The difference radius without round_scale's layers: equal to it bit for bit, or it hands
+    the row to round_scale (norms near 2^-500 and 0, overflowing differences, radii near the floor
+    and overflowing stds, C2 = inf, σ = 0), which refuses the same rounds."""
+    from diff2_flwr.core.clipping import RADIUS_FLOOR
+    from diff2_flwr.core.estimator import Diverged, round_scale
+    from diff2_flwr.lab.sweep import _Planner
+
+    rng = np.random.default_rng(5)
+    d, rows = 101, []
+    for e in (-320, -300, -250, -151, -150, -149, -100, 0, 100, 150, 152, 154, 200, 307):
+        for _ in range(6):
+            rows.append(rng.normal(size=d) * 10.0 ** (e + rng.uniform(-1, 1)))
+    rows += [np.zeros(d), np.full(d, np.inf), np.full(d, np.nan)]
+    clips = [(1.0, 2.0), (RADIUS_FLOOR * 2**480, 1.0), (RADIUS_FLOOR * 2**-40, 0.0), (1e300, 1e10),
+             (np.inf, 0.0), (0.5, 0.0), (2.0, 1e305)]
+    specs = [RunSpec(3, 0.1, 1.0, c, 1.0, s, 0, 0) for c, s in clips]
+    planner, refused = _Planner(specs), 0
+    for row in rows:
+        K = len(specs)
+        x = np.tile(row, (K, 1))
+        x_prev = -x[:, ::-1].copy() * 0.5
+        alive, diverged = np.ones(K, dtype=bool), [None] * K
+        with np.errstate(all="ignore"):
+            radius, std = planner(2, np.zeros(K, dtype=bool), x, x_prev, alive, diverged)
+        for k, (clip, sigma) in enumerate(clips):
+            try:
+                want = round_scale(2, False, clip, sigma, x[k], x_prev[k])
+            except Diverged:
+                assert diverged[k] == 2 and not alive[k]
+                refused += 1
+                continue
+            assert alive[k] and diverged[k] is None
+            assert (radius[k], std[k]) == want and np.signbit(radius[k]) == np.signbit(want[0])
+    assert refused > 0
+
+
+def test_normals_drawn_ahead_are_round_noise_bit_for_bit():
+    """round_noise(key, r, d, σ) = round_normals(key, r, d) · σ, and the engine's block draws are
+    those normals, whichever round a block starts at."""
+    from diff2_flwr.core.estimator import round_noise, round_normals
+    from diff2_flwr.lab.sweep import _Noise
+
+    specs = [RunSpec(3, 0.1, 1.0, 1.0, 0.7, 0.0, 2**100 + 3, 0),  # noise on restarts only
+             RunSpec(1, 0.1, 1.0, 1.0, 0.0, 0.0, 5, 0),  # none
+             RunSpec(2, 0.1, 1.0, 1.0, 0.3, 2.0, 0, 0)]
+    rounds, d = 11, 7
+    restarts = np.arange(rounds + 1)[:, None] % np.array([3, 1, 2]) == 0
+    noise = _Noise(specs, restarts, d)
+    noise.block = 4
+    alive = np.ones(3, dtype=bool)
+    for r in range(1, rounds + 1):
+        for k, s in enumerate(specs):
+            if (s.sigma_restart if restarts[r - 1, k] else s.sigma_diff):
+                z = noise.normals(r, k, alive)
+                assert z.tobytes() == round_normals(s.noise_seed, r, d).tobytes()
+                assert (z * 0.37).tobytes() == round_noise(s.noise_seed, r, d, 0.37).tobytes()

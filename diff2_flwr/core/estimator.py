@@ -45,6 +45,7 @@ __all__ = [
     "init_state",
     "plan_round",
     "round_noise",
+    "round_normals",
     "round_scale",
     "server_step",
 ]
@@ -243,14 +244,22 @@ def plan_round(state: Diff2State, mechanism: Mechanism) -> RoundPlan:
 
 
 def round_noise(noise_key: int, r: int, dim: int, std: float) -> np.ndarray:
-    """ξ_r ~ N(0, std² I_dim) from a generator derived from (noise_key, r) alone.
+    """ξ_r ~ N(0, std² I_dim) from a generator derived from (noise_key, r) alone:
+    :func:`round_normals` times ``std``.
 
     ``std = 0`` returns exact zeros (no sampling).
     """
     if std == 0:
         return np.zeros(dim)
+    return round_normals(noise_key, r, dim) * std
+
+
+def round_normals(noise_key: int, r: int, dim: int) -> np.ndarray:
+    """The standard normals [dim] behind round r's noise: a fresh PCG64 from the SeedSequence of
+    (noise_key, (domain tag, r)). ``round_noise(key, r, dim, std)`` is this times ``std``, bit for
+    bit (the batched engine draws these ahead and multiplies when it knows the std)."""
     seq = np.random.SeedSequence(entropy=noise_key, spawn_key=(_NOISE_DOMAIN, r))
-    return np.random.Generator(np.random.PCG64(seq)).standard_normal(dim) * std
+    return np.random.Generator(np.random.PCG64(seq)).standard_normal(dim)
 
 
 def estimate(state: Diff2State, mechanism: Mechanism, mean: np.ndarray) -> tuple[RoundPlan,

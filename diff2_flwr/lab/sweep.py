@@ -33,7 +33,11 @@ does the backward pass, norms, clip factors, overflow flags and clipped sums per
 one pass; its unclipped sums give the evaluation's ‖∇f‖². Other MLPs, or a machine where the kernel
 cannot be built, take the torch backend (one client at a time); both are checked against each other
 and against the reference driver. This module plans the radii, finishes the workers' means, adds the
-noise and steps the routines, as the server does.
+noise and steps the routines, as the server does: in numpy on the small [K, d] and [P, K, d] arrays,
+with shortcuts that change no bit (a restart round's radius taken once per run, a difference round's
+without round_scale's layers, the noise's normals drawn ahead in blocks of rounds, the workers'
+scalar check only near the radius, one ``np.errstate`` for the whole loop); ``tests/test_sweep.py``
+checks the results against a loop one run at a time, bit for bit.
 """
 
 from __future__ import annotations
@@ -45,12 +49,14 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..core.clipping import onto_ball, robust_norm, row_norms_np
+from ..core.clipping import (
+    _SQUARES_SAFE_BELOW, RADIUS_FLOOR, SAFE_NORM_RANGE, onto_ball, robust_norm, row_norms_np,
+)
 from ..core.device import resolve_device
-from ..core.estimator import Diverged, round_noise, round_scale
+from ..core.estimator import Diverged, round_normals, round_scale
 from ..core.ghost import MLP, forward
 from ..core.routines import Routine, make_routine
-from ..core.schedules import Schedule, make_schedule, routine_at
+from ..core.schedules import Constant, Schedule, make_schedule, routine_at
 from ..task.data import PreparedData
 from ..task.models import build_model, mlp_shape
 from .backend import Batch, choose_backend, retain_freed_memory
@@ -120,53 +126,130 @@ def batch_model(data: PreparedData, *, model: str = "paper_mlp", hidden: int = 1
     return shape, x0
 
 
-def _plan_radii(r: int, specs: Sequence[RunSpec], restart: torch.Tensor, x: torch.Tensor,
-                x_prev: torch.Tensor, alive: torch.Tensor,
+def _np(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A numpy view of a CPU tensor (writes go through to it), or the array itself."""
+    return t.numpy() if isinstance(t, torch.Tensor) else t
+
+
+def _difference_scale(clip: float, sigma: float, x_current: np.ndarray,
+                      x_previous: np.ndarray) -> tuple[float, float] | None:
+    """A difference round's radius and noise std, bit for bit those of
+    :func:`~diff2_flwr.core.estimator.round_scale`, where it takes them as plain products of the
+    plain norm; None where the caller must ask round_scale: C2 not finite, a norm outside
+    :func:`~diff2_flwr.core.clipping.radius_norm`'s plain branch (not finite, or below 2^-500), a
+    radius or std that round_scale refuses or that is not finite.
+
+    Where a pair is returned it is round_scale's: radius_norm is then
+    ``float(np.linalg.norm(step))``, which for a contiguous float64 vector is numpy's
+    ``sqrt(step.dot(step))`` (the same ``dot`` on the same fresh difference, and a correctly rounded
+    square root either way), then the same products. What it skips are round_scale's two
+    ``np.errstate`` contexts and call layers (microseconds a run and round, cold after a kernel
+    call): float warnings are the caller's to silence."""
+    if not math.isfinite(clip):
+        return None
+    step = x_current - x_previous
+    norm = math.sqrt(step.dot(step))
+    if not _SQUARES_SAFE_BELOW <= norm < math.inf:  # NaN too
+        return None
+    radius = float(clip * norm)
+    noise_std = 0.0 if sigma == 0 or radius == 0 else sigma * radius
+    if not (RADIUS_FLOOR <= radius < math.inf and noise_std < math.inf):  # NaN too
+        return None
+    return radius, noise_std
+
+
+class _Planner:
+    """Every run's radius and noise std per round, exactly as the server plans them (bit for bit
+    :func:`~diff2_flwr.core.estimator.round_scale` on the same float64 iterates). A restart round's
+    pair depends on (C1, σ1) alone: taken from round_scale once per run. A difference round's is
+    :func:`_difference_scale`'s, or round_scale's where that declines."""
+
+    def __init__(self, specs: Sequence[RunSpec]) -> None:
+        self.diff = [(s.clip_diff, s.sigma_diff) for s in specs]
+        self.first: list[tuple[float, float] | None] = []  # None: round_scale refuses it
+        for s in specs:
+            try:
+                self.first.append(round_scale(1, True, s.clip_restart, s.sigma_restart,
+                                              np.empty(0), None))
+            except Diverged:
+                self.first.append(None)
+
+    def __call__(self, r: int, restart: np.ndarray, x: np.ndarray, x_prev: np.ndarray,
+                 alive: np.ndarray, diverged: list[int | None]) -> tuple[np.ndarray, np.ndarray]:
+        """Round r's radius and noise std [K] (numpy arrays in, ``alive`` written in place); see
+        :func:`_plan_radii`. Float warnings (an overflowing x_{r-1} - x_{r-2}) are the caller's."""
+        K = len(self.diff)
+        radius, std = [0.0] * K, [0.0] * K
+        for k, (first, live) in enumerate(zip(restart.tolist(), alive.tolist())):
+            if not live:
+                continue
+            if first:
+                scale = self.first[k]
+            else:
+                clip, sigma = self.diff[k]
+                scale = _difference_scale(clip, sigma, x[k], x_prev[k])
+                if scale is None:
+                    try:
+                        scale = round_scale(r, False, clip, sigma, x[k], x_prev[k])
+                    except Diverged:
+                        pass
+            if scale is None:
+                diverged[k] = r
+                alive[k] = False
+                continue
+            radius[k], std[k] = scale
+        return np.array(radius, dtype=np.float64), np.array(std, dtype=np.float64)
+
+
+def _plan_radii(r: int, specs: Sequence[RunSpec], restart: torch.Tensor | np.ndarray,
+                x: torch.Tensor | np.ndarray, x_prev: torch.Tensor | np.ndarray,
+                alive: torch.Tensor | np.ndarray,
                 diverged: list[int | None]) -> tuple[np.ndarray, np.ndarray]:
     """Round r's radius and noise std of every run [K], exactly as the server plans them (the same
     :func:`~diff2_flwr.core.estimator.round_scale` on the same float64 iterates, so bit for bit).
     A run whose radius or noise std is not finite diverges at r, in place, and releases nothing;
-    parked (dead) runs get radius 0 and no noise."""
-    K = len(specs)
-    radius, std = np.zeros(K), np.zeros(K)
-    x_np, x_prev_np = x.numpy(), x_prev.numpy()
-    for k, spec in enumerate(specs):
-        if not alive[k]:
-            continue
-        first = bool(restart[k])
-        try:
-            radius[k], std[k] = round_scale(r, first,
-                                            spec.clip_restart if first else spec.clip_diff,
-                                            spec.sigma_restart if first else spec.sigma_diff,
-                                            x_np[k], None if first else x_prev_np[k])
-        except Diverged:
-            diverged[k] = r
-            alive[k] = False
-    return radius, std
+    parked (dead) runs get radius 0 and no noise. (The round loop keeps one :class:`_Planner`.)"""
+    with np.errstate(all="ignore"):
+        return _Planner(specs)(r, _np(restart), _np(x), _np(x_prev), _np(alive), diverged)
 
 
-def _workers_finish(client_means: torch.Tensor, overflow: torch.Tensor, radius: np.ndarray,
-                    alive: torch.Tensor, diverged: list[int | None], r: int) -> None:
+def _workers_finish(client_means: torch.Tensor | np.ndarray, overflow: torch.Tensor | np.ndarray,
+                    radius: np.ndarray, alive: torch.Tensor | np.ndarray,
+                    diverged: list[int | None], r: int) -> None:
     """What each worker does with its ClippedMean before replying, in place: a run with a client
     whose gradients overflowed (or whose mean is not finite) diverges at round r (the reference's
     ``Diverged('gradients')``); a mean that exceeds the radius by float rounding is projected onto
     the ball by :func:`~diff2_flwr.core.clipping.onto_ball`, bit for bit as the worker does.
 
     The arrays are small ([P, K, d]): numpy on views of the tensors (a torch call costs more than
-    its work here)."""
-    P, K, _ = client_means.shape
+    its work here), with few calls when nothing needs a look (the usual round)."""
     # views: written in place
-    means, flags, live = client_means.numpy(), overflow.numpy(), alive.numpy()
-    bad = flags | ~np.isfinite(means).all(-1)  # [P, K]
-    if bad.any():
+    means, flags, live = _np(client_means), _np(overflow), _np(alive)
+    P, K, _ = means.shape
+    # Scaled where squares would underflow (a mean of norm 1e-170 read 0 and skipped its
+    # projection at radius 1e-200): row_norms_np, whose plain norms these are, and which this
+    # calls only when one of them lies outside SAFE_NORM_RANGE (0, tiny, huge, inf or NaN). A mean
+    # that is not finite has a norm that is not (NaN, or inf), so every entry's finiteness is read
+    # only when some norm is not finite.
+    flat = means.reshape(P * K, -1)
+    norms = np.sqrt(np.einsum("ij,ij->i", flat, flat))
+    low, high = SAFE_NORM_RANGE
+    finite = True
+    if not (low <= norms.min() and norms.max() <= high):  # NaN too
+        norms = row_norms_np(flat)
+        finite = bool(np.isfinite(norms).all())
+    norms = norms.reshape(P, K)
+    if not finite or flags.any():
+        bad = flags | ~np.isfinite(means).all(-1)  # [P, K]
         for k in np.flatnonzero(live & bad.any(0)).tolist():
             diverged[k] = r
             live[k] = False
     # Only means within 1e-12 of the radius can need a projection (the two exact norms differ from
-    # this one by a few ulps): the rest skip the scalar check. Scaled where squares would underflow
-    # (a mean of norm 1e-170 read 0 and skipped its projection at radius 1e-200).
-    norms = row_norms_np(means.reshape(P * K, -1)).reshape(P, K)
-    near = (norms >= radius * (1 - 1e-12)) & live & np.isfinite(radius)
+    # this one by a few ulps): the rest skip the scalar check.
+    near = norms >= radius * (1 - 1e-12)
+    if not near.any():
+        return
+    near &= live & np.isfinite(radius)
     for p, k in zip(*np.nonzero(near)):
         row = means[p, k]
         projected = onto_ball(row, float(radius[k]))
@@ -177,6 +260,43 @@ def _workers_finish(client_means: torch.Tensor, overflow: torch.Tensor, radius: 
                                f"beyond float rounding "
                                "(a clipping bug).")
         means[p, k] = projected
+
+
+class _Noise:
+    """Round r's standard normals of each run, drawn ahead for a block of rounds: the bits of
+    :func:`~diff2_flwr.core.estimator.round_noise`, which is ``round_normals(key, r, d) * std``
+    (:func:`~diff2_flwr.core.estimator.round_normals`: a fresh generator per (key, round)), the
+    product taken by the caller. Drawn in a row, a draw (seed sequence, generator, normals) took
+    13 µs; one at a time after each kernel call, with the caches cold, 45 µs. Only the (round, run)
+    pairs whose round kind has σ > 0, of runs alive when the block is drawn: no others take
+    noise."""
+
+    #: At most this many float64s drawn ahead (512 KiB), and at most this many rounds.
+    FLOATS, ROUNDS = 1 << 16, 64
+
+    def __init__(self, specs: Sequence[RunSpec], restarts: np.ndarray, dim: int) -> None:
+        K = len(specs)
+        self.keys = [s.noise_seed for s in specs]
+        self.dim, self.restarts = dim, restarts  # restarts [R + 1, K]: row r - 1 is round r's
+        self.noisy = np.where(restarts, np.array([s.sigma_restart != 0 for s in specs]),
+                              np.array([s.sigma_diff != 0 for s in specs]))
+        self.block = max(1, min(self.ROUNDS, self.FLOATS // max(1, K * dim)))
+        self.start, self.drawn = 1, np.empty((0, K, dim))
+        self.have = np.zeros((0, K), dtype=bool)
+
+    def normals(self, r: int, k: int, alive: np.ndarray) -> np.ndarray:
+        """Round r's standard normals of run k [dim] (rounds asked in increasing order)."""
+        i = r - self.start
+        if not 0 <= i < len(self.drawn):
+            last = min(r + self.block, len(self.restarts))  # rounds r .. last - 1
+            self.have = self.noisy[r - 1:last - 1] & alive
+            self.drawn = np.empty((last - r, len(self.keys), self.dim))
+            for j, k2 in zip(*np.nonzero(self.have)):
+                self.drawn[j, k2] = round_normals(self.keys[k2], r + int(j), self.dim)
+            self.start, i = r, 0
+        if not self.have[i, k]:  # a run brought back to life cannot happen; kept exact anyway
+            return round_normals(self.keys[k], r, self.dim)
+        return self.drawn[i, k]
 
 
 class _Routines:
@@ -200,17 +320,24 @@ class _Routines:
         self.groups = [(routine, schedule, np.array(idx))
                        for (routine, schedule), idx in groups.items()]
         self.states = [routine.init(x[idx]) for routine, _, idx in self.groups]
+        # the constant schedule steps with the routine itself (what routine_at returns for it)
+        self.constant = [isinstance(schedule, Constant) for _, schedule, _ in self.groups]
+        # one group of every run in order: its rows are the whole arrays (no gather or scatter)
+        self.whole = len(self.groups) == 1
 
-    def step(self, r: int, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """x_r = Routine_{η s(r)}(x_{r-1}, ṽ_r) for every run [K, d]."""
-        x_np, v_np = x.numpy(), v.numpy()
-        out = np.empty_like(x_np)
-        # parked (diverged) runs may hold inf; their rows are discarded
-        with np.errstate(all="ignore"):
-            for i, (routine, schedule, idx) in enumerate(self.groups):
-                step = routine_at(routine, schedule, r, self.rounds)
-                out[idx], self.states[i] = step.update(x_np[idx], v_np[idx], self.states[i])
-        return torch.from_numpy(out)
+    def step(self, r: int, x: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """x_r = Routine_{η s(r)}(x_{r-1}, ṽ_r) for every run [K, d] (float warnings are the
+        caller's: parked runs may hold inf, their rows are discarded)."""
+        if self.whole:
+            routine, schedule, _ = self.groups[0]
+            step = routine if self.constant[0] else routine_at(routine, schedule, r, self.rounds)
+            out, self.states[0] = step.update(x, v, self.states[0])
+            return out
+        out = np.empty_like(x)
+        for i, (routine, schedule, idx) in enumerate(self.groups):
+            step = routine if self.constant[i] else routine_at(routine, schedule, r, self.rounds)
+            out[idx], self.states[i] = step.update(x[idx], v[idx], self.states[i])
+        return out
 
 
 #: One evaluated round: (r, train loss [K], ‖∇f‖² [K], test loss [K], test accuracy [K] or None).
@@ -244,35 +371,39 @@ def _metrics(r: int, mlp: MLP, b: Batch, x: torch.Tensor, alive: torch.Tensor,
 
 
 def _server_step(  # noqa: PLR0913 -- round r's server state, alive and diverged updated in place
-        r: int, specs: Sequence[RunSpec], client_means: torch.Tensor, std: np.ndarray,
-        restart: torch.Tensor, x: torch.Tensor, v: torch.Tensor, routines: _Routines,
-        alive: torch.Tensor,
-        diverged: list[int | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        r: int, client_means: torch.Tensor, std: np.ndarray, restart: np.ndarray | bool,
+        x: np.ndarray, v: np.ndarray, routines: _Routines, noise: _Noise, alive: np.ndarray,
+        diverged: list[int | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The server's release and step of round r for every run: ṽ_r = (1/P) Σ_p ClippedMean_p (+
     ṽ_{r-1} in a difference round) + N(0, std²) from (noise seed, r), then x_r = Routine(x_{r-1},
     ṽ_r) with round r's learning rate η·s(r). A run whose iterate is not finite diverges at r, in
-    place, and is parked (x kept, ṽ zeroed). Returns (x_{r-1}, x_r, ṽ_r) [K, d]. In numpy on views
-    of the (small, CPU) tensors."""
-    P, K, d = client_means.shape
-    live = alive.numpy()  # a view: written in place
+    place, and is parked (x kept, ṽ zeroed). ``restart``: which runs restart [K], or True (all) or
+    False (none). Returns (x_{r-1}, x_r, ṽ_r) [K, d]. In numpy (float warnings are the caller's) on
+    the small CPU arrays."""
+    P = client_means.shape[0]
     # (1/P) Σ_p ClippedMean_p (torch's sum: the engine's bits unchanged)
     mean = (client_means.sum(0) / P).numpy()
-    v_np = np.where(restart.numpy()[:, None], mean, v.numpy() + mean)
-    for k in range(K):
-        if std[k] and live[k]:
-            v_np[k] += round_noise(specs[k].noise_seed, r, d, std[k])
-    v = torch.from_numpy(v_np)
+    if restart is True:  # every run restarts: what np.where(restart, mean, v + mean) selects
+        v = mean
+    elif restart is False:  # none does
+        v = v + mean
+    else:
+        v = np.where(restart[:, None], mean, v + mean)
+    for k, (s, live) in enumerate(zip(std.tolist(), alive.tolist())):
+        if s and live:  # round_noise(seed, r, d, s) = round_normals(seed, r, d) * s
+            v[k] += noise.normals(r, k, alive) * std[k]
     x_prev, x = x, routines.step(r, x, v)
-    bad = ~np.isfinite(x.numpy()).all(1)
-    if bad.any():
-        for k in np.flatnonzero(live & bad).tolist():
+    if not np.isfinite(x).all():
+        for k in np.flatnonzero(alive & ~np.isfinite(x).all(1)).tolist():
             diverged[k] = r
-            live[k] = False
-    if not live.all():
-        keep = alive.unsqueeze(1)  # ``live`` is its view: updated above
-        x = torch.where(keep, x, x_prev.nan_to_num(0.0))  # park dead runs
-        x_prev = torch.where(keep, x_prev, x)
-        v = torch.where(keep, v, 0.0)
+            alive[k] = False
+    if not alive.all():  # park dead runs
+        keep = torch.from_numpy(alive).unsqueeze(1)
+        x_t, x_prev_t = torch.from_numpy(x), torch.from_numpy(x_prev)
+        x_t = torch.where(keep, x_t, x_prev_t.nan_to_num(0.0))
+        x_prev_t = torch.where(keep, x_prev_t, x_t)
+        x, x_prev = x_t.numpy(), x_prev_t.numpy()
+        v = torch.where(keep, torch.from_numpy(v), 0.0).numpy()
     return x_prev, x, v
 
 
@@ -314,43 +445,56 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
                          init_seed=s.init_seed)
              for s in specs]
     mlp, b = inits[0][0], Batch(data, dtype, resolve_device(device))
-    x = torch.as_tensor(np.stack([x0 for _, x0 in inits]))  # [K, d] float64
-    routines = _Routines(specs, x.numpy(), rounds)
+    x = np.stack([x0 for _, x0 in inits])  # [K, d] float64
+    routines = _Routines(specs, x, rounds)
     backend = choose_backend(mlp, b, len(specs), compile=compile, accumulate=accumulate)
     T = np.array([s.restart_every for s in specs])
-    x_prev, v = x.clone(), torch.zeros_like(x)
-    alive = torch.ones(len(specs), dtype=torch.bool)
+    # row r - 1: which runs restart in round r (rows 0 .. rounds; the last is for keep below)
+    restarts = np.arange(rounds + 1)[:, None] % T == 0
+    # round r + 1 restarts every run (DP-GD, GD; DIFF2 before a restart): round r's pass is not
+    # read again
+    every = restarts.all(1).tolist()
+    # round r's restarts for the server's step: True (every run), False (none) or row r - 1
+    kinds = [row if some and not all_ else all_
+             for all_, some, row in zip(every, restarts.any(1).tolist(), restarts)]
+    planner, noise = _Planner(specs), _Noise(specs, restarts, x.shape[1])
+    n = b.n.reshape(b.P, 1, 1)
+    x_prev, v = x.copy(), np.zeros_like(x)
+    alive = np.ones(len(specs), dtype=bool)
     diverged: list[int | None] = [None] * len(specs)
     evals: list[_Row] = []
-    for r in range(1, rounds + 1):
-        restart = torch.from_numpy((r - 1) % T == 0)  # [K]
-        live = alive.clone()  # alive at x_{r-1}, whose metrics this round's pass gives
-        radius, std = _plan_radii(r, specs, restart, x, x_prev, alive, diverged)
-        evaluated = (r - 1) % eval_every == 0 or r == 1
-        # the next round restarts every run (DP-GD, GD; DIFF2 before a restart): this round's pass
-        # is not read again
-        keep = not (r % T == 0).all()
-        out = backend.round(x, restart, torch.as_tensor(radius), train=evaluated, keep=keep)
-        if evaluated:
-            evals.append(_metrics(r - 1, mlp, b, x, live, out.train))
-        client_means = out.sums / b.n.reshape(b.P, 1, 1)  # ClippedMean_p of every run [P, K, d]
-        _workers_finish(client_means, out.overflow, radius, alive, diverged, r)
-        x_prev, x, v = _server_step(r, specs, client_means, std, restart, x, v, routines, alive,
-                                    diverged)
-        if progress:
-            progress(r, rounds)
-    evals.append(_metrics(rounds, mlp, b, x, alive, backend.train(x)))
+    # Float warnings are silenced once for the loop's numpy (values never depend on them): parked
+    # runs may hold inf, and an overflowing x_{r-1} - x_{r-2} is refused by the plan.
+    with np.errstate(all="ignore"):
+        for r in range(1, rounds + 1):
+            restart = restarts[r - 1]  # [K]
+            evaluated = (r - 1) % eval_every == 0 or r == 1
+            live = alive.copy() if evaluated else None  # alive at x_{r-1}: this pass's metrics
+            radius, std = planner(r, restart, x, x_prev, alive, diverged)
+            x_t = torch.from_numpy(x)
+            out = backend.round(x_t, torch.from_numpy(restart), torch.from_numpy(radius),
+                                train=evaluated, keep=not every[r])
+            if evaluated:
+                evals.append(_metrics(r - 1, mlp, b, x_t, torch.from_numpy(live), out.train))
+            client_means = out.sums / n  # ClippedMean_p of every run [P, K, d]
+            _workers_finish(client_means, out.overflow, radius, alive, diverged, r)
+            x_prev, x, v = _server_step(r, client_means, std, kinds[r - 1], x, v, routines,
+                                        noise, alive, diverged)
+            if progress:
+                progress(r, rounds)
+    x_t = torch.from_numpy(x)
+    evals.append(_metrics(rounds, mlp, b, x_t, torch.from_numpy(alive.copy()), backend.train(x_t)))
     return _results(specs, evals, x, diverged, classification=mlp.loss == "cross_entropy")
 
 
-def _results(specs: Sequence[RunSpec], evals: Sequence[_Row], x: torch.Tensor,
+def _results(specs: Sequence[RunSpec], evals: Sequence[_Row], x: np.ndarray,
              diverged: Sequence[int | None], *, classification: bool) -> list[RunResult]:
     """Each run's :class:`RunResult` from the evaluated rows (one per evaluated round) and the final
     iterates."""
     rounds = np.array([e[0] for e in evals])
     return [RunResult(spec=spec, rounds=rounds, train_loss=np.array([e[1][k] for e in evals]),
                       grad_norm_sq=np.array([e[2][k] for e in evals]),
-                      test_loss=np.array([e[3][k] for e in evals]), final_x=x[k].numpy().copy(),
+                      test_loss=np.array([e[3][k] for e in evals]), final_x=x[k].copy(),
                       diverged_at=diverged[k],
                       test_accuracy=np.array([e[4][k] for e in evals]) if classification else None)
             for k, spec in enumerate(specs)]
