@@ -129,15 +129,16 @@ def _clip_rows(rows: torch.Tensor, radius: float) -> tuple[torch.Tensor, torch.T
         raise ValueError(f"`rows` must have shape [n, d]. Found shape {tuple(rows.shape)}.")
     norms = row_norms(rows)
     upper = upper_norms(norms.to(torch.float64), row_norm_error(rows.shape[1], rows.dtype))
-    if math.isinf(radius) or not bool((upper > radius).any()):
-        return rows, norms > radius, norms
     over = norms > radius  # what is counted as clipped: the computed norm's view
+    scaled = upper > radius  # what is scaled: the bound's
+    if math.isinf(radius) or not bool(scaled.any()):
+        return rows, over, norms
     factor = clip_factors(upper, radius)  # float64, <= C / upper
     low = factor.to(rows.dtype)  # rounded down into the rows' dtype: never above C / upper
     low = torch.where(low.to(torch.float64) > factor, torch.nextafter(low, torch.zeros_like(low)),
                       low)
     clipped = rows * low.unsqueeze(1)
-    tiny = (upper > radius) & (factor < torch.finfo(rows.dtype).tiny) & (radius > 0)
+    tiny = scaled & (factor < torch.finfo(rows.dtype).tiny) & (radius > 0)
     # C/N subnormal in the rows' dtype (few bits): the row divided by N first, then times C
     if bool(tiny.any()):
         safe = torch.where(tiny, upper, 1.0).to(rows.dtype)

@@ -350,6 +350,7 @@ class FusedBackend:
     def __init__(self, kernel: fused.FusedKernel, mlp: MLP, batch: Batch, runs: int, *,
                  compile: bool = False, compiled: CompiledFunctions = COMPILED,
                  forward: str | None = None, accumulate: str = "float64") -> None:
+        _check_accumulate(accumulate, batch, "FusedBackend")
         if batch.device.type != "cpu":
             raise ValueError(
                 f"FusedBackend runs on the CPU; this batch is on {batch.device}. Use TorchBackend "
@@ -371,10 +372,6 @@ class FusedBackend:
         # the kernel's forward: inputs and parts in its blocked layout (same bits, fewer streams)
         if self.head is None:
             self.groups = [group.to_blocked(kernel.block) for group in self.groups]
-        if accumulate not in fused.ACCUMULATE or (accumulate == "float32"
-                                                  and batch.dtype != torch.float32):
-            raise ValueError(f"FusedBackend: accumulate must be 'float64', or 'float32' for a "
-                             f"float32 batch. Found {accumulate!r} for {batch.dtype}.")
         self.accumulate = accumulate
         self._rows = [None if accumulate == "float64" or group.x_rows is None else
                       fused.product_rows(group.x_rows) for group in self.groups]
@@ -413,6 +410,15 @@ class FusedBackend:
         return (sums[0] if len(sums) == 1 else torch.cat(sums)), loss.to(torch.float64)
 
 
+def _check_accumulate(accumulate: str, batch: Batch, who: str) -> None:
+    """Refuse an accumulation that is not 'float64', or 'float32' for a float32 batch (the same
+    refusal whichever backend would run)."""
+    if accumulate not in fused.ACCUMULATE or (accumulate == "float32"
+                                              and batch.dtype != torch.float32):
+        raise ValueError(f"{who}: accumulate must be 'float64', or 'float32' for a float32 batch. "
+                         f"Found {accumulate!r} for {batch.dtype}.")
+
+
 def choose_backend(mlp: MLP, batch: Batch, runs: int, *, compile: bool = False,
                    compiled: CompiledFunctions = COMPILED,
                    accumulate: str = "float64") -> RoundBackend:
@@ -429,6 +435,7 @@ def choose_backend(mlp: MLP, batch: Batch, runs: int, *, compile: bool = False,
         accumulate: the fused backend's accumulation (:class:`FusedBackend`); the torch backend
             always accumulates in float64.
     """
+    _check_accumulate(accumulate, batch, "run_batch")
     kernel = fused.load() if len(mlp.sizes) == 3 and batch.device.type == "cpu" else None
     if kernel is None:  # deeper MLPs, no C++ compiler, or a batch on a GPU (the kernel is CPU code)
         return TorchBackend(mlp, batch, runs, compile=compile, compiled=compiled)
