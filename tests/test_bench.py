@@ -122,15 +122,15 @@ def test_a_bad_variable_is_named(monkeypatch):
 def test_the_schedule_interleaves_abc_then_cba():
     a, b = Cell("dpgd", 1, "f32"), Cell("diff2", 18, "f64")
     plan = schedule([a, b], reps=3)
-    k1 = ["project", "jax_vmap", "jax_ghost"]
-    k18 = ["project", "jax_vmap", "jax_ghost", "jax_ghost_map"]
+    k1 = ["project", "backend_floor", "jax_vmap", "jax_ghost"]
+    k18 = ["project", "backend_floor", "jax_vmap", "jax_ghost", "jax_ghost_map"]
     assert plan == ([(0, a, s) for s in k1] + [(0, b, s) for s in k18] + [(1, a,
                                                                            s) for s in k1[::-1]]
                     + [(1, b, s) for s in k18[::-1]] + [(2, a, s) for s in k1] + [(2, b,
                                                                                    s) for s in k18])
     assert [s for _, c, s in schedule([a], reps=1, eager=True)] == ["project", "project_eager",
-                                                                    "jax_vmap",
-                                                                      "jax_ghost"]
+                                                                    "backend_floor", "jax_vmap",
+                                                                    "jax_ghost"]
 
 
 def test_medians_and_ratios_from_stand_in_timers():
@@ -144,6 +144,7 @@ def test_medians_and_ratios_from_stand_in_timers():
         ("jax_ghost", fast): [2.0, 2.5, 1.5], ("project", slow): [3.0, 3.0, 0.1],
         ("jax_vmap", slow): [9.0, 8.0, 7.0], ("jax_ghost", slow): [2.0, 2.0, 2.0],
         ("jax_ghost_map", slow): [1.0, 50.0, 1.0],
+        ("backend_floor", fast): [0.5, 0.4, 7.0], ("backend_floor", slow): [1.0, 1.2, 0.9],
     }
     # the project's 1-round call after each
     one_round = {fast: [0.2, 0.1, 0.1], slow: [0.5, 0.5, 0.5]}
@@ -174,6 +175,10 @@ def test_medians_and_ratios_from_stand_in_timers():
     assert row["project_over_best_jax_whole_calls"] == pytest.approx(2.0)
     assert row["meets_target"] is True and row["target"] == TARGET == 1.5
     assert "jax_ghost_map_rounds_per_s" not in row
+    # the backend floor: R / median 0.5 = 200 rounds/s against the best JAX's 50
+    assert row["backend_floor_rounds_per_s"] == pytest.approx(200)
+    assert row["backend_floor_over_best_jax"] == pytest.approx(4.0)
+    assert row["floor_allows_target"] is True
 
     row = table["diff2:18:f64"]
     assert row["project_rounds_per_s"] == pytest.approx(10 / 3.0)
@@ -185,12 +190,15 @@ def test_medians_and_ratios_from_stand_in_timers():
     assert row["project_over_best_jax"] == pytest.approx(0.36)
     assert row["project_over_best_jax_whole_calls"] == pytest.approx(1 / 3)
     assert row["meets_target"] is False
+    # floor: 10 / 1.0 rounds/s, the best JAX's 10: even the backend alone misses 1.5x
+    assert row["backend_floor_over_best_jax"] == pytest.approx(1.0)
+    assert row["floor_allows_target"] is False
 
 
 def test_a_cell_just_under_the_target_misses_it():
     cell = Cell("dpgd", 1, "f64")
     times = {("project", cell): [(1.0, 0.1)], ("jax_vmap", cell): [(5.0, None)],
-             ("jax_ghost", cell): [(1.49, None)]}
+             ("jax_ghost", cell): [(1.49, None)], ("backend_floor", cell): [(0.99, None)]}
     row = summarise([cell], times, {1: 10, 18: 10})["dpgd:1:f64"]
     # 10 / (10 / 1.49)
     assert row["project_over_best_jax"] == pytest.approx(1.49) and row["meets_target"] is False
@@ -217,6 +225,9 @@ def test_a_real_run_against_jax(data_dir):
     assert row["project_rounds_per_s"] > 0 and row["jax_vmap_rounds_per_s"] > 0 and row[
         "jax_ghost_rounds_per_s"] > 0
     assert row["project_over_best_jax"] * row["best_jax_over_project"] == pytest.approx(1.0)
+    # the backend floor was timed on the same cell: a rate, and its verdict against the target
+    assert row["backend_floor_rounds_per_s"] > 0
+    assert row["floor_allows_target"] is (row["backend_floor_over_best_jax"] >= 1.5)
     agreement = row["agreement"]
     assert agreement["agrees"], agreement
     assert 0 < agreement["clipped_fraction_run0"] <= 1  # the check exercises the clip

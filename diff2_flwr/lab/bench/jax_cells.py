@@ -11,7 +11,10 @@ or float64; σ from the project's own calibration for the rounds run.
 Sides: ``project`` = ``run_batch(..., compile=True)`` (as ``configs/paper/`` runs; float32 cells
 with ``accumulate="float32"``, the fused kernel's sound float32 sums: :data:`ACCUMULATE`),
 ``project_eager`` = the same with ``compile=False`` (``--jax-eager``), and the JAX variants of
-:mod:`diff2_flwr.lab.bench.jax_peer` (``jax_vmap``, ``jax_ghost``, ``jax_ghost_map`` at K = 18). The
+:mod:`diff2_flwr.lab.bench.jax_peer` (``jax_vmap``, ``jax_ghost``, ``jax_ghost_map`` at K = 18), and
+``backend_floor``: the project's round backend alone on the cell's runs (:mod:`.floors`: the kernel's
+calls for R rounds, no server step; ``backend_floor_over_best_jax``, ``floor_allows_target``: whether
+even that reaches the target). The
 JAX side is a subprocess of an interpreter that has jax (this one, or ``--jax-python`` /
 ``DIFF2_JAX_PYTHON``): XLA's thread flags must be set before jax starts, and its thread pools stay
 out of torch's. The project runs in this process with one torch thread; both are pinned to one core.
@@ -52,7 +55,9 @@ from ...core.fused import accumulation_error
 from ...core.layout import ParameterLayout
 from ...runtime.config import parse_config
 from ...runtime.session import load_data
+from ..backend import Batch, choose_backend
 from ..sweep import RunSpec, batch_model, run_batch
+from .floors import backend_seconds_per_round
 from .pinning import one_core, one_torch_thread
 
 __all__ = ["CELLS", "SKIPPED", "TARGET", "Cell", "JaxPeerPlan", "adversarial_rows",
@@ -64,6 +69,10 @@ __all__ = ["CELLS", "SKIPPED", "TARGET", "Cell", "JaxPeerPlan", "adversarial_row
 TARGET = 1.5
 SKIPPED = "jax is not importable (pip install jax jaxlib, or --jax-python PATH)"
 JAX_VARIANTS = ("jax_vmap", "jax_ghost", "jax_ghost_map")
+#: The side timing the project's round backend alone (:mod:`diff2_flwr.lab.bench.floors`): the
+#: kernel's calls for the cell's rounds, none of the server's step — a floor no ``run_batch``
+#: call reaches.
+FLOOR = "backend_floor"
 DEFAULT_ROUNDS = {1: 100, 18: 10}
 LRS, CLIPS, INITS = (0.125, 0.25, 0.5), (0.5, 1.0, 2.0), (0, 1)
 #: Largest relative difference of one checked update (project vs JAX) called agreement: float32 sums
@@ -148,7 +157,8 @@ def specs_for(cell: Cell, rounds: int, sigmas: Mapping[str, tuple[float, float]]
 def sides_of(cell: Cell, eager: bool = False) -> tuple[str, ...]:
     """The sides timed in a cell (at K = 1 there is nothing to map over: no ``jax_ghost_map``)."""
     project = ("project", "project_eager") if eager else ("project",)
-    return project + tuple(v for v in JAX_VARIANTS if not (cell.K == 1 and v.endswith("_map")))
+    return project + (FLOOR,) + tuple(v for v in JAX_VARIANTS
+                                      if not (cell.K == 1 and v.endswith("_map")))
 
 
 def schedule(cells: Sequence[Cell], reps: int, eager: bool = False) -> list[tuple[int, Cell, str]]:
@@ -189,10 +199,13 @@ def summarise(cells: Sequence[Cell], times: Mapping[tuple[str, Cell], Sequence[T
                    key=lambda v: row[f"{v}_rounds_per_s"])
         ratio = row["project_marginal_rounds_per_s"] / row[f"{best}_rounds_per_s"]
         whole = row["project_rounds_per_s"] / row[f"{best}_rounds_per_s"]
+        floor = row[f"{FLOOR}_rounds_per_s"] / row[f"{best}_rounds_per_s"]
         out[cell.name] = {"rounds": R, **row, "best_jax": best, "best_jax_over_project": 1 / ratio,
                           "project_over_best_jax": ratio, "target": TARGET,
                           "meets_target": bool(ratio >= TARGET),
-                          "project_over_best_jax_whole_calls": whole}
+                          "project_over_best_jax_whole_calls": whole,
+                          "backend_floor_over_best_jax": floor,
+                          "floor_allows_target": bool(floor >= TARGET)}
     return out
 
 
@@ -268,6 +281,7 @@ class _Project:
                 mech = cfg.mechanism(cfg.calibration(self.data.n_min))
                 self.sigmas[method, R] = (mech.sigma_restart, mech.sigma_diff)
         self.x0 = {s: batch_model(self.data, init_seed=s)[1] for s in INITS}
+        self._backends: dict[Cell, tuple[Any, Any]] = {}
 
     def shards(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A [P, N, F], Y [P, N], mask [P, N], float64: client p's samples first, zeros after
@@ -283,6 +297,28 @@ class _Project:
     def specs(self, cell: Cell, rounds: int, zero_noise: bool = False) -> list[tuple]:
         return specs_for(cell, rounds, {k: self.sigmas[k, rounds] for k in ("dpgd", "diff2")},
                          zero_noise)
+
+    def floor(self, cell: Cell, specs: list[tuple], rounds: int) -> float:
+        """Seconds of ``rounds`` rounds of the round backend alone for the cell's runs (the
+        :data:`FLOOR` side; :func:`~diff2_flwr.lab.bench.floors.backend_seconds_per_round`), the
+        backend chosen as ``run_batch`` chooses it and kept per cell; each run at its own x_0 and
+        radius."""
+        dtype = {"f32": torch.float32, "f64": torch.float64}[cell.dtype]
+        runs = [RunSpec(*s) for s in specs]
+        if cell not in self._backends:
+            mlp = batch_model(self.data, init_seed=runs[0].init_seed)[0]
+            self._backends[cell] = mlp, choose_backend(mlp, Batch(self.data, dtype), len(runs),
+                                                       compile=True,
+                                                       accumulate=ACCUMULATE[cell.dtype])
+        mlp, backend = self._backends[cell]
+        x = torch.as_tensor(np.stack([self.x0[r.init_seed] for r in runs]))
+        diff = cell.kind == "diff2"
+        radius = torch.tensor([r.clip_diff if diff else r.clip_restart for r in runs],
+                              dtype=torch.float64)
+        return rounds * backend_seconds_per_round(self.data, mlp, x, dtype=dtype,
+                                                  accumulate=ACCUMULATE[cell.dtype],
+                                                  difference=diff, radius=radius, rounds=rounds,
+                                                  reps=1, backend=backend)
 
     def run(self, cell: Cell, specs: list[tuple], rounds: int,
             compile: bool) -> tuple[float, np.ndarray, list[int]]:
@@ -451,6 +487,8 @@ def _pinned_run(plan: JaxPeerPlan, project: _Project, warm: dict[str, dict[str, 
 
             def run_one(cell: Cell, side: str) -> Timing:
                 R = rounds[cell.K]
+                if side == FLOOR:
+                    return project.floor(cell, project.specs(cell, R), R), None
                 if side.startswith("jax"):
                     reply = peer.ask("run", f"{side}@{cell.name}", R, False)
                     seconds, x, gone, t1 = reply["s"], reply["x"], [], None
