@@ -12,10 +12,10 @@ Sides: ``project`` = ``run_batch(..., compile=True)`` (as ``configs/paper/`` run
 with ``accumulate="float32"``, the fused kernel's sound float32 sums: :data:`ACCUMULATE`),
 ``project_eager`` = the same with ``compile=False`` (``--jax-eager``), and the JAX variants of
 :mod:`diff2_flwr.lab.bench.jax_peer` (``jax_vmap``, ``jax_ghost``, ``jax_ghost_map`` at K = 18), and
-``backend_floor``: the project's round backend alone on the cell's runs (:mod:`.floors`: the kernel's
-calls for R rounds, no server step; ``backend_floor_over_best_jax``, ``floor_allows_target``: whether
-even that reaches the target). The
-JAX side is a subprocess of an interpreter that has jax (this one, or ``--jax-python`` /
+``backend_floor``: the project's round backend alone on the cell's runs (:mod:`.floors`: the
+kernel's calls for R rounds, no server step; ``backend_floor_over_best_jax``,
+``floor_allows_target``: whether even that reaches the target). The JAX side is a subprocess of
+an interpreter that has jax (this one, or ``--jax-python`` /
 ``DIFF2_JAX_PYTHON``): XLA's thread flags must be set before jax starts, and its thread pools stay
 out of torch's. The project runs in this process with one torch thread; both are pinned to one core.
 
