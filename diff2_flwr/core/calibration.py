@@ -14,6 +14,13 @@ Calibration splits a budget B with u > 1: m1/z1² = B/u and m2/z2² = B(u-1)/u (
 m2 = 0). Mode ``exact`` takes B = μ², μ solving δ(ε; μ) = δ (tight); mode ``rdp`` takes
 B = 2ρ with ε = ρ + 2 sqrt(ρ ln(1/δ)) (zCDP, Bun & Steinke 2016; the paper's style).
 
+With client sampling (:mod:`~diff2_flwr.core.sampling`: a record's client is in a round's cohort
+with probability π, the round's sum divided by E|S|) each round is a
+:class:`~diff2_flwr.core.accounting.SampledGaussianEvent` with z = std / (2C/(n_min E|S|)), so
+σ = 2z/(n_min E|S|). No closed form composes them: the same split m1/z1² = B/u, m2/z2² = B(u-1)/u
+is kept and the one scalar B is solved so that dp-accounting's PLD ε of the whole schedule (m1
+restart and m2 difference events, composed by counts) is ε (1 - SAMPLING_MARGIN).
+
 References:
     Murata & Suzuki (2023), sensitivity of ClippedMean and the budget split by u.
     Dong, Roth & Su (2019), "Gaussian Differential Privacy", Cor. 2.13 (δ(ε) of μ-GDP)
@@ -33,13 +40,21 @@ from scipy.optimize import brentq
 from scipy.special import log_ndtr, ndtr
 
 from .accounting import (
-    PLD_DISCRETIZATION, GaussianEvent, LocalEvent, rdp_epsilon, schedule_pld_epsilon,
+    PLD_DISCRETIZATION,
+    GaussianEvent,
+    LocalEvent,
+    SampledGaussianEvent,
+    rdp_epsilon,
+    sampled_schedule_epsilon,
+    schedule_pld_epsilon,
 )
+from .sampling import Sampling
 
 __all__ = [
     "Calibration",
     "CalibrationMode",
     "LocalCalibration",
+    "SAMPLING_MARGIN",
     "calibrate",
     "calibrate_local",
     "check_epsilon_delta",
@@ -50,6 +65,7 @@ __all__ = [
     "gdp_mu",
     "gdp_mu_of_multipliers",
     "noise_multiplier",
+    "sampled_budget",
     "schedule_cross_check",
     "sigma_from_multiplier",
     "split_budget",
@@ -192,11 +208,23 @@ class Calibration:
     sigma1: float
     sigma2: float | None
     local: "LocalCalibration | None" = None
+    #: Client sampling (None: every round takes all P clients). With it, ``budget`` is the solved B
+    #: of the split (not a μ²), z's are :class:`SampledGaussianEvent` multipliers and σ = 2z /
+    #: (n_min E|S|).
+    sampling: Sampling | None = None
+
+    @property
+    def sampling_prob(self) -> float:
+        """π: the probability that a record's client is in a round's cohort (1 without
+        sampling)."""
+        return 1.0 if self.sampling is None else self.sampling.probability(self.clients)
 
     @property
     def planned_epsilon(self) -> float:
-        """ε of the whole schedule: the exact GDP closed form, or with a local phase dp-accounting's
-        PLD."""
+        """ε of the whole schedule: the exact GDP closed form, or with a local phase or client
+        sampling dp-accounting's PLD (composed by counts)."""
+        if self.sampling is not None:
+            return self.epsilon_spent(self.restart_rounds, self.difference_rounds)
         if self.local is None:
             return self.epsilon_spent(self.restart_rounds, self.difference_rounds)
         return schedule_pld_epsilon(self.delta, self.restart_rounds, self.z1,
@@ -204,26 +232,48 @@ class Calibration:
                                      self.local.z3, self.local.sampling_prob, self.local.steps - 1,
                                      self.rounds)
 
-    def round_events(self, restart: bool) -> tuple["GaussianEvent | LocalEvent", ...]:
-        """What one released round costs: its Gaussian event, then the local phase's steps (if
-        any)."""
+    def round_events(self, restart: bool
+                     ) -> tuple["GaussianEvent | SampledGaussianEvent | LocalEvent", ...]:
+        """What one released round costs: its Gaussian event (client-sampled with sampling), then
+        the local phase's steps (if any)."""
         z = self.z1 if restart else self.z2
+        if self.sampling is not None:
+            return (SampledGaussianEvent(float(z), self.sampling_prob,  # type: ignore[arg-type]
+                                         "restart" if restart else "difference"),)
         gaussian = GaussianEvent(float(z),
                                  "restart" if restart else "difference")  # type: ignore[arg-type]
         return (gaussian,) if self.local is None else (gaussian, self.local.event)
 
     @property
     def mu(self) -> float:
-        """The exact GDP μ of the whole schedule (whatever the calibration mode)."""
+        """The exact GDP μ of the whole schedule (whatever the calibration mode); nan with client
+        sampling (no GDP closed form)."""
+        if self.sampling is not None:
+            return math.nan
         return gdp_mu_of_multipliers(self.restart_rounds, self.z1, self.difference_rounds, self.z2)
 
     def epsilon_spent(self, restart_rounds: int, difference_rounds: int) -> float:
-        """ε actually spent (exact GDP accounting) after the given numbers of released rounds."""
+        """ε actually spent after the given numbers of released rounds: exact GDP accounting, or
+        with client sampling dp-accounting's PLD by counts (what the ledger's
+        ``epsilon_pld_by_counts`` gives for those events)."""
+        if self.sampling is not None:
+            return sampled_schedule_epsilon(self.delta, restart_rounds, self.z1, difference_rounds,
+                                            self.z2, self.sampling_prob)
         mu = gdp_mu_of_multipliers(restart_rounds, self.z1, difference_rounds, self.z2)
         return gdp_epsilon(mu, self.delta)
 
     def as_dict(self) -> dict[str, float | int | str | None]:
-        """The calibration as plain data (inputs, m1, m2, B, z, σ, μ, planned ε, the local part)."""
+        """The calibration as plain data (inputs, m1, m2, B, z, σ, μ, planned ε, the local part;
+        with client sampling, the sampling too and μ None)."""
+        if self.sampling is not None:
+            s = self.sampling
+            return {**dataclasses.replace(self, sampling=None).as_dict(), "mu": None,
+                    "epsilon_spent_at_end": self.planned_epsilon,
+                    "sampling": {"kind": s.kind, "rate": s.rate, "size": s.size,
+                                 "probability": self.sampling_prob,
+                                 "expected_cohort": s.expected_cohort(self.clients),
+                                 "event": "client-sampled Gaussian (record level, replace-one): "
+                                          "PLD mixture π·Gaussian(z) + (1-π)·no loss"}}
         return {
             "mode": self.mode, "epsilon": self.epsilon, "delta": self.delta, "rounds": self.rounds,
             "restart_every": self.restart_every, "u": self.u, "n_min": self.n_min,
@@ -256,6 +306,7 @@ def calibrate(  # noqa: PLR0913 -- keyword-only: the privacy settings, one keywo
     local_steps: int | None = None,
     local_batch_size: int | None = None,
     local_share: float | None = None,
+    sampling: Sampling | None = None,
 ) -> Calibration:
     """Noise (σ1, σ2) so that R rounds of DIFF2 with restart period T are (ε, δ)-DP.
 
@@ -263,6 +314,22 @@ def calibrate(  # noqa: PLR0913 -- keyword-only: the privacy settings, one keywo
     worker), the server's rounds get the GDP budget (1 - local_share) μ² and σ3 is then the smallest
     noise with which the whole schedule, composed by dp-accounting's PLD accountant, stays within ε
     (see :func:`calibrate_local`); mode ``exact`` only.
+
+    With ``sampling`` (client sampling, :mod:`~diff2_flwr.core.sampling`), each round is a
+    :class:`SampledGaussianEvent` and (z1, z2) keep the split of :func:`split_budget` with the one
+    scalar B solved by :func:`sampled_budget`; mode ``exact`` only, no local routine. Without it the
+    result is the same as before sampling existed, bit for bit.
+
+    Args:
+        epsilon, delta: the target (ε, δ).
+        rounds: R.
+        restart_every: T.
+        u: the budget split (> 1 when there are difference rounds).
+        n_min: the smallest client's number of records.
+        clients: P, the registered clients.
+        mode: ``exact`` (GDP / PLD) or ``rdp`` (zCDP, the paper's style).
+        local_steps, local_batch_size, local_share: the local routine (K, b, its budget share).
+        sampling: the cohort rule, or None for full participation.
 
     Raises:
         ValueError: on an invalid argument, naming it, with the value found.
@@ -280,6 +347,11 @@ def calibrate(  # noqa: PLR0913 -- keyword-only: the privacy settings, one keywo
             f"`u` must be a finite number > 1 when there are difference rounds (T = "
             f"{restart_every} > 1). Found {u}. The paper uses u = 1.25; T = 1 is DP-GD."
         )
+    if sampling is not None:
+        _check_sampling(sampling, mode, local_steps, clients)
+        return _calibrate_sampled(epsilon=epsilon, delta=delta, rounds=rounds,
+                                  restart_every=restart_every, u=u, n_min=n_min, clients=clients,
+                                  sampling=sampling)
     budget = gdp_mu(epsilon, delta) ** 2 if mode == "exact" else 2 * zcdp_rho(epsilon, delta)
     if local_steps is not None:
         if mode != "exact":
@@ -299,6 +371,100 @@ def calibrate(  # noqa: PLR0913 -- keyword-only: the privacy settings, one keywo
         return server
     return dataclasses.replace(server, local=calibrate_local(server, local_steps, local_batch_size,
                                                              local_share))
+
+
+def _check_sampling(sampling: object, mode: str, local_steps: int | None, clients: int) -> None:
+    if not isinstance(sampling, Sampling):
+        raise ValueError(
+            f"`sampling` must be a Sampling (kind 'poisson' with a rate, or 'fixed' with a size) or"
+            f" None. Found {type(sampling).__name__}: {sampling!r}.")
+    if mode != "exact":
+        raise ValueError(
+            f"`mode` {mode!r} cannot be combined with `sampling`: client-sampled rounds are "
+            f"calibrated by dp-accounting's PLD accountant (no closed form); use mode 'exact'.")
+    if local_steps is not None:
+        raise ValueError(
+            f"`local_steps` ({local_steps!r}) cannot be combined with `sampling`: the local "
+            f"routine's worker and its steps are not accounted for a sampled cohort; turn one off.")
+    sampling.probability(clients)  # m <= P
+
+
+#: With client sampling, B is solved so that the schedule's PLD ε (composed by counts) is at most
+#: ε (1 - SAMPLING_MARGIN): the ledger composes the same events round by round (another rounding
+#: path), which must stay within ε too.
+SAMPLING_MARGIN = 0.005
+
+#: The smallest restart multiplier the sampled search tries (below it the PLDs grow huge, and such
+#: noise is too small to matter).
+MIN_SAMPLED_Z = 0.05
+
+
+def sampled_budget(*, epsilon: float, delta: float, m1: int, m2: int, u: float,
+                   sampling_prob: float) -> float:
+    """B: the largest budget (to about 0.02 %) whose split (:func:`split_budget`) keeps the PLD ε
+    of m1 restart and m2 difference client-sampled rounds within ε (1 - SAMPLING_MARGIN).
+
+    ε(B) increases with B (less noise). The root is found on coarse (pessimistic) PLDs, then
+    refined, and checked, at the ledger's discretisation.
+
+    Args:
+        epsilon, delta: the target.
+        m1, m2: restart and difference rounds.
+        u: the split (unused when m2 = 0).
+        sampling_prob: π in (0, 1].
+
+    Raises:
+        ValueError: the sampling alone keeps the schedule within (ε, δ) (a record's client is drawn
+            at all with probability <= δ), or only with multipliers below :data:`MIN_SAMPLED_Z`.
+    """
+    drawn = -math.expm1((m1 + m2) * math.log1p(-sampling_prob)) if sampling_prob < 1 else 1.0
+    if drawn <= delta:
+        raise ValueError(
+            f"With sampling probability π = {sampling_prob:g} a record's client is in any of the "
+            f"{m1 + m2} rounds with probability {drawn:.3g} <= δ = {delta:g}: the sampling alone "
+            f"keeps (ε, δ) and no noise would be calibrated; raise the sampling rate.")
+    target = epsilon * (1 - SAMPLING_MARGIN)
+
+    def excess(log_b: float, interval: float) -> float:
+        z1, z2 = split_budget(math.exp(log_b), m1, m2, u)
+        return sampled_schedule_epsilon(delta, m1, z1, m2, z2, sampling_prob, interval) - target
+
+    lo = math.log(gdp_mu(epsilon, delta) ** 2) - math.log(2)  # below the full-batch budget
+    while excess(lo, SEARCH_DISCRETIZATION) > 0:
+        lo -= math.log(4)
+    hi = lo + math.log(4)
+    while excess(hi, SEARCH_DISCRETIZATION) <= 0:
+        lo, hi = hi, hi + math.log(4)
+        if split_budget(math.exp(hi), m1, m2, u)[0] < MIN_SAMPLED_Z:
+            raise ValueError(
+                f"With sampling probability π = {sampling_prob:g} the schedule stays within ε = "
+                f"{epsilon:g} with noise multipliers below {MIN_SAMPLED_Z}: too little noise to "
+                f"calibrate reliably; raise the sampling rate.")
+    root = brentq(excess, lo, hi, args=(SEARCH_DISCRETIZATION,), xtol=1e-3)
+    # The fine PLD is less pessimistic: its root usually lies just above the coarse one.
+    lo, hi = root, root + math.log(1.02)
+    while excess(lo, PLD_DISCRETIZATION) > 0:
+        lo, hi = lo - math.log(1.02), lo
+    while excess(hi, PLD_DISCRETIZATION) <= 0:
+        lo, hi = hi, hi + math.log(1.02)
+    log_b = brentq(excess, lo, hi, args=(PLD_DISCRETIZATION,), xtol=2e-4)
+    while excess(log_b, PLD_DISCRETIZATION) > 0:
+        log_b -= 2e-4
+    return math.exp(log_b)
+
+
+def _calibrate_sampled(*, epsilon: float, delta: float, rounds: int, restart_every: int, u: float,
+                       n_min: int, clients: int, sampling: Sampling) -> Calibration:
+    m1, m2 = count_rounds(rounds, restart_every)
+    pi = sampling.probability(clients)
+    budget = sampled_budget(epsilon=epsilon, delta=delta, m1=m1, m2=m2, u=u, sampling_prob=pi)
+    z1, z2 = split_budget(budget, m1, m2, u)
+    cohort = sampling.expected_cohort(clients)
+    return Calibration(
+        mode="exact", epsilon=epsilon, delta=delta, rounds=rounds, restart_every=restart_every,
+        u=u, n_min=n_min, clients=clients, restart_rounds=m1, difference_rounds=m2, budget=budget,
+        z1=z1, z2=z2, sigma1=2 * z1 / (n_min * cohort),
+        sigma2=None if z2 is None else 2 * z2 / (n_min * cohort), sampling=sampling)
 
 
 #: The local routine's σ3 is calibrated to ε (1 - LOCAL_MARGIN) by the PLD accountant composing the
@@ -395,6 +561,11 @@ def calibrate_local(server: Calibration, steps: int, batch_size: int | None,
 def schedule_cross_check(cal: Calibration) -> dict[str, float]:
     """ε of a whole calibrated schedule by dp-accounting's PLD and RDP accountants (composed by
     counts), next to the closed form: what ``diff2 noise`` prints to cross-check a calibration."""
+    if cal.sampling is not None:
+        raise ValueError(
+            "schedule_cross_check composes full-batch GaussianDpEvents; a calibration with "
+            "`sampling` is not one (dp-accounting has no event for a client-sampled round): read "
+            f"its planned_epsilon (PLD by counts) instead. Found sampling = {cal.sampling!r}.")
     from dp_accounting import dp_event  # noqa: PLC0415 -- dp-accounting: ~2 s import, on first use
     from dp_accounting.pld import pld_privacy_accountant  # noqa: PLC0415 -- dp-accounting: ~2 s import, on first use
 

@@ -28,6 +28,7 @@ from .accounting import (
     GaussianEvent,
     LocalEvent,
     PldMemo,
+    SampledGaussianEvent,
     event_key,
     counts_pld_epsilon,
     event_pld,
@@ -64,6 +65,7 @@ __all__ = [
     "PLD_MEMO",
     "CalibrationMode",
     "RunEvents",
+    "SampledGaussianEvent",
     "calibrate",
     "composed_epsilon",
     "count_rounds",
@@ -84,36 +86,40 @@ class PrivacyLedger:
     """The events released so far, and ε spent by three accountants.
 
     ``epsilon``: the budget guard's number. For full-batch Gaussian rounds only, the exact μ-GDP
-    composition (closed form); once a local phase (:class:`LocalEvent`, subsampled) is in the ledger
-    no closed form is exact and ``epsilon`` is the PLD accountant's (``exact`` says which).
+    composition (closed form); once a local phase (:class:`LocalEvent`, subsampled) or a
+    client-sampled round (:class:`SampledGaussianEvent`) is in the ledger no closed form is exact
+    and ``epsilon`` is the PLD accountant's (``exact`` says which).
     ``epsilon_pld``: Google's dp-accounting privacy-loss-distribution accountant, composed
     incrementally (one FFT convolution per released event), pessimistic by its discretisation.
     ``epsilon_rdp``: dp-accounting's Rényi accountant (looser; for comparison). Its RDP accountant
     has no replace-one Poisson subsampling, so a local step enters it unamplified (a full-batch
     Gaussian with multiplier σ3 b / 2 over the replace-one sensitivity 2c/b): a valid, looser upper
-    bound. ``noise_multiplier = 0`` (a non-private event) makes every ε infinite.
+    bound. A client-sampled round enters it unamplified too (the full-batch Gaussian of its
+    multiplier, which dominates it). ``noise_multiplier = 0`` (a non-private event) makes every ε
+    infinite.
 
     A value: δ and the events, nothing else. What its PLD composition remembers across ledgers lives
     in a :class:`PldMemo` (the process-wide :data:`PLD_MEMO`), which never changes a value.
     """
 
     delta: float
-    events: tuple[GaussianEvent | LocalEvent, ...] = ()
+    events: tuple[GaussianEvent | SampledGaussianEvent | LocalEvent, ...] = ()
 
-    def record(self, *events: GaussianEvent | LocalEvent) -> "PrivacyLedger":
+    def record(self, *events: GaussianEvent | SampledGaussianEvent | LocalEvent
+               ) -> "PrivacyLedger":
         """A new ledger with ``events`` released after this one's (this ledger is unchanged)."""
         return PrivacyLedger(self.delta, self.events + tuple(events))
 
     @property
     def exact(self) -> bool:
-        """Whether ``epsilon`` is the exact GDP closed form (no subsampled local phase in the
-        ledger)."""
-        return not any(isinstance(e, LocalEvent) for e in self.events)
+        """Whether ``epsilon`` is the exact GDP closed form (full-batch Gaussian rounds only: no
+        subsampled local phase, no client-sampled round)."""
+        return all(isinstance(e, GaussianEvent) for e in self.events)
 
     @property
     def mu(self) -> float:
         """μ of the exact GDP composition (full-batch Gaussian events only; nan with a local
-        phase)."""
+        phase or a client-sampled round)."""
         if not self.exact:
             return math.nan
         if any(e.noise_multiplier == 0 for e in self.events):
@@ -136,7 +142,7 @@ class PrivacyLedger:
 
     def _counts(self) -> tuple[tuple[float, int], ...]:
         """(multiplier over the replace-one sensitivity, count) of full-batch Gaussians; local steps
-        unamplified."""
+        and client-sampled rounds unamplified."""
         counts: dict[float, int] = {}
         for e in self.events:
             z, n = (e.noise_multiplier / 2,
@@ -242,7 +248,18 @@ class RunEvents:
     @classmethod
     def from_calibration(cls, cal: Calibration) -> "RunEvents":
         """The events of a calibrated schedule: m1 × z1, m2 × z2 and, with a local routine, R local
-        phases LocalEvent(z3, q, K - 1)."""
+        phases LocalEvent(z3, q, K - 1).
+
+        Raises:
+            ValueError: a client-sampled calibration (its rounds are not full-batch Gaussians; the
+                node ledger does not charge them yet).
+        """
+        if cal.sampling is not None:
+            raise ValueError(
+                "RunEvents: a calibration with client sampling (`sampling` set) has "
+                "SampledGaussianEvent rounds, which the node ledger's RunEvents (gaussian, local) "
+                "cannot hold yet; charging them as full-batch rounds would over-charge. Found "
+                f"sampling = {cal.sampling!r}.")
         counts = ((cal.z1, cal.restart_rounds), (cal.z2, cal.difference_rounds))
         gaussian = tuple((float(z), m) for z, m in counts if m)
         local = cal.local
