@@ -80,9 +80,16 @@ __all__ = [
     "Sampling",
     "SamplingKind",
     "aggregate_scale",
+    "denominator",
     "draw_cohort",
+    "round_cohort",
     "sampled_sum",
 ]
+
+#: The domain tag of the cohort draws' seed sequences (the noise's is another:
+#: :func:`~diff2_flwr.core.estimator.round_normals`), so that a key's cohorts and noise are
+#: independent streams.
+COHORT_DOMAIN = 0xC0407
 
 SamplingKind = Literal["poisson", "fixed"]
 
@@ -203,6 +210,37 @@ def draw_cohort(sampling: Sampling, clients: int, rng: np.random.Generator) -> n
     return np.sort(rng.choice(clients, size=int(sampling.size), replace=False)).astype(np.int64)  # type: ignore[arg-type]
 
 
+def round_cohort(key: int, r: int, sampling: Sampling, clients: int) -> np.ndarray:
+    """Round r's cohort for the run whose cohort key is ``key``: :func:`draw_cohort` with a fresh
+    PCG64 from the SeedSequence of (key, (:data:`COHORT_DOMAIN`, r)), as
+    :func:`~diff2_flwr.core.estimator.round_normals` draws a round's noise (another domain): the
+    same cohort for the same (key, r) in every engine, whatever rounds were drawn before.
+
+    The key is the server's (from its own entropy in a deployment; seeded only on request). The
+    accounting does not need the cohort to be secret (:class:`~diff2_flwr.core.accounting.
+    SampledGaussianEvent`), only independent of the data; a key should still not be the noise's.
+
+    Args:
+        key: an integer >= 0.
+        r: the round, >= 1.
+        sampling: how to draw.
+        clients: P.
+    """
+    seq = np.random.SeedSequence(entropy=key, spawn_key=(COHORT_DOMAIN, r))
+    return draw_cohort(sampling, clients, np.random.Generator(np.random.PCG64(seq)))
+
+
+def denominator(sampling: Sampling | None, clients: int) -> float:
+    """E|S|, what a round's sum over its cohort is divided by (P without sampling; qP or m).
+
+    Args:
+        sampling: the cohort rule, or None for full participation.
+        clients: P.
+    """
+    p = _check_clients(clients)
+    return float(p) if sampling is None else sampling.expected_cohort(p)
+
+
 def aggregate_scale(sampling: Sampling | None, clients: int) -> float:
     """1 / E|S|: the factor of a round's sum over its cohort (1/P without sampling).
 
@@ -234,4 +272,5 @@ def sampled_sum(sampling: Sampling | None, clients: int, cohort: np.ndarray,
         raise ValueError(
             f"`statistics` must have one row per sampled client: expected shape ({cohort.shape[0]},"
             f" d). Found {stats.shape}.")
-    return stats.sum(axis=0) * aggregate_scale(sampling, clients)
+    # divided (not multiplied by 1/E|S|): the bits of the full-participation mean Σ_p a_p / P
+    return stats.sum(axis=0) / denominator(sampling, clients)

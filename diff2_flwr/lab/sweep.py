@@ -56,6 +56,7 @@ from ..core.device import resolve_device
 from ..core.estimator import Diverged, round_normals, round_scale
 from ..core.ghost import MLP, forward
 from ..core.routines import Routine, make_routine
+from ..core.sampling import Sampling, denominator, round_cohort
 from ..core.schedules import Constant, Schedule, make_schedule, routine_at
 from ..task.data import PreparedData
 from ..task.models import build_model, mlp_shape
@@ -80,6 +81,10 @@ class RunSpec:
     routine_params: tuple[tuple[str, float], ...] = ()  # its parameters beyond the learning rate
     schedule: str = "constant"  # round r steps with η·s(r): a name of core.schedules.SCHEDULES
     schedule_params: tuple[tuple[str, float], ...] = ()  # its parameters
+    # client sampling (None: every round takes all P clients) and the key of its cohort draws
+    # (core.sampling.round_cohort; not the noise's)
+    sampling: Sampling | None = None
+    cohort_seed: int = 0
 
     def make_routine(self) -> Routine:
         """The run's routine (x_r = Routine(x_{r-1}, ṽ_r)) with its learning rate and parameters."""
@@ -213,9 +218,45 @@ def _plan_radii(r: int, specs: Sequence[RunSpec], restart: torch.Tensor | np.nda
         return _Planner(specs)(r, _np(restart), _np(x), _np(x_prev), _np(alive), diverged)
 
 
+class _Cohorts:
+    """Each sampled run's cohort per round (:func:`~diff2_flwr.core.sampling.round_cohort` of its
+    ``cohort_seed``: the bits any engine draws for (key, r)) as a mask over the P clients, and what
+    its round's sum is divided by (E|S|; P for a run without sampling)."""
+
+    def __init__(self, specs: Sequence[RunSpec], clients: int) -> None:
+        self.P = clients
+        self.sampled = [k for k, s in enumerate(specs) if s.sampling is not None]
+        for k in self.sampled:
+            try:
+                specs[k].sampling.probability(clients)  # type: ignore[union-attr]
+            except ValueError as err:
+                raise ValueError(f"Run {k}: {err}") from None
+        self.specs = specs
+        self.denominators = np.array([denominator(s.sampling, clients) for s in specs])
+
+    def mask(self, r: int) -> np.ndarray:
+        """Round r's [P, K] membership (all True for runs without sampling)."""
+        out = np.ones((self.P, len(self.specs)), dtype=bool)
+        for k in self.sampled:
+            spec = self.specs[k]
+            out[:, k] = False
+            out[round_cohort(spec.cohort_seed, r, spec.sampling, self.P), k] = True
+        return out
+
+
+def _sampled_means(client_means: torch.Tensor, mask: np.ndarray, sampled: Sequence[int],
+                   denominators: np.ndarray, mean: np.ndarray) -> None:
+    """Overwrite the sampled runs' rows of ``mean`` [K, d] with (1/E|S|) Σ_{p∈S} ClippedMean_p
+    (summed in client order, divided: :func:`~diff2_flwr.core.sampling.sampled_sum`'s bits; an
+    empty cohort gives zeros)."""
+    for k in sampled:
+        rows = client_means[torch.from_numpy(np.flatnonzero(mask[:, k])), k]  # [|S|, d]
+        mean[k] = (rows.sum(0) / float(denominators[k])).numpy()
+
+
 def _workers_finish(client_means: torch.Tensor | np.ndarray, overflow: torch.Tensor | np.ndarray,
                     radius: np.ndarray, alive: torch.Tensor | np.ndarray,
-                    diverged: list[int | None], r: int) -> None:
+                    diverged: list[int | None], r: int, mask: np.ndarray | None = None) -> None:
     """What each worker does with its ClippedMean before replying, in place: a run with a client
     whose gradients overflowed (or whose mean is not finite) diverges at round r (the reference's
     ``Diverged('gradients')``); a mean that exceeds the radius by float rounding is projected onto
@@ -241,6 +282,8 @@ def _workers_finish(client_means: torch.Tensor | np.ndarray, overflow: torch.Ten
     norms = norms.reshape(P, K)
     if not finite or flags.any():
         bad = flags | ~np.isfinite(means).all(-1)  # [P, K]
+        if mask is not None:  # a client outside a run's cohort did not take part in its round
+            bad &= mask
         for k in np.flatnonzero(live & bad.any(0)).tolist():
             diverged[k] = r
             live[k] = False
@@ -373,16 +416,21 @@ def _metrics(r: int, mlp: MLP, b: Batch, x: torch.Tensor, alive: torch.Tensor,
 def _server_step(  # noqa: PLR0913 -- round r's server state, alive and diverged updated in place
         r: int, client_means: torch.Tensor, std: np.ndarray, restart: np.ndarray | bool,
         x: np.ndarray, v: np.ndarray, routines: _Routines, noise: _Noise, alive: np.ndarray,
-        diverged: list[int | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        diverged: list[int | None], cohorts: tuple[np.ndarray, _Cohorts] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The server's release and step of round r for every run: ṽ_r = (1/P) Σ_p ClippedMean_p (+
     ṽ_{r-1} in a difference round) + N(0, std²) from (noise seed, r), then x_r = Routine(x_{r-1},
     ṽ_r) with round r's learning rate η·s(r). A run whose iterate is not finite diverges at r, in
     place, and is parked (x kept, ṽ zeroed). ``restart``: which runs restart [K], or True (all) or
     False (none). Returns (x_{r-1}, x_r, ṽ_r) [K, d]. In numpy (float warnings are the caller's) on
-    the small CPU arrays."""
+    the small CPU arrays. ``cohorts`` (round r's [P, K] mask and the runs' :class:`_Cohorts`):
+    a sampled run's sum is over its cohort, divided by E|S|."""
     P = client_means.shape[0]
     # (1/P) Σ_p ClippedMean_p (torch's sum: the engine's bits unchanged)
     mean = (client_means.sum(0) / P).numpy()
+    if cohorts is not None:
+        mask, c = cohorts
+        _sampled_means(client_means, mask, c.sampled, c.denominators, mean)
     if restart is True:  # every run restarts: what np.where(restart, mean, v + mean) selects
         v = mean
     elif restart is False:  # none does
@@ -435,11 +483,21 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
     (:class:`~diff2_flwr.lab.backend.FusedBackend`: sensitivity still 2C, radii shorter by ρ ≈
     2.4e-4); ``"float64"`` (the default) as before.
 
+    A spec's ``sampling`` (:class:`~diff2_flwr.core.sampling.Sampling`; issue 44) samples its
+    clients: round r's cohort is :func:`~diff2_flwr.core.sampling.round_cohort` of its
+    ``cohort_seed`` and r, its release sums the cohort's clipped means and divides by E|S| (qP or
+    m), and only the cohort's overflows diverge it. Its σ must come from a calibration for that
+    sampling (:func:`~diff2_flwr.core.calibration.calibrate`'s ``sampling``). Every client is still
+    computed each round (the others' results are not read): correct, not yet fast for small q.
+
     References:
         Murata & Suzuki (2023), Algorithms 1-3, as in :mod:`diff2_flwr.core.estimator`.
     """
     if not specs:
         return []
+    # refused before anything is built: a cohort larger than the federation
+    cohorts = (_Cohorts(specs, len(data.shard_sizes))
+               if any(s.sampling is not None for s in specs) else None)
     retain_freed_memory()
     inits = [batch_model(data, model=model, hidden=hidden, model_kwargs=model_kwargs, loss=loss,
                          init_seed=s.init_seed)
@@ -477,9 +535,11 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
             if evaluated:
                 evals.append(_metrics(r - 1, mlp, b, x_t, torch.from_numpy(live), out.train))
             client_means = out.sums / n  # ClippedMean_p of every run [P, K, d]
-            _workers_finish(client_means, out.overflow, radius, alive, diverged, r)
+            mask = None if cohorts is None else cohorts.mask(r)
+            _workers_finish(client_means, out.overflow, radius, alive, diverged, r, mask)
             x_prev, x, v = _server_step(r, client_means, std, kinds[r - 1], x, v, routines,
-                                        noise, alive, diverged)
+                                        noise, alive, diverged,
+                                        None if mask is None else (mask, cohorts))
             if progress:
                 progress(r, rounds)
     x_t = torch.from_numpy(x)
