@@ -32,10 +32,11 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from ..core import fused
-from ..core.clipping import clip_factors
+from ..core.clipping import RADIUS_FLOOR, clip_factors
 from ..core.ghost import (
     MLP, Pass, clipped_sums, forward, forward_head, norm_bounds, prepare_for_compile,
 )
@@ -300,6 +301,7 @@ class TorchBackend:
               keep: bool = True) -> RoundOut:
         """:meth:`RoundBackend.round` one client at a time on the batch's device, the results on the
         CPU; this round's pass is kept whatever ``keep`` says."""
+        _check_radii(radius, "TorchBackend")
         prev = [((), ())] * self.batch.P if bool(restart.all()) else self._prev
         flag = self._always_select or bool(restart.any())
         # the round on the batch's device; what it returns on the CPU (the server's)
@@ -382,6 +384,7 @@ class FusedBackend:
               keep: bool = True) -> RoundOut:
         """:meth:`RoundBackend.round` by the fused kernel, group by group; a RuntimeError for a
         difference round after a round that promised (``keep`` False) that none would follow."""
+        _check_radii(radius, "FusedBackend")
         prev = None if bool(restart.all()) else self._prev
         if prev is not None and any(p is None for p in prev):
             raise RuntimeError(
@@ -408,6 +411,21 @@ class FusedBackend:
                                    self._no_clip, clients=group.clients, x_rows=group.x_rows)[0]
                 for part, group in zip(parts, self.groups)]
         return (sums[0] if len(sums) == 1 else torch.cat(sums)), loss.to(torch.float64)
+
+
+def _check_radii(radius: torch.Tensor, who: str) -> None:
+    """Refuse a round whose radius [K] is NaN, negative, or positive below
+    :data:`~diff2_flwr.core.clipping.RADIUS_FLOOR` for some run (0 — a parked run's — and inf are
+    taken), as :func:`~diff2_flwr.core.clipping.check_radius` refuses one radius: clipped values
+    that small round by more than their size."""
+    r = radius.detach().cpu().numpy()
+    ok = (r >= RADIUS_FLOOR) | (r == 0)  # NaN fails both
+    if not ok.all():
+        k = int(np.flatnonzero(~ok)[0])
+        raise ValueError(
+            f"{who}: run {k}'s radius {r[k]:.3g} is NaN, negative or below {RADIUS_FLOOR:.3g} "
+            "(clipped values that small round by more than their size, so no sensitivity bound "
+            "holds); the round releases nothing.")
 
 
 def _check_accumulate(accumulate: str, batch: Batch, who: str) -> None:
