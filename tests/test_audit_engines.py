@@ -20,7 +20,7 @@ from diff2_flwr.core.clipping import NORM_RTOL, ClippedSum, clip_factors, clippe
 from diff2_flwr.lab.audit import engines
 from diff2_flwr.lab.audit.engine_models import MODELS, weighted_half_squared_error
 from diff2_flwr.lab.audit.engines import ATTACKS, ROUNDS, engine_audit
-from diff2_flwr.lab.audit.spec import ENGINE_DTYPES, ENGINES, EngineAuditSpec
+from diff2_flwr.lab.audit.spec import ENGINE_DTYPES, ENGINES, WORKER_ENGINES, EngineAuditSpec
 from diff2_flwr.runtime.workers import make_worker
 
 BOUND = 1 + NORM_RTOL
@@ -31,21 +31,23 @@ FAST = ("target 1e8", "input x1e8")
 
 def _passes(result: dict, models: tuple[str, ...], dtypes: tuple[str, ...] = ENGINE_DTYPES
             ) -> None:
-    """No finding and no refusal; a realised sensitivity within the claim for every model, round,
-    engine and dtype; and every clipped record at the bound (the audit is tight)."""
+    """No finding and no refusal of the worker's engines; a realised sensitivity within the claim
+    for every model, round, engine and dtype; and every clipped record at the bound (the audit is
+    tight)."""
     assert not result["violation"] and result["findings"] == [], result["findings"][:3]
-    assert result["refusals"] == []
+    assert [r for r in result["refusals"] if r["engine"] in WORKER_ENGINES] == []
     table = result["table"]
-    assert set(table) == set(models)
+    assert set(models) <= set(table)
     for model in models:
         assert set(table[model]) == set(ROUNDS), model
         for round_name, by in table[model].items():
-            assert set(by) == {f"{e} {d}" for e in ENGINES for d in dtypes}, (model, round_name)
+            assert set(by) == {f"{e} {d}" for e in WORKER_ENGINES for d in dtypes}, (model,
+                                                                                     round_name)
             assert all(0 <= value <= BOUND for value in by.values()), (model, round_name, by)
             # some engine clipped the record onto the bound (float32 may lose a tiny difference
             # whole: a residual of 1e8 moves by less than its ulp)
             assert max(by.values()) >= 1 - 1e-9, (model, round_name, by)
-    for engine in ENGINES:
+    for engine in WORKER_ENGINES:
         assert set(result["sensitivity"][engine]) == set(dtypes)
         assert all(v <= BOUND for v in result["sensitivity"][engine].values())
         assert all(v <= BOUND for v in result["contribution"][engine].values())
@@ -65,8 +67,9 @@ def test_the_regime_passes_on_both_engines_for_every_model_and_round(monkeypatch
         return bound(*args)
 
     monkeypatch.setattr(ghost_parts, "gram_error_bound", spy)
-    result = engine_audit(EngineAuditSpec(attacks=FAST))
+    result = engine_audit(EngineAuditSpec(engines=WORKER_ENGINES, attacks=FAST))
     _passes(result, tuple(MODELS))
+    assert set(result["table"]) == set(MODELS) and result["not_applicable"] == []
     assert calls, "the ghost engine's Gram form (and its safeguard) never ran"
     rules = {rule for model in result["coverage"].values() for rule in
              model["ghost_rules"].values()}
@@ -78,13 +81,14 @@ def test_the_regime_passes_on_both_engines_for_every_model_and_round(monkeypatch
 
 @pytest.mark.slow
 def test_the_default_regime_passes_with_every_attack():
-    """Slow (~15 s on 2 cores): the whole default regime, 832 cases (every model, engine, dtype,
-    round and default attack: tiny and huge weights, infinite inputs, NaN targets, padding) is
-    what `diff2 audit --engines` runs and what this checks; the fast test above keeps two
+    """Slow (~15 s on 2 cores): the whole default regime, 832 cases of the worker's engines (every
+    model, engine, dtype, round and default attack: tiny and huge weights, infinite inputs, NaN
+    targets, padding) and the batched engine's 210 (tests/test_audit_batch_engine.py checks them)
+    is what `diff2 audit --engines` runs and what this checks; the fast test above keeps two
     attacks."""
     result = engine_audit(EngineAuditSpec())
     _passes(result, tuple(MODELS))
-    assert result["cases"] == 832 and result["overflow"]["cases"] > 0
+    assert result["cases"] == 832 + 210 and result["overflow"]["cases"] > 0
     assert result["spec"]["seed"] == 0 and result["spec"]["attacks"] is None
 
 
@@ -212,13 +216,13 @@ def test_an_engine_its_own_check_refuses_is_reported_as_a_refusal(monkeypatch):
 def test_a_radius_below_the_floor_is_refused_by_every_engine_not_released():
     """Found by this regime: with C/n subnormal (radius 1e-322) the clipping rounded a record's
     contribution to 5x C; every path now refuses a radius below core.clipping.RADIUS_FLOOR."""
-    result = engine_audit(EngineAuditSpec(models=("linear",), dtypes=("float64",),
-                                          attacks=("radius x1e-322",)))
+    result = engine_audit(EngineAuditSpec(engines=WORKER_ENGINES, models=("linear",),
+                                          dtypes=("float64",), attacks=("radius x1e-322",)))
     assert not result["violation"]
     refused = {(r["engine"], r["round"]) for r in result["refusals"]
                if "is below 1.18e-271" in r["error"] and r["error"].endswith("releases nothing.")}
-    assert {e for e, _ in refused} == set(ENGINES) and {k for _, k in refused} >= {"restart",
-                                                                                   "difference"}
+    assert {e for e, _ in refused} == set(WORKER_ENGINES) and {k for _, k in refused} >= {
+        "restart", "difference"}
 
 
 def test_the_cli_prints_one_json_object_and_exits_3_on_a_finding(capsys, monkeypatch, tmp_path):

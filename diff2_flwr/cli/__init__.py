@@ -300,9 +300,12 @@ def _add_lab_commands(sub: Any) -> None:
     aud.add_argument("--engines", nargs="*", default=None, choices=ENGINES, metavar="ENGINE",
                      help=f"instead: attack the per-sample gradient engines ({', '.join(ENGINES)}"
                           "; all when none is named) with small real models and adversarial "
-                          "records through the client's own path, restart and difference rounds, "
-                          "float64 and float32, and check each worker's ClippedMean against its "
-                          "replace-one sensitivity 2C/n; --samples, --clip-restart, --clip-diff "
+                          "records — the worker's (torch_func, ghost) through the client's own "
+                          "path, the batched engine's (batch: float64 sums; batch_f32sums: float32 "
+                          "accumulation, float32 only) through its round API — restart and "
+                          "difference rounds, float64 and float32, and check each worker's "
+                          "ClippedMean against its replace-one sensitivity 2C/n and each client "
+                          "sum against 2C; --samples, --clip-restart, --clip-diff "
                           f"and --seed apply (without --seed: seed {ENGINE_SEED}, reproducible)")
     aud.set_defaults(func=experiments.audit)
 

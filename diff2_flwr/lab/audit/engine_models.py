@@ -1,6 +1,8 @@
 """The small real models the engine audit (:mod:`.engines`) attacks: one per rule of the ghost
 engine (:mod:`~diff2_flwr.core.ghost_layers`) and one whose parameters only its ``torch.func``
-fallback covers, each with a per-record weighted ½-squared-error loss and benign records.
+fallback covers, each with a per-record weighted ½-squared-error loss and benign records; and the
+batched engine's (:mod:`diff2_flwr.lab.backend`): the paper MLP at two widths
+(:data:`BATCH_MODELS`), with its float32-accumulation window (:func:`float32_window`).
 
 The loss is ``w·½‖f(x) − y‖²`` with the weight w the target's last column: a weight of −1 makes a
 record's gradient (difference) the exact negative of the same record's with weight 1, bit for bit
@@ -10,6 +12,12 @@ its weight negated (the replace-one worst case: its clipped contribution moves b
 radius), D⁰ a null record (its clipped contribution is 0, so ``n·(mean(D) − mean(D⁰))`` is the
 attacked record's own clipped contribution as the engine summed it).
 
+The batched engine runs MLPs with an unweighted loss, so it has no weight to negate: its neighbour
+of a record (x, y) is the record reflected through the model's output at the round's first
+iterate, (x, 2 f(x₁; x) − y), whose residual f − y, hence whose gradient (f − y) ∇f, is the exact
+negative at x₁ (to the compute dtype's rounding of f); its null record is no record (a client of n −
+1, padded).
+
 References:
     Murata & Suzuki (2023), Algorithm 2 (ClippedMean; sensitivity 2C/#A under replace-one).
 """
@@ -18,13 +26,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["MODELS", "PADDING", "VOCAB", "ModelKind", "weighted_half_squared_error"]
+from ...core.fused import FLUSH, PRODUCT_BLOCK
+from ...core.ghost import MLP
+from ...task.models import PaperMLP
+from ..backend import KERNEL_W1_FEATURES
+
+__all__ = ["BATCH_MODELS", "MODELS", "PADDING", "VOCAB", "WINDOW_INPUT", "WINDOW_MARGIN",
+           "BatchModelKind", "ModelKind", "Window", "float32_window", "mlp_outputs", "mlp_rows",
+           "weighted_half_squared_error"]
 
 #: Token ids of the token models: 0 .. VOCAB - 1.
 VOCAB = 20
@@ -186,3 +201,136 @@ MODELS = {
     "fallback": ModelKind(_Fallback, _normal(4, 8),
                           "PReLU and nn.MultiheadAttention (torch.func fallback), Linear"),
 }
+
+
+# ------------------------------------------------------------------ the batched engine's models
+
+
+@dataclass(frozen=True)
+class BatchModelKind:
+    """One model of the batched engine: the paper MLP F -> ``hidden`` (softplus) -> 1 with
+    ½-squared error (:class:`~diff2_flwr.task.models.PaperMLP`, as studies run it), its benign
+    records and what it exercises."""
+
+    features: int
+    exercises: str
+    hidden: int = 10
+
+    def mlp(self) -> MLP:
+        """Its shape, as :func:`~diff2_flwr.lab.sweep.batch_model` gives it to the engine."""
+        return MLP((self.features, self.hidden, 1), ("softplus",), "half_squared_error")
+
+    def iterate(self, seed: int) -> np.ndarray:
+        """x₁: the paper MLP's initial parameters for ``seed`` (flat float64, (W_1, b_1, W_2,
+        b_2))."""
+        net = PaperMLP(self.features, self.hidden, 1, init_seed=seed)
+        return np.concatenate([p.detach().double().reshape(-1).numpy() for p in net.parameters()])
+
+    def records(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """n benign records: features [n, F] ~ N(0, 1), targets [n] ~ N(0, 1)."""
+        return rng.normal(size=(n, self.features)), rng.normal(size=n)
+
+
+#: name -> the batched engine's model. 8 features: California Housing's width (the kernel's own
+#: forward pass and W_1's sums in its lanes); 118: KDD Cup 99's (over backend.KERNEL_W1_FEATURES:
+#: torch's forward, W_1's sums by a float64 product, or by the kernel's float32 block products).
+BATCH_MODELS = {
+    "paper_mlp_8": BatchModelKind(8, "paper MLP 8 -> 10 -> 1: the kernel's forward, W_1's sums in "
+                                     "its lanes"),
+    "paper_mlp_118": BatchModelKind(118, "paper MLP 118 -> 10 -> 1: torch's forward, W_1's sums by "
+                                         "products (float32: the kernel's block products)"),
+}
+
+
+def mlp_outputs(mlp: MLP, x: np.ndarray, features: np.ndarray) -> np.ndarray:
+    """f(x; features) [n] of a one-hidden-layer softplus MLP, in float64 (numpy)."""
+    F, H, _ = mlp.sizes
+    w1, b1 = x[:H * F].reshape(H, F), x[H * F:H * F + H]
+    w2, b2 = x[H * F + H:H * F + 2 * H], x[-1]
+    with np.errstate(all="ignore"):
+        return np.logaddexp(0.0, features @ w1.T + b1) @ w2 + b2
+
+
+def mlp_rows(mlp: MLP, x: np.ndarray, features: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """The per-sample gradients [n, d] of ½(f − y)² in float64 (numpy): (f − y) ∇f, ∇f = (W_2 ⊙
+    σ(h) ⊗ features, W_2 ⊙ σ(h), softplus(h), 1)."""
+    F, H, _ = mlp.sizes
+    w1, b1 = x[:H * F].reshape(H, F), x[H * F:H * F + H]
+    w2 = x[H * F + H:H * F + 2 * H]
+    with np.errstate(all="ignore"):
+        h = features @ w1.T + b1
+        residual = mlp_outputs(mlp, x, features) - targets
+        g1 = residual[:, None] * w2 * (1 / (1 + np.exp(-h)))
+        return np.concatenate([(g1[:, :, None] * features[:, None, :]).reshape(len(h), -1), g1,
+                               residual[:, None] * np.logaddexp(0.0, h), residual[:, None]], axis=1)
+
+
+#: The float32 window: the first input of its records (a power of two, so that W_1's terms are the
+#: output gradient's times a power of two, rounded alike), and how far below the radius the records'
+#: norm is (their clip factor is exactly 1 at a radius C' >= C (1 − 2^-22): the float32 terms are
+#: the crafted values, bit for bit, when nothing shrinks the radius).
+WINDOW_INPUT = 64.0
+WINDOW_MARGIN = 2.0**-22
+
+
+class Window(NamedTuple):
+    """The float32 window attack: the iterate x₁ [d] (float64) and the records of D (features [n,
+    F], targets [n]; the attacked one last)."""
+
+    iterate: np.ndarray
+    features: np.ndarray
+    targets: np.ndarray
+
+
+def _window_excess(g: np.ndarray, copies: int) -> np.ndarray:
+    """For float32 values g > 0: by how much more than 2g (relative to 2g) a float32 partial of
+    ``copies`` terms g moves when one more term is g rather than −g, and by how much more than g
+    (relative to g) when it is g rather than none — the smaller of the two."""
+    partial = np.zeros_like(g)
+    for _ in range(copies):
+        partial = (partial + g).astype(np.float32)
+    p64, g64 = partial.astype(np.float64), g.astype(np.float64)
+    up = (partial + g).astype(np.float32).astype(np.float64)
+    down = (partial - g).astype(np.float32).astype(np.float64)
+    return np.minimum((up - down - 2 * g64) / (2 * g64), (up - p64 - g64) / g64)
+
+
+def float32_window(kind: BatchModelKind, radius: float) -> Window:
+    """The records that make float32 accumulation's rounding largest in one window, at an iterate
+    where every float32 term is known exactly; used at the radius ``radius``.
+
+    At x₁ with W_1 = 0, b_1 = 0, W_2 = (1, −1, 0, ...), b_2 = 0 every hidden unit outputs
+    softplus(0) and f ≡ 0 exactly (two equal outputs cancel, in any dtype and order), so a record
+    (x, y) has output gradient −y exactly and gradient −y·u, u = (±½ x in W_1's first two rows, ±½
+    in b_1's, softplus(0) in W_2's, 1): the records "all point the same way". With x = (64, x_1, 0,
+    ...) W_1's entries hold 99.7 % of ‖u‖², and their float32 terms are −y times powers of two (an
+    unclipped record's clip factor is exactly 1). All n records are the same, n such that the
+    attacked (last) record closes a window: a product block of
+    :data:`~diff2_flwr.core.fused.PRODUCT_BLOCK` samples (index 63) above
+    :data:`~diff2_flwr.lab.backend.KERNEL_W1_FEATURES` features, else lane 15's window of
+    :data:`~diff2_flwr.core.fused.FLUSH` blocks of 16 (index 1023). −y is the float32 value near
+    C/‖u‖ whose partial of 63 copies moves furthest beyond 2|y| (and |y|) when the 64th is y rather
+    than −y (its neighbour, reflected through f = 0; or none): measured 2.7e-6 of it. x_1 then puts
+    the record's norm at C (1 − 2^-22): unclipped at C, clipped at float32 accumulation's C / (1 +
+    ρ). A ValueError if C/‖u‖ is outside float32's normal range.
+    """
+    F, H = kind.features, kind.hidden
+    a = math.log(2.0)
+    base = 0.5 * WINDOW_INPUT**2 + 1.5 + H * a * a  # ‖u‖² with x_1 = 0
+    target = radius * (1 - WINDOW_MARGIN)
+    top = target / math.sqrt(base)
+    if not 2.0**-120 < top < 2.0**120:
+        raise ValueError(f"the float32 window attack needs a radius whose records' output gradient "
+                         f"(C / {math.sqrt(base):.4g}) is a normal float32. Found C = {radius!r}.")
+    lo, hi = (np.array([top * (1 - 2.0**-12), top * (1 - 2.0**-14)],
+                       dtype=np.float32).view(np.int32))
+    g = np.arange(lo, hi, dtype=np.int32).view(np.float32)
+    with np.errstate(all="ignore"):
+        g = g[int(np.argmax(_window_excess(g, 63)))]
+    x_1 = np.float32(math.sqrt(2 * ((target / float(g))**2 - base)))
+    n = PRODUCT_BLOCK if F > KERNEL_W1_FEATURES else 16 * FLUSH
+    features = np.zeros((n, F))
+    features[:, 0], features[:, 1] = WINDOW_INPUT, x_1
+    iterate = np.zeros(H * F + 2 * H + 1)
+    iterate[H * F + H:H * F + H + 2] = (1.0, -1.0)
+    return Window(iterate, features, np.full(n, -float(g)))

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from ...core.distributed import DistributedNoise
     from ...core.privacy import Calibration
 
-__all__ = ["ENGINES", "ENGINE_DTYPES", "ENGINE_SEED", "LOCAL_STEPS", "WRAP", "AuditSpec",
-           "EngineAuditSpec", "default_workers", "run_setting"]
+__all__ = ["BATCH_ENGINES", "ENGINES", "ENGINE_DTYPES", "ENGINE_SEED", "LOCAL_STEPS",
+           "WORKER_ENGINES", "WRAP", "AuditSpec", "EngineAuditSpec", "default_workers",
+           "run_setting"]
 
 # AuditSpec.method's and .path's Literals, checked also when built in Python
 _METHODS = ("dpgd", "diff2", "diff2-bvr")
@@ -262,9 +263,15 @@ class AuditSpec:
                          clients=self.clients, **local)
 
 
-#: The per-sample gradient engines ``diff2 audit --engines`` attacks (``training.gradients``: the
-#: two that take any model; ``closed_form`` is the paper MLP's alone).
-ENGINES = ("torch_func", "ghost")
+#: The worker's per-sample gradient engines ``diff2 audit --engines`` attacks
+#: (``training.gradients``: the two that take any model; ``closed_form`` is the paper MLP's alone).
+WORKER_ENGINES = ("torch_func", "ghost")
+#: The batched engine's accumulations it attacks (:mod:`diff2_flwr.lab.backend`, the studies'
+#: engine): ``batch``, float64 clipped sums; ``batch_f32sums``, ``accumulate="float32"`` (float32
+#: compute dtype only).
+BATCH_ENGINES = ("batch", "batch_f32sums")
+#: Every engine ``diff2 audit --engines`` attacks (all of them when none is named).
+ENGINES = WORKER_ENGINES + BATCH_ENGINES
 #: The compute dtypes each engine is attacked in (``training.dtype``).
 ENGINE_DTYPES = ("float64", "float32")
 #: ``--engines``' seed when ``--seed`` is not given: the engine audit is reproducible by default.
@@ -274,9 +281,11 @@ ENGINE_SEED = 0
 @dataclass(frozen=True)
 class EngineAuditSpec:
     """One engine audit (``diff2 audit --engines``, :mod:`.engines`): the engines and compute dtypes
-    attacked, the models (``None``: all of :data:`~.engine_models.MODELS`) and the attacked records
+    attacked, the models (``None``: all of :data:`~.engine_models.MODELS` for the worker's engines
+    and of :data:`~.engine_models.BATCH_MODELS` for the batched engine's), the attacked records
     (``None``: :data:`~.engines.DEFAULT_ATTACKS`; any of :data:`~.engines.ATTACKS`), n records per
-    shard, the radii C1 and C2 of the rounds, and the seed of the models and their benign records.
+    shard (the batched engine's: rounded up to a multiple of 64, plus the attacked record), the
+    radii C1 and C2 of the rounds, and the seed of the models and their benign records.
     """
 
     engines: tuple[str, ...] = ENGINES
