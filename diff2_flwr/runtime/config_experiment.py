@@ -110,6 +110,8 @@ class ExperimentConfig:
                      "null with local.steps > 0 (checkpoints of the local routine are not "
                      "supported yet)",
                      self.output.checkpoint)
+        if t.sampling.enabled:
+            self._check_sampling()
         if self.privacy.distributed:
             self._check_distributed()
         if not t.schedule.constant:
@@ -129,6 +131,20 @@ class ExperimentConfig:
                         "a finite number > 1 when restart_every > 1 "
                          "(the paper uses 1.25)", u)
 
+    def _check_sampling(self) -> None:
+        """What ``training.sampling`` does not combine with (yet), with the reason."""
+        kind = self.training.sampling.kind
+        require(not self.local.enabled, "local.steps",
+                f"0 with training.sampling ({kind}): the local routine's worker and steps are "
+                "not accounted for a sampled cohort", self.local.steps)
+        require(not self.privacy.distributed, "privacy.noise",
+                f"central with training.sampling ({kind}): the Skellam shares are calibrated for "
+                "all P clients, and a sampled cohort would carry less noise than the ledger "
+                "charges", self.privacy.noise)
+        require(not self.private or self.privacy.mode == "exact", "privacy.mode",
+                f"exact with training.sampling ({kind}): client-sampled rounds are calibrated "
+                "with dp-accounting's PLD (no zCDP closed form)", self.privacy.mode)
+
     def _check_distributed(self) -> None:
         """What ``privacy.noise: distributed`` does not support (yet), with the reason."""
         require(self.private, "privacy.noise",
@@ -144,6 +160,10 @@ class ExperimentConfig:
 
     def _check_clients(self, clients: int) -> None:
         """The checks that depend on P."""
+        size = self.training.sampling.size
+        if self.training.sampling.kind == "fixed":
+            require(size <= clients, "training.sampling.size",
+                    f"at most the P = {clients} clients (training.clients)", size)
         tolerated = self.privacy.tolerated
         if self.privacy.distributed:
             require(clients >= 2 and 2 * tolerated < clients, "privacy.tolerated",
@@ -239,6 +259,8 @@ class ExperimentConfig:
             restart_every=self.restart_every, u=p.u, n_min=n_min, clients=self.clients, mode=p.mode,
             **({"local_steps": self.local.steps, "local_batch_size": self.local.batch_size,
                 "local_share": self.local.share} if self.local.enabled else {}),
+            **({"sampling": self.training.sampling.build()}
+               if self.training.sampling.enabled else {}),
         )
 
     def distributed_noise(self, n_min: int, dim: int) -> DistributedNoise:

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping
 
 from ..core.routines import ROUTINES, Routine, RoutineError, make_routine, routine_parameters
+from ..core.sampling import Sampling
 from ..core.schedules import (SCHEDULES, Schedule, ScheduleError, make_schedule,
                               schedule_parameters)
 from .config_privacy import LocalConfig, PrivacyConfig
 from .spec import Invalid, require, setting
 
-__all__ = ["PrivacyConfig", "RoutineConfig", "ScheduleConfig", "TrainingConfig", "LocalConfig",
+__all__ = ["PrivacyConfig", "RoutineConfig", "SamplingConfig", "ScheduleConfig", "TrainingConfig",
+           "LocalConfig",
            "EvaluationConfig", "OutputConfig",
            "CLIENTS_AUTO", "AUTO_CLIENTS_DEFAULT"]
 
@@ -158,6 +160,51 @@ AUTO_CLIENTS_DEFAULT = 10
 
 
 @dataclass(frozen=True)
+class SamplingConfig:
+    """Client sampling (``training.sampling``; issue 44): which clients each round reaches.
+
+    ``kind: none`` (the default): every round takes all P clients, as the paper's DIFF2.
+    ``poisson``: each client independently with probability ``rate``; ``fixed``: ``size`` clients
+    uniformly without replacement. A round's sum over its cohort is divided by the expected cohort
+    (qP or m) and the noise is calibrated for the sampled rounds
+    (:mod:`diff2_flwr.core.sampling`, :class:`~diff2_flwr.core.accounting.SampledGaussianEvent`).
+    """
+
+    kind: Literal["none", "poisson", "fixed"] = setting(
+        "none", "none (every round takes all P clients), poisson (each client with probability "
+                "rate) or fixed (size clients without replacement)", argument="sampling")
+    rate: float | None = setting(None, "poisson: q in (0, 1], each client's chance to be in a "
+                                       "round", argument="sampling_rate")
+    size: int | None = setting(None, "fixed: m, the clients of every round (at most P)",
+                               argument="sampling_size")
+
+    def __post_init__(self) -> None:
+        if self.kind == "poisson":
+            require(self.rate is not None and math.isfinite(self.rate) and 0 < self.rate <= 1,
+                    "rate", "a number in (0, 1] with kind poisson", self.rate)
+            require(self.size is None, "size", "null with kind poisson (it takes rate)", self.size)
+        elif self.kind == "fixed":
+            require(self.size is not None and self.size >= 1, "size",
+                    "an integer >= 1 with kind fixed", self.size)
+            require(self.rate is None, "rate", "null with kind fixed (it takes size)", self.rate)
+        else:
+            require(self.rate is None and self.size is None, "kind",
+                    "poisson (with rate) or fixed (with size) when rate or size is set",
+                    self.kind)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rounds sample their clients."""
+        return self.kind != "none"
+
+    def build(self) -> Sampling | None:
+        """The core's :class:`~diff2_flwr.core.sampling.Sampling` (None: no sampling)."""
+        if self.kind == "none":
+            return None
+        return Sampling(self.kind, rate=self.rate, size=self.size)
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     """How the run trains (``training``): R, T, the clipping radii, the step and its routine, P, the
     noise seed, and how the gradients are computed (dtype, chunk, path, threads)."""
@@ -179,6 +226,11 @@ class TrainingConfig:
                                             "decay: 0.5, every: 500}; costs no privacy "
                                             "(post-processing of ṽ_r)",
                                        before="constant")
+    sampling: SamplingConfig = setting(factory=SamplingConfig,
+                                       help="client sampling: {kind: poisson, rate: q} or {kind: "
+                                            "fixed, size: m}; none by default (every client every "
+                                            "round)",
+                                       before={"kind": "none", "rate": None, "size": None})
     clients: int | Literal["auto"] = setting(10,
                                              "P, the number of clients; auto: the SuperNodes of "
                                              "the federation that runs it (see CLIENTS_AUTO)")

@@ -171,6 +171,12 @@ def preflight(cfg: ExperimentConfig) -> Preflight:
     :func:`build_server` goes on with, what to say before training and the estimate of the noise
     against the clipping radius (:mod:`~diff2_flwr.runtime.noise_report`).
     """
+    if cfg.training.sampling.enabled:  # the per-run server averages all P clients' replies
+        raise PreflightError(
+            f"{cfg.source}: training.sampling (kind {cfg.training.sampling.kind}) runs in studies "
+            "on the batched engine (engine: batch) so far; the per-run server (diff2 run, flwr "
+            "run, the Python API's run, deployments) does not sample clients yet. Run it as a "
+            "study, or set training.sampling.kind: none.")
     data = _server_data(cfg)
     # an empty (or too small) shard: refused before any calibration
     check_shards(cfg, data.shard_sizes)

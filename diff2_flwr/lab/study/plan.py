@@ -156,12 +156,14 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
     """
     engine = study.engine
     if engine != "batch":
+        _refuse_sampled_per_run(jobs)
         return [Unit(engine, (j,)) for j in jobs]
     mlp = bool(jobs) and batchable(study, jobs[0].cfg)  # one model and dataset per study
     fits = [j for j in jobs if mlp and ROUTINES[j.cfg.training.routine.name].post_processing
             and not j.cfg.local.enabled and not j.cfg.privacy.distributed
             and not batch_ignores(j.cfg)]
     units = [Unit("inprocess", (j,)) for j in jobs if j not in fits]
+    _refuse_sampled_per_run([u.jobs[0] for u in units])
     groups = {(j.cfg.training.rounds, j.cfg.restart_every == 1): None for j in fits}  # R shared
     for rounds, every in groups:
         group = [j for j in fits
@@ -173,6 +175,20 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
             size = -(-len(group) // count)
             units += [Unit(engine, tuple(group[i:i + size])) for i in range(0, len(group), size)]
     return sorted(units, key=unit_cost, reverse=True)  # stable: equal costs keep their order
+
+
+def _refuse_sampled_per_run(jobs: Sequence[Any]) -> None:
+    """Refuse, before any run starts, a run with ``training.sampling`` that the per-run server
+    would compute (it does not sample clients yet: :func:`~diff2_flwr.runtime.preflight_checks.
+    preflight` refuses it there too)."""
+    for j in jobs:
+        if j.cfg.training.sampling.enabled:
+            raise ValueError(
+                f"{j.cfg.source}: training.sampling runs on the batched engine only so far, and "
+                "this run would go to the per-run engine (the study's engine is not batch, or the "
+                "run sets what the batched engine does not honour: a model that is not an MLP, a "
+                "routine on private data). Use engine: batch with an MLP, or drop "
+                "training.sampling.")
 
 
 def unit_cost(unit: Unit) -> float:
@@ -199,7 +215,8 @@ BATCH_HONOURS = ("name", "method", "dataset.", "model.", "output.", "privacy.eps
                  "training.restart_every",
                  "training.clip_restart", "training.clip_diff", "training.learning_rate",
                  "training.clients", "training.seed", "training.routine", "training.routine.",
-                 "training.schedule", "training.schedule.",
+                 "training.schedule", "training.schedule.", "training.sampling",
+                 "training.sampling.",
                  "training.dtype", "training.chunk_size", "training.gradients", "training.threads",
                  "training.round_retries", "training.round_timeout_s", "evaluation.every",
                  "evaluation.train_metrics", "evaluation.test_metrics", "local.")

@@ -143,7 +143,10 @@ def _run_batch(study: Study, unit: Unit, progress: Callable[[int, int], None] | 
                                  routine=routine.name,
                                  routine_params=tuple(sorted(routine.params().items())),
                                  schedule=schedule.name,
-                                 schedule_params=tuple(sorted(schedule.params().items()))))
+                                 schedule_params=tuple(sorted(schedule.params().items())),
+                                 # the cohorts from the run's seed (round_cohort's own domain)
+                                 sampling=j.cfg.training.sampling.build(),
+                                 cohort_seed=j.cfg.training.seed))
         model = cfg.model  # the study's, in every run config
         results = run_batch(data, specs, rounds=cfg.training.rounds, hidden=model.hidden_units,
                             model=model.name, model_kwargs=model.kwargs.as_dict(), loss=cfg.loss,

@@ -1,0 +1,140 @@
+"""``training.sampling`` (issue 44) through the front doors: the experiment file and ``--set`` build
+and refuse it alike, its calibration is the core's, studies run it on the batched engine, and the
+per-run server refuses it before round 1 (it does not sample clients yet)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diff2_flwr.core.calibration import calibrate
+from diff2_flwr.core.sampling import Sampling
+from diff2_flwr.runtime.config import ConfigError, ExperimentConfig, apply_overrides, parse_config
+from diff2_flwr.runtime.preflight_checks import PreflightError, preflight
+from diff2_flwr.runtime.spec import run_identity
+
+BASE = {"method": "diff2", "dataset": {"name": "synthetic", "num_samples": 600},
+        "training": {"restart_every": 5, "rounds": 40, "clients": 6, "seed": 3}}
+
+
+def _with(sampling):
+    return {**BASE, "training": {**BASE["training"], "sampling": sampling}}
+
+
+def test_the_file_and_set_build_the_same_sampling():
+    from_file = parse_config(_with({"kind": "poisson", "rate": 0.5}))
+    from_set = parse_config(apply_overrides(BASE, {"training.sampling.kind": "poisson",
+                                                   "training.sampling.rate": 0.5}))
+    assert from_file.training.sampling == from_set.training.sampling
+    assert from_file.training.sampling.build() == Sampling("poisson", rate=0.5)
+    assert parse_config(BASE).training.sampling.build() is None
+
+
+@pytest.mark.parametrize("sampling, key, expected", [
+    ({"kind": "poisson"}, "training.sampling.rate", "a number in (0, 1]"),
+    ({"kind": "poisson", "rate": 1.5}, "training.sampling.rate", "a number in (0, 1]"),
+    ({"kind": "fixed", "size": 7}, "training.sampling.size", "at most the P = 6 clients"),
+    ({"kind": "fixed", "size": 2, "rate": 0.5}, "training.sampling.rate", "null with kind fixed"),
+    ({"rate": 0.5}, "training.sampling.kind", "poisson (with rate) or fixed"),
+])
+def test_a_bad_sampling_is_refused_the_same_way_by_the_file_and_by_set(sampling, key, expected):
+    with pytest.raises(ConfigError) as by_file:
+        parse_config(_with(sampling))
+    overrides = {f"training.sampling.{k}": v for k, v in sampling.items()}
+    with pytest.raises(ConfigError) as by_set:
+        parse_config(apply_overrides(BASE, overrides))
+    for err in (by_file.value, by_set.value):
+        assert f"key `{key}`" in str(err) and expected in str(err)
+        assert len(str(err).splitlines()) == 1
+
+
+@pytest.mark.parametrize("patch, key", [
+    ({"local": {"steps": 3}}, "local.steps"),
+    ({"privacy": {"noise": "distributed"}}, "privacy.noise"),
+    ({"privacy": {"mode": "rdp"}}, "privacy.mode"),
+])
+def test_what_sampling_does_not_combine_with_is_named(patch, key):
+    with pytest.raises(ConfigError, match=f"key `{key}`: expected .*training.sampling"):
+        parse_config({**_with({"kind": "fixed", "size": 3}), **patch})
+
+
+def test_the_config_calibrates_with_the_cores_sampled_calibration():
+    cfg = parse_config(_with({"kind": "fixed", "size": 3}))
+    cal = cfg.calibration(100)
+    want = calibrate(epsilon=3.0, delta=1e-5, rounds=40, restart_every=5, u=1.25, n_min=100,
+                     clients=6, sampling=Sampling("fixed", size=3))
+    assert (cal.z1, cal.z2, cal.sigma1, cal.sigma2) == (want.z1, want.z2, want.sigma1, want.sigma2)
+    assert cal.sampling_prob == 0.5
+    mech = cfg.mechanism(cal)
+    assert (mech.sigma_restart, mech.sigma_diff) == (cal.sigma1, cal.sigma2)
+    # more noise per unit radius than full participation: the sum is divided by m, not P
+    assert cal.sigma1 > parse_config(BASE).calibration(100).sigma1
+
+
+def test_a_run_without_sampling_keeps_its_identity():
+    """The key came later: at its default it is left out of a run's identity (checkpoints, shard
+    files and run tables made before it still match); set, it is in."""
+    plain = run_identity(ExperimentConfig, parse_config(BASE).to_dict())
+    assert "sampling" not in plain["training"]
+    sampled = run_identity(ExperimentConfig,
+                           parse_config(_with({"kind": "poisson", "rate": 0.5})).to_dict())
+    assert sampled["training"]["sampling"] == {"kind": "poisson", "rate": 0.5, "size": None}
+
+
+def test_the_per_run_server_refuses_sampling_before_round_1():
+    with pytest.raises(PreflightError, match=r"training.sampling \(kind poisson\) runs in studies "
+                                             r"on the batched engine"):
+        preflight(parse_config(_with({"kind": "poisson", "rate": 0.5})))
+
+
+def _study(tmp_path, engine="batch"):
+    from diff2_flwr.lab.study.runner import load_study
+
+    path = tmp_path / "s.yaml"
+    grid = {"learning_rate": [0.2], "clip_restart": [1.0]}
+    path.write_text(json.dumps({
+        "name": "sampled", "dataset": {"name": "synthetic", "num_samples": 600}, "clients": 6,
+        "rounds": 20, "delta": 1e-5, "epsilons": [3.0], "seeds": {"tune": [7], "evaluate": [1]},
+        "engine": engine, "analysis": {"protocol": "paper"},
+        "methods": [{"name": "DP-GD", "method": "dpgd", "grid": grid},
+                    {"name": "DP-GD q", "method": "dpgd", "training.sampling.kind": "poisson",
+                     "training.sampling.rate": 0.5, "grid": grid}],
+        "output": {"dir": str(tmp_path / "out")}}))
+    return load_study(path)
+
+
+def test_a_study_runs_sampled_methods_on_the_batched_engine(tmp_path):
+    from diff2_flwr.lab.study.runner import run_study
+
+    study = _study(tmp_path)
+    run_study(study, output_root=str(tmp_path / "out"), fresh=True, make_plots=False)
+    runs = [json.loads(p.read_text()) for p in (tmp_path / "out" / "sampled" / "runs").glob(
+        "*.json")]
+    by = {(r["method"], r["seed"]): r for r in runs}
+    assert {r["engine"] for r in runs} == {"batch"}
+    plain, sampled = by["DP-GD", 7], by["DP-GD q", 7]  # the tuning runs
+    # same seed, same x_0 and round-0 loss; the sampled rounds (other cohorts, more noise) differ
+    assert plain["train_loss"][0] == sampled["train_loss"][0]
+    assert plain["train_loss"][1:] != sampled["train_loss"][1:]
+    # the sampled run is run_batch's with the config's sampling and its seed as the cohort key
+    from diff2_flwr.lab.sweep import RunSpec, run_batch
+    from diff2_flwr.runtime.session import load_data
+
+    method = next(m for m in study.methods if m.name == "DP-GD q")
+    cfg = study.experiment(method, method.points()[0], 3.0, 7)
+    data = load_data(cfg)
+    mech = cfg.mechanism(cfg.calibration(data.n_min))
+    spec = RunSpec(1, 0.2, 1.0, 1.0, mech.sigma_restart, mech.sigma_diff, 7, 7,
+                   sampling=Sampling("poisson", rate=0.5), cohort_seed=7)
+    direct = run_batch(data, [spec], rounds=20, eval_every=cfg.evaluation.every)[0]
+    assert direct.train_loss.tolist() == sampled["train_loss"]
+
+
+def test_a_study_that_would_run_sampling_on_the_per_run_engine_is_refused_before_any_run(tmp_path):
+    from diff2_flwr.lab.study.runner import run_study
+
+    study = _study(tmp_path, engine="inprocess")
+    with pytest.raises(ValueError, match="training.sampling runs on the batched engine only"):
+        run_study(study, output_root=str(tmp_path / "out"), fresh=True, make_plots=False)
+    assert not list((tmp_path / "out").glob("**/runs/*.json"))
