@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from diff2_flwr.core.calibration import calibrate
 from diff2_flwr.core.sampling import Sampling
 from diff2_flwr.runtime.config import ConfigError, ExperimentConfig, apply_overrides, parse_config
-from diff2_flwr.runtime.preflight_checks import PreflightError, preflight
+from diff2_flwr.runtime.preflight_checks import PreflightError
 from diff2_flwr.runtime.spec import run_identity
 
 BASE = {"method": "diff2", "dataset": {"name": "synthetic", "num_samples": 600},
@@ -82,10 +83,48 @@ def test_a_run_without_sampling_keeps_its_identity():
     assert sampled["training"]["sampling"] == {"kind": "poisson", "rate": 0.5, "size": None}
 
 
-def test_the_per_run_server_refuses_sampling_before_round_1():
-    with pytest.raises(PreflightError, match=r"training.sampling \(kind poisson\) runs in studies "
-                                             r"on the batched engine"):
-        preflight(parse_config(_with({"kind": "poisson", "rate": 0.5})))
+def test_a_flower_run_refuses_sampling_before_flower_starts():
+    """The Flower strategy does not sample clients yet: `diff2 run`'s Flower engine refuses the
+    config before launching anything, and a strategy built around a sampling server refuses too."""
+    from diff2_flwr.fl.strategy import Diff2Strategy
+    from diff2_flwr.runtime.preflight_checks import check_flower_sampling
+    from diff2_flwr.runtime.session import build_server
+
+    cfg = parse_config(_with({"kind": "poisson", "rate": 0.5}))
+    with pytest.raises(PreflightError, match="the Flower strategy .* does not sample clients yet"):
+        check_flower_sampling(cfg)
+    check_flower_sampling(parse_config(BASE))  # no sampling: nothing to refuse
+    server = build_server(cfg, record=False, progress=None)
+    with pytest.raises(ValueError, match="does not sample clients yet"):
+        Diff2Strategy(server=server)
+    assert server.summary()["status"] == "failed"
+
+
+def test_the_in_process_engine_samples_as_the_batched_engine_does():
+    """The per-run server (the code the Flower path runs) draws the same cohorts from the same noise
+    key as the batched engine, asks only them, and divides by E|S|: the same trajectory (to the
+    engines' usual 1e-12); its journal rows name each round's cohort, and its ledger ends at the
+    calibration's planned ε."""
+    from diff2_flwr.lab.sweep import RunSpec, run_batch
+    from diff2_flwr.runtime.driver import run_inprocess
+    from diff2_flwr.runtime.session import load_data
+
+    for sampling in ({"kind": "poisson", "rate": 0.5}, {"kind": "fixed", "size": 2}):
+        cfg = parse_config(_with(sampling))
+        server = run_inprocess(cfg, record=False, progress=None)
+        data = load_data(cfg)
+        mech = cfg.mechanism(server.calibration)
+        spec = RunSpec(5, 0.25, 1.0, 1.0, mech.sigma_restart, mech.sigma_diff, 3, 0,
+                       sampling=cfg.training.sampling.build())
+        batch = run_batch(data, [spec], rounds=40, eval_every=40)[0]
+        assert np.abs(server.state.x - batch.final_x).max() <= 1e-12
+        cohorts = [tuple(h["cohort"]) for h in server.history[1:]]
+        assert len(cohorts) == 40 and len(set(cohorts)) > 3  # drawn anew each round
+        if sampling["kind"] == "fixed":
+            assert {len(c) for c in cohorts} == {2}
+        assert server.epsilon_spent == pytest.approx(server.calibration.planned_epsilon,
+                                                     rel=1e-9)
+        assert server.epsilon_spent <= 3.0
 
 
 def _study(tmp_path, engine="batch"):
@@ -126,15 +165,41 @@ def test_a_study_runs_sampled_methods_on_the_batched_engine(tmp_path):
     data = load_data(cfg)
     mech = cfg.mechanism(cfg.calibration(data.n_min))
     spec = RunSpec(1, 0.2, 1.0, 1.0, mech.sigma_restart, mech.sigma_diff, 7, 7,
-                   sampling=Sampling("poisson", rate=0.5), cohort_seed=7)
+                   sampling=Sampling("poisson", rate=0.5))  # cohort key: cohort_key(7)
     direct = run_batch(data, [spec], rounds=20, eval_every=cfg.evaluation.every)[0]
     assert direct.train_loss.tolist() == sampled["train_loss"]
 
 
-def test_a_study_that_would_run_sampling_on_the_per_run_engine_is_refused_before_any_run(tmp_path):
+def test_a_study_on_the_flower_engine_refuses_sampling_before_any_run(tmp_path):
     from diff2_flwr.lab.study.runner import run_study
 
-    study = _study(tmp_path, engine="inprocess")
-    with pytest.raises(ValueError, match="training.sampling runs on the batched engine only"):
+    study = _study(tmp_path, engine="flower")
+    with pytest.raises(ValueError, match="does not sample clients yet"):
         run_study(study, output_root=str(tmp_path / "out"), fresh=True, make_plots=False)
     assert not list((tmp_path / "out").glob("**/runs/*.json"))
+
+
+def test_only_the_cohort_answers_and_its_sum_is_divided_by_the_expected_cohort():
+    """The server's average with a cohort: a reply from outside it, or a cohort member missing, is
+    refused (nothing released); the mean is Σ over the cohort / E|S|; an empty cohort, zeros."""
+    from diff2_flwr.core.aggregation import Reply, RoundRejected, average_contributions
+    from diff2_flwr.core.estimator import RoundPlan
+    from diff2_flwr.core.layout import ParameterLayout
+
+    layout = ParameterLayout(("w",), ((3,),))
+    plan = RoundPlan(round=4, restart=True, radius=10.0, noise_std=0.0, x_current=np.zeros(3),
+                     x_previous=None)
+
+    def reply(p, value):
+        return Reply(f"partition {p}", p, layout.split(np.full(3, value)), 10, 0)
+
+    kw = {"clients": 4, "n_min": 10, "cohort": [1, 3], "denominator": 2.5}
+    agg = average_contributions(plan, layout, [reply(3, 2.0), reply(1, 1.0)], **kw)
+    np.testing.assert_array_equal(agg.mean, np.full(3, 3.0 / 2.5))
+    with pytest.raises(RoundRejected, match=r"check 'cohort' failed.*partition\(s\) \[0\] "
+                                            r"answered but are not in round 4's cohort \[1, 3\]"):
+        average_contributions(plan, layout, [reply(0, 1.0), reply(1, 1.0), reply(3, 1.0)], **kw)
+    with pytest.raises(RoundRejected, match=r"check 'cohort' failed.*missing partitions \[3\]"):
+        average_contributions(plan, layout, [reply(1, 1.0)], **kw)
+    empty = average_contributions(plan, layout, [], **{**kw, "cohort": []})
+    np.testing.assert_array_equal(empty.mean, np.zeros(3))

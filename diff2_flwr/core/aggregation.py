@@ -131,10 +131,17 @@ def _check_reply(plan: RoundPlan, layout: ParameterLayout, reply: Reply,
 
 
 def average_contributions(
-    plan: RoundPlan, layout: ParameterLayout, replies: Sequence[Reply], *, clients: int, n_min: int
+    plan: RoundPlan, layout: ParameterLayout, replies: Sequence[Reply], *, clients: int, n_min: int,
+    cohort: Sequence[int] | None = None, denominator: float | None = None,
 ) -> Aggregate:
     """Check every reply and average them in partition order; raise :class:`RoundRejected` on any
-    failure."""
+    failure.
+
+    With client sampling, ``cohort`` (sorted partition ids) is the round's and ``denominator`` its
+    E|S|: exactly the cohort must answer, and the mean is Σ_{p∈S} ClippedMean_p / E|S| (summed in
+    partition order, divided: :func:`~diff2_flwr.core.sampling.sampled_sum`'s bits; an empty
+    cohort gives zeros)."""
+    expected = list(range(clients)) if cohort is None else [int(p) for p in cohort]
     seen: dict[int, Reply] = {}
     for reply in replies:
         if reply.partition_id in seen:
@@ -148,16 +155,30 @@ def average_contributions(
                                 f"partition id {reply.partition_id} is outside 0..{clients - 1}.",
                                 reply.client)
         seen[reply.partition_id] = reply
-    missing = sorted(set(range(clients)) - set(seen))
+    if cohort is not None:
+        outside = sorted(set(seen) - set(expected))
+        if outside:
+            raise RoundRejected(
+                plan.round, "cohort",
+                f"partition(s) {outside} answered but are not in round {plan.round}'s cohort "
+                f"{expected}; only the sampled clients may contribute (the calibration assumes "
+                "it).", seen[outside[0]].client)
+    missing = sorted(set(expected) - set(seen))
     if missing:
+        if cohort is None:
+            raise RoundRejected(
+                plan.round, "all-clients",
+                f"expected all P = {clients} workers, {len(seen)} answered; missing partitions "
+                f"{missing}. "
+                "The calibration assumes every worker contributes every round.",
+            )
         raise RoundRejected(
-            plan.round, "all-clients",
-            f"expected all P = {clients} workers, {len(seen)} answered; missing partitions "
-            f"{missing}. "
-            "The calibration assumes every worker contributes every round.",
-        )
-    flats = [_check_reply(plan, layout, seen[p], n_min) for p in range(clients)]
-    overflowed = [seen[p].client for p in range(clients) if flats[p] is None]
+            plan.round, "cohort",
+            f"expected the {len(expected)} sampled workers {expected}, {len(seen)} answered; "
+            f"missing partitions {missing}. The calibration assumes every sampled worker "
+            "contributes.")
+    flats = [_check_reply(plan, layout, seen[p], n_min) for p in expected]
+    overflowed = [seen[p].client for p, f in zip(expected, flats) if f is None]
     if overflowed:  # every reply is well formed, and a worker explains why it has no finite mean
         raise Diverged(plan.round, "gradients",
                        f"{', '.join(overflowed)} report(s) that per-sample gradients overflow at "
@@ -165,10 +186,15 @@ def average_contributions(
                        "the optimisation diverged (the iterate is finite, its gradients are not). "
                        "Lower "
                        "training.learning_rate.")
-    mean = np.sum(flats, axis=0) / clients
+    if cohort is None:
+        mean = np.sum(flats, axis=0) / clients
+    elif not flats:  # nobody drawn: the round releases its noise alone
+        mean = np.zeros(layout.dim)
+    else:
+        mean = np.sum(flats, axis=0) / float(denominator if denominator is not None else clients)
     clipped = sum(r.num_clipped for r in seen.values())
     samples = sum(r.num_samples for r in seen.values())
-    return Aggregate(mean=mean, clip_fraction=clipped / samples)
+    return Aggregate(mean=mean, clip_fraction=clipped / samples if samples else math.nan)
 
 
 def check_local_reply(task: LocalTask, layout: ParameterLayout, reply: Reply,

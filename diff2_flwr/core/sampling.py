@@ -69,6 +69,7 @@ References:
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -80,6 +81,7 @@ __all__ = [
     "Sampling",
     "SamplingKind",
     "aggregate_scale",
+    "cohort_key",
     "denominator",
     "draw_cohort",
     "round_cohort",
@@ -208,6 +210,23 @@ def draw_cohort(sampling: Sampling, clients: int, rng: np.random.Generator) -> n
         # random() is in [0, 1): q = 1 takes every client.
         return np.flatnonzero(rng.random(clients) < pi).astype(np.int64)
     return np.sort(rng.choice(clients, size=int(sampling.size), replace=False)).astype(np.int64)  # type: ignore[arg-type]
+
+
+def cohort_key(noise_key: int) -> int:
+    """The key of a run's cohort draws from its noise key, one way: the first 128 bits of
+    SHA-256("diff2-cohort" ‖ the key's bytes). Cohorts may be public (the journal records them);
+    recovering this key from them would still not give the noise key, which is secret. The same
+    for every engine (the batched engine derives it from a run's noise seed), so that seeded runs
+    draw the same cohorts everywhere and a resumed run the cohorts of the run it resumes.
+
+    Args:
+        noise_key: the run's noise key (an integer >= 0).
+    """
+    if not isinstance(noise_key, (int, np.integer)) or isinstance(noise_key, bool) or noise_key < 0:
+        raise ValueError(f"`noise_key` must be an integer >= 0. Found {noise_key!r}.")
+    key = int(noise_key)
+    data = b"diff2-cohort" + key.to_bytes(max(1, (key.bit_length() + 7) // 8), "little")
+    return int.from_bytes(hashlib.sha256(data).digest()[:16], "little")
 
 
 def round_cohort(key: int, r: int, sampling: Sampling, clients: int) -> np.ndarray:

@@ -32,6 +32,7 @@ from ..core.aggregation import NodeRefused, RoundRejected
 from ..core.estimator import Release
 from ..core.local import LocalTask
 from ..runtime.policy import refusal_in
+from ..runtime.preflight_checks import FLOWER_SAMPLING
 from ..runtime.server import Diff2Server
 from . import protocol
 from .federation import SIMULATION_SETTLE_S, is_simulation
@@ -54,6 +55,10 @@ class Diff2Strategy(Strategy):
             raise ValueError(f"`wait_for_clients_s` must be >= 1. Found {wait_for_clients_s}.")
         if round_retries < 0:
             raise ValueError(f"`round_retries` must be >= 0. Found {round_retries}.")
+        if server.spec.sampling is not None:
+            error = ValueError(FLOWER_SAMPLING)
+            server.fail(error)
+            raise error
         self.server = server
         self.wait_for_clients_s = wait_for_clients_s
         self.retries_left = round_retries

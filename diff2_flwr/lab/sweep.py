@@ -56,7 +56,7 @@ from ..core.device import resolve_device
 from ..core.estimator import Diverged, round_normals, round_scale
 from ..core.ghost import MLP, forward
 from ..core.routines import Routine, make_routine
-from ..core.sampling import Sampling, denominator, round_cohort
+from ..core.sampling import Sampling, cohort_key, denominator, round_cohort
 from ..core.schedules import Constant, Schedule, make_schedule, routine_at
 from ..task.data import PreparedData
 from ..task.models import build_model, mlp_shape
@@ -82,9 +82,9 @@ class RunSpec:
     schedule: str = "constant"  # round r steps with η·s(r): a name of core.schedules.SCHEDULES
     schedule_params: tuple[tuple[str, float], ...] = ()  # its parameters
     # client sampling (None: every round takes all P clients) and the key of its cohort draws
-    # (core.sampling.round_cohort; not the noise's)
+    # (core.sampling.round_cohort; None: cohort_key(noise_seed), as the per-run server derives it)
     sampling: Sampling | None = None
-    cohort_seed: int = 0
+    cohort_seed: int | None = None
 
     def make_routine(self) -> Routine:
         """The run's routine (x_r = Routine(x_{r-1}, ṽ_r)) with its learning rate and parameters."""
@@ -232,6 +232,8 @@ class _Cohorts:
             except ValueError as err:
                 raise ValueError(f"Run {k}: {err}") from None
         self.specs = specs
+        self.keys = [s.cohort_seed if s.cohort_seed is not None else cohort_key(s.noise_seed)
+                     for s in specs]
         self.denominators = np.array([denominator(s.sampling, clients) for s in specs])
 
     def mask(self, r: int) -> np.ndarray:
@@ -240,7 +242,7 @@ class _Cohorts:
         for k in self.sampled:
             spec = self.specs[k]
             out[:, k] = False
-            out[round_cohort(spec.cohort_seed, r, spec.sampling, self.P), k] = True
+            out[round_cohort(self.keys[k], r, spec.sampling, self.P), k] = True
         return out
 
 

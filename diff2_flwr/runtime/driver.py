@@ -69,7 +69,9 @@ def run_inprocess(
                     server.release_sum(secure_sum(server, plan, workers, cfg.training.seed),
                                        cfg.clients)
                     continue
-                released = server.release([worker.reply(plan) for worker in workers])
+                asked = server.cohort()  # None: all P (no client sampling)
+                released = server.release([workers[p].reply(plan) for p in (
+                    range(len(workers)) if asked is None else asked)])
                 # the local routine: the chosen worker's private steps
                 if isinstance(released, LocalTask):
                     try:

@@ -163,6 +163,13 @@ class Diff2Server:
             self.fail(err)
             raise
 
+    def cohort(self) -> list[int] | None:
+        """The next round's cohort: the partition ids to ask (sorted), or None for all P (no client
+        sampling). Drawn from the run's cohort key and the round alone
+        (:func:`~diff2_flwr.runtime.server_core.cohort`), so asking twice gives the same answer."""
+        drawn = server_core.cohort(self.spec, self.core)
+        return None if drawn is None else drawn.tolist()
+
     def local_worker(self, r: int) -> int:
         """p_r, the worker that runs round r's local phase: uniform over the P workers, from the
         noise key.

@@ -43,6 +43,7 @@ from ..core.layout import ParameterLayout
 from ..core.local import LocalMechanism, LocalTask, choose_worker, local_seed
 from ..core.privacy import Calibration, PrivacyLedger
 from ..core.routines import Routine
+from ..core.sampling import Sampling, cohort_key, denominator, round_cohort
 from ..core.schedules import CONSTANT, Schedule, routine_at
 from .checkpoint import Checkpoint, CheckpointError
 from .config_experiment import ExperimentConfig
@@ -50,7 +51,8 @@ from .step_report import names_of
 
 __all__ = ["BUDGET_RTOL", "PLD_RTOL", "OutOfTurn", "PendingLocal", "Released", "ServerSpec",
            "ServerState", "charge",
-           "check_mechanism", "check_planned_budget", "check_spec", "fail", "finish_local", "init",
+           "check_mechanism", "check_planned_budget", "check_spec", "cohort", "fail",
+           "finish_local", "init",
            "is_done", "next_plan",
            "release", "release_sum", "resume"]
 
@@ -141,6 +143,9 @@ class ServerSpec:
         distributed: ``privacy.noise: distributed``: the clients add Skellam noise shares, the
             server receives their modular sum (:func:`release_sum`) and adds none; its ledger is a
             :class:`SkellamLedger`.
+        sampling: client sampling (None: every round takes all P clients): round r's cohort is
+            :func:`cohort`'s, only it answers, and its sum is divided by E|S|; the calibration must
+            be for it.
         schedule: s(r): round r steps with the routine's learning rate η·s(r)
             (:meth:`routine_at`); constant by default. Post-processing: the ledger is the same.
         settings: the validated experiment the spec was built from (:meth:`of`): every declared
@@ -163,6 +168,7 @@ class ServerSpec:
     distributed: DistributedNoise | None = None
     schedule: Schedule = CONSTANT
     settings: ExperimentConfig | None = dataclasses.field(default=None, repr=False)
+    sampling: Sampling | None = None
 
     @classmethod
     def of(cls, settings: ExperimentConfig, *, layout: ParameterLayout, n_min: int) -> "ServerSpec":
@@ -177,7 +183,8 @@ class ServerSpec:
             layout=layout, rounds=settings.training.rounds, clients=settings.clients, n_min=n_min,
             calibration=calibration, local=settings.local_mechanism(calibration),
             distributed=settings.distributed_noise(n_min, layout.dim) if distributed else None,
-            schedule=settings.training.schedule.build(), settings=settings))
+            schedule=settings.training.schedule.build(), settings=settings,
+            sampling=settings.training.sampling.build()))
 
     def routine_at(self, r: int) -> Routine:
         """Round r's routine: :attr:`routine` with learning rate η·s(r) of :attr:`schedule` over
@@ -205,6 +212,14 @@ def check_spec(spec: ServerSpec) -> ServerSpec:
         raise ValueError(
             f"The local routine takes its steps with η as its task says (the node checks it "
             f"against the run config); a schedule ({spec.schedule.name}) cannot reach them.")
+    if spec.sampling is not None and (spec.local is not None or spec.distributed is not None):
+        raise ValueError("Client sampling runs without the local routine and distributed noise: "
+                         "neither is accounted for a sampled cohort.")
+    if spec.calibration is not None and spec.calibration.sampling != spec.sampling:
+        raise ValueError(
+            f"The server samples {spec.sampling or 'no clients'} but its calibration is for "
+            f"{spec.calibration.sampling or 'no sampling'}: the ε reported would not be the ε "
+            "spent. Calibrate for the server's sampling.")
     if spec.calibration is not None:
         check_mechanism(spec.mechanism, spec.calibration, rounds=spec.rounds, clients=spec.clients,
                         n_min=spec.n_min, local=spec.local)
@@ -310,6 +325,16 @@ def next_plan(spec: ServerSpec, state: ServerState) -> RoundPlan:
     return plan_round(state.estimator, spec.mechanism)
 
 
+def cohort(spec: ServerSpec, state: ServerState, r: int | None = None) -> np.ndarray | None:
+    """Round r's cohort (the next round's by default): the sorted partition ids that take part,
+    drawn from the run's cohort key (:func:`~diff2_flwr.core.sampling.cohort_key` of its noise key:
+    one way, so the cohorts may be public) and r alone; None without sampling (all P)."""
+    if spec.sampling is None:
+        return None
+    r = state.estimator.round + 1 if r is None else r
+    return round_cohort(cohort_key(state.estimator.noise_key), r, spec.sampling, spec.clients)
+
+
 def charge(spec: ServerSpec, state: ServerState, plan: RoundPlan) -> PrivacyLedger | None:
     """The budget guard: the ledger after this round, or :class:`RoundRejected` ('budget') if it
     would exceed ε.
@@ -381,13 +406,16 @@ def release(spec: ServerSpec, state: ServerState, replies: Sequence[Reply],
     plan = next_plan(spec, state)
     ledger = charge(spec, state, plan)
     ledger = ledger if ledger is not None else state.ledger
-    aggregate = average_contributions(plan, spec.layout, replies, clients=spec.clients,
-                                      n_min=spec.n_min)
+    drawn = cohort(spec, state, plan.round)
+    aggregate = average_contributions(
+        plan, spec.layout, replies, clients=spec.clients, n_min=spec.n_min,
+        **({} if drawn is None else {"cohort": drawn.tolist(),
+                                     "denominator": denominator(spec.sampling, spec.clients)}))
     if spec.local is None:
         estimator, out = server_step(state.estimator, spec.mechanism, spec.routine_at(plan.round),
                                      aggregate.mean)
         return _released(spec, dataclasses.replace(state, estimator=estimator, ledger=ledger), plan,
-                         aggregate, out, {})
+                         aggregate, out, {} if drawn is None else {"cohort": drawn.tolist()})
     # check_spec checked it
     assert spec.calibration is not None and spec.calibration.local is not None
     plan, v = estimate(state.estimator, spec.mechanism, aggregate.mean)

@@ -156,14 +156,14 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
     """
     engine = study.engine
     if engine != "batch":
-        _refuse_sampled_per_run(jobs)
+        if engine == "flower":
+            _refuse_sampled_flower(jobs)
         return [Unit(engine, (j,)) for j in jobs]
     mlp = bool(jobs) and batchable(study, jobs[0].cfg)  # one model and dataset per study
     fits = [j for j in jobs if mlp and ROUTINES[j.cfg.training.routine.name].post_processing
             and not j.cfg.local.enabled and not j.cfg.privacy.distributed
             and not batch_ignores(j.cfg)]
     units = [Unit("inprocess", (j,)) for j in jobs if j not in fits]
-    _refuse_sampled_per_run([u.jobs[0] for u in units])
     groups = {(j.cfg.training.rounds, j.cfg.restart_every == 1): None for j in fits}  # R shared
     for rounds, every in groups:
         group = [j for j in fits
@@ -177,18 +177,15 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
     return sorted(units, key=unit_cost, reverse=True)  # stable: equal costs keep their order
 
 
-def _refuse_sampled_per_run(jobs: Sequence[Any]) -> None:
-    """Refuse, before any run starts, a run with ``training.sampling`` that the per-run server
-    would compute (it does not sample clients yet: :func:`~diff2_flwr.runtime.preflight_checks.
-    preflight` refuses it there too)."""
+def _refuse_sampled_flower(jobs: Sequence[Any]) -> None:
+    """Refuse, before any run starts, a run with ``training.sampling`` on the Flower engine (its
+    Strategy does not sample clients yet: :data:`~diff2_flwr.runtime.preflight_checks.
+    FLOWER_SAMPLING`)."""
+    from ...runtime.preflight_checks import FLOWER_SAMPLING  # noqa: PLC0415 -- torch-heavy module
+
     for j in jobs:
         if j.cfg.training.sampling.enabled:
-            raise ValueError(
-                f"{j.cfg.source}: training.sampling runs on the batched engine only so far, and "
-                "this run would go to the per-run engine (the study's engine is not batch, or the "
-                "run sets what the batched engine does not honour: a model that is not an MLP, a "
-                "routine on private data). Use engine: batch with an MLP, or drop "
-                "training.sampling.")
+            raise ValueError(f"{j.cfg.source}: {FLOWER_SAMPLING} (study engine: flower)")
 
 
 def unit_cost(unit: Unit) -> float:

@@ -144,9 +144,8 @@ def _run_batch(study: Study, unit: Unit, progress: Callable[[int, int], None] | 
                                  routine_params=tuple(sorted(routine.params().items())),
                                  schedule=schedule.name,
                                  schedule_params=tuple(sorted(schedule.params().items())),
-                                 # the cohorts from the run's seed (round_cohort's own domain)
-                                 sampling=j.cfg.training.sampling.build(),
-                                 cohort_seed=j.cfg.training.seed))
+                                 # its cohorts: cohort_key(seed), as the per-run server's
+                                 sampling=j.cfg.training.sampling.build()))
         model = cfg.model  # the study's, in every run config
         results = run_batch(data, specs, rounds=cfg.training.rounds, hidden=model.hidden_units,
                             model=model.name, model_kwargs=model.kwargs.as_dict(), loss=cfg.loss,
