@@ -120,7 +120,8 @@ def client_fn(context: Context) -> Client:
     client = Diff2Client if _fault(partition_id) is None else _FaultyClient
     return client(functools.partial(build_worker, cfg, partition_id,
                                     None if data_path is None else str(data_path)),
-                  guard, noise=noise, seed=cfg.training.seed).to_client()
+                  guard, noise=noise, seed=cfg.training.seed,
+                  partition_id=partition_id).to_client()
 
 
 def _fault(partition_id: int) -> int | None:

@@ -12,7 +12,6 @@ import pytest
 from diff2_flwr.core.calibration import calibrate
 from diff2_flwr.core.sampling import Sampling
 from diff2_flwr.runtime.config import ConfigError, ExperimentConfig, apply_overrides, parse_config
-from diff2_flwr.runtime.preflight_checks import PreflightError
 from diff2_flwr.runtime.spec import run_identity
 
 BASE = {"method": "diff2", "dataset": {"name": "synthetic", "num_samples": 600},
@@ -83,21 +82,30 @@ def test_a_run_without_sampling_keeps_its_identity():
     assert sampled["training"]["sampling"] == {"kind": "poisson", "rate": 0.5, "size": None}
 
 
-def test_a_flower_run_refuses_sampling_before_flower_starts():
-    """The Flower strategy does not sample clients yet: `diff2 run`'s Flower engine refuses the
-    config before launching anything, and a strategy built around a sampling server refuses too."""
-    from diff2_flwr.fl.strategy import Diff2Strategy
-    from diff2_flwr.runtime.preflight_checks import check_flower_sampling
-    from diff2_flwr.runtime.session import build_server
+def test_a_node_with_a_lifetime_budget_refuses_a_sampled_run(tmp_path):
+    """The data owner's side: its lifetime ledger composes full-batch rounds and cannot charge
+    client-sampled ones yet, so a node keeping one refuses the run at its first task, before its
+    ledger is written or any record used; without the sampling the same node admits the run."""
+    from diff2_flwr.runtime.node_guard import NodeGuard
+    from diff2_flwr.runtime.policy import NodePolicy, Refused
+    from diff2_flwr.runtime.spec import parse_section
 
-    cfg = parse_config(_with({"kind": "poisson", "rate": 0.5}))
-    with pytest.raises(PreflightError, match="the Flower strategy .* does not sample clients yet"):
-        check_flower_sampling(cfg)
-    check_flower_sampling(parse_config(BASE))  # no sampling: nothing to refuse
-    server = build_server(cfg, record=False, progress=None)
-    with pytest.raises(ValueError, match="does not sample clients yet"):
-        Diff2Strategy(server=server)
-    assert server.summary()["status"] == "failed"
+    ledger = tmp_path / "ledger.json"
+    policy = parse_section(NodePolicy, {"max_epsilon": 3.0, "max_delta": 1e-5,
+                                        "allow_seeded": True,
+                                        "lifetime": {"epsilon": 100.0, "delta": 1e-3,
+                                                     "ledger": str(ledger)}}, "policy.yaml")
+
+    def first_task(cfg):
+        guard = NodeGuard.admit_run(cfg, node="node 1", partition_id=0, run_id=1, policy=policy,
+                                    deployment=False)
+        guard.check_task(1, 1.0, np.zeros(3), None, 100, 100)
+
+    with pytest.raises(Refused, match="lifetime budget.*training.sampling"):
+        first_task(parse_config(_with({"kind": "poisson", "rate": 0.5})))
+    assert not ledger.exists()
+    first_task(parse_config(BASE))
+    assert ledger.exists()
 
 
 def test_the_in_process_engine_samples_as_the_batched_engine_does():
@@ -168,15 +176,6 @@ def test_a_study_runs_sampled_methods_on_the_batched_engine(tmp_path):
                    sampling=Sampling("poisson", rate=0.5))  # cohort key: cohort_key(7)
     direct = run_batch(data, [spec], rounds=20, eval_every=cfg.evaluation.every)[0]
     assert direct.train_loss.tolist() == sampled["train_loss"]
-
-
-def test_a_study_on_the_flower_engine_refuses_sampling_before_any_run(tmp_path):
-    from diff2_flwr.lab.study.runner import run_study
-
-    study = _study(tmp_path, engine="flower")
-    with pytest.raises(ValueError, match="does not sample clients yet"):
-        run_study(study, output_root=str(tmp_path / "out"), fresh=True, make_plots=False)
-    assert not list((tmp_path / "out").glob("**/runs/*.json"))
 
 
 def test_only_the_cohort_answers_and_its_sum_is_divided_by_the_expected_cohort():

@@ -98,7 +98,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         from ..runtime.config import AUTO_CLIENTS_DEFAULT, load_config, set_assignments
         from ..runtime.paths import resolve_config_path
-        from ..runtime.preflight_checks import check_flower_sampling
         from ..runtime.session import preflight
 
         auto_line = None
@@ -115,8 +114,6 @@ def run(args: argparse.Namespace) -> int:
                 f"diff2 run "
                          "simulates; --set training.clients=N for another number)")
         _check_node_policy(env, cfg)
-        if args.engine == "flower":
-            check_flower_sampling(cfg)
         checked = preflight(cfg)
     except (ValueError, FileNotFoundError) as err:
         return _refused(args, err, time.perf_counter() - started)

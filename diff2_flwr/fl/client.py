@@ -34,14 +34,26 @@ class Diff2Client(NumPyClient):
 
     def __init__(self, worker: Worker | Callable[[], Worker], guard: NodeGuard | None = None, *,
                  noise: Callable[[int, int], DistributedNoise] | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, partition_id: int | None = None) -> None:
         """``noise(n_min, dim)``: the run's distributed-noise settings (``privacy.noise:
         distributed``; None: central noise, the reply is the clipped mean). ``seed``:
-        ``training.seed`` for the noise share (None: OS entropy)."""
+        ``training.seed`` for the noise share (None: OS entropy). ``partition_id``: the shard this
+        node holds, as its node config says (told to a strategy that samples clients without
+        building the worker; None: the worker's)."""
         self._worker = worker
         self.guard = guard
         self.noise = noise
         self.seed = seed
+        self.partition_id = partition_id
+
+    def get_properties(self, config: dict) -> dict:
+        """Which partition this node holds, to a strategy that samples clients
+        (``protocol.PARTITION_QUERY``); nothing else is told. No record is read: the partition
+        comes from the node config."""
+        if dict(config) != protocol.PARTITION_QUERY:
+            return {}
+        p = self.partition_id if self.partition_id is not None else self.worker.partition_id
+        return {protocol.PARTITION_KEY: int(p)}
 
     @property
     def worker(self) -> Worker:

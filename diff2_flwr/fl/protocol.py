@@ -46,7 +46,7 @@ __all__ = [
     "ROUND", "KIND", "RADIUS", "N_MIN", "LOCAL_SAMPLING_PROB", "PARTITION_ID", "NUM_CLIPPED",
     "ECHO_ROUND", "OVERFLOW",
     "LOCAL", "LOCAL_STEPS", "LOCAL_BATCH_SIZE", "LOCAL_LEARNING_RATE", "LOCAL_CLIP", "LOCAL_SIGMA",
-    "LOCAL_SEED",
+    "LOCAL_SEED", "PARTITION_QUERY", "PARTITION_KEY",
     "ECHO_KIND", "WorkerTask", "encode_task", "decode_task", "encode_reply", "decode_reply",
     "is_local",
     "encode_local_task", "decode_local_task", "encode_local_reply", "decode_local_reply",
@@ -66,6 +66,10 @@ NUM_CLIPPED = "diff2.num-clipped"
 OVERFLOW = "diff2.overflow"
 
 # FitIns.config of the local phase: ROUND, KIND = LOCAL, PARTITION_ID (the chosen worker) and these
+# client sampling: the strategy asks each node once which partition it holds (get_properties)
+PARTITION_QUERY = {"diff2.query": "partition"}
+PARTITION_KEY = PARTITION_ID
+
 LOCAL = "local"
 LOCAL_STEPS = "diff2.local-steps"  # K
 LOCAL_BATCH_SIZE = "diff2.local-batch-size"  # b

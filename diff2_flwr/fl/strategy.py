@@ -1,11 +1,13 @@
 """DIFF2 as a Flower ``Strategy``: thin glue around :class:`~diff2_flwr.runtime.server.Diff2Server`
 (its pure core, :mod:`~diff2_flwr.runtime.server_core`, decides; its journal records).
 
-Every round uses all P clients. ``configure_fit`` ships x_{r-1} (and x_{r-2} and the radius
-on difference rounds); ``aggregate_fit`` requires exactly P successful replies and hands them
-to the server, which checks each one (shape, dtype, finiteness, norm <= radius, n_p >= n_min)
-and releases nothing if any check fails: the run then stops with an error naming the client
-and the check.
+Every round uses all P clients, or with ``training.sampling`` the round's cohort of partitions
+(drawn by the server; the strategy learns once which node holds which partition by
+``get_properties``, and a round whose cohort is empty is released without Flower).
+``configure_fit`` ships x_{r-1} (and x_{r-2} and the radius on difference rounds); ``aggregate_fit``
+requires exactly the asked clients' successful replies and hands them to the server, which checks
+each one (shape, dtype, finiteness, norm <= radius, n_p >= n_min) and releases nothing if any
+check fails: the run then stops with an error naming the client and the check.
 
 With the local routine (``local.steps`` = K > 0) a DIFF2 round takes two Flower rounds: the
 gradient phase above (all P clients), whose release is ṽ_r and the worker p_r drawn by the server,
@@ -22,7 +24,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from flwr.common import EvaluateIns, EvaluateRes, FitIns, FitRes, Parameters, Scalar
+from flwr.common import (EvaluateIns, EvaluateRes, FitIns, FitRes, GetPropertiesIns, Parameters,
+                         Scalar)
 from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
@@ -32,7 +35,6 @@ from ..core.aggregation import NodeRefused, RoundRejected
 from ..core.estimator import Release
 from ..core.local import LocalTask
 from ..runtime.policy import refusal_in
-from ..runtime.preflight_checks import FLOWER_SAMPLING
 from ..runtime.server import Diff2Server
 from . import protocol
 from .federation import SIMULATION_SETTLE_S, is_simulation
@@ -55,16 +57,14 @@ class Diff2Strategy(Strategy):
             raise ValueError(f"`wait_for_clients_s` must be >= 1. Found {wait_for_clients_s}.")
         if round_retries < 0:
             raise ValueError(f"`round_retries` must be >= 0. Found {round_retries}.")
-        if server.spec.sampling is not None:
-            error = ValueError(FLOWER_SAMPLING)
-            server.fail(error)
-            raise error
         self.server = server
         self.wait_for_clients_s = wait_for_clients_s
         self.retries_left = round_retries
         # fault injection (tests): die after releasing this round
         self.crash_after_round = crash_after_round
         self._asked: set[str] = set()
+        # client sampling: which partition each connected node holds (asked once, get_properties)
+        self._partitions: dict[str, int] = {}
         # A resumed server continues at its next round; Flower numbers this run's rounds from 1.
         self.offset = server.state.round
         # Flower rounds per DIFF2 round: the gradient phase, and with the local routine the local
@@ -120,8 +120,50 @@ class Diff2Strategy(Strategy):
                                                                                       available)))
         arrays, config = protocol.encode_task(plan, self.server.layout, self.server.n_min)
         fit_ins = FitIns(parameters=ndarrays_to_parameters(arrays), config=config)
-        self._asked = set(available)
-        return [(proxy, fit_ins) for _, proxy in sorted(available.items())]
+        chosen = sorted(available.items())
+        cohort = self.server.cohort()  # None: every client (no sampling)
+        if cohort is not None:
+            nodes = self._partitions_of(available, plan.round)
+            chosen = [(cid, available[cid]) for cid in sorted(available) if nodes[cid] in cohort]
+            if not chosen:  # nobody drawn: the round releases its noise alone, without Flower
+                self._empty_round(plan.round)
+                return []
+        self._asked = {cid for cid, _ in chosen}
+        return [(proxy, fit_ins) for _, proxy in chosen]
+
+    def _partitions_of(self, available: dict[str, ClientProxy], r: int) -> dict[str, int]:
+        """Which partition each connected node holds (client sampling addresses partitions): asked
+        once per node with ``get_properties`` (the node answers from its node config, before
+        reading any record) and kept; a federation whose nodes do not hold partitions 0..P-1 once
+        each stops the run (nothing released)."""
+        for cid, proxy in sorted(available.items()):
+            if cid in self._partitions:
+                continue
+            try:
+                res = proxy.get_properties(GetPropertiesIns(config=protocol.PARTITION_QUERY),
+                                           timeout=float(self.wait_for_clients_s), group_id=r)
+                self._partitions[cid] = int(res.properties[protocol.PARTITION_KEY])
+            except Exception as err:  # no answer, or not ours: the cohort cannot be addressed
+                self._stop(RoundRejected(
+                    r, "partitions", f"node {cid} did not say which partition it holds "
+                    f"({type(err).__name__}: {err}); client sampling addresses partitions.",
+                    f"node {cid}"))
+        held = sorted(self._partitions[cid] for cid in available)
+        if held != list(range(self.server.clients)):
+            self._stop(RoundRejected(
+                r, "partitions", f"the {len(available)} connected nodes hold partitions {held}; "
+                f"client sampling needs partitions 0..{self.server.clients - 1} once each."))
+        return {cid: self._partitions[cid] for cid in available}
+
+    def _empty_round(self, r: int) -> None:
+        """Release round r with an empty cohort (its noise alone): Flower skips a round with no
+        client, so the server releases it here; the next Flower round is round r + 1."""
+        try:
+            released = self.server.release([])
+        except Exception as err:
+            self._stop(err)
+        self._asked = set()
+        self._released(released)  # type: ignore[arg-type]
 
     def _configure_local(self, server_round: int, r: int) -> list[tuple[ClientProxy, FitIns]]:
         """The local phase of round r: x_{r-1} and ṽ_r to the chosen worker's node only."""

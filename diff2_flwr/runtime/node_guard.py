@@ -245,6 +245,11 @@ class NodeGuard:
                              "this node keeps a lifetime budget, whose ledger composes central "
                              "Gaussian runs; a run with privacy.noise: distributed (Skellam) is "
                              "not charged to it yet, so it is refused.")
+            if self.cfg.training.sampling.enabled:
+                self._refuse("lifetime budget",
+                             "this node keeps a lifetime budget, whose ledger composes full-batch "
+                             "rounds; a run with training.sampling (client-sampled rounds) is not "
+                             "charged to it yet, so it is refused.")
             self._charge(cal)
         return cal
 

@@ -28,25 +28,8 @@ from .shard_report import check_shards, shard_lines
 from .step_report import names_of
 from .workers import compute_dtype, make_worker
 
-__all__ = ["FLOWER_SAMPLING", "PROBE_RECORDS", "Preflight", "PreflightError",
-           "check_flower_sampling", "preflight", "preflight_strategy", "privacy_warnings"]
-
-
-#: Why a Flower run refuses ``training.sampling`` (for now): its Strategy asks every connected node
-#: and learns which partition a node holds from its reply, so it cannot address a cohort of
-#: partitions before the round.
-FLOWER_SAMPLING = ("training.sampling runs on the in-process engine (diff2 run --engine inprocess) "
-                   "and in studies so far; the Flower strategy (flwr run, diff2 run's default "
-                   "engine, the Python API, deployments) does not sample clients yet: it learns "
-                   "which node holds which partition from their replies. Use --engine inprocess "
-                   "or a study, or set training.sampling.kind: none.")
-
-
-def check_flower_sampling(cfg: ExperimentConfig) -> None:
-    """Refuse ``training.sampling`` on a Flower run, before Flower starts (:data:`FLOWER_SAMPLING`);
-    the Strategy refuses a sampling server too, for the paths that build one directly."""
-    if cfg.training.sampling.enabled:
-        raise PreflightError(f"{cfg.source}: {FLOWER_SAMPLING}")
+__all__ = ["PROBE_RECORDS", "Preflight", "PreflightError", "preflight", "preflight_strategy",
+           "privacy_warnings"]
 
 
 def privacy_warnings(cfg: ExperimentConfig, n_train: int) -> list[str]:

@@ -156,8 +156,6 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
     """
     engine = study.engine
     if engine != "batch":
-        if engine == "flower":
-            _refuse_sampled_flower(jobs)
         return [Unit(engine, (j,)) for j in jobs]
     mlp = bool(jobs) and batchable(study, jobs[0].cfg)  # one model and dataset per study
     fits = [j for j in jobs if mlp and ROUTINES[j.cfg.training.routine.name].post_processing
@@ -175,17 +173,6 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
             size = -(-len(group) // count)
             units += [Unit(engine, tuple(group[i:i + size])) for i in range(0, len(group), size)]
     return sorted(units, key=unit_cost, reverse=True)  # stable: equal costs keep their order
-
-
-def _refuse_sampled_flower(jobs: Sequence[Any]) -> None:
-    """Refuse, before any run starts, a run with ``training.sampling`` on the Flower engine (its
-    Strategy does not sample clients yet: :data:`~diff2_flwr.runtime.preflight_checks.
-    FLOWER_SAMPLING`)."""
-    from ...runtime.preflight_checks import FLOWER_SAMPLING  # noqa: PLC0415 -- torch-heavy module
-
-    for j in jobs:
-        if j.cfg.training.sampling.enabled:
-            raise ValueError(f"{j.cfg.source}: {FLOWER_SAMPLING} (study engine: flower)")
 
 
 def unit_cost(unit: Unit) -> float:
