@@ -93,6 +93,7 @@ def test_a_node_with_a_lifetime_budget_refuses_a_sampled_run(tmp_path):
     ledger = tmp_path / "ledger.json"
     policy = parse_section(NodePolicy, {"max_epsilon": 3.0, "max_delta": 1e-5,
                                         "allow_seeded": True,
+                                        "answers": str(tmp_path / "answers.log"),
                                         "lifetime": {"epsilon": 100.0, "delta": 1e-3,
                                                      "ledger": str(ledger)}}, "policy.yaml")
 
