@@ -111,6 +111,9 @@ def make_strategy(  # noqa: PLR0913 -- public API: keyword arguments mirror the 
     bits: int = 20,
     tolerated: int = 0,
     wrap: float = 1e-6,
+    sampling: str = "none",
+    sampling_rate: float | None = None,
+    sampling_size: int | None = None,
     progress: Callable[[str], None] | None = print,
 ) -> Diff2Strategy:
     """A Flower ``Strategy`` that runs DIFF2 with (ε, δ)-DP for ``rounds`` rounds over all
@@ -166,6 +169,13 @@ def make_strategy(  # noqa: PLR0913 -- public API: keyword arguments mirror the 
             runs the rounds with :func:`diff2_flwr.run_secure` and every ClientApp has
             :func:`diff2_flwr.secure_sum_mod` and a :func:`make_client` given the same
             ``distributed`` settings.
+        sampling, sampling_rate, sampling_size: client sampling, as the experiment file's
+            ``training.sampling``: "none" (every round asks all P clients), "poisson" (each client
+            with probability ``sampling_rate``) or "fixed" (``sampling_size`` clients without
+            replacement); the round's sum is divided by the expected cohort and the noise is
+            calibrated for sampled rounds (docs/explanation/algorithm.md). The strategy asks each
+            node once which partition it holds (``get_properties``, answered by
+            :func:`make_client`'s client). Not with the local routine or distributed noise.
         progress: where progress lines go (None: silent).
 
     Returns:
@@ -277,7 +287,7 @@ def make_client(  # noqa: PLR0913 -- public API: keyword-only, one argument per 
             "noise is calibrated for clients holding n_min or more, and the server refuses a reply "
             "from fewer; lower the strategy's n_min to the smallest client's count",
             f"{worker.num_samples} records")
-    return Diff2Client(worker, noise=noise, seed=seed)
+    return Diff2Client(worker, noise=noise, seed=seed, partition_id=partition_id)
 
 
 _DISTRIBUTED_REQUIRED = ("epsilon", "delta", "rounds", "restart_every", "clients")

@@ -29,6 +29,8 @@ import diff2_flwr
 from diff2_flwr.core.aggregation import RoundRejected
 from diff2_flwr.core.closed_form import PaperMLPGradients
 from diff2_flwr.core.gradients import PerSampleGradients
+from diff2_flwr.core.sampling import Sampling
+from diff2_flwr.fl import protocol
 from diff2_flwr.fl.client import Diff2Client
 from diff2_flwr.fl.strategy import Diff2Strategy
 from diff2_flwr.runtime.checkpoint import CheckpointError
@@ -666,3 +668,28 @@ def test_make_strategy_releases_clip_statistics_only_when_asked_and_warns():
                        match=r"^diff2_flwr.make_strategy: argument `clip_stats`: expected "
                              r"true/false. Found 'yes'\.$"):
         diff2_flwr.make_strategy(**ARGS, n_min=10, model=model(), clip_stats="yes", progress=None)
+
+
+def test_client_sampling_through_the_api_refuses_as_the_file_does():
+    """make_strategy's sampling arguments build the sampled server (its calibration for the
+    cohort), and refuse a bad value naming the argument, as `training.sampling.*` is refused."""
+    model = TanhMLP(in_features=2, out_features=1)
+    strategy = diff2_flwr.make_strategy(**{**ARGS, "clients": 4}, n_min=10, model=model,
+                                        sampling="fixed", sampling_size=2, progress=None)
+    server = strategy.server
+    assert server.spec.sampling == Sampling("fixed", size=2)
+    assert server.calibration.sampling_prob == 0.5
+    assert len(server.cohort()) == 2
+    with pytest.raises(ConfigError, match=r"argument `sampling_rate`: expected a number in \(0, "
+                                          r"1\] with kind poisson"):
+        diff2_flwr.make_strategy(**ARGS, n_min=10, model=model, sampling="poisson",
+                                 sampling_rate=1.5, progress=None)
+    with pytest.raises(ConfigError, match=r"argument `sampling_size`: expected at most the P"):
+        diff2_flwr.make_strategy(**{**ARGS, "clients": 4}, n_min=10, model=model,
+                                 sampling="fixed", sampling_size=5, progress=None)
+    # make_client's client tells a sampling strategy its partition, and nothing else
+    x = np.random.default_rng(0).normal(size=(12, 2))
+    client = diff2_flwr.make_client(model=model, loss=half_squared_error, data=(x, x[:, :1]),
+                                    partition_id=3)
+    assert client.get_properties(protocol.PARTITION_QUERY) == {protocol.PARTITION_KEY: 3}
+    assert client.get_properties({}) == {}
