@@ -786,6 +786,56 @@ struct Aligned {
   V& operator[](size_t i) { return ptr[i]; }
 };
 
+// Two-valued columns (fused.py's ``two_valued``): ``T`` columns ``cols`` of x whose records take the value ``base``
+// (the smaller magnitude) or ``minor`` only. Their W_1 sums are Σ_n u_n x_nj = b_j (S - S_min,j - S_exc,j) + m_j S_min,j
+// + E_j, u_n = c dg_1 of sample n as the W_1 sums take it (float64 c dg_1; float32 mode: fl32(c S dg_1)), S = Σ_n u_n,
+// S_min,j over the records whose value is m_j, and for a record with another value v (an exception: none in the data
+// the layout was taken from, but the kernel takes any record) S_exc,j = Σ u_n and E_j = Σ u_n v. The entries go by
+// block of TWO_FLUSH samples of a client (fixed positions), then by slot: block b of client p holds the groups
+// blk[p·nb + b] .. blk[p·nb + b + 1] - 1, group g the slot grp[g] (-1 - t for exceptions) and the entries
+// start[g] .. start[g + 1] - 1, each a record's offset in the block (``row``) and its value (``val``). A group's sum
+// (at most TWO_FLUSH terms, in record order) is a float64 partial, added into the client's total; S in float32 mode
+// in float64 lane sums (the b_1 sums are float32 windows). The dense columns ``dcols`` (FD) keep the product path
+// (x_rows holds them only).
+struct TwoValued {
+  int64_t T = 0;
+  const int64_t* cols = nullptr;
+  const double *base = nullptr, *minor = nullptr;
+  const int64_t* blk = nullptr;
+  const int32_t* grp = nullptr;
+  const int64_t* start = nullptr;
+  const int32_t* row = nullptr;
+  const double* val = nullptr;
+  const int64_t* dcols = nullptr;
+  int64_t FD = 0;
+};
+constexpr int64_t TWO_SUB = 64;     // samples per sub-block of u (fused.py's PRODUCT_BLOCK: float32 mode's rows)
+constexpr int64_t TWO_FLUSH = 256;  // samples per block of the two-valued sums (fused.py's TWO_VALUED_BLOCK)
+
+// One group's sums, HP = C·8 doubles at a time (C = 2: two vectors, H <= 16; else C = 1, HP / 8 passes): the rows
+// ``row[e]`` of ``ub`` [., HP] added in entry order from 0, then into ``o``; with ``val`` (exceptions) also the rows
+// times their values into ``ov``.
+template <int C>
+inline void group_sums(const double* __restrict ub, int64_t HP, const int32_t* __restrict row, int64_t e0, int64_t e1,
+                       const double* __restrict val, double* __restrict o, double* __restrict ov) {
+  for (int64_t h0 = 0; h0 < HP; h0 += 8 * C) {
+    double acc[8 * C], accv[8 * C];
+    for (int i = 0; i < 8 * C; ++i) { acc[i] = 0.0; accv[i] = 0.0; }
+    for (int64_t e = e0; e < e1; ++e) {
+      const double* ur = ub + row[e] * HP + h0;
+      if (val == nullptr) {
+        for (int i = 0; i < 8 * C; ++i) acc[i] = acc[i] + ur[i];
+      } else {
+        const double v = val[e];
+        for (int i = 0; i < 8 * C; ++i) { acc[i] = acc[i] + ur[i]; accv[i] = accv[i] + ur[i] * v; }
+      }
+    }
+    for (int i = 0; i < 8 * C; ++i) o[h0 + i] = o[h0 + i] + acc[i];
+    if (val != nullptr)
+      for (int i = 0; i < 8 * C; ++i) ov[h0 + i] = ov[h0 + i] + accv[i];
+  }
+}
+
 // The forward pass, when ``par`` is set: per run its parameters [K, d] in T, the activation and loss codes, the
 // inputs xt [F, M] and targets y [M] in T; it writes a, φ', g_L (the arrays a, dphi, gl) and ℓ [K, M] block by
 // block, each block just before its backward pass reads it from the caches.
@@ -797,13 +847,56 @@ struct Forward {
   T* ls;
 };
 
+// The two-valued sums of one run for a client (the entries of its blocks ``blk[0] .. blk[nb]``, of ``tv``): u [H]
+// rows ``stride`` apart, sub-block q's (TWO_SUB samples) from u + q·bstride (in float32 mode rows of 64 lanes, the
+// padding 0); per block of TWO_FLUSH samples its u transposed to ``ub`` [TWO_FLUSH, HP] (float64, H padded to HP: whole
+// vectors), then per group its slot's sums in registers (group_sums), added into the totals ``tot`` [3, T, HP] (S_min,
+// S_exc, E); with ``lanes`` [H, BLOCK] (float32 mode), S's lane sums, sample n in lane n mod BLOCK, in sample order.
+template <typename U>
+__attribute__((noinline)) void two_valued_sums(const U* __restrict u, int64_t stride, int64_t bstride, int64_t N,
+                                               int64_t H, int64_t HP,
+                                               const TwoValued& tv, const int64_t* __restrict blk,
+                                               double* __restrict ub, double* __restrict tot,
+                                               double* __restrict lanes) {
+  const int64_t TH = tv.T * HP, nb = (N + TWO_FLUSH - 1) / TWO_FLUSH;
+  const int32_t* __restrict grp = tv.grp;
+  const int64_t* __restrict start = tv.start;
+  const int32_t* __restrict row = tv.row;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t n0 = b * TWO_FLUSH, width = std::min<int64_t>(TWO_FLUSH, N - n0);
+    const bool any = blk[b] != blk[b + 1];
+    for (int64_t q0 = 0; q0 < width; q0 += TWO_SUB) {
+      const U* ublk = u + (n0 + q0) / TWO_SUB * bstride;
+      const int64_t w = std::min<int64_t>(TWO_SUB, width - q0);
+      if (lanes != nullptr)  // whole blocks of BLOCK lanes (float32 mode: the rows' padding past N is 0)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j0 = 0; j0 < w; j0 += BLOCK)
+            for (int64_t j = 0; j < BLOCK; ++j)
+              lanes[h * BLOCK + j] = lanes[h * BLOCK + j] + static_cast<double>(ublk[h * stride + j0 + j]);
+      if (any)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t r = 0; r < w; ++r) ub[(q0 + r) * HP + h] = static_cast<double>(ublk[h * stride + r]);
+    }
+    for (int64_t g = blk[b]; g < blk[b + 1]; ++g) {
+      const int32_t s = grp[g];
+      const int64_t t = s >= 0 ? s : -1 - static_cast<int64_t>(s);
+      const double* val = s >= 0 ? nullptr : tv.val;  // exceptions: S_exc and E
+      double* o = tot + (s >= 0 ? 0 : TH) + t * HP;
+      if (HP == 16)
+        group_sums<2>(ub, HP, row, start[g], start[g + 1], val, o, tot + 2 * TH + t * HP);
+      else
+        group_sums<1>(ub, HP, row, start[g], start[g + 1], val, o, tot + 2 * TH + t * HP);
+    }
+  }
+}
+
 template <typename T>
 void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, const T* a, const T* dphi,
            const T* gl, const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p,
            const uint8_t* restart, const double* x, const double* sqa, const double* mask, const double* radius,
            double* sums, uint8_t* overflow, void* cd1v, bool blocked, double kappa, double kappa_s,
            double* factors, const double* scale, int64_t flush, int64_t pblock, const float* xrows, int64_t fpad,
-           const Forward<T>& fw = Forward<T>{}) {
+           const TwoValued& tv = TwoValued{}, const Forward<T>& fw = Forward<T>{}) {
   const int64_t d = H * F + H + O * H + O, M = P * N;
   // Float32 windows (``scale`` set, T = float: fused.py's accumulate="float32"): run k's terms times scale[k] (a power
   // of two) in float32 lane partials, added into the float64 ones every ``flush`` blocks of a client (windows at fixed
@@ -838,6 +931,12 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
   std::vector<double> tcd1(H * BLOCK), tfac(BLOCK);
   Aligned<double> acc(d * BLOCK), work((3 * H + 2 * O) * BLOCK);
   const int64_t full = N - N % BLOCK, tail = N - full;
+  // Two-valued columns (after a client's runs, per run): the totals of S_min, S_exc, E [3, T, HP] (H padded to HP, a
+  // multiple of 8: a group's sums are whole vectors), a block's u transposed, S's lanes (float32 mode).
+  const bool two = tv.blk != nullptr;
+  const int64_t HP = (H + 7) / 8 * 8, TH = two ? tv.T * HP : 0, tnb = (N + TWO_FLUSH - 1) / TWO_FLUSH;
+  Aligned<double> ttot(3 * TH), tub(two ? TWO_FLUSH * HP : 0);
+  std::vector<double> tsall(two ? H * BLOCK : 0);
   // the last, partial block of a client: copies padded with zeros (mask 0: clip factor 0, never an overflow)
   std::vector<T> ta(H * BLOCK, T(0)), tdphi(H * BLOCK, T(0)), tgl(O * BLOCK, T(0)), tap(H * BLOCK, T(0)),
       tdphip(H * BLOCK, T(0)), tglp(O * BLOCK, T(0));
@@ -993,6 +1092,14 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
           block_product(cdbuf.data() + (blk * K + k) * H * pblock, xblk, H, pblock, fpad, prod.data());
           const double inv = 1.0 / scale[k];
           double* w = wacc.data() + k * H * F;
+          if (two) {  // the dense columns only
+            for (int64_t h = 0; h < H; ++h)
+              for (int64_t f = 0; f < tv.FD; ++f) {
+                double& wf = w[h * F + tv.dcols[f]];
+                wf = wf + static_cast<double>(prod[h * fpad + f]) * inv;
+              }
+            continue;
+          }
           for (int64_t h = 0; h < H; ++h)
             for (int64_t f = 0; f < F; ++f) w[h * F + f] = w[h * F + f] + static_cast<double>(prod[h * fpad + f]) * inv;
         }
@@ -1000,6 +1107,35 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
       for (int64_t k = 0; k < K; ++k)
         std::memcpy(sums + (p * K + k) * d, wacc.data() + k * H * F, sizeof(double) * H * F);
     }
+    if (two)  // W_1's two-valued sums, per run: b (S - S_min - S_exc) + m S_min + E, in float64 (divided by S: exact)
+      for (int64_t k = 0; k < K; ++k) {
+        std::memset(ttot.data(), 0, sizeof(double) * ttot.size());
+        std::fill(tsall.begin(), tsall.end(), 0.0);
+        const int64_t* blk = tv.blk + p * tnb;
+        if (f32)
+          two_valued_sums(cdbuf.data() + k * H * pblock, pblock, K * H * pblock, N, H, HP, tv, blk, tub.data(),
+                          ttot.data(), tsall.data());
+        else
+          two_valued_sums(cd1 + k * H * M + p * N, M, TWO_SUB, N, H, HP, tv, blk, tub.data(), ttot.data(),
+                          static_cast<double*>(nullptr));
+        double* out = sums + (p * K + k) * d;
+        const double inv = f32 ? 1.0 / scale[k] : 1.0;
+        const double *tmin = ttot.data(), *texs = tmin + TH, *tes = texs + TH;
+        for (int64_t h = 0; h < H; ++h) {
+          double all = out[H * F + h];  // float64 mode: S is the b_1 sum
+          if (f32) {
+            const double* lane = tsall.data() + h * BLOCK;
+            all = lane[0];
+            for (int64_t j = 1; j < BLOCK; ++j) all = all + lane[j];
+          }
+          for (int64_t t = 0; t < tv.T; ++t) {
+            const int64_t i = t * HP + h;
+            const double rest = (all - tmin[i]) - texs[i];
+            const double v = (tv.base[t] * rest + tv.minor[t] * tmin[i]) + tes[i];
+            out[h * F + tv.cols[t]] = f32 ? v * inv : v;
+          }
+        }
+      }
   }
 }
 
@@ -1015,9 +1151,13 @@ int64_t diff2_fused_block() { return BLOCK; }
             const T* w2, const T* ap, const T* dphip, const T* glp, const T* w2p, const uint8_t* restart,         \
             const double* x, const double* sqa, const double* mask, const double* radius, double* sums,           \
             uint8_t* overflow, void* cd1, int64_t blocked, double kappa, double kappa_s, double* factors,         \
-            const double* scale, int64_t flush, int64_t pblock, const float* xrows, int64_t fpad) {              \
+            const double* scale, int64_t flush, int64_t pblock, const float* xrows, int64_t fpad, int64_t tT,        \
+            const int64_t* tcols, const double* tbase, const double* tminor, const int64_t* tblk,                \
+            const int32_t* tgrp, const int64_t* tstart, const int32_t* trow, const double* tval,                 \
+            const int64_t* tdcols, int64_t tFD) {                                                                \
+    const TwoValued tv{tT, tcols, tbase, tminor, tblk, tgrp, tstart, trow, tval, tdcols, tFD};                 \
     fused<T>(P, K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums, overflow, \
-             cd1, blocked != 0, kappa, kappa_s, factors, scale, flush, pblock, xrows, fpad);                     \
+             cd1, blocked != 0, kappa, kappa_s, factors, scale, flush, pblock, xrows, fpad, tv);                 \
   }
 
 DIFF2_FUSED_ENTRY(diff2_fused_f32, float)
@@ -1031,10 +1171,14 @@ DIFF2_FUSED_ENTRY(diff2_fused_f64, double)
             const T* dphip, const T* glp, const T* w2p, const uint8_t* restart, const double* x,                 \
             const double* sqa, const double* mask, const double* radius, double* sums, uint8_t* overflow,         \
             void* cd1, int64_t blocked, double kappa, double kappa_s, double* factors, const double* scale,        \
-            int64_t flush, int64_t pblock, const float* xrows, int64_t fpad) {                                   \
+            int64_t flush, int64_t pblock, const float* xrows, int64_t fpad, int64_t tT, const int64_t* tcols,    \
+            const double* tbase, const double* tminor, const int64_t* tblk, const int32_t* tgrp,                 \
+            const int64_t* tstart, const int32_t* trow, const double* tval, const int64_t* tdcols,               \
+            int64_t tFD) {                                                                                         \
     const Forward<T> fw{par, static_cast<int>(act), static_cast<int>(loss), xt, y, ls};                        \
+    const TwoValued tv{tT, tcols, tbase, tminor, tblk, tgrp, tstart, trow, tval, tdcols, tFD};                 \
     fused<T>(P, K, H, O, F, N, a, dphi, gl, w2, ap, dphip, glp, w2p, restart, x, sqa, mask, radius, sums,      \
-             overflow, cd1, blocked != 0, kappa, kappa_s, factors, scale, flush, pblock, xrows, fpad, fw);       \
+             overflow, cd1, blocked != 0, kappa, kappa_s, factors, scale, flush, pblock, xrows, fpad, tv, fw);   \
   }
 
 DIFF2_FORWARD_ENTRY(diff2_forward_f32, float)

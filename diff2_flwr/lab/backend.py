@@ -67,9 +67,12 @@ class ClientGroup:
     x64_t: torch.Tensor
     sq_a: torch.Tensor
     mask: torch.Tensor
-    # [clients, N, F] float64 when the first layer's sums are a matrix product
+    # [clients, N, F] float64 when the first layer's sums are a matrix product (with two_valued:
+    # [clients, N, F_D], the dense columns only)
     x_rows: torch.Tensor | None
     blocked: bool = False
+    #: the two-valued columns' layout and entries (:func:`~diff2_flwr.core.fused.two_valued`)
+    two_valued: fused.TwoValued | None = None
 
     def to_blocked(self, block: int) -> ClientGroup:
         """This group (in rows) with its inputs in the kernel's blocked layout (blocks of ``block``
@@ -113,22 +116,42 @@ class Batch:
         self.x_test_t = torch.as_tensor(data.x_test, dtype=dtype).T.contiguous().to(self.device)
         self.y_test = torch.as_tensor(data.y_test, dtype=dtype).to(self.device)
         self.dtype = dtype
+        self._two_valued: tuple[torch.Tensor, ...] | None = None
 
-    def groups(self, runs: int, width: int, cap: int = 32 << 20) -> list[ClientGroup]:
+    def two_valued_columns(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The columns taking at most two values over the test split's records, with their base and
+        other values (:func:`~diff2_flwr.core.fused.two_valued_columns`), found once. The test
+        split, not the training records: the layout then depends on no training record (a
+        neighbouring dataset gets the same one, and float32 accumulation's 2C holds exactly); a
+        training record outside it is an exception entry, taken exactly."""
+        if self._two_valued is None:
+            records = self.x_test_t.T.cpu().to(torch.float64).contiguous()
+            self._two_valued = fused.two_valued_columns(records)
+        return self._two_valued  # type: ignore[return-value]
+
+    def groups(self, runs: int, width: int, cap: int = 32 << 20, *,
+               two_valued: bool = False) -> list[ClientGroup]:
         """Clients in groups of consecutive ones (equal sizes but the last) whose [runs, width,
         samples] tensors in the compute dtype stay under ``cap`` bytes (at least one client each):
         one forward call and one fused kernel call per group and round. Under 32 MB glibc reuses
-        their memory (see retain_freed_memory)."""
+        their memory (see retain_freed_memory). ``two_valued`` (more than
+        :data:`KERNEL_W1_FEATURES` features): each group's :class:`~diff2_flwr.core.fused.TwoValued`
+        of :meth:`two_valued_columns`, its ``x_rows`` the dense columns only."""
         per_client = runs * width * self.N * torch.finfo(self.dtype).bits // 8
         size = max(1, min(self.P, cap // max(1, per_client)))
+        layout = self.two_valued_columns() if two_valued else None
         out = []
         for p0 in range(0, self.P, size):
             cols = slice(p0 * self.N, min(self.P, p0 + size) * self.N)
             rows = self.a64[p0:p0 + size] if self.F > KERNEL_W1_FEATURES else None
+            tv = None
+            if layout is not None and rows is not None:
+                tv = fused.two_valued(rows, self.mask[cols], *layout)
+                rows = rows[..., tv.dense].contiguous()
             out.append(ClientGroup(len(range(p0, min(self.P, p0 + size))),
                                    self.a_t[:, cols].contiguous(), self.y[cols],
                               self.a64_t[:, cols].contiguous(), self.sq_a[cols], self.mask[cols],
-                              rows))
+                              rows, two_valued=tv))
         return out
 
 
@@ -206,7 +229,7 @@ def _fused_round(  # noqa: PLR0913 -- a round's inputs, and the accumulation's
     sums, overflow = fused.clipped_sums(kernel, cur, group.x64_t, group.sq_a, group.mask, radius,
                                         prev, restart, clients=group.clients,
                                         x_rows=group.x_rows if rows is None else rows,
-                                        accumulate=accumulate)
+                                        accumulate=accumulate, two_valued=group.two_valued)
     return sums, overflow, cur, loss
 
 
@@ -344,14 +367,23 @@ class FusedBackend:
     wins (measured on KDD Cup 99's 118, K = 8, float32, compiled, one thread: 147 ms CPU per
     configuration-round with the kernel's forward against 62 ms with torch's).
 
+    ``two_valued`` (opt-in; torch's forward, more than :data:`KERNEL_W1_FEATURES` features and at
+    least :data:`~diff2_flwr.core.fused.TWO_VALUED_MIN_COLUMNS` columns that take two values over
+    the test split, :meth:`Batch.two_valued_columns`): the first layer's sums of those columns
+    from the kernel's minority sums (:mod:`diff2_flwr.core.fused`, "Two-valued columns"), the
+    dense columns' as before; float32
+    accumulation then clips at its slightly larger ρ. Refused in one line where it cannot apply.
+
     ``accumulate="float32"`` (a float32 batch only; default "float64"): the rounds' clipped sums
     through the kernel's float32 accumulation (:mod:`diff2_flwr.core.fused`: clipped at a radius
     shorter by ρ ≈ 2.4e-4, so that each client sum's sensitivity stays 2C); the evaluation's
     unclipped sums stay float64."""
 
-    def __init__(self, kernel: fused.FusedKernel, mlp: MLP, batch: Batch, runs: int, *,
+    def __init__(  # noqa: PLR0913 -- keyword-only options, as choose_backend's
+            self, kernel: fused.FusedKernel, mlp: MLP, batch: Batch, runs: int, *,
                  compile: bool = False, compiled: CompiledFunctions = COMPILED,
-                 forward: str | None = None, accumulate: str = "float64") -> None:
+                 forward: str | None = None, accumulate: str = "float64",
+                 two_valued: bool = False) -> None:
         _check_accumulate(accumulate, batch, "FusedBackend")
         if batch.device.type != "cpu":
             raise ValueError(
@@ -368,9 +400,13 @@ class FusedBackend:
         if forward not in ("kernel", "torch"):
             raise ValueError(
                 f"FusedBackend: forward must be 'kernel' or 'torch'. Found {forward!r}.")
+        if two_valued:
+            _check_two_valued(batch, forward)
         self.kernel, self.mlp, self.batch, self.runs = kernel, mlp, batch, runs
         self.head = None if forward == "kernel" else _head(mlp, compile, compiled)
-        self.groups = batch.groups(runs, max(mlp.sizes[1:]))
+        width = max(mlp.sizes[1:])
+        self.groups = (batch.groups(runs, width, two_valued=True) if two_valued
+                       else batch.groups(runs, width))
         # the kernel's forward: inputs and parts in its blocked layout (same bits, fewer streams)
         if self.head is None:
             self.groups = [group.to_blocked(kernel.block) for group in self.groups]
@@ -408,7 +444,8 @@ class FusedBackend:
                                                                                 torch.Tensor]:
         """Unclipped gradient sums [P, K, d] and losses [K, M] (float64) of this round's parts."""
         sums = [fused.clipped_sums(self.kernel, part, group.x64_t, group.sq_a, group.mask,
-                                   self._no_clip, clients=group.clients, x_rows=group.x_rows)[0]
+                                   self._no_clip, clients=group.clients, x_rows=group.x_rows,
+                                   two_valued=group.two_valued)[0]
                 for part, group in zip(parts, self.groups)]
         return (sums[0] if len(sums) == 1 else torch.cat(sums)), loss.to(torch.float64)
 
@@ -428,6 +465,22 @@ def _check_radii(radius: torch.Tensor, who: str) -> None:
             "holds); the round releases nothing.")
 
 
+def _check_two_valued(batch: Batch, forward: str) -> None:
+    """Refuse ``two_valued`` where it cannot apply: the kernel's forward (few features: its lanes
+    take the first layer's sums), or fewer two-valued columns than pay."""
+    if forward != "torch" or batch.F <= KERNEL_W1_FEATURES:
+        raise ValueError(
+            f"run_batch: two_valued is for torch's forward with more than {KERNEL_W1_FEATURES} "
+            f"features (the first layer's sums by products); found {batch.F} features and the "
+            f"{forward}'s forward. Drop two_valued.")
+    found = batch.two_valued_columns()[0].numel()
+    if found < fused.TWO_VALUED_MIN_COLUMNS:
+        raise ValueError(
+            f"run_batch: two_valued needs at least {fused.TWO_VALUED_MIN_COLUMNS} columns that "
+            f"take two values over the test split's records to pay; found {found} of {batch.F}. "
+            "Drop two_valued.")
+
+
 def _check_accumulate(accumulate: str, batch: Batch, who: str) -> None:
     """Refuse an accumulation that is not 'float64', or 'float32' for a float32 batch (the same
     refusal whichever backend would run)."""
@@ -439,7 +492,7 @@ def _check_accumulate(accumulate: str, batch: Batch, who: str) -> None:
 
 def choose_backend(mlp: MLP, batch: Batch, runs: int, *, compile: bool = False,
                    compiled: CompiledFunctions = COMPILED,
-                   accumulate: str = "float64") -> RoundBackend:
+                   accumulate: str = "float64", two_valued: bool = False) -> RoundBackend:
     """The backend for ``runs`` runs of ``mlp`` on ``batch``, chosen once: the fused kernel for an
     MLP with one hidden layer where it loads (:func:`diff2_flwr.core.fused.load`: built once per
     machine, loaded once per process), the torch path otherwise.
@@ -452,13 +505,21 @@ def choose_backend(mlp: MLP, batch: Batch, runs: int, *, compile: bool = False,
         compiled: where compiled functions are kept (the process-wide :data:`COMPILED` by default).
         accumulate: the fused backend's accumulation (:class:`FusedBackend`); the torch backend
             always accumulates in float64.
+        two_valued: the fused backend's two-valued columns path (:class:`FusedBackend`); refused
+            where the torch backend would run.
     """
     _check_accumulate(accumulate, batch, "run_batch")
     kernel = fused.load() if len(mlp.sizes) == 3 and batch.device.type == "cpu" else None
     if kernel is None:  # deeper MLPs, no C++ compiler, or a batch on a GPU (the kernel is CPU code)
+        if two_valued:
+            raise ValueError(
+                "run_batch: two_valued is the fused kernel's (an MLP with one hidden layer, on the "
+                f"CPU, a C++ compiler); found widths {mlp.sizes} on {batch.device}"
+                f"{'' if len(mlp.sizes) != 3 or batch.device.type != 'cpu' else ', no kernel'}. "
+                "Drop two_valued.")
         return TorchBackend(mlp, batch, runs, compile=compile, compiled=compiled)
     return FusedBackend(kernel, mlp, batch, runs, compile=compile, compiled=compiled,
-                        accumulate=accumulate)
+                        accumulate=accumulate, two_valued=two_valued)
 
 
 def retain_freed_memory() -> None:

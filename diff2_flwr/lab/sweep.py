@@ -472,6 +472,7 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
     progress: Callable[[int, int], None] | None = None,
     device: str | torch.device = "cpu",
     accumulate: str = "float64",
+    two_valued: bool = False,
 ) -> list[RunResult]:
     """Run every spec for ``rounds`` rounds on ``data``; return their evaluated metrics.
 
@@ -483,7 +484,10 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
     on the CPU in float64, as everywhere. ``accumulate``: ``"float32"`` (float32 ``dtype``, fused
     backend) takes the clipped sums through the kernel's float32 accumulation
     (:class:`~diff2_flwr.lab.backend.FusedBackend`: sensitivity still 2C, radii shorter by ρ ≈
-    2.4e-4); ``"float64"`` (the default) as before.
+    2.4e-4); ``"float64"`` (the default) as before. ``two_valued`` (opt-in; fused backend, torch's
+    forward, many features): the first layer's sums of the columns that take two values (one-hot
+    columns) from per-record minority sums (:class:`~diff2_flwr.lab.backend.FusedBackend`); refused
+    in one line where it cannot apply.
 
     A spec's ``sampling`` (:class:`~diff2_flwr.core.sampling.Sampling`; issue 44) samples its
     clients: round r's cohort is :func:`~diff2_flwr.core.sampling.round_cohort` of its
@@ -507,7 +511,8 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
     mlp, b = inits[0][0], Batch(data, dtype, resolve_device(device))
     x = np.stack([x0 for _, x0 in inits])  # [K, d] float64
     routines = _Routines(specs, x, rounds)
-    backend = choose_backend(mlp, b, len(specs), compile=compile, accumulate=accumulate)
+    backend = choose_backend(mlp, b, len(specs), compile=compile, accumulate=accumulate,
+                             two_valued=two_valued)
     T = np.array([s.restart_every for s in specs])
     # row r - 1: which runs restart in round r (rows 0 .. rounds; the last is for keep below)
     restarts = np.arange(rounds + 1)[:, None] % T == 0

@@ -255,6 +255,7 @@ def _header(study: Study, probe: ExperimentConfig, data: Any) -> dict[str, Any]:
             "n_min": data.n_min, "dataset": _data_info(study, probe, data),
             "tune_seeds": list(study.tune_seeds), "eval_seeds": list(study.eval_seeds),
             "engine": study.engine, "dtype": study.dtype, "accumulate": study.accumulate,
+            "two_valued": study.two_valued,
             "threads": study.threads,
             "workers": study.workers, "epsilons": {},
             **({} if study.registration is None else

@@ -152,7 +152,7 @@ def _run_batch(study: Study, unit: Unit, progress: Callable[[int, int], None] | 
                             eval_every=cfg.evaluation.every,
                             dtype=torch.float32 if study.dtype == "float32" else torch.float64,
                             compile=study.compile, progress=progress, device=study.device,
-                            accumulate=study.accumulate)
+                            accumulate=study.accumulate, two_valued=study.two_valued)
     out = []
     for res in results:
         metrics = {"rounds": res.rounds.tolist(), "train_loss": res.train_loss.tolist(),

@@ -91,6 +91,10 @@ class Study:
     #: float32 windows summed in float64, clipped at a radius shorter by ρ ≈ 2.4e-4 so that the
     #: sensitivity stays 2C; :mod:`diff2_flwr.core.fused`)
     accumulate: Literal["float64", "float32"] = "float64"
+    #: the fused kernel's two-valued columns path for the first layer's sums (engine batch, more
+    #: than 32 features, at least 16 columns taking two values: one-hot columns;
+    #: :class:`~diff2_flwr.lab.backend.FusedBackend`)
+    two_valued: bool = False
     compile: bool = False
     #: where the batched engine's rounds run: "cpu", "cuda", "cuda:N" or "auto" (a GPU if torch
     #: sees one)
@@ -198,6 +202,11 @@ class Study:
                                                  and self.engine == "batch"), "accumulate",
                 "'float64' unless dtype is 'float32' and engine is 'batch' (float32 sums are the "
                 "fused kernel's)", self.accumulate)
+        require(isinstance(self.two_valued, bool), "two_valued", "true or false",
+                self.two_valued)
+        require(not self.two_valued or self.engine == "batch", "two_valued",
+                "false unless engine is 'batch' (the two-valued columns path is the fused "
+                "kernel's)", self.two_valued)
         require(self.device == "cpu" or self.engine == "batch", "device",
                 "'cpu' unless engine is 'batch' (only the batched engine runs on a GPU)",
                 self.device)
