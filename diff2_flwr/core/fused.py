@@ -93,19 +93,27 @@ m γ_m(u32) max‖t‖ in norm.
 lanes; over a client's product blocks) has at most L = 2⌈N/16⌉ + 16 additions of values
 whose norms add to at most N max‖t‖ (1 + m γ_m): within γ_L(u64) of that.
 
-Replacing record i changes its own row and the one partial (one lane's window, or one product
-block) that holds it. Every other partial is the same bits: same records at the same fixed
-positions, each lane's treatment its own sample's, the kernel deterministic (its block products
-too). So the released sum moves by at most
+Replacing record i changes its own row and the partials that hold it: one lane's window, and with
+``x_rows`` also one product block (its W_1 entries; the window holds the others). Every other
+partial is the same bits: same records at the same fixed positions, each lane's treatment its own
+sample's, the kernel deterministic (its block products too). A partial of m terms rounds each entry
+by at most γ_m times the sum of its terms' magnitudes, so over the entries it holds by at most m γ_m
+max‖t‖; the window's and the block's entries are disjoint, and the records in one need not be the
+records in the other, so together they round by at most √2 m γ_m max‖t‖ (each part of a row is at
+most the row). So the released sum moves by at most
 
-    ‖t_i - t_i'‖ + 2 m γ_m max‖t‖ + 2 N γ_L max‖t‖ (1 + m γ_m) ≤ 2 C' (1 + ρ),
-    1 + ρ = (1 + γ_6(u32)) (1 + m γ_m(u32)) (1 + N γ_L(u64))
+    ‖t_i - t_i'‖ + 2 k m γ_m max‖t‖ + 2 N γ_L max‖t‖ (1 + k m γ_m) ≤ 2 C' (1 + ρ),
+    1 + ρ = (1 + γ_6(u32)) (1 + k m γ_m(u32)) (1 + N γ_L(u64)),
 
-(after the exact division by S), and the kernel clips at C' = C / (1 + ρ) rounded down
-(:func:`accumulation_error`, :func:`float32_radii`): the sensitivity is at most 2C. With FLUSH =
-PRODUCT_BLOCK = 64 (m = 64): ρ = 2.4450e-4 for N = 1,652 and 2.4452e-4 for N = 39,522 (m γ_64(2^-24)
-= 2.4414e-4; γ_6(2^-24) = 3.6e-7; N γ_L(u64) = 2e-8); a clipped row is 2.4e-4 shorter than in
-float64 mode. It needs C ≥ 2^-900 (:data:`~diff2_flwr.core.clipping.RADIUS_FLOOR`; 0 and inf are
+k = 1 in lanes alone, k = √2 (taken as 1.414214) with block products (after the exact division by
+S), and the kernel clips at C' = C / (1 + ρ) rounded down (:func:`accumulation_error`,
+:func:`float32_radii`, ``products``): the sensitivity is at most 2C. With FLUSH = PRODUCT_BLOCK = 64
+(m = 64): in lanes ρ = 2.4450e-4 for N = 1,652 (m γ_64(2^-24) = 2.4414e-4; γ_6(2^-24) =
+3.6e-7; N γ_L(u64) = 2e-8); with block products ρ = 3.456e-4 for N = 39,522; a clipped row is
+2.4e-4 (3.5e-4) shorter than in float64 mode. (Until stop 52 the block-product case took k = 1: its
+bound was short by the factor √2 on the m γ_m term, about 1.0e-4 of 2C at most; no attack reached
+it — crafted windows reach about 1/8 of m γ_m — but the proof did not hold as written.) It needs
+C ≥ 2^-900 (:data:`~diff2_flwr.core.clipping.RADIUS_FLOOR`; 0 and inf are
 taken: inf, no clipping, sums in float32 windows at S = 1 and bounds nothing). Float64 mode is
 unchanged: its own float64 rounding (~N γ_L(u64) of the sum's scale, and γ_3(u64) w per difference
 row) is not shrunk for.
@@ -149,8 +157,8 @@ max‖t‖ ≤ 2 C' (1 + ρ_2),
 
 (√2 taken as 1.414214), clipped at C' = C / (1 + ρ_2) (:func:`accumulation_error` and
 :func:`float32_radii` with ``spread``): the sensitivity is at most 2C. On KDD Cup 99 (N = 39,522, B
-= 1.85): ρ_2 = 3.4580e-4 against ρ = 2.4452e-4 — √2 m γ_m = 3.4527e-4, the two-valued term (3 + 2B)
-N γ_G(u64) = 1.5e-7 — a clipped row 1.0e-4 shorter than without the path.
+= 1.85): ρ_2 = 3.4580e-4 against ρ = 3.4565e-4 without the path (block products, k = √2) — √2 m
+γ_m = 3.4527e-4, the two-valued term (3 + 2B) N γ_G(u64) = 1.5e-7.
 
 References:
     Murata & Suzuki (2023), Algorithm 1 (worker lines), Algorithm 2 (ClippedMean);
@@ -394,18 +402,20 @@ def norm_errors(F: int, H: int, O: int) -> tuple[float, float]:
 
 
 @lru_cache(maxsize=None)
-def accumulation_error(N: int, spread: float | None = None) -> float:
+def accumulation_error(N: int, spread: float | None = None, *, products: bool = False) -> float:
     """ρ of float32 accumulation for clients of N samples (rounded up): a client sum's sensitivity
     is at most 2 C' (1 + ρ) at clipping radius C' (the module's docstring), 1 + ρ = (1 +
-    γ_6(u32)) (1 + m γ_m(u32)) (1 + N γ_L(u64)), m = max(FLUSH, PRODUCT_BLOCK), L = 2⌈N/16⌉ +
-    16. With two-valued columns of ``spread`` B (:class:`TwoValued`; the docstring's "Two-valued
-    columns"): 1 + ρ = (1 + γ_6(u32)) (1 + √2 m γ_m(u32)) (1 + N γ_L(u64) + (3 + 2B) N
+    γ_6(u32)) (1 + k m γ_m(u32)) (1 + N γ_L(u64)), m = max(FLUSH, PRODUCT_BLOCK), L = 2⌈N/16⌉ +
+    16, k = 1 in lanes alone and √2 with ``products`` (W_1's sums by block products: a record in
+    two partials). With two-valued columns of ``spread`` B (:class:`TwoValued`; the docstring's
+    "Two-valued columns"): 1 + ρ = (1 + γ_6(u32)) (1 + √2 m γ_m(u32)) (1 + N γ_L(u64) + (3 + 2B) N
     γ_G(u64)), G = 2⌈N/16⌉ + 278, √2 taken as 1.414214."""
     u32 = 2.0**-24
     m = max(FLUSH, PRODUCT_BLOCK)
     L = 2 * -(-N // 16) + 16
     if spread is None:
-        one = ((1 + Fraction(gamma(TERM_ROUNDINGS, u32))) * (1 + m * Fraction(gamma(m, u32)))
+        k = SQRT2_UP if products else 1  # a record in a lane window and a product block: √2
+        one = ((1 + Fraction(gamma(TERM_ROUNDINGS, u32))) * (1 + k * m * Fraction(gamma(m, u32)))
                * (1 + N * Fraction(gamma(L))))
     else:
         G = 2 * -(-N // 16) + 278
@@ -415,14 +425,15 @@ def accumulation_error(N: int, spread: float | None = None) -> float:
     return math.nextafter(float(one - 1), math.inf)
 
 
-def float32_radii(radius: torch.Tensor, N: int,
-                  spread: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def float32_radii(radius: torch.Tensor, N: int, spread: float | None = None, *,
+                  products: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 accumulation's clipping radii C' = C / (1 + ρ) rounded down (0 and inf stay) and its
     scales S per run (powers of two, S·C' in [2^62, 2^63); 1 for 0 and inf), both [K] float64, for
     radii C [K] and clients of N samples (``spread``: two-valued columns',
     :func:`accumulation_error`); a ValueError for a radius in (0, RADIUS_FLOOR)."""
     # 1 + ρ rounded up; C / (1 + ρ) to nearest, then one step down: at most the exact quotient
-    rho = accumulation_error(N) if spread is None else accumulation_error(N, spread)
+    rho = (accumulation_error(N, products=products) if spread is None
+           else accumulation_error(N, spread))
     one = math.nextafter(1 + rho, math.inf)
     radii, scales = [], []
     for c in radius.tolist():
@@ -574,7 +585,8 @@ def _call(  # noqa: PLR0913 -- clipped_sums' and forward_sums' arguments, passed
     kappa, kappa_s = norm_errors(F, H, O)
     scale, rows32, cd1 = None, None, None
     if f32:  # clipped at C' < C, κ widened by the forming error: the module's docstring
-        radius, scale = float32_radii(radius, N, None if two_valued is None else two_valued.spread)
+        radius, scale = float32_radii(radius, N, None if two_valued is None else two_valued.spread,
+                                      products=x_rows is not None)
         kappa, kappa_s = kappa + FORMING_ERROR, kappa_s + FORMING_ERROR
         rows32 = x_rows  # W_1's sums by the kernel's float32 block products
     elif x_rows is not None:

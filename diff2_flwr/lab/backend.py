@@ -376,8 +376,8 @@ class FusedBackend:
 
     ``accumulate="float32"`` (a float32 batch only; default "float64"): the rounds' clipped sums
     through the kernel's float32 accumulation (:mod:`diff2_flwr.core.fused`: clipped at a radius
-    shorter by ρ ≈ 2.4e-4, so that each client sum's sensitivity stays 2C); the evaluation's
-    unclipped sums stay float64."""
+    shorter by ρ ≈ 2.4e-4, 3.5e-4 with block products, so that each client sum's sensitivity stays
+    2C); the evaluation's unclipped sums stay float64."""
 
     def __init__(  # noqa: PLR0913 -- keyword-only options, as choose_backend's
             self, kernel: fused.FusedKernel, mlp: MLP, batch: Batch, runs: int, *,
