@@ -110,6 +110,12 @@ _SLOW = (
     "tests/test_audit_distributed.py::test_audit_of_distributed_",
     "tests/test_audit_distributed.py::test_audit_scores_",
     "tests/test_audit_distributed.py::test_audit_catches_",
+    # client sampling's audits (400 and 200 trials per federation, the cohort test: ~8-35 s each)
+    "tests/test_audit_sampling.py::test_a_calibrated_sampled_run_shows_no_violation",
+    "tests/test_audit_sampling.py::test_the_audit_flags_noise_times_0_7",
+    "tests/test_audit_sampling.py::test_a_fixed_cohort_audit_shows_no_violation",
+    "tests/test_audit_sampling.py::test_the_cohort_tests_epsilon_is_the_ledgers",
+    "tests/test_audit_sampling.py::test_the_canary_client_is_sampled_like_any_other",
     # the μ-GDP test on the real path, both directions (four 1,000-trial audits: ~30 s)
     "tests/test_audit_gdp.py::test_the_audit_flags_a_sqrt2_mistake",
     "tests/test_node_policy.py::test_the_lifetime_budget_refuses",

@@ -322,8 +322,8 @@ def audit(args: argparse.Namespace) -> int:
     if result["violation"]:
         found = " and ".join({
             "clopper_pearson": f"Clopper–Pearson ε̂ >= {result['epsilon_lower_bound']:.4g}",
-            "gdp": f"μ-GDP ε̂ >= "
-                   f"{(result['gdp'] or {}).get('epsilon_interval', [0])[0]:.4g}"}[k]
+            "gdp": f"{'cohort test' if (result['gdp'] or {}).get('test') == 'cohort' else 'μ-GDP'}"
+                   f" ε̂ >= {(result['gdp'] or {}).get('epsilon_interval', [0])[0]:.4g}"}[k]
             for k in result["violation_by"])
         print(f"diff2 audit: VIOLATION: {found} > claimed ε = {result['epsilon_claimed']:.4g} "
               f"(confidence {result['confidence']:.2%})", file=sys.stderr)

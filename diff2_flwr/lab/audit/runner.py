@@ -54,6 +54,26 @@ but not validity (any test's error rates give a lower bound). Its thresholds are
 Skellam ledger for the schedule (Corollary 3.6 RDP, composed). ``--noise-scale`` scales every
 client's share std (not the server's ledger or decoding).
 
+**Client sampling** (``--sampling poisson|fixed``, ``training.sampling``): each round the server
+draws a fresh cohort from the trial's own key (Poisson with rate q, or m of the P clients), only the
+cohort computes, the sum is divided by E|S| and σ_r C_r noise is added: the mechanism a sampled run
+claims, run through the real Strategy (``configure_fit`` asks each node its partition once,
+``get_properties``, then only the cohort; an empty cohort is released without Flower) and the real
+clients. Worker 0, the canary's client, is drawn like any other (probability π = q or m/P), never
+forced: forcing it would audit another mechanism. The claim is the run's ledger (PLD of
+:class:`~diff2_flwr.core.accounting.SampledGaussianEvent`: π·Gaussian + (1 − π)·no loss). Its worst
+case is a client whose other records move the output far from where it is without the client, so the
+output reveals whether it was drawn: worker 0's other n − 1 records have gradient and gradient
+difference +K·e (``push``), clip onto +C_r·e, and put the drawn round's output along e at c ± Δ/2
+with c = (n − 1)/(2 z_r) noise std (0 when worker 0 is absent). Two tests, each at level α/2: the
+Clopper–Pearson bound on the exact LR of what is released, Σ_r ln of the mixtures (1 − π)·N(0, s²) +
+π·N(c ± Δ/2, s²) (:func:`~.stats.mixture_log_likelihood_ratio`; thresholds around the claimed
+score's moments); and the cohort test (:func:`~.gdp.cohort_gdp_audit`): given the public cohorts the
+drawn rounds are Gaussian, ρ = the ratio of their μ's to the claimed ones has an exact noncentral-t
+interval, and ε(δ) at ρ is the exact binomial mixture of μ-GDP. Beside them, the ε dp-accounting's
+REPLACE_ONE Poisson-subsampled Gaussian would have claimed (:func:`naive_poisson_epsilon`) and
+whether each lower bound exceeds it.
+
 Turning scores into a bound: for a threshold t ("guess D iff S > t"), an (ε, δ)-DP mechanism
 has FPR + e^ε FNR ≥ 1 − δ and FNR + e^ε FPR ≥ 1 − δ. With one-sided Clopper–Pearson upper
 bounds on FPR and FNR (each at level α/2, so both hold with probability ≥ 1 − α) this gives
@@ -82,8 +102,8 @@ Clopper–Pearson bound alone, at level α.
 The audit is made in parts: the federations and the trials through the production path
 (:mod:`.trials`), and the statistics that turn their scores into ε̂ (:mod:`.stats`: Clopper–Pearson;
 :mod:`.gdp`: μ-GDP and power). This module runs an audit and reports it, through one small object
-per regime (central, distributed, local: its calibration, its trials' scores, its claim and tests);
-every name of the audit is importable from here.
+per regime (central, distributed, local, sampled: its calibration, its trials' scores, its claim and
+tests); every name of the audit is importable from here.
 
 References:
     Jagielski, Ullman & Oprea (2020), "Auditing Differentially Private Machine Learning".
@@ -106,18 +126,19 @@ from ...core.distributed import DistributedNoise, SkellamLedger
 from ...core.privacy import Calibration, LocalCalibration, PrivacyLedger
 from .canaries import canary_runs, canary_scores, canary_spec
 from .flower import flower_canary_scores
-from .gdp import gdp_audit
+from .gdp import cohort_gdp_audit, gdp_audit
 from .spec import LOCAL_STEPS, AuditSpec
 from .stats import (_local_loss_moments, claimed_score_moments, clopper_pearson_upper,
-                    epsilon_lower_bound, local_log_likelihood_ratio, local_power, score_grid,
-                    threshold_grid)
+                    epsilon_lower_bound, local_log_likelihood_ratio, local_power,
+                    mixture_log_likelihood_ratio, sampled_offsets, sampled_score_moments,
+                    score_grid, threshold_grid)
 from .trials import (CANARY_MARGIN, GradientCanaryShard, _CanaryWorkerServer, _workers,
                      audit_scores, mechanism_run)
 
 __all__ = ["AuditSpec", "GradientCanaryShard", "audit_scores", "claimed_score_moments",
            "clopper_pearson_upper", "epsilon_lower_bound", "gdp_audit",
-           "local_log_likelihood_ratio", "run_audit", "score_grid", "summary_line",
-           "threshold_grid"]
+           "local_log_likelihood_ratio", "mixture_log_likelihood_ratio", "naive_poisson_epsilon",
+           "run_audit", "score_grid", "summary_line", "threshold_grid"]
 # The audit's other names, defined in its parts and still importable from here (tests import the
 # private three).
 __all__ += ["CANARY_MARGIN", "LOCAL_STEPS", "_CanaryWorkerServer", "_local_loss_moments",
@@ -255,8 +276,96 @@ class _Local(_Regime):
                          extra=_local_extra(spec, calibration, eps))
 
 
+def naive_poisson_epsilon(spec: AuditSpec, calibration: Calibration) -> float:
+    """ε of the same schedule by dp-accounting's ``REPLACE_ONE`` Poisson-subsampled Gaussian
+    composition: what a record-level subsampling analysis would have claimed (not a valid bound for
+    client sampling: :class:`~diff2_flwr.core.accounting.SampledGaussianEvent`).
+
+    Each round is ``PoissonSampledDpEvent(π, GaussianDpEvent(2z))``: under ``REPLACE_ONE`` the
+    accountant reads ``GaussianDpEvent(m)`` as one record moving the sum from −1 to +1 with noise
+    std m (tests/test_local_privacy.py pins the reading), and our z is std over the whole move.
+    """
+    from dp_accounting import NeighboringRelation, dp_event  # noqa: PLC0415 -- dp-accounting: ~2 s import, on first use
+    from dp_accounting.pld import pld_privacy_accountant  # noqa: PLC0415 -- see above
+
+    from ...core.accounting import PLD_DISCRETIZATION  # noqa: PLC0415 -- with dp-accounting
+
+    accountant = pld_privacy_accountant.PLDAccountant(
+        NeighboringRelation.REPLACE_ONE, value_discretization_interval=PLD_DISCRETIZATION)
+    pi = calibration.sampling_prob
+    for z, count in ((calibration.z1, calibration.restart_rounds),
+                     (calibration.z2, calibration.difference_rounds)):
+        if count:
+            assert z is not None
+            accountant.compose(dp_event.PoissonSampledDpEvent(pi, dp_event.GaussianDpEvent(2 * z)),
+                               count)
+    return float(accountant.get_epsilon(spec.delta))
+
+
+@dataclass(frozen=True)
+class _Sampled(_Regime):
+    """dpgd and diff2 with client sampling: the ledger's ε (PLD of the π-mixtures); the
+    Clopper–Pearson bound on the mixture LR scores and the cohort test, each at level α/2; beside
+    them the ε the naive REPLACE_ONE Poisson accounting would claim."""
+
+    def findings(self, calibration: Calibration, d: np.ndarray, d_prime: np.ndarray) -> _Findings:
+        """The ledger's ε, both tests, the naive ε and whether the bounds exceed it."""
+        spec = self.spec
+        eps = _ledger_epsilon(spec, calibration)
+        mean, sd = sampled_score_moments(spec, calibration)
+        stats = epsilon_lower_bound(d[:, 0], d_prime[:, 0], delta=spec.delta, alpha=spec.alpha / 2,
+                                    thresholds=score_grid(mean, sd))
+        stats["mu_lower_bound_gdp"] = stats["epsilon_lower_bound_gdp"] = None
+        schedule = (calibration.restart_rounds, calibration.z1, calibration.difference_rounds,
+                    calibration.z2, calibration.sampling_prob)
+        cohort = cohort_gdp_audit(d[:, 1:], d_prime[:, 1:], epsilon_claimed=eps, delta=spec.delta,
+                                  a=spec.alpha / 2, schedule=schedule, rounds=spec.rounds)
+        naive = naive_poisson_epsilon(spec, calibration)
+        return _Findings(eps, None, stats, cohort, cohort["power"],
+                         scores={"mean_claimed": mean, "sd_claimed": sd},
+                         schedule={"sampling": _sampling_schedule(spec, calibration)},
+                         extra=_sampled_extra(stats["epsilon_lower_bound"], cohort, naive))
+
+
+def _sampling_schedule(spec: AuditSpec, calibration: Calibration) -> dict:
+    """A sampled audit's cohort rule and how far the canary client's records put it (in noise
+    std)."""
+    sampling = calibration.sampling
+    assert sampling is not None
+    offsets = {kind: sampled_offsets(z, spec.samples)[0]
+               for kind, z in (("restart", calibration.z1), ("difference", calibration.z2)) if z}
+    return {"kind": sampling.kind, "rate": sampling.rate, "size": sampling.size,
+            "probability": calibration.sampling_prob,
+            "expected_cohort": sampling.expected_cohort(spec.clients),
+            "canary_client_offset_in_noise_std": offsets,
+            "cohort": "drawn by the server from each trial's own key; worker 0 (the canary's "
+                      "client) is drawn like any other, never forced"}
+
+
+def _sampled_extra(cp_bound: float, cohort: dict, naive: float) -> dict:
+    """What a sampled audit adds: the accountant of ε claimed, the naive ε, and whether each test's
+    lower bound exceeds it."""
+    cohort_bound = cohort["epsilon_interval"][0] if cohort["applicable"] else None
+    return {
+        "epsilon_claimed_accountant": "the run's ledger: dp-accounting PLD of the client-sampled "
+                                      "rounds (SampledGaussianEvent: π·Gaussian + (1 − π)·no "
+                                      "loss), round by round",
+        "epsilon_naive_poisson": naive,
+        "epsilon_naive_poisson_accountant": "dp-accounting PLDAccountant(REPLACE_ONE), "
+                                            "PoissonSampledDpEvent(π, GaussianDpEvent(2z)) per "
+                                            "round: record-level subsampling, not valid here",
+        "naive_refuted": {"clopper_pearson": bool(cp_bound > naive),
+                          "cohort": bool(cohort_bound is not None and cohort_bound > naive),
+                          "clopper_pearson_bound": cp_bound, "cohort_bound": cohort_bound},
+        "path": "Diff2Strategy.configure_fit (the server's cohort; get_properties once per node) "
+                "-> Diff2Client.fit (the cohort only) -> FitRes -> Diff2Strategy.aggregate_fit",
+    }
+
+
 def _regime(spec: AuditSpec) -> _Regime:
     """The regime ``spec`` audits."""
+    if spec.sampled:
+        return _Sampled(spec)
     if spec.distributed:
         return _Distributed(spec)
     if spec.local:
@@ -292,7 +401,7 @@ def _result(spec: AuditSpec, calibration: Calibration, scores: Scores, found: _F
         "noise_mode": spec.noise,
         "schedule": {**_schedule(spec, calibration), **found.schedule},
         "mu_claimed": found.mu_claimed,
-        "scores": {**_moments(*scores), **found.scores},
+        "scores": {**_moments(*(s if s.ndim == 1 else s[:, 0] for s in scores)), **found.scores},
         "gdp": found.gdp,
         "clopper_pearson": {"level": spec.alpha / 2 if found.gdp else spec.alpha,
                             "violation": None, "fraction_of_claimed_epsilon": None},
@@ -380,7 +489,15 @@ def summary_line(result: dict) -> str:
             f"trials{how}): {verdict} of claimed ε = {result['epsilon_claimed']:.4g} (δ = "
             f"{result['delta']:g}); Clopper–Pearson ε̂ >= {result['epsilon_lower_bound']:.3g}")
     gdp = result["gdp"]
-    if gdp:
+    if gdp and gdp.get("test") == "cohort":
+        lo, hi = gdp["mu_interval"]
+        e_lo, e_hi = gdp["epsilon_interval"]
+        text += (f"; cohort test ρ̂ = {gdp['mu']:.4g} [{lo:.4g}, {hi:.4g}] of the claimed μ's, "
+                 f"ε̂ = {gdp['epsilon']:.3g} [{e_lo:.3g}, {e_hi:.3g}] "
+                 f"({gdp['fraction_of_claimed_epsilon']:.0%} of the claim)"
+                 + ("" if gdp["applicable"] else " NOT APPLICABLE: Gaussian checks rejected")
+                 + f"; naive REPLACE_ONE Poisson ε = {result['epsilon_naive_poisson']:.3g}")
+    elif gdp:
         lo, hi = gdp["mu_interval"]
         e_lo, e_hi = gdp["epsilon_interval"]
         text += (f"; μ-GDP μ̂ = {gdp['mu']:.4g} [{lo:.4g}, {hi:.4g}], ε̂ = {gdp['epsilon']:.3g} "

@@ -25,6 +25,7 @@ from ...runtime.spec import Invalid, describe_type, require, setting, type_ok
 if TYPE_CHECKING:
     from ...core.distributed import DistributedNoise
     from ...core.privacy import Calibration
+    from ...core.sampling import Sampling
 
 __all__ = ["BATCH_ENGINES", "ENGINES", "ENGINE_DTYPES", "ENGINE_SEED", "LOCAL_STEPS",
            "WORKER_ENGINES", "WRAP", "AuditSpec", "EngineAuditSpec", "default_workers",
@@ -33,6 +34,7 @@ __all__ = ["BATCH_ENGINES", "ENGINES", "ENGINE_DTYPES", "ENGINE_SEED", "LOCAL_ST
 # AuditSpec.method's and .path's Literals, checked also when built in Python
 _METHODS = ("dpgd", "diff2", "diff2-bvr")
 _PATHS = ("in-process", "flower")
+_SAMPLINGS = ("none", "poisson", "fixed")
 
 #: The most canaries one run may carry (``--canaries``): a run's rows are dense, ~(B + 16)²
 #: float64 per client.
@@ -89,6 +91,11 @@ class AuditSpec:
     every round, so that the sum carries exactly the P - t shares the analysis counts on. There
     ``noise_scale`` multiplies every client's share std (the server and its ledger keep the
     calibrated noise).
+
+    ``sampling`` audits client sampling (``training.sampling``): ``"poisson"`` with
+    ``sampling_rate`` q, or ``"fixed"`` with ``sampling_size`` m; each round the server draws its
+    cohort from the trial's key and the canary's client (worker 0) is drawn like any other
+    (:mod:`.runner`: the canary design and the tests).
     """
 
     method: Literal["dpgd", "diff2", "diff2-bvr"] = setting(
@@ -119,6 +126,12 @@ class AuditSpec:
     local_clip: float = run_setting(LocalConfig, "clip", note="diff2-bvr")
     local_noise_scale: float = setting(
         1.0, "diff2-bvr: multiply the calibrated local noise σ3 (< 1 breaks it on purpose)")
+    sampling: Literal["none", "poisson", "fixed"] = setting(
+        "none", "client sampling (dpgd, diff2; central): none = every client every round; poisson: "
+                "each client with probability --sampling-rate q; fixed: --sampling-size m of the P "
+                "clients; the canary's client is drawn like any other")
+    sampling_rate: float | None = setting(None, "q in (0, 1] of --sampling poisson")
+    sampling_size: int | None = setting(None, "m in 1..P of --sampling fixed")
     trials: int = setting(10_000, "trials on each of D and D' (with --canaries 1: runs)")
     canaries: int = setting(
         1, "B, canaries per run (dpgd, diff2; central): 1 = one run per trial; an even B > 1: B "
@@ -164,6 +177,7 @@ class AuditSpec:
         require(0 < self.alpha < 1, "alpha", "in (0, 1)", self.alpha)
         self._check_canaries()
         self._check_distributed()
+        self._check_sampling()
         for key in ("clip_restart", "clip_diff", "learning_rate"):
             value = getattr(self, key)
             require(math.isfinite(value) and value > 0, key, "a finite number > 0", value)
@@ -218,6 +232,50 @@ class AuditSpec:
         require(not self.distributed or self.clients >= 2, "clients", "at least 2 for --noise "
                 "distributed (secure aggregation of one client is its value)", self.clients)
 
+    def _check_sampling(self) -> None:
+        """The cohort rule, said as the audit's flags, and what it cannot be combined with."""
+        require(self.sampling in _SAMPLINGS, "sampling", f"one of {_SAMPLINGS}", self.sampling)
+        rate, size = self.sampling_rate, self.sampling_size
+        require(rate is None or self.sampling == "poisson", "sampling_rate",
+                "unset unless --sampling is poisson", rate)
+        require(size is None or self.sampling == "fixed", "sampling_size",
+                "unset unless --sampling is fixed", size)
+        require(self.sampling != "poisson" or (isinstance(rate, (int, float))
+                                               and not isinstance(rate, bool)
+                                               and math.isfinite(rate) and 0 < rate <= 1),
+                "sampling_rate", "a number in (0, 1] with --sampling poisson", rate)
+        require(self.sampling != "fixed" or (isinstance(size, int) and not isinstance(size, bool)
+                                             and 1 <= size <= self.clients),
+                "sampling_size", f"an integer in 1..--clients = {self.clients} with --sampling "
+                "fixed", size)
+        if not self.sampled:
+            return
+        require(self.method in ("dpgd", "diff2"), "sampling", "none for --method diff2-bvr (the "
+                "local routine is not accounted for a sampled cohort)", self.sampling)
+        require(not self.distributed, "sampling", "none with --noise distributed (its shares are "
+                "not calibrated for a sampled cohort)", self.sampling)
+        require(self.canaries == 1, "canaries", "1 with --sampling (the audit's canary client's "
+                "other records are part of the attack: one canary per run)", self.canaries)
+        require(self.samples >= 2, "samples", "at least 2 with --sampling (the canary's client "
+                "needs records besides the canary: they move its contribution away from where "
+                "the round is without it)", self.samples)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the audited rounds sample their cohort (``sampling`` not ``"none"``)."""
+        return self.sampling != "none"
+
+    def client_sampling(self) -> "Sampling | None":
+        """The server's cohort rule (None: every client every round)."""
+        if not self.sampled:
+            return None
+        # the CLI's parser imports this module, which stays numpy-free
+        from ...core.sampling import Sampling  # noqa: PLC0415 -- see above
+
+        if self.sampling == "poisson":
+            return Sampling("poisson", rate=self.sampling_rate)
+        return Sampling("fixed", size=self.sampling_size)
+
     def privacy_section(self) -> PrivacyConfig:
         """The run's ``privacy`` section with the audit's values (its checks are the audit's)."""
         return PrivacyConfig(epsilon=self.epsilon, delta=self.delta, u=self.u, noise=self.noise,
@@ -258,9 +316,10 @@ class AuditSpec:
 
         local = ({"local_steps": LOCAL_STEPS, "local_batch_size": self.local_batch_size,
                   "local_share": self.local_share} if self.local else {})
+        sampled = {"sampling": self.client_sampling()} if self.sampled else {}
         return calibrate(epsilon=self.epsilon, delta=self.delta, rounds=self.rounds,
                          restart_every=self.period, u=self.u, n_min=self.samples,
-                         clients=self.clients, **local)
+                         clients=self.clients, **local, **sampled)
 
 
 #: The worker's per-sample gradient engines ``diff2 audit --engines`` attacks

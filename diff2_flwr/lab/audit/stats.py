@@ -1,8 +1,9 @@
 """The audit's statistics: the likelihood-ratio scores under the claimed mechanism, and ε̂ from the
 scores.
 
-The local step's log-likelihood ratio and the claimed score's moments (which fix the threshold grid
-of a diff2-bvr audit), the fixed threshold grids, the Clopper–Pearson bounds and the
+The local step's log-likelihood ratio and a client-sampled round's
+(:func:`mixture_log_likelihood_ratio`), the claimed score's moments (which fix the threshold grid
+of a diff2-bvr or a sampled audit), the fixed threshold grids, the Clopper–Pearson bounds and the
 Bonferroni-corrected ε lower bound. What they mean: :mod:`.audit`.
 """
 
@@ -18,7 +19,8 @@ from ...core.privacy import Calibration, gdp_epsilon
 from .spec import LOCAL_STEPS, AuditSpec
 
 __all__ = ["POWER_SCALES", "claimed_score_moments", "clopper_pearson_upper", "epsilon_lower_bound",
-           "local_log_likelihood_ratio", "local_power", "score_grid", "threshold_grid"]
+           "local_log_likelihood_ratio", "local_power", "mixture_log_likelihood_ratio",
+           "sampled_offsets", "sampled_score_moments", "score_grid", "threshold_grid"]
 
 # ----------------------------------------------------------------- the scores' claimed distribution
 
@@ -42,6 +44,65 @@ def local_log_likelihood_ratio(t: np.ndarray | float, q: float, z: float) -> np.
     log_q, two_z2 = math.log(q), 2 * z * z
     return (np.logaddexp(keep, log_q + (2 * t - 1) / two_z2)
             - np.logaddexp(keep, log_q + (-2 * t - 1) / two_z2))
+
+
+def mixture_log_likelihood_ratio(t: np.ndarray | float, pi: float, centre: float,
+                                 half: float) -> np.ndarray:
+    """ln p_D(t) / p_D′(t) of one client-sampled round's output along e, in units of its noise std.
+
+    The round's output is N(0, 1) when the canary's client is not in the cohort (probability 1 − π)
+    and N(centre ± half, 1) when it is (+ under D, − under D′):
+
+        ln((1 − π) φ(t) + π φ(t − centre − half)) − ln((1 − π) φ(t) + π φ(t − centre + half));
+
+    dividing both by φ(t), φ(t − m)/φ(t) = exp(t m − m²/2). For π = 1 this is the Gaussian
+    2·half·(t − centre); for centre = 0 and half = 1/z, t in units of z, the local step's
+    (:func:`local_log_likelihood_ratio`).
+
+    References:
+        Neyman–Pearson: the likelihood ratio of the pair of mixtures the audit's federations make
+        (:mod:`.runner`, client sampling).
+    """
+    t = np.asarray(t, dtype=np.float64)
+    keep = -math.inf if pi >= 1 else math.log1p(-pi)
+    log_pi, plus, minus = math.log(pi), centre + half, centre - half
+    return (np.logaddexp(keep, log_pi + t * plus - plus * plus / 2)
+            - np.logaddexp(keep, log_pi + t * minus - minus * minus / 2))
+
+
+def sampled_offsets(z: float, samples: int) -> tuple[float, float]:
+    """(centre, half) of a sampled round's output along e in units of its noise std, for the audit's
+    canary client (its n − 1 other records at +C·e, the canary at ±C·e): centre = (n − 1)/(2z),
+    half = 1/(2z), with z the round's claimed multiplier (std over 2C/(n E|S|))."""
+    return (samples - 1) / (2 * z), 1 / (2 * z)
+
+
+def _mixture_loss_moments(pi: float, centre: float, half: float,
+                          nodes: int = 201) -> tuple[float, float]:
+    """Mean and variance under D of :func:`mixture_log_likelihood_ratio` (Gauss–Hermite over each
+    mixture part)."""
+    x, w = np.polynomial.hermite_e.hermegauss(nodes)
+    w = w / w.sum()
+    first = second = 0.0
+    for mean, weight in ((0.0, 1 - pi), (centre + half, pi)):
+        if weight > 0:
+            loss = mixture_log_likelihood_ratio(mean + x, pi, centre, half)
+            first += weight * float(w @ loss)
+            second += weight * float(w @ loss**2)
+    return first, second - first**2
+
+
+def sampled_score_moments(spec: AuditSpec, calibration: Calibration) -> tuple[float, float]:
+    """Mean and standard deviation under D of a sampled audit's mixture score if the mechanism is
+    the claimed one: a sum over rounds of independent :func:`mixture_log_likelihood_ratio` terms."""
+    mean = variance = 0.0
+    pi = calibration.sampling_prob
+    for r in range(1, spec.rounds + 1):
+        z = calibration.z1 if (r - 1) % spec.period == 0 else calibration.z2
+        assert z is not None
+        m, v = _mixture_loss_moments(pi, *sampled_offsets(z, spec.samples))
+        mean, variance = mean + m, variance + v
+    return mean, math.sqrt(variance)
 
 
 def _local_loss_moments(q: float, z: float, nodes: int = 201) -> tuple[float, float]:

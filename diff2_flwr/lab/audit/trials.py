@@ -1,11 +1,11 @@
 """The audit's trials: the neighbouring federations D and D′, and runs of the schedule through the
 real server path.
 
-A trial (:func:`_trial`, :func:`_trial_local` for DIFF2 with its private local routine, or
-:func:`_trial_distributed` for distributed noise) runs the whole schedule through the production
-code and returns the likelihood-ratio score of what the server released; :func:`audit_scores` runs
-``spec.trials`` of them on each federation, in worker processes if asked. The canary, the score and
-why they are the worst case: :mod:`.audit`.
+A trial (:func:`_trial`, :func:`_trial_local` for DIFF2 with its private local routine,
+:func:`_trial_distributed` for distributed noise, or :func:`_trial_sampled` for client sampling)
+runs the whole schedule through the production code and returns the likelihood-ratio score of what
+the server released; :func:`audit_scores` runs ``spec.trials`` of them on each federation, in worker
+processes if asked. The canary, the score and why they are the worst case: :mod:`.audit`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import (Code, FitRes, GetPropertiesIns, GetPropertiesRes, Status,
+                         ndarrays_to_parameters, parameters_to_ndarrays)
 
 from ...core.clipping import clipped_sum
 from ...core.distributed import DistributedNoise
@@ -37,7 +38,7 @@ from ...runtime.server_core import ServerSpec
 from ...task.records import TensorRecords
 from .pool import run_chunks
 from .spec import LOCAL_STEPS, AuditSpec
-from .stats import local_log_likelihood_ratio
+from .stats import local_log_likelihood_ratio, mixture_log_likelihood_ratio, sampled_offsets
 
 __all__ = ["CANARY_MARGIN", "GradientCanaryShard", "Scorer", "audit_scores", "audited_server",
            "mechanism_run", "run_chunks", "worker_noise"]
@@ -58,10 +59,13 @@ class GradientCanaryShard:
     array of signs s_0..s_(B−1) (:mod:`.canaries`: many canaries in one run) record k is the canary
     s_k·K·e_k. ClippedMean is the core's (``clipped_sum``). The features passed in carry each
     record's index (column 0), so a minibatch of the local steps holds exactly the records it names:
-    a canary only when its record was sampled.
+    a canary only when its record was sampled. With ``push`` (the sampled audit's canary client)
+    every other record's gradient and gradient difference is +K·e_0, so that all of them clip onto
+    +radius·e_0: the client's contribution sits (n − 1)·radius/n from where the round is without it.
     """
 
-    def __init__(self, a: np.ndarray, b: np.ndarray, canary: int | np.ndarray) -> None:
+    def __init__(self, a: np.ndarray, b: np.ndarray, canary: int | np.ndarray,
+                 push: bool = False) -> None:
         signs = np.asarray(canary, dtype=np.int64).reshape(-1)
         if signs.size == 1 and signs[0] == 0:
             signs = signs[:0]
@@ -74,7 +78,9 @@ class GradientCanaryShard:
             raise ValueError(f"canary signs must be +1 or -1, at most one per record and axis; "
                              f"found {signs.size} for {a.shape[0]} records of dimension "
                              f"{a.shape[1]}")
-        self.a, self.b, self.signs = a, b, signs
+        if push and signs.size != 1:
+            raise ValueError("push needs exactly one canary (on axis 0)")
+        self.a, self.b, self.signs, self.push = a, b, signs, push
         self.canary = int(signs[0]) if signs.size == 1 else (0 if signs.size == 0 else None)
         self.layout = ParameterLayout(("w",), ((a.shape[1],),))
         self.dtype = torch.float64
@@ -87,6 +93,9 @@ class GradientCanaryShard:
             rows = self.a * x_current + self.b
         else:
             rows = self.a * (x_current - x_previous)
+        if self.push:
+            rows[1:] = 0.0
+            rows[1:, 0] = CANARY_MARGIN * max(radius, 1.0)
         if self.signs.size:
             k = np.arange(self.signs.size)
             rows[k] = 0.0
@@ -119,7 +128,8 @@ def _benign(spec: AuditSpec) -> list[tuple[np.ndarray, np.ndarray]]:
 def _workers(spec: AuditSpec, canary: int) -> list[Worker]:
     index = torch.arange(spec.samples, dtype=torch.float64)[:, None]  # record i's only feature is i
     records = TensorRecords(index, torch.zeros(spec.samples, dtype=torch.float64))
-    return [Worker(p, GradientCanaryShard(a, b, canary if p == 0 else 0), records)
+    return [Worker(p, GradientCanaryShard(a, b, canary if p == 0 else 0,
+                                          push=spec.sampled and p == 0), records)
             for p, (a, b) in enumerate(_benign(spec))]
 
 
@@ -130,6 +140,20 @@ class _Proxy:
 
     def __init__(self, cid: str) -> None:
         self.cid = cid
+
+
+class _PartitionProxy(_Proxy):
+    """A ``ClientProxy`` whose node answers ``get_properties`` as the real client does (client
+    sampling: the strategy asks each node once which partition it holds)."""
+
+    def __init__(self, cid: str, client: Diff2Client) -> None:
+        super().__init__(cid)
+        self.client = client
+
+    def get_properties(self, ins: GetPropertiesIns, timeout: float | None,
+                       group_id: int | None) -> GetPropertiesRes:
+        return GetPropertiesRes(status=Status(Code.OK, ""),
+                                properties=self.client.get_properties(dict(ins.config)))
 
 
 class _Manager:
@@ -157,7 +181,8 @@ def audited_server(spec: AuditSpec, calibration: Calibration, layout: ParameterL
     # A mechanism broken on purpose (noise_scale != 1) is not the calibrated one: the server
     # refuses to account it as such, so it runs unaccounted (the audit's bound uses `claimed`).
     server = _server_spec(spec, mechanism, layout,
-                          calibration=calibration if spec.noise_scale == 1.0 else None)
+                          calibration=calibration if spec.noise_scale == 1.0 else None,
+                          sampling=spec.client_sampling())
     return Diff2Server(server, x0=np.zeros(layout.dim), seed=seed)
 
 
@@ -223,6 +248,72 @@ def _trial(spec: AuditSpec, calibration: Calibration, workers: Sequence[Worker],
     if server.state.round != spec.rounds:  # pragma: no cover - release() raises before this
         raise RuntimeError("the audited run stopped early")
     return scorer.score
+
+
+def _fit_all(clients: dict[str, Diff2Client],
+             instructions: list) -> list[tuple[_Proxy, FitRes]]:
+    """Each asked client's real ``fit``, as the ``FitRes`` Flower would deliver."""
+    results = []
+    for proxy, ins in instructions:
+        arrays, n, metrics = clients[proxy.cid].fit(parameters_to_ndarrays(ins.parameters),
+                                                    ins.config)
+        results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), n,
+                                      metrics)))
+    return results
+
+
+def _trial_sampled(spec: AuditSpec, calibration: Calibration, workers: Sequence[Worker],
+                   seed: int | None) -> np.ndarray:
+    """One client-sampled run of the schedule through the real Strategy; its scores (mixture LR
+    score, G, μ_S²).
+
+    ``configure_fit`` (the server draws round r's cohort from the trial's key; the strategy asks
+    each node its partition once, ``get_properties``, and only the cohort; an empty cohort is
+    released without Flower) -> each drawn :class:`Diff2Client`'s ``fit`` -> ``aggregate_fit``. The
+    canary's client (worker 0) is drawn like any other. The adversary reads the released round row
+    (kind, radius, cohort: public) and ṽ_r; with w_r the increment along e in units of the claimed
+    std s_r = σ_r C_r, and (centre, half) = ((n − 1)/(2z_r), 1/(2z_r)):
+
+    - the mixture LR score Σ_r ln p_D(w_r)/p_D′(w_r) of what is released
+      (:func:`~.stats.mixture_log_likelihood_ratio`), for the Clopper–Pearson test;
+    - over the rounds whose cohort holds worker 0, G = Σ (w_r − centre)/z_r and μ_S² = Σ 1/z_r², for
+      the cohort test (:func:`~.gdp.cohort_gdp_audit`).
+    """
+    layout = workers[0].gradients.layout
+    server = audited_server(spec, calibration, layout, seed)
+    strategy = Diff2Strategy(server=server)
+    clients = {f"node-{1000 + p}": Diff2Client(w) for p, w in enumerate(workers)}
+    manager = _Manager({cid: _PartitionProxy(cid, c) for cid, c in clients.items()})
+    claimed = {True: (calibration.z1, calibration.sigma1),
+               False: (calibration.z2, calibration.sigma2)}
+    pi = calibration.sampling_prob
+    score = g = mu2 = 0.0
+    v_prev = np.zeros(layout.dim)
+    for rnd in range(1, spec.rounds + 1):
+        instructions = strategy.configure_fit(rnd, None, manager)  # type: ignore[arg-type]
+        if instructions:  # else: nobody drawn, the strategy released the round itself
+            strategy.aggregate_fit(rnd, _fit_all(clients, instructions), [])
+        row = server.history[-1]
+        if row["round"] != rnd:  # pragma: no cover - release() raises before this
+            raise RuntimeError(f"round {rnd}: the released row is not this round's")
+        restart, radius, v = row["kind"] == "restart", float(row["radius"]), server.state.v
+        if radius >= CANARY_MARGIN:
+            raise RuntimeError(f"round {rnd}: radius {radius:g} too large for the canary to be "
+                               "clipped")
+        increment = v if restart else v - v_prev
+        v_prev = v
+        if radius <= 0:  # nothing depends on the data, nothing to score
+            continue
+        z, sigma = claimed[restart]
+        assert z is not None and sigma is not None
+        w = float(increment[0]) / (sigma * radius)
+        centre, half = sampled_offsets(z, spec.samples)
+        score += float(mixture_log_likelihood_ratio(w, pi, centre, half))
+        if 0 in row["cohort"]:
+            g, mu2 = g + (w - centre) / z, mu2 + 1 / z**2
+    if server.state.round != spec.rounds:  # pragma: no cover - release() raises before this
+        raise RuntimeError("the audited run stopped early")
+    return np.array([score, g, mu2])
 
 
 class _CanaryWorkerServer(Diff2Server):
@@ -451,6 +542,9 @@ def _chunk(spec: AuditSpec, claimed: Calibration, run: Calibration, federation: 
         shares = worker_noise(spec, noise)
         return np.array([_trial_distributed(spec, noise, shares, workers,
                                             _seed(spec, federation, i))
+                         for i in range(start, stop)])
+    if spec.sampled:
+        return np.array([_trial_sampled(spec, claimed, workers, _seed(spec, federation, i))
                          for i in range(start, stop)])
     if spec.local:
         return np.array([_trial_local(spec, claimed, run, workers, _seed(spec, federation, i))
