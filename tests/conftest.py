@@ -110,6 +110,9 @@ _SLOW = (
     "tests/test_audit_distributed.py::test_audit_of_distributed_",
     "tests/test_audit_distributed.py::test_audit_scores_",
     "tests/test_audit_distributed.py::test_audit_catches_",
+    # client sampling through the real Strategy and the in-process driver against the batched engine
+    "tests/test_strategy_sampling.py::test_the_strategy_asks_only_the_cohort_and_equals_the_driver",
+    "tests/test_sampling_config.py::test_the_in_process_engine_samples_as_the_batched_engine_does",
     # client sampling's audits (400 and 200 trials per federation, the cohort test: ~8-35 s each)
     "tests/test_audit_sampling.py::test_a_calibrated_sampled_run_shows_no_violation",
     "tests/test_audit_sampling.py::test_the_audit_flags_noise_times_0_7",
