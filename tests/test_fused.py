@@ -857,3 +857,31 @@ def test_the_engine_runs_the_kernels_forward_in_the_blocked_layout_with_the_same
             assert np.array_equal(a.final_x, b.final_x)
             for key in ("train_loss", "grad_norm_sq", "test_loss"):
                 assert np.array_equal(getattr(a, key), getattr(b, key), equal_nan=True), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_exactly_zero_rows_are_exact_and_agree_with_the_torch_path(kernel, dtype):
+    """A saturated softmax makes a record's output gradient exactly 0 (at both iterates): its row is
+    exactly zero, so its squares lost nothing to underflow, and the kernel takes it without the
+    rescaled pass (its norm 0 and width 0, what that pass gives: the same factors). Two runs'
+    output weights x 1e4 (logit gaps of thousands): their rows of well-classified records are zero,
+    unclipped at any positive radius; the clipped sums equal the torch path's, which rescales them,
+    to 1e-13."""
+    mlp, x, x_prev, feats, y, x64, sq, mask = _case("cross_entropy", 2, "tanh", dtype)
+    w2 = slice(H * F + H, H * F + H + 2 * H)  # the output layer's weights
+    x, x_prev = x.clone(), x_prev.clone()
+    for v in (x, x_prev):  # runs 0 and 2 saturated: g_L exactly 0
+        v[[0, 2], w2] *= 1e4
+    cur, prev = _parts(mlp, x, feats, y), _parts(mlp, x_prev, feats, y)
+    zero = (cur.grad_out == 0).all(1) & (prev.grad_out == 0).all(1)  # [K, M]
+    assert float(zero[[0, 2]].double().mean()) > 0.3 and not bool(zero[[1, 3]].any())
+    radius = torch.full((K,), 0.05, dtype=torch.float64)
+    for differences in (False, True):
+        pv = prev if differences else None
+        factors, _ = fused.clip_factors(kernel, cur, x64, sq, mask, radius, pv, clients=P)
+        assert bool((factors[zero] == mask.expand(K, -1)[zero]).all())
+        got, over = fused.clipped_sums(kernel, cur, x64, sq, mask, radius, pv, clients=P)
+        ref, ref_over, _ = _torch_path(mlp, x, x_prev, feats, y, x64, sq, mask, radius, None,
+                                       differences)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-13 * float(ref.abs().max()))
+        assert not over.any() and not ref_over.any()

@@ -607,6 +607,10 @@ struct Kernel {
     const int64_t s = in.s;
     double sdg1[BLOCK], sa[BLOCK], sda[BLOCK], sada[BLOCK], sdgl[BLOCK], sgp[BLOCK], sdgp[BLOCK], c[BLOCK];
     T g[BLOCK], gp[BLOCK];
+    // zero[j]: every output gradient of lane j is exactly 0 (at x, and at x' for a difference row): then g_1 and
+    // g_1' are exactly 0 too, the row is exactly zero, and its squares did not underflow (a saturated softmax)
+    int zero[BLOCK];
+    for (int64_t j = 0; j < BLOCK; ++j) zero[j] = 1;
     // output layer: dg_L = g_L - g_L' (g_L' = 0 for a plain row); the sums over outputs start at the first
     for (int64_t o = 0; o < O; ++o) {
       const T* gr = in.gl + o * s;
@@ -619,9 +623,13 @@ struct Kernel {
           const double v = static_cast<double>(gr[j]) - p;
           dv[j] = v;
           pv[j] = p;
+          zero[j] &= (gr[j] == T(0)) & (pr[j] == T(0));
         }
       } else {
-        for (int64_t j = 0; j < BLOCK; ++j) dv[j] = static_cast<double>(gr[j]);
+        for (int64_t j = 0; j < BLOCK; ++j) {
+          dv[j] = static_cast<double>(gr[j]);
+          zero[j] &= gr[j] == T(0);
+        }
       }
       if (o == 0) {
         for (int64_t j = 0; j < BLOCK; ++j) sdgl[j] = dv[j] * dv[j];
@@ -702,12 +710,20 @@ struct Kernel {
       norm[j] = std::sqrt(sq[j]);
       up[j] = upper_norm(std::sqrt(hi[j]), one1);
     }
+    // An exactly zero row (zero) is not risky: its squares are exact. It gets what scaling would give it (norm 0,
+    // width 0: the same bits), without the per-lane rescaled pass (a third of a KDD Cup 99 round, where many rows
+    // are zero) — unless the multipliers alone are out of range, which scaling must see.
     int unsafe = 0;
     for (int64_t j = 0; j < BLOCK; ++j)
       unsafe |= risky(sq[j], in.sqa[j], sa[j], diff ? sgp[j] : 0.0, diff ? sda[j] : 0.0, in.mask[j]);
     if (unsafe)
       for (int64_t j = 0; j < BLOCK; ++j)
         if (risky(sq[j], in.sqa[j], sa[j], diff ? sgp[j] : 0.0, diff ? sda[j] : 0.0, in.mask[j])) {
+          if (zero[j] && !risky(1.0, in.sqa[j], sa[j], diff ? sgp[j] : 0.0, diff ? sda[j] : 0.0, in.mask[j])) {
+            norm[j] = 0.0;
+            up[j] = upper_norm(0.0, one_s, 0.0);
+            continue;
+          }
           double width;
           norm[j] = scaled_norm(in, j, diff, width);
           up[j] = upper_norm(norm[j], one_s, kappa_s * width);
