@@ -230,3 +230,21 @@ def test_a_sampled_run_through_flwr_run_equals_the_in_process_driver(tmp_path):
     np.testing.assert_array_equal(np.load(result.output_dir / "final_parameters.npy"),
                                   reference.state.x)
     assert summary["privacy"]["epsilon_spent"] == reference.epsilon_spent <= 3.0
+
+
+def test_a_poisson_sampled_run_with_empty_rounds_equals_the_in_process_driver(tmp_path):
+    """Poisson sampling at q = 0.2 over 4 SuperNodes: some rounds draw nobody; the strategy releases
+    them itself (their noise alone) and Flower skips them ("no clients selected"); the run still
+    equals the in-process driver bit for bit."""
+    config = write_config(tmp_path, "poisson", training={"clients": 4, "sampling": {
+        "kind": "poisson", "rate": 0.2}})
+    result = run_simulation(str(config), echo=False)
+    rows, summary = read_run(result)
+    assert summary["status"] == "completed" and summary["rounds_released"] == ROUNDS
+    assert any(r["cohort"] == [] for r in rows[1:]) and any(r["cohort"] for r in rows[1:])
+    assert "configure_fit: no clients selected" in result.log
+    reference = run_inprocess(load_config(config), record=False, progress=None)
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rs]  # noqa: E731
+    assert strip(rows) == strip(reference.history)
+    np.testing.assert_array_equal(np.load(result.output_dir / "final_parameters.npy"),
+                                  reference.state.x)
