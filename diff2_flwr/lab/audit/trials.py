@@ -234,13 +234,7 @@ def _trial(spec: AuditSpec, calibration: Calibration, workers: Sequence[Worker],
     scorer = Scorer(spec, calibration, layout.dim, axes)
     for rnd in range(1, spec.rounds + 1):
         instructions = strategy.configure_fit(rnd, None, manager)  # type: ignore[arg-type]
-        results = []
-        for proxy, ins in instructions:
-            arrays, n, metrics = clients[proxy.cid].fit(parameters_to_ndarrays(ins.parameters),
-                                                        ins.config)
-            results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), n,
-                                          metrics)))
-        strategy.aggregate_fit(rnd, results, [])
+        strategy.aggregate_fit(rnd, _fit_all(clients, instructions), [])
         # what the adversary sees: the announced radius and kind, and the released ṽ_r
         config = instructions[0][1].config
         scorer.add(config[protocol.KIND] == "restart", float(config[protocol.RADIUS]),
