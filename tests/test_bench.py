@@ -69,7 +69,8 @@ def test_the_flags_reach_the_plan(monkeypatch):
     monkeypatch.setenv("DIFF2_JAX_PYTHON", "/nowhere/python")  # the flag wins over the variable
     argv = ["bench", "--jax-python", sys.executable, "--jax-reps", "3", "--jax-cells",
             "diff2:18:f64, dpgd:1:f32",
-            "--jax-rounds", "50,5", "--jax-eager", "--skip-protocol"]
+            "--jax-rounds", "50,5", "--jax-eager", "--skip-protocol", "--flower-clients", "40",
+            "--flower-rate", "0.1"]
     args = build_parser().parse_args(argv)
     assert (args.jax_python, args.jax_reps, args.jax_cells, args.jax_rounds, args.jax_eager,
             args.skip_jax) == \
@@ -80,6 +81,7 @@ def test_the_flags_reach_the_plan(monkeypatch):
     assert plan.cells == (Cell("dpgd", 1, "f32"), Cell("diff2", 18, "f64"))  # in the table's order
     assert dict(plan.rounds) == {1: 50, 18: 5}
     assert seen["protocol"] is False and seen["flower"] is True and callable(seen["progress"])
+    assert (seen["flower_clients"], seen["flower_rate"]) == (40, 0.1)
 
 
 def test_defaults_and_the_variable(monkeypatch, no_jax):
@@ -100,6 +102,9 @@ def test_defaults_and_the_variable(monkeypatch, no_jax):
     (["--jax-reps", "0"], r"--jax-reps must be at least 1\. Found 0\."),
     (["--jax-rounds", "100"], r"--jax-rounds: expected two integers ≥ 2, 'R1,R18' .* found '100'"),
     (["--jax-rounds", "100,1"], r"--jax-rounds: .* found '100,1'"),
+    (["--flower-clients", "1"], r"--flower-clients`: expected an integer >= 2\. Found 1\."),
+    (["--flower-rate", "0"], r"--flower-rate`: expected a rate in \(0, 1\]\. Found 0\.0\."),
+    (["--flower-rate", "1.5"], r"--flower-rate`: expected a rate in \(0, 1\]\. Found 1\.5\."),
     (["--jax-python", "/no/such/python"],
      r"--jax-python: '/no/such/python' is not an executable file\. Give a "
                                           r"Python interpreter that has jax"),
@@ -296,3 +301,15 @@ def test_the_kdd_floor_reads_the_full_data(data_dir):
         (395_217, 118, 10, 82, min(2, os.cpu_count() or 1))
     assert floor["float64_sums_gflop_per_configuration_round"] == pytest.approx(
         2 * 10 * 118 * 395_217 / 1e9)
+
+
+@pytest.mark.flower
+def test_the_sampled_federation_runs_both_apps_through_flwr_run():
+    # issue 44, item 6, small: DIFF2 with Poisson sampling on 24 SuperNodes against the floor app's
+    # FedAvg over a cohort of the same expected size, both through `flwr run`
+    out = bench._flower_sampled(24, 0.25, 4)
+    assert (out["clients"], out["rate"], out["rounds"], out["floor_cohort"]) == (24, 0.25, 4, 6)
+    assert 0 <= out["mean_cohort"] <= 24
+    assert out["round_s"] > 0 and out["floor_round_s"] > 0
+    assert out["ratio"] == pytest.approx(out["round_s"] / out["floor_round_s"])
+    assert out["first_round_end_s"] > 0 and out["floor_first_round_end_s"] > 0

@@ -319,8 +319,13 @@ def _add_lab_commands(sub: Any) -> None:
                        help="rounds of each Flower simulation")
     bench.add_argument("--skip-protocol", action="store_true",
                        help="do not time the full California ε = 3 study")
+    bench.add_argument("--flower-clients", type=int, default=1000, metavar="P",
+                       help="SuperNodes of the sampled Flower federation (default %(default)s)")
+    bench.add_argument("--flower-rate", type=float, default=0.05, metavar="Q",
+                       help="its Poisson client-sampling rate (default %(default)s)")
     bench.add_argument("--skip-flower", action="store_true",
-                       help="do not run the two Flower simulations")
+                       help="do not run the Flower simulations (10 clients, and the sampled "
+                            "federation)")
     bench.add_argument("--skip-jax", action="store_true",
                        help="do not time the engine against hand-written JAX")
     bench.add_argument("--skip-models", action="store_true",

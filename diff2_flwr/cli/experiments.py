@@ -298,9 +298,15 @@ def bench(args: argparse.Namespace) -> int:
             raise ValueError(f"`--{flag.replace('_', '-')}`: expected an integer >= 1. Found "
                              f"{getattr(args, flag)}.")
     models = None if args.skip_models else {"n": args.models_records, "batch": args.models_batch}
+    if args.flower_clients < 2:
+        raise ValueError("`--flower-clients`: expected an integer >= 2. Found "
+                         f"{args.flower_clients}.")
+    if not 0 < args.flower_rate <= 1:
+        raise ValueError(f"`--flower-rate`: expected a rate in (0, 1]. Found {args.flower_rate}.")
     result = run_bench(data_dir=args.data_dir, protocol=not args.skip_protocol,
                        flower=not args.skip_flower, rounds=args.rounds,
-                       flower_rounds=args.flower_rounds, jax_peer=jax_peer, models=models,
+                       flower_rounds=args.flower_rounds, flower_clients=args.flower_clients,
+                       flower_rate=args.flower_rate, jax_peer=jax_peer, models=models,
                        progress=_bench_line)
     print(json.dumps(to_json(result), indent=2))
     return 0

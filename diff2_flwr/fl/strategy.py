@@ -21,6 +21,7 @@ spend) them again. ``round_retries`` covers gradient phases only.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,9 @@ from .federation import SIMULATION_SETTLE_S, is_simulation
 __all__ = ["Diff2Strategy", "SIMULATION_SETTLE_S"]
 
 _POLL_S = 0.25
+#: Partition queries in flight at once (each a thread blocked on its node's reply, as Flower's own
+#: fit_clients does).
+QUERY_THREADS = 64
 
 
 class Diff2Strategy(Strategy):
@@ -135,19 +139,27 @@ class Diff2Strategy(Strategy):
         """Which partition each connected node holds (client sampling addresses partitions): asked
         once per node with ``get_properties`` (the node answers from its node config, before
         reading any record) and kept; a federation whose nodes do not hold partitions 0..P-1 once
-        each stops the run (nothing released)."""
-        for cid, proxy in sorted(available.items()):
-            if cid in self._partitions:
-                continue
-            try:
-                res = proxy.get_properties(GetPropertiesIns(config=protocol.PARTITION_QUERY),
-                                           timeout=float(self.wait_for_clients_s), group_id=r)
-                self._partitions[cid] = int(res.properties[protocol.PARTITION_KEY])
-            except Exception as err:  # no answer, or not ours: the cohort cannot be addressed
-                self._stop(RoundRejected(
-                    r, "partitions", f"node {cid} did not say which partition it holds "
-                    f"({type(err).__name__}: {err}); client sampling addresses partitions.",
-                    f"node {cid}"))
+        each stops the run (nothing released). The queries go out together (a round trip each,
+        ~0.1 s in a simulation: one by one, 1,000 nodes took two minutes) and are read in node
+        order, so the first node that fails to answer is the one named."""
+        def ask(proxy: ClientProxy) -> int:
+            res = proxy.get_properties(GetPropertiesIns(config=protocol.PARTITION_QUERY),
+                                       timeout=float(self.wait_for_clients_s), group_id=r)
+            return int(res.properties[protocol.PARTITION_KEY])
+
+        new = sorted((cid, proxy) for cid, proxy in available.items()
+                     if cid not in self._partitions)
+        if new:
+            with ThreadPoolExecutor(max_workers=min(QUERY_THREADS, len(new))) as pool:
+                answers = [(cid, pool.submit(ask, proxy)) for cid, proxy in new]
+            for cid, answer in answers:
+                try:
+                    self._partitions[cid] = answer.result()
+                except Exception as err:  # no answer, or not ours: the cohort cannot be addressed
+                    self._stop(RoundRejected(
+                        r, "partitions", f"node {cid} did not say which partition it holds "
+                        f"({type(err).__name__}: {err}); client sampling addresses partitions.",
+                        f"node {cid}"))
         held = sorted(self._partitions[cid] for cid in available)
         if held != list(range(self.server.clients)):
             self._stop(RoundRejected(

@@ -1,4 +1,5 @@
-"""FedAvg over all clients of a 101-float model; prints a timestamp after every round."""
+"""FedAvg over a cohort of the clients (all by default) of a 101-float model; prints a timestamp after
+every round."""
 
 import time
 
@@ -20,11 +21,14 @@ class TimedFedAvg(FedAvg):
 
 
 def server_fn(context: Context) -> ServerAppComponents:
-    """TimedFedAvg over every client (at least 2) of a 101-float zero model, for the run config's
-    ``num-server-rounds`` rounds."""
+    """TimedFedAvg of a 101-float zero model for the run config's ``num-server-rounds`` rounds, over a
+    cohort of ``fraction-fit`` of the clients each round (FedAvg's: that fraction of the connected
+    nodes, at least 2), once ``min-available-clients`` nodes are connected."""
     n = int(context.run_config["num-server-rounds"])
-    strategy = TimedFedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=2,
-                           min_available_clients=2,
+    fraction = float(context.run_config.get("fraction-fit", 1.0))
+    available = int(context.run_config.get("min-available-clients", 2))
+    strategy = TimedFedAvg(fraction_fit=fraction, fraction_evaluate=0.0, min_fit_clients=2,
+                           min_available_clients=available,
                            initial_parameters=ndarrays_to_parameters([np.zeros(101)]))
     return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=n))
 

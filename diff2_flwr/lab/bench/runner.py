@@ -21,6 +21,12 @@
 - ``flower_round_s`` / ``flower_floor_round_s``: median seconds per round (rounds 2..N) of a
   10-client ``flwr run`` simulation of DIFF2-GD, and of a do-nothing NumPyClient app
   (``benchmarks/floor_app``) measured in the same run: the framework's own floor;
+- ``flower_sampled`` (issue 44, item 6): the same two apps on a federation of 1,000 SuperNodes
+  (``--flower-clients``), DIFF2-GD with Poisson client sampling at q = 0.05 (``--flower-rate``) on
+  the embedded synthetic data (100 records a client), against the floor app's FedAvg over a cohort
+  of the same expected size (``fraction_fit = q``): median seconds per round (rounds 2..N), their
+  ratio against the target of 1.5, and each app's seconds from its start to its first round's end
+  (DIFF2's includes its one-off query of every node's partition);
 - ``jax_peer``: the batched engine (``compile=True``) against hand-written JAX on the same work, per
   cell (DP-GD / DIFF2 × K = 1 / 18 × float32 / float64): rounds/s of each side and the ratios,
   against the target of 1.5 (:mod:`.jax_cells`); ``{"skipped": ...}`` when no interpreter with jax
@@ -250,8 +256,54 @@ def _flower(data_dir: str | None, rounds: int) -> dict[str, float]:
             "flower_rounds": rounds}
 
 
+def _sampled_config(clients: int, rate: float, rounds: int, out: str) -> dict:
+    return {"name": "bench_sampled", "method": "diff2",
+            "dataset": {"name": "synthetic", "num_samples": 100 * clients, "num_features": 8},
+            "training": {"rounds": rounds, "restart_every": min(20, rounds), "clip_restart": 1.0,
+                         "clip_diff": 1.0, "learning_rate": 0.25, "clients": clients, "seed": 0,
+                         "sampling": {"kind": "poisson", "rate": rate}},
+            "evaluation": {"every": 10 * rounds, "train_metrics": False},
+            "output": {"dir": out}}
+
+
+def _median_step(stamps: list[float]) -> float:
+    return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+
+
+def _flower_sampled(clients: int, rate: float, rounds: int) -> dict[str, Any]:
+    """DIFF2 with Poisson client sampling on ``clients`` SuperNodes against the floor app's FedAvg
+    over a cohort of the same expected size, both through ``flwr run`` (the module docstring)."""
+    with tempfile.TemporaryDirectory(prefix="diff2-bench-sampled-") as tmp:
+        path = Path(tmp) / "bench_sampled.yaml"
+        path.write_text(yaml.safe_dump(_sampled_config(clients, rate, rounds, tmp)))
+        t = time.perf_counter()
+        result = run_simulation(str(path), echo=False)
+        wall = time.perf_counter() - t
+        rows = [json.loads(line)
+                for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+    elapsed = [r["elapsed_s"] for r in rows[1:]]  # rows[i] is round i
+    cohorts = [len(r["cohort"]) for r in rows[1:]]
+    t = time.perf_counter()
+    floor = run_simulation(None, app_dir=FLOOR_APP, clients=clients,
+                           run_config={"num-server-rounds": rounds, "fraction-fit": rate,
+                                       "min-available-clients": clients}, echo=False)
+    floor_wall = time.perf_counter() - t
+    stamps = [float(v) for v in re.findall(r"\[floor\] round \d+ t=([0-9.]+)", floor.log)]
+    if len(stamps) != rounds:
+        raise RuntimeError(f"The floor app logged {len(stamps)} of {rounds} rounds.")
+    diff2, floor_s = _median_step(elapsed), _median_step(stamps)
+    return {"clients": clients, "rate": rate, "rounds": rounds,
+            "mean_cohort": statistics.fmean(cohorts),
+            "floor_cohort": max(int(clients * rate), 2),
+            "round_s": diff2, "floor_round_s": floor_s, "ratio": diff2 / floor_s,
+            "target_ratio": 1.5,
+            "first_round_end_s": wall - (elapsed[-1] - elapsed[0]),
+            "floor_first_round_end_s": floor_wall - (stamps[-1] - stamps[0])}
+
+
 def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: bool = True,  # noqa: PLR0913 -- keyword-only, one per section of the bench
-              rounds: int = 300, flower_rounds: int = 30, jax_peer: JaxPeerPlan | None = None,
+              rounds: int = 300, flower_rounds: int = 30, flower_clients: int = 1000,
+              flower_rate: float = 0.05, jax_peer: JaxPeerPlan | None = None,
               models: dict[str, Any] | None = None,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure and return the figures (see the module docstring).
@@ -259,9 +311,11 @@ def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: boo
     Args:
         data_dir: the datasets' folder (None: ``$DIFF2_DATA_DIR``).
         protocol: time the full California ε = 3 study.
-        flower: run the two Flower simulations.
+        flower: run the Flower simulations (10 clients, and the sampled federation).
         rounds: rounds timed for ``diff2_rounds_per_s``.
         flower_rounds: rounds of each Flower simulation.
+        flower_clients: SuperNodes of the sampled federation (``flower_sampled``).
+        flower_rate: its Poisson sampling rate q.
         jax_peer: the ``jax_peer`` section's plan
             (:func:`~diff2_flwr.lab.bench.jax_cells.plan_jax_peer`); None: no section.
         models: the ``models`` section's options (:func:`~.models.models_section`: records,
@@ -300,6 +354,7 @@ def run_bench(*, data_dir: str | None = None, protocol: bool = True, flower: boo
     if flower:
         out.update(_flower(data_dir, flower_rounds))
         out["flower_target_ratio"] = 1.5
+        out["flower_sampled"] = _flower_sampled(flower_clients, flower_rate, flower_rounds)
     if jax_peer is not None:
         out["jax_peer"] = jax_peer_section(jax_peer, data_dir=data_dir, progress=progress)
     if models is not None:
