@@ -47,6 +47,32 @@ def test_native_deployment_equals_a_simulation(tmp_path):
     print(f"deployment seconds per round: {result.round_seconds}")
 
 
+def test_a_sampled_native_deployment_equals_a_simulation(tmp_path):
+    """Issue 44: `diff2 deploy-local` with client sampling (Poisson, q = 0.5 over 4 SuperNodes): the
+    server draws each round's cohort, only the cohort's nodes compute, and the deployment equals
+    the simulation of its config bit for bit (rows with their cohorts, ε, the parameters)."""
+    path = tmp_path / "sampled.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "sampled", "method": "diff2", "dataset": {"name": "synthetic", "num_samples": 1200},
+        "training": {"rounds": 4, "restart_every": 2, "clip_diff": 3.0, "clients": 4, "seed": 7,
+                     "sampling": {"kind": "poisson", "rate": 0.5}},
+        "output": {"dir": str(tmp_path / "out")},
+    }))
+    owner = tmp_path / "owner.yaml"  # no lifetime budget: such a node takes sampled runs
+    owner.write_text(yaml.safe_dump({"name": "owner", "max_epsilon": 3.0, "max_delta": 1e-5,
+                                     "allow_seeded": True}))
+    result = run_local_deployment(path, workdir=tmp_path / "work", echo=False, node_policy=owner)
+    assert result.launch.status == "finished:completed"
+    deployed = rows(result.launch.output_dir)
+    assert [r["round"] for r in deployed] == [0, 1, 2, 3, 4]
+    cohorts = [r["cohort"] for r in deployed[1:]]
+    assert all(set(c) <= {0, 1, 2, 3} for c in cohorts) and any(len(c) < 4 for c in cohorts)
+    simulated = run_simulation(str(result.config), echo=False)
+    assert rows(simulated.output_dir) == deployed
+    np.testing.assert_array_equal(np.load(simulated.output_dir / "final_parameters.npy"),
+                                  np.load(result.launch.output_dir / "final_parameters.npy"))
+
+
 def policy(tmp_path: Path, **changes) -> Path:
     path = tmp_path / f"policy-{len(list(tmp_path.glob('policy-*')))}.yaml"
     # the runs here are seeded (a deployment checked bit for bit against a simulation): every node
