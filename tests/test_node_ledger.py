@@ -5,6 +5,11 @@ corrupt files, the CLI.
 Every run here is 100 Gaussian rounds of multiplier 20 (μ = 0.5), so k runs are exactly μ = 0.5
 √k-GDP: the expected ε comes from the closed form (gdp_epsilon), not from the code under test. The
 budget 3.3 admits two runs (ε 2.943) and not three (ε 3.709).
+
+Client-sampled runs (issue 44) are charged their amplified rounds: the ledger's ε is checked against
+the PLD built here from dp-accounting's own functions (the Gaussian's PLD mixed with no loss by π,
+self-composed, composed), against the run's own ledger and calibration, and a version-1 ledger (from
+before sampled runs were charged) is still read.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from dp_accounting.pld import privacy_loss_distribution as plds
 
 from diff2_flwr.cli import main
-from diff2_flwr.core.privacy import RunEvents, gdp_epsilon
+from diff2_flwr.core.estimator import is_restart
+from diff2_flwr.core.privacy import PrivacyLedger, RunEvents, calibrate, gdp_epsilon
+from diff2_flwr.core.sampling import Sampling
 from diff2_flwr.runtime.node_ledger import (
     BudgetExceeded,
     Charge,
@@ -275,7 +283,22 @@ CORRUPT = {
     "truncated JSON": (b'{"format": "diff2-node-ledger", "vers', "Unterminated string"),
     "not UTF-8": (b"\xff\xfe\x00", "cannot be read"),
     "another file": (b'{"name": "x"}', 'expected a JSON object with "format"'),
-    "a later version": (json.dumps({**GOOD, "version": 2}).encode(), "found version 2"),
+    "a later version": (json.dumps({**GOOD, "version": 3}).encode(),
+                        "found version 3, keys ['charges', 'format', 'last_admission', 'version'] "
+                        "(version 3 is a newer diff2's: upgrade this node's diff2)"),
+    "a version 2 charge without sampled rounds": (json.dumps({**GOOD, "version": 2, "charges": [{
+        "run_id": "r1", "digest": "d", "node": "n", "time": "t", "epsilon": 1.0,
+        "events": {"delta": 1e-5, "gaussian": [[2.0, 3]], "local": []}}]}).encode(),
+        "charge 0: `events` must be an object with keys delta, gaussian, local, sampled (version "
+        "2)"),
+    "a version 1 charge with sampled rounds": (json.dumps({**GOOD, "charges": [{
+        "run_id": "r1", "digest": "d", "node": "n", "time": "t", "epsilon": 1.0,
+        "events": {"delta": 1e-5, "gaussian": [], "local": [], "sampled": [[2.0, 0.5, 3]]}}]
+    }).encode(), "keys delta, gaussian, local (version 1)"),
+    "a sampled round of probability 0": (json.dumps({**GOOD, "version": 2, "charges": [{
+        "run_id": "r1", "digest": "d", "node": "n", "time": "t", "epsilon": 1.0,
+        "events": {"delta": 1e-5, "gaussian": [], "local": [], "sampled": [[2.0, 0.0, 3]]}}]
+    }).encode(), "inclusion probability `π` must be in (0, 1]. Found 0.0"),
     "a bad charge": (json.dumps({**GOOD, "charges": [{"run_id": "r1"}]}).encode(),
                      "charge 0: expected an object"),
     "a negative multiplier": (json.dumps({**GOOD, "charges": [{
@@ -305,13 +328,14 @@ def test_a_corrupt_ledger_is_an_error_never_an_empty_ledger(ledger, name):
 def test_the_written_file_is_the_documented_format(ledger):
     admitted = _admit(ledger, "r1")
     data = json.loads(ledger.path.read_text())
-    assert data["format"] == "diff2-node-ledger" and data["version"] == 1
+    assert data["format"] == "diff2-node-ledger" and data["version"] == 2
     assert data["last_admission"] == {"budget_epsilon": BUDGET, "budget_delta": DELTA,
                                       "spent": admitted.spent_after}
     assert data["charges"] == [{"run_id": "r1", "digest": "sha256:a", "node": "alice",
                                 "time": admitted.charge.time,
                                 "epsilon": admitted.charge.epsilon,
-                                "events": {"delta": DELTA, "gaussian": [[20.0, 100]], "local": []}}]
+                                "events": {"delta": DELTA, "gaussian": [[20.0, 100]], "local": [],
+                                           "sampled": []}}]
     stamped = datetime.fromisoformat(admitted.charge.time.replace("Z", "+00:00"))
     assert admitted.charge.time.endswith("Z") and abs(stamped - datetime.now(
         timezone.utc)).total_seconds() < 60
@@ -371,3 +395,107 @@ def test_cli_through_the_installed_command(ledger):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["charges"][0]["run_id"] == "r1"
+
+
+# ------------------------------------------------------------------ client-sampled runs (issue 44)
+
+def _sampled_calibration(epsilon: float = 3.0, rate: float = 0.3):
+    """DIFF2, 100 rounds (10 restarts), P = 10 clients, Poisson sampling at ``rate``."""
+    return calibrate(epsilon=epsilon, delta=DELTA, rounds=100, restart_every=10, u=1.25,
+                     n_min=1651, clients=10, sampling=Sampling("poisson", rate=rate))
+
+
+def _direct_pld_epsilon(runs: list[RunEvents], delta: float) -> float:
+    """ε of the runs' events composed by dp-accounting's PLD, built here from its own functions: a
+    sampled round (z, π) is ``from_gaussian_mechanism(z)`` mixed with ``identity()`` by π (the
+    SampledGaussianEvent's pair), self-composed by its count; all full-batch rounds together are one
+    Gaussian of μ² = Σ count / z² (Dong, Roth & Su 2019, Cor. 3.3). Composed in the opposite order
+    to the ledger's (composition commutes)."""
+    interval, pld = 1e-4, None
+    for run in runs[::-1]:
+        for z, pi, count in run.sampled[::-1]:
+            one = plds.from_gaussian_mechanism(standard_deviation=z, sensitivity=1.0,
+                                               value_discretization_interval=interval)
+            one = one.compute_mixture(plds.identity(interval), pi).self_compose(count)
+            pld = one if pld is None else pld.compose(one)
+    mu_squared = sum(count / z**2 for run in runs for z, count in run.gaussian)
+    if mu_squared:
+        gauss = plds.from_gaussian_mechanism(
+            standard_deviation=1 / math.sqrt(mu_squared), sensitivity=1.0,
+            value_discretization_interval=interval)
+        pld = gauss if pld is None else pld.compose(gauss)
+    return float(pld.get_epsilon_for_delta(delta))
+
+
+def test_a_sampled_run_is_charged_its_amplified_epsilon_alone_and_with_an_unsampled_one(ledger):
+    """The ledger's ε after a sampled run equals dp-accounting's PLD of the same events, the run's
+    own ledger's ε (its whole schedule recorded round by round) and its calibration's planned ε, to
+    1e-6; after an unsampled run too, it equals dp-accounting's PLD of both runs' events."""
+    cal = _sampled_calibration()
+    sampled = RunEvents.from_calibration(cal)
+    own = PrivacyLedger(DELTA)
+    for r in range(1, cal.rounds + 1):
+        own = own.record(*cal.round_events(is_restart(r, cal.restart_every)))
+    first = ledger.admit(_charge("sampled", events=sampled), budget_epsilon=10.0,
+                         budget_delta=DELTA)
+    alone = ledger.spent(DELTA)
+    assert first.spent_after == alone == first.charge.epsilon
+    assert alone == pytest.approx(_direct_pld_epsilon([sampled], DELTA), abs=1e-6)
+    assert alone == pytest.approx(own.epsilon, abs=1e-6)
+    assert alone == pytest.approx(cal.planned_epsilon, abs=1e-6)
+    assert 2.9 < alone <= cal.epsilon  # calibrated to ε (1 - SAMPLING_MARGIN)
+    second = ledger.admit(_charge("full", events=EVENTS), budget_epsilon=10.0, budget_delta=DELTA)
+    both = NodeLedger(ledger.path).spent(DELTA)  # read back from the file
+    assert second.spent_after == both
+    assert both == pytest.approx(_direct_pld_epsilon([sampled, EVENTS], DELTA), abs=1e-6)
+    # composed, not added: less than the sum of the two, more than either
+    assert max(alone, _exact(1)) < both < alone + _exact(1)
+    # and at another δ, from the file
+    assert NodeLedger(ledger.path).spent(1e-7) == pytest.approx(
+        _direct_pld_epsilon([sampled, EVENTS], 1e-7), abs=1e-6)
+
+
+def test_a_sampled_charge_round_trips_through_the_file(ledger):
+    cal = _sampled_calibration()
+    events = RunEvents.from_calibration(cal)
+    admitted = ledger.admit(_charge("r1", events=events), budget_epsilon=10.0, budget_delta=DELTA)
+    data = json.loads(ledger.path.read_text())
+    assert data["version"] == 2
+    assert data["charges"][0]["events"] == {
+        "delta": DELTA, "gaussian": [], "local": [],
+        "sampled": [[cal.z1, 0.3, 10], [cal.z2, 0.3, 90]]}
+    assert NodeLedger(ledger.path).charges() == (admitted.charge,)
+
+
+def test_a_sampled_run_past_the_budget_is_refused_and_says_it_was_amplified(ledger):
+    _admit(ledger, "r1"), _admit(ledger, "r2")  # ε 2.943 of 3.3
+    before = ledger.path.read_bytes()
+    events = RunEvents.from_calibration(_sampled_calibration(epsilon=2.0))
+    with pytest.raises(BudgetExceeded,
+                       match=r"refuses run 'r3' \(rule: lifetime budget\).*this run alone costs "
+                             r"ε = 1\.9\d+ \(at its δ = 1e-05, its client-sampled rounds "
+                             r"amplified by π = 0\.3\), together ε = 3\.\d+ > the lifetime "
+                             r"budget ε_L = 3\.3"):
+        ledger.admit(_charge("r3", events=events), budget_epsilon=BUDGET, budget_delta=DELTA)
+    assert ledger.path.read_bytes() == before
+
+
+def test_a_version_1_ledger_is_read_and_written_back_as_version_2(ledger):
+    """A node upgraded with its ledger: the file written before sampled runs were charged keeps
+    its charges (and the node its spent ε); the next admission writes version 2."""
+    v1_charge = {"run_id": "old", "digest": "sha256:a", "node": "alice",
+                 "time": "2026-01-01T00:00:00Z", "epsilon": _exact(1),
+                 "events": {"delta": DELTA, "gaussian": [[20.0, 100]], "local": []}}
+    ledger.path.parent.mkdir()
+    ledger.path.write_text(json.dumps({**GOOD, "charges": [v1_charge], "last_admission": {
+        "budget_epsilon": 10.0, "budget_delta": DELTA, "spent": _exact(1)}}))
+    assert [c.events for c in ledger.charges()] == [EVENTS]
+    assert ledger.spent(DELTA) == pytest.approx(_exact(1), rel=1e-3)
+    sampled = RunEvents.from_calibration(_sampled_calibration(epsilon=1.0))
+    after = ledger.admit(_charge("new", events=sampled), budget_epsilon=10.0, budget_delta=DELTA)
+    assert after.spent_before == pytest.approx(_exact(1), rel=1e-3)
+    data = json.loads(ledger.path.read_text())
+    assert data["version"] == 2 and data["charges"][0] == {
+        **v1_charge, "events": {**v1_charge["events"], "sampled": []}}
+    assert after.spent_after == pytest.approx(_direct_pld_epsilon([EVENTS, sampled], DELTA),
+                                              abs=1e-6)

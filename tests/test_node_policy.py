@@ -380,6 +380,14 @@ def test_the_local_steps_refuse_a_sampling_rate_above_the_accounted_q():
      r"key `lifetime.delta`: expected a value: a lifetime budget needs "
                                                 r"epsilon, delta and ledger together"),
     ({**POLICY, "max_epsilion": 3}, r"unknown key max_epsilion"),
+    ({**POLICY, "trust_server_sampling": True}, r"unknown key trust_server_sampling"),
+    ({**POLICY, "lifetime": {"trust_server_sampling": True}},
+     r"key `lifetime.trust_server_sampling`: expected false without a lifetime budget \(epsilon, "
+     r"delta, ledger\)"),
+    ({**POLICY, "lifetime": {"epsilon": 10.0, "delta": 1e-5, "ledger": "l.json",
+                             "trust_server_sampling": "yes"}},
+     r"key `lifetime.trust_server_sampling`: expected true/false|key "
+     r"`lifetime.trust_server_sampling`: expected .*Found 'yes'"),
 ])
 def test_a_bad_policy_file_names_the_file_and_the_key(tmp_path, data, pattern):
     path = write(tmp_path / "bad-policy.yaml", data)
@@ -557,3 +565,127 @@ def test_the_lifetime_budget_refuses_the_run_that_would_cross_it_and_survives_a_
                                {"privacy.epsilon": "0.5"})[1].startswith("ADMITTED")
     assert [c.run_id for c in NodeLedger(ledger).charges()] == ["1", "3"]
     assert NodeLedger(ledger).spent(1e-5) > first
+
+
+# ------------------------------------------------------------------ client sampling and the
+# lifetime budget (issue 44): the server's cohort draws are trusted only where the owner says so
+
+SAMPLING = {"kind": "poisson", "rate": 0.5}
+
+
+@pytest.fixture
+def sampled_experiment(tmp_path) -> Path:
+    return write(tmp_path / "sampled.yaml", {
+        **BASE, "training": {**BASE["training"], "sampling": SAMPLING},
+        "output": {"dir": str(tmp_path / "out-sampled")}})
+
+
+def _lifetime_policy(tmp_path: Path, epsilon: float, **lifetime) -> tuple[Path, Path]:
+    ledger = tmp_path / "node" / "ledger.json"
+    return policy_file(tmp_path, lifetime={"epsilon": epsilon, "delta": 1e-5,
+                                           "ledger": str(ledger), **lifetime}), ledger
+
+
+def _refusal(err: pytest.ExceptionInfo) -> str:
+    from diff2_flwr.runtime.policy import refusal_in
+
+    found = refusal_in(str(err.value))
+    assert found is not None, str(err.value)
+    return found
+
+
+@pytest.mark.parametrize("trust", [{}, {"trust_server_sampling": False}])
+def test_a_node_that_does_not_trust_the_servers_sampling_refuses_a_sampled_run(
+        sampled_experiment, tmp_path, no_data, trust):
+    """The attack: a server whose cohorts are not drawn as declared (this node in every round)
+    would spend the unamplified ε while the ledger charged the amplified one. A node whose policy
+    does not trust the draws (the default) refuses the run before reading a record, in one line
+    naming the key and what to do; nothing is charged."""
+    policy, ledger = _lifetime_policy(tmp_path, 10.0, **trust)
+    _, (arrays, conf) = task_of_round(sampled_experiment, 1)
+    with pytest.raises(Exception) as refused:
+        call_app(sampled_experiment, arrays, conf, node_config={"policy": str(policy)})
+    message = _refusal(refused)
+    assert message.startswith(
+        "node 100 (hospital-a) refused: rule `lifetime.trust_server_sampling`: the run samples "
+        "clients (training.sampling: poisson, rate q = 0.5)"), message
+    for part in ("which this node cannot check", f"(policy {policy})",
+                 "Run without training.sampling, or the node's operator sets "
+                 "lifetime.trust_server_sampling: true", "the round releases nothing."):
+        assert part in message, (part, message)
+    assert not ledger.exists()
+
+
+def test_a_node_without_a_lifetime_budget_takes_a_sampled_run(sampled_experiment, tmp_path,
+                                                                computed):
+    """The rule is the lifetime ledger's: a node that keeps none checks the run's declared ε
+    (max_epsilon) as before."""
+    _, (arrays, conf) = task_of_round(sampled_experiment, 1)
+    res = call_app(sampled_experiment, arrays, conf,
+                   node_config={"policy": str(policy_file(tmp_path))})
+    assert res.metrics[protocol.ECHO_ROUND] == 1 and len(computed) == 1
+
+
+def test_a_node_that_trusts_the_servers_sampling_is_charged_the_amplified_epsilon(
+        sampled_experiment, tmp_path, computed):
+    """Read back from the ledger file: the run's sampled rounds (z, π = q, count) as its calibration
+    plans them, and their amplified ε — the server's own (its calibration, and its ledger at the
+    end of the run) to 1e-6, and below what the same noise would cost unamplified."""
+    import json
+
+    from diff2_flwr.core.privacy import RunEvents, composed_epsilon
+    from diff2_flwr.runtime.driver import run_inprocess
+    from diff2_flwr.runtime.node_ledger import NodeLedger
+
+    policy, ledger = _lifetime_policy(tmp_path, 4.0, trust_server_sampling=True)
+    server, (arrays, conf) = task_of_round(sampled_experiment, 1)
+    res = call_app(sampled_experiment, arrays, conf, node_config={"policy": str(policy)}, run_id=1)
+    assert res.metrics[protocol.ECHO_ROUND] == 1 and len(computed) == 1
+    cal = server.calibration
+    assert cal.sampling is not None and cal.n_min == conf[protocol.N_MIN]
+    data = json.loads(ledger.read_text())
+    assert data["version"] == 2 and len(data["charges"]) == 1
+    charge = data["charges"][0]
+    assert charge["run_id"] == "1" and charge["events"] == {
+        "delta": 1e-5, "gaussian": [], "local": [],
+        "sampled": [[cal.z1, 0.5, cal.restart_rounds], [cal.z2, 0.5, cal.difference_rounds]]}
+    assert charge["epsilon"] == pytest.approx(cal.planned_epsilon, abs=1e-6)
+    assert NodeLedger(ledger).spent(1e-5) == pytest.approx(cal.planned_epsilon, abs=1e-6)
+    finished = run_inprocess(load_config(sampled_experiment), record=False, progress=None)
+    assert charge["epsilon"] == pytest.approx(finished.ledger.epsilon, abs=1e-6)
+    unamplified = RunEvents(delta=1e-5, gaussian=((cal.z1, cal.restart_rounds),
+                                                  (cal.z2, cal.difference_rounds)))
+    assert 2.9 < charge["epsilon"] <= 3.0 < composed_epsilon([unamplified], 1e-5)
+
+
+def test_a_sampled_run_past_the_lifetime_budget_is_refused_and_the_ledger_is_unchanged(
+        experiment, sampled_experiment, tmp_path, computed):
+    """A trusting node charges the amplified ε, and refuses, through the real ClientApp, a sampled
+    run whose amplified charge composed with what it spent would cross its lifetime budget: nothing
+    computed, not a byte of the ledger changed. A smaller sampled run still fits, composed by PLD
+    with the unsampled one."""
+    from diff2_flwr.runtime.node_ledger import NodeLedger
+
+    policy, ledger = _lifetime_policy(tmp_path, 4.0, trust_server_sampling=True)
+    nodes = {"policy": str(policy)}
+    _, (arrays, conf) = task_of_round(experiment, 1)
+    call_app(experiment, arrays, conf, node_config=nodes, run_id=1)  # unsampled, ε = 3 of 4
+    spent, before = NodeLedger(ledger).spent(1e-5), ledger.read_bytes()
+    _, (arrays, conf) = task_of_round(sampled_experiment, 1)
+    with pytest.raises(Exception) as refused:
+        call_app(sampled_experiment, arrays, conf, node_config=nodes, run_id=2)
+    message = _refusal(refused)  # the one line the server makes the run's error
+    assert message.startswith(
+        "node 100 (hospital-a) refused: rule `lifetime budget`: Node 'node 100 (hospital-a)' "
+        f"refuses run '2' (rule: lifetime budget): the node has spent ε = {spent:.6g} over 1 "
+        "run(s)"), message
+    assert "its client-sampled rounds amplified by π = 0.5), together ε = 4." in message, message
+    assert message.endswith("Nothing was computed on this node's records; the round releases "
+                            "nothing.")
+    assert ledger.read_bytes() == before and len(computed) == 1
+    call_app(sampled_experiment, arrays, conf, node_config=nodes, run_id=3,
+             run_config={"privacy.epsilon": "0.5"})
+    charges = NodeLedger(ledger).charges()
+    assert [c.run_id for c in charges] == ["1", "3"] and len(computed) == 2
+    assert charges[1].events.sampled and not charges[1].events.gaussian
+    assert spent < NodeLedger(ledger).spent(1e-5) < spent + charges[1].epsilon

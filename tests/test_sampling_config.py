@@ -82,11 +82,15 @@ def test_a_run_without_sampling_keeps_its_identity():
     assert sampled["training"]["sampling"] == {"kind": "poisson", "rate": 0.5, "size": None}
 
 
-def test_a_node_with_a_lifetime_budget_refuses_a_sampled_run(tmp_path):
-    """The data owner's side: its lifetime ledger composes full-batch rounds and cannot charge
-    client-sampled ones yet, so a node keeping one refuses the run at its first task, before its
-    ledger is written or any record used; without the sampling the same node admits the run."""
+@pytest.mark.parametrize("trust", [False, True])
+def test_a_node_with_a_lifetime_budget_takes_a_sampled_run_only_if_it_trusts_the_draws(tmp_path,
+                                                                                      trust):
+    """The data owner's side: a node keeping a lifetime budget refuses a sampled run at admission,
+    before its ledger is written or any record used, unless its policy trusts the server's cohort
+    draws (``lifetime.trust_server_sampling``); then its first task charges the run its amplified
+    rounds. Without the sampling the same node admits and charges the run either way."""
     from diff2_flwr.runtime.node_guard import NodeGuard
+    from diff2_flwr.runtime.node_ledger import NodeLedger
     from diff2_flwr.runtime.policy import NodePolicy, Refused
     from diff2_flwr.runtime.spec import parse_section
 
@@ -95,18 +99,27 @@ def test_a_node_with_a_lifetime_budget_refuses_a_sampled_run(tmp_path):
                                         "allow_seeded": True,
                                         "answers": str(tmp_path / "answers.log"),
                                         "lifetime": {"epsilon": 100.0, "delta": 1e-3,
-                                                     "ledger": str(ledger)}}, "policy.yaml")
+                                                     "ledger": str(ledger),
+                                                     "trust_server_sampling": trust}},
+                           "policy.yaml")
 
-    def first_task(cfg):
-        guard = NodeGuard.admit_run(cfg, node="node 1", partition_id=0, run_id=1, policy=policy,
-                                    deployment=False)
+    def first_task(cfg, run_id):
+        guard = NodeGuard.admit_run(cfg, node="node 1", partition_id=0, run_id=run_id,
+                                    policy=policy, deployment=False)
         guard.check_task(1, 1.0, np.zeros(3), None, 100, 100)
 
-    with pytest.raises(Refused, match="lifetime budget.*training.sampling"):
-        first_task(parse_config(_with({"kind": "poisson", "rate": 0.5})))
-    assert not ledger.exists()
-    first_task(parse_config(BASE))
-    assert ledger.exists()
+    sampled = parse_config(_with({"kind": "poisson", "rate": 0.5}))
+    if trust:
+        first_task(sampled, 1)
+        (charge,) = NodeLedger(ledger).charges()
+        assert charge.events.sampled and not charge.events.gaussian
+    else:
+        with pytest.raises(Refused, match=r"rule `lifetime.trust_server_sampling`: the run samples "
+                                          r"clients \(training.sampling: poisson, rate q = 0.5\)"):
+            first_task(sampled, 1)
+        assert not ledger.exists()
+    first_task(parse_config(BASE), 2)
+    assert [c.run_id for c in NodeLedger(ledger).charges()] == (["1", "2"] if trust else ["2"])
 
 
 def test_the_in_process_engine_samples_as_the_batched_engine_does():

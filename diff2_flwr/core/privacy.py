@@ -25,6 +25,7 @@ from typing import Any, Sequence
 from .accounting import (
     PLD_DISCRETIZATION,
     PLD_MEMO,
+    SAMPLED_STEPS,
     GaussianEvent,
     LocalEvent,
     PldMemo,
@@ -35,6 +36,7 @@ from .accounting import (
     gaussian_pld,
     local_pld,
     rdp_epsilon,
+    sampled_gaussian_pld,
 )
 from .calibration import (
     Calibration,
@@ -220,17 +222,20 @@ class RunEvents:
     ``gaussian``: (z, count) pairs, z in :class:`GaussianEvent`'s convention (std over the
     replace-one sensitivity). ``local``: (z3, q, steps, phases) tuples, z3 and q in
     :class:`LocalEvent`'s convention, ``steps`` Poisson-subsampled Gaussian steps per local phase
-    and ``phases`` local phases (one per round). ``delta`` is the run's own δ (its ε is reported at
-    it; a node composes its runs at its own δ).
+    and ``phases`` local phases (one per round). ``sampled``: (z, π, count) tuples of client-sampled
+    rounds, the :class:`SampledGaussianEvent` (z, π) the run's own ledger records for them, π the
+    probability that the node's client is in a round's cohort. ``delta`` is the run's own δ (its ε
+    is reported at it; a node composes its runs at its own δ).
 
     References:
         Murata & Suzuki (2023), Alg. 1 (m1 restart rounds, m2 difference rounds); DIFF2.md,
-        accounting section.
+        accounting section; :class:`SampledGaussianEvent` (the amplification of a sampled round).
     """
 
     delta: float
     gaussian: tuple[tuple[float, int], ...] = ()
     local: tuple[tuple[float, float, int, int], ...] = ()
+    sampled: tuple[tuple[float, float, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.delta < 1:
@@ -240,27 +245,23 @@ class RunEvents:
         for z3, q, steps, phases in self.local:
             _check_event("local", z3, steps, "steps")
             _check_event("local", z3, phases, "phases")
-            if not (isinstance(q, (int, float)) and 0 < q <= 1):
-                raise ValueError(
-                    f"RunEvents: a local event's sampling probability `q` must be in (0, 1]. "
-                    f"Found {q!r}.")
+            _check_probability("local", "sampling probability `q`", q)
+        for z, pi, count in self.sampled:
+            _check_event("sampled", z, count, "count")
+            _check_probability("sampled", "inclusion probability `π`", pi)
 
     @classmethod
     def from_calibration(cls, cal: Calibration) -> "RunEvents":
         """The events of a calibrated schedule: m1 × z1, m2 × z2 and, with a local routine, R local
-        phases LocalEvent(z3, q, K - 1).
-
-        Raises:
-            ValueError: a client-sampled calibration (its rounds are not full-batch Gaussians; the
-                node ledger does not charge them yet).
+        phases LocalEvent(z3, q, K - 1); with client sampling m1 × (z1, π) and m2 × (z2, π) sampled
+        rounds, the events :meth:`Calibration.round_events` gives the run's own ledger (a
+        calibration with sampling has no local routine: :func:`calibrate` refuses the pair).
         """
-        if cal.sampling is not None:
-            raise ValueError(
-                "RunEvents: a calibration with client sampling (`sampling` set) has "
-                "SampledGaussianEvent rounds, which the node ledger's RunEvents (gaussian, local) "
-                "cannot hold yet; charging them as full-batch rounds would over-charge. Found "
-                f"sampling = {cal.sampling!r}.")
         counts = ((cal.z1, cal.restart_rounds), (cal.z2, cal.difference_rounds))
+        if cal.sampling is not None:
+            pi = float(cal.sampling_prob)
+            return cls(delta=cal.delta,
+                       sampled=tuple((float(z), pi, m) for z, m in counts if m))
         gaussian = tuple((float(z), m) for z, m in counts if m)
         local = cal.local
         phases = () if local is None else ((float(local.z3), float(local.sampling_prob),
@@ -271,6 +272,11 @@ class RunEvents:
     def epsilon(self) -> float:
         """The run's own ε at its own δ (PLD, see :func:`composed_epsilon`)."""
         return composed_epsilon([self], self.delta)
+
+
+def _check_probability(kind: str, name: str, q: Any) -> None:
+    if not isinstance(q, (int, float)) or isinstance(q, bool) or not 0 < q <= 1:
+        raise ValueError(f"RunEvents: a {kind} event's {name} must be in (0, 1]. Found {q!r}.")
 
 
 def _check_event(kind: str, z: Any, count: Any, name: str) -> None:
@@ -288,10 +294,14 @@ def composed_epsilon(runs: "Sequence[RunEvents]", delta: float) -> float:
 
     Composition commutes, so the events are composed by counts: every full-batch Gaussian of every
     run together is one Gaussian with μ² = Σ count / z² (exact: Dong, Roth & Su 2019, Cor. 3.3;
-    dp-accounting's ``PLDAccountant`` composes ``GaussianDpEvent`` × count the same way), and the
+    dp-accounting's ``PLDAccountant`` composes ``GaussianDpEvent`` × count the same way), the
     local phases of one kind (z3, q, steps) are one cached PLD self-composed by their total number
-    of phases. ε is independent of the order of the runs. No runs (or no events): 0; a noise
-    multiplier 0: inf.
+    of phases, and the client-sampled rounds of one kind (z, π) are the mixture PLD
+    (:func:`~diff2_flwr.core.accounting.sampled_gaussian_pld`, the run's own ledger's)
+    self-composed by their total count. A run of sampled rounds alone is then composed as
+    :meth:`Calibration.planned_epsilon` composes it (the same PLDs in the same order: the same ε).
+    ε is independent of the order of the runs. No runs (or no events): 0; a noise multiplier 0:
+    inf.
 
     Args:
         runs: the runs' planned events.
@@ -304,27 +314,30 @@ def composed_epsilon(runs: "Sequence[RunEvents]", delta: float) -> float:
     if not 0 < delta < 1:
         raise ValueError(f"`delta` must be in (0, 1). Found {delta!r}.")
     inverse_squares: list[float] = []
-    phases: dict[tuple[float, float, int], int] = {}
+    # event_key's (z, q, steps): steps >= 1 a local phase, SAMPLED_STEPS a client-sampled round
+    kinds: dict[tuple[float, float, int], int] = {}
     for run in runs:
         for z, count in run.gaussian:
             if z == 0:
                 return math.inf
             inverse_squares.append(count / float(z) ** 2)
-        for z3, q, steps, n in run.local:
-            if z3 == 0:
+        for z, q, steps, n in (*run.local, *((z, pi, SAMPLED_STEPS, m) for z, pi, m in
+                                             run.sampled)):
+            if z == 0:
                 return math.inf
-            key = (float(z3), float(q), steps)
-            phases[key] = phases.get(key, 0) + n
+            key = (float(z), float(q), steps)
+            kinds[key] = kinds.get(key, 0) + n
     mu_squared = math.fsum(sorted(inverse_squares))
-    return _composed_epsilon(float(delta), mu_squared, tuple(sorted(phases.items())))
+    return _composed_epsilon(float(delta), mu_squared, tuple(sorted(kinds.items())))
 
 
 @functools.lru_cache(maxsize=4096)
 def _composed_epsilon(delta: float, mu_squared: float,
-                      phases: tuple[tuple[tuple[float, float, int], int], ...]) -> float:
+                      kinds: tuple[tuple[tuple[float, float, int], int], ...]) -> float:
     pld = gaussian_pld(1 / math.sqrt(mu_squared)) if mu_squared > 0 else None
-    for (z3, q, steps), n in phases:
-        local = local_pld(z3, q, steps, PLD_DISCRETIZATION)
-        local = local.self_compose(n) if n > 1 else local
-        pld = local if pld is None else pld.compose(local)
+    for (z, q, steps), n in kinds:
+        one = (sampled_gaussian_pld(z, q, PLD_DISCRETIZATION) if steps == SAMPLED_STEPS
+               else local_pld(z, q, steps, PLD_DISCRETIZATION))
+        one = one.self_compose(n) if n > 1 else one
+        pld = one if pld is None else pld.compose(one)
     return 0.0 if pld is None else float(pld.get_epsilon_for_delta(delta))

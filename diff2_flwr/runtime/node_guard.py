@@ -20,13 +20,19 @@ same file and overrides the ServerApp read), so it recomputes
 and refuses (:class:`~diff2_flwr.runtime.policy.Refused`, naming the node and the rule) a task that
 disagrees, before it touches its shard. With a lifetime budget, the run's whole planned schedule is
 charged to the node's durable ledger (:mod:`~diff2_flwr.runtime.node_ledger`) at its first task,
-before anything is released, and a run that would cross the budget is refused.
+before anything is released, and a run that would cross the budget is refused. A client-sampled
+run is charged its amplified rounds (the :class:`~diff2_flwr.core.accounting.SampledGaussianEvent`
+s of its calibration), and reaches the charge only where the policy trusts the server's cohort
+draws (``lifetime.trust_server_sampling``; refused at admission otherwise,
+:func:`~diff2_flwr.runtime.policy.check_run`).
 
 Trust: protects this node's records against a run config that asks too much and a server whose tasks
 disagree with the declared mechanism. It does not see the server's noise (central noise: the server
 is trusted to add it), unless the policy has ``canaries``: the node then adds canary records to its
 replies and records what it receives, so that the noise can be checked
-(:mod:`~diff2_flwr.runtime.canary_monitor`).
+(:mod:`~diff2_flwr.runtime.canary_monitor`). Nor does it see how the server draws a sampled run's
+cohorts: a node asked in more rounds than π R cannot tell a targeted draw from chance, so the
+amplified charge is only as good as the server's draws, and the policy says whether to rely on them.
 """
 
 from __future__ import annotations
@@ -245,11 +251,8 @@ class NodeGuard:
                              "this node keeps a lifetime budget, whose ledger composes central "
                              "Gaussian runs; a run with privacy.noise: distributed (Skellam) is "
                              "not charged to it yet, so it is refused.")
-            if self.cfg.training.sampling.enabled:
-                self._refuse("lifetime budget",
-                             "this node keeps a lifetime budget, whose ledger composes full-batch "
-                             "rounds; a run with training.sampling (client-sampled rounds) is not "
-                             "charged to it yet, so it is refused.")
+            # a client-sampled run gets here only if the policy trusts the server's draws
+            # (policy.check_run, at admit_run): it is charged its amplified rounds
             self._charge(cal)
         return cal
 
@@ -264,11 +267,11 @@ class NodeGuard:
                             node=self.node, events=RunEvents.from_calibration(cal))
         try:
             NodeLedger(path).admit(charge, budget_epsilon=budget.epsilon, budget_delta=budget.delta)
-        # its message names the node, the rule and the ledger
+        # in a refusal's one shape (``<node> refused: rule `lifetime budget`: ...``), which the
+        # server finds in Flower's failure text (policy.refusal_in) and makes the run's error line;
+        # the ledger's own message names the run, the ε spent and the ledger file
         except (BudgetExceeded, RunChanged) as err:
-            raise Refused(self.node, "lifetime budget", str(err),
-                          message=f"{err} Nothing was computed on this node's records; the round "
-                                  f"releases nothing.")
+            raise Refused(self.node, "lifetime budget", str(err)) from None
         # unreadable or unwritable: no run is admitted until the ledger is restored
         except LedgerError as err:
             self._refuse("lifetime ledger", str(err))

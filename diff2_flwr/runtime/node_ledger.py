@@ -6,7 +6,14 @@ Every run a node takes part in is charged with its whole planned schedule of pri
 refuses a run whose charge would take the composed ε (PLD, at the node's δ_L) above its lifetime
 ε_L. A deployment starts a fresh ClientApp process per message, so every message of a run calls
 :meth:`NodeLedger.admit`: a run already charged with the same config digest is admitted again
-without a new charge.
+without a new charge. A client-sampled run is charged its amplified rounds (``RunEvents.sampled``),
+composed with every other run by PLD; whether the node admits one at all is its policy's
+(``lifetime.trust_server_sampling``, :func:`~diff2_flwr.runtime.policy.check_run`).
+
+Format: version 2 (each charge's ``events`` hold ``sampled``, a list of [z, π, count]); a version-1
+file (no ``sampled``: every charge full-batch) is read as it is and written back as version 2 at
+the next admission. A version-1 reader refuses a version-2 file (it would under-charge sampled
+runs): fail closed.
 
 Durable and crash-safe: read-check-write runs under an exclusive ``flock`` on a sibling lock file
 (simulated nodes and concurrent ClientApp processes share nothing else); the new ledger is written
@@ -47,7 +54,11 @@ __all__ = [
 ]
 
 FORMAT = "diff2-node-ledger"
-VERSION = 1
+#: The version written; :data:`READ_VERSIONS` are read (1: before client-sampled runs were charged).
+VERSION = 2
+READ_VERSIONS = (1, 2)
+#: The keys of a charge's ``events`` by file version.
+_EVENT_KEYS = {1: ("delta", "gaussian", "local"), 2: ("delta", "gaussian", "local", "sampled")}
 
 _WHAT_TO_DO_CORRUPT = (
     "It is not read as empty (that would reset this node's lifetime budget): restore the file "
@@ -119,27 +130,32 @@ class Charge:
         return dataclasses.replace(self, epsilon=epsilon, time=self.time or stamp)
 
     def as_json(self) -> dict[str, Any]:
-        """The charge as the ledger stores it: its run, config digest, node, time, ε and events."""
+        """The charge as the ledger stores it (version :data:`VERSION`): its run, config digest,
+        node, time, ε and events."""
         events = {"delta": self.events.delta, "gaussian": [list(g) for g in self.events.gaussian],
-                  "local": [list(e) for e in self.events.local]}
+                  "local": [list(e) for e in self.events.local],
+                  "sampled": [list(e) for e in self.events.sampled]}
         return {"run_id": self.run_id, "digest": self.digest, "node": self.node, "time": self.time,
                 "epsilon": self.epsilon, "events": events}
 
     @classmethod
-    def from_json(cls, data: Any) -> "Charge":
-        """The charge written by :meth:`as_json`; ValueError (what is wrong) on anything else."""
+    def from_json(cls, data: Any, version: int = VERSION) -> "Charge":
+        """The charge written by :meth:`as_json` (or by a ledger of an earlier ``version``, one of
+        :data:`READ_VERSIONS`); ValueError (what is wrong) on anything else."""
         if not isinstance(data, dict) or set(data) != {"run_id", "digest", "node", "time",
                                                        "epsilon", "events"}:
             found = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(
                 f"expected an object with keys run_id, digest, node, time, epsilon, events; found "
                 f"{found}")
-        ev = data["events"]
-        if not isinstance(ev, dict) or set(ev) != {"delta", "gaussian", "local"}:
+        ev, keys = data["events"], _EVENT_KEYS[version]
+        if not isinstance(ev, dict) or set(ev) != set(keys):
             raise ValueError(
-                f"`events` must be an object with keys delta, gaussian, local; found {ev!r}")
+                f"`events` must be an object with keys {', '.join(keys)} (version {version}); "
+                f"found {ev!r}")
         events = RunEvents(delta=ev["delta"], gaussian=tuple(tuple(g) for g in ev["gaussian"]),
-                           local=tuple(tuple(e) for e in ev["local"]))
+                           local=tuple(tuple(e) for e in ev["local"]),
+                           sampled=tuple(tuple(e) for e in ev.get("sampled", ())))
         for key in ("run_id", "digest", "node", "time"):
             if not isinstance(data[key], str):
                 raise ValueError(f"`{key}` must be a string; found {data[key]!r}")
@@ -290,10 +306,15 @@ class NodeLedger:
 
     def _refusal(self, charge: Charge, runs: int, before: float, after: float,
                  budget_epsilon: float, budget_delta: float) -> str:
+        sampled = sorted({pi for _, pi, _ in charge.events.sampled})
+        amplified = ("" if not sampled else
+                     f", its client-sampled rounds amplified by π = "
+                     f"{', '.join(f'{pi:g}' for pi in sampled)}")
         return (
             f"Node {charge.node!r} refuses run {charge.run_id!r} (rule: lifetime budget): the "
             f"node has spent ε = {before:.6g} over {runs} run(s) at δ_L = {budget_delta:g}; this "
-            f"run alone costs ε = {charge.epsilon:.6g} (at its δ = {charge.events.delta:g}), "
+            f"run alone costs ε = {charge.epsilon:.6g} (at its δ = {charge.events.delta:g}"
+            f"{amplified}), "
             f"together ε = {after:.6g} > the lifetime budget ε_L = {budget_epsilon:g} (ledger "
             f"{self.path}). Nothing was charged or released. Submit the run with a smaller ε or "
             f"fewer rounds, or take this node out of it; only the node's operator can raise the "
@@ -312,7 +333,7 @@ class NodeLedger:
         except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError too
             raise LedgerError(
                 f"Node ledger {self.path} is not a diff2 node ledger (format {FORMAT!r}, version "
-                              f"{VERSION}): {err}. {_WHAT_TO_DO_CORRUPT}") from err
+                f"{' or '.join(map(str, READ_VERSIONS))}): {err}. {_WHAT_TO_DO_CORRUPT}") from err
 
     def _locked(self) -> ContextManager[None]:
         return exclusive_lock(self.lock_path, lambda err: LedgerError(
@@ -350,11 +371,15 @@ def _parse(text: str) -> _State:
     data = json.loads(text)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"expected a JSON object with \"format\": {FORMAT!r}; found {text[:60]!r}")
-    if data.get("version") != VERSION or set(data) != {"format", "version", "last_admission",
-                                                       "charges"}:
+    version = data.get("version")
+    if (isinstance(version, bool) or version not in READ_VERSIONS
+            or set(data) != {"format", "version", "last_admission", "charges"}):
+        newer = isinstance(version, int) and not isinstance(version, bool) and version > VERSION
         raise ValueError(
-            f"expected version {VERSION} with keys format, version, last_admission, charges; found "
-                         f"version {data.get('version')!r}, keys {sorted(data)}")
+            f"expected version {' or '.join(map(str, READ_VERSIONS))} with keys format, version, "
+            f"last_admission, charges; found version {version!r}, keys {sorted(data)}"
+            + (f" (version {version} is a newer diff2's: upgrade this node's diff2)" if newer
+               else ""))
     last = data["last_admission"]
     if last is not None and (not isinstance(last, dict) or set(last) != set(_LAST_KEYS)
                              or not all(isinstance(last[k], (int, float)) for k in _LAST_KEYS)):
@@ -366,7 +391,7 @@ def _parse(text: str) -> _State:
     charges = []
     for i, item in enumerate(data["charges"]):
         try:
-            charges.append(Charge.from_json(item))
+            charges.append(Charge.from_json(item, version))
         except (ValueError, TypeError) as err:
             raise ValueError(f"charge {i}: {err}") from err
     if last is None:

@@ -14,46 +14,40 @@ Where it comes from (never from the run config, which the run submitter writes):
 Example (``configs/policy.yaml``)::
 
     name: hospital-a         # how refusals name this node (default: its partition)
-    max_epsilon: 3.0         # the largest ε one run may spend on this node's records
-    (privacy.epsilon) max_delta: 1.0e-5        # the largest δ one run may use (privacy.delta)
-    methods: [dpgd, diff2]   # methods a run may use (gd releases unnoised means: never under a
-    policy) models: [paper_mlp]      # model factories a run may call on this node (default: the
-    built-in models) max_rounds: 2000         # the most rounds one run may take (null: no limit)
-    local_routine: true      # whether the private local routine may run on this node's records
-    noise: [distributed]     # who may add the noise: central (the server, trusted) and/or
-    distributed (SecAgg+) min_honest: 3            # distributed: the fewest honest clients (P - t)
-    whose shares carry the noise n_min: 240               # the federation's n_min, agreed by the
-    data owners out of band: a run must declare the
-                             # same privacy.n_min (null: any the run declares, at most this node's
-                             records)
-    allow_seeded: false      # a run with training.seed fixes this node's noise for whoever knows
-    the seed: refused
-                             # on a data owner's node unless true (tests, a federation whose parties
-                             are one person)
+    max_epsilon: 3.0         # the largest ε one run may spend here (privacy.epsilon)
+    max_delta: 1.0e-5        # the largest δ one run may use (privacy.delta)
+    methods: [dpgd, diff2]   # methods a run may use (gd releases unnoised means: never)
+    models: [paper_mlp]      # model factories a run may call here (default: the built-in ones)
+    max_rounds: 2000         # the most rounds one run may take (null: no limit)
+    local_routine: true      # whether the private local routine may run on these records
+    noise: [distributed]     # who may add the noise: central (the server) and/or distributed
+    min_honest: 3            # distributed: the fewest honest clients (P - t) carrying the noise
+    n_min: 240               # the federation's n_min, agreed out of band (null: any declared)
+    allow_seeded: false      # a seeded run fixes this node's noise for whoever knows the seed
     lifetime:                # a budget over every run this node takes part in, composed by PLD
       epsilon: 10.0
       delta: 1.0e-5
-      ledger: ledger.json    # the node's durable ledger (owner-only); relative to this file's
-      folder
-    answers: answers.log     # the node's record of each (run, round, stage) it answered
-    (owner-only; a round is
-                             # answered once: a replay is refused); relative to this file's folder
-    canaries:                # audit each run live from this node (diff2 audit --live FOLDER;
-    central noise, gd)
+      ledger: ledger.json    # the node's durable ledger (owner-only), relative to this file
+      trust_server_sampling: false  # charge a client-sampled run its amplified ε (true), or
+                             # refuse it (false): the amplification rests on the server's draws
+    answers: answers.log     # each (run, round, stage) answered, once (owner-only)
+    canaries:                # audit each run live from this node (diff2 audit --live FOLDER)
       count: 64              # canary records added to this node's replies (even; 0: none)
       state: canaries        # the owner-only folder of their secret seed and observations
-      (relative: this file's)
 
 Trust (``THREATS.md``): the policy protects this node's records against a run submitter whose run
 config asks too much (ε, δ, method, model, rounds, the lifetime budget) and against a server whose
 tasks disagree with the mechanism the run config declares (radius, round kind, n_min, σ3, q, b, K:
 :mod:`~diff2_flwr.runtime.node_guard`). It cannot protect against an app bundle that is not ours
 (the ClientApp that enforces it comes from the bundle: pin bundles with Flower's trusted entities),
-nor, under central noise, against a server that sees the clipped means and leaks them. Whether the
-server adds less noise than declared the node can check, live, with ``canaries``
-(:mod:`~diff2_flwr.runtime.canary_monitor`; the run must then use central noise, routine gd, the
-constant schedule and no local steps). ``noise: [distributed]`` refuses central runs: the node's
-message then leaves only inside SecAgg+, with its own noise share (:mod:`diff2_flwr.fl.secagg`).
+nor, under central noise, against a server that sees the clipped means and leaks them, nor
+against a server that draws a client-sampled run's cohorts other than as declared (no node can
+check the draws: ``lifetime.trust_server_sampling``, default false, keeps such runs off a node with
+a lifetime budget). Whether the server adds less noise than declared the node can check, live,
+with ``canaries`` (:mod:`~diff2_flwr.runtime.canary_monitor`; the run must then use central noise,
+routine gd, the constant schedule and no local steps). ``noise: [distributed]`` refuses central
+runs: the node's message then leaves only inside SecAgg+, with its own noise share
+(:mod:`diff2_flwr.fl.secagg`).
 """
 
 from __future__ import annotations
@@ -131,11 +125,22 @@ def refusal_in(text: str) -> str | None:
 
 @dataclass(frozen=True)
 class LifetimeBudget:
-    """(ε, δ) over every run the node takes part in, and the durable ledger that composes them."""
+    """(ε, δ) over every run the node takes part in, the durable ledger that composes them, and
+    whether a client-sampled run may be charged its amplified ε.
+
+    ``trust_server_sampling``: a client-sampled run (``training.sampling``) costs its amplified ε
+    only if the server draws every cohort as declared (each client with probability π, from the
+    server's own entropy, independently of the data and of earlier rounds). No node can check the
+    draws: a server that put this node in every round would spend up to the unamplified ε of the
+    same noise (ε 4.9 where the ledger charges 3, for q = 0.3 over 100 rounds). False (the default)
+    refuses sampled runs, so that the node's lifetime limit never rests on that assumption unless
+    its operator chose it; true charges them, amplified, composed with the node's other runs.
+    """
 
     epsilon: float | None = None
     delta: float | None = None
     ledger: str | None = None
+    trust_server_sampling: bool = False
 
     def __post_init__(self) -> None:
         keys = ("epsilon", "delta", "ledger")
@@ -148,6 +153,10 @@ class LifetimeBudget:
                     "a finite number > 0", self.epsilon)
             require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
             require(bool(self.ledger), "ledger", "the ledger file's path", self.ledger)
+        require(self.epsilon is not None or not self.trust_server_sampling,
+                "trust_server_sampling",
+                "false without a lifetime budget (epsilon, delta, ledger): it says whether that "
+                "budget's ledger may charge a client-sampled run", self.trust_server_sampling)
 
     @property
     def enabled(self) -> bool:
@@ -341,6 +350,28 @@ def check_run(policy: NodePolicy, cfg: ExperimentConfig, node: str) -> None:
                       f"{cfg.local.steps}); this node does not allow it {where}.")
     if policy.canaries.enabled:
         _check_auditable(cfg, node, where)
+    _check_sampling_trusted(policy, cfg, node, where)
+
+
+def _check_sampling_trusted(policy: NodePolicy, cfg: ExperimentConfig, node: str,
+                            where: str) -> None:
+    """A node with a lifetime budget takes a client-sampled run only if its operator trusts the
+    server's cohort draws (``lifetime.trust_server_sampling``): the ledger would charge the
+    amplified ε, which holds only for cohorts drawn as declared, and the node cannot check them."""
+    if not (cfg.private and cfg.training.sampling.enabled and policy.lifetime.enabled):
+        return
+    if policy.lifetime.trust_server_sampling:
+        return
+    s = cfg.training.sampling
+    rule = f"rate q = {s.rate:g}" if s.kind == "poisson" else f"size m = {s.size}"
+    raise Refused(node, "lifetime.trust_server_sampling",
+                  f"the run samples clients (training.sampling: {s.kind}, {rule}), so the ε this "
+                  f"node's lifetime ledger would charge holds only if the server draws every "
+                  f"cohort as declared, which this node cannot check; its policy does not trust "
+                  f"the server's draws (lifetime.trust_server_sampling: false) {where}. Run "
+                  f"without training.sampling, or the node's operator sets "
+                  f"lifetime.trust_server_sampling: true to charge sampled runs their amplified "
+                  f"ε.")
 
 
 def _check_auditable(cfg: ExperimentConfig, node: str, where: str) -> None:
