@@ -32,12 +32,14 @@ in torch (compiled or not) and one call of the fused kernel of :mod:`diff2_flwr.
 does the backward pass, norms, clip factors, overflow flags and clipped sums per client and run in
 one pass; its unclipped sums give the evaluation's ‖∇f‖². Other MLPs, or a machine where the kernel
 cannot be built, take the torch backend (one client at a time); both are checked against each other
-and against the reference driver. This module plans the radii, finishes the workers' means, adds the
-noise and steps the routines, as the server does: in numpy on the small [K, d] and [P, K, d] arrays,
-with shortcuts that change no bit (a restart round's radius taken once per run, a difference round's
-without round_scale's layers, the noise's normals drawn ahead in blocks of rounds, the workers'
-scalar check only near the radius, one ``np.errstate`` for the whole loop); ``tests/test_sweep.py``
-checks the results against a loop one run at a time, bit for bit.
+and against the reference driver. Where every run samples its clients (issue 44), a round computes
+only the union of the runs' cohorts (:func:`_round_clients`), bit for bit what computing every
+client gives (``tests/test_sweep_union.py``). This module plans the radii, finishes the workers'
+means, adds the noise and steps the routines, as the server does: in numpy on the small [K, d] and
+[P, K, d] arrays, with shortcuts that change no bit (a restart round's radius taken once per run, a
+difference round's without round_scale's layers, the noise's normals drawn ahead in blocks of
+rounds, the workers' scalar check only near the radius, one ``np.errstate`` for the whole loop);
+``tests/test_sweep.py`` checks the results against a loop one run at a time, bit for bit.
 """
 
 from __future__ import annotations
@@ -258,17 +260,22 @@ def _sampled_means(client_means: torch.Tensor, mask: np.ndarray, sampled: Sequen
 
 def _workers_finish(client_means: torch.Tensor | np.ndarray, overflow: torch.Tensor | np.ndarray,
                     radius: np.ndarray, alive: torch.Tensor | np.ndarray,
-                    diverged: list[int | None], r: int, mask: np.ndarray | None = None) -> None:
+                    diverged: list[int | None], r: int, mask: np.ndarray | None = None,
+                    clients: np.ndarray | None = None) -> None:
     """What each worker does with its ClippedMean before replying, in place: a run with a client
     whose gradients overflowed (or whose mean is not finite) diverges at round r (the reference's
     ``Diverged('gradients')``); a mean that exceeds the radius by float rounding is projected onto
     the ball by :func:`~diff2_flwr.core.clipping.onto_ball`, bit for bit as the worker does.
+    ``clients``: the batch indices of the rows (a round of some clients; None: row p is client p),
+    ``mask`` their rows of the cohorts' mask.
 
     The arrays are small ([P, K, d]): numpy on views of the tensors (a torch call costs more than
     its work here), with few calls when nothing needs a look (the usual round)."""
     # views: written in place
     means, flags, live = _np(client_means), _np(overflow), _np(alive)
     P, K, _ = means.shape
+    if P == 0:  # no client computed this round
+        return
     # Scaled where squares would underflow (a mean of norm 1e-170 read 0 and skipped its
     # projection at radius 1e-200): row_norms_np, whose plain norms these are, and which this
     # calls only when one of them lies outside SAFE_NORM_RANGE (0, tiny, huge, inf or NaN). A mean
@@ -300,7 +307,8 @@ def _workers_finish(client_means: torch.Tensor | np.ndarray, overflow: torch.Ten
         projected = onto_ball(row, float(radius[k]))
         if max(robust_norm(projected), float(np.linalg.norm(projected))) > radius[k]:
             raise RuntimeError(
-                f"Batched engine, round {r}, run {k}, client {p}: the clipped mean's norm "
+                f"Batched engine, round {r}, run {k}, client "
+                f"{p if clients is None else int(clients[p])}: the clipped mean's norm "
                                f"{robust_norm(row):.17g} exceeds the radius {radius[k]:.17g} "
                                f"beyond float rounding "
                                "(a clipping bug).")
@@ -426,10 +434,13 @@ def _server_step(  # noqa: PLR0913 -- round r's server state, alive and diverged
     place, and is parked (x kept, ṽ zeroed). ``restart``: which runs restart [K], or True (all) or
     False (none). Returns (x_{r-1}, x_r, ṽ_r) [K, d]. In numpy (float warnings are the caller's) on
     the small CPU arrays. ``cohorts`` (round r's [P, K] mask and the runs' :class:`_Cohorts`):
-    a sampled run's sum is over its cohort, divided by E|S|."""
-    P = client_means.shape[0]
-    # (1/P) Σ_p ClippedMean_p (torch's sum: the engine's bits unchanged)
-    mean = (client_means.sum(0) / P).numpy()
+    a sampled run's sum is over its cohort, divided by E|S|; where every run samples, the rows
+    (and the mask's) may be those of the round's clients only (the union of the cohorts)."""
+    P, K, d = client_means.shape
+    if cohorts is not None and len(cohorts[1].sampled) == K:
+        mean = np.empty((K, d))  # every row is a cohort's sum
+    else:  # (1/P) Σ_p ClippedMean_p (torch's sum: the engine's bits unchanged)
+        mean = (client_means.sum(0) / P).numpy()
     if cohorts is not None:
         mask, c = cohorts
         _sampled_means(client_means, mask, c.sampled, c.denominators, mean)
@@ -493,8 +504,11 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
     clients: round r's cohort is :func:`~diff2_flwr.core.sampling.round_cohort` of its
     ``cohort_seed`` and r, its release sums the cohort's clipped means and divides by E|S| (qP or
     m), and only the cohort's overflows diverge it. Its σ must come from a calibration for that
-    sampling (:func:`~diff2_flwr.core.calibration.calibrate`'s ``sampling``). Every client is still
-    computed each round (the others' results are not read): correct, not yet fast for small q.
+    sampling (:func:`~diff2_flwr.core.calibration.calibrate`'s ``sampling``). Where every run of
+    the batch samples, a round computes only the union of the runs' cohorts
+    (:func:`_round_clients`; an evaluated round every client, whose metrics read them all), with
+    the bits of computing every client (the backend's ``subsets``); a batch with a run that does
+    not sample computes every client each round.
 
     References:
         Murata & Suzuki (2023), Algorithms 1-3, as in :mod:`diff2_flwr.core.estimator`.
@@ -511,8 +525,10 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
     mlp, b = inits[0][0], Batch(data, dtype, resolve_device(device))
     x = np.stack([x0 for _, x0 in inits])  # [K, d] float64
     routines = _Routines(specs, x, rounds)
+    # every run samples: rounds of the cohorts' union
+    subsets = cohorts is not None and len(cohorts.sampled) == len(specs)
     backend = choose_backend(mlp, b, len(specs), compile=compile, accumulate=accumulate,
-                             two_valued=two_valued)
+                             two_valued=two_valued, subsets=subsets)
     T = np.array([s.restart_every for s in specs])
     # row r - 1: which runs restart in round r (rows 0 .. rounds; the last is for keep below)
     restarts = np.arange(rounds + 1)[:, None] % T == 0
@@ -536,14 +552,18 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
             evaluated = (r - 1) % eval_every == 0 or r == 1
             live = alive.copy() if evaluated else None  # alive at x_{r-1}: this pass's metrics
             radius, std = planner(r, restart, x, x_prev, alive, diverged)
+            mask = None if cohorts is None else cohorts.mask(r)
+            clients = _round_clients(mask, evaluated) if subsets else None
             x_t = torch.from_numpy(x)
             out = backend.round(x_t, torch.from_numpy(restart), torch.from_numpy(radius),
-                                train=evaluated, keep=not every[r])
+                                train=evaluated, keep=not every[r], clients=clients)
             if evaluated:
                 evals.append(_metrics(r - 1, mlp, b, x_t, torch.from_numpy(live), out.train))
-            client_means = out.sums / n  # ClippedMean_p of every run [P, K, d]
-            mask = None if cohorts is None else cohorts.mask(r)
-            _workers_finish(client_means, out.overflow, radius, alive, diverged, r, mask)
+            if clients is not None:  # the rows of the round's clients
+                mask = mask[clients]  # type: ignore[index]
+            # ClippedMean_p of every run [P, K, d] (of the round's clients)
+            client_means = out.sums / (n if clients is None else n[clients])
+            _workers_finish(client_means, out.overflow, radius, alive, diverged, r, mask, clients)
             x_prev, x, v = _server_step(r, client_means, std, kinds[r - 1], x, v, routines,
                                         noise, alive, diverged,
                                         None if mask is None else (mask, cohorts))
@@ -552,6 +572,16 @@ def run_batch(  # noqa: PLR0913 -- keyword-only options, as a run config's model
     x_t = torch.from_numpy(x)
     evals.append(_metrics(rounds, mlp, b, x_t, torch.from_numpy(alive.copy()), backend.train(x_t)))
     return _results(specs, evals, x, diverged, classification=mlp.loss == "cross_entropy")
+
+
+def _round_clients(mask: np.ndarray | None, evaluated: bool) -> np.ndarray | None:
+    """The clients a round of a batch whose runs all sample computes: the union of the runs'
+    cohorts (sorted; ``mask`` [P, K]), or None (every client) in an evaluated round, whose metrics
+    (train loss, ‖∇f‖²) read every client's pass. A round of the union gives the runs the bits of
+    a round of every client (the backends' ``clients``)."""
+    if evaluated or mask is None:
+        return None
+    return np.flatnonzero(mask.any(1))
 
 
 def _results(specs: Sequence[RunSpec], evals: Sequence[_Row], x: np.ndarray,
