@@ -94,6 +94,8 @@ def test_endpoints_read_the_round_the_rule_names():
 @pytest.mark.parametrize("change, match", [
     ({"seeds": {"tune": [100], "evaluate": [1, 2]}},
      r"seeds\.tune.*at least 3 tuning seeds.*protocol: paper"),
+    ({"seeds": {"tune": [100, 101, 102], "evaluate": [1]}},
+     r"seeds\.evaluate.*at least 2 evaluation seeds.*paired t-tests.*Found \[1\]"),
     ({"analysis": {"primary": [{"criterion": "test_loss", "at": "best"}]}},
      r"analysis\.primary\[0\]\.at.*'train_best' or 'final' for a test metric"),
     ({"analysis": {"primary": [{"criterion": "train_loss", "alternative": "smaller"}]}},

@@ -141,7 +141,15 @@ class Study:
                 self._set(registration=registration_of(self.registration, self.source))
             except RegistrationError as err:
                 raise StudyError(str(err)) from None
-        _check_symmetric(methods, _pairs(self.tests, methods), self.analysis)
+        pairs = _pairs(self.tests, methods)
+        _check_symmetric(methods, pairs, self.analysis)
+        # the paired t-tests need two seeds a side: refused here, not after every run is computed
+        if pairs and len(self.eval_seeds) < 2:
+            (treat, control), more = pairs[0], ", ..." if len(pairs) > 1 else ""
+            require(False, "seeds.evaluate",
+                    f"at least 2 evaluation seeds: the study compares {len(pairs)} pair(s) of "
+                    f"methods ({treat!r} vs {control!r}{more}) with paired t-tests across the "
+                    "evaluation seeds; add seeds", list(self.eval_seeds))
 
     def _set(self, **values: Any) -> None:
         for key, value in values.items():
