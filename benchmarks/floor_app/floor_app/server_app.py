@@ -1,5 +1,5 @@
-"""FedAvg over a cohort of the clients (all by default) of a 101-float model; prints a timestamp after
-every round."""
+"""FedAvg over a cohort of the clients (all by default) of a 101-float model; prints a timestamp
+after every round."""
 
 import time
 
@@ -21,9 +21,9 @@ class TimedFedAvg(FedAvg):
 
 
 def server_fn(context: Context) -> ServerAppComponents:
-    """TimedFedAvg of a 101-float zero model for the run config's ``num-server-rounds`` rounds, over a
-    cohort of ``fraction-fit`` of the clients each round (FedAvg's: that fraction of the connected
-    nodes, at least 2), once ``min-available-clients`` nodes are connected."""
+    """TimedFedAvg of a 101-float zero model for the run config's ``num-server-rounds`` rounds,
+    over a cohort of ``fraction-fit`` of the clients each round (FedAvg's: that fraction of the
+    connected nodes, at least 2), once ``min-available-clients`` nodes are connected."""
     n = int(context.run_config["num-server-rounds"])
     fraction = float(context.run_config.get("fraction-fit", 1.0))
     available = int(context.run_config.get("min-available-clients", 2))
