@@ -431,6 +431,43 @@ def test_a_pass_not_kept_gives_the_same_bits_and_no_parts(kernel, dtype):
                                                                            b.train_loss)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_pass_written_into_given_tensors_gives_the_same_bits(kernel, dtype):
+    """forward_sums(out=...): a pass written into the tensors of one no one reads any more gives
+    the sums, flags, losses and parts of a pass into fresh tensors (restart and difference rounds,
+    the float32 accumulation too); tensors that are the previous pass's, or of the wrong shape, are
+    refused (the kernel reads prev while it writes the pass)."""
+    mlp, x, x_prev, feats, y, x64, sq, mask = _case("half_squared_error", 1, "softplus", dtype,
+                                                    seed=9)
+    radius = torch.tensor([0.05, 0.5, math.inf, 2.0], dtype=torch.float64)
+    restart = torch.tensor([False, True, False, False])
+    modes = ("float64", "float32") if dtype == torch.float32 else ("float64",)
+    for accumulate in modes:
+        first = _forward(kernel, mlp, x_prev, feats, y, x64, sq, mask, radius,
+                         accumulate=accumulate)
+        spare = _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius)[2]
+        for t in (spare.a, spare.dphi, spare.grad_out):
+            t.fill_(float("nan"))  # whatever a spare pass holds is overwritten
+        for prev, rs in ((None, None), (first[2], restart)):
+            fresh = _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius, prev, rs,
+                             accumulate=accumulate)
+            into = _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius, prev, rs,
+                            accumulate=accumulate, out=spare)
+            assert into[2].a is spare.a and into[2].grad_out is spare.grad_out
+            for i in (0, 1, 3):
+                assert torch.equal(into[i], fresh[i])
+            for name in ("a", "dphi", "grad_out", "w_out"):
+                assert torch.equal(getattr(into[2], name), getattr(fresh[2], name))
+        with pytest.raises(ValueError, match="shares memory with prev"):
+            _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius, first[2], restart,
+                     accumulate=accumulate, out=first[2])
+        bad = fused.Parts(spare.a[:, :, :-1], spare.dphi, spare.grad_out, spare.w_out)
+        with pytest.raises(ValueError, match="out.a must be a contiguous"):
+            _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius, out=bad)
+        with pytest.raises(ValueError, match="with keep=False no pass is written"):
+            _forward(kernel, mlp, x, feats, y, x64, sq, mask, radius, keep=False, out=spare)
+
+
 def test_the_engine_with_the_kernels_forward_equals_the_torch_forward(monkeypatch):
     """The batched engine's default (the forward pass in the kernel) against the forward pass in
     torch, the same runs otherwise: final iterates within 1e-12 (float64) and 1e-6 (float32) after

@@ -742,8 +742,8 @@ def forward_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as t
         activation: str, loss: str, x: torch.Tensor, sq_x: torch.Tensor, mask: torch.Tensor,
         radius: torch.Tensor, prev: Parts | None = None, restart: torch.Tensor | None = None, *,
         hidden: int, outputs: int, clients: int = 1, x_rows: torch.Tensor | None = None,
-        keep: bool = True, blocked: bool = False, accumulate: str = "float64"
-) -> tuple[torch.Tensor, torch.Tensor, Parts | None, torch.Tensor]:
+        keep: bool = True, blocked: bool = False, accumulate: str = "float64",
+        out: Parts | None = None) -> tuple[torch.Tensor, torch.Tensor, Parts | None, torch.Tensor]:
     """:func:`clipped_sums` with the forward pass in the kernel too: for the K runs' parameters
     ``params`` [K, d] (the compute dtype, the flat (W_1, b_1, W_2, b_2) order) and the inputs
     ``x_t`` [F, M] and targets ``y`` [M] in the compute dtype, the kernel computes per block of
@@ -758,7 +758,13 @@ def forward_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as t
     pass, so its parts are not written out — each block's stay in scratch rows in the caches — and
     None is returned for them; the sums, flags and losses are the same bits. ``blocked``: ``x_t``
     and ``x`` are given, and the parts returned (and ``prev``) are, in the blocked layout
-    (:func:`to_blocked`): the same bits, faster. ``accumulate``: as :func:`clipped_sums`'."""
+    (:func:`to_blocked`): the same bits, faster. ``accumulate``: as :func:`clipped_sums`'.
+
+    ``out`` (with ``keep``): a pass no one reads any more (the one before ``prev``, say) whose a,
+    dphi and grad_out this pass is written into instead of fresh tensors (same dtype, shapes and
+    contiguity; no memory shared with ``prev`` or the inputs): the same bits. A fresh pass of K·(2H
+    + O)·M elements each round costs page faults where the allocator returns it to the system
+    (measured: a third of a DIFF2 difference round at K = 18 on California)."""
     dtype = params.dtype
     if dtype not in kernel._forward or params.dim() != 2:
         raise ValueError(
@@ -785,7 +791,10 @@ def forward_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as t
             "fused.forward_sums: keep=False is for a pass of plain gradients only (prev None): a "
                          "difference round's parts are written where its rows are read.")
     w_out = params[:, H * F + H:H * F + H + O * H].reshape(K, O, H).contiguous()
-    if keep:
+    if out is not None:
+        _check_out(out, prev, (params, x_t, y, x, sq_x, mask, radius), (dtype, K, H, O, M), keep)
+        cur = Parts(out.a, out.dphi, out.grad_out, w_out, blocked)
+    elif keep:
         cur = Parts(torch.empty(K, H, M, dtype=dtype), torch.empty(K, H, M, dtype=dtype),
                     torch.empty(K, O, M, dtype=dtype), w_out, blocked)
     else:
@@ -796,6 +805,39 @@ def forward_sums(  # noqa: PLR0913 -- the kernel's inputs, one tensor each (as t
                                              x_t, y, losses),
                            "fused.forward_sums", accumulate=accumulate)
     return sums, overflow, cur if keep else None, losses
+
+
+def _overlaps(t: torch.Tensor, u: torch.Tensor) -> bool:
+    """Whether the memory of two contiguous tensors overlaps."""
+    a0, b0 = t.data_ptr(), u.data_ptr()
+    return a0 < b0 + u.numel() * u.element_size() and b0 < a0 + t.numel() * t.element_size()
+
+
+def _check_out(out: Parts, prev: Parts | None, inputs: tuple, dims: tuple, keep: bool) -> None:
+    """forward_sums' ``out``: a ValueError unless its a, dphi and grad_out are contiguous tensors of
+    the pass's dtype and shapes that share no memory with ``prev``, the inputs or each other."""
+    dtype, K, H, O, M = dims
+    if not keep:
+        raise ValueError("fused.forward_sums: out is where a kept pass is written; with keep=False "
+                         "no pass is written.")
+    mine = (("out.a", out.a, (K, H, M)), ("out.dphi", out.dphi, (K, H, M)),
+            ("out.grad_out", out.grad_out, (K, O, M)))
+    for name, t, shape in mine:
+        if (not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape
+                or not t.is_contiguous()):
+            raise ValueError(
+                f"fused.forward_sums: {name} must be a contiguous {dtype} tensor of shape {shape}. "
+                f"Found {getattr(t, 'dtype', None)} {tuple(getattr(t, 'shape', ()))}.")
+    others = [t for t in inputs if t is not None]
+    if prev is not None:
+        others += [t for t in (prev.a, prev.dphi, prev.grad_out) if isinstance(t, torch.Tensor)]
+    tensors = [t for _, t, _ in mine]
+    for i, t in enumerate(tensors):
+        if any(_overlaps(t, u) for u in others + tensors[i + 1:]):
+            raise ValueError(
+                "fused.forward_sums: out shares memory with prev, an input or itself: the kernel "
+                "reads those while it writes out. Pass a pass no one reads any more (the one "
+                "before prev).")
 
 
 def activation(kernel: FusedKernel, name: str, h: torch.Tensor) -> tuple[torch.Tensor,

@@ -10,7 +10,8 @@
 //
 // Built with -O3 -ffp-contract=off and without -ffast-math: every operation below is one IEEE operation in
 // the order written, and the vectorised loops run over independent samples (lanes), so the bits do not
-// depend on the vector width the compiler picks (SSE2, AVX2 or AVX-512) nor on FMA being available. Sums
+// depend on the vector width the compiler picks (SSE2, AVX2 or AVX-512) nor on FMA being available (the hottest
+// loops are written over the build's native vectors, "packs" below: the same operations lane by lane). Sums
 // over samples are taken per lane over the blocks, then over the lanes in order: deterministic, and a run's
 // (or a client's) bits do not depend on the other runs (clients) of the call. For T = float, opt-in (``scale`` set:
 // fused.py's accumulate="float32"), the sums go through float32 lane partials of fixed windows of blocks, and W_1's
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -266,83 +268,291 @@ inline T log_ge1(T v) {  // log(v), v ≥ 1 (finite)
   return static_cast<T>(static_cast<std::make_signed_t<U>>(e)) * E::LN2 + log1p_unit(f);
 }
 
+// ------------------------------------------------------------------------------ packs of native vectors
+// The forward pass's loops written over packs: K vectors of the build's native width (64 bytes with AVX-512, 32 with
+// AVX, 16 on the x86-64 baseline), each operation applied to the K vectors one after another. A lane's operations are
+// the scalar code's above, in the same order (one IEEE operation each, selects as selects): the same bits lane by lane
+// whatever K and the width (tests compare the baseline build's bits with this machine's). What packs change is the
+// schedule: a block's activations are one long dependency chain per vector (exp, then log1p's division, then φ'), and
+// with one vector per loop iteration the out-of-order window holds about two of them; K independent chains side by side
+// keep the units busy (measured: float32 softplus 0.70 of the per-row loop's time at K = 10). (GCC's generic vectors
+// wider than the native ones are not used: it lowers their selects and comparisons lane by lane.)
+#if defined(__AVX512F__)
+constexpr int NATIVE = 64;
+#elif defined(__AVX__)
+constexpr int NATIVE = 32;
+#else
+constexpr int NATIVE = 16;
+#endif
+template <typename T> struct Nat;
+template <> struct Nat<float> {
+  typedef float V __attribute__((vector_size(NATIVE)));
+  typedef int32_t M __attribute__((vector_size(NATIVE)));
+  typedef uint32_t U __attribute__((vector_size(NATIVE)));
+};
+template <> struct Nat<double> {
+  typedef double V __attribute__((vector_size(NATIVE)));
+  typedef int64_t M __attribute__((vector_size(NATIVE)));
+  typedef uint64_t U __attribute__((vector_size(NATIVE)));
+};
+#define PK_EACH _Pragma("GCC unroll 16") for (int i = 0; i < K; ++i)
+#define PK_INLINE inline __attribute__((always_inline))
+template <typename T, int K> struct PkM { typename Nat<T>::M v[K]; };  // per lane: -1 (true) or 0
+template <typename T, int K> struct PkU { typename Nat<T>::U v[K]; };  // a lane's bits
+template <typename T, int K> struct Pk {
+  using V = typename Nat<T>::V;
+  static constexpr int64_t L = NATIVE / sizeof(T);  // lanes of a native vector
+  static constexpr int64_t LANES = K * L;
+  V v[K];
+  static PK_INLINE Pk splat(T s) {
+    Pk r;
+    PK_EACH for (int64_t j = 0; j < L; ++j) r.v[i][j] = s;
+    return r;
+  }
+  static PK_INLINE Pk load(const T* p) { Pk r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  PK_INLINE void store(T* p) const { std::memcpy(p, v, sizeof v); }
+};
+#define PK_BINARY(OP)                                                                                            \
+  template <typename T, int K> PK_INLINE Pk<T, K> operator OP(const Pk<T, K>& a, const Pk<T, K>& b) {            \
+    Pk<T, K> r; PK_EACH r.v[i] = a.v[i] OP b.v[i]; return r;                                                     \
+  }                                                                                                               \
+  template <typename T, int K> PK_INLINE Pk<T, K> operator OP(const Pk<T, K>& a, T b) {                           \
+    Pk<T, K> r; PK_EACH r.v[i] = a.v[i] OP b; return r;                                                          \
+  }                                                                                                               \
+  template <typename T, int K> PK_INLINE Pk<T, K> operator OP(T a, const Pk<T, K>& b) {                           \
+    Pk<T, K> r; PK_EACH r.v[i] = a OP b.v[i]; return r;                                                          \
+  }
+PK_BINARY(+)
+PK_BINARY(-)
+PK_BINARY(*)
+PK_BINARY(/)
+template <typename T, int K> PK_INLINE Pk<T, K> operator-(const Pk<T, K>& a) { Pk<T, K> r; PK_EACH r.v[i] = -a.v[i]; return r; }
+#define PK_COMPARE(NAME, OP)                                                                                     \
+  template <typename T, int K> PK_INLINE PkM<T, K> NAME(const Pk<T, K>& a, T b) {                                 \
+    PkM<T, K> r; PK_EACH r.v[i] = a.v[i] OP b; return r;                                                         \
+  }
+PK_COMPARE(lt, <)
+PK_COMPARE(gt, >)
+PK_COMPARE(ge, >=)
+template <typename T, int K> PK_INLINE Pk<T, K> sel(const PkM<T, K>& m, const Pk<T, K>& a, const Pk<T, K>& b) {
+  Pk<T, K> r; PK_EACH r.v[i] = m.v[i] ? a.v[i] : b.v[i]; return r;
+}
+template <typename T, int K> PK_INLINE PkU<T, K> sel(const PkM<T, K>& m, const PkU<T, K>& a, const PkU<T, K>& b) {
+  PkU<T, K> r; PK_EACH r.v[i] = m.v[i] ? a.v[i] : b.v[i]; return r;
+}
+template <typename T, int K> PK_INLINE Pk<T, K> pk_fabs(const Pk<T, K>& a) {  // the sign bit cleared, as std::fabs
+  using U = typename Nat<T>::U;
+  const U keep = ~(U)Pk<T, 1>::splat(T(-0.0)).v[0];
+  Pk<T, K> r; PK_EACH r.v[i] = (typename Nat<T>::V)((U)a.v[i] & keep); return r;
+}
+template <typename T, int K> PK_INLINE PkU<T, K> pk_splat_bits(typename Elem<T>::U s) {
+  PkU<T, K> r; PK_EACH for (int64_t j = 0; j < Pk<T, K>::L; ++j) r.v[i][j] = s; return r;
+}
+
+// Two float32 vectors of half the native width side by side, as one native vector (the lanes of lo, then hi's).
+typedef float HalfF __attribute__((vector_size(NATIVE / 2)));
+template <size_t... I>
+PK_INLINE typename Nat<float>::V join_lanes(HalfF lo, HalfF hi, std::index_sequence<I...>) {
+  return __builtin_shufflevector(lo, hi, I...);
+}
+PK_INLINE typename Nat<float>::V join(HalfF lo, HalfF hi) {
+  return join_lanes(lo, hi, std::make_index_sequence<NATIVE / 4>{});
+}
+
+template <size_t I, size_t L, typename T, size_t N, int K>
+PK_INLINE Pk<T, K> pk_estrin_part(const T (&c)[N], const Pk<T, K>* zp) {  // estrin_part's operations
+  if constexpr (L == 1) {
+    return Pk<T, K>::splat(c[I]);
+  } else if constexpr (L == 2) {
+    return c[I] + zp[0] * c[I + 1];
+  } else {
+    constexpr size_t m = L > 8 ? 8 : (L > 4 ? 4 : 2);
+    constexpr size_t k = m == 8 ? 3 : (m == 4 ? 2 : 1);
+    return pk_estrin_part<I, m>(c, zp) + zp[k] * pk_estrin_part<I + m, L - m>(c, zp);
+  }
+}
+template <typename T, size_t N, int K>
+PK_INLINE Pk<T, K> pk_poly(const T (&c)[N], const Pk<T, K>& z) {
+  Pk<T, K> zp[4];
+  zp[0] = z;
+  zp[1] = z * z;
+  zp[2] = zp[1] * zp[1];
+  zp[3] = zp[2] * zp[2];
+  return pk_estrin_part<0, N>(c, zp);
+}
+template <typename T, int K>  // exp_parts
+PK_INLINE void pk_exp_parts(Pk<T, K> x, Pk<T, K>& pm1, Pk<T, K>& scale, Pk<T, K>& post) {
+  using E = Elem<T>;
+  using P = Pk<T, K>;
+  using SU = typename E::U;
+  x = sel(lt(x, E::LOWEST), P::splat(E::LOWEST), x);  // NaN stays NaN
+  const P t = x * E::LOG2E + E::SHIFT;
+  const P kd = t - E::SHIFT;
+  const P r = (x - kd * E::LN2HI) - kd * E::LN2LO;
+  pm1 = r + r * (r * pk_poly(E::EXPM1, r));
+  const PkM<T, K> far = lt(kd, E::FAR);
+  const PkU<T, K> lift = sel(far, pk_splat_bits<T, K>(static_cast<SU>(static_cast<int64_t>(E::LIFT))),
+                             pk_splat_bits<T, K>(SU(0)));
+  PkU<T, K> k;
+  PK_EACH k.v[i] = (typename Nat<T>::U)t.v[i] - to_bits(E::SHIFT) + lift.v[i];
+  PK_EACH scale.v[i] = (typename Nat<T>::V)((k.v[i] + static_cast<SU>(E::BIAS)) << E::MANT);
+  post = sel(far, P::splat(E::POST), P::splat(T(1)));
+}
+template <typename T, int K>
+PK_INLINE Pk<T, K> pk_exp_neg(const Pk<T, K>& x) {
+  Pk<T, K> pm1, scale, post;
+  pk_exp_parts(x, pm1, scale, post);
+  return (scale * (T(1) + pm1)) * post;
+}
+template <typename T, int K>
+PK_INLINE Pk<T, K> pk_expm1_neg(const Pk<T, K>& x) {
+  Pk<T, K> pm1, scale, post;
+  pk_exp_parts(x, pm1, scale, post);
+  return scale * pm1 + (scale - T(1));
+}
+template <typename T, int K>
+PK_INLINE Pk<T, K> pk_log1p_unit(const Pk<T, K>& t) {
+  using E = Elem<T>;
+  using P = Pk<T, K>;
+  const PkM<T, K> big = gt(t, E::SQRT2M1);
+  const P f = sel(big, (t - T(1)) * T(0.5), t);
+  const P s = f / (T(2) + f);
+  const P z = s * s;
+  return sel(big, P::splat(E::LN2), P::splat(T(0))) + (T(2) * s + s * (z * pk_poly(E::ATANH, z)));
+}
+
 //: Activation codes (core/fused.py's ACTIVATION_CODES).
 enum Activation : int { SOFTPLUS = 0, TANH = 1, SIGMOID = 2, RELU = 3, IDENTITY = 4 };
 enum Loss : int { HALF_SQUARED_ERROR = 0, CROSS_ENTROPY = 1 };
 
-// φ(h) and φ'(h) of a block, each derivative as torch's autograd takes it (ghost.py's ACTIVATIONS): softplus
-// (beta 1, threshold 20) max(h, 0) + log1p(exp(-|h|)), φ' = 1 / (1 + t) or t / (1 + t); tanh = -expm1(-2|h|) /
-// (2 + expm1(-2|h|)) with h's sign, φ' = 1 - tanh²; sigmoid 1 / (1 + t) or t / (1 + t), φ' = s (1 - s); relu
-// (φ' = 0 at 0); identity.
-template <typename T>
-inline void activate(int act, const T* hp, T* a, T* d) {
+// φ(h) and φ'(h) of a pack (K native vectors of h at hp, to a and d), each derivative as torch's autograd takes it
+// (ghost.py's ACTIVATIONS): softplus (beta 1, threshold 20) max(h, 0) + log1p(exp(-|h|)), φ' = 1 / (1 + t) or t / (1 +
+// t); tanh = -expm1(-2|h|) / (2 + expm1(-2|h|)) with h's sign, φ' = 1 - tanh²; sigmoid 1 / (1 + t) or t / (1 + t), φ'
+// = s (1 - s); relu (φ' = 0 at 0); identity.
+template <typename T, int K>
+PK_INLINE void pk_activate(int act, const T* hp, T* a, T* d) {
+  using P = Pk<T, K>;
+  const P h = P::load(hp);
+  const P zero = P::splat(T(0)), one = P::splat(T(1));
   switch (act) {
-    case SOFTPLUS:
-      for (int64_t j = 0; j < BLOCK; ++j) {
-        const T h = hp[j];
-        const T t = exp_neg(-std::fabs(h));
-        const bool linear = h > T(20);
-        a[j] = linear ? h : (h > T(0) ? h : T(0)) + log1p_unit(t);
-        d[j] = linear ? T(1) : (h >= T(0) ? T(1) / (T(1) + t) : t / (T(1) + t));
-      }
+    case SOFTPLUS: {
+      const P t = pk_exp_neg(-pk_fabs(h));
+      const PkM<T, K> linear = gt(h, T(20));
+      sel(linear, h, sel(gt(h, T(0)), h, zero) + pk_log1p_unit(t)).store(a);
+      // one division: h ≥ 0 ? 1 / (1 + t) : t / (1 + t), its numerator chosen first
+      sel(linear, one, sel(ge(h, T(0)), one, t) / (T(1) + t)).store(d);
       break;
-    case TANH:
-      for (int64_t j = 0; j < BLOCK; ++j) {
-        const T h = hp[j];
-        const T em = expm1_neg(T(-2) * std::fabs(h));
-        const T m = -em / (T(2) + em);
-        const T v = h < T(0) ? -m : m;
-        a[j] = v;
-        d[j] = T(1) - v * v;
-      }
+    }
+    case TANH: {
+      const P em = pk_expm1_neg(T(-2) * pk_fabs(h));
+      const P m = -em / (T(2) + em);
+      const P v = sel(lt(h, T(0)), -m, m);
+      v.store(a);
+      (T(1) - v * v).store(d);
       break;
-    case SIGMOID:
-      for (int64_t j = 0; j < BLOCK; ++j) {
-        const T h = hp[j];
-        const T t = exp_neg(-std::fabs(h));
-        const T s = h >= T(0) ? T(1) / (T(1) + t) : t / (T(1) + t);
-        a[j] = s;
-        d[j] = s * (T(1) - s);
-      }
+    }
+    case SIGMOID: {
+      const P t = pk_exp_neg(-pk_fabs(h));
+      const P s = sel(ge(h, T(0)), one, t) / (T(1) + t);
+      s.store(a);
+      (s * (T(1) - s)).store(d);
       break;
+    }
     case RELU:
-      for (int64_t j = 0; j < BLOCK; ++j) {
-        const T h = hp[j];
-        a[j] = h < T(0) ? T(0) : h;  // NaN stays NaN
-        d[j] = h > T(0) ? T(1) : T(0);
-      }
+      sel(lt(h, T(0)), zero, h).store(a);  // NaN stays NaN
+      sel(gt(h, T(0)), one, zero).store(d);
       break;
     default:  // IDENTITY
-      for (int64_t j = 0; j < BLOCK; ++j) { a[j] = hp[j]; d[j] = T(1); }
+      h.store(a);
+      one.store(d);
   }
 }
 
-// out = w · in + b for a block: in's n rows ``stride`` apart, the sum over rows in order, then the bias.
+// pk_activate over n values (n a multiple of the native width, the vectors V = n / L): packs of at most 8 vectors,
+// as even as they go (10 vectors: 5 + 5, not 8 + 2: a short pack's chains wait as the per-row loop's do).
+template <typename T, int K>
+__attribute__((noinline)) void activate_pack(int act, const T* hp, T* a, T* d) { pk_activate<T, K>(act, hp, a, d); }
 template <typename T>
-inline void affine_row(const T* w, int64_t n, const T* in, int64_t stride, T b, T* out) {
-  for (int64_t j = 0; j < BLOCK; ++j) out[j] = w[0] * in[j];
-  for (int64_t i = 1; i < n; ++i) {
-    const T wi = w[i];
-    const T* row = in + i * stride;
-    for (int64_t j = 0; j < BLOCK; ++j) out[j] = out[j] + wi * row[j];
+inline void activate_n(int act, const T* hp, T* a, T* d, int64_t n) {
+  constexpr int64_t L = Pk<T, 1>::L;
+  const int64_t vectors = n / L, packs = (vectors + 7) / 8;
+  int64_t i = 0;
+  for (int64_t p = 0; p < packs; ++p) {
+    const int64_t k = (vectors - i / L) / (packs - p);  // this pack's vectors: the rest over the packs left
+    switch (k) {
+      case 8: activate_pack<T, 8>(act, hp + i, a + i, d + i); break;
+      case 7: activate_pack<T, 7>(act, hp + i, a + i, d + i); break;
+      case 6: activate_pack<T, 6>(act, hp + i, a + i, d + i); break;
+      case 5: activate_pack<T, 5>(act, hp + i, a + i, d + i); break;
+      case 4: activate_pack<T, 4>(act, hp + i, a + i, d + i); break;
+      case 3: activate_pack<T, 3>(act, hp + i, a + i, d + i); break;
+      case 2: activate_pack<T, 2>(act, hp + i, a + i, d + i); break;
+      default: activate_pack<T, 1>(act, hp + i, a + i, d + i);
+    }
+    i += k * L;
   }
-  for (int64_t j = 0; j < BLOCK; ++j) out[j] = out[j] + b;
+}
+
+// out = w · in + b for C rows of a block: row c's n weights w[c n ..], in's n rows ``stride`` apart (the sum over them
+// in order, from w_0 in_0, then the bias), out's rows BLOCK apart; the C · BLOCK accumulators in registers.
+template <typename T, int C>
+inline void affine_pack(const T* w, int64_t n, const T* in, int64_t stride, const T* b, T* out) {
+  using V = typename Nat<T>::V;
+  constexpr int64_t L = Pk<T, 1>::L, R = BLOCK / L;
+  V acc[C][R];
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) {
+    V x;
+    std::memcpy(&x, in + r * L, sizeof x);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[c][r] = w[c * n] * x;
+  }
+  for (int64_t i = 1; i < n; ++i) {
+    const T* row = in + i * stride;
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) {
+      V x;
+      std::memcpy(&x, row + r * L, sizeof x);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[c][r] = acc[c][r] + w[c * n + i] * x;
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) {
+      const V v = acc[c][r] + b[c];
+      std::memcpy(out + c * BLOCK + r * L, &v, sizeof v);
+    }
+}
+
+// affine_pack for ``rows`` rows (out's rows BLOCK apart): up to 8 native vectors of accumulators at a time.
+template <typename T>
+inline void affine_rows(const T* w, int64_t rows, int64_t n, const T* in, int64_t stride, const T* b, T* out) {
+  constexpr int R = static_cast<int>(BLOCK / Pk<T, 1>::L), C = R >= 8 ? 1 : 8 / R;
+  int64_t r = 0;
+  for (; r + C <= rows; r += C) affine_pack<T, C>(w + r * n, n, in, stride, b + r, out + r * BLOCK);
+  if constexpr (C > 2)
+    for (; r + 2 <= rows; r += 2) affine_pack<T, 2>(w + r * n, n, in, stride, b + r, out + r * BLOCK);
+  for (; r < rows; ++r) affine_pack<T, 1>(w + r * n, n, in, stride, b + r, out + r * BLOCK);
 }
 
 // The forward pass of one block of one run: h = W_1 x + b_1 (the sum over features in order, then the bias),
 // a = φ(h), φ'(h), z = W_2 a + b_2, and g_L = ∂ℓ/∂z, ℓ (ghost.py's _output_gradient: z - y and ½ e e; or
 // exp(log_softmax(z)) - onehot(y) and -log_softmax(z)[y]). ``par``: the run's parameters (W_1, b_1, W_2, b_2),
-// ``xt`` [F] rows ``sx`` apart, outputs a, φ' [H] and g_L [O] rows ``s`` apart, ℓ [1]; ``z`` [O, BLOCK] work.
+// ``xt`` [F] rows ``sx`` apart, outputs a, φ' [H] and g_L [O] rows ``s`` apart, ℓ [1]; ``z`` [O, BLOCK] and ``hb``
+// [H, BLOCK] work.
 template <typename T>
 void forward_block(const T* par, int64_t H, int64_t O, int64_t F, int act, int loss, const T* xt, int64_t sx,
-                   const T* y, T* a, T* dphi, T* gl, T* ls, int64_t s, T* z) {
+                   const T* y, T* a, T* dphi, T* gl, T* ls, int64_t s, T* z, T* hb) {
   const T *w1 = par, *b1 = par + H * F, *w2 = b1 + H, *b2 = w2 + O * H;
-  T hp[BLOCK];
-  for (int64_t h = 0; h < H; ++h) {
-    affine_row(w1 + h * F, F, xt, sx, b1[h], hp);
-    activate(act, hp, a + h * s, dphi + h * s);
+  affine_rows(w1, H, F, xt, sx, b1, hb);  // every unit's h first: the activations then run over packs
+  if (s == BLOCK) {
+    activate_n(act, hb, a, dphi, H * BLOCK);
+  } else {
+    for (int64_t h = 0; h < H; ++h) activate_n(act, hb + h * BLOCK, a + h * s, dphi + h * s, BLOCK);
   }
-  for (int64_t o = 0; o < O; ++o) affine_row(w2 + o * H, H, a, s, b2[o], z + o * BLOCK);
+  affine_rows(w2, O, H, a, s, b2, z);
   if (loss == HALF_SQUARED_ERROR) {
     for (int64_t j = 0; j < BLOCK; ++j) {
       const T e = z[j] - y[j];
@@ -438,22 +648,54 @@ struct Kernel {
   // two ``scale`` (S·C' in [2^62, 2^63): nothing that matters underflows in float32, nothing overflows), go into the
   // float32 lane partials ``accf`` [d, BLOCK] of the current window, which fused() adds into ``acc`` (divided by S,
   // exactly) every ``flush`` blocks; with ``cd1f`` set, c·S·dg_1 goes there as float32 (rows cd1s apart) instead of
-  // into W_1. ``xb`` [F, BLOCK]: the block's inputs as float32 (scratch).
+  // into W_1. W_1's lane terms wait for up to PENDING blocks: ``xb`` [PENDING, F, BLOCK] their inputs as float32 and
+  // ``pcf`` [PENDING, H, BLOCK] their fl32(c S dg_1), ``pending`` of them; drain() adds them to the partials, block by
+  // block in order: each lane's partial takes the same terms in the same order as one block at a time (the same bits),
+  // and is loaded and stored once per PENDING blocks (fused() drains before a window's partials are read).
+  static constexpr int64_t PENDING = 4;
   float* accf = nullptr;
   double scale = 1.0;
   float* cd1f = nullptr;
   float* xb = nullptr;
+  float* pcf = nullptr;
+  int64_t pending = 0;
 
-  // The backward to the hidden layer of one sample row, in T as torch's (Σ_o W_2[o, h] g_L[o]) · φ'(h).
-  static inline void hidden_grad(const T* w2, const T* gl, const T* dphi, int64_t O, int64_t H, int64_t h,
-                                 int64_t s, T* out) {
-    for (int64_t j = 0; j < BLOCK; ++j) out[j] = w2[h] * gl[j];
-    for (int64_t o = 1; o < O; ++o) {
-      const T w = w2[o * H + h];
-      const T* g = gl + o * s;
-      for (int64_t j = 0; j < BLOCK; ++j) out[j] = out[j] + w * g[j];
+  // W_1's waiting terms into the float32 partials (see xb): per (h, f) and lane, w + t_0 + t_1 + ... in block order.
+  template <int NB>
+  inline void drain_n() {
+    using FV = typename Nat<float>::V;
+    constexpr int64_t L = NATIVE / 4, R = BLOCK / L;
+    const auto ld = [](const float* p) { FV v; std::memcpy(&v, p, sizeof v); return v; };
+    const int64_t H = this->H, F = this->F;
+    const float *const pc = pcf, *const xs = xb;
+    float* const w1 = accf;
+    for (int64_t h = 0; h < H; ++h) {
+      FV cf[NB][R];
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b)
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < R; ++r) cf[b][r] = ld(pc + (b * H + h) * BLOCK + r * L);
+      for (int64_t f = 0; f < F; ++f) {
+        float* w = w1 + (h * F + f) * BLOCK;
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < R; ++r) {
+          FV v = ld(w + r * L);
+#pragma GCC unroll 4
+          for (int b = 0; b < NB; ++b) v = v + cf[b][r] * ld(xs + (b * F + f) * BLOCK + r * L);
+          std::memcpy(w + r * L, &v, sizeof v);
+        }
+      }
     }
-    for (int64_t j = 0; j < BLOCK; ++j) out[j] = out[j] * dphi[j];
+  }
+  void drain() {
+    switch (pending) {
+      case 4: drain_n<4>(); break;
+      case 3: drain_n<3>(); break;
+      case 2: drain_n<2>(); break;
+      case 1: drain_n<1>(); break;
+      default: break;
+    }
+    pending = 0;
   }
 
   // (Not inlined, as scaled_norm: the hot loop of block() stays as lean as without them, measured 20 % faster.)
@@ -518,75 +760,107 @@ struct Kernel {
   // terms in float64 instead, straight into its float64 lane sums: a lane's treatment depends on its own sample only.
   __attribute__((noinline)) void sums_f32(const Block<T>& in, const double* c) {
     if constexpr (std::is_same_v<T, float>) {
+      // Native vectors: float64 ones of LD lanes (RD a block), float32 ones of LF lanes (RF a block), each float32
+      // vector of a float64 row the conversions of two float64 vectors joined (the scalar casts' values).
+      using DV = typename Nat<double>::V;
+      using DM = typename Nat<double>::M;
+      using DU = typename Nat<double>::U;
+      using FV = typename Nat<float>::V;
+      typedef float FH __attribute__((vector_size(NATIVE / 2)));
+      constexpr int64_t LD = NATIVE / 8, RD = BLOCK / LD, LF = NATIVE / 4, RF = BLOCK / LF;
+      const auto ldd = [](const double* p) { DV v; std::memcpy(&v, p, sizeof v); return v; };
+      const auto ldf = [](const float* p) { FV v; std::memcpy(&v, p, sizeof v); return v; };
+      const auto stf = [](float* p, FV v) { std::memcpy(p, &v, sizeof v); };
+      const auto f32 = [](const DV* v, int64_t k) { return join(__builtin_convertvector(v[2 * k], FH),
+                                                                 __builtin_convertvector(v[2 * k + 1], FH)); };
+      // members in locals: the stores below (memcpy: character type) may alias anything a member pointer reaches
+      const int64_t H = this->H, O = this->O, F = this->F, cd1s = this->cd1s;
+      float *const xs = this->xb + pending * F * BLOCK, *const cs1 = this->pcf + pending * H * BLOCK;  // this block's slots
+      float *const cd1f = this->cd1f, *const accf = this->accf;
+      const double *const dgl = this->dgl, *const gpl = this->gpl, *const av = this->av, *const dav = this->dav,
+                   *const dg1 = this->dg1;
+      const double scale = this->scale;
       const bool diff = in.ap != nullptr;
       int any_far = 0;
       int far[BLOCK];
       if (cd1f == nullptr) {
-        for (int64_t j = 0; j < BLOCK; ++j) far[j] = 0;
+        const DU magnitude = ~(DU)Pk<double, 1>::splat(-0.0).v[0];
+        DM farm[RD];
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < RD; ++r) farm[r] = DM{};
         for (int64_t f = 0; f < F; ++f) {
-          const double* xf = in.x + f * in.sx;
-          float* xo = xb + f * BLOCK;
-          for (int64_t j = 0; j < BLOCK; ++j) {
-            far[j] |= !(std::fabs(xf[j]) <= X_F32_MAX) ? 1 : 0;
-            xo[j] = static_cast<float>(xf[j]);
+          DV x[RD];
+#pragma GCC unroll 8
+          for (int64_t r = 0; r < RD; ++r) {
+            x[r] = ldd(in.x + f * in.sx + r * LD);
+            farm[r] |= ~(DM)((DV)((DU)x[r] & magnitude) <= X_F32_MAX);  // !(|x| <= max): NaN too
           }
+#pragma GCC unroll 8
+          for (int64_t k = 0; k < RF; ++k) stf(xs + f * BLOCK + k * LF, f32(x, k));
         }
-        for (int64_t j = 0; j < BLOCK; ++j) any_far |= far[j];
+        for (int64_t r = 0; r < RD; ++r)
+          for (int64_t j = 0; j < LD; ++j) {
+            far[r * LD + j] = farm[r][j] != 0 ? 1 : 0;
+            any_far |= far[r * LD + j];
+          }
         if (any_far)  // those lanes' float32 W_1 terms: 0 (their terms are added in float64 below)
           for (int64_t f = 0; f < F; ++f)
-            for (int64_t j = 0; j < BLOCK; ++j) xb[f * BLOCK + j] = far[j] ? 0.0f : xb[f * BLOCK + j];
+            for (int64_t j = 0; j < BLOCK; ++j) xs[f * BLOCK + j] = far[j] ? 0.0f : xs[f * BLOCK + j];
       }
-      float* fw1 = accf;
-      float* fb1 = fw1 + H * F * BLOCK;
+      float* fb1 = accf + H * F * BLOCK;
       float* fw2 = fb1 + H * BLOCK;
       float* fb2 = fw2 + O * H * BLOCK;
-      const double sc = scale;
-      double cs[BLOCK], cd[BLOCK], cg[BLOCK];
-      float cf[BLOCK];
-      for (int64_t j = 0; j < BLOCK; ++j) cs[j] = c[j] * sc;
+      DV cs[RD], cd[RD], cg[RD], t[RD];
+      FV cf[RF];
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < RD; ++r) cs[r] = ldd(c + r * LD) * scale;
       for (int64_t o = 0; o < O; ++o) {
-        const double* dv = dgl + o * BLOCK;
-        const double* pv = gpl + o * BLOCK;
         float* b2 = fb2 + o * BLOCK;
-        for (int64_t j = 0; j < BLOCK; ++j) {
-          cd[j] = dv[j] * cs[j];
-          cf[j] = static_cast<float>(cd[j]);
-          b2[j] = b2[j] + cf[j];
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < RD; ++r) cd[r] = ldd(dgl + o * BLOCK + r * LD) * cs[r];
+#pragma GCC unroll 8
+        for (int64_t k = 0; k < RF; ++k) {
+          cf[k] = f32(cd, k);
+          stf(b2 + k * LF, ldf(b2 + k * LF) + cf[k]);
         }
         if (diff) {
-          for (int64_t j = 0; j < BLOCK; ++j) cg[j] = pv[j] * cs[j];
+#pragma GCC unroll 8
+          for (int64_t r = 0; r < RD; ++r) cg[r] = ldd(gpl + o * BLOCK + r * LD) * cs[r];
           for (int64_t h = 0; h < H; ++h) {
             float* w = fw2 + (o * H + h) * BLOCK;
-            const double* ah = av + h * BLOCK;
-            const double* dah = dav + h * BLOCK;
-            for (int64_t j = 0; j < BLOCK; ++j) w[j] = w[j] + static_cast<float>(cd[j] * ah[j] + cg[j] * dah[j]);
+#pragma GCC unroll 8
+            for (int64_t r = 0; r < RD; ++r)
+              t[r] = cd[r] * ldd(av + h * BLOCK + r * LD) + cg[r] * ldd(dav + h * BLOCK + r * LD);
+#pragma GCC unroll 8
+            for (int64_t k = 0; k < RF; ++k) stf(w + k * LF, ldf(w + k * LF) + f32(t, k));
           }
         } else {
           for (int64_t h = 0; h < H; ++h) {
             float* w = fw2 + (o * H + h) * BLOCK;
             const float* ar = in.a + h * in.s;
-            for (int64_t j = 0; j < BLOCK; ++j) w[j] = w[j] + cf[j] * ar[j];
+#pragma GCC unroll 8
+            for (int64_t k = 0; k < RF; ++k) stf(w + k * LF, ldf(w + k * LF) + cf[k] * ldf(ar + k * LF));
           }
         }
       }
       for (int64_t h = 0; h < H; ++h) {
-        const double* dg = dg1 + h * BLOCK;
         float* b1 = fb1 + h * BLOCK;
-        for (int64_t j = 0; j < BLOCK; ++j) {
-          cf[j] = static_cast<float>(dg[j] * cs[j]);
-          b1[j] = b1[j] + cf[j];
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < RD; ++r) t[r] = ldd(dg1 + h * BLOCK + r * LD) * cs[r];
+#pragma GCC unroll 8
+        for (int64_t k = 0; k < RF; ++k) {
+          cf[k] = f32(t, k);
+          stf(b1 + k * LF, ldf(b1 + k * LF) + cf[k]);
         }
         if (cd1f != nullptr) {  // W_1's sums are the block products' (many features)
-          float* out = cd1f + h * cd1s;
-          for (int64_t j = 0; j < BLOCK; ++j) out[j] = cf[j];
+#pragma GCC unroll 8
+          for (int64_t k = 0; k < RF; ++k) stf(cd1f + h * cd1s + k * LF, cf[k]);
           continue;
         }
-        for (int64_t f = 0; f < F; ++f) {
-          float* w = fw1 + (h * F + f) * BLOCK;
-          const float* xf = xb + f * BLOCK;
-          for (int64_t j = 0; j < BLOCK; ++j) w[j] = w[j] + cf[j] * xf[j];
-        }
+#pragma GCC unroll 8
+        for (int64_t k = 0; k < RF; ++k) stf(cs1 + h * BLOCK + k * LF, cf[k]);  // W_1's terms wait (drain)
       }
+      if (cd1f == nullptr && ++pending == PENDING) drain();
       if (any_far)  // as the float64 mode, for those lanes (their float32 W_1 terms were c S dg_1 · 0)
         for (int64_t j = 0; j < BLOCK; ++j) {
           if (!far[j]) continue;
@@ -601,12 +875,67 @@ struct Kernel {
     }
   }
 
+  // The hidden layer of a block: the backward g_1 = (Σ_o W_2[o, h] g_L[o]) · φ'(h) in T as torch's (the sum over
+  // outputs in order, then the product), dg_1 = g_1 - g_1', a, da = a - a' in float64 (into dg1, av, dav) and their
+  // squares' sums over the units in order, sdg1 = Σ dg_1², sa = Σ a², sda = Σ da², sada = Σ a da (DIFF; a plain row:
+  // dg_1 = g_1, sdg1 and sa only): lane by lane, over native float64 vectors with the block's sums in registers.
+  template <bool DIFF>
+  inline void hidden(const Block<T>& in, double* sdg1, double* sa, double* sda, double* sada) {
+    using DV = typename Nat<double>::V;
+    constexpr int64_t L = NATIVE / 8, R = BLOCK / L;  // lanes of a float64 vector, vectors of a block
+    typedef T TV __attribute__((vector_size(L * sizeof(T))));  // L lanes of T
+    const auto ld = [](const T* p) { TV v; std::memcpy(&v, p, sizeof v); return v; };
+    const auto st = [](double* p, DV v) { std::memcpy(p, &v, sizeof v); };
+    const int64_t s = in.s, H = this->H, O = this->O;  // locals: the stores (memcpy) may alias members
+    const T *const w2 = this->w2, *const w2p = this->w2p;
+    double *const dg1 = this->dg1, *const av = this->av, *const dav = this->dav;
+    DV q1[R], q2[R], q3[R], q4[R];
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) q1[r] = q2[r] = q3[r] = q4[r] = DV{};  // (H >= 1: the first unit sets them)
+    for (int64_t h = 0; h < H; ++h) {
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t j = r * L;
+        TV g = w2[h] * ld(in.gl + j);
+        for (int64_t o = 1; o < O; ++o) g = g + w2[o * H + h] * ld(in.gl + o * s + j);
+        g = g * ld(in.dphi + h * s + j);
+        DV dg = __builtin_convertvector(g, DV);
+        const DV ah = __builtin_convertvector(ld(in.a + h * s + j), DV);
+        DV dah;
+        if constexpr (DIFF) {
+          TV gp = w2p[h] * ld(in.glp + j);
+          for (int64_t o = 1; o < O; ++o) gp = gp + w2p[o * H + h] * ld(in.glp + o * s + j);
+          gp = gp * ld(in.dphip + h * s + j);
+          dg = dg - __builtin_convertvector(gp, DV);
+          dah = ah - __builtin_convertvector(ld(in.ap + h * s + j), DV);
+          st(dav + h * BLOCK + j, dah);
+        }
+        st(dg1 + h * BLOCK + j, dg);
+        st(av + h * BLOCK + j, ah);
+        if (h == 0) {
+          q1[r] = dg * dg;
+          q2[r] = ah * ah;
+          if constexpr (DIFF) { q3[r] = dah * dah; q4[r] = ah * dah; }
+        } else {
+          q1[r] = q1[r] + dg * dg;
+          q2[r] = q2[r] + ah * ah;
+          if constexpr (DIFF) { q3[r] = q3[r] + dah * dah; q4[r] = q4[r] + ah * dah; }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) {
+      st(sdg1 + r * L, q1[r]);
+      st(sa + r * L, q2[r]);
+      if constexpr (DIFF) { st(sda + r * L, q3[r]); st(sada + r * L, q4[r]); }
+    }
+  }
+
   // Returns whether a real sample's norm is not finite.
   bool block(const Block<T>& in) {
     const bool diff = in.ap != nullptr;
     const int64_t s = in.s;
     double sdg1[BLOCK], sa[BLOCK], sda[BLOCK], sada[BLOCK], sdgl[BLOCK], sgp[BLOCK], sdgp[BLOCK], c[BLOCK];
-    T g[BLOCK], gp[BLOCK];
     // zero[j]: every output gradient of lane j is exactly 0 (at x, and at x' for a difference row): then g_1 and
     // g_1' are exactly 0 too, the row is exactly zero, and its squares did not underflow (a saturated softmax)
     int zero[BLOCK];
@@ -640,42 +969,10 @@ struct Kernel {
       }
     }
     // hidden layer: dg_1 = g_1 - g_1', a, da = a - a' (a' = a for a plain row)
-    for (int64_t h = 0; h < H; ++h) {
-      hidden_grad(w2, in.gl, in.dphi + h * s, O, H, h, s, g);
-      double* dg = dg1 + h * BLOCK;
-      double* ah = av + h * BLOCK;
-      const T* ar = in.a + h * s;
-      if (diff) {
-        hidden_grad(w2p, in.glp, in.dphip + h * s, O, H, h, s, gp);
-        double* dah = dav + h * BLOCK;
-        const T* apr = in.ap + h * s;
-        for (int64_t j = 0; j < BLOCK; ++j) {
-          dg[j] = static_cast<double>(g[j]) - static_cast<double>(gp[j]);
-          ah[j] = static_cast<double>(ar[j]);
-          dah[j] = ah[j] - static_cast<double>(apr[j]);
-        }
-        if (h == 0) {
-          for (int64_t j = 0; j < BLOCK; ++j) {
-            sdg1[j] = dg[j] * dg[j]; sa[j] = ah[j] * ah[j]; sda[j] = dah[j] * dah[j]; sada[j] = ah[j] * dah[j];
-          }
-        } else {
-          for (int64_t j = 0; j < BLOCK; ++j) {
-            sdg1[j] = sdg1[j] + dg[j] * dg[j]; sa[j] = sa[j] + ah[j] * ah[j];
-            sda[j] = sda[j] + dah[j] * dah[j]; sada[j] = sada[j] + ah[j] * dah[j];
-          }
-        }
-      } else {
-        for (int64_t j = 0; j < BLOCK; ++j) {
-          dg[j] = static_cast<double>(g[j]);
-          ah[j] = static_cast<double>(ar[j]);
-        }
-        if (h == 0) {
-          for (int64_t j = 0; j < BLOCK; ++j) { sdg1[j] = dg[j] * dg[j]; sa[j] = ah[j] * ah[j]; }
-        } else {
-          for (int64_t j = 0; j < BLOCK; ++j) { sdg1[j] = sdg1[j] + dg[j] * dg[j]; sa[j] = sa[j] + ah[j] * ah[j]; }
-        }
-      }
-    }
+    if (diff)
+      hidden<true>(in, sdg1, sa, sda, sada);
+    else
+      hidden<false>(in, sdg1, sa, sda, sada);
     // ‖∇ℓ(x) - ∇ℓ(x')‖² = ‖dg_1‖²(1 + ‖x‖²) + [‖dg_L‖²(1 + ‖a‖²) + ‖g_L'‖²‖da‖² + 2(dg_L·g_L')(a·da)]
     // (A + B + X); where A + B > 16 (A + B + X) the bracket is taken again from the QR form (qr_terms), and a
     // lane whose squares may have underflowed or overflowed by scaling (scaled_norm): ghost.py's docstring.
@@ -685,13 +982,13 @@ struct Kernel {
     // c = rad / U rounded and one step toward 0 if U > rad, else 1 (clipping.py's clip_factors: a clipped row's true
     // norm never exceeds rad), times the mask (0 for padding). Branch-free loops: they vectorise; the rare lanes that
     // need more are done over again, each lane's result its own (bits independent of the other lanes of its block).
-    const double kap = kappa, one1 = one;  // locals: no aliasing question for the vectoriser
-    double t1[BLOCK], ab[BLOCK], sq[BLOCK], norm[BLOCK], hi[BLOCK], up[BLOCK];
-    for (int64_t j = 0; j < BLOCK; ++j) t1[j] = sdgl[j] * (1.0 + sa[j]);
+    const double kap = kappa, one1 = one, radius = rad;  // locals: no aliasing question for the vectoriser
+    const double *const sqa = in.sqa, *const mask = in.mask;
+    double t1[BLOCK], ab[BLOCK], hi[BLOCK], sq[BLOCK], norm[BLOCK], up[BLOCK];
     if (diff) {
       int cancel = 0;
       for (int64_t j = 0; j < BLOCK; ++j) {
-        ab[j] = t1[j] + sgp[j] * sda[j];
+        ab[j] = sdgl[j] * (1.0 + sa[j]) + sgp[j] * sda[j];
         const double x = (2.0 * sdgp[j]) * sada[j];
         t1[j] = ab[j] + x;
         hi[j] = t1[j] + kap * (ab[j] + std::fabs(x));
@@ -699,27 +996,34 @@ struct Kernel {
       }
       if (cancel) qr_terms(sa, sada, sgp, sdgl, sda, ab, t1, hi);
     } else {
-      for (int64_t j = 0; j < BLOCK; ++j) hi[j] = t1[j];  // rank one: relative, in the last (1 + κ)
+      for (int64_t j = 0; j < BLOCK; ++j) {
+        t1[j] = sdgl[j] * (1.0 + sa[j]);
+        hi[j] = t1[j];  // rank one: relative, in the last (1 + κ)
+      }
     }
+    static constexpr double NONE[BLOCK] = {};  // a plain row's g_L' and da
+    const double *const gp2 = diff ? sgp : NONE, *const da2 = diff ? sda : NONE;
+    // One loop from the terms to the clip factors (the norm's own square root is not taken here: sq >= 0 or NaN, so
+    // √sq is finite exactly where sq is, the overflow test's question; a rescaled lane's norm is taken below).
+    int unsafe = 0, bad = 0;  // bad: a real sample whose norm is not finite
     for (int64_t j = 0; j < BLOCK; ++j) {
-      const double first = sdg1[j] * (1.0 + in.sqa[j]);
+      const double first = sdg1[j] * (1.0 + sqa[j]);
       sq[j] = first + t1[j];
-      hi[j] = first + hi[j];
-    }
-    for (int64_t j = 0; j < BLOCK; ++j) {
-      norm[j] = std::sqrt(sq[j]);
-      up[j] = upper_norm(std::sqrt(hi[j]), one1);
+      up[j] = upper_norm(std::sqrt(first + hi[j]), one1);
+      unsafe |= risky(sq[j], sqa[j], sa[j], gp2[j], da2[j], mask[j]);
+      const double clipped = step_down(radius / up[j]);  // in every lane; kept only where up > rad >= 0
+      c[j] = (up[j] > radius ? clipped : 1.0) * mask[j];
+      bad |= (!(sq[j] <= DBL_MAX) && mask[j] > 0.0) ? 1 : 0;
     }
     // An exactly zero row (zero) is not risky: its squares are exact. It gets what scaling would give it (norm 0,
     // width 0: the same bits), without the per-lane rescaled pass (a third of a KDD Cup 99 round, where many rows
-    // are zero) — unless the multipliers alone are out of range, which scaling must see.
-    int unsafe = 0;
-    for (int64_t j = 0; j < BLOCK; ++j)
-      unsafe |= risky(sq[j], in.sqa[j], sa[j], diff ? sgp[j] : 0.0, diff ? sda[j] : 0.0, in.mask[j]);
-    if (unsafe)
-      for (int64_t j = 0; j < BLOCK; ++j)
-        if (risky(sq[j], in.sqa[j], sa[j], diff ? sgp[j] : 0.0, diff ? sda[j] : 0.0, in.mask[j])) {
-          if (zero[j] && !risky(1.0, in.sqa[j], sa[j], diff ? sgp[j] : 0.0, diff ? sda[j] : 0.0, in.mask[j])) {
+    // are zero) — unless the multipliers alone are out of range, which scaling must see. Then the factors and the
+    // overflow flag again, from the norms (√sq where not rescaled).
+    if (unsafe) {
+      for (int64_t j = 0; j < BLOCK; ++j) {
+        norm[j] = std::sqrt(sq[j]);
+        if (risky(sq[j], sqa[j], sa[j], gp2[j], da2[j], mask[j])) {
+          if (zero[j] && !risky(1.0, sqa[j], sa[j], gp2[j], da2[j], mask[j])) {
             norm[j] = 0.0;
             up[j] = upper_norm(0.0, one_s, 0.0);
             continue;
@@ -728,14 +1032,16 @@ struct Kernel {
           norm[j] = scaled_norm(in, j, diff, width);
           up[j] = upper_norm(norm[j], one_s, kappa_s * width);
         }
-    for (int64_t j = 0; j < BLOCK; ++j) {
-      const double clipped = step_down(rad / up[j]);  // in every lane; kept only where up > rad >= 0
-      c[j] = (up[j] > rad ? clipped : 1.0) * in.mask[j];
+      }
+      bad = 0;
+      for (int64_t j = 0; j < BLOCK; ++j) {
+        const double clipped = step_down(radius / up[j]);
+        c[j] = (up[j] > radius ? clipped : 1.0) * mask[j];
+        bad |= (!(std::fabs(norm[j]) <= DBL_MAX) && mask[j] > 0.0) ? 1 : 0;
+      }
     }
     if (factors != nullptr)
       for (int64_t j = 0; j < BLOCK; ++j) factors[j] = c[j];
-    int bad = 0;  // a real sample whose norm is not finite (|norm| <= max is false for inf and NaN)
-    for (int64_t j = 0; j < BLOCK; ++j) bad |= (!(std::fabs(norm[j]) <= DBL_MAX) && in.mask[j] > 0.0) ? 1 : 0;
     if (accf != nullptr) {
       sums_f32(in, c);
       return bad != 0;
@@ -929,7 +1235,8 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
   Aligned<float> cdbuf(nprod * K * H * pblock), prod(products ? H * fpad : 0);
   std::vector<double> wacc(products ? K * H * F : 0);
   float* cd1f = products ? cdbuf.data() : nullptr;
-  Aligned<float> accf(f32 ? d * BLOCK : 0), xb(f32 ? F * BLOCK : 0), tcd1f(f32 ? H * BLOCK : 0);
+  Aligned<float> accf(f32 ? d * BLOCK : 0), xb(f32 ? Kernel<T>::PENDING * F * BLOCK : 0),
+      pcf(f32 ? Kernel<T>::PENDING * H * BLOCK : 0), tcd1f(f32 ? H * BLOCK : 0);
   // Row r of the ``width`` samples from column m of an array of R rows (per run) whose rows are M apart (sample
   // rows), or in the blocked layout (``blocked``): each chunk of a client's samples — its blocks, then its tail —
   // holds its R rows one after another (r · width + j), chunks in the order of their samples; the same R · M
@@ -942,8 +1249,9 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
   // The forward pass without ``a`` (dphi, gl): this pass is not kept — no difference row of a later round reads it, and
   // this call has none — so each block's a, φ', g_L stay in block-sized scratch rows, in the caches, never written out.
   const bool keep = !forward || a != nullptr;
-  std::vector<T> ka(keep ? 0 : H * BLOCK), kd(keep ? 0 : H * BLOCK), kg(keep ? 0 : O * BLOCK);
-  std::vector<T> zw(O * BLOCK), txt(F * BLOCK, T(0)), ty(BLOCK, T(0)), tls(BLOCK, T(0));
+  Aligned<T> ka(keep ? 0 : H * BLOCK), kd(keep ? 0 : H * BLOCK), kg(keep ? 0 : O * BLOCK);
+  Aligned<T> zw(O * BLOCK), hb(H * BLOCK);
+  std::vector<T> txt(F * BLOCK, T(0)), ty(BLOCK, T(0)), tls(BLOCK, T(0));
   std::vector<double> tcd1(H * BLOCK), tfac(BLOCK);
   Aligned<double> acc(d * BLOCK), work((3 * H + 2 * O) * BLOCK);
   const int64_t full = N - N % BLOCK, tail = N - full;
@@ -977,6 +1285,7 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
         std::memset(accf.data(), 0, sizeof(float) * accf.size());
         ker.accf = accf.data();
         ker.xb = xb.data();
+        ker.pcf = pcf.data();
         ker.scale = scale[k];
       }
       // float32 windows: the window's partials into the float64 lane sums (divided by S: exact), W_1's only if the
@@ -985,6 +1294,7 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
       int64_t window = 0;
       const auto next_block = [&](bool last) {
         if (!f32 || (++window < flush && !last)) return;
+        ker.drain();
         const double inv = 1.0 / scale[k];
         double* a64 = acc.data();
         float* a32 = accf.data();
@@ -1028,14 +1338,14 @@ void fused(int64_t P, int64_t K, int64_t H, int64_t O, int64_t F, int64_t N, con
         if (forward)
           forward_block(fw.par + k * d, H, O, F, fw.act, fw.loss, row(fw.xt, F, m, 0, BLOCK), rs, fw.y + m,
                         const_cast<T*>(ab), const_cast<T*>(db), const_cast<T*>(gb), fw.ls + k * M + start + n, s,
-                        zw.data());
+                        zw.data(), hb.data());
         bad |= ker.block(in);
         next_block(n + BLOCK == full && tail == 0);
       }
       if (tail) {
         if (forward) {  // into the padded copies, then out; padding lanes back to 0 (no inf · 0 in a sum)
           forward_block(fw.par + k * d, H, O, F, fw.act, fw.loss, txt.data(), BLOCK, ty.data(), ta.data(),
-                        tdphi.data(), tgl.data(), tls.data(), BLOCK, zw.data());
+                        tdphi.data(), tgl.data(), tls.data(), BLOCK, zw.data(), hb.data());
           T* lk = fw.ls + k * M + start + full;
           for (int64_t j = 0; j < tail; ++j) lk[j] = tls[j];
           for (int64_t h = 0; h < H; ++h) {
@@ -1207,7 +1517,7 @@ DIFF2_FORWARD_ENTRY(diff2_forward_f64, double)
     for (int64_t i = 0; i < n; i += BLOCK) {                                                                     \
       const int64_t m = std::min<int64_t>(BLOCK, n - i);                                                         \
       for (int64_t j = 0; j < BLOCK; ++j) hb[j] = j < m ? h[i + j] : T(0);                                      \
-      activate<T>(static_cast<int>(act), hb, ab, db);                                                            \
+      activate_n<T>(static_cast<int>(act), hb, ab, db, BLOCK);                                                  \
       for (int64_t j = 0; j < m; ++j) { a[i + j] = ab[j]; d[i + j] = db[j]; }                                    \
     }                                                                                                            \
   }
