@@ -320,3 +320,40 @@ def test_a_gathered_group_of_consecutive_clients_is_the_batchs_group(name):
     for j, p in enumerate((1, 4)):
         assert torch.equal(some.a_t[:, j * N:(j + 1) * N], b.a_t[:, p * N:(p + 1) * N])
         assert torch.equal(some.mask[j * N:(j + 1) * N], b.mask[p * N:(p + 1) * N])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_kernels_forward_writes_its_pass_into_the_one_two_rounds_back_with_the_same_bits(
+        dtype):
+    """Every-client rounds of the kernel's forward write each kept pass into the pass it replaced
+    a round earlier (read by no one: ``forward_sums``' ``out``) instead of fresh memory: the same
+    sums, flags and evaluations, bit for bit, as a backend that allocates a fresh pass each round —
+    through restarts, difference rounds, an evaluated round and a round that keeps no pass."""
+    if not KERNEL:
+        pytest.skip("no C++ compiler here: the kernel cannot be built")
+    data = _data("regression")
+    K, kernel, mlp = 3, fused.load(), sweep.batch_model(data)[0]
+    reuse, fresh = [backend.FusedBackend(kernel, mlp, backend.Batch(data, dtype), K,
+                                         forward="kernel") for _ in range(2)]
+    d = sweep.batch_model(data)[1].size
+    rng = np.random.default_rng(3)
+    x = torch.as_tensor(rng.normal(scale=0.3, size=(K, d)))
+    radius = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
+    # (restart per run, evaluated, keep)
+    rounds = [([1, 1, 1], True, True), ([0, 0, 0], False, True), ([0, 1, 0], False, True),
+              ([0, 0, 0], False, True), ([1, 1, 1], False, False), ([1, 1, 1], False, True),
+              ([0, 0, 0], True, True), ([0, 0, 1], False, True)]
+    pointers = []
+    for i, (restart, train, keep) in enumerate(rounds):
+        x = x + torch.as_tensor(rng.normal(scale=0.05, size=(K, d)))
+        flags = torch.tensor(restart, dtype=torch.bool)
+        fresh._spare = None  # never a pass to write into
+        got = reuse.round(x, flags, radius, train=train, keep=keep)
+        want = fresh.round(x, flags, radius, train=train, keep=keep)
+        assert torch.equal(got.sums, want.sums) and torch.equal(got.overflow, want.overflow), i
+        if train:
+            assert all(torch.equal(a, b) for a, b in zip(got.train, want.train)), i
+        kept = reuse._prev[0]
+        pointers.append(None if kept is None else kept.a.data_ptr())
+    # the pass of round 4 (index 3) went into round 2's memory, round 3's into round 1's
+    assert pointers[3] == pointers[1] and pointers[2] == pointers[0]

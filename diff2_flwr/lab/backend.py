@@ -316,12 +316,15 @@ def _fused_rounds(  # noqa: PLR0913 -- stateless: the backend's parts and a roun
         x: torch.Tensor, prev: Sequence[fused.Parts] | None, restart: torch.Tensor | None,
         radius: torch.Tensor, keep: bool = True, accumulate: str = "float64",
         rows: Sequence[torch.Tensor | None] | None = None,
+        spare: Sequence[fused.Parts | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[fused.Parts | None], torch.Tensor]:
     """:func:`_fused_round` for every group: sums [P, K, d], overflow [P, K], the parts per group,
     losses [K, M]. ``head`` None: the forward pass too is the kernel's
     (:func:`~diff2_flwr.core.fused.forward_sums`), which with ``keep`` False (the caller's promise:
-    ``prev`` None, not evaluated) does not keep its parts (None per group). ``accumulate``, ``rows``
-    (per group): the kernel's accumulation and its float32 ``x_rows``."""
+    ``prev`` None, not evaluated) does not keep its parts (None per group), and with ``spare`` (per
+    group: a pass no one reads any more, or None) writes the kept pass into it (the same bits, no
+    fresh allocation: ``forward_sums``' ``out``). ``accumulate``, ``rows`` (per group): the
+    kernel's accumulation and its float32 ``x_rows``."""
     rows = rows or [None] * len(groups)
     if head is None:
         params = x.to(groups[0].a_t.dtype).contiguous()
@@ -330,7 +333,8 @@ def _fused_rounds(  # noqa: PLR0913 -- stateless: the backend's parts and a roun
                                    None if prev is None else prev[i], restart, hidden=mlp.sizes[1],
                                    outputs=mlp.sizes[2], clients=group.clients,
                                    x_rows=group.x_rows if rows[i] is None else rows[i],
-                                   keep=keep, blocked=group.blocked, accumulate=accumulate)
+                                   keep=keep, blocked=group.blocked, accumulate=accumulate,
+                                   out=spare[i] if keep and spare is not None else None)
                 for i, group in enumerate(groups)]
     else:
         w_out = _w_out(mlp, x, groups[0].a_t.dtype)
@@ -585,6 +589,7 @@ class FusedBackend:
             self.groups = [group.to_blocked(kernel.block) for group in self.groups]
         self._rows = [self._product_rows(group) for group in self.groups]
         self._prev: list[fused.Parts] | None = None  # per group: the parts at x
+        self._spare: list[fused.Parts | None] | None = None  # the pass before (read by no one)
 
     def round(self, x: torch.Tensor, restart: torch.Tensor, radius: torch.Tensor, *, train: bool,
               keep: bool = True, clients: np.ndarray | None = None) -> RoundOut:
@@ -609,9 +614,13 @@ class FusedBackend:
         # The kernel's forward keeps no pass that no one reads: a round of plain gradients before
         # one that restarts every run, not evaluated (the evaluation's unclipped sums read it).
         keep = keep or train or prev is not None
-        sums, overflow, self._prev, loss = _fused_rounds(self.kernel, self.head, self.mlp,
-                                                         self.groups, x, prev, restart, radius,
-                                                         keep, self.accumulate, self._rows)
+        # the kernel's forward writes this round's pass into the one it replaces two rounds on
+        # (read by no one: the last round's is ``prev``), not into fresh memory (page faults)
+        spare = self._spare if self.head is None else None
+        sums, overflow, parts, loss = _fused_rounds(self.kernel, self.head, self.mlp, self.groups,
+                                                    x, prev, restart, radius, keep,
+                                                    self.accumulate, self._rows, spare)
+        self._spare, self._prev = self._prev, parts
         return RoundOut(sums, overflow, self._unclipped(self._prev, loss) if train else None)
 
     def train(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
