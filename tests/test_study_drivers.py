@@ -181,3 +181,24 @@ def test_an_unreachable_cluster_fails_at_once_and_names_the_address(tmp_path, ca
     assert f"No Ray cluster answers at '{address}'" in err and "ray start --head" in err
     assert time.monotonic() - started < 60 and not list((
         tmp_path / "out" / "nowhere" / "runs").iterdir())
+
+
+def test_a_driver_waiting_on_long_units_still_prints_its_progress_line(capsys, tmp_path):
+    """Off a terminal the progress is a plain line at the display's interval, also while a pool's
+    units run for many minutes without reporting their rounds (every poll shows it; before, a
+    line came only when a unit finished: none for half an hour on KDD Cup 99)."""
+    from diff2_flwr.lab.study.scheduler import Progress, Tally, _Phase
+
+    class Busy:  # a pool whose units are still running
+        def completed(self, timeout):
+            return []
+
+    progress = Progress(5, enabled=True)
+    progress._reporter.interval_s = 0.0  # a line at every show
+    phase = _Phase(study=None, runs_dir=tmp_path, progress=progress, executor=Busy(),
+                   book=None, tally=Tally())
+    capsys.readouterr()
+    phase.collect()
+    phase.collect()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "runs 0/5" in line]
+    assert len(lines) == 2

@@ -295,6 +295,9 @@ class _Phase:
                 self.book.finish(j.run_id)
             self._count("computed", len(unit.jobs))
             self.progress.show()
+        # every poll: the display's own interval decides (a plain line every 10 s off a terminal,
+        # even while a pool's units run for many minutes without reporting their rounds)
+        self.progress.show()
 
     def settle(self, waiting: list[Job]) -> list[Job]:
         """Count the held runs other drivers finished; return those still held."""
