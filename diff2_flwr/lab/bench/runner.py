@@ -244,13 +244,10 @@ def _flower(data_dir: str | None, rounds: int) -> dict[str, float]:
         rows = [json.loads(line)
                 for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
     elapsed = [r["elapsed_s"] for r in rows[1:]]  # rows[i] is round i
-    diff2 = statistics.median(b - a for a, b in zip(elapsed, elapsed[1:]))  # rounds 2..N
+    diff2 = _median_step(elapsed)  # rounds 2..N
     floor = run_simulation(None, app_dir=FLOOR_APP, clients=10,
                            run_config={"num-server-rounds": rounds}, echo=False)
-    stamps = [float(t) for t in re.findall(r"\[floor\] round \d+ t=([0-9.]+)", floor.log)]
-    if len(stamps) != rounds:
-        raise RuntimeError(f"The floor app logged {len(stamps)} of {rounds} rounds.")
-    floor_s = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+    floor_s = _median_step(_floor_stamps(floor.log, rounds))
     return {"flower_round_s": diff2, "flower_floor_round_s": floor_s,
             "flower_ratio": diff2 / floor_s,
             "flower_rounds": rounds}
@@ -267,7 +264,16 @@ def _sampled_config(clients: int, rate: float, rounds: int, out: str) -> dict:
 
 
 def _median_step(stamps: list[float]) -> float:
+    """The median time between consecutive stamps (rounds 2..N of N stamps)."""
     return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+
+
+def _floor_stamps(log: str, rounds: int) -> list[float]:
+    """The floor app's ``[floor] round <r> t=<seconds>`` stamps, one per round."""
+    stamps = [float(t) for t in re.findall(r"\[floor\] round \d+ t=([0-9.]+)", log)]
+    if len(stamps) != rounds:
+        raise RuntimeError(f"The floor app logged {len(stamps)} of {rounds} rounds.")
+    return stamps
 
 
 def _flower_sampled(clients: int, rate: float, rounds: int) -> dict[str, Any]:
@@ -288,9 +294,7 @@ def _flower_sampled(clients: int, rate: float, rounds: int) -> dict[str, Any]:
                            run_config={"num-server-rounds": rounds, "fraction-fit": rate,
                                        "min-available-clients": clients}, echo=False)
     floor_wall = time.perf_counter() - t
-    stamps = [float(v) for v in re.findall(r"\[floor\] round \d+ t=([0-9.]+)", floor.log)]
-    if len(stamps) != rounds:
-        raise RuntimeError(f"The floor app logged {len(stamps)} of {rounds} rounds.")
+    stamps = _floor_stamps(floor.log, rounds)
     diff2, floor_s = _median_step(elapsed), _median_step(stamps)
     return {"clients": clients, "rate": rate, "rounds": rounds,
             "mean_cohort": statistics.fmean(cohorts),
