@@ -100,6 +100,40 @@ def test_a_diverging_run_is_parked_and_reported(reference):
     assert results[0].diverged_at is None and np.isfinite(results[0].train_loss).all()
 
 
+def test_a_parked_run_feeds_the_backend_zeros_not_its_overflowing_iterate(reference, monkeypatch):
+    """After a run diverges, the backend's passes read zeros in its row, not its last iterate (inf
+    in the compute dtype: a pass of inf and NaN cost the kernel 4-5 times a live run's), and the
+    live run's results keep their bits."""
+    from diff2_flwr.lab import sweep
+
+    data, _, specs = reference
+    wild = RunSpec(1, 1e306, 1e6, 1e6, 0.0, 0.0, 1, 1)
+    alone = run_batch(data, [specs[0]], rounds=ROUNDS, eval_every=1)[0]
+    seen = []
+    real = sweep.choose_backend
+
+    def spying(*args, **kwargs):
+        backend = real(*args, **kwargs)
+        inner = backend.round
+
+        def round_(x, *a, **k):
+            seen.append(x.clone())
+            return inner(x, *a, **k)
+
+        backend.round = round_
+        return backend
+
+    monkeypatch.setattr(sweep, "choose_backend", spying)
+    together = run_batch(data, [specs[0], wild], rounds=ROUNDS, eval_every=1)
+    r = together[1].diverged_at
+    assert r is not None and r < ROUNDS - 1
+    assert not np.isfinite(together[1].final_x.astype(np.float32)).all()  # what it used to feed
+    for x in seen[r:]:  # the passes of rounds r + 1 .. R (x_r onward)
+        assert bool(torch.isfinite(x).all()) and not bool(x[1].any())
+    assert together[0].final_x.tobytes() == alone.final_x.tobytes()
+    assert together[0].train_loss.tobytes() == alone.train_loss.tobytes()
+
+
 def test_a_routine_that_is_not_post_processing_is_refused(reference, monkeypatch):
     """A routine that computes on private data (a local phase) cannot be a row update of the
     batch."""
