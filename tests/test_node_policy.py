@@ -388,11 +388,59 @@ def test_the_local_steps_refuse_a_sampling_rate_above_the_accounted_q():
                              "trust_server_sampling": "yes"}},
      r"key `lifetime.trust_server_sampling`: expected true/false|key "
      r"`lifetime.trust_server_sampling`: expected .*Found 'yes'"),
+    # lifetime.sampled_runs (and its older form, the alias trust_server_sampling)
+    ({**POLICY, "lifetime": {"epsilon": 10.0, "delta": 1e-5, "ledger": "l.json",
+                             "sampled_runs": "unamplified", "trust_server_sampling": True}},
+     r"key `lifetime.sampled_runs`: expected only one of lifetime.sampled_runs and "
+     r"lifetime.trust_server_sampling \(its older name: true is amplified, false is refuse\): "
+     r"remove lifetime.trust_server_sampling. Found \{'sampled_runs': 'unamplified', "
+     r"'trust_server_sampling': True\}\.$"),
+    ({**POLICY, "lifetime": {"epsilon": 10.0, "delta": 1e-5, "ledger": "l.json",
+                             "sampled_runs": "refuse", "trust_server_sampling": False}},
+     r"key `lifetime.sampled_runs`: expected only one of lifetime.sampled_runs and "
+     r"lifetime.trust_server_sampling"),
+    ({**POLICY, "lifetime": {"epsilon": 10.0, "delta": 1e-5, "ledger": "l.json",
+                             "sampled_runs": "trust"}},
+     r"key `lifetime.sampled_runs`: expected refuse \(the default: a client-sampled run is "
+     r"refused\), unamplified \(charged as if this node were in every round: no trust in the "
+     r"server's cohort draws\) or amplified \(charged its amplified ε: trusts the server to draw "
+     r"the cohorts as declared\). Found 'trust'\.$"),
+    ({**POLICY, "lifetime": {"epsilon": 10.0, "delta": 1e-5, "ledger": "l.json",
+                             "sampled_runs": True}},
+     r"key `lifetime.sampled_runs`: expected refuse \(the default.* Found True\.$"),
+    ({**POLICY, "lifetime": {"sampled_runs": "unamplified"}},
+     r"key `lifetime.sampled_runs`: expected refuse without a lifetime budget \(epsilon, delta, "
+     r"ledger\): it says how that budget's ledger charges a client-sampled run; set the budget or "
+     r"remove the key. Found 'unamplified'\.$"),
+    ({**POLICY, "lifetime": {"sampled_runs": "amplified"}},
+     r"key `lifetime.sampled_runs`: expected refuse without a lifetime budget"),
 ])
 def test_a_bad_policy_file_names_the_file_and_the_key(tmp_path, data, pattern):
     path = write(tmp_path / "bad-policy.yaml", data)
-    with pytest.raises(PolicyError, match=rf"{path}: .*{pattern}"):
+    with pytest.raises(PolicyError, match=rf"{path}: .*{pattern}") as err:
         load_policy(path)
+    assert len(str(err.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("lifetime, mode", [
+    ({}, "refuse"),
+    ({"sampled_runs": "refuse"}, "refuse"),
+    ({"sampled_runs": "unamplified"}, "unamplified"),
+    ({"sampled_runs": "amplified"}, "amplified"),
+    ({"trust_server_sampling": False}, "refuse"),  # the older key, read as an alias
+    ({"trust_server_sampling": True}, "amplified"),
+])
+def test_sampled_runs_and_its_older_alias_read_as_one_mode(tmp_path, lifetime, mode):
+    import dataclasses
+
+    budget = {"epsilon": 10.0, "delta": 1e-5, "ledger": "l.json"}
+    lifetime_of = load_policy(write(tmp_path / "policy.yaml",
+                                    {**POLICY, "lifetime": {**budget, **lifetime}})).lifetime
+    assert (lifetime_of.sampled_runs, lifetime_of.trust_server_sampling) == (mode, None)
+    assert dataclasses.replace(lifetime_of) == lifetime_of  # rebuilt from its fields: the same
+    if mode == "refuse":  # without a budget, only refuse (the default) may be said
+        alone = load_policy(write(tmp_path / "alone.yaml", {**POLICY, "lifetime": lifetime}))
+        assert not alone.lifetime.enabled and alone.lifetime.sampled_runs == "refuse"
 
 
 def test_diff2_run_checks_the_policy_file_before_flower_starts(tmp_path, experiment):
@@ -594,24 +642,27 @@ def _refusal(err: pytest.ExceptionInfo) -> str:
     return found
 
 
-@pytest.mark.parametrize("trust", [{}, {"trust_server_sampling": False}])
+@pytest.mark.parametrize("trust", [{}, {"sampled_runs": "refuse"},
+                                   {"trust_server_sampling": False}])
 def test_a_node_that_does_not_trust_the_servers_sampling_refuses_a_sampled_run(
         sampled_experiment, tmp_path, no_data, trust):
     """The attack: a server whose cohorts are not drawn as declared (this node in every round)
     would spend the unamplified ε while the ledger charged the amplified one. A node whose policy
-    does not trust the draws (the default) refuses the run before reading a record, in one line
-    naming the key and what to do; nothing is charged."""
+    refuses sampled runs (the default; the older key's false alike) refuses the run before reading
+    a record, in one line naming the key and what to do, the trust-free option among it; nothing is
+    charged."""
     policy, ledger = _lifetime_policy(tmp_path, 10.0, **trust)
     _, (arrays, conf) = task_of_round(sampled_experiment, 1)
     with pytest.raises(Exception) as refused:
         call_app(sampled_experiment, arrays, conf, node_config={"policy": str(policy)})
     message = _refusal(refused)
     assert message.startswith(
-        "node 100 (hospital-a) refused: rule `lifetime.trust_server_sampling`: the run samples "
+        "node 100 (hospital-a) refused: rule `lifetime.sampled_runs`: the run samples "
         "clients (training.sampling: poisson, rate q = 0.5)"), message
     for part in ("which this node cannot check", f"(policy {policy})",
                  "Run without training.sampling, or the node's operator sets "
-                 "lifetime.trust_server_sampling: true", "the round releases nothing."):
+                 "lifetime.sampled_runs: unamplified (trust-free: the run is charged as if this "
+                 "node were in every round, more ε) or amplified", "the round releases nothing."):
         assert part in message, (part, message)
     assert not ledger.exists()
 
@@ -689,3 +740,105 @@ def test_a_sampled_run_past_the_lifetime_budget_is_refused_and_the_ledger_is_unc
     assert [c.run_id for c in charges] == ["1", "3"] and len(computed) == 2
     assert charges[1].events.sampled and not charges[1].events.gaussian
     assert spent < NodeLedger(ledger).spent(1e-5) < spent + charges[1].epsilon
+
+
+def _independent_gaussian_epsilon(rounds: list[tuple[float, int]], delta: float,
+                                  composed: bool) -> float:
+    """ε of full Gaussian rounds (z, count) by dp-accounting's PLDAccountant(REPLACE_ONE) on its
+    own (a multiplier z over the replace-one sensitivity is ``GaussianDpEvent(2z)`` in its −1/+1
+    reading, tests/test_run_events.py). ``composed``: the rounds as one Gaussian of 1/z² = Σ count /
+    z_i², their exact composition (Dong, Roth & Su 2019, Cor. 3.3; the accountant composes one
+    event's count the same way); else each kind fed as its own event, the PLDs convolved (each
+    discretised on its own: pessimistic, so a little above)."""
+    from dp_accounting import NeighboringRelation, dp_event
+    from dp_accounting.pld import pld_privacy_accountant
+
+    acc = pld_privacy_accountant.PLDAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE,
+                                               value_discretization_interval=1e-4)
+    if composed:
+        acc.compose(dp_event.GaussianDpEvent(2 / math.sqrt(sum(m / z**2 for z, m in rounds))))
+    else:
+        for z, m in rounds:
+            acc.compose(dp_event.GaussianDpEvent(2 * z), m)
+    return acc.get_epsilon(delta)
+
+
+def test_a_node_that_does_not_trust_the_draws_is_charged_the_unamplified_epsilon(
+        sampled_experiment, tmp_path, computed):
+    """The trust-free choice (``lifetime.sampled_runs: unamplified``): the node takes the sampled
+    run, and its ledger file records each sampled event [z, π, count] as ``count`` full Gaussian
+    rounds of z — as if it were in every round, which bounds its loss whatever cohorts the server
+    draws. The ε read back equals dp-accounting's PLD accountant of those Gaussian rounds, composed
+    (1e-9 relative), and is strictly above the ε a node trusting the draws (``amplified``) charges
+    for the same run."""
+    import json
+
+    from diff2_flwr.runtime.node_ledger import NodeLedger
+
+    server, (arrays, conf) = task_of_round(sampled_experiment, 1)
+    cal = server.calibration
+    assert cal.sampling is not None and cal.n_min == conf[protocol.N_MIN]
+    rounds = [(cal.z1, cal.restart_rounds), (cal.z2, cal.difference_rounds)]
+    charged, ledgers = {}, {}
+    for mode in ("unamplified", "amplified"):
+        (tmp_path / mode).mkdir()
+        policy, ledgers[mode] = _lifetime_policy(tmp_path / mode, 10.0, sampled_runs=mode)
+        res = call_app(sampled_experiment, arrays, conf, node_config={"policy": str(policy)},
+                       run_id=1)
+        assert res.metrics[protocol.ECHO_ROUND] == 1
+        (charged[mode],) = json.loads(ledgers[mode].read_text())["charges"]
+    assert len(computed) == 2
+    # what was charged: the rounds as full Gaussians (π = 1), not the sampled events
+    assert charged["unamplified"]["events"] == {
+        "delta": 1e-5, "gaussian": [[z, m] for z, m in rounds], "local": [], "sampled": []}
+    assert charged["amplified"]["events"]["sampled"] == [[z, 0.5, m] for z, m in rounds]
+    epsilon = charged["unamplified"]["epsilon"]
+    assert epsilon == pytest.approx(_independent_gaussian_epsilon(rounds, 1e-5, True), rel=1e-9)
+    assert epsilon == pytest.approx(_independent_gaussian_epsilon(rounds, 1e-5, False), rel=1e-7)
+    assert NodeLedger(ledgers["unamplified"]).spent(1e-5) == pytest.approx(epsilon, rel=1e-12)
+    assert 2.9 < charged["amplified"]["epsilon"] <= 3.0 < epsilon
+
+
+def test_an_unamplified_node_refuses_a_sampled_run_whose_amplified_charge_would_fit(
+        experiment, sampled_experiment, tmp_path, computed):
+    """With ``sampled_runs: unamplified`` the budget is checked on the unamplified charge: after an
+    unsampled run, a sampled run whose amplified ε would fit the rest of the budget (a node trusting
+    the draws admits it, through the same app) but whose unamplified ε does not is refused, nothing
+    computed, the ledger file unchanged byte for byte, and the refusal says it was charged
+    unamplified."""
+    from diff2_flwr.core.privacy import RunEvents, composed_epsilon
+    from diff2_flwr.runtime.node_ledger import NodeLedger
+
+    first_run = {"privacy.epsilon": "0.5"}  # the run config's text; the server's file: a number
+    first, (arrays, conf) = task_of_round(experiment, 1, {"privacy.epsilon": 0.5})
+    sampled, (s_arrays, s_conf) = task_of_round(sampled_experiment, 1)
+    done = RunEvents.from_calibration(first.calibration)
+    cal = sampled.calibration
+    amplified = composed_epsilon([done, RunEvents.from_calibration(cal)], 1e-5)
+    unamplified = composed_epsilon([done, RunEvents(delta=1e-5, gaussian=(
+        (cal.z1, cal.restart_rounds), (cal.z2, cal.difference_rounds)))], 1e-5)
+    budget = (amplified + unamplified) / 2
+    assert amplified + 0.1 < budget < unamplified - 0.1, (amplified, unamplified)
+    ledgers = {}
+    for mode in ("unamplified", "amplified"):
+        (tmp_path / mode).mkdir()
+        policy, ledgers[mode] = _lifetime_policy(tmp_path / mode, budget, sampled_runs=mode)
+        nodes = {"policy": str(policy)}
+        call_app(experiment, arrays, conf, node_config=nodes, run_id=1, run_config=first_run)
+        if mode == "amplified":  # the premise: its amplified charge fits
+            call_app(sampled_experiment, s_arrays, s_conf, node_config=nodes, run_id=2)
+            assert [c.run_id for c in NodeLedger(ledgers[mode]).charges()] == ["1", "2"]
+            continue
+        spent, before, answered = (NodeLedger(ledgers[mode]).spent(1e-5),
+                                   ledgers[mode].read_bytes(), len(computed))
+        with pytest.raises(Exception) as refused:
+            call_app(sampled_experiment, s_arrays, s_conf, node_config=nodes, run_id=2)
+        message = _refusal(refused)
+        assert message.startswith(
+            "node 100 (hospital-a) refused: rule `lifetime budget`: Node 'node 100 (hospital-a)' "
+            f"refuses run '2' (rule: lifetime budget): the node has spent ε = {spent:.6g} over 1 "
+            "run(s)"), message
+        assert ("its client-sampled rounds (π = 0.5) charged unamplified, as if this node were in "
+                "every round: its policy does not rely on the server's cohort draws), together ε = "
+                f"{unamplified:.6g} > the lifetime budget ε_L = {budget:g}") in message, message
+        assert ledgers[mode].read_bytes() == before and len(computed) == answered

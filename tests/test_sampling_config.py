@@ -82,13 +82,15 @@ def test_a_run_without_sampling_keeps_its_identity():
     assert sampled["training"]["sampling"] == {"kind": "poisson", "rate": 0.5, "size": None}
 
 
-@pytest.mark.parametrize("trust", [False, True])
-def test_a_node_with_a_lifetime_budget_takes_a_sampled_run_only_if_it_trusts_the_draws(tmp_path,
-                                                                                      trust):
+@pytest.mark.parametrize("mode", ["refuse", "unamplified", "amplified"])
+def test_a_node_with_a_lifetime_budget_takes_a_sampled_run_only_as_its_policy_says(tmp_path,
+                                                                                  mode):
     """The data owner's side: a node keeping a lifetime budget refuses a sampled run at admission,
-    before its ledger is written or any record used, unless its policy trusts the server's cohort
-    draws (``lifetime.trust_server_sampling``); then its first task charges the run its amplified
-    rounds. Without the sampling the same node admits and charges the run either way."""
+    before its ledger is written or any record used, unless its policy says how to charge it
+    (``lifetime.sampled_runs``): ``unamplified``, its first task charges the run's rounds as full
+    Gaussian rounds (as if the node were in every round); ``amplified``, its amplified rounds.
+    Without the sampling the same node admits and charges the run either way."""
+    from diff2_flwr.core.privacy import RunEvents
     from diff2_flwr.runtime.node_guard import NodeGuard
     from diff2_flwr.runtime.node_ledger import NodeLedger
     from diff2_flwr.runtime.policy import NodePolicy, Refused
@@ -100,7 +102,7 @@ def test_a_node_with_a_lifetime_budget_takes_a_sampled_run_only_if_it_trusts_the
                                         "answers": str(tmp_path / "answers.log"),
                                         "lifetime": {"epsilon": 100.0, "delta": 1e-3,
                                                      "ledger": str(ledger),
-                                                     "trust_server_sampling": trust}},
+                                                     "sampled_runs": mode}},
                            "policy.yaml")
 
     def first_task(cfg, run_id):
@@ -109,17 +111,24 @@ def test_a_node_with_a_lifetime_budget_takes_a_sampled_run_only_if_it_trusts_the
         guard.check_task(1, 1.0, np.zeros(3), None, 100, 100)
 
     sampled = parse_config(_with({"kind": "poisson", "rate": 0.5}))
-    if trust:
-        first_task(sampled, 1)
-        (charge,) = NodeLedger(ledger).charges()
-        assert charge.events.sampled and not charge.events.gaussian
-    else:
-        with pytest.raises(Refused, match=r"rule `lifetime.trust_server_sampling`: the run samples "
+    if mode == "refuse":
+        with pytest.raises(Refused, match=r"rule `lifetime.sampled_runs`: the run samples "
                                           r"clients \(training.sampling: poisson, rate q = 0.5\)"):
             first_task(sampled, 1)
         assert not ledger.exists()
+    else:
+        first_task(sampled, 1)
+        (charge,) = NodeLedger(ledger).charges()
+        planned = RunEvents.from_calibration(sampled.calibration(100))
+        if mode == "amplified":
+            assert charge.events == planned and charge.events.sampled
+        else:
+            assert charge.events == RunEvents(delta=planned.delta, gaussian=tuple(
+                (z, count) for z, _, count in planned.sampled))
+            assert charge.epsilon > planned.epsilon
     first_task(parse_config(BASE), 2)
-    assert [c.run_id for c in NodeLedger(ledger).charges()] == (["1", "2"] if trust else ["2"])
+    assert [c.run_id for c in NodeLedger(ledger).charges()] == (
+        ["2"] if mode == "refuse" else ["1", "2"])
 
 
 def test_the_in_process_engine_samples_as_the_batched_engine_does():

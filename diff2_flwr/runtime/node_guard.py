@@ -21,10 +21,12 @@ and refuses (:class:`~diff2_flwr.runtime.policy.Refused`, naming the node and th
 disagrees, before it touches its shard. With a lifetime budget, the run's whole planned schedule is
 charged to the node's durable ledger (:mod:`~diff2_flwr.runtime.node_ledger`) at its first task,
 before anything is released, and a run that would cross the budget is refused. A client-sampled
-run is charged its amplified rounds (the :class:`~diff2_flwr.core.accounting.SampledGaussianEvent`
-s of its calibration), and reaches the charge only where the policy trusts the server's cohort
-draws (``lifetime.trust_server_sampling``; refused at admission otherwise,
-:func:`~diff2_flwr.runtime.policy.check_run`).
+run reaches the charge only where the policy says how to charge it (``lifetime.sampled_runs``;
+refused at admission otherwise, :func:`~diff2_flwr.runtime.policy.check_run`): ``amplified``
+charges the :class:`~diff2_flwr.core.accounting.SampledGaussianEvent` s of its calibration (trusting
+the server's draws), ``unamplified`` each of them as full Gaussian rounds of the same multiplier, as
+if the node were in every round
+(:meth:`~diff2_flwr.runtime.node_ledger.Charge.without_amplification`), in full, at the first task.
 
 Trust: protects this node's records against a run config that asks too much and a server whose tasks
 disagree with the declared mechanism. It does not see the server's noise (central noise: the server
@@ -32,7 +34,8 @@ is trusted to add it), unless the policy has ``canaries``: the node then adds ca
 replies and records what it receives, so that the noise can be checked
 (:mod:`~diff2_flwr.runtime.canary_monitor`). Nor does it see how the server draws a sampled run's
 cohorts: a node asked in more rounds than π R cannot tell a targeted draw from chance, so the
-amplified charge is only as good as the server's draws, and the policy says whether to rely on them.
+amplified charge is only as good as the server's draws, and the policy says whether to rely on them
+(the unamplified charge does not).
 """
 
 from __future__ import annotations
@@ -251,8 +254,8 @@ class NodeGuard:
                              "this node keeps a lifetime budget, whose ledger composes central "
                              "Gaussian runs; a run with privacy.noise: distributed (Skellam) is "
                              "not charged to it yet, so it is refused.")
-            # a client-sampled run gets here only if the policy trusts the server's draws
-            # (policy.check_run, at admit_run): it is charged its amplified rounds
+            # a client-sampled run gets here only if the policy says how to charge it
+            # (lifetime.sampled_runs, policy.check_run at admit_run)
             self._charge(cal)
         return cal
 
@@ -265,6 +268,11 @@ class NodeGuard:
         budget = self.policy.lifetime  # type: ignore[union-attr]
         charge = Charge.new(run_id=self.run_id, digest=config_digest(self.cfg.to_dict()),
                             node=self.node, events=RunEvents.from_calibration(cal))
+        # client-sampled rounds are charged amplified only where the owner trusts the server's
+        # draws; anywhere else (``unamplified``: a ``refuse`` node never charges one), as full
+        # Gaussian rounds, as if the node were in every round
+        if budget.sampled_runs != "amplified":
+            charge = charge.without_amplification()
         try:
             NodeLedger(path).admit(charge, budget_epsilon=budget.epsilon, budget_delta=budget.delta)
         # in a refusal's one shape (``<node> refused: rule `lifetime budget`: ...``), which the

@@ -6,9 +6,13 @@ Every run a node takes part in is charged with its whole planned schedule of pri
 refuses a run whose charge would take the composed ε (PLD, at the node's δ_L) above its lifetime
 ε_L. A deployment starts a fresh ClientApp process per message, so every message of a run calls
 :meth:`NodeLedger.admit`: a run already charged with the same config digest is admitted again
-without a new charge. A client-sampled run is charged its amplified rounds (``RunEvents.sampled``),
-composed with every other run by PLD; whether the node admits one at all is its policy's
-(``lifetime.trust_server_sampling``, :func:`~diff2_flwr.runtime.policy.check_run`).
+without a new charge. A client-sampled run is charged as its node's policy says
+(``lifetime.sampled_runs``, :func:`~diff2_flwr.runtime.policy.check_run`): refused (the default),
+its amplified rounds (``RunEvents.sampled``: trusts the server's cohort draws), or unamplified
+(:meth:`Charge.without_amplification`: each sampled event [z, π, count] charged as ``count`` full
+Gaussian rounds of z, as if the node were in every round, which relies on no draw; charged in full
+at admission, the rounds the node is not asked never refunded). Either is composed with every other
+run by PLD.
 
 Format: version 2 (each charge's ``events`` hold ``sampled``, a list of [z, π, count]); a version-1
 file (no ``sampled``: every charge full-batch) is read as it is and written back as version 2 at
@@ -51,6 +55,7 @@ __all__ = [
     "NodeLedger",
     "RunChanged",
     "config_digest",
+    "unamplified_events",
 ]
 
 FORMAT = "diff2-node-ledger"
@@ -103,6 +108,9 @@ class Charge:
             ``events``); None until charged (:meth:`NodeLedger.admit` computes it once, so later
             messages of the run do not).
         time: when it was charged, UTC, ISO 8601; None until charged.
+        unamplified: the inclusion probabilities π of the client-sampled rounds that
+            :meth:`without_amplification` turned into the full Gaussian rounds of ``events`` (for
+            messages; the file records the events charged, not this).
     """
 
     run_id: str
@@ -111,6 +119,7 @@ class Charge:
     events: RunEvents
     epsilon: float | None = None
     time: str | None = None
+    unamplified: tuple[float, ...] = dataclasses.field(default=(), compare=False)
 
     @classmethod
     def new(cls, *, run_id: str, digest: str, node: str, events: RunEvents) -> "Charge":
@@ -122,6 +131,17 @@ class Charge:
             raise ValueError(
                 f"Charge: `events` must be a RunEvents. Found {type(events).__name__}.")
         return cls(run_id, digest, node, events)
+
+    def without_amplification(self) -> "Charge":
+        """This charge with every client-sampled round charged unamplified
+        (:func:`unamplified_events`): what a node that does not trust the server's cohort draws
+        charges (``lifetime.sampled_runs: unamplified``). A charge without sampled rounds is
+        returned as it is."""
+        if not self.events.sampled:
+            return self
+        pis = tuple(sorted({float(pi) for _, pi, _ in self.events.sampled}))
+        return dataclasses.replace(self, events=unamplified_events(self.events), epsilon=None,
+                                   unamplified=pis)
 
     def priced(self) -> "Charge":
         """This charge with its own ε computed (if not yet) and stamped now (if not yet)."""
@@ -310,6 +330,11 @@ class NodeLedger:
         amplified = ("" if not sampled else
                      f", its client-sampled rounds amplified by π = "
                      f"{', '.join(f'{pi:g}' for pi in sampled)}")
+        if charge.unamplified:
+            amplified += (f", its client-sampled rounds (π = "
+                          f"{', '.join(f'{pi:g}' for pi in charge.unamplified)}) charged "
+                          f"unamplified, as if this node were in every round: its policy does not "
+                          f"rely on the server's cohort draws")
         return (
             f"Node {charge.node!r} refuses run {charge.run_id!r} (rule: lifetime budget): the "
             f"node has spent ε = {before:.6g} over {runs} run(s) at δ_L = {budget_delta:g}; this "
@@ -398,6 +423,16 @@ def _parse(text: str) -> _State:
         return _State(tuple(charges))
     return _State(tuple(charges), (float(last["budget_epsilon"]), float(last["budget_delta"]),
                                    float(last["spent"])))
+
+
+def unamplified_events(events: RunEvents) -> RunEvents:
+    """``events`` with every client-sampled round [z, π, count] charged as ``count`` full Gaussian
+    rounds of z (π = 1): the node's loss as if it were in every round. It bounds the node's loss
+    whatever cohorts the server draws (a round the node is not asked does not touch its records, one
+    it is asked is the Gaussian mechanism of multiplier z), so it relies on no draw. The full-batch
+    and local events are kept as they are."""
+    gaussian = events.gaussian + tuple((float(z), int(count)) for z, _, count in events.sampled)
+    return RunEvents(delta=events.delta, gaussian=gaussian, local=events.local)
 
 
 def _check_budget(epsilon: float, delta: float) -> None:

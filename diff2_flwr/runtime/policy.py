@@ -28,8 +28,9 @@ Example (``configs/policy.yaml``)::
       epsilon: 10.0
       delta: 1.0e-5
       ledger: ledger.json    # the node's durable ledger (owner-only), relative to this file
-      trust_server_sampling: false  # charge a client-sampled run its amplified ε (true), or
-                             # refuse it (false): the amplification rests on the server's draws
+      sampled_runs: refuse   # a client-sampled run: refuse (default), unamplified (charged as if
+                             # this node were in every round: no trust in the server's draws) or
+                             # amplified (its amplified ε: trusts the server to draw as declared)
     answers: answers.log     # each (run, round, stage) answered, once (owner-only)
     canaries:                # audit each run live from this node (diff2 audit --live FOLDER)
       count: 64              # canary records added to this node's replies (even; 0: none)
@@ -40,14 +41,17 @@ config asks too much (ε, δ, method, model, rounds, the lifetime budget) and ag
 tasks disagree with the mechanism the run config declares (radius, round kind, n_min, σ3, q, b, K:
 :mod:`~diff2_flwr.runtime.node_guard`). It cannot protect against an app bundle that is not ours
 (the ClientApp that enforces it comes from the bundle: pin bundles with Flower's trusted entities),
-nor, under central noise, against a server that sees the clipped means and leaks them, nor
-against a server that draws a client-sampled run's cohorts other than as declared (no node can
-check the draws: ``lifetime.trust_server_sampling``, default false, keeps such runs off a node with
-a lifetime budget). Whether the server adds less noise than declared the node can check, live,
-with ``canaries`` (:mod:`~diff2_flwr.runtime.canary_monitor`; the run must then use central noise,
-routine gd, the constant schedule and no local steps). ``noise: [distributed]`` refuses central
-runs: the node's message then leaves only inside SecAgg+, with its own noise share
-(:mod:`diff2_flwr.fl.secagg`).
+nor, under central noise, against a server that sees the clipped means and leaks them, nor, where
+its operator chose ``lifetime.sampled_runs: amplified``, against a server that draws a
+client-sampled run's cohorts other than as declared (no node can check the draws). By default
+(``refuse``) a node with a lifetime budget refuses sampled runs, so its ledger relies on nothing of
+the server's; ``unamplified`` takes them without relying on the draws, charged in full at
+admission as if the node were in every round (more ε: DIFF2 at q = 0.3 over 100 rounds, T = 10,
+calibrated to ε 3, is charged 4.90 instead of 2.98). Whether the server adds less noise than
+declared the node can check, live, with ``canaries`` (:mod:`~diff2_flwr.runtime.canary_monitor`;
+the run must then use central noise, routine gd, the constant schedule and no local steps).
+``noise: [distributed]`` refuses central runs: the node's message then leaves only inside SecAgg+,
+with its own noise share (:mod:`diff2_flwr.fl.secagg`).
 """
 
 from __future__ import annotations
@@ -63,8 +67,8 @@ from .answer_log import AnswerLog
 from .node_mode import simulated_node
 from .config import ConfigError, ExperimentConfig, PAPER_MLP, parse_section, read_yaml, require
 
-__all__ = ["BUILTIN_MODELS", "ENV_VAR", "NODE_CONFIG_KEY", "REFUSAL_END", "CanaryPolicy",
-           "LifetimeBudget", "refusal_in",
+__all__ = ["BUILTIN_MODELS", "ENV_VAR", "NODE_CONFIG_KEY", "REFUSAL_END", "SAMPLED_RUNS",
+           "CanaryPolicy", "LifetimeBudget", "refusal_in",
            "NodePolicy",
            "PolicyError", "Refused", "answer_log_of", "check_run", "load_policy", "policy_path"]
 
@@ -123,24 +127,50 @@ def refusal_in(text: str) -> str | None:
     return None
 
 
+#: How a node with a lifetime budget takes a client-sampled run (``lifetime.sampled_runs``).
+SAMPLED_RUNS: tuple[str, ...] = ("refuse", "unamplified", "amplified")
+_SAMPLED_RUNS_EXPECTED = (
+    "refuse (the default: a client-sampled run is refused), unamplified (charged as if this node "
+    "were in every round: no trust in the server's cohort draws) or amplified (charged its "
+    "amplified ε: trusts the server to draw the cohorts as declared)")
+
+
 @dataclass(frozen=True)
 class LifetimeBudget:
-    """(ε, δ) over every run the node takes part in, the durable ledger that composes them, and
-    whether a client-sampled run may be charged its amplified ε.
+    """(ε, δ) over every run the node takes part in, the durable ledger that composes them, and how
+    a client-sampled run is charged.
 
-    ``trust_server_sampling``: a client-sampled run (``training.sampling``) costs its amplified ε
-    only if the server draws every cohort as declared (each client with probability π, from the
-    server's own entropy, independently of the data and of earlier rounds). No node can check the
-    draws: a server that put this node in every round would spend up to the unamplified ε of the
-    same noise (ε 4.9 where the ledger charges 3, for q = 0.3 over 100 rounds). False (the default)
-    refuses sampled runs, so that the node's lifetime limit never rests on that assumption unless
-    its operator chose it; true charges them, amplified, composed with the node's other runs.
+    ``sampled_runs`` (:data:`SAMPLED_RUNS`): a client-sampled run (``training.sampling``) costs its
+    amplified ε only if the server draws every cohort as declared (each client with probability π,
+    from the server's own entropy, independently of the data and of earlier rounds). No node can
+    check the draws: a server that put this node in every round would spend up to the unamplified ε
+    of the same noise (ε 4.90 where the amplified charge is 2.98, for DIFF2 at q = 0.3 over 100
+    rounds, T = 10, calibrated to ε 3).
+
+    - ``refuse`` (the default): sampled runs are refused at admission; the node's lifetime limit
+      relies on nothing of the server's.
+    - ``unamplified``: admitted, charged as if the node were in every round — each sampled event
+      [z, π, count] as ``count`` full Gaussian rounds of z (π = 1). That bounds the node's loss
+      whatever cohorts the server draws (a round the node is not asked does not touch its
+      records; one it is asked is the Gaussian mechanism of multiplier z), so it relies on no
+      draw, at the price of more ε. It is charged in full at admission: the node cannot know
+      which rounds it will be asked, and refunding the rounds it was not asked would need a
+      privacy-filter argument, not made here.
+    - ``amplified``: admitted, charged its amplified ε (the run's ``SampledGaussianEvent`` s),
+      which trusts the server to draw the cohorts as declared.
+
+    Either charge is composed with the node's other runs by PLD. ``trust_server_sampling`` is the
+    key's older form, read as an alias (true: ``amplified``, false: ``refuse``); a policy sets one
+    of the two, not both. Once built, ``sampled_runs`` holds the mode and ``trust_server_sampling``
+    is None (read into it).
     """
 
     epsilon: float | None = None
     delta: float | None = None
     ledger: str | None = None
-    trust_server_sampling: bool = False
+    # validated below (a YAML true/false gets the list of values, not "expected a string")
+    sampled_runs: object = None
+    trust_server_sampling: bool | None = None
 
     def __post_init__(self) -> None:
         keys = ("epsilon", "delta", "ledger")
@@ -153,10 +183,27 @@ class LifetimeBudget:
                     "a finite number > 0", self.epsilon)
             require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
             require(bool(self.ledger), "ledger", "the ledger file's path", self.ledger)
-        require(self.epsilon is not None or not self.trust_server_sampling,
-                "trust_server_sampling",
-                "false without a lifetime budget (epsilon, delta, ledger): it says whether that "
-                "budget's ledger may charge a client-sampled run", self.trust_server_sampling)
+        given, alias = self.sampled_runs, self.trust_server_sampling
+        require(given is None or alias is None, "sampled_runs",
+                "only one of lifetime.sampled_runs and lifetime.trust_server_sampling (its older "
+                "name: true is amplified, false is refuse): remove lifetime.trust_server_sampling",
+                {"sampled_runs": given, "trust_server_sampling": alias})
+        require(given is None or (isinstance(given, str) and given in SAMPLED_RUNS),
+                "sampled_runs", _SAMPLED_RUNS_EXPECTED, given)
+        mode = given if given is not None else "amplified" if alias else "refuse"
+        if alias is None:
+            require(self.enabled or mode == "refuse", "sampled_runs",
+                    "refuse without a lifetime budget (epsilon, delta, ledger): it says how that "
+                    "budget's ledger charges a client-sampled run; set the budget or remove the "
+                    "key", given)
+        else:
+            require(self.enabled or mode == "refuse", "trust_server_sampling",
+                    "false without a lifetime budget (epsilon, delta, ledger): it says whether "
+                    "that budget's ledger may charge a client-sampled run; set the budget or "
+                    "remove the key", alias)
+        # the alias is read into the mode (so that dataclasses.replace builds the same budget)
+        object.__setattr__(self, "sampled_runs", mode)
+        object.__setattr__(self, "trust_server_sampling", None)
 
     @property
     def enabled(self) -> bool:
@@ -355,23 +402,28 @@ def check_run(policy: NodePolicy, cfg: ExperimentConfig, node: str) -> None:
 
 def _check_sampling_trusted(policy: NodePolicy, cfg: ExperimentConfig, node: str,
                             where: str) -> None:
-    """A node with a lifetime budget takes a client-sampled run only if its operator trusts the
-    server's cohort draws (``lifetime.trust_server_sampling``): the ledger would charge the
-    amplified ε, which holds only for cohorts drawn as declared, and the node cannot check them."""
+    """A node with a lifetime budget takes a client-sampled run only if its policy says how to
+    charge it (``lifetime.sampled_runs``): ``unamplified`` (as if the node were in every round, no
+    trust in the server's draws: the charge is
+    :meth:`~diff2_flwr.runtime.node_ledger.Charge.without_amplification`) or ``amplified`` (holds
+    only for cohorts drawn as declared, which the node cannot check); ``refuse`` (the default)
+    refuses it here, before any record is read."""
     if not (cfg.private and cfg.training.sampling.enabled and policy.lifetime.enabled):
         return
-    if policy.lifetime.trust_server_sampling:
+    if policy.lifetime.sampled_runs in ("unamplified", "amplified"):
         return
     s = cfg.training.sampling
     rule = f"rate q = {s.rate:g}" if s.kind == "poisson" else f"size m = {s.size}"
-    raise Refused(node, "lifetime.trust_server_sampling",
-                  f"the run samples clients (training.sampling: {s.kind}, {rule}), so the ε this "
-                  f"node's lifetime ledger would charge holds only if the server draws every "
-                  f"cohort as declared, which this node cannot check; its policy does not trust "
-                  f"the server's draws (lifetime.trust_server_sampling: false) {where}. Run "
-                  f"without training.sampling, or the node's operator sets "
-                  f"lifetime.trust_server_sampling: true to charge sampled runs their amplified "
-                  f"ε.")
+    raise Refused(node, "lifetime.sampled_runs",
+                  f"the run samples clients (training.sampling: {s.kind}, {rule}), so the "
+                  f"amplified ε this node's lifetime ledger would charge holds only if the server "
+                  f"draws every cohort as declared, which this node cannot check; its policy "
+                  f"refuses sampled runs (lifetime.sampled_runs: refuse, the default, or "
+                  f"lifetime.trust_server_sampling: false) {where}. Run without "
+                  f"training.sampling, or the node's operator sets lifetime.sampled_runs: "
+                  f"unamplified (trust-free: the run is charged as if this node were in every "
+                  f"round, more ε) or amplified (charged its amplified ε, trusting the server's "
+                  f"draws).")
 
 
 def _check_auditable(cfg: ExperimentConfig, node: str, where: str) -> None:
