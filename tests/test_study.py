@@ -230,6 +230,42 @@ def test_two_worker_processes_give_the_same_study(tmp_path):
                                                                                rel=1e-12)
 
 
+def test_sampled_runs_share_batches_with_the_runs_that_share_their_cohorts(monkeypatch):
+    """The sampling study's tuning runs: no batch mixes runs that sample with runs that do not (such
+    a batch computes every client each round), and sampled runs are batched by sampling rule and
+    seed (one cohort key), so that a round computes the union of few cohorts; the cost that orders
+    the units counts a sampled batch's computed share."""
+    from diff2_flwr.lab.study import plan as study_mod
+    from diff2_flwr.lab.study.plan import GridSearch, plan_units, tune_jobs, unit_cost
+
+    monkeypatch.setattr(study_mod, "batchable", lambda study, cfg: True)
+    study = load_study(SMOKE.parent / "sampling" / "kddcup99_p1000.yaml")
+    jobs = tune_jobs(study, GridSearch.start(study).tuned, 3.0)
+    # the jobs come seed by seed within each grid point: batches in that order mix three seeds
+    assert len({j.cfg.training.seed for j in jobs[:3]}) == 3
+    units = plan_units(study, jobs)
+    assert sorted(j.run_id for u in units for j in u.jobs) == sorted(j.run_id for j in jobs)
+
+    def keys(unit):
+        return {(j.cfg.training.sampling.rate, j.cfg.training.seed) for j in unit.jobs}
+
+    sampled = [u for u in units if u.jobs[0].cfg.training.sampling.enabled]
+    assert sampled and all(len({j.cfg.training.sampling.enabled for j in u.jobs}) == 1
+                           for u in units)
+    # DP-GD at q = 0.1 and 0.02: 6 points x 3 seeds each, in 6 batches of 6: one cohort key each
+    dpgd = [u for u in sampled if u.jobs[0].cfg.restart_every == 1]
+    assert [len(keys(u)) for u in dpgd] == [1] * 6
+    assert all(len(keys(u)) <= 2 for u in sampled)
+    full = [u for u in units if not u.jobs[0].cfg.training.sampling.enabled]
+    per_run = {id(u): unit_cost(u) / len(u.jobs) for u in units}
+    # a batch at q = 0.02 of one seed computes 2 % of its clients, plus every client each 25th round
+    q02 = [u for u in dpgd if u.jobs[0].cfg.training.sampling.rate == 0.02]
+    assert per_run[id(q02[0])] == pytest.approx(study.rounds * (1 / 25 + 24 / 25 * 0.02))
+    assert max(per_run[id(u)] for u in sampled) < min(per_run[id(u)] for u in full)
+    costs = [unit_cost(u) for u in units]
+    assert costs == sorted(costs, reverse=True)
+
+
 def test_units_are_balanced_shared_by_the_workers_and_largest_first(monkeypatch):
     from types import SimpleNamespace
 
@@ -243,7 +279,8 @@ def test_units_are_balanced_shared_by_the_workers_and_largest_first(monkeypatch)
     def jobs(ts, routine="gd", local=False, distributed=False):
         return [_Job(f"{routine}{local}{distributed}{i}", None, {}, 3.0, i, SimpleNamespace(
             restart_every=t, training=SimpleNamespace(routine=SimpleNamespace(name=routine),
-                                                      rounds=2000),
+                                                      rounds=2000,
+                                                      sampling=SimpleNamespace(enabled=False)),
             local=SimpleNamespace(enabled=local), privacy=SimpleNamespace(distributed=distributed)))
             for i, t in enumerate(ts)]
 

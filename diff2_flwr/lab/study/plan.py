@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import hashlib
 import json
+import math
 import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -147,8 +148,10 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
 
     The batched engine takes batches of at most ``study.batch_size`` runs: a batch whose runs all
     restart every round (T = 1) skips the previous iterate's pass, so T = 1 runs never share a
-    batch with T > 1 runs; within a group, batches are balanced (no batch much smaller than the
-    others), sorted by T, and as many as a multiple of ``study.workers`` where there are runs
+    batch with T > 1 runs, nor client-sampled runs with runs that do not sample (:func:`_group`);
+    within a group, batches are balanced (no batch much smaller than the others), sorted by T (and
+    sampled runs by sampling rule and seed, so that runs sharing cohorts share batches:
+    :func:`_batch_order`), and as many as a multiple of ``study.workers`` where there are runs
     enough, so that every worker process has its share. Runs the batched engine cannot run (a
     model that is not an MLP, a routine that computes on private data, the local routine,
     distributed noise) are units of one ``inprocess`` run. Units are ordered by their cost, largest
@@ -162,11 +165,10 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
             and not j.cfg.local.enabled and not j.cfg.privacy.distributed
             and not batch_ignores(j.cfg)]
     units = [Unit("inprocess", (j,)) for j in jobs if j not in fits]
-    groups = {(j.cfg.training.rounds, j.cfg.restart_every == 1): None for j in fits}  # R shared
-    for rounds, every in groups:
-        group = [j for j in fits
-                 if (j.cfg.training.rounds, j.cfg.restart_every == 1) == (rounds, every)]
-        group.sort(key=lambda j: j.cfg.restart_every)
+    groups = {_group(j): None for j in fits}  # R shared
+    for key in groups:
+        group = [j for j in fits if _group(j) == key]
+        group.sort(key=_batch_order)
         if group:
             count = -(-len(group) // study.batch_size)
             count = min(len(group), -(-count // study.workers) * study.workers)
@@ -175,14 +177,49 @@ def plan_units(study: Study, jobs: Sequence[Job]) -> list[Unit]:
     return sorted(units, key=unit_cost, reverse=True)  # stable: equal costs keep their order
 
 
+def _group(job: Job) -> tuple[int, bool, bool]:
+    """The batches a run may share: same R; T = 1 or not; client-sampled or not (a batch with one
+    run that does not sample computes every client each round, so a sampled run there gains
+    nothing from its cohorts: :func:`~diff2_flwr.lab.sweep.run_batch`)."""
+    cfg = job.cfg
+    return cfg.training.rounds, cfg.restart_every == 1, cfg.training.sampling.enabled
+
+
+def _batch_order(job: Job) -> tuple:
+    """Runs side by side within a group: by T, then (sampled runs) by their sampling and seed, so
+    that runs sharing their cohorts (one sampling rule, one seed: one cohort key) share batches and
+    a round computes the union of few cohorts. Ties keep the jobs' order."""
+    cfg = job.cfg
+    s = cfg.training.sampling
+    if not s.enabled:
+        return (cfg.restart_every,)
+    return cfg.restart_every, s.kind, s.rate or 0.0, s.size or 0, cfg.training.seed
+
+
 def unit_cost(unit: Unit) -> float:
     """Relative cost of a unit, in batched-engine restart rounds of one run: a difference round does
     a little more than a restart round; one run on the per-run path costs about as much as a batch
-    of twenty."""
+    of twenty; a batch whose runs all sample computes a round's union of cohorts only
+    (:func:`_computed_fraction`)."""
     if unit.engine != "batch":
         return 20.0 * sum(j.cfg.training.rounds for j in unit.jobs)
-    return sum((1.0 if j.cfg.restart_every == 1 else 1.5) * j.cfg.training.rounds
-               for j in unit.jobs)
+    return _computed_fraction(unit.jobs) * sum(
+        (1.0 if j.cfg.restart_every == 1 else 1.5) * j.cfg.training.rounds for j in unit.jobs)
+
+
+def _computed_fraction(jobs: Sequence[Job]) -> float:
+    """The expected share of the clients a batch's round computes: 1 where a run does not sample;
+    else, outside the evaluated rounds (every client), the union of the cohorts of its distinct
+    cohort keys (sampling rule, seed), each client in a cohort with probability π (q, or m/P)."""
+    if not all(j.cfg.training.sampling.enabled for j in jobs):
+        return 1.0
+    keys = {(j.cfg.training.sampling.kind, j.cfg.training.sampling.rate,
+             j.cfg.training.sampling.size, j.cfg.training.seed, j.cfg.training.clients)
+            for j in jobs}
+    outside = math.prod(1.0 - (rate if kind == "poisson" else min(1.0, size / clients))
+                        for kind, rate, size, _, clients in keys)
+    evaluated = 1.0 / max(1, min(j.cfg.evaluation.every for j in jobs))
+    return evaluated + (1.0 - evaluated) * (1.0 - outside)
 
 
 #: The settings the batched engine honours (a key ending in "." stands for its section): it builds
