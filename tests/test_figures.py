@@ -41,6 +41,30 @@ def published(tmp_path_factory):
     return root
 
 
+def test_a_plot_block_draws_its_figure_from_the_table_and_the_check_finds_a_missing_one(
+        published):
+    """``plot FILE``: the study's figure per ε drawn from its replay into docs/img/, linked relative
+    to the page; ``--check`` writes nothing and names an image that does not exist."""
+    root = published
+    (root / "docs").mkdir(exist_ok=True)
+    page, top = root / "docs" / "plots.md", root / "top.md"
+    for p in (page, top):
+        p.write_text("<!-- figures: plot figs.yaml -->\n<!-- /figures -->\n")
+    image = root / "docs" / "img" / "figs_eps3.png"
+    checked = refresh([page], root / "tables", check=True, root=root)
+    assert not image.exists()  # the check draws nothing into the repository
+    assert {"file": str(page), "block": "plot figs.yaml",
+            "missing": ["docs/img/figs_eps3.png"]} in checked["differ"]
+    refresh([page, top], root / "tables", check=False, root=root)
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "](img/figs_eps3.png)" in page.read_text()  # relative to the page's folder
+    assert "](docs/img/figs_eps3.png)" in top.read_text()
+    assert refresh([page, top], root / "tables", check=True, root=root)["differ"] == []
+    image.unlink()
+    assert [d.get("missing") for d in refresh([page], root / "tables", check=True,
+                                              root=root)["differ"]] == [["docs/img/figs_eps3.png"]]
+
+
 def test_a_block_is_written_from_the_tables_and_a_drifted_number_fails_the_check(published):
     root = published
     page = root / "page.md"

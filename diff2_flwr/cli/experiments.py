@@ -247,6 +247,11 @@ def figures(args: argparse.Namespace) -> int:
     print(json.dumps(to_json(result)))
     if args.check and result["differ"]:
         for d in result["differ"]:
+            if "missing" in d:
+                print(f"diff2 figures: {d['file']}: the block of {d['block']} links images that "
+                      f"do not exist: {', '.join(d['missing'])}; run diff2 figures "
+                      f"{' '.join(args.files)} to draw them from {args.tables}/", file=sys.stderr)
+                continue
             print(f"diff2 figures: {d['file']}: the block of {d['block']} differs from its "
                   f"recomputation from {args.tables}/ (first difference: line {d['line']}); run "
                   f"diff2 figures {' '.join(args.files)} to rewrite it, and read the new numbers "
