@@ -9,7 +9,10 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 study="$1"; interval="${2:-1200}"
 repo="${REPO:-$here}"; out="${OUT:-/tmp/diff2-studies}"
-name="$(python3 -c 'import sys,yaml; print(yaml.safe_load(open(sys.argv[1]))["name"])' "$study")"
+diff2="${DIFF2:-$here/.venv/bin/diff2}"
+# the study's name, read by the Python beside diff2 (it has PyYAML; the system's python3 may not)
+py="$(dirname "$diff2")/python"; [[ -x "$py" ]] || py=python3
+name="$("$py" -c 'import sys,yaml; print(yaml.safe_load(open(sys.argv[1]))["name"])' "$study")"
 tarball="results/wip/$name.runs.tar.gz"
 mkdir -p "$out/$name/runs"
 if [[ -f "$repo/$tarball" ]]; then
@@ -28,7 +31,7 @@ checkpoint() {
   echo "[checkpoint] $(date -u +%H:%M:%S) $n run files committed to $repo/$tarball" >&2
 }
 cd "$here"
-PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "${DIFF2:-$here/.venv/bin/diff2}" experiment "$study" --output "$out" &
+PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$diff2" experiment "$study" --output "$out" &
 pid=$!
 while kill -0 "$pid" 2>/dev/null; do
   for _ in $(seq "$interval"); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
