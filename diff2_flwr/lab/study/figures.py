@@ -39,8 +39,7 @@ from typing import Any, Callable, Mapping
 
 from .family import markdown, run_family, verdict_markdown
 from .report import format_inference, format_table
-from .runner import load_study, replay_study, run_study
-from .tables import table_path
+from .runner import load_study, replay_study
 
 __all__ = ["BLOCK", "IMAGES", "RENDERERS", "Renderer", "refresh", "render_family", "render_plot",
            "render_study", "render_verdict"]
@@ -92,16 +91,14 @@ def render_plot(arg: str, tables: Path, root: Path, work: Path) -> str:
     as ``docs/img/<study name>_eps<ε>.png``; one image link per ε, from the root (refresh makes it
     relative to the page)."""
     study = load_study(root / arg)
-    out = work / f"plot-{study.name}"
-    run_study(study, output_root=out, show_progress=False, make_plots=True,
-              table=table_path(tables, study.name))
+    _, folder = replay_study(study, tables, work / f"plot-{study.name}", make_plots=True)
     lines = []
     for eps in study.epsilons:
         name = f"figure_eps{eps:g}.png"
         target = f"{IMAGES}/{study.name}_eps{eps:g}.png"
         made = work / MADE / target
         made.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(out / f"{study.name}-from-table" / name, made)
+        shutil.copyfile(folder / name, made)
         lines.append(f"![{study.name}, ε = {eps:g}: each method's mean over the evaluation seeds "
                      f"by round, replayed from its run table]({target})")
     return "\n\n".join(lines) + "\n"

@@ -150,17 +150,18 @@ def _start_afresh(study: Study, runs_dir: Path, book: ClaimBook) -> None:
     book.clear()
 
 
-def replay_study(study: Study, tables: str | Path,
-                 output_root: str | Path) -> tuple[dict, Path]:
+def replay_study(study: Study, tables: str | Path, output_root: str | Path, *,
+                 make_plots: bool = False) -> tuple[dict, Path]:
     """Replay ``study`` from its committed run table ``<tables>/<name>.csv.gz`` (or ``.csv``) into
     ``output_root``, computing nothing: its summary and the folder holding it
-    (``<output_root>/<name>-from-table``). A missing table is a :class:`StudyError` naming it."""
+    (``<output_root>/<name>-from-table``; with ``make_plots``, its report's figures too). A missing
+    table is a :class:`StudyError` naming it."""
     table = table_path(tables, study.name)
     if not table.is_file():
         raise StudyError(f"{study.source}: no run table {table}: a study's table is the "
                          f"{TABLE_FILE} beside its summary, committed as {table}.")
-    summary = run_study(study, output_root=output_root, show_progress=False, make_plots=False,
-                        table=table)
+    summary = run_study(study, output_root=output_root, show_progress=False,
+                        make_plots=make_plots, table=table)
     return summary, Path(output_root).expanduser().resolve() / f"{study.name}-from-table"
 
 
